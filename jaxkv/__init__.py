@@ -1,0 +1,28 @@
+"""jaxkv: the KV-cache memory manager for LLM inference in JAX.
+
+Every device-side structure is a frozen pytree and every operation a pure
+function (state first in, new state first out, ``ok`` last) that works under
+``jax.jit`` and inside ``lax.scan``. Host-facing ``*_or_raise`` methods turn
+``ok`` flags into the typed errors below.
+"""
+
+from jaxkv.alloc import BlockAllocator, SlotAllocator, TokenToKVPoolAllocator
+from jaxkv.alloc.token import FreeGroup
+from jaxkv.errors import DoubleFree, InvalidArgument, InvalidId, KVCacheError, KVCacheOOM
+from jaxkv.pool import ReqToTokenPool, make_req_to_token_pool
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "BlockAllocator",
+    "SlotAllocator",
+    "TokenToKVPoolAllocator",
+    "FreeGroup",
+    "ReqToTokenPool",
+    "make_req_to_token_pool",
+    "KVCacheError",
+    "KVCacheOOM",
+    "DoubleFree",
+    "InvalidId",
+    "InvalidArgument",
+]

@@ -1,0 +1,266 @@
+"""BlockAllocator: a ref-counted free stack of block ids, on device (seed 000).
+
+The seed keeps a GPU stack of free ids with its top in pinned host memory and
+may only be called between graph captures. Here the whole allocator is a
+pytree and every operation is a pure jittable function, so a decode loop can
+acquire and release blocks inside one ``lax.scan``.
+
+Each block has a reference count (vLLM's ``PhysicalTokenBlock.ref_count``):
+``acquire`` hands out blocks with count 1, ``incref`` adds an owner (a forked
+sequence, a prefix-cache hit), ``release`` drops one owner per occurrence and
+a block returns to the free stack when its count reaches zero.
+
+Invariants (checked by the property tests after every operation):
+
+* block 0 is the null block: never free, never handed out, count 0;
+* ``free_ids[:num_free]`` are exactly the ids with count 0 (other than 0),
+  each once (stack mode; in lowest-first mode the stack is not used and the
+  free set is ``ref_counts == 0``);
+* ``num_free + #{id >= 1 : ref_counts[id] > 0} == num_blocks - 1``;
+* a failed operation returns the state it was given, unchanged.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+from jaxkv import _host
+from jaxkv.errors import DoubleFree, InvalidArgument, InvalidId, KVCacheOOM
+from jaxkv.types import Array, Bool, Count, Ids, Int, Ok
+
+
+@struct.dataclass
+class BlockAllocator:
+    """Ref-counted allocator of block ids ``1 .. num_blocks-1``.
+
+    Fields:
+        free_ids: int32 ``[num_blocks - 1]``. A stack: ``free_ids[:num_free]``
+            are the free ids, ``free_ids[num_free - 1]`` is popped first. Entries
+            past ``num_free`` are stale and never read.
+        num_free: int32 scalar, the number of free blocks.
+        ref_counts: int32 ``[num_blocks]``, owners of each block (0 = free).
+        num_blocks: static; ids are ``0 .. num_blocks-1`` and 0 is the null block.
+        lowest_first: static; when True ``acquire`` returns the lowest free ids
+            (memory locality, seed 002's ``need_sort``) by a scan over
+            ``ref_counts``, O(num_blocks) per call, instead of popping the
+            stack, O(n).
+    """
+
+    free_ids: Int[Array, "capacity"]
+    num_free: Int[Array, ""]
+    ref_counts: Int[Array, "num_blocks"]
+    num_blocks: int = struct.field(pytree_node=False)
+    lowest_first: bool = struct.field(pytree_node=False, default=False)
+
+    @classmethod
+    def create(cls, num_blocks: int, *, lowest_first: bool = False) -> "BlockAllocator":
+        """All of ``1 .. num_blocks-1`` free; block 0 reserved as the null block.
+
+        The stack is ordered so that the first pops return 1, 2, 3, ...
+        """
+        if num_blocks < 2:
+            raise InvalidArgument(
+                f"num_blocks={num_blocks}: need at least 2 (block 0 is the null block)"
+            )
+        return cls(
+            free_ids=jnp.arange(num_blocks - 1, 0, -1, dtype=jnp.int32),
+            num_free=jnp.asarray(num_blocks - 1, jnp.int32),
+            ref_counts=jnp.zeros((num_blocks,), jnp.int32),
+            num_blocks=num_blocks,
+            lowest_first=lowest_first,
+        )
+
+    @property
+    def capacity(self) -> int:
+        """Number of allocatable blocks (``num_blocks - 1``)."""
+        return self.num_blocks - 1
+
+    @property
+    def num_used(self) -> Int[Array, ""]:
+        """Number of blocks with at least one owner."""
+        return self.capacity - self.num_free
+
+    def reset(self) -> "BlockAllocator":
+        """Every block free again, counts zero (same configuration)."""
+        return BlockAllocator.create(self.num_blocks, lowest_first=self.lowest_first)
+
+    # ------------------------------------------------------------------ device ops
+
+    def acquire(
+        self, n: Count, *, max_n: int
+    ) -> tuple["BlockAllocator", Int[Array, "max_n"], Ok]:
+        """Take ``n`` free blocks (traced ``n``, static ``max_n``), count 1 each.
+
+        Returns ``(state, ids, ok)``: ``ids[:n]`` are the blocks taken and
+        ``ids[n:]`` are -1. Fails (``ok`` False, state unchanged, ids all -1)
+        when ``n < 0``, ``n > max_n`` or ``n > num_free``.
+        """
+        n = jnp.asarray(n, jnp.int32)
+        ok = (n >= 0) & (n <= max_n) & (n <= self.num_free)
+        lane = jnp.arange(max_n, dtype=jnp.int32)
+        if self.lowest_first:
+            is_free = (self.ref_counts == 0).at[0].set(False)
+            rank = jnp.cumsum(is_free, dtype=jnp.int32)  # 1-based among free ids
+            chosen = is_free & (rank <= jnp.where(ok, n, 0))
+            ids = jnp.nonzero(chosen, size=max_n, fill_value=-1)[0].astype(jnp.int32)
+        else:
+            top = self.num_free - 1 - lane
+            ids = jnp.where(ok & (lane < n), self.free_ids[jnp.clip(top, 0, self.capacity - 1)], -1)
+        ref_counts = self.ref_counts.at[self._or_drop(ids >= 0, ids)].set(1, mode="drop")
+        num_free = self.num_free - jnp.where(ok, n, 0)
+        return self.replace(num_free=num_free, ref_counts=ref_counts), ids, ok
+
+    def release(self, ids: Ids) -> tuple["BlockAllocator", Ok]:
+        """Drop one owner per occurrence of each id; -1 entries are ignored.
+
+        A block whose count reaches zero goes back on the free stack (once,
+        however many times it appears). ``ids`` may have any shape, and an id
+        may appear several times if it has that many owners (freeing two
+        sequences that share a block in one call).
+
+        Fails (``ok`` False, state unchanged) if any id is out of
+        ``[1, num_blocks)`` (``InvalidId`` on the host path) or would drop
+        below zero owners (``DoubleFree``).
+        """
+        ids = jnp.asarray(ids, jnp.int32).reshape(-1)
+        given = ids != -1
+        in_range = (ids >= 1) & (ids < self.num_blocks)
+        target = self._or_drop(given & in_range, ids)
+        # Decrement tentatively; a scatter-add is exactly undone by the opposite
+        # add, which keeps the failure path O(len(ids)) instead of a select
+        # over the whole count array.
+        counts = self.ref_counts.at[target].add(-1, mode="drop")
+        after = counts.at[target].get(mode="fill", fill_value=0)
+        ok = jnp.all(~given | in_range) & jnp.all(after >= 0)
+        counts = counts.at[jnp.where(ok, self.num_blocks, target)].add(1, mode="drop")
+        reached_zero = ok & given & in_range & (after == 0)
+        counts, freed = self._first_occurrence(counts, ids, reached_zero)
+        state = self.replace(ref_counts=counts)
+        if self.lowest_first:  # the free set is ref_counts == 0; no stack to push
+            return state.replace(num_free=self.num_free + jnp.sum(freed, dtype=jnp.int32)), ok
+        return state._push(ids, freed), ok
+
+    def incref(self, ids: Ids) -> tuple["BlockAllocator", Ok]:
+        """Add one owner per occurrence of each held id; -1 entries are ignored.
+
+        Fails (``ok`` False, state unchanged) if any id is out of range or is
+        free: sharing a block nobody holds would resurrect freed memory
+        (``InvalidId`` on the host path).
+        """
+        ids = jnp.asarray(ids, jnp.int32).reshape(-1)
+        given = ids != -1
+        in_range = (ids >= 1) & (ids < self.num_blocks)
+        held = self.ref_counts.at[self._or_drop(in_range, ids)].get(mode="fill", fill_value=0) > 0
+        ok = jnp.all(~given | (in_range & held))
+        counts = self.ref_counts.at[self._or_drop(ok & given, ids)].add(1, mode="drop")
+        return self.replace(ref_counts=counts), ok
+
+    def ref_count(self, ids: Ids) -> Int[Array, "..."]:
+        """Owners of each id (0 for -1 and out-of-range ids)."""
+        ids = jnp.asarray(ids, jnp.int32)
+        in_range = (ids >= 0) & (ids < self.num_blocks)
+        return self.ref_counts.at[self._or_drop(in_range, ids)].get(mode="fill", fill_value=0)
+
+    # --------------------------------------------------------------- internals
+
+    def _or_drop(self, keep: Bool[Array, "..."], ids: Int[Array, "..."]) -> Int[Array, "..."]:
+        """``ids`` where ``keep``, else an out-of-bounds index that scatters drop."""
+        return jnp.where(keep, ids, self.num_blocks)
+
+    def _first_occurrence(
+        self, counts: Int[Array, "num_blocks"], ids: Int[Array, "m"], mask: Bool[Array, "m"]
+    ) -> tuple[Int[Array, "num_blocks"], Bool[Array, "m"]]:
+        """True at exactly one position per distinct id among ``ids[mask]``.
+
+        Each masked position writes a distinct tag to its id; duplicates race and
+        exactly one tag survives, whichever the backend picks: its position is
+        the chosen one. ``counts`` serves as the scratch (the masked ids have
+        count 0) and is returned restored, so XLA can do all of it in place in
+        O(len(ids)) instead of copying an O(num_blocks) scratch array.
+        """
+        target = self._or_drop(mask, ids)
+        tags = -1 - jnp.arange(ids.shape[0], dtype=jnp.int32)
+        tagged = counts.at[target].set(tags, mode="drop")
+        chosen = mask & (tagged.at[target].get(mode="fill", fill_value=0) == tags)
+        return tagged.at[target].set(0, mode="drop"), chosen
+
+    def _push(self, ids: Int[Array, "m"], push: Bool[Array, "m"]) -> "BlockAllocator":
+        """Push ``ids[push]`` onto the free stack, in order."""
+        slot = self.num_free + jnp.cumsum(push, dtype=jnp.int32) - 1
+        free_ids = self.free_ids.at[jnp.where(push, slot, self.capacity)].set(ids, mode="drop")
+        return self.replace(free_ids=free_ids, num_free=self.num_free + jnp.sum(push, dtype=jnp.int32))
+
+    # -------------------------------------------------------------- host paths
+
+    def acquire_or_raise(self, n: int) -> tuple["BlockAllocator", np.ndarray]:
+        """Host path of :meth:`acquire`: returns the ``n`` ids as numpy, or raises
+        ``KVCacheOOM`` (with requested / available / total) or ``InvalidArgument``."""
+        n = int(n)
+        if n < 0:
+            raise InvalidArgument(f"cannot acquire a negative number of blocks ({n})")
+        state, ids, ok = _acquire(self, n, max_n=_host.pow2_at_least(n))
+        if not bool(ok):
+            raise KVCacheOOM(n, int(self.num_free), self.capacity, unit="blocks")
+        return state, np.asarray(ids)[:n]
+
+    def release_or_raise(self, ids) -> "BlockAllocator":
+        """Host path of :meth:`release`; raises ``InvalidId`` or ``DoubleFree``."""
+        state, ok = _release(self, _host.padded_ids(ids))
+        if not bool(ok):
+            raise self.release_error(ids)
+        return state
+
+    def incref_or_raise(self, ids) -> "BlockAllocator":
+        """Host path of :meth:`incref`; raises ``InvalidId``."""
+        state, ok = _incref(self, _host.padded_ids(ids))
+        if not bool(ok):
+            raise self.incref_error(ids)
+        return state
+
+    def release_error(self, ids, unit: str = "block") -> Exception:
+        """The exception explaining why ``release(ids)`` fails on this state."""
+        given = _host.given_ids(ids)
+        bad = given[(given < 1) | (given >= self.num_blocks)]
+        if bad.size:
+            return InvalidId(
+                f"release of {unit} ids outside [1, {self.num_blocks}): "
+                f"{_host.preview(np.unique(bad))} ({unit} 0 is the null {unit}, never held)",
+                np.unique(bad),
+            )
+        unique, times = np.unique(given, return_counts=True)
+        owners = np.asarray(self.ref_counts)[unique]
+        over = times > owners
+        if not over.any():
+            return InvalidArgument(f"release of {_host.preview(given)} did not fail on this state")
+        return DoubleFree(
+            f"double free: {unit}s {_host.preview(unique[over])} released "
+            f"{_host.preview(times[over])} times but held by "
+            f"{_host.preview(owners[over])} owners",
+            unique[over],
+        )
+
+    def incref_error(self, ids, unit: str = "block") -> Exception:
+        """The exception explaining why ``incref(ids)`` fails on this state."""
+        given = _host.given_ids(ids)
+        bad = given[(given < 1) | (given >= self.num_blocks)]
+        if bad.size:
+            return InvalidId(
+                f"incref of {unit} ids outside [1, {self.num_blocks}): "
+                f"{_host.preview(np.unique(bad))}",
+                np.unique(bad),
+            )
+        free = np.unique(given[np.asarray(self.ref_counts)[given] == 0])
+        return InvalidId(
+            f"incref of free {unit}s {_host.preview(free)}: only a held {unit} can be shared",
+            free,
+        )
+
+
+_acquire = jax.jit(BlockAllocator.acquire, static_argnames=("max_n",))
+_release = jax.jit(BlockAllocator.release)
+_incref = jax.jit(BlockAllocator.incref)

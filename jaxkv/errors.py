@@ -1,0 +1,63 @@
+"""The typed errors of jaxkv.
+
+Device-side operations never raise: they return an ``ok`` flag and leave their
+state unchanged when they fail. The host-facing ``*_or_raise`` methods read
+that flag and raise one of these, with the numbers a user needs in the message
+(``KVCacheOOM: requested 5 blocks, 3 available (of 1023 total)``) and as
+attributes, so a scheduler can act on them without parsing text.
+"""
+
+from __future__ import annotations
+
+
+class KVCacheError(RuntimeError):
+    """Base class of every error jaxkv raises on purpose."""
+
+
+class KVCacheOOM(KVCacheError):
+    """An allocation asked for more units (blocks, pages, tokens, slots, rows)
+    than are free. Nothing was allocated.
+
+    Attributes: ``requested``, ``available``, ``total`` and ``unit``.
+    """
+
+    def __init__(self, requested: int, available: int, total: int, unit: str = "blocks"):
+        self.requested = int(requested)
+        self.available = int(available)
+        self.total = int(total)
+        self.unit = unit
+        super().__init__(
+            f"requested {self.requested} {unit}, {self.available} available "
+            f"(of {self.total} total)"
+        )
+
+
+class DoubleFree(KVCacheError):
+    """A release named an id that is not held (already free), or released one
+    id more times than it is held. Nothing was released.
+
+    Attributes: ``ids`` (the offending ids, as a sorted list).
+    """
+
+    def __init__(self, message: str, ids=()):
+        self.ids = sorted(int(i) for i in ids)
+        super().__init__(message)
+
+
+class InvalidId(KVCacheError, IndexError):
+    """An id outside the valid range (including the reserved null entry 0), or
+    an id that is not in the state the operation needs (e.g. ``occupy`` of a
+    slot that is taken). Nothing changed.
+
+    Attributes: ``ids`` (the offending ids, as a sorted list).
+    """
+
+    def __init__(self, message: str, ids=()):
+        self.ids = sorted(int(i) for i in ids)
+        super().__init__(message)
+
+
+class InvalidArgument(KVCacheError, ValueError):
+    """A count or shape argument that can never succeed (negative count, a
+    count above the static maximum, a token count that is not a whole number of
+    pages, a write past the end of a row). Nothing changed."""
