@@ -41,7 +41,7 @@ class BlockAllocator:
     Fields:
         free_ids: int32 ``[num_blocks - 1]``. A stack: ``free_ids[:num_free]``
             are the free ids, ``free_ids[num_free - 1]`` is popped first. Entries
-            past ``num_free`` are stale and never read.
+            past ``num_free`` are -1 or stale and never read.
         num_free: int32 scalar, the number of free blocks.
         ref_counts: int32 ``[num_blocks]``, owners of each block (0 = free).
         num_blocks: static; ids are ``0 .. num_blocks-1`` and 0 is the null block.
@@ -108,12 +108,14 @@ class BlockAllocator:
             rank = jnp.cumsum(is_free, dtype=jnp.int32)  # 1-based among free ids
             chosen = is_free & (rank <= jnp.where(ok, n, 0))
             ids = jnp.nonzero(chosen, size=max_n, fill_value=-1)[0].astype(jnp.int32)
+            free_ids = self.free_ids
         else:
             top = self.num_free - 1 - lane
             ids = jnp.where(ok & (lane < n), self.free_ids[jnp.clip(top, 0, self.capacity - 1)], -1)
+            free_ids = self.free_ids
         ref_counts = self.ref_counts.at[self._or_drop(ids >= 0, ids)].set(1, mode="drop")
         num_free = self.num_free - jnp.where(ok, n, 0)
-        return self.replace(num_free=num_free, ref_counts=ref_counts), ids, ok
+        return self.replace(free_ids=free_ids, num_free=num_free, ref_counts=ref_counts), ids, ok
 
     def release(self, ids: Ids) -> tuple["BlockAllocator", Ok]:
         """Drop one owner per occurrence of each id; -1 entries are ignored.
@@ -131,9 +133,10 @@ class BlockAllocator:
         given = ids != -1
         in_range = (ids >= 1) & (ids < self.num_blocks)
         target = self._or_drop(given & in_range, ids)
-        # Decrement tentatively; a scatter-add is exactly undone by the opposite
-        # add, which keeps the failure path O(len(ids)) instead of a select
-        # over the whole count array.
+        # Decrement tentatively, then undo if any count went negative: a
+        # scatter-add is exactly undone by the opposite add, so the failure path
+        # costs O(len(ids)) rather than a select over the whole count array.
+        # (Sorting the ids to count repeats first is slower on XLA CPU.)
         counts = self.ref_counts.at[target].add(-1, mode="drop")
         after = counts.at[target].get(mode="fill", fill_value=0)
         ok = jnp.all(~given | in_range) & jnp.all(after >= 0)
@@ -155,7 +158,7 @@ class BlockAllocator:
         ids = jnp.asarray(ids, jnp.int32).reshape(-1)
         given = ids != -1
         in_range = (ids >= 1) & (ids < self.num_blocks)
-        held = self.ref_counts.at[self._or_drop(in_range, ids)].get(mode="fill", fill_value=0) > 0
+        held = self.ref_count(ids) > 0
         ok = jnp.all(~given | (in_range & held))
         counts = self.ref_counts.at[self._or_drop(ok & given, ids)].add(1, mode="drop")
         return self.replace(ref_counts=counts), ok
@@ -177,11 +180,11 @@ class BlockAllocator:
     ) -> tuple[Int[Array, "num_blocks"], Bool[Array, "m"]]:
         """True at exactly one position per distinct id among ``ids[mask]``.
 
-        Each masked position writes a distinct tag to its id; duplicates race and
+        Each masked position writes a distinct tag to its id; repeats race and
         exactly one tag survives, whichever the backend picks: its position is
         the chosen one. ``counts`` serves as the scratch (the masked ids have
-        count 0) and is returned restored, so XLA can do all of it in place in
-        O(len(ids)) instead of copying an O(num_blocks) scratch array.
+        count 0) and is returned restored, so no O(num_blocks) scratch array is
+        made.
         """
         target = self._or_drop(mask, ids)
         tags = -1 - jnp.arange(ids.shape[0], dtype=jnp.int32)
@@ -237,12 +240,12 @@ class BlockAllocator:
         over = times > owners
         if not over.any():
             return InvalidArgument(f"release of {_host.preview(given)} did not fail on this state")
-        return DoubleFree(
-            f"double free: {unit}s {_host.preview(unique[over])} released "
-            f"{_host.preview(times[over])} times but held by "
-            f"{_host.preview(owners[over])} owners",
-            unique[over],
+        details = "; ".join(
+            f"{unit} {i} released {t}x with {o} owner(s)"
+            for i, t, o in list(zip(unique[over], times[over], owners[over]))[:8]
         )
+        more = f"; ... ({int(over.sum())} {unit}s in all)" if over.sum() > 8 else ""
+        return DoubleFree(f"double free: {details}{more}", unique[over])
 
     def incref_error(self, ids, unit: str = "block") -> Exception:
         """The exception explaining why ``incref(ids)`` fails on this state."""

@@ -1,0 +1,1 @@
+"""Benchmarks: ``python -m jaxkv.bench NAME``."""

@@ -1,0 +1,39 @@
+"""``python -m jaxkv.bench NAME [--json]``: run one benchmark and print a table.
+
+With ``--json`` the last line of output is one JSON object with the same
+figures. Benchmarks of later issues are listed with the issue that brings them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+#: name -> module implementing ``main(args) -> int``; None = not built yet.
+BENCHMARKS = {
+    "alloc": "jaxkv.bench.alloc",
+    "pool": None,  # issue 3: KV pools and BlockSpaceManager
+    "prefix": None,  # issue 4: radix prefix cache
+    "decode": None,  # issue 5: models and decode loops
+    "memory": None,  # issue 5
+    "kernels": None,  # issue 6: Pallas kernels
+    "hybrid": None,  # issue 7: hybrid KVCacheManager
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m jaxkv.bench", description=__doc__)
+    parser.add_argument("name", choices=sorted(BENCHMARKS))
+    parser.add_argument("--json", action="store_true", help="end with one JSON line of the figures")
+    parser.add_argument("--quick", action="store_true", help="fewer steps and repeats (smoke test)")
+    args = parser.parse_args(argv)
+    module = BENCHMARKS[args.name]
+    if module is None:
+        print(f"benchmark {args.name!r} is not built yet: it arrives with the issue that builds its subject")
+        return 2
+    return importlib.import_module(module).main(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

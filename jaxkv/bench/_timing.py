@@ -1,0 +1,54 @@
+"""Timing and table helpers shared by the benchmarks.
+
+Machines here are noisy, so every figure is the *minimum* over several
+repeats (the least-disturbed run) and each benchmark reports ratios against a
+baseline measured in the same process, interleaved with the subject.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import time
+from typing import Callable, Sequence
+
+import jax
+
+
+def best_seconds(fn: Callable[[], object], repeats: int = 5) -> float:
+    """Minimum wall time of ``fn()`` over ``repeats`` runs, waiting for device
+    results. Call it once before timing so compilation is not counted."""
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        jax.block_until_ready(fn())
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def machine_description() -> str:
+    devices = jax.devices()
+    kind = devices[0].device_kind if devices else "?"
+    return f"{platform.node() or 'host'}: {len(devices)} x {devices[0].platform} ({kind}), jax {jax.__version__}"
+
+
+def print_table(title: str, columns: Sequence[str], rows: Sequence[Sequence[object]]) -> None:
+    """A plain aligned text table (markdown-compatible)."""
+    cells = [[_fmt(v) for v in row] for row in rows]
+    widths = [max(len(c), *(len(r[i]) for r in cells)) for i, c in enumerate(columns)]
+    print(f"\n{title}\n")
+    print("| " + " | ".join(c.ljust(w) for c, w in zip(columns, widths)) + " |")
+    print("|" + "|".join("-" * (w + 2) for w in widths) + "|")
+    for row in cells:
+        print("| " + " | ".join(v.rjust(w) for v, w in zip(row, widths)) + " |")
+
+
+def print_json(payload: dict) -> None:
+    """The ``--json`` contract: the last line of output is one JSON object."""
+    print(json.dumps(payload, sort_keys=True))
+
+
+def _fmt(value: object) -> str:
+    if isinstance(value, float):
+        return f"{value:.3g}" if abs(value) < 100 else f"{value:.0f}"
+    return str(value)
