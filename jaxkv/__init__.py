@@ -8,6 +8,7 @@ function (state first in, new state first out, ``ok`` last) that works under
 
 from jaxkv.alloc import BlockAllocator, SlotAllocator, TokenToKVPoolAllocator
 from jaxkv.alloc.token import FreeGroup
+from jaxkv.checks import checked
 from jaxkv.errors import DoubleFree, InvalidArgument, InvalidId, KVCacheError, KVCacheOOM
 from jaxkv.pool import ReqToTokenPool, make_req_to_token_pool
 
@@ -18,6 +19,7 @@ __all__ = [
     "SlotAllocator",
     "TokenToKVPoolAllocator",
     "FreeGroup",
+    "checked",
     "ReqToTokenPool",
     "make_req_to_token_pool",
     "KVCacheError",

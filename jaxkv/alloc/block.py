@@ -30,6 +30,7 @@ import numpy as np
 from flax import struct
 
 from jaxkv import _host
+from jaxkv.checks import first_where, require
 from jaxkv.errors import DoubleFree, InvalidArgument, InvalidId, KVCacheOOM
 from jaxkv.types import Array, Bool, Count, Ids, Int, Ok
 
@@ -101,6 +102,7 @@ class BlockAllocator:
         when ``n < 0``, ``n > max_n`` or ``n > num_free``.
         """
         n = jnp.asarray(n, jnp.int32)
+        require((n >= 0) & (n <= max_n), InvalidArgument, f"acquire of {{}} blocks with max_n={max_n}", n)
         ok = (n >= 0) & (n <= max_n) & (n <= self.num_free)
         lane = jnp.arange(max_n, dtype=jnp.int32)
         if self.lowest_first:
@@ -117,7 +119,7 @@ class BlockAllocator:
         num_free = self.num_free - jnp.where(ok, n, 0)
         return self.replace(free_ids=free_ids, num_free=num_free, ref_counts=ref_counts), ids, ok
 
-    def release(self, ids: Ids) -> tuple["BlockAllocator", Ok]:
+    def release(self, ids: Ids, *, what: str = "block") -> tuple["BlockAllocator", Ok]:
         """Drop one owner per occurrence of each id; -1 entries are ignored.
 
         A block whose count reaches zero goes back on the free stack (once,
@@ -139,6 +141,9 @@ class BlockAllocator:
         # (Sorting the ids to count repeats first is slower on XLA CPU.)
         counts = self.ref_counts.at[target].add(-1, mode="drop")
         after = counts.at[target].get(mode="fill", fill_value=0)
+        self._require_in_range(ids, given & ~in_range, "release", what)
+        require(jnp.all(after >= 0), DoubleFree,
+                f"double free: {what} id {{}} released more times than it has owners", first_where(ids, after < 0))
         ok = jnp.all(~given | in_range) & jnp.all(after >= 0)
         counts = counts.at[jnp.where(ok, self.num_blocks, target)].add(1, mode="drop")
         reached_zero = ok & given & in_range & (after == 0)
@@ -148,7 +153,7 @@ class BlockAllocator:
             return state.replace(num_free=self.num_free + jnp.sum(freed, dtype=jnp.int32)), ok
         return state._push(ids, freed), ok
 
-    def incref(self, ids: Ids) -> tuple["BlockAllocator", Ok]:
+    def incref(self, ids: Ids, *, what: str = "block") -> tuple["BlockAllocator", Ok]:
         """Add one owner per occurrence of each held id; -1 entries are ignored.
 
         Fails (``ok`` False, state unchanged) if any id is out of range or is
@@ -159,6 +164,9 @@ class BlockAllocator:
         given = ids != -1
         in_range = (ids >= 1) & (ids < self.num_blocks)
         held = self.ref_count(ids) > 0
+        self._require_in_range(ids, given & ~in_range, "incref", what)
+        require(jnp.all(~given | ~in_range | held), InvalidId,
+                f"incref of free {what} id {{}}: only a held {what} can be shared", first_where(ids, given & ~held))
         ok = jnp.all(~given | (in_range & held))
         counts = self.ref_counts.at[self._or_drop(ok & given, ids)].add(1, mode="drop")
         return self.replace(ref_counts=counts), ok
@@ -174,6 +182,11 @@ class BlockAllocator:
     def _or_drop(self, keep: Bool[Array, "..."], ids: Int[Array, "..."]) -> Int[Array, "..."]:
         """``ids`` where ``keep``, else an out-of-bounds index that scatters drop."""
         return jnp.where(keep, ids, self.num_blocks)
+
+    def _require_in_range(self, ids, bad, op: str, what: str) -> None:
+        require(~jnp.any(bad), InvalidId,
+                f"{op} of {what} id {{}} outside [1, {self.num_blocks}) ({what} 0 is the null {what})",
+                first_where(ids, bad))
 
     def _first_occurrence(
         self, counts: Int[Array, "num_blocks"], ids: Int[Array, "m"], mask: Bool[Array, "m"]

@@ -25,6 +25,7 @@ import numpy as np
 from flax import struct
 
 from jaxkv import _host
+from jaxkv.checks import first_where, require
 from jaxkv.errors import DoubleFree, InvalidArgument, InvalidId, KVCacheOOM
 from jaxkv.types import Array, Bool, Count, Ids, Int, Ok, UInt32
 
@@ -113,6 +114,7 @@ class SlotAllocator:
         ``k`` slots are free. O(max_slots).
         """
         k = jnp.asarray(k, jnp.int32)
+        require((k >= 0) & (k <= max_k), InvalidArgument, f"alloc_many of {{}} slots with max_k={max_k}", k)
         free = self._free_bits()
         ok = (k >= 0) & (k <= max_k) & (k <= jnp.sum(free, dtype=jnp.int32))
         chosen = free & (jnp.cumsum(free, dtype=jnp.int32) <= jnp.where(ok, k, 0))
@@ -173,6 +175,16 @@ class SlotAllocator:
         distinct = jnp.sum(jax.lax.population_count(delta), dtype=jnp.int32) == jnp.sum(
             given & in_range, dtype=jnp.int32
         )
+        op = "occupy" if want_free else "free"
+        bad = given & ~in_range
+        require(~jnp.any(bad), InvalidId, f"{op} of slot id {{}} outside [1, {self.max_slots})", first_where(slots, bad))
+        wrong = given & in_range & ~right_state
+        if want_free:
+            require(~jnp.any(wrong), InvalidId, "occupy of taken slot id {}", first_where(slots, wrong))
+            require(distinct, InvalidId, "occupy names a slot more than once")
+        else:
+            require(~jnp.any(wrong), DoubleFree, "double free: slot id {} is already free", first_where(slots, wrong))
+            require(distinct, DoubleFree, "double free: a slot is named more than once in one free")
         ok = jnp.all(~given | (in_range & right_state)) & distinct
         return self.replace(free_mask=self.free_mask ^ jnp.where(ok, delta, jnp.uint32(0))), ok
 
@@ -190,6 +202,8 @@ class SlotAllocator:
         k = int(k)
         if k < 0:
             raise InvalidArgument(f"cannot allocate a negative number of slots ({k})")
+        if k > self.capacity:  # never satisfiable: refuse before compiling a max_k that large
+            raise KVCacheOOM(k, int(self.free_count), self.capacity, unit="slots")
         state, slots, ok = _alloc_many(self, k, max_k=_host.pow2_at_least(k))
         if not bool(ok):
             raise KVCacheOOM(k, int(self.free_count), self.capacity, unit="slots")

@@ -28,6 +28,7 @@ import numpy as np
 from flax import struct
 
 from jaxkv import _host
+from jaxkv.checks import first_where, require
 from jaxkv.alloc.block import BlockAllocator
 from jaxkv.errors import DoubleFree, InvalidArgument, InvalidId, KVCacheOOM
 from jaxkv.types import Array, Count, Ids, Int, Ok
@@ -101,6 +102,8 @@ class TokenToKVPoolAllocator:
         ps = self.page_size
         max_pages = max_n // ps
         whole = (n % ps == 0) & (n >= 0)
+        require(whole & (n <= max_n), InvalidArgument,
+                f"alloc of {{}} tokens: need a multiple of page_size={ps} and at most max_n={max_n}", n)
         # An impossible page count makes the page allocator fail, state unchanged.
         pages, page_ids, ok = self.pages.acquire(jnp.where(whole, n // ps, max_pages + 1), max_n=max_pages)
         offsets = jnp.arange(ps, dtype=jnp.int32)
@@ -126,7 +129,7 @@ class TokenToKVPoolAllocator:
         if ps == 1:
             # Index == page id; the page allocator itself rejects out-of-range
             # ids and repeats.
-            pages, ok = self.pages.release(indices)
+            pages, ok = self.pages.release(indices, what="token index")
             return self.replace(pages=pages), ok
         # Page mode: a repeated token index is a double free even though its page
         # is named legitimately by many indices; sorting finds repeats and the
@@ -137,9 +140,13 @@ class TokenToKVPoolAllocator:
         repeated = jnp.any(present[1:] & (ordered[1:] == ordered[:-1]))
         page = jnp.where(present, ordered // ps, -1)
         first_of_page = present & (page != jnp.concatenate([jnp.array([-1], page.dtype), page[:-1]]))
+        bad = given & ~in_range
+        require(~jnp.any(bad), InvalidId, f"free of token index id {{}} outside [{ps}, {self.buffer_size})",
+                first_where(indices, bad))
+        require(~repeated, DoubleFree, "double free: a token index is named more than once")
         valid = jnp.all(~given | in_range) & ~repeated
         to_release = jnp.where(first_of_page & valid, page, -1)
-        released, ok = self.pages.release(to_release)
+        released, ok = self.pages.release(to_release, what="page")
         ok = ok & valid
         # release() with an all -1 argument (invalid input) succeeds trivially
         # and changes nothing, so on ``~valid`` the state is already unchanged.

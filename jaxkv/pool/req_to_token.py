@@ -22,6 +22,7 @@ import numpy as np
 from flax import struct
 
 from jaxkv import _host
+from jaxkv.checks import first_where, require
 from jaxkv.alloc.block import BlockAllocator
 from jaxkv.errors import InvalidArgument, InvalidId, KVCacheOOM
 from jaxkv.types import Array, ArrayLike, Count, Ids, Int, Ok
@@ -79,7 +80,7 @@ class ReqToTokenPool:
         """Return rows (any shape, -1 ignored) and point all their positions at
         slot 0. Fails (state unchanged) on an out-of-range or free row."""
         rows = jnp.asarray(rows, jnp.int32).reshape(-1)
-        allocator, ok = self.rows.release(rows)
+        allocator, ok = self.rows.release(rows, what="row")
         cleared = jnp.where(ok & (rows != -1), rows, self.req_to_token.shape[0])
         table = self.req_to_token.at[cleared].set(0, mode="drop")
         return self.replace(req_to_token=table, rows=allocator), ok
@@ -108,8 +109,14 @@ class ReqToTokenPool:
             lengths = jnp.full((batch,), width, jnp.int32)
         lengths = jnp.broadcast_to(jnp.asarray(lengths, jnp.int32).reshape(-1), (batch,))
         active = rows != -1
-        fits = (starts >= 0) & (lengths >= 0) & (lengths <= width) & (starts + lengths <= self.max_context_len)
+        # starts <= max_context_len - lengths, not starts + lengths <= ...: the sum
+        # can wrap around int32 (start near 2**31) and pass the check.
+        fits = (starts >= 0) & (lengths >= 0) & (lengths <= width) & (starts <= self.max_context_len - lengths)
         held = self.rows.ref_count(rows) > 0
+        require(jnp.all(~active | held), InvalidId, "write to row id {} which is not held", first_where(rows, active & ~held))
+        require(jnp.all(~active | fits), InvalidArgument,
+                f"write of {{}} positions at start {{}} passes max_context_len={self.max_context_len}",
+                first_where(lengths, active & ~fits), first_where(starts, active & ~fits))
         ok = jnp.all(~active | (fits & held))
         lane = jnp.arange(width, dtype=jnp.int32)
         write = ok & active[:, None] & (lane[None, :] < lengths[:, None])
@@ -124,6 +131,8 @@ class ReqToTokenPool:
         n = int(n)
         if n < 0:
             raise InvalidArgument(f"cannot allocate a negative number of rows ({n})")
+        if n > self.size:  # never satisfiable: refuse before compiling a max_n that large
+            raise KVCacheOOM(n, int(self.available_size()), self.size, unit="rows")
         state, ids, ok = _alloc(self, n, max_n=_host.pow2_at_least(n))
         if not bool(ok):
             raise KVCacheOOM(n, int(self.available_size()), self.size, unit="rows")
