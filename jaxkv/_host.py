@@ -18,12 +18,36 @@ def pow2_at_least(n: int) -> int:
     return 1 << (n - 1).bit_length()
 
 
+_INT32_MAX = np.iinfo(np.int32).max
+
+
 def padded_ids(ids) -> np.ndarray:
-    """``ids`` flattened to int32 and padded with -1 to a power-of-two length."""
+    """``ids`` flattened to int32 and padded with -1 to a power-of-two length.
+
+    Values that int32 cannot hold are mapped to ids that are invalid for every
+    structure (``INT32_MAX``, or -2 below -1) instead of wrapping around onto a
+    real id: the device op then fails and the host path names the original id.
+    """
     flat = np.asarray(ids, dtype=np.int64).reshape(-1)
+    flat = np.where(flat > _INT32_MAX, _INT32_MAX, np.where(flat < -1, -2, flat))
     out = np.full(pow2_at_least(flat.size), -1, dtype=np.int32)
     out[: flat.size] = flat
     return out
+
+
+def count_or_raise(n, capacity: int, available, unit: str) -> int:
+    """``n`` as an int, or the error a request for ``n`` units must raise
+    before any device call: negative counts, and counts above the capacity
+    (which would otherwise compile a program sized for ``n`` just to fail).
+    ``available`` is a callable, read only on that failure path."""
+    from jaxkv.errors import InvalidArgument, KVCacheOOM
+
+    n = int(n)
+    if n < 0:
+        raise InvalidArgument(f"cannot allocate a negative number of {unit} ({n})")
+    if n > capacity:
+        raise KVCacheOOM(n, int(available()), capacity, unit=unit)
+    return n
 
 
 def given_ids(ids) -> np.ndarray:

@@ -42,7 +42,7 @@ class BlockAllocator:
     Fields:
         free_ids: int32 ``[num_blocks - 1]``. A stack: ``free_ids[:num_free]``
             are the free ids, ``free_ids[num_free - 1]`` is popped first. Entries
-            past ``num_free`` are -1 or stale and never read.
+            past ``num_free`` are stale and never read.
         num_free: int32 scalar, the number of free blocks.
         ref_counts: int32 ``[num_blocks]``, owners of each block (0 = free).
         num_blocks: static; ids are ``0 .. num_blocks-1`` and 0 is the null block.
@@ -110,14 +110,12 @@ class BlockAllocator:
             rank = jnp.cumsum(is_free, dtype=jnp.int32)  # 1-based among free ids
             chosen = is_free & (rank <= jnp.where(ok, n, 0))
             ids = jnp.nonzero(chosen, size=max_n, fill_value=-1)[0].astype(jnp.int32)
-            free_ids = self.free_ids
-        else:
+        else:  # pop: the popped entries stay in the array, past the new top
             top = self.num_free - 1 - lane
             ids = jnp.where(ok & (lane < n), self.free_ids[jnp.clip(top, 0, self.capacity - 1)], -1)
-            free_ids = self.free_ids
         ref_counts = self.ref_counts.at[self._or_drop(ids >= 0, ids)].set(1, mode="drop")
         num_free = self.num_free - jnp.where(ok, n, 0)
-        return self.replace(free_ids=free_ids, num_free=num_free, ref_counts=ref_counts), ids, ok
+        return self.replace(num_free=num_free, ref_counts=ref_counts), ids, ok
 
     def release(self, ids: Ids, *, what: str = "block") -> tuple["BlockAllocator", Ok]:
         """Drop one owner per occurrence of each id; -1 entries are ignored.
@@ -216,9 +214,7 @@ class BlockAllocator:
     def acquire_or_raise(self, n: int) -> tuple["BlockAllocator", np.ndarray]:
         """Host path of :meth:`acquire`: returns the ``n`` ids as numpy, or raises
         ``KVCacheOOM`` (with requested / available / total) or ``InvalidArgument``."""
-        n = int(n)
-        if n < 0:
-            raise InvalidArgument(f"cannot acquire a negative number of blocks ({n})")
+        n = _host.count_or_raise(n, self.capacity, lambda: self.num_free, "blocks")
         state, ids, ok = _acquire(self, n, max_n=_host.pow2_at_least(n))
         if not bool(ok):
             raise KVCacheOOM(n, int(self.num_free), self.capacity, unit="blocks")

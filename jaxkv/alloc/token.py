@@ -162,6 +162,7 @@ class TokenToKVPoolAllocator:
             raise InvalidArgument(
                 f"alloc({n}): need a non-negative multiple of page_size={self.page_size}"
             )
+        _host.count_or_raise(n, self.size, self.available_size, "tokens")
         max_n = _host.pow2_at_least(n // self.page_size) * self.page_size
         state, indices, ok = _alloc(self, n, max_n=max_n)
         if not bool(ok):

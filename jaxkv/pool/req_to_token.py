@@ -149,12 +149,17 @@ class ReqToTokenPool:
         """Host path of :meth:`write` for one row; raises ``InvalidId`` (row
         not held) or ``InvalidArgument`` (write past ``max_context_len``)."""
         values = np.asarray(values, np.int64).reshape(-1)
+        if values.size and (values.min() < 0 or values.max() > np.iinfo(np.int32).max):
+            raise InvalidArgument(
+                f"write of token indices {_host.preview(values)}: indices must lie in [0, 2**31)"
+            )
         width = _host.pow2_at_least(values.size)
         padded = np.zeros((width,), np.int32)
         padded[: values.size] = values
-        state, ok = _write(self, row, start, padded, values.size)
+        row, start = int(row), int(start)
+        # Out-of-int32 rows/starts become values the device op rejects.
+        state, ok = _write(self, _host.padded_ids([row])[0], min(max(start, -1), 2**31 - 1), padded, values.size)
         if not bool(ok):
-            row, start = int(row), int(start)
             if not (1 <= row <= self.size) or int(self.rows.ref_count(row)) == 0:
                 raise InvalidId(f"write to row {row}, which is not held (rows 1..{self.size})", [row])
             raise InvalidArgument(
