@@ -30,6 +30,7 @@ import numpy as np
 from flax import struct
 
 from jaxkv import _host
+from jaxkv._ops import first_true_indices
 from jaxkv.checks import first_where, require
 from jaxkv.errors import DoubleFree, InvalidArgument, InvalidId, KVCacheOOM
 from jaxkv.types import Array, Bool, Count, Ids, Int, Ok
@@ -47,8 +48,8 @@ class BlockAllocator:
         ref_counts: int32 ``[num_blocks]``, owners of each block (0 = free).
         num_blocks: static; ids are ``0 .. num_blocks-1`` and 0 is the null block.
         lowest_first: static; when True ``acquire`` returns the lowest free ids
-            (memory locality, seed 002's ``need_sort``) by a scan over
-            ``ref_counts``, O(num_blocks) per call, instead of popping the
+            (memory locality, seed 002's ``need_sort``) found by a prefix sum
+            over ``ref_counts``, O(num_blocks) per call, instead of popping the
             stack, O(n).
     """
 
@@ -106,10 +107,9 @@ class BlockAllocator:
         ok = (n >= 0) & (n <= max_n) & (n <= self.num_free)
         lane = jnp.arange(max_n, dtype=jnp.int32)
         if self.lowest_first:
-            is_free = (self.ref_counts == 0).at[0].set(False)
-            rank = jnp.cumsum(is_free, dtype=jnp.int32)  # 1-based among free ids
-            chosen = is_free & (rank <= jnp.where(ok, n, 0))
-            ids = jnp.nonzero(chosen, size=max_n, fill_value=-1)[0].astype(jnp.int32)
+            # Comparing with an iota (not ``.at[0].set``) keeps the mask fusible.
+            is_free = (self.ref_counts == 0) & (jnp.arange(self.num_blocks) != 0)
+            ids = first_true_indices(is_free, jnp.where(ok, n, 0), max_n)
         else:  # pop: the popped entries stay in the array, past the new top
             top = self.num_free - 1 - lane
             ids = jnp.where(ok & (lane < n), self.free_ids[jnp.clip(top, 0, self.capacity - 1)], -1)
@@ -200,8 +200,12 @@ class BlockAllocator:
         target = self._or_drop(mask, ids)
         tags = -1 - jnp.arange(ids.shape[0], dtype=jnp.int32)
         tagged = counts.at[target].set(tags, mode="drop")
-        chosen = mask & (tagged.at[target].get(mode="fill", fill_value=0) == tags)
-        return tagged.at[target].set(0, mode="drop"), chosen
+        seen = tagged.at[target].get(mode="fill", fill_value=0)
+        # Every masked id holds some tag (< 0), so the restore indices below equal
+        # ``target``; deriving them from ``seen`` orders the read before the
+        # write, which lets XLA restore in place instead of copying ``counts``.
+        restore = jnp.where(seen < 0, target, self.num_blocks)
+        return tagged.at[restore].set(0, mode="drop"), mask & (seen == tags)
 
     def _push(self, ids: Int[Array, "m"], push: Bool[Array, "m"]) -> "BlockAllocator":
         """Push ``ids[push]`` onto the free stack, in order."""

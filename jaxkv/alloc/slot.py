@@ -25,6 +25,7 @@ import numpy as np
 from flax import struct
 
 from jaxkv import _host
+from jaxkv._ops import first_true_indices
 from jaxkv.checks import first_where, require
 from jaxkv.errors import DoubleFree, InvalidArgument, InvalidId, KVCacheOOM
 from jaxkv.types import Array, Bool, Count, Ids, Int, Ok, UInt32
@@ -117,8 +118,7 @@ class SlotAllocator:
         require((k >= 0) & (k <= max_k), InvalidArgument, f"alloc_many of {{}} slots with max_k={max_k}", k)
         free = self._free_bits()
         ok = (k >= 0) & (k <= max_k) & (k <= jnp.sum(free, dtype=jnp.int32))
-        chosen = free & (jnp.cumsum(free, dtype=jnp.int32) <= jnp.where(ok, k, 0))
-        slots = jnp.nonzero(chosen, size=max_k, fill_value=-1)[0].astype(jnp.int32)
+        slots = first_true_indices(free, jnp.where(ok, k, 0), max_k)
         taken = slots >= 0
         return self._toggle(slots, taken), slots, ok
 

@@ -26,6 +26,18 @@ def best_seconds(fn: Callable[[], object], repeats: int = 5) -> float:
     return best
 
 
+def best_seconds_interleaved(fns: dict[str, Callable[[], object]], repeats: int = 5) -> dict[str, float]:
+    """Minimum wall time of each function, measured in alternation (a, b, a, b,
+    ...) so a noisy spell on the machine hits all of them alike."""
+    best = {name: float("inf") for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            jax.block_until_ready(fn())
+            best[name] = min(best[name], time.perf_counter() - start)
+    return best
+
+
 def machine_description() -> str:
     devices = jax.devices()
     kind = devices[0].device_kind if devices else "?"

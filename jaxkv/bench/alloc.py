@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxkv.alloc.block import BlockAllocator
-from jaxkv.bench._timing import best_seconds, machine_description, print_json, print_table
+from jaxkv.bench._timing import best_seconds, best_seconds_interleaved, machine_description, print_json, print_table
 
 BLOCK_SIZE = 16
 MAX_BLOCKS = 16  # sequences of up to 256 tokens
@@ -73,7 +73,9 @@ def _make_step(batch: int, use_allocator: bool):
             allocator, released = allocator.release(freed_blocks)
         else:
             released = jnp.sum(freed_blocks) > jnp.iinfo(jnp.int32).min
-        table = table.at[finished].set(-1, mode="drop")
+        # Indices derived from the rows just read (always equal to ``finished``)
+        # order that read before this in-place write; otherwise XLA copies the table.
+        table = table.at[jnp.where(freed_blocks[:, 0] >= -1, finished, batch)].set(-1, mode="drop")
         lens = lens.at[finished].set(0, mode="drop")
         targets = targets.at[finished].set(new_targets.at[finished].get(mode="fill", fill_value=0), mode="drop")
         return (allocator, table, lens, targets, clock + 1), acquired & released
@@ -131,9 +133,15 @@ def measure(batch: int, steps: int, repeats: int) -> dict:
     expected_table = run_numpy(batch, first_targets, new_targets)
     agree = bool(np.array_equal(np.asarray(final[1]), expected_table))
 
-    t_full = best_seconds(lambda: full(carry, schedule), repeats)
-    t_stand_in = best_seconds(lambda: stand_in(carry, schedule), repeats)
-    t_numpy = best_seconds(lambda: run_numpy(batch, first_targets, new_targets), repeats)
+    best = best_seconds_interleaved(
+        {
+            "full": lambda: full(carry, schedule),
+            "stand_in": lambda: stand_in(carry, schedule),
+            "numpy": lambda: run_numpy(batch, first_targets, new_targets),
+        },
+        repeats,
+    )
+    t_full, t_stand_in, t_numpy = best["full"], best["stand_in"], best["numpy"]
 
     host_steps = min(steps, 200)
     one_step = jax.jit(_make_step(batch, True))
@@ -160,7 +168,7 @@ def measure(batch: int, steps: int, repeats: int) -> dict:
 
 
 def main(args) -> int:
-    steps, repeats = (300, 2) if args.quick else (2000, 5)
+    steps, repeats = (300, 2) if args.quick else (2000, 15)
     results = [measure(b, steps, repeats) for b in BATCHES]
     print(f"alloc benchmark on {machine_description()}; {steps} steps per scan, best of {repeats}")
     print_table(
