@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from jaxkv import DoubleFree, InvalidArgument, InvalidId, KVCacheOOM, ReqToTokenPool, make_req_to_token_pool
-from tests.util import assert_tree_equal
+from tests.util import assert_all_or_nothing, assert_tree_equal
 
 CONFIGS = ((5, 12), (7, 33), (1, 3))  # (max_reqs, max_context_len)
 MAX_N = 8  # static max_n of every alloc call (> every max_reqs above)
@@ -173,15 +173,7 @@ class ReqToTokenMachine(RuleBasedStateMachine):
         before = self.pool
         expected = self.model.alloc(n, MAX_N)
         after, ids, ok = ALLOC(before, n, max_n=MAX_N)
-        ids = np.asarray(ids)
-        assert ids.shape == (MAX_N,) and ids.dtype == np.int32
-        assert bool(ok) == (expected is not None), f"n={n} free={len(self.model.free)}"
-        if expected is None:
-            assert_tree_equal(before, after)
-            assert (ids == -1).all()
-        else:
-            np.testing.assert_array_equal(ids[:n], expected)
-            assert (ids[n:] == -1).all()
+        assert_all_or_nothing(before, after, ids, ok, expected, MAX_N)
         self.pool = after
 
     @precondition(lambda self: self.model.free)

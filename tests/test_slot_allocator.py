@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from jaxkv import DoubleFree, InvalidArgument, InvalidId, KVCacheError, KVCacheOOM, SlotAllocator
-from tests.util import assert_tree_equal
+from tests.util import assert_all_or_nothing, assert_tree_equal
 
 SIZES = (5, 70, 100)  # tiny; > 64 and not a multiple of 32 (3 and 4 words)
 IDS_LEN = 16  # every free / occupy id array is padded with -1 to this length
@@ -178,15 +178,7 @@ class SlotMachine(RuleBasedStateMachine):
         before = self.state
         expected = self.model.alloc_many(k, MAX_K)
         after, slots, ok = ALLOC_MANY(before, k, max_k=MAX_K)
-        slots = np.asarray(slots)
-        assert slots.shape == (MAX_K,) and slots.dtype == np.int32
-        assert bool(ok) == (expected is not None), f"k={k} free={len(self.model.free)}"
-        if expected is None:
-            assert_tree_equal(before, after)
-            assert (slots == -1).all()
-        else:
-            np.testing.assert_array_equal(slots[:k], expected)
-            assert (slots[k:] == -1).all()
+        assert_all_or_nothing(before, after, slots, ok, expected, MAX_K)
         self.state = after
 
     @rule()

@@ -14,3 +14,23 @@ def assert_tree_equal(expected, actual):
         e, a = np.asarray(e), np.asarray(a)
         assert e.dtype == a.dtype and e.shape == a.shape, f"leaf {i}: {e.dtype}{e.shape} -> {a.dtype}{a.shape}"
         np.testing.assert_array_equal(a, e, err_msg=f"leaf {i} changed")
+
+
+def assert_all_or_nothing(before, after, ids, ok, expected, lanes):
+    """Check an allocation's result against the model's prediction.
+
+    ``expected`` is None when the model says the call must fail: then ``ok`` is
+    False, the state is unchanged and every lane is -1. Otherwise ``ok`` is
+    True, the first ``len(expected)`` lanes are exactly ``expected`` and the
+    rest are -1.
+    """
+    ids = np.asarray(ids)
+    assert ids.shape == (lanes,) and ids.dtype == np.int32, (ids.shape, ids.dtype)
+    assert bool(ok) == (expected is not None), (bool(ok), expected)
+    if expected is None:
+        assert_tree_equal(before, after)
+        assert (ids == -1).all(), ids
+    else:
+        n = len(expected)
+        np.testing.assert_array_equal(ids[:n], expected)
+        assert (ids[n:] == -1).all(), ids
