@@ -22,7 +22,6 @@ Invariants (checked by the property tests after every operation):
 
 from __future__ import annotations
 
-import functools
 
 import jax
 import jax.numpy as jnp
