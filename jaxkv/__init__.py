@@ -10,7 +10,7 @@ from jaxkv.alloc import BlockAllocator, SlotAllocator, TokenToKVPoolAllocator
 from jaxkv.alloc.token import FreeGroup
 from jaxkv.checks import checked
 from jaxkv.errors import DoubleFree, InvalidArgument, InvalidId, KVCacheError, KVCacheOOM
-from jaxkv.pool import ReqToTokenPool, make_req_to_token_pool
+from jaxkv.pool import KVPool, ReqToTokenPool, make_full_attention_net_mem_pool, make_req_to_token_pool
 
 __version__ = "0.1.0"
 
@@ -20,6 +20,8 @@ __all__ = [
     "TokenToKVPoolAllocator",
     "FreeGroup",
     "checked",
+    "KVPool",
+    "make_full_attention_net_mem_pool",
     "ReqToTokenPool",
     "make_req_to_token_pool",
     "KVCacheError",

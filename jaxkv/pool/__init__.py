@@ -1,5 +1,6 @@
-"""Pools: the request-to-token table (and, in later issues, K/V and state pools)."""
+"""Pools: paged K/V storage and the request-to-token table."""
 
+from jaxkv.pool.kv_pool import KVPool, make_full_attention_net_mem_pool
 from jaxkv.pool.req_to_token import ReqToTokenPool, make_req_to_token_pool
 
-__all__ = ["ReqToTokenPool", "make_req_to_token_pool"]
+__all__ = ["KVPool", "make_full_attention_net_mem_pool", "ReqToTokenPool", "make_req_to_token_pool"]

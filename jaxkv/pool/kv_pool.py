@@ -1,0 +1,353 @@
+"""KVPool: paged per-layer K/V storage (seed 002's KVPool, paged).
+
+Layout, per layer, is that of JAX's Pallas GPU paged attention, so one
+layer's pages go to a kernel with no transpose or copy::
+
+    k_pages  [num_layers, k_heads, num_pages, page_size, k_dim]
+    v_pages  [num_layers, v_heads, num_pages, page_size, v_dim]   (None in MLA mode)
+    k_scales [num_layers, k_heads, num_pages, page_size] float32  (fp8 storage only)
+    v_scales [num_layers, v_heads, num_pages, page_size] float32  (fp8 storage only)
+
+Token index ``t`` lives at page ``t // page_size``, offset ``t % page_size``
+(the index space of :class:`~jaxkv.alloc.token.TokenToKVPoolAllocator`).
+
+Invariants:
+
+* page 0 is the null page: never allocated; every padded or invalid write
+  lands there (-1 and any index outside the buffer are redirected to it), so a
+  write can never touch another request's page; its contents are garbage that
+  readers must mask;
+* K and V may have different head counts and head dims (MHA, GQA, MQA);
+  MLA mode stores one latent of ``kv_lora_rank + rope_dim`` per token in K
+  (one head) and no V: the value is the first ``kv_lora_rank`` dims;
+* fp8 storage (float8_e4m3fn, float8_e5m2) keeps one float32 scale per token
+  per head: ``stored = x / scale`` rounded to fp8 with
+  ``scale = max(|x|) / fp8_max`` over the head dim, and
+  ``x ~= stored.astype(float32) * scale``;
+* writes are in place when the pool is donated into the jitted step
+  (``jax.jit(step, donate_argnums=...)``); no method copies a whole pool.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+from jaxkv.alloc.token import TokenToKVPoolAllocator
+from jaxkv.errors import InvalidArgument, InvalidId
+from jaxkv.types import Array, Ids, Int
+
+#: Storage dtypes a pool can hold.
+STORAGE_DTYPES = tuple(
+    jnp.dtype(d) for d in (jnp.bfloat16, jnp.float16, jnp.float32, jnp.float8_e4m3fn, jnp.float8_e5m2)
+)
+_FP8 = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
+
+
+def is_fp8(dtype) -> bool:
+    return jnp.dtype(dtype) in _FP8
+
+
+def quantize_fp8(x: Array, dtype) -> tuple[Array, Array]:
+    """Per-row fp8 quantization over the last axis: ``(stored, scale)`` with
+    ``x ~= stored.astype(float32) * scale[..., None]``; an all-zero row gets
+    scale 1 (stored zeros)."""
+    x = x.astype(jnp.float32)
+    fp8_max = float(jnp.finfo(dtype).max)
+    amax = jnp.max(jnp.abs(x), axis=-1)
+    scale = jnp.where(amax > 0, amax / fp8_max, 1.0).astype(jnp.float32)
+    stored = jnp.clip(x / scale[..., None], -fp8_max, fp8_max).astype(dtype)
+    return stored, scale
+
+
+def dequantize(stored: Array, scale: Array | None, dtype=jnp.float32) -> Array:
+    """Inverse of :func:`quantize_fp8` (or a plain cast when ``scale`` is None)."""
+    if scale is None:
+        return stored.astype(dtype)
+    return (stored.astype(jnp.float32) * scale[..., None]).astype(dtype)
+
+
+@struct.dataclass
+class KVPool:
+    """Paged K/V pages of every layer; see the module docstring for layout."""
+
+    k_pages: Array
+    v_pages: Array | None
+    k_scales: Array | None
+    v_scales: Array | None
+    kv_lora_rank: int = struct.field(pytree_node=False, default=0)
+
+    # ------------------------------------------------------------------ creation
+
+    @classmethod
+    def create(
+        cls,
+        *,
+        num_pages: int,
+        page_size: int,
+        num_layers: int,
+        k_heads: int,
+        k_dim: int,
+        v_heads: int | None = None,
+        v_dim: int | None = None,
+        dtype=jnp.bfloat16,
+    ) -> "KVPool":
+        """A zero-filled pool of ``num_pages`` pages (page 0 the null page, so
+        ``num_pages - 1`` are usable). ``v_heads``/``v_dim`` default to K's."""
+        v_heads = k_heads if v_heads is None else v_heads
+        v_dim = k_dim if v_dim is None else v_dim
+        dtype = _storage_dtype(dtype)
+        _require_positive(num_pages=num_pages - 1, page_size=page_size, num_layers=num_layers,
+                          k_heads=k_heads, k_dim=k_dim, v_heads=v_heads, v_dim=v_dim)
+        k_pages, k_scales = _zeros(num_layers, k_heads, num_pages, page_size, k_dim, dtype)
+        v_pages, v_scales = _zeros(num_layers, v_heads, num_pages, page_size, v_dim, dtype)
+        return cls(k_pages=k_pages, v_pages=v_pages, k_scales=k_scales, v_scales=v_scales)
+
+    @classmethod
+    def create_mla(
+        cls, *, num_pages: int, page_size: int, num_layers: int, kv_lora_rank: int, rope_dim: int,
+        dtype=jnp.bfloat16,
+    ) -> "KVPool":
+        """MLA mode: one latent of ``kv_lora_rank + rope_dim`` per token, no V."""
+        dtype = _storage_dtype(dtype)
+        _require_positive(num_pages=num_pages - 1, page_size=page_size, num_layers=num_layers,
+                          kv_lora_rank=kv_lora_rank)
+        if rope_dim < 0:
+            raise InvalidArgument(f"rope_dim={rope_dim} must be >= 0")
+        k_pages, k_scales = _zeros(num_layers, 1, num_pages, page_size, kv_lora_rank + rope_dim, dtype)
+        return cls(k_pages=k_pages, v_pages=None, k_scales=k_scales, v_scales=None, kv_lora_rank=kv_lora_rank)
+
+    # ---------------------------------------------------------------- properties
+
+    @property
+    def num_layers(self) -> int:
+        return self.k_pages.shape[0]
+
+    @property
+    def num_pages(self) -> int:
+        return self.k_pages.shape[2]
+
+    @property
+    def page_size(self) -> int:
+        return self.k_pages.shape[3]
+
+    @property
+    def k_heads(self) -> int:
+        return self.k_pages.shape[1]
+
+    @property
+    def k_dim(self) -> int:
+        return self.k_pages.shape[4]
+
+    @property
+    def is_mla(self) -> bool:
+        return self.v_pages is None
+
+    @property
+    def v_heads(self) -> int:
+        return self.k_heads if self.is_mla else self.v_pages.shape[1]
+
+    @property
+    def v_dim(self) -> int:
+        return self.kv_lora_rank if self.is_mla else self.v_pages.shape[4]
+
+    @property
+    def dtype(self) -> jnp.dtype:
+        return self.k_pages.dtype
+
+    @property
+    def buffer_size(self) -> int:
+        """Token rows including the null page (``num_pages * page_size``)."""
+        return self.num_pages * self.page_size
+
+    @property
+    def size(self) -> int:
+        """Usable token rows (``buffer_size`` minus the null page)."""
+        return (self.num_pages - 1) * self.page_size
+
+    def mem_bytes(self) -> int:
+        """Bytes of every array the pool owns (pages and scales)."""
+        return sum(int(leaf.nbytes) for leaf in jax.tree_util.tree_leaves(self))
+
+    # ------------------------------------------------------------------ writes
+
+    def set_kv(self, layer: int | Int[Array, ""], indices: Ids, k: Array, v: Array | None = None) -> "KVPool":
+        """Write K (and V) of the tokens at ``indices`` into ``layer``.
+
+        ``k`` may have any leading shape whose size equals ``indices.size``,
+        followed by ``[k_heads, k_dim]`` or ``[k_heads * k_dim]`` (seed 002's
+        rule); likewise ``v``. In MLA mode pass the latent as ``k`` and no
+        ``v``. fp8 pools quantize here. Index -1 (padding) and any index
+        outside the buffer write to the null page, never to another page.
+        Concrete (host) indices outside ``[-1, buffer_size)`` raise
+        ``InvalidId``; shape mismatches raise ``InvalidArgument``.
+        """
+        layer = self._check_layer(layer)
+        flat = self._check_indices(indices)
+        k = self._rows(k, flat.shape[0], self.k_heads, self.k_dim, "k")
+        if self.is_mla:
+            if v is not None:
+                raise InvalidArgument("an MLA pool stores one latent per token: pass it as k and no v")
+            k_pages, k_scales = _write(self.k_pages, self.k_scales, layer, flat, k, self.page_size)
+            return self.replace(k_pages=k_pages, k_scales=k_scales)
+        if v is None:
+            raise InvalidArgument("set_kv needs v (only an MLA pool takes k alone)")
+        v = self._rows(v, flat.shape[0], self.v_heads, self.v_dim, "v")
+        k_pages, k_scales = _write(self.k_pages, self.k_scales, layer, flat, k, self.page_size)
+        v_pages, v_scales = _write(self.v_pages, self.v_scales, layer, flat, v, self.page_size)
+        return self.replace(k_pages=k_pages, k_scales=k_scales, v_pages=v_pages, v_scales=v_scales)
+
+    # ------------------------------------------------------------------- reads
+
+    def get_kv(
+        self, layer: int | Int[Array, ""], indices: Ids, dtype=jnp.float32
+    ) -> tuple[Array, Array]:
+        """Dequantized ``(k [n, k_heads, k_dim], v [n, v_heads, v_dim])`` of the
+        tokens at ``indices`` (flattened); in MLA mode ``v`` is the first
+        ``kv_lora_rank`` dims of the latent. -1 reads the null page (garbage:
+        mask it)."""
+        layer = self._check_layer(layer)
+        flat = self._check_indices(indices)
+        k = _read(self.k_pages, self.k_scales, layer, flat, self.page_size, dtype)
+        if self.is_mla:
+            return k, k[..., : self.kv_lora_rank]
+        return k, _read(self.v_pages, self.v_scales, layer, flat, self.page_size, dtype)
+
+    def layer_arrays(self, layer: int) -> tuple[Array, Array | None, Array | None, Array | None]:
+        """``(k_pages, v_pages, k_scales, v_scales)`` of one layer, each
+        ``[heads, num_pages, page_size, ...]``: the arguments of a paged
+        attention kernel."""
+        layer = self._check_layer(layer)
+        pick = lambda a: None if a is None else a[layer]  # noqa: E731
+        return pick(self.k_pages), pick(self.v_pages), pick(self.k_scales), pick(self.v_scales)
+
+    # ------------------------------------------------------------ page copies
+
+    def copy_pages(self, src_pages: Ids, dst_pages: Ids) -> "KVPool":
+        """``page dst[i] <- page src[i]`` in every layer, K, V and scales
+        (copy-on-write, defragmentation). Pairs with a -1 on either side are
+        skipped; all sources are read before any destination is written."""
+        src = jnp.asarray(src_pages, jnp.int32).reshape(-1)
+        dst = jnp.asarray(dst_pages, jnp.int32).reshape(-1)
+        if src.shape != dst.shape:
+            raise InvalidArgument(f"copy_pages: {src.shape[0]} sources but {dst.shape[0]} destinations")
+        skip = (src == -1) | (dst == -1)
+        src = jnp.where(skip, 0, src)
+        dst = jnp.where(skip, self.num_pages, dst)  # out of bounds: dropped
+
+        return jax.tree_util.tree_map(lambda a: a.at[:, :, dst].set(a[:, :, src], mode="drop"), self)
+
+    def read_pages(self, pages: Ids) -> "KVPool":
+        """A small pool-shaped pytree holding just ``pages`` (every layer, K, V
+        and scales), e.g. to swap them to host memory. -1 reads the null page."""
+        pages = jnp.asarray(pages, jnp.int32).reshape(-1)
+        pages = jnp.where(pages == -1, 0, pages)
+        return jax.tree_util.tree_map(lambda a: a[:, :, pages], self)
+
+    def write_pages(self, pages: Ids, data: "KVPool") -> "KVPool":
+        """Inverse of :meth:`read_pages`: ``page pages[i] <- data page i``;
+        -1 entries are skipped."""
+        pages = jnp.asarray(pages, jnp.int32).reshape(-1)
+        if data.num_pages != pages.shape[0]:
+            raise InvalidArgument(f"write_pages: {pages.shape[0]} pages but data holds {data.num_pages}")
+        target = jnp.where(pages == -1, self.num_pages, pages)
+        return jax.tree_util.tree_map(lambda a, d: a.at[:, :, target].set(d, mode="drop"), self, data)
+
+    # --------------------------------------------------------------- internals
+
+    def _check_layer(self, layer):
+        if isinstance(layer, (int, np.integer)):
+            if not 0 <= layer < self.num_layers:
+                raise InvalidId(f"layer {layer} outside [0, {self.num_layers})", [layer])
+        return layer
+
+    def _check_indices(self, indices) -> Array:
+        if not isinstance(indices, jax.core.Tracer):
+            host = np.asarray(indices).reshape(-1)
+            bad = host[(host < -1) | (host >= self.buffer_size)]
+            if bad.size:
+                raise InvalidId(
+                    f"token indices {np.unique(bad)[:8].tolist()} outside [0, {self.buffer_size}) "
+                    f"({self.num_pages} pages of {self.page_size}; -1 is padding)",
+                    np.unique(bad),
+                )
+        flat = jnp.asarray(indices, jnp.int32).reshape(-1)
+        # Anything that is not a real row goes to the null page, never elsewhere.
+        return jnp.where((flat >= 0) & (flat < self.buffer_size), flat, 0)
+
+    def _rows(self, x: Array, n: int, heads: int, dim: int, name: str) -> Array:
+        x = jnp.asarray(x)
+        if x.size != n * heads * dim:
+            raise InvalidArgument(
+                f"{name} has shape {tuple(x.shape)} ({x.size} values) but {n} indices need "
+                f"{n} x {heads} heads x {dim} dims = {n * heads * dim}"
+            )
+        return x.reshape(n, heads, dim)
+
+
+def _storage_dtype(dtype) -> jnp.dtype:
+    dtype = jnp.dtype(dtype)
+    if dtype not in STORAGE_DTYPES:
+        names = ", ".join(d.name for d in STORAGE_DTYPES)
+        raise InvalidArgument(f"a KV pool cannot store {dtype.name}; choose one of {names}")
+    return dtype
+
+
+def _require_positive(**sizes: int) -> None:
+    bad = {name: value for name, value in sizes.items() if value < 1}
+    if bad:
+        raise InvalidArgument(f"sizes must be >= 1 (num_pages counts the null page too): {bad}")
+
+
+def _zeros(layers, heads, pages, page_size, dim, dtype):
+    shape = (layers, heads, pages, page_size, dim)
+    scales = jnp.ones(shape[:-1], jnp.float32) if is_fp8(dtype) else None
+    return jnp.zeros(shape, dtype), scales
+
+
+def _write(pages, scales, layer, flat, rows, page_size):
+    """Store ``rows [n, heads, dim]`` at token rows ``flat`` of ``layer``."""
+    page, offset = flat // page_size, flat % page_size
+    if scales is None:
+        return pages.at[layer, :, page, offset].set(rows.astype(pages.dtype)), None
+    stored, scale = quantize_fp8(rows, pages.dtype)
+    return pages.at[layer, :, page, offset].set(stored), scales.at[layer, :, page, offset].set(scale)
+
+
+def _read(pages, scales, layer, flat, page_size, dtype):
+    page, offset = flat // page_size, flat % page_size
+    stored = pages[layer, :, page, offset]  # [n, heads, dim]
+    return dequantize(stored, None if scales is None else scales[layer, :, page, offset], dtype)
+
+
+def make_full_attention_net_mem_pool(
+    size: int,
+    layer_num: int,
+    k_head_num: int,
+    k_head_dim: int,
+    v_head_num: int | None = None,
+    v_head_dim: int | None = None,
+    dtype=jnp.bfloat16,
+    page_size: int = 1,
+    need_sort: bool = True,
+) -> tuple[KVPool, TokenToKVPoolAllocator]:
+    """Seed 002's factory: a :class:`KVPool` of ``size`` usable tokens (plus the
+    null page) and the :class:`TokenToKVPoolAllocator` handing out its rows."""
+    allocator = TokenToKVPoolAllocator.create(size, page_size=page_size, need_sort=need_sort)
+    pool = KVPool.create(
+        num_pages=allocator.pages.num_blocks,
+        page_size=page_size,
+        num_layers=layer_num,
+        k_heads=k_head_num,
+        k_dim=k_head_dim,
+        v_heads=v_head_num,
+        v_dim=v_head_dim,
+        dtype=dtype,
+    )
+    assert pool.buffer_size == allocator.buffer_size
+    return pool, allocator
+
+
+__all__ = ["KVPool", "make_full_attention_net_mem_pool", "quantize_fp8", "dequantize", "is_fp8"]
