@@ -93,17 +93,21 @@ class BlockAllocator:
     # ------------------------------------------------------------------ device ops
 
     def acquire(
-        self, n: Count, *, max_n: int
+        self, n: Count, *, max_n: int, owners: Count = 1
     ) -> tuple["BlockAllocator", Int[Array, "max_n"], Ok]:
-        """Take ``n`` free blocks (traced ``n``, static ``max_n``), count 1 each.
+        """Take ``n`` free blocks (traced ``n``, static ``max_n``), each with
+        ``owners`` owners (default 1; a prompt shared by a group of sequences
+        starts with one owner per sequence).
 
         Returns ``(state, ids, ok)``: ``ids[:n]`` are the blocks taken and
         ``ids[n:]`` are -1. Fails (``ok`` False, state unchanged, ids all -1)
-        when ``n < 0``, ``n > max_n`` or ``n > num_free``.
+        when ``n < 0``, ``n > max_n``, ``n > num_free`` or ``owners < 1``.
         """
         n = jnp.asarray(n, jnp.int32)
+        owners = jnp.asarray(owners, jnp.int32)
         require((n >= 0) & (n <= max_n), InvalidArgument, f"acquire of {{}} blocks with max_n={max_n}", n)
-        ok = (n >= 0) & (n <= max_n) & (n <= self.num_free)
+        require(owners >= 1, InvalidArgument, "acquire with {} owners per block", owners)
+        ok = (n >= 0) & (n <= max_n) & (n <= self.num_free) & (owners >= 1)
         lane = jnp.arange(max_n, dtype=jnp.int32)
         if self.lowest_first:
             # Comparing with an iota (not ``.at[0].set``) keeps the mask fusible.
@@ -112,7 +116,7 @@ class BlockAllocator:
         else:  # pop: the popped entries stay in the array, past the new top
             top = self.num_free - 1 - lane
             ids = jnp.where(ok & (lane < n), self.free_ids[jnp.clip(top, 0, self.capacity - 1)], -1)
-        ref_counts = self.ref_counts.at[self._or_drop(ids >= 0, ids)].set(1, mode="drop")
+        ref_counts = self.ref_counts.at[self._or_drop(ids >= 0, ids)].set(owners, mode="drop")
         num_free = self.num_free - jnp.where(ok, n, 0)
         return self.replace(num_free=num_free, ref_counts=ref_counts), ids, ok
 

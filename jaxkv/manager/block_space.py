@@ -1,0 +1,350 @@
+"""BlockSpaceManager: per-sequence block tables on device (seed 003).
+
+vLLM's original block space manager kept Python lists of block objects and
+ran on the host every step. Here the whole state is a pytree and every
+operation is jittable, so ``append_slots`` (grow each running sequence by one
+token, taking a block when it crosses a block boundary, copy-on-write when its
+last block is shared) can run inside the ``lax.scan`` of a decode loop.
+
+State:
+
+* ``block_tables[s, j]``: the block holding tokens ``[j*bs, (j+1)*bs)`` of
+  sequence row ``s``; -1 past the sequence's blocks. A row whose sequence is
+  swapped out holds host block ids.
+* ``seq_lens[s]``: tokens the sequence holds; ``status[s]``: FREE, ON_DEVICE
+  or SWAPPED.
+* ``device`` / ``host``: ref-counted allocators of device and host blocks.
+
+Invariants (checked by the property tests after every operation):
+
+* a device block's ref count equals the number of table entries of ON_DEVICE
+  rows that name it (likewise for host blocks and SWAPPED rows), plus any
+  references held outside the manager (none unless the caller adds them);
+* no block is both free and named by a table; block 0 is never named;
+* a row names exactly ``ceil(seq_lens / bs)`` blocks, FREE rows none;
+* every operation is all-or-nothing: when it cannot complete it returns the
+  state unchanged, ``ok`` False, and marks which sequences could not proceed.
+
+Sequence rows are chosen by the caller (``0 .. max_seqs-1``, e.g. a request
+slot); -1 entries in any id argument are padding and ignored.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from jaxkv.alloc.block import BlockAllocator
+from jaxkv.errors import InvalidArgument
+from jaxkv.pool.kv_pool import KVPool
+from jaxkv.types import Array, Bool, Count, Ids, Int, Ok
+
+FREE, ON_DEVICE, SWAPPED = 0, 1, 2
+#: ``can_allocate`` answers (vLLM's AllocStatus).
+ALLOC_OK, ALLOC_LATER, ALLOC_NEVER = 0, 1, 2
+
+
+@struct.dataclass
+class BlockSpaceManager:
+    """Block tables, lengths and device/host block allocators of up to
+    ``max_seqs`` sequences; see the module docstring for the invariants."""
+
+    block_tables: Int[Array, "max_seqs max_blocks"]
+    seq_lens: Int[Array, "max_seqs"]
+    status: Int[Array, "max_seqs"]
+    device: BlockAllocator
+    host: BlockAllocator
+    block_size: int = struct.field(pytree_node=False)
+    watermark_blocks: int = struct.field(pytree_node=False, default=0)
+
+    @classmethod
+    def create(
+        cls,
+        *,
+        num_device_blocks: int,
+        num_host_blocks: int,
+        block_size: int,
+        max_seqs: int,
+        max_blocks_per_seq: int,
+        watermark: float = 0.01,
+    ) -> "BlockSpaceManager":
+        """Every row free. Block counts include the null block 0 (they equal the
+        ``num_pages`` of the matching :class:`KVPool`). ``watermark`` is the
+        fraction of device blocks ``can_allocate`` keeps free for running
+        sequences to grow into (vLLM's default 1%)."""
+        if block_size < 1 or max_seqs < 1 or max_blocks_per_seq < 1:
+            raise InvalidArgument(
+                f"block_size={block_size}, max_seqs={max_seqs} and max_blocks_per_seq={max_blocks_per_seq} "
+                "must all be >= 1"
+            )
+        if not 0 <= watermark < 1:
+            raise InvalidArgument(f"watermark={watermark} must be in [0, 1)")
+        return cls(
+            block_tables=jnp.full((max_seqs, max_blocks_per_seq), -1, jnp.int32),
+            seq_lens=jnp.zeros((max_seqs,), jnp.int32),
+            status=jnp.zeros((max_seqs,), jnp.int32),
+            device=BlockAllocator.create(num_device_blocks),
+            host=BlockAllocator.create(max(num_host_blocks, 2)),
+            block_size=block_size,
+            watermark_blocks=int(watermark * num_device_blocks),
+        )
+
+    @property
+    def max_seqs(self) -> int:
+        return self.block_tables.shape[0]
+
+    @property
+    def max_blocks_per_seq(self) -> int:
+        return self.block_tables.shape[1]
+
+    def blocks_for(self, num_tokens: Count) -> Int[Array, "..."]:
+        """Blocks needed to hold ``num_tokens`` tokens."""
+        return (jnp.asarray(num_tokens, jnp.int32) + self.block_size - 1) // self.block_size
+
+    def reset(self) -> "BlockSpaceManager":
+        """Every sequence and block free (same configuration)."""
+        return self.replace(
+            block_tables=jnp.full_like(self.block_tables, -1),
+            seq_lens=jnp.zeros_like(self.seq_lens),
+            status=jnp.zeros_like(self.status),
+            device=self.device.reset(),
+            host=self.host.reset(),
+        )
+
+    # --------------------------------------------------------------- admission
+
+    def can_allocate(self, num_tokens: Count) -> Int[Array, ""]:
+        """``ALLOC_OK`` if a prompt of ``num_tokens`` fits now while leaving the
+        watermark free, ``ALLOC_LATER`` if it will once blocks are freed,
+        ``ALLOC_NEVER`` if it cannot fit even in an empty cache."""
+        needed = self.blocks_for(num_tokens)
+        never = (needed > self.device.capacity - self.watermark_blocks) | (needed > self.max_blocks_per_seq)
+        later = self.device.num_free - needed < self.watermark_blocks
+        return jnp.where(never, ALLOC_NEVER, jnp.where(later, ALLOC_LATER, ALLOC_OK)).astype(jnp.int32)
+
+    def allocate(self, seq_ids: Ids, num_tokens: Count) -> tuple["BlockSpaceManager", Ok]:
+        """Give the sequence group ``seq_ids`` (free rows; -1 padding) one shared
+        prompt of ``num_tokens`` tokens: ``ceil(num_tokens / bs)`` new blocks,
+        each with one owner per sequence of the group (seed 003).
+
+        Fails (state unchanged) when a row is out of range, not free or named
+        twice, the group is empty, ``num_tokens < 1``, the prompt needs more
+        than ``max_blocks_per_seq`` blocks, or too few blocks are free.
+        """
+        seqs, given = _ids(seq_ids)
+        group = jnp.sum(given, dtype=jnp.int32)
+        num_tokens = jnp.asarray(num_tokens, jnp.int32)
+        blocks = self.blocks_for(num_tokens)
+        valid = (
+            self._rows_in_state(seqs, given, FREE)
+            & _distinct(seqs, given, self.max_seqs)
+            & (group >= 1)
+            & (num_tokens >= 1)
+            & (blocks <= self.max_blocks_per_seq)
+        )
+        impossible = self.max_blocks_per_seq + 1  # makes acquire fail, state unchanged
+        device, ids, acquired = self.device.acquire(
+            jnp.where(valid, blocks, impossible), max_n=self.max_blocks_per_seq, owners=jnp.maximum(group, 1)
+        )
+        ok = valid & acquired
+        rows = jnp.where(ok & given, seqs, self.max_seqs)
+        return (
+            self.replace(
+                block_tables=self.block_tables.at[rows].set(ids, mode="drop"),
+                seq_lens=self.seq_lens.at[rows].set(num_tokens, mode="drop"),
+                status=self.status.at[rows].set(ON_DEVICE, mode="drop"),
+                device=device,
+            ),
+            ok,
+        )
+
+    # ------------------------------------------------------------------ decode
+
+    def append_slots(
+        self, pool: KVPool, seq_ids: Ids, num_new_tokens: int = 1
+    ) -> tuple["BlockSpaceManager", KVPool, Int[Array, "batch num_new_tokens"], Ok, Bool[Array, "batch"]]:
+        """Grow each sequence of ``seq_ids`` (ON_DEVICE rows, -1 padding) by
+        ``num_new_tokens`` (static) tokens.
+
+        A sequence takes a new block for each block boundary it crosses. If the
+        block its new tokens land in first is shared (ref count > 1, e.g. after
+        ``fork``), copy-on-write: a fresh block replaces it in this sequence's
+        table, the old block's K/V of every layer are copied into it in
+        ``pool``, and the old block loses this owner. If all owners of a shared
+        block append in the same step, the first (in batch order) keeps it and
+        only the others copy. All blocks of the step come from one acquire.
+
+        Returns ``(state, pool, slots, ok, blocked)``: ``slots[b, i]`` is the
+        token index in the pool where new token ``i`` of sequence ``b`` must be
+        written (-1 for padding). When the step cannot complete (too few free
+        blocks, a sequence not on the device, past ``max_blocks_per_seq``, a row
+        named twice) nothing changes, ``ok`` is False and ``blocked`` marks the
+        sequences that could not proceed, so a scheduler can preempt.
+        """
+        bs, n = self.block_size, num_new_tokens
+        seqs, given = _ids(seq_ids)
+        rows = jnp.where(given, seqs, 0)
+        lens = jnp.where(given, self.seq_lens.at[rows].get(mode="fill", fill_value=0), 0)
+        have = self.blocks_for(lens)
+        needed = self.blocks_for(lens + n)
+        last_block = _table_at(self.block_tables, rows, have - 1)
+        # The first new token lands in the partly filled last block, if any; a
+        # shared one is copied, except that when every owner of a block appends
+        # in this step the first of them keeps it (as vLLM's sequential appends
+        # would): the others copy away and leave it to that one.
+        owners = self.device.ref_count(last_block)
+        shared = given & (lens % bs != 0) & (owners > 1)
+        same_block = (last_block[:, None] == last_block[None, :]) & shared[:, None] & shared[None, :]
+        batch_lane = jnp.arange(seqs.shape[0])
+        earlier_sharers = jnp.sum(same_block & (batch_lane[None, :] < batch_lane[:, None]), axis=1)
+        keeps = shared & (earlier_sharers == 0) & (jnp.sum(same_block, axis=1) == owners)
+        cow = shared & ~keeps
+        fresh = jnp.where(given, needed - have, 0)
+        takes = fresh + cow
+        on_device = self._rows_in_state(seqs, given, ON_DEVICE, per_row=True)
+        fits = needed <= self.max_blocks_per_seq
+        bad_row = given & ~(on_device & fits)
+        valid = ~jnp.any(bad_row) & _distinct(seqs, given, self.max_seqs)
+        lanes = -(-n // bs) + 1  # most blocks one sequence can take in a step
+        total = jnp.sum(jnp.where(given, takes, 0), dtype=jnp.int32)
+        device, ids, acquired = self.device.acquire(
+            jnp.where(valid, total, seqs.shape[0] * lanes + 1), max_n=seqs.shape[0] * lanes
+        )
+        ok = valid & acquired
+        first = jnp.cumsum(takes) - takes  # this sequence's first id in ``ids``
+
+        # Table writes: lane 0 replaces the last block (copy-on-write), lanes
+        # 1.. append fresh blocks.
+        lane = jnp.arange(lanes, dtype=jnp.int32)
+        column = jnp.where(lane == 0, have[:, None] - 1, have[:, None] + lane - 1)
+        use = jnp.where(lane == 0, cow[:, None], (lane - 1) < fresh[:, None]) & (ok & given)[:, None]
+        id_index = first[:, None] + jnp.where(lane == 0, 0, cow[:, None] + lane - 1)
+        new_ids = ids.at[id_index].get(mode="fill", fill_value=-1)
+        tables = self.block_tables.at[jnp.where(use, rows[:, None], self.max_seqs), column].set(new_ids, mode="drop")
+
+        copy_src = jnp.where(cow & ok, last_block, -1)
+        copy_dst = jnp.where(cow & ok, new_ids[:, 0], -1)
+        pool = pool.copy_pages(copy_src, copy_dst)
+        device, _ = device.release(copy_src)  # drops this sequence's share; never frees
+        seq_lens = self.seq_lens.at[jnp.where(ok & given, rows, self.max_seqs)].add(n, mode="drop")
+
+        position = lens[:, None] + jnp.arange(n, dtype=jnp.int32)
+        page = _table_at(tables, rows[:, None], position // bs)
+        slots = jnp.where((ok & given)[:, None], page * bs + position % bs, -1)
+        blocked = jnp.where(valid, given & (takes > 0), bad_row) & ~ok
+        state = self.replace(block_tables=tables, seq_lens=seq_lens, device=device)
+        return state, pool, slots, ok, blocked
+
+    def fork(self, src_ids: Ids, dst_ids: Ids) -> tuple["BlockSpaceManager", Ok]:
+        """``dst[i]`` becomes a copy of sequence ``src[i]`` sharing all its
+        blocks (one more owner each; no allocation, so it cannot run out of
+        memory). For parallel sampling and beam search; later appends
+        copy-on-write. Pairs with -1 are skipped.
+
+        Fails (state unchanged) when a source is not ON_DEVICE, a destination
+        is not FREE, or a destination repeats or is also a source.
+        """
+        src, src_given = _ids(src_ids)
+        dst, dst_given = _ids(dst_ids)
+        if src.shape != dst.shape:
+            raise InvalidArgument(f"fork: {src.shape[0]} sources but {dst.shape[0]} destinations")
+        pair = src_given & dst_given
+        src = jnp.where(pair, src, -1)
+        dst = jnp.where(pair, dst, -1)
+        valid = (
+            self._rows_in_state(src, pair, ON_DEVICE)
+            & self._rows_in_state(dst, pair, FREE)
+            & _distinct(dst, pair, self.max_seqs)
+        )
+        src_rows = jnp.where(pair, src, 0)
+        shared = jnp.where(pair[:, None], self.block_tables[src_rows], -1)
+        device, increfed = self.device.incref(jnp.where(valid, shared, -1))
+        ok = valid & increfed
+        target = jnp.where(ok & pair, dst, self.max_seqs)
+        return (
+            self.replace(
+                block_tables=self.block_tables.at[target].set(shared, mode="drop"),
+                seq_lens=self.seq_lens.at[target].set(self.seq_lens[src_rows], mode="drop"),
+                status=self.status.at[target].set(ON_DEVICE, mode="drop"),
+                device=device,
+            ),
+            ok,
+        )
+
+    def free(self, seq_ids: Ids) -> tuple["BlockSpaceManager", Ok]:
+        """Finish sequences (ON_DEVICE or SWAPPED rows; -1 padding): drop their
+        owner of every block (blocks return to their free stack at zero) and
+        free the rows. Fails (state unchanged) on a FREE or out-of-range row or
+        a row named twice."""
+        seqs, given = _ids(seq_ids)
+        rows = jnp.where(given, seqs, 0)
+        status = jnp.where(given, self.status.at[rows].get(mode="fill", fill_value=FREE), FREE)
+        in_range = (seqs >= 0) & (seqs < self.max_seqs)
+        valid = jnp.all(~given | (in_range & (status != FREE))) & _distinct(seqs, given, self.max_seqs)
+        tables = jnp.where(given[:, None], self.block_tables.at[rows].get(mode="fill", fill_value=-1), -1)
+        device, device_ok = self.device.release(jnp.where(valid & (status == ON_DEVICE)[:, None], tables, -1))
+        host, host_ok = self.host.release(jnp.where(valid & (status == SWAPPED)[:, None], tables, -1))
+        ok = valid & device_ok & host_ok
+        target = jnp.where(ok & given, rows, self.max_seqs)
+        return (
+            self.replace(
+                block_tables=self.block_tables.at[target].set(-1, mode="drop"),
+                seq_lens=self.seq_lens.at[target].set(0, mode="drop"),
+                status=self.status.at[target].set(FREE, mode="drop"),
+                device=jax.tree_util.tree_map(lambda new, old: jnp.where(ok, new, old), device, self.device),
+                host=jax.tree_util.tree_map(lambda new, old: jnp.where(ok, new, old), host, self.host),
+            ),
+            ok,
+        )
+
+    # --------------------------------------------------------------- queries
+
+    def token_slots(self, seq_ids: Ids, positions: Int[Array, "batch n"]) -> Int[Array, "batch n"]:
+        """Pool token index of ``positions`` of each sequence (-1 for padding
+        rows and positions past the sequence's blocks)."""
+        seqs, given = _ids(seq_ids)
+        rows = jnp.where(given, seqs, 0)
+        positions = jnp.asarray(positions, jnp.int32)
+        page = _table_at(self.block_tables, rows[:, None], positions // self.block_size)
+        return jnp.where(given[:, None] & (page >= 0), page * self.block_size + positions % self.block_size, -1)
+
+    def batch_tables(self, seq_ids: Ids) -> tuple[Int[Array, "batch max_blocks"], Int[Array, "batch"]]:
+        """``(block_tables, lengths)`` of a batch of ON_DEVICE sequences, in the
+        convention of :mod:`jaxkv.manager.kernel_tables` (which turns them into
+        each kernel's format): padding rows (-1) and rows not on the device get
+        an all -1 row and length 0, so they read nothing."""
+        seqs, given = _ids(seq_ids)
+        on_device = self._rows_in_state(seqs, given, ON_DEVICE, per_row=True) & given
+        rows = jnp.where(on_device, seqs, 0)
+        return (
+            jnp.where(on_device[:, None], self.block_tables[rows], -1),
+            jnp.where(on_device, self.seq_lens[rows], 0),
+        )
+
+    # --------------------------------------------------------------- internals
+
+    def _rows_in_state(self, seqs, given, state: int, per_row: bool = False):
+        """Whether every given row is in range and in ``state`` (or, with
+        ``per_row``, that test for each row)."""
+        in_range = (seqs >= 0) & (seqs < self.max_seqs)
+        status = self.status.at[jnp.where(in_range, seqs, 0)].get(mode="fill", fill_value=FREE)
+        good = in_range & (status == state)
+        return good if per_row else jnp.all(~given | good)
+
+
+def _ids(ids: Ids) -> tuple[Int[Array, "m"], Bool[Array, "m"]]:
+    ids = jnp.asarray(ids, jnp.int32).reshape(-1)
+    return ids, ids != -1
+
+
+def _distinct(ids: Int[Array, "m"], given: Bool[Array, "m"], bound: int) -> Bool[Array, ""]:
+    """No given id appears twice (ids outside [0, bound) are checked elsewhere)."""
+    counts = jnp.zeros((bound,), jnp.int32).at[jnp.where(given, ids, bound)].add(1, mode="drop")
+    return jnp.all(counts <= 1)
+
+
+def _table_at(tables: Int[Array, "s c"], rows: Int[Array, "..."], columns: Int[Array, "..."]) -> Int[Array, "..."]:
+    """``tables[rows, columns]``, -1 where the column is out of range."""
+    inside = (columns >= 0) & (columns < tables.shape[1])
+    return jnp.where(inside, tables[rows, jnp.clip(columns, 0, tables.shape[1] - 1)], -1)
