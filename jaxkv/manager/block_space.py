@@ -298,6 +298,77 @@ class BlockSpaceManager:
             ok,
         )
 
+    # -------------------------------------------------------------------- swap
+
+    def can_swap_out(self, seq_ids: Ids) -> Bool[Array, ""]:
+        """Whether the host has a free block for every distinct block of the
+        ON_DEVICE rows ``seq_ids``."""
+        needed = self._distinct_blocks(seq_ids)
+        return needed <= self.host.num_free
+
+    def can_swap_in(self, seq_ids: Ids) -> Int[Array, ""]:
+        """``ALLOC_OK`` / ``ALLOC_LATER`` / ``ALLOC_NEVER`` for bringing the
+        SWAPPED rows ``seq_ids`` back, keeping the watermark free (as
+        :meth:`can_allocate`)."""
+        needed = self._distinct_blocks(seq_ids)
+        never = needed > self.device.capacity - self.watermark_blocks
+        later = self.device.num_free - needed < self.watermark_blocks
+        return jnp.where(never, ALLOC_NEVER, jnp.where(later, ALLOC_LATER, ALLOC_OK)).astype(jnp.int32)
+
+    def swap_out(self, seq_ids: Ids) -> tuple["BlockSpaceManager", Int[Array, "m"], Int[Array, "m"], Ok]:
+        """Move the sequence group ``seq_ids`` (ON_DEVICE rows; -1 padding) to
+        host blocks: one host block per distinct device block, holding one
+        owner per reference from the group; the device blocks lose those
+        owners (and are freed unless someone outside the group holds them).
+
+        Returns ``(state, device_pages, host_pages, ok)``: page
+        ``device_pages[i]`` must be copied to host page ``host_pages[i]``
+        (-1 pairs are padding) before the freed device blocks are written
+        again; :func:`jaxkv.pool.host.swap_out_pages` does it. Fails (state
+        unchanged) when a row is not ON_DEVICE or named twice, or the host has
+        too few free blocks.
+        """
+        return self._move_group(seq_ids, ON_DEVICE, SWAPPED)
+
+    def swap_in(self, seq_ids: Ids) -> tuple["BlockSpaceManager", Int[Array, "m"], Int[Array, "m"], Ok]:
+        """Inverse of :meth:`swap_out` for SWAPPED rows: returns
+        ``(state, host_pages, device_pages, ok)``, the copies to make
+        (:func:`jaxkv.pool.host.swap_in_pages`) before the rows are used."""
+        return self._move_group(seq_ids, SWAPPED, ON_DEVICE)
+
+    def _move_group(self, seq_ids, from_status: int, to_status: int):
+        seqs, given = _ids(seq_ids)
+        source, target = (self.device, self.host) if from_status == ON_DEVICE else (self.host, self.device)
+        valid = self._rows_in_state(seqs, given, from_status) & _distinct(seqs, given, self.max_seqs)
+        rows = jnp.where(given, seqs, 0)
+        tables = jnp.where((given & valid)[:, None], self.block_tables[rows], -1)
+        flat = tables.reshape(-1)
+        runs = _block_runs(flat)
+        width = flat.shape[0]
+        target, new_ids, acquired = target.acquire(jnp.where(valid, runs.count, width + 1), max_n=width)
+        ok = valid & acquired
+        new_sorted = jnp.where(runs.present & ok, new_ids.at[runs.run].get(mode="fill", fill_value=-1), -1)
+        # One owner per reference: acquire gave one, the repeats add the rest.
+        target, _ = target.incref(jnp.where(runs.is_first, -1, new_sorted))
+        source, _ = source.release(jnp.where(ok, flat, -1))
+        new_flat = jnp.zeros_like(flat).at[runs.order].set(new_sorted)
+        target_rows = jnp.where(ok & given, rows, self.max_seqs)
+        allocators = (source, target) if from_status == ON_DEVICE else (target, source)
+        state = self.replace(
+            block_tables=self.block_tables.at[target_rows].set(new_flat.reshape(tables.shape), mode="drop"),
+            status=self.status.at[target_rows].set(to_status, mode="drop"),
+            device=allocators[0],
+            host=allocators[1],
+        )
+        from_pages = jnp.where(runs.is_first & ok, runs.ordered, -1)
+        to_pages = jnp.where(runs.is_first & ok, new_sorted, -1)
+        return state, from_pages, to_pages, ok
+
+    def _distinct_blocks(self, seq_ids: Ids) -> Int[Array, ""]:
+        seqs, given = _ids(seq_ids)
+        rows = jnp.where(given, seqs, 0)
+        return _block_runs(jnp.where(given[:, None], self.block_tables[rows], -1).reshape(-1)).count
+
     # --------------------------------------------------------------- queries
 
     def token_slots(self, seq_ids: Ids, positions: Int[Array, "batch n"]) -> Int[Array, "batch n"]:
@@ -342,6 +413,32 @@ def _distinct(ids: Int[Array, "m"], given: Bool[Array, "m"], bound: int) -> Bool
     """No given id appears twice (ids outside [0, bound) are checked elsewhere)."""
     counts = jnp.zeros((bound,), jnp.int32).at[jnp.where(given, ids, bound)].add(1, mode="drop")
     return jnp.all(counts <= 1)
+
+
+@struct.dataclass
+class _Runs:
+    """``ids`` sorted, with the runs of equal ids described (see _block_runs)."""
+
+    order: Int[Array, "m"]  # ordered = ids[order]
+    ordered: Int[Array, "m"]
+    present: Bool[Array, "m"]  # not padding
+    is_first: Bool[Array, "m"]  # first of its run
+    run: Int[Array, "m"]  # index of the run (distinct id) of each position
+    count: Int[Array, ""]  # number of distinct ids
+
+
+def _block_runs(ids: Int[Array, "m"]) -> _Runs:
+    """Sort block ids (-1 = padding, sorted last) and number the distinct ones.
+    Used by swaps, which are rare and small: a sort of the group's table
+    entries is cheaper than any scratch array sized by the pool."""
+    big = jnp.iinfo(jnp.int32).max
+    order = jnp.argsort(jnp.where(ids == -1, big, ids), stable=True)
+    ordered = ids[order]
+    present = ordered != -1
+    previous = jnp.concatenate([jnp.full((1,), -1, ordered.dtype), ordered[:-1]])
+    is_first = present & (ordered != previous)
+    run = jnp.cumsum(is_first, dtype=jnp.int32) - 1
+    return _Runs(order, ordered, present, is_first, run, jnp.sum(is_first, dtype=jnp.int32))
 
 
 def _table_at(tables: Int[Array, "s c"], rows: Int[Array, "..."], columns: Int[Array, "..."]) -> Int[Array, "..."]:
