@@ -9,7 +9,10 @@ function (state first in, new state first out, ``ok`` last) that works under
 from jaxkv.alloc import BlockAllocator, SlotAllocator, TokenToKVPoolAllocator
 from jaxkv.alloc.token import FreeGroup
 from jaxkv.checks import checked
+from jaxkv.attention import dense_decode_attention, paged_decode_attention
 from jaxkv.errors import DoubleFree, InvalidArgument, InvalidId, KVCacheError, KVCacheOOM
+from jaxkv.manager import kernel_tables
+from jaxkv.manager.block_space import ALLOC_LATER, ALLOC_NEVER, ALLOC_OK, BlockSpaceManager
 from jaxkv.pool import KVPool, ReqToTokenPool, make_full_attention_net_mem_pool, make_req_to_token_pool
 
 __version__ = "0.1.0"
@@ -24,6 +27,13 @@ __all__ = [
     "make_full_attention_net_mem_pool",
     "ReqToTokenPool",
     "make_req_to_token_pool",
+    "BlockSpaceManager",
+    "ALLOC_OK",
+    "ALLOC_LATER",
+    "ALLOC_NEVER",
+    "kernel_tables",
+    "paged_decode_attention",
+    "dense_decode_attention",
     "KVCacheError",
     "KVCacheOOM",
     "DoubleFree",
