@@ -33,14 +33,17 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import struct
 
+from jaxkv import _host
 from jaxkv.alloc.block import BlockAllocator
-from jaxkv.errors import InvalidArgument
+from jaxkv.errors import InvalidArgument, InvalidId, KVCacheOOM
 from jaxkv.pool.kv_pool import KVPool
 from jaxkv.types import Array, Bool, Count, Ids, Int, Ok
 
 FREE, ON_DEVICE, SWAPPED = 0, 1, 2
+STATUS_NAMES = {FREE: "FREE", ON_DEVICE: "ON_DEVICE", SWAPPED: "SWAPPED"}
 #: ``can_allocate`` answers (vLLM's AllocStatus).
 ALLOC_OK, ALLOC_LATER, ALLOC_NEVER = 0, 1, 2
 
@@ -393,6 +396,61 @@ class BlockSpaceManager:
             jnp.where(on_device, self.seq_lens[rows], 0),
         )
 
+    # -------------------------------------------------------------- host paths
+
+    def allocate_or_raise(self, seq_ids, num_tokens: int) -> "BlockSpaceManager":
+        """Host path of :meth:`allocate`; raises ``InvalidId`` (a row out of range,
+        not free or repeated), ``InvalidArgument`` (empty group, bad length) or
+        ``KVCacheOOM`` (blocks requested / free / total)."""
+        num_tokens = int(num_tokens)
+        state, ok = _allocate(self, _host.padded_ids(seq_ids), num_tokens)
+        if bool(ok):
+            return state
+        error = self.row_error("allocate", seq_ids, FREE)
+        blocks = -(-num_tokens // self.block_size)
+        if error is None and (num_tokens < 1 or blocks > self.max_blocks_per_seq or not _host.given_ids(seq_ids).size):
+            error = InvalidArgument(
+                f"allocate of {num_tokens} tokens ({blocks} blocks of {self.block_size}) for "
+                f"{_host.given_ids(seq_ids).size} sequences: need >= 1 token, >= 1 sequence and at most "
+                f"{self.max_blocks_per_seq} blocks per sequence"
+            )
+        raise error or KVCacheOOM(blocks, int(self.device.num_free), self.device.capacity, unit="blocks")
+
+    def fork_or_raise(self, src_ids, dst_ids) -> "BlockSpaceManager":
+        """Host path of :meth:`fork`; raises ``InvalidId`` naming the bad row."""
+        state, ok = _fork(self, _host.padded_ids(src_ids), _host.padded_ids(dst_ids))
+        if bool(ok):
+            return state
+        raise self.row_error("fork source", src_ids, ON_DEVICE) or self.row_error("fork destination", dst_ids, FREE) or (
+            InvalidId(f"fork: destinations {list(dst_ids)} overlap the sources {list(src_ids)}", [])
+        )
+
+    def free_or_raise(self, seq_ids) -> "BlockSpaceManager":
+        """Host path of :meth:`free`; raises ``InvalidId`` for a free,
+        out-of-range or repeated row."""
+        state, ok = _free(self, _host.padded_ids(seq_ids))
+        if bool(ok):
+            return state
+        raise self.row_error("free", seq_ids, (ON_DEVICE, SWAPPED)) or InvalidId(f"free of {list(seq_ids)} failed", [])
+
+    def row_error(self, op: str, seq_ids, wanted) -> Exception | None:
+        """``InvalidId`` for the first row of ``seq_ids`` that is out of range,
+        repeated or not in the ``wanted`` status (one or a tuple); None if all
+        rows are fine."""
+        wanted = wanted if isinstance(wanted, tuple) else (wanted,)
+        given = _host.given_ids(seq_ids)
+        status = np.asarray(self.status)
+        for seq in given:
+            if not 0 <= seq < self.max_seqs:
+                return InvalidId(f"{op}: sequence {seq} outside [0, {self.max_seqs})", [seq])
+            if status[seq] not in wanted:
+                names = " or ".join(STATUS_NAMES[w] for w in wanted)
+                return InvalidId(f"{op}: sequence {seq} is {STATUS_NAMES[int(status[seq])]}, not {names}", [seq])
+        unique, times = np.unique(given, return_counts=True)
+        if (times > 1).any():
+            return InvalidId(f"{op}: sequences {unique[times > 1].tolist()} named twice", unique[times > 1])
+        return None
+
     # --------------------------------------------------------------- internals
 
     def _rows_in_state(self, seqs, given, state: int, per_row: bool = False):
@@ -445,3 +503,8 @@ def _table_at(tables: Int[Array, "s c"], rows: Int[Array, "..."], columns: Int[A
     """``tables[rows, columns]``, -1 where the column is out of range."""
     inside = (columns >= 0) & (columns < tables.shape[1])
     return jnp.where(inside, tables[rows, jnp.clip(columns, 0, tables.shape[1] - 1)], -1)
+
+
+_allocate = jax.jit(BlockSpaceManager.allocate)
+_fork = jax.jit(BlockSpaceManager.fork)
+_free = jax.jit(BlockSpaceManager.free)

@@ -20,7 +20,7 @@ import jax
 import numpy as np
 
 from jaxkv import _host
-from jaxkv.errors import InvalidId, KVCacheOOM
+from jaxkv.errors import KVCacheOOM
 from jaxkv.manager.block_space import ON_DEVICE, SWAPPED, BlockSpaceManager
 from jaxkv.pool.kv_pool import KVPool
 
@@ -97,16 +97,8 @@ def swap_in(
 
 
 def _swap_error(manager, seq_ids, wanted: int, op: str, allocator, unit: str) -> Exception:
-    given = _host.given_ids(seq_ids)
-    status = np.asarray(manager.status)
-    names = {0: "FREE", 1: "ON_DEVICE", 2: "SWAPPED"}
-    for seq in given:
-        if not 0 <= seq < manager.max_seqs:
-            return InvalidId(f"{op}: sequence {seq} outside [0, {manager.max_seqs})", [seq])
-        if status[seq] != wanted:
-            return InvalidId(f"{op}: sequence {seq} is {names[int(status[seq])]}, not {names[wanted]}", [seq])
-    unique, times = np.unique(given, return_counts=True)
-    if (times > 1).any():
-        return InvalidId(f"{op}: sequences {unique[times > 1].tolist()} named twice", unique[times > 1])
+    error = manager.row_error(op, seq_ids, wanted)
+    if error is not None:
+        return error
     needed = int(manager._distinct_blocks(_host.padded_ids(seq_ids)))
     return KVCacheOOM(needed, int(allocator.num_free), allocator.capacity, unit=unit)
