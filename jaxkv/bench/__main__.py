@@ -13,7 +13,7 @@ import sys
 #: name -> module implementing ``main(args) -> int``; None = not built yet.
 BENCHMARKS = {
     "alloc": "jaxkv.bench.alloc",
-    "pool": None,  # issue 3: KV pools and BlockSpaceManager
+    "pool": "jaxkv.bench.pool",
     "prefix": None,  # issue 4: radix prefix cache
     "decode": None,  # issue 5: models and decode loops
     "memory": None,  # issue 5
