@@ -235,7 +235,11 @@ class BlockSpaceManager:
         position = lens[:, None] + jnp.arange(n, dtype=jnp.int32)
         page = _table_at(tables, rows[:, None], position // bs)
         slots = jnp.where((ok & given)[:, None], page * bs + position % bs, -1)
-        blocked = jnp.where(valid, given & (takes > 0), bad_row) & ~ok
+        in_range = (seqs >= 0) & (seqs < self.max_seqs)
+        times = jnp.zeros((self.max_seqs,), jnp.int32).at[jnp.where(given & in_range, seqs, self.max_seqs)].add(
+            1, mode="drop")
+        repeated = given & in_range & (times.at[rows].get(mode="fill", fill_value=0) > 1)
+        blocked = jnp.where(valid, given & (takes > 0), bad_row | repeated) & ~ok
         state = self.replace(block_tables=tables, seq_lens=seq_lens, device=device)
         return state, pool, slots, ok, blocked
 
