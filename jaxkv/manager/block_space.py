@@ -122,7 +122,12 @@ class BlockSpaceManager:
         watermark free, ``ALLOC_LATER`` if it will once blocks are freed,
         ``ALLOC_NEVER`` if it cannot fit even in an empty cache."""
         needed = self.blocks_for(num_tokens)
-        never = (needed > self.device.capacity - self.watermark_blocks) | (needed > self.max_blocks_per_seq)
+        return self._admission(needed, too_long=needed > self.max_blocks_per_seq)
+
+    def _admission(self, needed: Int[Array, ""], too_long: Bool[Array, ""] = False) -> Int[Array, ""]:
+        """vLLM's rule: NEVER if ``needed`` blocks exceed the device minus the
+        watermark, LATER if taking them now would dip into the watermark."""
+        never = (needed > self.device.capacity - self.watermark_blocks) | too_long
         later = self.device.num_free - needed < self.watermark_blocks
         return jnp.where(never, ALLOC_NEVER, jnp.where(later, ALLOC_LATER, ALLOC_OK)).astype(jnp.int32)
 
@@ -317,10 +322,7 @@ class BlockSpaceManager:
         """``ALLOC_OK`` / ``ALLOC_LATER`` / ``ALLOC_NEVER`` for bringing the
         SWAPPED rows ``seq_ids`` back, keeping the watermark free (as
         :meth:`can_allocate`)."""
-        needed = self._distinct_blocks(seq_ids)
-        never = needed > self.device.capacity - self.watermark_blocks
-        later = self.device.num_free - needed < self.watermark_blocks
-        return jnp.where(never, ALLOC_NEVER, jnp.where(later, ALLOC_LATER, ALLOC_OK)).astype(jnp.int32)
+        return self._admission(self._distinct_blocks(seq_ids))
 
     def swap_out(self, seq_ids: Ids) -> tuple["BlockSpaceManager", Int[Array, "m"], Int[Array, "m"], Ok]:
         """Move the sequence group ``seq_ids`` (ON_DEVICE rows; -1 padding) to
