@@ -15,12 +15,12 @@ BS, LAYERS = 4, 2
 APPEND = jax.jit(BlockSpaceManager.append_slots, static_argnames=("num_new_tokens",))
 
 
-def _setup(dtype, device_blocks=16, host_blocks=10):
+def _setup(dtype, device_blocks=16, host_blocks=10, memory_kind="auto"):
     manager = BlockSpaceManager.create(num_device_blocks=device_blocks, num_host_blocks=host_blocks, block_size=BS,
                                        max_seqs=6, max_blocks_per_seq=5, watermark=0.0)
     pool = KVPool.create(num_pages=device_blocks, page_size=BS, num_layers=LAYERS, k_heads=2, k_dim=4,
                          v_heads=1, v_dim=8, dtype=dtype)
-    return manager, pool, host.create_host_pool(pool, host_blocks)
+    return manager, pool, host.create_host_pool(pool, host_blocks, memory_kind=memory_kind)
 
 
 def _fill(manager, pool, seqs, rng):
@@ -53,10 +53,12 @@ def _conserved(manager):
         assert int(allocator.num_free) == allocator.capacity - int((refs[1:] > 0).sum())
 
 
+@pytest.mark.parametrize("memory_kind", ["numpy", "pinned_host"])
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float8_e4m3fn], ids=lambda d: jnp.dtype(d).name)
-def test_group_round_trip_is_bit_exact_and_keeps_sharing(dtype):
+def test_group_round_trip_is_bit_exact_and_keeps_sharing(dtype, memory_kind):
     rng = np.random.default_rng()
-    manager, pool, host_pool = _setup(dtype)
+    manager, pool, host_pool = _setup(dtype, memory_kind=memory_kind)
+    assert host.is_pinned(host_pool) == (memory_kind == "pinned_host")
     prompt = int(rng.integers(5, 12))
     manager, ok = manager.allocate(jnp.array([0]), prompt)
     manager, ok2 = manager.fork(jnp.array([0, 0]), jnp.array([1, 2]))
@@ -68,6 +70,8 @@ def test_group_round_trip_is_bit_exact_and_keeps_sharing(dtype):
     _conserved(manager)
 
     out, host_pool = host.swap_out(manager, pool, host_pool, [0, 1, 2])
+    if memory_kind == "pinned_host":  # the pages really live in pinned host memory
+        assert {leaf.sharding.memory_kind for leaf in jax.tree_util.tree_leaves(host_pool)} == {"pinned_host"}
     _conserved(out)
     assert np.asarray(out.status[:4]).tolist() == [SWAPPED] * 3 + [ON_DEVICE]
     # The shared prompt blocks are one host block each, owned by all three.
@@ -109,6 +113,13 @@ def test_free_of_a_swapped_sequence_returns_host_blocks():
     assert bool(ok) and int(manager.host.num_free) == manager.host.capacity
     assert int(manager.device.num_free) == manager.device.capacity
     _conserved(manager)
+
+
+def test_host_pool_memory_kinds():
+    pool = KVPool.create(num_pages=4, page_size=2, num_layers=1, k_heads=1, k_dim=2)
+    assert not host.is_pinned(host.create_host_pool(pool, 3, memory_kind="numpy"))
+    with pytest.raises(jaxkv.InvalidArgument, match="memory_kind='disk'"):
+        host.create_host_pool(pool, 3, memory_kind="disk")
 
 
 def test_admission_answers_and_errors_leave_state_unchanged():

@@ -1,11 +1,15 @@
 """Host-memory pages for swapping (seed 003's CPU blocks).
 
-A host pool is a :class:`~jaxkv.pool.kv_pool.KVPool` whose leaves are numpy
-arrays in host RAM, with the same layout and dtypes as the device pool (so a
-swap round trip is bit-exact, fp8 scales included). Numpy keeps this portable:
-a swap is one jitted gather of the pages on the device plus one transfer each
-way, on every backend. (Pinned-host device arrays would let XLA overlap the
-copy with compute on GPU; that is an optimisation for later.)
+A host pool is a :class:`~jaxkv.pool.kv_pool.KVPool` with the same layout and
+dtypes as the device pool (so a swap round trip is bit-exact, fp8 scales
+included), kept in host memory:
+
+* as arrays in the device's ``pinned_host`` memory kind where the backend has
+  it and can update such arrays inside ``jax.jit`` (checked once, when the host
+  pool is made, by running the very functions swaps use): a swap is then one
+  jitted call each way, and the transfer is a DMA from pinned memory;
+* otherwise as numpy arrays in host RAM: a jitted gather on the device plus
+  one transfer each way, which works on every backend.
 
 The block bookkeeping is done on device by
 :meth:`~jaxkv.manager.block_space.BlockSpaceManager.swap_out` /
@@ -18,9 +22,11 @@ from __future__ import annotations
 
 import jax
 import numpy as np
+from jax.experimental.compute_on import compute_on
+from jax.sharding import SingleDeviceSharding
 
 from jaxkv import _host
-from jaxkv.errors import KVCacheOOM
+from jaxkv.errors import InvalidArgument, KVCacheOOM
 from jaxkv.manager.block_space import ON_DEVICE, SWAPPED, BlockSpaceManager
 from jaxkv.pool.kv_pool import KVPool
 
@@ -30,11 +36,80 @@ _swap_out = jax.jit(BlockSpaceManager.swap_out)
 _swap_in = jax.jit(BlockSpaceManager.swap_in)
 
 
-def create_host_pool(pool: KVPool, num_pages: int) -> KVPool:
-    """A zero-filled host pool of ``num_pages`` pages shaped like ``pool``."""
-    return jax.tree_util.tree_map(
-        lambda a: np.zeros(a.shape[:2] + (num_pages,) + a.shape[3:], a.dtype), pool
-    )
+def _pinned_sharding(pool: KVPool) -> SingleDeviceSharding | None:
+    device = next(iter(pool.k_pages.devices()))
+    kinds = {memory.kind for memory in device.addressable_memories()}
+    return SingleDeviceSharding(device, memory_kind="pinned_host") if "pinned_host" in kinds else None
+
+
+@compute_on("device_host")
+@jax.jit
+def _host_write_pages(host_pool: KVPool, targets, data: KVPool) -> KVPool:
+    # A bare scatter: every operand of a host computation must be in host memory,
+    # so indices are prepared on the device (padding -> one past the end).
+    return jax.tree_util.tree_map(lambda a, d: a.at[:, :, targets].set(d, mode="drop"), host_pool, data)
+
+
+@compute_on("device_host")
+@jax.jit
+def _host_read_pages(host_pool: KVPool, pages) -> KVPool:
+    return jax.tree_util.tree_map(lambda a: a[:, :, pages], host_pool)
+
+
+def _store_pinned(host_pool: KVPool, host_pages, data: KVPool, *, sharding) -> KVPool:
+    """Inside jit: move ``data`` (device pages) to pinned host memory
+    (``sharding``) and write it into ``host_pool`` there, computing on the
+    host (JAX requires every operand of a host computation in host memory)."""
+    targets = jax.numpy.where(host_pages == -1, host_pool.num_pages, host_pages)
+    return _host_write_pages(host_pool, jax.device_put(targets, sharding), jax.device_put(data, sharding))
+
+
+def _load_pinned(pool: KVPool, host_pool: KVPool, host_pages, device_pages, *, sharding, host_sharding) -> KVPool:
+    """Inside jit: gather pinned host pages on the host, move them to the
+    device (``sharding``) and write them into the device pool."""
+    data = _host_read_pages(host_pool, jax.device_put(host_pages, host_sharding))
+    return pool.write_pages(device_pages, jax.device_put(data, sharding))
+
+
+_store_pinned_jit = jax.jit(_store_pinned, donate_argnums=0, static_argnames=("sharding",))
+_load_pinned_jit = jax.jit(_load_pinned, donate_argnums=0, static_argnames=("sharding", "host_sharding"))
+
+
+def _placement(tree: KVPool):
+    return tree.k_pages.sharding
+
+
+def create_host_pool(pool: KVPool, num_pages: int, *, memory_kind: str = "auto") -> KVPool:
+    """A zero-filled host pool of ``num_pages`` pages shaped like ``pool``.
+
+    ``memory_kind``: ``"auto"`` (pinned host memory if the backend supports it
+    for swaps, else numpy), ``"pinned_host"`` (raise if unsupported) or
+    ``"numpy"``.
+    """
+    if memory_kind not in ("auto", "pinned_host", "numpy"):
+        raise InvalidArgument(f"memory_kind={memory_kind!r}: choose 'auto', 'pinned_host' or 'numpy'")
+    template = jax.tree_util.tree_map(lambda a: np.zeros(a.shape[:2] + (num_pages,) + a.shape[3:], a.dtype), pool)
+    sharding = None if memory_kind == "numpy" else _pinned_sharding(pool)
+    if sharding is None:
+        if memory_kind == "pinned_host":
+            raise InvalidArgument("this backend has no pinned_host memory kind")
+        return template
+    try:  # the probe: one round trip of page 0 through the functions swaps use
+        host_pool = jax.device_put(template, sharding)
+        probe = _host.padded_ids([0])
+        host_pool = _store_pinned_jit(host_pool, probe, _read_pages(pool, probe), sharding=sharding)
+        scratch = jax.tree_util.tree_map(lambda a: a.copy(), pool)
+        _load_pinned_jit(scratch, host_pool, probe, probe, sharding=_placement(pool), host_sharding=sharding)
+        return host_pool
+    except Exception as error:  # noqa: BLE001 - any backend refusal means "unsupported"
+        if memory_kind == "pinned_host":
+            raise InvalidArgument(f"pinned_host swap pages are not supported here: {error}") from error
+        return template
+
+
+def is_pinned(host_pool: KVPool) -> bool:
+    """Whether ``host_pool`` lives in pinned host memory (else numpy)."""
+    return isinstance(host_pool.k_pages, jax.Array)
 
 
 def _pairs(src_pages, dst_pages) -> tuple[np.ndarray, np.ndarray]:
@@ -45,13 +120,17 @@ def _pairs(src_pages, dst_pages) -> tuple[np.ndarray, np.ndarray]:
 
 def swap_out_pages(pool: KVPool, host_pool: KVPool, device_pages, host_pages) -> KVPool:
     """Copy ``pool`` page ``device_pages[i]`` to host page ``host_pages[i]``
-    (every layer, K, V, scales; -1 pairs skipped). Writes ``host_pool`` in
-    place and returns it."""
+    (every layer, K, V, scales; -1 pairs skipped) and return the host pool
+    (a pinned one is donated; a numpy one is written in place)."""
     src, dst = _pairs(device_pages, host_pages)
-    if src.size:
-        data = jax.device_get(_read_pages(pool, _host.padded_ids(src)))
-        for host_leaf, leaf in zip(jax.tree_util.tree_leaves(host_pool), jax.tree_util.tree_leaves(data)):
-            host_leaf[:, :, dst] = leaf[:, :, : src.size]
+    if not src.size:
+        return host_pool
+    data = _read_pages(pool, _host.padded_ids(src))
+    if is_pinned(host_pool):
+        return _store_pinned_jit(host_pool, _host.padded_ids(dst), data, sharding=_placement(host_pool))
+    data = jax.device_get(data)
+    for host_leaf, leaf in zip(jax.tree_util.tree_leaves(host_pool), jax.tree_util.tree_leaves(data)):
+        host_leaf[:, :, dst] = leaf[:, :, : src.size]
     return host_pool
 
 
@@ -62,8 +141,11 @@ def swap_in_pages(pool: KVPool, host_pool: KVPool, host_pages, device_pages) -> 
     if not src.size:
         return pool
     targets = _host.padded_ids(dst)  # -1 padding: write_pages skips it
-    gather = np.zeros(targets.shape, np.int64)
+    gather = np.zeros(targets.shape, np.int32)
     gather[: src.size] = src
+    if is_pinned(host_pool):
+        return _load_pinned_jit(pool, host_pool, gather, targets, sharding=_placement(pool),
+                                host_sharding=_placement(host_pool))
     data = jax.tree_util.tree_map(lambda leaf: leaf[:, :, gather], host_pool)
     return _write_pages(pool, targets, jax.device_put(data))
 
