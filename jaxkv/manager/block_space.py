@@ -233,7 +233,11 @@ class BlockSpaceManager:
 
         copy_src = jnp.where(cow & ok, last_block, -1)
         copy_dst = jnp.where(cow & ok, new_ids[:, 0], -1)
-        pool = pool.copy_pages(copy_src, copy_dst)
+        # Only steps with a copy-on-write touch the pool: the copy reads a page
+        # of every layer per batch lane, far too much to pay on every step.
+        pool = jax.lax.cond(
+            jnp.any(cow & ok), lambda p: p.copy_pages(copy_src, copy_dst), lambda p: p, pool
+        )
         device, _ = device.release(copy_src)  # drops this sequence's share; never frees
         seq_lens = self.seq_lens.at[jnp.where(ok & given, rows, self.max_seqs)].add(n, mode="drop")
 
