@@ -14,6 +14,16 @@ from jaxkv.errors import DoubleFree, InvalidArgument, InvalidId, KVCacheError, K
 from jaxkv.manager import kernel_tables
 from jaxkv.manager.block_space import ALLOC_LATER, ALLOC_NEVER, ALLOC_OK, BlockSpaceManager
 from jaxkv.pool import KVPool, ReqToTokenPool, make_full_attention_net_mem_pool, make_req_to_token_pool
+from jaxkv.prefix import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    CacheLocked,
+    PrefixCacheManager,
+    PrefixCacheStats,
+    PrefixScheduler,
+    SlotPrefixCacheManager,
+)
 
 __version__ = "0.1.0"
 
@@ -32,6 +42,13 @@ __all__ = [
     "ALLOC_LATER",
     "ALLOC_NEVER",
     "kernel_tables",
+    "PrefixCacheManager",
+    "PrefixScheduler",
+    "SlotPrefixCacheManager",
+    "PrefixCacheStats",
+    "BlockStored",
+    "BlockRemoved",
+    "AllBlocksCleared",
     "paged_decode_attention",
     "dense_decode_attention",
     "KVCacheError",
@@ -39,4 +56,5 @@ __all__ = [
     "DoubleFree",
     "InvalidId",
     "InvalidArgument",
+    "CacheLocked",
 ]

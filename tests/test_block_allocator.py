@@ -35,6 +35,8 @@ ARG_LEN = 8  # every release / incref argument is padded with -1 to this length
 ACQ = jax.jit(BlockAllocator.acquire, static_argnames=("max_n",))
 REL = jax.jit(BlockAllocator.release)
 INC = jax.jit(BlockAllocator.incref)
+REL_DISTINCT = jax.jit(lambda state, ids: state.release(ids, distinct=True))
+UPD = jax.jit(BlockAllocator.update, static_argnames=("max_n", "distinct"))
 
 
 # ----------------------------------------------------------------- the model
@@ -304,6 +306,63 @@ class BlockMachine(RuleBasedStateMachine):
         held = self.model.held()
         vals = data.draw(st.lists(st.sampled_from(held), max_size=3)) if held else []
         self._incref(padded(data, vals + [poison]))
+
+    # -- release(distinct=True) and update (incref -> release -> acquire)
+
+    @rule(data=st.data(), which=st.sampled_from(["valid", "invalid", "any"]))
+    def release_distinct(self, data, which):
+        if which == "valid":
+            vals = sorted(set(draw_valid_release(data, self.model)))
+        elif which == "invalid":
+            vals = draw_invalid_release(data, self.model)
+        else:
+            vals = data.draw(st.lists(st.integers(-2, NUM_BLOCKS), max_size=ARG_LEN), label="ids")
+        given_ = [v for v in vals if v != -1]
+        expect_ok = self.model.release_error(vals) is None and len(set(given_)) == len(given_)
+        before = self.state
+        state, ok = REL_DISTINCT(before, padded(data, vals))
+        assert bool(ok) == expect_ok, (vals, self.model.counts)
+        if not expect_ok:
+            assert_tree_equal(before, state)
+            return
+        freed = self.model.apply_release(vals)
+        self.state = state
+        if not self.LOWEST_FIRST:
+            assert int(state.num_free) - int(before.num_free) == len(freed)
+
+    @rule(data=st.data(), distinct=st.booleans())
+    def update(self, data, distinct):
+        held = self.model.held()
+        inc = data.draw(st.lists(st.sampled_from(held), max_size=3), label="incref") if held else []
+        if data.draw(st.booleans(), label="poison incref"):
+            inc = inc + [data.draw(st.sampled_from([0, NUM_BLOCKS] + self.model.free()), label="bad")]
+        after_incref = BlockModel(NUM_BLOCKS)
+        after_incref.counts = dict(self.model.counts)
+        incref_ok = self.model.incref_error(inc) is None
+        if incref_ok:
+            after_incref.apply_incref(inc)
+        rel = draw_valid_release(data, after_incref) if data.draw(st.booleans()) else draw_invalid_release(data, after_incref)
+        given_rel = [v for v in rel if v != -1]
+        release_ok = after_incref.release_error(rel) is None and (not distinct or len(set(given_rel)) == len(given_rel))
+        n = data.draw(st.integers(0, MAX_N), label="n")
+        before = self.state
+        state, ids, ok = UPD(before, padded(data, inc, 4), padded(data, rel), jnp.int32(n), max_n=MAX_N, distinct=distinct)
+        ids = np.asarray(ids)
+        if incref_ok and release_ok:
+            after_incref.apply_release(rel)
+        expect_ok = incref_ok and release_ok and n <= len(after_incref.free())
+        assert bool(ok) == expect_ok, (inc, rel, n, self.model.counts)
+        if not expect_ok:
+            assert_tree_equal(before, state)
+            assert (ids == -1).all()
+            return
+        got = ids[:n].tolist()
+        assert (ids[n:] == -1).all() and len(set(got)) == n and set(got) <= set(after_incref.free())
+        if self.LOWEST_FIRST:
+            assert got == after_incref.free()[:n]
+        after_incref.apply_acquire(got)
+        self.model = after_incref
+        self.state = state
 
     # -- host paths
 

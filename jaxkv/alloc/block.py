@@ -120,7 +120,7 @@ class BlockAllocator:
         num_free = self.num_free - jnp.where(ok, n, 0)
         return self.replace(num_free=num_free, ref_counts=ref_counts), ids, ok
 
-    def release(self, ids: Ids, *, what: str = "block") -> tuple["BlockAllocator", Ok]:
+    def release(self, ids: Ids, *, what: str = "block", distinct: bool = False) -> tuple["BlockAllocator", Ok]:
         """Drop one owner per occurrence of each id; -1 entries are ignored.
 
         A block whose count reaches zero goes back on the free stack (once,
@@ -131,8 +131,15 @@ class BlockAllocator:
         Fails (``ok`` False, state unchanged) if any id is out of
         ``[1, num_blocks)`` (``InvalidId`` on the host path) or would drop
         below zero owners (``DoubleFree``).
+
+        ``distinct=True`` (static) is a faster path for callers whose ids are
+        all different (a scheduler handing back blocks it owns once): it
+        also fails, changing nothing, when an id repeats, instead of counting
+        the repeats.
         """
         ids = jnp.asarray(ids, jnp.int32).reshape(-1)
+        if distinct:
+            return self._release_distinct(ids, what)
         given = ids != -1
         in_range = (ids >= 1) & (ids < self.num_blocks)
         target = self._or_drop(given & in_range, ids)
@@ -154,6 +161,28 @@ class BlockAllocator:
             return state.replace(num_free=self.num_free + jnp.sum(freed, dtype=jnp.int32)), ok
         return state._push(ids, freed), ok
 
+    def _release_distinct(self, ids: Int[Array, "m"], what: str) -> tuple["BlockAllocator", Ok]:
+        given = ids != -1
+        in_range = (ids >= 1) & (ids < self.num_blocks)
+        target = self._or_drop(given & in_range, ids)
+        before = self.ref_counts.at[target].get(mode="fill", fill_value=1)
+        counts = self.ref_counts.at[target].add(-1, mode="drop")
+        after = counts.at[target].get(mode="fill", fill_value=0)
+        # A repeated id was decremented more than once: ``after`` shows it.
+        repeated = after != before - 1
+        self._require_in_range(ids, given & ~in_range, "release", what)
+        require(~jnp.any(before < 1), DoubleFree,
+                f"double free: {what} id {{}} released more times than it has owners", first_where(ids, before < 1))
+        require(~jnp.any(repeated & given), InvalidArgument,
+                f"release(distinct=True) of repeated {what} id {{}}", first_where(ids, repeated & given))
+        ok = jnp.all(~given | (in_range & (before >= 1) & ~repeated))
+        counts = counts.at[jnp.where(ok, self.num_blocks, target)].add(1, mode="drop")
+        state = self.replace(ref_counts=counts)
+        freed = ok & given & (after == 0)
+        if self.lowest_first:
+            return state.replace(num_free=self.num_free + jnp.sum(freed, dtype=jnp.int32)), ok
+        return state._push(ids, freed), ok
+
     def incref(self, ids: Ids, *, what: str = "block") -> tuple["BlockAllocator", Ok]:
         """Add one owner per occurrence of each held id; -1 entries are ignored.
 
@@ -171,6 +200,45 @@ class BlockAllocator:
         ok = jnp.all(~given | (in_range & held))
         counts = self.ref_counts.at[self._or_drop(ok & given, ids)].add(1, mode="drop")
         return self.replace(ref_counts=counts), ok
+
+    def update(
+        self, incref_ids: Ids | None, release_ids: Ids, n: Count, *, max_n: int, distinct: bool = False
+    ) -> tuple["BlockAllocator", Int[Array, "max_n"], Ok]:
+        """``incref(incref_ids)``, then ``release(release_ids)``, then
+        ``acquire(n)``, all or nothing: what a scheduler step applies in one
+        device call (sequences sharing cached blocks, blocks handed back,
+        blocks for new work).
+
+        Returns ``(state, ids, ok)`` as ``acquire`` does. When any part would
+        fail nothing changes. The rollback undoes the earlier parts with
+        scatters over the given ids, O(len(ids)), instead of selecting between
+        the old and new state, which would copy the whole allocator.
+        ``incref_ids=None`` skips that part; ``distinct`` is passed to
+        ``release``.
+        """
+        release_ids = jnp.asarray(release_ids, jnp.int32).reshape(-1)
+        n = jnp.asarray(n, jnp.int32)
+        if incref_ids is None:
+            incref_ids = jnp.full((0,), -1, jnp.int32)
+            state, ok_incref = self, jnp.asarray(True)
+        else:
+            incref_ids = jnp.asarray(incref_ids, jnp.int32).reshape(-1)
+            state, ok_incref = self.incref(incref_ids)
+            release_ids = jnp.where(ok_incref, release_ids, -1)
+        state, ok_release = state.release(release_ids, distinct=distinct)
+        ok = ok_incref & ok_release & (n >= 0) & (n <= max_n) & (n <= state.num_free)
+        # Undo (only when the acquisition cannot happen): the released ids get
+        # their owner back, then the increfs are dropped again. Ids the release
+        # pushed on the stack sit past the restored ``num_free``, where entries
+        # are stale by definition.
+        undo_release = jnp.where(ok_incref & ok_release & ~ok, release_ids, self.num_blocks)
+        undo_incref = jnp.where(ok_incref & ~ok, incref_ids, self.num_blocks)
+        counts = state.ref_counts.at[jnp.where(undo_release == -1, self.num_blocks, undo_release)].add(1, mode="drop")
+        if incref_ids.size:
+            counts = counts.at[jnp.where(undo_incref == -1, self.num_blocks, undo_incref)].add(-1, mode="drop")
+        state = state.replace(ref_counts=counts, num_free=jnp.where(ok, state.num_free, self.num_free))
+        state, ids, _ = state.acquire(jnp.where(ok, n, 0), max_n=max_n)
+        return state, jnp.where(ok, ids, -1), ok
 
     def ref_count(self, ids: Ids) -> Int[Array, "..."]:
         """Owners of each id (0 for -1 and out-of-range ids)."""

@@ -14,7 +14,7 @@ import sys
 BENCHMARKS = {
     "alloc": "jaxkv.bench.alloc",
     "pool": "jaxkv.bench.pool",
-    "prefix": None,  # issue 4: radix prefix cache
+    "prefix": "jaxkv.bench.prefix",
     "decode": None,  # issue 5: models and decode loops
     "memory": None,  # issue 5
     "kernels": None,  # issue 6: Pallas kernels
