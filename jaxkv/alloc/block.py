@@ -138,50 +138,60 @@ class BlockAllocator:
         the repeats.
         """
         ids = jnp.asarray(ids, jnp.int32).reshape(-1)
-        if distinct:
-            return self._release_distinct(ids, what)
+        counts, freed, _, ok = self._drop_owners(ids, what, distinct)
+        return self.replace(ref_counts=counts)._put_back(ids, freed), ok
+
+    def _drop_owners(self, ids: Int[Array, "m"], what: str, distinct: bool):
+        """The count half of ``release``: ``(counts, freed, dropped, ok)``.
+
+        ``counts`` are the new counts (the old ones when not ``ok``);
+        ``freed`` marks one position per id whose count reached zero;
+        ``dropped`` are the indices decremented once per position (out of
+        range where nothing was dropped), for an exact undo by ``+1``.
+        """
         given = ids != -1
         in_range = (ids >= 1) & (ids < self.num_blocks)
         target = self._or_drop(given & in_range, ids)
-        # Decrement tentatively, then undo if any count went negative: a
-        # scatter-add is exactly undone by the opposite add, so the failure path
-        # costs O(len(ids)) rather than a select over the whole count array.
-        # (Sorting the ids to count repeats first is slower on XLA CPU.)
-        counts = self.ref_counts.at[target].add(-1, mode="drop")
-        after = counts.at[target].get(mode="fill", fill_value=0)
         self._require_in_range(ids, given & ~in_range, "release", what)
-        require(jnp.all(after >= 0), DoubleFree,
-                f"double free: {what} id {{}} released more times than it has owners", first_where(ids, after < 0))
-        ok = jnp.all(~given | in_range) & jnp.all(after >= 0)
+        if distinct:
+            before = self.ref_counts.at[target].get(mode="fill", fill_value=1)
+            # Scatter through indices derived from that read (always
+            # ``target``): it orders the read first, so XLA updates the counts
+            # in place instead of copying the array to keep the old values.
+            target = jnp.where(before > jnp.iinfo(jnp.int32).min, target, self.num_blocks)
+            counts = self.ref_counts.at[target].add(-1, mode="drop")
+            after = counts.at[target].get(mode="fill", fill_value=0)
+            repeated = given & (after != before - 1)  # decremented more than once
+            require(~jnp.any(before < 1), DoubleFree,
+                    f"double free: {what} id {{}} released more times than it has owners",
+                    first_where(ids, before < 1))
+            require(~jnp.any(repeated), InvalidArgument,
+                    f"release(distinct=True) of repeated {what} id {{}}", first_where(ids, repeated))
+            ok = jnp.all(~given | (in_range & (before >= 1))) & ~jnp.any(repeated)
+        else:
+            # Decrement tentatively, then undo if any count went negative: a
+            # scatter-add is exactly undone by the opposite add, so the failure
+            # path costs O(len(ids)) rather than a select over the whole count
+            # array. (Sorting the ids to count repeats is slower on XLA CPU.)
+            counts = self.ref_counts.at[target].add(-1, mode="drop")
+            after = counts.at[target].get(mode="fill", fill_value=0)
+            require(jnp.all(after >= 0), DoubleFree,
+                    f"double free: {what} id {{}} released more times than it has owners",
+                    first_where(ids, after < 0))
+            ok = jnp.all(~given | in_range) & jnp.all(after >= 0)
         counts = counts.at[jnp.where(ok, self.num_blocks, target)].add(1, mode="drop")
         reached_zero = ok & given & in_range & (after == 0)
-        counts, freed = self._first_occurrence(counts, ids, reached_zero)
-        state = self.replace(ref_counts=counts)
-        if self.lowest_first:  # the free set is ref_counts == 0; no stack to push
-            return state.replace(num_free=self.num_free + jnp.sum(freed, dtype=jnp.int32)), ok
-        return state._push(ids, freed), ok
+        if distinct:
+            freed = reached_zero
+        else:  # an id repeated k times reaches zero at all k positions: keep one
+            counts, freed = self._first_occurrence(counts, ids, reached_zero)
+        return counts, freed, jnp.where(ok, target, self.num_blocks), ok
 
-    def _release_distinct(self, ids: Int[Array, "m"], what: str) -> tuple["BlockAllocator", Ok]:
-        given = ids != -1
-        in_range = (ids >= 1) & (ids < self.num_blocks)
-        target = self._or_drop(given & in_range, ids)
-        before = self.ref_counts.at[target].get(mode="fill", fill_value=1)
-        counts = self.ref_counts.at[target].add(-1, mode="drop")
-        after = counts.at[target].get(mode="fill", fill_value=0)
-        # A repeated id was decremented more than once: ``after`` shows it.
-        repeated = after != before - 1
-        self._require_in_range(ids, given & ~in_range, "release", what)
-        require(~jnp.any(before < 1), DoubleFree,
-                f"double free: {what} id {{}} released more times than it has owners", first_where(ids, before < 1))
-        require(~jnp.any(repeated & given), InvalidArgument,
-                f"release(distinct=True) of repeated {what} id {{}}", first_where(ids, repeated & given))
-        ok = jnp.all(~given | (in_range & (before >= 1) & ~repeated))
-        counts = counts.at[jnp.where(ok, self.num_blocks, target)].add(1, mode="drop")
-        state = self.replace(ref_counts=counts)
-        freed = ok & given & (after == 0)
-        if self.lowest_first:
-            return state.replace(num_free=self.num_free + jnp.sum(freed, dtype=jnp.int32)), ok
-        return state._push(ids, freed), ok
+    def _put_back(self, ids: Int[Array, "m"], freed: Bool[Array, "m"]) -> "BlockAllocator":
+        """Return ``ids[freed]`` (count now zero) to the free set."""
+        if self.lowest_first:  # the free set is ref_counts == 0; no stack to push
+            return self.replace(num_free=self.num_free + jnp.sum(freed, dtype=jnp.int32))
+        return self._push(ids, freed)
 
     def incref(self, ids: Ids, *, what: str = "block") -> tuple["BlockAllocator", Ok]:
         """Add one owner per occurrence of each held id; -1 entries are ignored.
@@ -225,18 +235,17 @@ class BlockAllocator:
             incref_ids = jnp.asarray(incref_ids, jnp.int32).reshape(-1)
             state, ok_incref = self.incref(incref_ids)
             release_ids = jnp.where(ok_incref, release_ids, -1)
-        state, ok_release = state.release(release_ids, distinct=distinct)
-        ok = ok_incref & ok_release & (n >= 0) & (n <= max_n) & (n <= state.num_free)
-        # Undo (only when the acquisition cannot happen): the released ids get
-        # their owner back, then the increfs are dropped again. Ids the release
-        # pushed on the stack sit past the restored ``num_free``, where entries
-        # are stale by definition.
-        undo_release = jnp.where(ok_incref & ok_release & ~ok, release_ids, self.num_blocks)
-        undo_incref = jnp.where(ok_incref & ~ok, incref_ids, self.num_blocks)
-        counts = state.ref_counts.at[jnp.where(undo_release == -1, self.num_blocks, undo_release)].add(1, mode="drop")
+        counts, freed, dropped, ok_release = state._drop_owners(release_ids, "block", distinct)
+        num_free = state.num_free + jnp.sum(freed, dtype=jnp.int32)
+        ok = ok_incref & ok_release & (n >= 0) & (n <= max_n) & (n <= num_free)
+        # Undo when the acquisition cannot happen: the released ids get their
+        # owners back and the increfs are dropped again, by scatters over the
+        # given ids only; the free stack is pushed only on success.
+        counts = counts.at[jnp.where(ok, self.num_blocks, dropped)].add(1, mode="drop")
         if incref_ids.size:
-            counts = counts.at[jnp.where(undo_incref == -1, self.num_blocks, undo_incref)].add(-1, mode="drop")
-        state = state.replace(ref_counts=counts, num_free=jnp.where(ok, state.num_free, self.num_free))
+            undo_incref = jnp.where(ok_incref & ~ok & (incref_ids != -1), incref_ids, self.num_blocks)
+            counts = counts.at[undo_incref].add(-1, mode="drop")
+        state = state.replace(ref_counts=counts)._put_back(release_ids, freed & ok)
         state, ids, _ = state.acquire(jnp.where(ok, n, 0), max_n=max_n)
         return state, jnp.where(ok, ids, -1), ok
 
