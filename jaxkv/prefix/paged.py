@@ -2,28 +2,31 @@
 prefix caching behaviour) over block ids of a device ``BlockAllocator``.
 
 The tree lives on the host and holds ids only, never K/V data. Ownership is
-counted by the device allocator's reference counts: the tree is one owner of
-every block it holds, and each running sequence that uses a block is another
-(it ``incref``s cached blocks it matched). So a block returns to the free
-stack exactly when the tree has evicted it and no sequence holds it, and
-``BlockSpaceManager.free`` of a sequence never frees what the tree caches.
+counted by the device allocator's reference counts: the tree owns one
+reference to every block it holds. A request that matched a prefix may either
+*borrow* those blocks under a pin (``PrefixScheduler`` does this: a hit costs
+no device work, and the pin keeps the tree from evicting them) or take its own
+reference with ``incref`` (a ``BlockSpaceManager`` table that outlives the
+pin). Either way a block returns to the free stack exactly when the tree has
+evicted it and nobody else holds it.
 
-The manager itself makes no device call: its methods return the ids to
-``incref`` / ``release`` and the caller batches them into its own jitted step
-(``PrefixScheduler`` does that, one device call per scheduler step).
+The manager itself makes no device call: its methods return the ids whose
+ownership changes and the caller batches them into its own jitted step
+(``PrefixScheduler``: one device call per scheduler step).
 
 Life of a request (what ``PrefixScheduler`` does):
 
 1. ``match(tokens, namespace=)`` -> ``MatchResult`` (page-aligned; splits a
    node at the match point); ``pin(result.node)`` so the prefix cannot be
-   evicted while the request runs; incref ``result.blocks`` for the request.
+   evicted while the request runs.
 2. Allocate the rest (``evict(n)`` first when the allocator is short, and
    release what it returns).
-3. After prefill ``insert(tokens, blocks)``: the tree increfs
-   ``result.new_blocks``; pages the request computed that the tree already had
-   come back in ``result.duplicates`` and are released, the request switching
-   to ``result.blocks``. ``pin`` the new node, ``release`` the old one.
-4. On finish: release the request's references and ``release`` its node.
+3. After prefill ``insert(tokens, blocks)``: ``result.new_blocks`` are now the
+   tree's (the request hands its reference over, or increfs if it keeps
+   one); pages the tree already had come back in ``result.duplicates``: the
+   request releases them and uses ``result.replacements`` instead. ``pin``
+   the new node, ``release`` the old one.
+4. On finish: release the request's own blocks and ``release`` its node.
 
 Locked (pinned) nodes are *protected*; unlocked device-tier nodes are
 *evictable*. Eviction takes least-recently-used unlocked leaves, cutting a
@@ -89,10 +92,11 @@ class InsertResult(NamedTuple):
     """What ``insert`` did with a request's pages.
 
     ``blocks``: the block ids the tree holds for the inserted pages (use these
-    from now on). ``new_blocks``: the request's ids the tree now also owns:
-    ``incref`` them. ``duplicates``: the request's ids for pages the tree
-    already had: ``incref`` their counterparts ``replacements`` and
-    ``release`` them. ``node``: the last node of the inserted path.
+    from now on). ``new_blocks``: the request's ids the tree now owns (hand
+    the reference over, or ``incref`` to keep one). ``duplicates``: the
+    request's ids for pages the tree already had, in the tree as
+    ``replacements`` (same order): release the duplicates. ``node``: the last
+    node of the inserted path.
     """
 
     blocks: list
