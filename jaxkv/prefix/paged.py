@@ -373,6 +373,7 @@ class PrefixCacheManager:
         """A host-tier node's pages are on the device again, in ``blocks``."""
         tree = self.tree
         units = tree.units(node)
+        self._record(BlockRemoved, node, node.value, medium="host")
         self._drop_host_pages(node)
         node.value = blocks
         node.tier = DEVICE

@@ -17,8 +17,10 @@ Invariants (checked by ``check_invariants`` in the tests):
   never matched under another;
 * ``len(node.key) == 4 * page_size * node.num_units`` and, for the paged mode,
   ``len(node.value) == node.num_units``;
-* ``node.lock`` is the number of holders of the node or of any descendant
-  (``lock`` walks to the root), so a locked node's whole path is locked;
+* ``node.lock == node.pins + sum(child.lock for child in node.children)``:
+  ``pins`` counts ``lock(node)`` calls not yet undone at exactly this node,
+  ``lock`` those at the node or below it (``lock`` walks to the root), so a
+  locked node's whole path is locked;
 * tiers are monotone along a path: a device-tier node never has a host-tier
   ancestor (eviction takes the tail of a chain first);
 * ``evictable_units + protected_units`` is the number of device-tier units
@@ -77,14 +79,15 @@ class Node:
     version)`` pair (slot mode). ``lock`` counts holders (see module doc).
     """
 
-    __slots__ = ("children", "key", "last_access", "lock", "namespace", "parent", "tier", "value")
+    __slots__ = ("children", "key", "last_access", "lock", "namespace", "parent", "pins", "tier", "value")
 
     def __init__(self, key: bytes, value: Any, parent: Node | None, namespace: Hashable, tier: int = DEVICE):
         self.key = key
         self.value = value
         self.children: dict[bytes, Node] = {}
         self.parent = parent
-        self.lock = 0
+        self.lock = 0  # pins held at this node or below it
+        self.pins = 0  # pins held at exactly this node (what ``unlock`` may undo)
         self.last_access = 0
         self.tier = tier
         self.namespace = namespace
@@ -240,6 +243,9 @@ class RadixTree:
 
     def lock(self, node: Node) -> None:
         """One more holder of ``node`` and of every ancestor."""
+        if node.parent is None:
+            return  # a namespace root: nothing to protect
+        node.pins += 1
         while node.parent is not None:
             if node.lock == 0 and node.tier == DEVICE:
                 units = self.units(node)
@@ -249,13 +255,14 @@ class RadixTree:
             node = node.parent
 
     def unlock(self, node: Node) -> None:
-        """Undo one ``lock(node)``; nodes whose count reaches zero become
-        evictable again."""
-        probe = node
-        while probe.parent is not None:  # validate first: a failed unlock changes nothing
-            if probe.lock <= 0:
-                raise InvalidArgument(f"release of a prefix that is not pinned ({probe!r})")
-            probe = probe.parent
+        """Undo one ``lock(node)`` of this very node (a pin held below it does
+        not count); nodes whose count reaches zero become evictable again.
+        Raises ``InvalidArgument``, changing nothing, when there is none."""
+        if node.parent is None:
+            return
+        if node.pins <= 0:
+            raise InvalidArgument(f"release of a prefix that is not pinned ({node!r})")
+        node.pins -= 1
         while node.parent is not None:
             node.lock -= 1
             if node.lock == 0:
@@ -347,7 +354,7 @@ class RadixTree:
                 assert len(node.key) % self.unit_bytes == 0 and node.key
                 assert node.parent.children[node.key[: self.unit_bytes]] is node
                 held = sum(child.lock for child in node.children.values())
-                assert node.lock >= held, (node, held)
+                assert node.pins >= 0 and node.lock == node.pins + held, (node, node.pins, held)
                 if node.parent.parent is not None and node.tier == DEVICE:
                     assert node.parent.tier == DEVICE, "host-tier node above a device-tier node"
                 units = self.units(node)

@@ -44,8 +44,8 @@ import numpy as np
 from jaxkv import _host
 from jaxkv.alloc.block import BlockAllocator
 from jaxkv.errors import InvalidArgument, KVCacheError
-from jaxkv.prefix.paged import PrefixCacheManager
-from jaxkv.prefix.radix import Node, token_bytes
+from jaxkv.prefix.paged import MatchResult, PrefixCacheManager
+from jaxkv.prefix.radix import DEVICE, HOST, Node, token_bytes
 
 _MIN_BUCKET = 64  # smallest padded id array: fewer shapes, fewer compiles
 
@@ -136,6 +136,10 @@ class PrefixScheduler:
             match = cache.match(key, namespace, max_tokens=len(key) // 4 - 1)
             cache.pin(match.node)
             matches.append(match)
+        if any(match.host_nodes for match in matches):
+            # A later match may have split a host node an earlier one listed:
+            # list each match's nodes again now that the splits are done.
+            matches = [self._relisted(key, namespace, match) for key, namespace, match in zip(keys, namespaces, matches)]
         # Who fits, in arrival order; host-tier nodes shared by several
         # requests are loaded once.
         budget = self.num_free + cache.evictable_blocks
@@ -215,6 +219,14 @@ class PrefixScheduler:
             adm.node = None
             adm.num_exclusive = 0
 
+    def reset(self) -> None:
+        """Empty the cache and give its blocks back to the allocator (queued
+        for the next call). Raises ``CacheLocked`` while requests run or
+        prefixes are pinned."""
+        blocks = self.cache.reset()
+        self._pending_release += blocks
+        self.num_free += len(blocks)
+
     def flush(self) -> None:
         """Apply the pending device work now (one call; nothing if none)."""
         if self._pending_release:
@@ -235,6 +247,13 @@ class PrefixScheduler:
             raise KVCacheError(f"host mirror says {self.num_free} free blocks, the allocator {device}")
 
     # ------------------------------------------------------------------ internals
+
+    def _relisted(self, key: bytes, namespace: Hashable, match: MatchResult) -> MatchResult:
+        """``match`` with its blocks and host nodes read again from the tree
+        (same pinned node: a split keeps the lower part's identity)."""
+        path, _ = self.cache.tree.walk(key[: 4 * match.num_tokens], namespace, split=False)
+        blocks = [b for node in path if node.tier == DEVICE for b in node.value]
+        return MatchResult(match.num_tokens, blocks, match.node, [node for node in path if node.tier == HOST])
 
     def _evict(self, num_blocks: int) -> None:
         evicted = self.cache.evict(num_blocks)
