@@ -161,7 +161,8 @@ class GenerateOutput:
 
 def generate(model, input_ids, max_new_tokens: int, *, eos_token_id: int | None = None,
              sampling: SamplingParams = SamplingParams(), seed: int = 0, page_size: int = 16,
-             num_pages: int | None = None, kv_dtype=None, per_step: bool = False) -> GenerateOutput:
+             num_pages: int | None = None, kv_dtype=None, per_step: bool = False,
+             mesh=None) -> GenerateOutput:
     """Generate up to ``max_new_tokens`` tokens for each prompt of ``input_ids``
     (a list of token lists, lengths may differ).
 
@@ -170,6 +171,12 @@ def generate(model, input_ids, max_new_tokens: int, *, eos_token_id: int | None 
     instead, same tokens). Blocks come from a ``BlockSpaceManager`` over a
     pool of ``num_pages`` pages (default: enough for every sequence at full
     length); finished sequences free theirs inside the loop.
+
+    With ``mesh`` (a ``jax.sharding.Mesh`` with a ``tp`` axis and optionally
+    a ``data`` axis; place the model first with ``jaxkv.nn.sharding.
+    shard_model``) the pool's KV heads are split over ``tp``, the prompts over
+    ``data`` and the block tables replicated; the same jitted steps then run
+    across the mesh.
 
     Raises ``KVCacheOOM`` when the pool is too small for the prompts, and
     ``InvalidArgument`` for empty prompts or ``max_new_tokens < 1``.
@@ -193,8 +200,15 @@ def generate(model, input_ids, max_new_tokens: int, *, eos_token_id: int | None 
     pool = model.make_pool(num_pages, page_size, dtype=kv_dtype)
     graphdef, params = nnx.split(model)
     eos_id = -1 if eos_token_id is None else int(eos_token_id)
-    state = prefill(graphdef, params, manager, pool, jnp.asarray(padded), jnp.asarray(lengths),
-                    jax.random.key(seed), np.int32(eos_id), sampling=sampling, max_new=max_new_tokens)
+    prompts_in, lengths_in, key = jnp.asarray(padded), jnp.asarray(lengths), jax.random.key(seed)
+    if mesh is not None:
+        from jaxkv.nn import sharding  # the placement rules live there
+
+        pool = sharding.shard_pool(pool, mesh)
+        manager, lengths_in, key = sharding.replicate((manager, lengths_in, key), mesh)
+        prompts_in = jax.device_put(prompts_in, sharding.batch_spec(batch, mesh))
+    state = prefill(graphdef, params, manager, pool, prompts_in, lengths_in, key, np.int32(eos_id),
+                    sampling=sampling, max_new=max_new_tokens)
     if not bool(state.ok):
         need = int(sum(-(-int(n) // page_size) for n in lengths))
         raise KVCacheOOM(need, num_pages - 1, num_pages - 1, unit="blocks")
