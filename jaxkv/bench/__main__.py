@@ -15,7 +15,7 @@ BENCHMARKS = {
     "alloc": "jaxkv.bench.alloc",
     "pool": "jaxkv.bench.pool",
     "prefix": "jaxkv.bench.prefix",
-    "decode": None,  # issue 5: models and decode loops
+    "decode": "jaxkv.bench.decode",
     "memory": None,  # issue 5
     "kernels": None,  # issue 6: Pallas kernels
     "hybrid": None,  # issue 7: hybrid KVCacheManager

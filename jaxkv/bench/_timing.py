@@ -8,6 +8,7 @@ baseline measured in the same process, interleaved with the subject.
 from __future__ import annotations
 
 import json
+import os
 import platform
 import time
 from typing import Callable, Sequence
@@ -64,3 +65,16 @@ def _fmt(value: object) -> str:
     if isinstance(value, float):
         return f"{value:.3g}" if abs(value) < 100 else f"{value:.0f}"
     return str(value)
+
+
+def inline_cpu_dispatch() -> str:
+    """Run CPU calls inline unless ``JAXKV_ASYNC_DISPATCH=1`` (possible only
+    before JAX starts its backend): a host loop of small jitted calls that
+    waits for each result is faster that way on a small CPU. Returns the
+    dispatch mode, for the table title."""
+    from jax._src import xla_bridge  # the only way to know whether the backend started
+
+    if os.environ.get("JAXKV_ASYNC_DISPATCH") != "1" and not xla_bridge._backends:
+        jax.config.update("jax_cpu_enable_async_dispatch", False)
+    inline = not xla_bridge._CPU_ENABLE_ASYNC_DISPATCH.value and jax.default_backend() == "cpu"
+    return "inline CPU dispatch" if inline else "async dispatch"

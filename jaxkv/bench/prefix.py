@@ -27,15 +27,13 @@ costs more than the call itself.
 
 from __future__ import annotations
 
-import os
 import statistics
 import time
 
-import jax
 import numpy as np
 
 from jaxkv.alloc.block import BlockAllocator
-from jaxkv.bench._timing import machine_description, print_json, print_table
+from jaxkv.bench._timing import inline_cpu_dispatch, machine_description, print_json, print_table
 from jaxkv.prefix.paged import PrefixCacheManager
 from jaxkv.prefix.scheduler import PrefixScheduler
 
@@ -108,19 +106,8 @@ class _HostListScheduler(PrefixScheduler):
         assert len(self._free) == self.num_free
 
 
-def _inline_dispatch() -> str:
-    """Run CPU calls inline unless asked not to (only possible before the
-    backend starts). Returns the dispatch mode, for the table title."""
-    from jax._src import xla_bridge  # the only way to know whether the backend started
-
-    if os.environ.get("JAXKV_ASYNC_DISPATCH") != "1" and not xla_bridge._backends:
-        jax.config.update("jax_cpu_enable_async_dispatch", False)
-    inline = not xla_bridge._CPU_ENABLE_ASYNC_DISPATCH.value and jax.default_backend() == "cpu"
-    return "inline CPU dispatch" if inline else "async dispatch"
-
-
 def main(args) -> int:
-    dispatch = _inline_dispatch()
+    dispatch = inline_cpu_dispatch()
     num_requests = 300 if args.quick else 2000
     repeats = 1 if args.quick else 5
     trace = make_trace(num_requests)

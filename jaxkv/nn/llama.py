@@ -118,7 +118,8 @@ class LlamaForCausalLM(nnx.Module):
 
     # ------------------------------------------------------------- forward
 
-    def _logits(self, x: Array) -> Float[Array, "B T V"]:
+    def logits_from_hidden(self, x: Array) -> Float[Array, "B T V"]:
+        """Final norm and LM head: float32 logits of hidden states ``x``."""
         x = self.norm(x)
         if self.config.tie_word_embeddings:
             table = self.embed_tokens.embedding[...].astype(self.dtype)
@@ -152,7 +153,7 @@ class LlamaForCausalLM(nnx.Module):
         x = self.embed_tokens(jnp.asarray(tokens, jnp.int32))
         for layer in self.layers:
             x, pool = layer(x, positions, pool, slots, block_tables, starts, num_new, mode=mode)
-        return self._logits(x), pool
+        return self.logits_from_hidden(x), pool
 
     def forward_dense(
         self, tokens: Int[Array, "B T"], positions: Int[Array, "B T"] | None = None, *, kv_dtype=None
@@ -168,7 +169,7 @@ class LlamaForCausalLM(nnx.Module):
         x = self.embed_tokens(tokens)
         for layer in self.layers:
             x = layer.forward_dense(x, positions, kv_dtype=kv_dtype)
-        return self._logits(x)
+        return self.logits_from_hidden(x)
 
     # ---------------------------------------------------------------- pool
 
