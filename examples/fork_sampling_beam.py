@@ -11,7 +11,7 @@ from flax import nnx
 from jaxkv.nn import LlamaConfig, LlamaForCausalLM, SamplingParams, beam_search, sample_n
 
 config = LlamaConfig.from_hf(dict(
-    model_type="qwen3", vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+    model_type="qwen3", vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
     num_attention_heads=4, num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-6, rope_theta=10000.0,
     max_position_embeddings=512, tie_word_embeddings=True))
 model = LlamaForCausalLM(config, rngs=nnx.Rngs(1))

@@ -63,6 +63,10 @@ GREEDY = SamplingParams()
 NO_EOS = np.int32(-1)
 
 
+QUICK_CONFIG = CONFIG.replace(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                              num_attention_heads=4, num_key_value_heads=2, head_dim=8)
+
+
 def model_description(c: LlamaConfig = CONFIG) -> str:
     return (f"random Llama: hidden {c.hidden_size}, {c.num_hidden_layers} layers, {c.num_attention_heads} heads, "
             f"{c.num_key_value_heads} KV heads, head_dim {c.head_dim}, MLP {c.intermediate_size}, "
@@ -176,7 +180,7 @@ def measure(model: LlamaForCausalLM, batch: int, prompt_len: int, steps: int, re
     max_new = steps + 1  # prefill samples token 0, then ``steps`` decode steps
     max_blocks = -(-(prompt_len + max_new) // PAGE_SIZE)  # as generate sizes it
     num_pages = batch * max_blocks + 1
-    prompts = jnp.asarray(rng.integers(1, CONFIG.vocab_size, size=(batch, prompt_len)), jnp.int32)
+    prompts = jnp.asarray(rng.integers(1, model.config.vocab_size, size=(batch, prompt_len)), jnp.int32)
     lengths = jnp.full((batch,), prompt_len, jnp.int32)
 
     # Paged: generate's prefill, once; each timed run decodes from a copy.
@@ -234,15 +238,16 @@ def measure(model: LlamaForCausalLM, batch: int, prompt_len: int, steps: int, re
 
 def main(args) -> int:
     dispatch = inline_cpu_dispatch()
-    batches = (1, 8) if args.quick else (1, 8, 32)
-    prompt_len, steps = (32, 16) if args.quick else (128, 64)
-    repeats = 2 if args.quick else 7
-    model = LlamaForCausalLM(CONFIG, rngs=nnx.Rngs(0))
+    batches = (1, 4) if args.quick else (1, 8, 32)
+    prompt_len, steps = (16, 8) if args.quick else (128, 64)
+    repeats = 1 if args.quick else 7
+    config = QUICK_CONFIG if args.quick else CONFIG  # quick: a smoke test, small and few compiles
+    model = LlamaForCausalLM(config, rngs=nnx.Rngs(0))
     rng = np.random.default_rng(0)
     results = [measure(model, b, prompt_len, steps, repeats, rng) for b in batches]
     machine = machine_description()
     print_table(
-        f"decode tokens/s, {model_description()}; prompts of {prompt_len} tokens, {steps} greedy steps "
+        f"decode tokens/s, {model_description(config)}; prompts of {prompt_len} tokens, {steps} greedy steps "
         f"(no EOS), page {PAGE_SIZE}; best of {repeats}, {dispatch}, on {machine}, {os.cpu_count()} CPU cores",
         ["batch", "paged tok/s", "contiguous tok/s", "paged/contiguous", "per-step tok/s", "multi-step tok/s",
          "multi/per-step"],
