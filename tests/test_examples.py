@@ -14,6 +14,8 @@ EXPECTED = {  # a line each example must print
     "paged_generation.py": "KV blocks free after the loop: 21 of 21",
     "fork_sampling_beam.py": "3 beams:",
     "load_hf_checkpoint.py": "wrote a random checkpoint",
+    "continuous_batching.py": "prefix hit rate",
+    "swap_under_pressure.py": "recompute: 0 swaps",
 }
 
 

@@ -13,18 +13,24 @@
   pages (the decode counterpart is :func:`jaxkv.paged_decode_attention`).
 * :func:`generate`: prefill, then decoding in one jitted ``lax.while_loop``
   with block allocation on device (greedy, temperature, top-k, top-p).
+* :class:`Engine`: continuous batching (host scheduler, jitted prefill and
+  multi-step decode chunks, prefix-cache hits, preemption by swap or
+  recompute).
 * :func:`sample_n`, :func:`beam_search`: one prefill, then ``fork`` and
   copy-on-write inside the jitted loop (parallel sampling, beam search).
 """
 
 from jaxkv.nn.attention import PagedAttention, RMSNorm, paged_prefill_attention, set_attention_fns
 from jaxkv.nn.config import LlamaConfig, RopeScaling
+from jaxkv.nn.engine import Engine, EngineSummary
 from jaxkv.nn.generate import GenerateOutput, SamplingParams, generate
 from jaxkv.nn.llama import LlamaForCausalLM
 from jaxkv.nn.parallel import beam_search, sample_n
 from jaxkv.nn.rope import apply_rope, rope_inv_freq
 
 __all__ = [
+    "Engine",
+    "EngineSummary",
     "GenerateOutput",
     "SamplingParams",
     "generate",

@@ -1,0 +1,658 @@
+"""A continuous-batching engine: a host scheduler around jitted steps.
+
+Requests arrive over time (``arrival_step``: the scheduler iteration from
+which a request may be admitted). Each scheduler iteration:
+
+1. **Resume** swapped-out requests (oldest first) while their blocks fit.
+   New requests are admitted only when no request is left swapped out, so a
+   preempted request is never starved by newcomers.
+2. **Admit** waiting requests that have arrived, in order, while a sequence
+   row is free and blocks allow. The prompt is matched in the radix prefix
+   cache (hit capped at ``len - 1`` tokens, page aligned) and the matched
+   node pinned; the cached blocks go at the start of the new sequence's block
+   table with one ``incref`` each and the rest is acquired
+   (:func:`jaxkv.manager.prefix_tables.admit_with_prefix`, all or nothing),
+   then only the uncached tail is prefilled (``starts = cached_len``), the
+   whole admitted batch in ONE jitted call that also samples each request's
+   first token. When blocks are short the prefix cache is evicted first; if
+   the request still does not fit, admission stops for this iteration (FCFS).
+3. **Decode** every running sequence for ``decode_chunk`` steps in ONE jitted
+   ``lax.while_loop``: each step appends a slot per running sequence on
+   device (a new block at block boundaries), runs the model, samples (per-row
+   temperature / top-k / top-p), and stops rows on EOS or ``max_new_tokens``.
+   If ``append_slots`` cannot get blocks the loop stops early and reports the
+   blocked rows.
+4. On the host: **finished** requests insert their full pages into the prefix
+   cache (the tree takes its own reference: the ids ``insert`` reports as
+   ``new_blocks`` are increfed; duplicates stay the sequence's and are freed
+   with it), their sequences are freed and their prefixes unpinned. When the
+   decode stalled for blocks: evict from the prefix cache, then **preempt** the
+   most recently admitted running request: swap it to host
+   (``num_host_pages > 0`` and it fits there), else free it and re-queue it
+   at the front for recomputation (its full pages go into the prefix cache
+   first, so recomputation usually hits; its generated tokens are kept and
+   appended to its prompt when it is re-admitted).
+
+Ownership (device allocator ref counts): the tree owns one reference to each
+block it holds; a running sequence owns one reference per table entry (fresh
+or cached). So after :meth:`Engine.run`, every device block is free or held by
+the prefix cache alone (ref count 1).
+
+Example::
+
+    engine = Engine(model, num_pages=256, page_size=16, max_seqs=8, max_blocks_per_seq=32)
+    rid = engine.add_request([1, 2, 3], max_new_tokens=16)
+    summary = engine.run(progress=True)
+    print(summary)
+    engine.outputs[rid]   # the generated token ids
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import sys
+import time
+from collections.abc import Hashable, Sequence
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxkv import _host
+from jaxkv.alloc.block import BlockAllocator
+from jaxkv.errors import InvalidArgument, KVCacheOOM
+from jaxkv.manager.block_space import BlockSpaceManager
+from jaxkv.manager.prefix_tables import admit_with_prefix, retire
+from jaxkv.nn.generate import SamplingParams, _model_step
+from jaxkv.pool import host as host_swap
+from jaxkv.pool.kv_pool import KVPool
+from jaxkv.prefix.paged import PrefixCacheManager
+
+__all__ = ["Engine", "EngineSummary", "sample_rows"]
+
+_GREEDY = SamplingParams()
+
+
+# ----------------------------------------------------------------- sampling
+
+
+def sample_rows(logits, key, temperature, top_k, top_p):
+    """One token per row of ``logits [B, V]`` with per-row parameters
+    (traced ``[B]`` arrays, so mixing requests does not recompile): greedy
+    where ``temperature == 0``, else softmax sampling at ``temperature`` over
+    the ``top_k`` most likely tokens (0 = all) and the smallest set reaching
+    ``top_p`` (the rule of :func:`jaxkv.nn.generate.sample`)."""
+    logits = logits.astype(jnp.float32)
+    vocab = logits.shape[-1]
+    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    scaled = logits / jnp.where(temperature > 0, temperature, 1.0)[:, None]
+    ordered = jnp.sort(scaled, axis=-1)[:, ::-1]
+    k = jnp.where(top_k > 0, jnp.minimum(top_k, vocab), vocab)
+    kth = jnp.take_along_axis(ordered, (k - 1)[:, None], axis=-1)
+    scaled = jnp.where(scaled < kth, -jnp.inf, scaled)
+    ordered = jnp.where(jnp.arange(vocab)[None, :] < k[:, None], ordered, -jnp.inf)
+    probs = jax.nn.softmax(ordered, axis=-1)
+    before = jnp.cumsum(probs, axis=-1) - probs  # mass of strictly more likely tokens
+    cutoff = jnp.min(jnp.where(before < top_p[:, None], ordered, jnp.inf), axis=-1, keepdims=True)
+    scaled = jnp.where(scaled < cutoff, -jnp.inf, scaled)
+    sampled = jax.random.categorical(key, scaled, axis=-1).astype(jnp.int32)
+    return jnp.where(temperature > 0, sampled, greedy)
+
+
+# ------------------------------------------------------------ jitted steps
+
+
+@partial(jax.jit, static_argnames=("graphdef",), donate_argnums=(2, 3))
+def _prefill(graphdef, params, manager: BlockSpaceManager, pool: KVPool, admit_rows, prefix_blocks, lengths, rows,
+             starts, num_new, tokens, temperature, top_k, top_p, key):
+    """Admit ``admit_rows`` (-1 padding: nothing to admit) with their cached
+    prefixes, then prefill one chunk: ``tokens [B, W]`` of sequence ``rows``
+    at positions ``starts + t`` for ``t < num_new``, and sample a token from
+    each row's last chunk position (the host keeps it from the final chunk)."""
+    manager, ok = admit_with_prefix(manager, admit_rows, prefix_blocks, lengths)
+    width = tokens.shape[1]
+    lane = jnp.arange(width, dtype=jnp.int32)[None, :]
+    positions = starts[:, None] + lane
+    slots = jnp.where(lane < num_new[:, None], manager.token_slots(rows, positions), -1)
+    tables, _ = manager.batch_tables(rows)
+    logits, pool = _model_step(graphdef, params, tokens, positions, pool, slots, tables, starts, num_new, "prefill")
+    last_logits = jnp.take_along_axis(logits, jnp.maximum(num_new - 1, 0)[:, None, None], axis=1)[:, 0]
+    first = sample_rows(last_logits, key, temperature, top_k, top_p)
+    return manager, pool, first, ok, manager.device.num_used
+
+
+@partial(jax.jit, static_argnames=("graphdef", "num_steps"), donate_argnums=(2, 3))
+def _decode_chunk(graphdef, params, manager: BlockSpaceManager, pool: KVPool, last, active, num_generated,
+                  max_new, eos_id, temperature, top_k, top_p, key, *, num_steps: int):
+    """Up to ``num_steps`` decode steps of the rows ``active`` in one
+    ``lax.while_loop``; stops early when no row runs or an ``append_slots``
+    fails (``stalled``; ``blocked`` marks the rows that needed blocks)."""
+    batch = last.shape[0]
+    lanes = jnp.arange(batch, dtype=jnp.int32)
+
+    def cond(carry):
+        step, stalled, active = carry[0], carry[1], carry[5]
+        return (step < num_steps) & ~stalled & jnp.any(active)
+
+    def body(carry):
+        step, _, blocked, manager, pool, active, last, num_generated, out, count, key, peak = carry
+        seqs = jnp.where(active, lanes, -1)
+        manager, pool, slots, ok, now_blocked = manager.append_slots(pool, seqs, 1)
+        tables, lengths = manager.batch_tables(seqs)
+        starts = jnp.maximum(lengths - 1, 0)
+        running = active & ok
+        # A failed append changed nothing and gave every row slot -1: the model
+        # writes nothing and its output is dropped below.
+        logits, pool = _model_step(graphdef, params, last[:, None], starts[:, None], pool, slots, tables, starts,
+                                   running.astype(jnp.int32), "decode")
+        key, sub = jax.random.split(key)
+        new = sample_rows(logits[:, 0], sub, temperature, top_k, top_p)
+        out = out.at[lanes, jnp.where(running, count, num_steps)].set(new, mode="drop")
+        count = count + running
+        num_generated = num_generated + running
+        done = running & ((new == eos_id) | (num_generated >= max_new))
+        return (step + 1, ~ok, jnp.where(ok, blocked, now_blocked), manager, pool, active & ~done,
+                jnp.where(running, new, last), num_generated, out, count, key,
+                jnp.maximum(peak, manager.device.num_used))
+
+    carry = (jnp.asarray(0, jnp.int32), jnp.asarray(False), jnp.zeros((batch,), bool), manager, pool, active, last,
+             num_generated, jnp.full((batch, num_steps), -1, jnp.int32), jnp.zeros((batch,), jnp.int32), key,
+             manager.device.num_used)
+    (_, stalled, blocked, manager, pool, active, _, _, out, count, _, peak) = jax.lax.while_loop(cond, body, carry)
+    return manager, pool, out, count, active, stalled, blocked, peak
+
+
+_retire_jit = jax.jit(retire)
+
+# The jitted steps never touch host blocks (they free only ON_DEVICE rows; swaps
+# go through jaxkv.pool.host). They get the manager with this placeholder host
+# allocator, so engines that differ only in ``num_host_pages`` share compiled
+# programs; the real host allocator is put back afterwards. A fresh placeholder
+# each call: the manager is donated.
+def _device_view(manager: BlockSpaceManager) -> BlockSpaceManager:
+    return manager.replace(host=BlockAllocator.create(2))
+
+
+# ---------------------------------------------------------------- host side
+
+
+@dataclasses.dataclass
+class _Request:
+    id: int
+    prompt: list
+    max_new: int
+    sampling: SamplingParams
+    eos_id: int
+    arrival: int
+    namespace: Hashable
+    generated: list = dataclasses.field(default_factory=list)
+    state: str = "waiting"  # waiting | running | swapped | done
+    row: int = -1
+    node: object = None  # pinned prefix-cache node while running
+    order: int = -1  # admission order (preemption picks the largest)
+
+    @property
+    def tokens(self) -> list:
+        return self.prompt + self.generated
+
+    @property
+    def kv_len(self) -> int:
+        """Tokens whose K/V are in the cache: all but the last sampled one."""
+        return len(self.prompt) + len(self.generated) - 1
+
+
+@dataclasses.dataclass
+class EngineSummary:
+    """What :meth:`Engine.run` did.
+
+    ``prefix_hit_rate``: prompt tokens served from the prefix cache / prompt
+    tokens admitted (every admission counts, re-admissions after a recompute
+    preemption included, with their generated tokens as part of the prompt).
+    ``peak_kv_blocks``: most device blocks in use at once (sequences and
+    prefix cache together), of ``kv_blocks`` allocatable ones.
+    """
+
+    requests: int
+    generated_tokens: int
+    wall_seconds: float
+    tokens_per_second: float
+    prompt_tokens: int
+    prefix_hit_tokens: int
+    prefix_hit_rate: float
+    peak_kv_blocks: int
+    kv_blocks: int
+    swap_preemptions: int
+    recompute_preemptions: int
+    iterations: int
+
+    @property
+    def preemptions(self) -> int:
+        return self.swap_preemptions + self.recompute_preemptions
+
+    def __str__(self) -> str:
+        return (
+            f"requests {self.requests} | generated tokens {self.generated_tokens} | "
+            f"{self.wall_seconds:.2f} s | {self.tokens_per_second:.1f} tokens/s | "
+            f"prefix hit rate {100 * self.prefix_hit_rate:.1f}% ({self.prefix_hit_tokens}/{self.prompt_tokens} tokens) | "
+            f"peak KV blocks {self.peak_kv_blocks}/{self.kv_blocks} | "
+            f"preemptions {self.preemptions} (swap {self.swap_preemptions}, recompute {self.recompute_preemptions})"
+        )
+
+
+class Engine:
+    """Continuous batching over a paged KV cache (see the module docstring).
+
+    Args:
+        model: a :class:`~jaxkv.nn.LlamaForCausalLM` (anything with the same
+            call signature and ``make_pool``).
+        num_pages: device KV pages (blocks) including the null page 0.
+        page_size: tokens per page.
+        max_seqs: sequence rows (running plus swapped-out requests).
+        max_blocks_per_seq: block-table width; a request needs
+            ``ceil((len(prompt) + max_new_tokens) / page_size)`` blocks.
+        num_host_pages: host pages for swapping (0: preempt by recompute).
+        decode_chunk: decode steps per jitted call.
+        prefix_cache: use the radix prefix cache.
+        kv_dtype: pool dtype (default: the model's).
+        prefill_chunk: most prompt tokens per row in one prefill call (longer
+            uncached tails are prefilled in several calls).
+        host_memory_kind: the swap pool's memory (``create_host_pool``:
+            ``"auto"``, ``"pinned_host"`` or ``"numpy"``).
+        seed: PRNG seed for sampling.
+    """
+
+    def __init__(self, model, *, num_pages: int, page_size: int = 16, max_seqs: int = 8, max_blocks_per_seq: int,
+                 num_host_pages: int = 0, decode_chunk: int = 8, prefix_cache: bool = True, kv_dtype=None,
+                 prefill_chunk: int = 256, host_memory_kind: str = "auto", seed: int = 0):
+        if num_pages < 2 or page_size < 1 or max_seqs < 1 or max_blocks_per_seq < 1 or decode_chunk < 1:
+            raise InvalidArgument(
+                f"Engine: num_pages={num_pages} (>= 2), page_size={page_size}, max_seqs={max_seqs}, "
+                f"max_blocks_per_seq={max_blocks_per_seq}, decode_chunk={decode_chunk} (>= 1)")
+        if num_host_pages < 0:
+            raise InvalidArgument(f"num_host_pages={num_host_pages}: must be >= 0")
+        self.page_size = page_size
+        self.max_seqs = max_seqs
+        self.max_blocks_per_seq = max_blocks_per_seq
+        self.decode_chunk = decode_chunk
+        # Prefill runs in chunks of one fixed width: one compiled program.
+        self.prefill_width = min(_host.pow2_at_least(prefill_chunk), _host.pow2_at_least(max_blocks_per_seq * page_size))
+        self.num_host_pages = num_host_pages
+        self.graphdef, self.params = nnx.split(model)
+        self.manager = BlockSpaceManager.create(
+            num_device_blocks=num_pages, num_host_blocks=max(num_host_pages, 2), block_size=page_size,
+            max_seqs=max_seqs, max_blocks_per_seq=max_blocks_per_seq, watermark=0.0)
+        self.pool = model.make_pool(num_pages, page_size, dtype=kv_dtype)
+        self.host_pool = (host_swap.create_host_pool(self.pool, max(num_host_pages, 2), memory_kind=host_memory_kind)
+                          if num_host_pages else None)
+        self.prefix_cache = PrefixCacheManager(page_size, disable=not prefix_cache)
+        self.key = jax.random.key(seed)
+        self.outputs: dict[int, list] = {}
+        self._requests: dict[int, _Request] = {}
+        self._waiting: collections.deque = collections.deque()  # ids; recomputes go to the front
+        self._swapped: list = []  # ids, oldest preemption first
+        self._rows: list = [None] * max_seqs  # row -> request id (running or swapped)
+        self._step = 0
+        self._order = 0
+        self._reset_counters()
+
+    def _reset_counters(self):
+        self._prompt_tokens = self._hit_tokens = 0
+        self._swaps = self._recomputes = 0
+        self._peak = 0
+        self._iterations = 0
+
+    @property
+    def capacity(self) -> int:
+        """Allocatable device blocks (``num_pages - 1``)."""
+        return self.manager.device.capacity
+
+    # -------------------------------------------------------------- requests
+
+    def add_request(self, prompt_tokens: Sequence[int], max_new_tokens: int, *,
+                    sampling: SamplingParams = _GREEDY, eos_token_id: int | None = None,
+                    arrival_step: int = 0, namespace: Hashable = None) -> int:
+        """Queue a request; returns its id (its key in :attr:`outputs`).
+
+        Raises ``InvalidArgument`` for an empty prompt, ``max_new_tokens < 1``
+        or a request that could never fit (more than ``max_blocks_per_seq``
+        blocks, or more blocks than the whole pool)."""
+        prompt = [int(t) for t in prompt_tokens]
+        if not prompt or max_new_tokens < 1:
+            raise InvalidArgument(f"add_request: prompt of {len(prompt)} tokens, max_new_tokens={max_new_tokens}")
+        blocks = -(-(len(prompt) + max_new_tokens) // self.page_size)
+        if blocks > min(self.max_blocks_per_seq, self.capacity):
+            raise InvalidArgument(
+                f"add_request: {len(prompt)} + {max_new_tokens} tokens need {blocks} blocks of {self.page_size}; "
+                f"max_blocks_per_seq={self.max_blocks_per_seq}, pool has {self.capacity}")
+        rid = len(self._requests)
+        self._requests[rid] = _Request(rid, prompt, int(max_new_tokens), sampling,
+                                       -1 if eos_token_id is None else int(eos_token_id), int(arrival_step), namespace)
+        self._waiting.append(rid)
+        self.outputs[rid] = []
+        return rid
+
+    # ------------------------------------------------------------------- run
+
+    def run(self, progress: bool = False) -> EngineSummary:
+        """Serve every queued request to completion; returns the summary
+        (``outputs`` holds the tokens)."""
+        self._reset_counters()
+        start = time.perf_counter()
+        pending = [r for r in self._requests.values() if r.state != "done"]
+        total = len(pending)
+        generated_before = sum(len(r.generated) for r in pending)
+        self._update_peak()
+        while any(r.state != "done" for r in pending):
+            self._iterations += 1
+            progressed = self._resume_swapped()
+            if not self._swapped:
+                progressed += self._admit()
+            if not any(r.state == "running" for r in pending):
+                if progressed or not any(r.state != "done" for r in pending):
+                    continue  # e.g. requests that finished at their first token
+                future = [self._requests[i].arrival for i in self._waiting if self._requests[i].arrival > self._step]
+                if future and len(future) == len(self._waiting) and not self._swapped:
+                    self._step = min(future)  # idle until the next arrival
+                    continue
+                raise KVCacheOOM(self._blocks_wanted(), int(self.manager.device.num_free), self.capacity,
+                                 unit="blocks (nothing can run)")
+            self._decode()
+            self._step += 1
+            if progress:
+                self._print_progress(pending, total, start)
+        if progress:
+            self._print_progress(pending, total, start)
+            sys.stdout.write("\n")
+            sys.stdout.flush()
+        wall = time.perf_counter() - start
+        generated = sum(len(r.generated) for r in pending) - generated_before
+        return EngineSummary(
+            requests=total, generated_tokens=generated, wall_seconds=wall,
+            tokens_per_second=generated / wall if wall > 0 else 0.0, prompt_tokens=self._prompt_tokens,
+            prefix_hit_tokens=self._hit_tokens,
+            prefix_hit_rate=self._hit_tokens / self._prompt_tokens if self._prompt_tokens else 0.0,
+            peak_kv_blocks=self._peak, kv_blocks=self.capacity, swap_preemptions=self._swaps,
+            recompute_preemptions=self._recomputes, iterations=self._iterations)
+
+    def _print_progress(self, pending, total, start):
+        done = sum(r.state == "done" for r in pending)
+        running = sum(r.state == "running" for r in pending)
+        tokens = sum(len(r.generated) for r in pending)
+        elapsed = time.perf_counter() - start
+        width = 24
+        filled = int(width * done / max(total, 1))
+        sys.stdout.write(
+            f"\r[{'#' * filled}{'.' * (width - filled)}] {done}/{total} done | running {running} "
+            f"waiting {len(self._waiting)} swapped {len(self._swapped)} | {tokens} tokens "
+            f"{tokens / elapsed if elapsed > 0 else 0.0:.1f} tok/s | preempted {self._swaps + self._recomputes}  ")
+        sys.stdout.flush()
+
+    # ------------------------------------------------------------- helpers
+
+    def _num_free(self) -> int:
+        return int(self.manager.device.num_free)
+
+    def _update_peak(self, used=None):
+        used = self.capacity - self._num_free() if used is None else int(used)
+        self._peak = max(self._peak, used)
+
+    def _growth_reserve(self) -> int:
+        """Blocks kept free for the running sequences to grow into when
+        admitting or resuming (one each), so that a request is not brought in
+        only to force an immediate preemption (swap in / swap out thrash)."""
+        return sum(req.state == "running" for req in self._requests.values())
+
+    def _blocks_wanted(self) -> int:
+        for rid in list(self._swapped) + list(self._waiting):
+            req = self._requests[rid]
+            return -(-len(req.tokens) // self.page_size)
+        return 0
+
+    def _evict(self, num_blocks: int) -> None:
+        """Evict at least ``num_blocks`` blocks from the prefix cache (fewer if
+        not enough are evictable) and drop the tree's references to them."""
+        if num_blocks <= 0 or self.prefix_cache.evictable_blocks == 0:
+            return
+        evicted = self.prefix_cache.evict(num_blocks)
+        if evicted.blocks:
+            self._device_update(release=evicted.blocks)
+
+    def _make_room(self, num_blocks: int) -> bool:
+        """Evict until ``num_blocks`` blocks are free; whether they are."""
+        free = self._num_free()
+        if free < num_blocks:
+            self._evict(num_blocks - free)
+            free = self._num_free()
+        return free >= num_blocks
+
+    def _device_update(self, *, incref=(), rows=(), release=()) -> None:
+        """One jitted call: incref ``incref``, free sequence ``rows``, release
+        ``release``; fixed-size id arrays so it compiles once."""
+        def fixed(ids, size):
+            out = np.full((size,), -1, np.int32)
+            out[: len(ids)] = ids
+            return out
+
+        host = self.manager.host
+        manager, ok = _retire_jit(
+            _device_view(self.manager), fixed(incref, self.max_seqs * self.max_blocks_per_seq), fixed(rows, self.max_seqs),
+            fixed(release, self.capacity + 1))
+        self.manager = manager.replace(host=host)
+        if not bool(ok):
+            raise AssertionError(f"engine bookkeeping failed: incref {list(incref)}, free rows {list(rows)}, "
+                                 f"release {list(release)}")
+
+    def _sampling_arrays(self, reqs_by_row):
+        temperature = np.zeros((self.max_seqs,), np.float32)
+        top_k = np.zeros((self.max_seqs,), np.int32)
+        top_p = np.ones((self.max_seqs,), np.float32)
+        for row, req in reqs_by_row.items():
+            temperature[row] = req.sampling.temperature
+            top_k[row] = req.sampling.top_k
+            top_p[row] = req.sampling.top_p
+        return temperature, top_k, top_p
+
+    def _next_key(self):
+        self.key, sub = jax.random.split(self.key)
+        return sub
+
+    # ---------------------------------------------------------- scheduling
+
+    def _resume_swapped(self) -> int:
+        """Swap requests back in, oldest first, while they fit; how many."""
+        resumed = 0
+        while self._swapped:
+            req = self._requests[self._swapped[0]]
+            # Room for its blocks plus a whole decode chunk of growth (a request
+            # swapped out at a block boundary needs a new block at once: without
+            # this it would be swapped straight back out, forever), and the
+            # running requests' reserve.
+            growth = min(self.decode_chunk, max(req.max_new - len(req.generated), 0))
+            if not self._make_room(-(-(req.kv_len + growth) // self.page_size) + self._growth_reserve()):
+                break
+            try:
+                self.manager, self.pool = host_swap.swap_in(self.manager, self.pool, self.host_pool, [req.row])
+            except KVCacheOOM:
+                break
+            self._swapped.pop(0)
+            req.state = "running"
+            resumed += 1
+            self._update_peak()
+        return resumed
+
+    def _admit(self) -> int:
+        """Admit and prefill arrived requests in order while rows and blocks
+        allow; returns how many."""
+        free_rows = [row for row in range(self.max_seqs) if self._rows[row] is None]
+        admitted = []  # (req, cached_blocks, effective tokens)
+        reserved = 0  # blocks the batch will take
+        while self._waiting and free_rows:
+            req = self._requests[self._waiting[0]]
+            if req.arrival > self._step:
+                break
+            tokens = req.tokens
+            match = self.prefix_cache.match(tokens, req.namespace, max_tokens=len(tokens) - 1)
+            self.prefix_cache.pin(match.node)
+            cached = list(match.blocks)  # no host tier: every matched page is on the device
+            need = -(-len(tokens) // self.page_size) - len(cached)
+            if not self._make_room(reserved + need + self._growth_reserve() + len(admitted)):
+                self.prefix_cache.release(match.node)
+                break
+            reserved += need
+            self._waiting.popleft()
+            req.row = free_rows.pop(0)
+            req.node = match.node
+            req.state = "running"
+            self._rows[req.row] = req.id
+            if req.order < 0:
+                req.order = self._order
+                self._order += 1
+            self._prompt_tokens += len(tokens)
+            self._hit_tokens += len(cached) * self.page_size
+            admitted.append((req, cached, tokens))
+        if admitted:
+            self._prefill(admitted)
+        return len(admitted)
+
+    def _prefill(self, admitted) -> None:
+        """Admit the batch and prefill the uncached tails in fixed-width
+        chunks (one compiled program): the first call also admits."""
+        batch, width, chunk = self.max_seqs, self.max_blocks_per_seq, self.prefill_width
+        rows = np.full((batch,), -1, np.int32)
+        prefix = np.full((batch, width), -1, np.int32)
+        lengths = np.zeros((batch,), np.int32)
+        cached = np.zeros((batch,), np.int32)
+        for lane, (req, blocks, tokens) in enumerate(admitted):
+            rows[lane] = req.row
+            prefix[lane, : len(blocks)] = blocks
+            lengths[lane] = len(tokens)
+            cached[lane] = len(blocks) * self.page_size
+        tails = lengths - cached
+        temperature, top_k, top_p = self._sampling_arrays({lane: req for lane, (req, _, _) in enumerate(admitted)})
+        first = np.zeros((batch,), np.int32)
+        admit_rows = rows
+        for offset in range(0, int(tails.max()), chunk):
+            num_new = np.clip(tails - offset, 0, chunk).astype(np.int32)
+            chunk_rows = np.where(num_new > 0, rows, -1).astype(np.int32)
+            tokens = np.zeros((batch, chunk), np.int32)
+            for lane, (_, _, request_tokens) in enumerate(admitted):
+                piece = request_tokens[cached[lane] + offset: cached[lane] + offset + num_new[lane]]
+                tokens[lane, : len(piece)] = piece
+            host = self.manager.host
+            manager, self.pool, sampled, ok, used = _prefill(
+                self.graphdef, self.params, _device_view(self.manager), self.pool, admit_rows, prefix, lengths, chunk_rows,
+                (cached + offset).astype(np.int32), num_new, tokens, temperature, top_k, top_p, self._next_key())
+            self.manager = manager.replace(host=host)
+            sampled, ok, used = jax.device_get((sampled, ok, used))
+            if not ok:  # the host checked rows and blocks: this is a bug, not memory pressure
+                raise KVCacheOOM(int(sum(-(-n // self.page_size) for n in lengths)), self._num_free(), self.capacity,
+                                 unit="blocks (engine admission failed)")
+            self._update_peak(used)
+            ends_here = (num_new > 0) & (offset + num_new == tails)
+            first = np.where(ends_here, sampled, first)
+            admit_rows = np.full((batch,), -1, np.int32)
+        finished = []
+        for lane, (req, _, _) in enumerate(admitted):
+            req.generated.append(int(first[lane]))
+            if self._is_done(req):
+                finished.append(req)
+        self._retire(finished, final=True)
+
+    def _is_done(self, req: _Request) -> bool:
+        return len(req.generated) >= req.max_new or req.generated[-1] == req.eos_id
+
+    def _decode(self) -> None:
+        running = {req.row: req for req in self._requests.values() if req.state == "running"}
+        if not running:
+            return
+        batch = self.max_seqs
+        last = np.zeros((batch,), np.int32)
+        active = np.zeros((batch,), bool)
+        num_generated = np.zeros((batch,), np.int32)
+        max_new = np.zeros((batch,), np.int32)
+        eos = np.full((batch,), -1, np.int32)
+        for row, req in running.items():
+            last[row] = req.generated[-1]
+            active[row] = True
+            num_generated[row] = len(req.generated)
+            max_new[row] = req.max_new
+            eos[row] = req.eos_id
+        temperature, top_k, top_p = self._sampling_arrays(running)
+        host = self.manager.host
+        manager, self.pool, out, count, still, stalled, blocked, peak = _decode_chunk(
+            self.graphdef, self.params, _device_view(self.manager), self.pool, last, active, num_generated, max_new, eos,
+            temperature, top_k, top_p, self._next_key(), num_steps=self.decode_chunk)
+        self.manager = manager.replace(host=host)
+        out, count, still, stalled, blocked, peak = jax.device_get((out, count, still, stalled, blocked, peak))
+        self._update_peak(peak)
+        finished = []
+        for row, req in running.items():
+            req.generated += out[row, : count[row]].tolist()
+            if not still[row]:
+                finished.append(req)
+        self._retire(finished, final=True)
+        if stalled:
+            self._relieve([req for row, req in running.items() if blocked[row] and req.state == "running"])
+
+    def _relieve(self, blocked: list) -> None:
+        """Free blocks for the rows that could not grow: evict the prefix
+        cache, then preempt the most recently admitted running requests."""
+        if not blocked:
+            return
+        running = sum(req.state == "running" for req in self._requests.values())
+        self._make_room(running * -(-self.decode_chunk // self.page_size))  # eviction only: room for a chunk
+        while blocked and not self._make_room(len(blocked)):
+            running = [req for req in self._requests.values() if req.state == "running"]
+            if not running:
+                return
+            victim = max(running, key=lambda r: r.order)
+            self._preempt(victim)
+            blocked = [req for req in blocked if req is not victim]
+
+    def _preempt(self, req: _Request) -> None:
+        if self.host_pool is not None:
+            try:
+                self.manager, self.host_pool = host_swap.swap_out(self.manager, self.pool, self.host_pool, [req.row])
+            except KVCacheOOM:
+                pass
+            else:
+                self.prefix_cache.release(req.node)
+                req.node = None
+                req.state = "swapped"
+                self._swapped.append(req.id)
+                self._swaps += 1
+                return
+        self._retire([req], final=False)
+        self._recomputes += 1
+
+    def _retire(self, reqs: list, *, final: bool) -> None:
+        """Insert the requests' full pages into the prefix cache (the tree
+        increfs the pages it keeps), free their sequences and unpin. ``final``:
+        they are done, else they go back to the front of the queue."""
+        if not reqs:
+            return
+        tables = np.asarray(jax.device_get(self.manager.block_tables))
+        incref = []
+        for req in reqs:
+            kv_len = req.kv_len
+            full_pages = kv_len // self.page_size
+            if full_pages:
+                result = self.prefix_cache.insert(req.tokens[:kv_len], tables[req.row, :full_pages].tolist(),
+                                                  req.namespace)
+                incref += result.new_blocks
+        self._device_update(incref=incref, rows=[req.row for req in reqs])
+        for req in reqs:
+            self.prefix_cache.release(req.node)
+            self._rows[req.row] = None
+            req.node, req.row = None, -1
+            if final:
+                req.state = "done"
+                self.outputs[req.id] = list(req.generated)
+            else:
+                req.state = "waiting"
+        if not final:
+            for req in reversed(reqs):
+                self._waiting.appendleft(req.id)
