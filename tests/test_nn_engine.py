@@ -122,6 +122,23 @@ def test_preemption_under_memory_pressure(model, reference, num_host_pages):
     check_blocks(engine)
 
 
+def test_eos_stops_each_request_where_the_reference_emits_it(model, reference):
+    rng = np.random.default_rng(4)
+    prompts = [tokens(rng, n) for n in (9, 11, 10, 12)]
+    free_run = [reference(p, REF_NEW) for p in prompts]
+    eos = free_run[0][3]  # request 0 emits it at its fourth step; others may too, or never
+    engine = Engine(model, **ENGINE)
+    ids = [engine.add_request(p, REF_NEW, eos_token_id=eos, arrival_step=i) for i, p in enumerate(prompts)]
+    summary = engine.run()
+    for rid, expected in zip(ids, free_run):
+        if eos in expected:
+            expected = expected[: expected.index(eos) + 1]
+        assert engine.outputs[rid] == expected, f"request {rid}"
+    assert engine.outputs[ids[0]][-1] == eos and len(engine.outputs[ids[0]]) <= 4
+    assert summary.generated_tokens == sum(len(engine.outputs[rid]) for rid in ids)
+    check_blocks(engine)
+
+
 def test_rejects_requests_that_never_fit(model):
     engine = Engine(model, **ENGINE)
     with pytest.raises(InvalidArgument):
