@@ -121,23 +121,19 @@ class Evicted(NamedTuple):
 
 
 @dataclasses.dataclass(frozen=True)
-class BlockStored:
+class _BlockEvent:
+    namespace: Hashable
+    tokens: np.ndarray
+    block_ids: tuple
+    medium: str = "device"
+
+
+class BlockStored(_BlockEvent):
     """Event: pages entered the cache (``medium`` 'device' or 'host')."""
 
-    namespace: Hashable
-    tokens: np.ndarray
-    block_ids: tuple
-    medium: str = "device"
 
-
-@dataclasses.dataclass(frozen=True)
-class BlockRemoved:
+class BlockRemoved(_BlockEvent):
     """Event: pages left the cache (``medium`` 'device' or 'host')."""
-
-    namespace: Hashable
-    tokens: np.ndarray
-    block_ids: tuple
-    medium: str = "device"
 
 
 @dataclasses.dataclass(frozen=True)
