@@ -1,7 +1,41 @@
-"""Pallas GPU kernels of jaxkv with their pure-jnp references.
+"""Pallas GPU kernels of jaxkv, each with a pure-jnp reference beside it.
 
-Empty for now: the gather and paged-attention kernels arrive with the kernels
-issue (issue 6). The package exists so the distribution layout is final.
+Gather kernels (DeepSeek-V4-style compressed caches: fp8 NoPE with block
+scales + bf16 RoPE in, dense bf16 out, one launch):
+:func:`gather_compressed_kv` (CSA top-k), :func:`gather_all_compressed_kv`
+(HCA), :func:`gather_swa_kv` (sliding-window ring). Entry formats:
+:data:`DSV4_FP8` (584 B, ue8m0 scale per 64) and :data:`DSV32_FP8` (656 B,
+fp32 scale per 128), stored as :class:`CompressedEntries`.
+
+Paged decode attention over the :class:`jaxkv.KVPool` layout:
+:func:`paged_attention` (GQA, bf16/fp8 pages, sliding window, soft cap, MLA,
+split-K).
+
+Every entry point takes ``implementation=None | "pallas" | "reference"`` and
+``interpret=False``: by default the Pallas kernel runs on GPU and the
+reference elsewhere; ``interpret=True`` runs the kernel code on CPU.
 """
 
-__all__: list[str] = []
+from kernels_pallas.formats import DSV4_FP8, DSV32_FP8, CompressedEntries, EntryFormat, ue8m0_to_float32
+from kernels_pallas.gather import (
+    gather_all_compressed_kv,
+    gather_all_compressed_kv_reference,
+    gather_compressed_kv,
+    gather_compressed_kv_reference,
+    gather_swa_kv,
+    gather_swa_kv_reference,
+)
+
+__all__ = [
+    "DSV32_FP8",
+    "DSV4_FP8",
+    "CompressedEntries",
+    "EntryFormat",
+    "gather_all_compressed_kv",
+    "gather_all_compressed_kv_reference",
+    "gather_compressed_kv",
+    "gather_compressed_kv_reference",
+    "gather_swa_kv",
+    "gather_swa_kv_reference",
+    "ue8m0_to_float32",
+]

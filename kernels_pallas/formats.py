@@ -1,0 +1,205 @@
+"""Compressed KV entry formats: fp8 NoPE values with block scales + bf16 RoPE.
+
+DeepSeek-V3.2 and DeepSeek-V4 store each cache entry (one compressed token of
+the single shared KV head, K == V) as
+
+* ``nope_dim`` NoPE values in ``float8_e4m3fn``, quantized in groups of
+  ``group_size`` consecutive values with one scale per group;
+* ``rope_dim`` RoPE values in ``bfloat16``, never quantized (RoPE is last in
+  the dequantized vector).
+
+Two scale encodings exist (facts from FlashMLA's ``quant.py``):
+
+================  =========  ====  =====  =========================  =======
+format            nope+rope  group scale  scale storage              bytes
+================  =========  ====  =====  =========================  =======
+``DSV4_FP8``      448 + 64   64    ue8m0  uint8 exponent ``e``:      584
+                                          scale = ``2 ** (e - 127)``
+``DSV32_FP8``     512 + 64   128   fp32   float32 value              656
+================  =========  ====  =====  =========================  =======
+
+(584 = 448 fp8 + 128 RoPE bytes + 7 exponents + 1 pad byte; 656 = 512 + 16 +
+128.) Both quantize with a power-of-two scale ``2 ** ceil(log2(max(amax,
+1e-4) / 448))`` per group, so ``value / scale`` fits e4m3's range (448) and
+dequantization ``fp8 * scale`` is exact. The fp32 encoding dequantizes any
+float32 scale, not only powers of two.
+
+jaxkv keeps the three parts in three arrays (structure of arrays) rather than
+FlashMLA's packed bytes: the same information and bytes per entry, but every
+part is naturally typed and aligned for JAX and for the Pallas kernels, and
+:meth:`CompressedEntries.nbytes` counts the packed size so memory budgets
+match the peers'.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float
+
+from jaxkv.errors import InvalidArgument
+
+__all__ = ["DSV32_FP8", "DSV4_FP8", "CompressedEntries", "EntryFormat", "ue8m0_to_float32"]
+
+FP8 = jnp.float8_e4m3fn
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+_AMAX_FLOOR = 1e-4  # an all-zero group still gets a finite, normal scale
+
+
+@dataclasses.dataclass(frozen=True)
+class EntryFormat:
+    """The layout of one compressed entry.
+
+    ``scale_kind`` is ``"ue8m0"`` (one uint8 biased exponent per group) or
+    ``"fp32"`` (one float32 per group). ``nope_dim`` must be a multiple of
+    ``group_size``.
+    """
+
+    name: str
+    nope_dim: int
+    rope_dim: int
+    group_size: int
+    scale_kind: str
+
+    def __post_init__(self):
+        if self.scale_kind not in ("ue8m0", "fp32"):
+            raise InvalidArgument(f"scale_kind must be 'ue8m0' or 'fp32', got {self.scale_kind!r}")
+        if self.group_size < 1 or self.nope_dim < self.group_size or self.nope_dim % self.group_size:
+            raise InvalidArgument(
+                f"nope_dim ({self.nope_dim}) must be a positive multiple of group_size ({self.group_size})")
+        if self.rope_dim < 0:
+            raise InvalidArgument(f"rope_dim must be >= 0, got {self.rope_dim}")
+
+    @property
+    def num_groups(self) -> int:
+        return self.nope_dim // self.group_size
+
+    @property
+    def head_dim(self) -> int:
+        """Width of a dequantized entry: NoPE then RoPE."""
+        return self.nope_dim + self.rope_dim
+
+    @property
+    def scale_dtype(self):
+        return jnp.dtype(jnp.uint8 if self.scale_kind == "ue8m0" else jnp.float32)
+
+    @property
+    def bytes_per_entry(self) -> int:
+        """Packed size of one entry, as the peers count it (ue8m0 exponents are
+        padded to a multiple of 8 bytes: 7 exponents + 1 pad in DSV4)."""
+        if self.scale_kind == "ue8m0":
+            scale_bytes = -(-self.num_groups // 8) * 8
+        else:
+            scale_bytes = 4 * self.num_groups
+        return self.nope_dim + 2 * self.rope_dim + scale_bytes
+
+
+DSV4_FP8 = EntryFormat("dsv4_fp8", nope_dim=448, rope_dim=64, group_size=64, scale_kind="ue8m0")
+DSV32_FP8 = EntryFormat("dsv32_fp8", nope_dim=512, rope_dim=64, group_size=128, scale_kind="fp32")
+
+
+def ue8m0_to_float32(exponents: Array) -> Float[Array, "..."]:
+    """``2 ** (e - 127)`` for uint8 exponents, exactly, by building the float's
+    bits (``e << 23``). ``e = 0`` gives 0.0 (2**-127 is subnormal; quantization
+    never produces it: the smallest scale is about 2**-22)."""
+    bits = exponents.astype(jnp.int32) << 23
+    return jax.lax.bitcast_convert_type(bits, jnp.float32)
+
+
+def _pow2_scale(amax):
+    """``2 ** ceil(log2(max(amax, 1e-4) / 448))`` exactly, with its exponent."""
+    raw = jnp.maximum(amax, _AMAX_FLOOR) / FP8_MAX
+    mantissa, exponent = jnp.frexp(raw)  # raw = mantissa * 2**exponent, mantissa in [0.5, 1)
+    exponent = jnp.where(mantissa == 0.5, exponent - 1, exponent)  # exact powers of two stay
+    return jnp.ldexp(jnp.float32(1.0), exponent), exponent
+
+
+@flax.struct.dataclass
+class CompressedEntries:
+    """Compressed KV entries in a format (a pytree; any leading shape).
+
+    Fields (``...`` is any leading shape, e.g. ``[num_pages, entries_per_page]``
+    for a paged pool or ``[num_slots, window]`` for a ring buffer):
+      nope: ``[..., nope_dim]`` float8_e4m3fn.
+      scales: ``[..., num_groups]`` uint8 exponents (ue8m0) or float32 (fp32).
+      rope: ``[..., rope_dim]`` bfloat16.
+      fmt: the :class:`EntryFormat` (static).
+
+    Dequantized entry = ``concat(nope * scale per group, rope)`` in bfloat16.
+    """
+
+    nope: Array
+    scales: Array
+    rope: Array
+    fmt: EntryFormat = flax.struct.field(pytree_node=False)
+
+    @classmethod
+    def zeros(cls, fmt: EntryFormat, shape: tuple[int, ...]) -> "CompressedEntries":
+        """Entries that all dequantize to 0.0 (scale 1.0), with leading ``shape``."""
+        shape = tuple(int(s) for s in shape)
+        one = jnp.uint8(127) if fmt.scale_kind == "ue8m0" else jnp.float32(1.0)
+        return cls(nope=jnp.zeros(shape + (fmt.nope_dim,), FP8),
+                   scales=jnp.full(shape + (fmt.num_groups,), one, fmt.scale_dtype),
+                   rope=jnp.zeros(shape + (fmt.rope_dim,), jnp.bfloat16), fmt=fmt)
+
+    @classmethod
+    def quantize(cls, x: Float[Array, "... D"], fmt: EntryFormat) -> "CompressedEntries":
+        """Quantize ``x`` (``[..., nope_dim + rope_dim]``, any float dtype) the
+        way DeepSeek/FlashMLA do: per group, scale = ``2 ** ceil(log2(max(amax,
+        1e-4) / 448))``, value = ``x / scale`` cast to e4m3; RoPE cast to bf16."""
+        if x.shape[-1] != fmt.head_dim:
+            raise InvalidArgument(
+                f"{fmt.name} entries have {fmt.nope_dim} + {fmt.rope_dim} = {fmt.head_dim} dims, "
+                f"got last dim {x.shape[-1]}")
+        lead = x.shape[:-1]
+        groups = x[..., : fmt.nope_dim].astype(jnp.float32).reshape(*lead, fmt.num_groups, fmt.group_size)
+        scale, exponent = _pow2_scale(jnp.max(jnp.abs(groups), axis=-1))
+        values = jnp.clip(groups / scale[..., None], -FP8_MAX, FP8_MAX).astype(FP8)
+        if fmt.scale_kind == "ue8m0":
+            scales = (exponent + 127).astype(jnp.uint8)
+        else:
+            scales = scale
+        return cls(nope=values.reshape(*lead, fmt.nope_dim), scales=scales,
+                   rope=x[..., fmt.nope_dim:].astype(jnp.bfloat16), fmt=fmt)
+
+    def scale_values(self) -> Float[Array, "... G"]:
+        """The per-group scales as float32."""
+        if self.fmt.scale_kind == "ue8m0":
+            return ue8m0_to_float32(self.scales)
+        return self.scales.astype(jnp.float32)
+
+    def dequantize(self) -> Float[Array, "... D"]:
+        """bfloat16 ``[..., nope_dim + rope_dim]``: NoPE values times their
+        group's scale (in float32, then rounded once to bf16), then RoPE."""
+        fmt = self.fmt
+        lead = self.nope.shape[:-1]
+        groups = self.nope.astype(jnp.float32).reshape(*lead, fmt.num_groups, fmt.group_size)
+        nope = (groups * self.scale_values()[..., None]).reshape(*lead, fmt.nope_dim)
+        return jnp.concatenate([nope.astype(jnp.bfloat16), self.rope.astype(jnp.bfloat16)], axis=-1)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The leading shape (entries)."""
+        return tuple(self.nope.shape[:-1])
+
+    def nbytes(self) -> int:
+        """Packed bytes of these entries (``bytes_per_entry`` each)."""
+        return math.prod(self.shape) * self.fmt.bytes_per_entry
+
+    def check(self, what: str = "entries") -> None:
+        """Raise :class:`InvalidArgument` unless the three arrays agree with
+        the format and with each other (static shapes and dtypes only)."""
+        fmt, lead = self.fmt, self.shape
+        expected = {"nope": (lead + (fmt.nope_dim,), jnp.dtype(FP8)),
+                    "scales": (lead + (fmt.num_groups,), fmt.scale_dtype),
+                    "rope": (lead + (fmt.rope_dim,), jnp.dtype(jnp.bfloat16))}
+        for name, (shape, dtype) in expected.items():
+            arr = getattr(self, name)
+            if tuple(arr.shape) != shape or jnp.dtype(arr.dtype) != dtype:
+                raise InvalidArgument(
+                    f"{what}.{name} must be {dtype.name}{list(shape)} for {fmt.name}, "
+                    f"got {jnp.dtype(arr.dtype).name}{list(arr.shape)}")

@@ -1,0 +1,431 @@
+"""Gather compressed KV entries into dense bf16, dequantizing in the same pass.
+
+Three entry points, one per attention kind of a DeepSeek-V4-style model (seed
+004's ``LayerCacheHandle.gather_*``). Each reads :class:`CompressedEntries`
+(fp8 NoPE + block scales + bf16 RoPE) and writes bf16 ``[..., nope + rope]``
+rows ready for attention, plus a validity mask; invalid rows are exact zeros.
+
+``gather_compressed_kv`` (CSA, top-k)
+    For each query token ``t``, the entries ``indices[t, :]`` of its request,
+    through the request's block table. Entry ``j`` of a request lives in
+    logical page ``j // entries_per_page`` at offset ``j % entries_per_page``.
+``gather_all_compressed_kv`` (HCA)
+    For each request ``b``, its entries ``0 .. num_entries[b] - 1`` in order,
+    padded to a static ``max_entries``.
+``gather_swa_kv`` (SWA)
+    For each request, the last ``min(pos + 1, W)`` tokens of its sliding
+    window ring buffer (position ``p`` lives in ring slot ``p % W``), oldest
+    first, padded to ``W``.
+
+Validity (all kernels; anything else is a zero row with mask False):
+an index is valid iff it is ``>= 0``, below the caller's entry count, its
+logical page is inside the block table row and that table entry names a page
+in ``[0, num_pages)``. So ``-1`` (the peers' "no entry") and stale or garbage
+values can never read memory outside the pool, and rows past a request's
+entries never show another request's data.
+
+The Pallas kernels: one program per (output row, tile of ``TILE`` entries).
+It computes the tile's pool rows, then for each scale group loads the fp8
+values and the group's scale, multiplies in float32 and stores bf16, and
+copies the RoPE part. Every piece moved is a power of two wide (group sizes 64
+and 128, RoPE 64) because Triton needs that; entry counts that are not a
+multiple of the tile are padded by the wrapper (and sliced off after).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jaxtyping import Array, Bool, Float, Int
+
+from jaxkv.errors import InvalidArgument
+from kernels_pallas import _dispatch
+from kernels_pallas.formats import CompressedEntries, ue8m0_to_float32
+
+__all__ = [
+    "gather_all_compressed_kv",
+    "gather_all_compressed_kv_reference",
+    "gather_compressed_kv",
+    "gather_compressed_kv_reference",
+    "gather_swa_kv",
+    "gather_swa_kv_reference",
+]
+
+TILE = 32  # entries per program: 32 x 584 B in, 32 x 1 KiB out
+_BIG = 2**30  # "no entry limit"
+
+
+# --------------------------------------------------------------------------
+# Index rules, shared by the kernels and the references (pure integer math).
+# --------------------------------------------------------------------------
+
+
+def _paged_rows(entry, limit, lookup, width, entries_per_page, num_pages):
+    """Pool rows and validity of logical ``entry`` ids.
+
+    ``lookup(logical_page) -> page id`` reads the request's block table row
+    (``width`` entries): a ref in the kernel, an array in the reference."""
+    logical_page = entry // entries_per_page
+    in_range = (entry >= 0) & (entry < limit) & (logical_page < width)
+    page = lookup(jnp.clip(logical_page, 0, width - 1))
+    valid = in_range & (page >= 0) & (page < num_pages)
+    rows = jnp.clip(page, 0, num_pages - 1) * entries_per_page + jnp.clip(entry, 0, None) % entries_per_page
+    return rows, valid
+
+
+def _ring_rows(i, slot, pos, window, num_slots):
+    """Ring rows and validity of output positions ``i`` (0 = oldest) for the
+    request whose newest written position is ``pos`` in ring ``slot``."""
+    count = jnp.clip(pos + 1, 0, window)  # tokens in the window so far
+    position = pos - count + 1 + i
+    valid = (i < count) & (slot >= 0) & (slot < num_slots)
+    rows = jnp.clip(slot, 0, num_slots - 1) * window + jnp.clip(position, 0, None) % window
+    return rows, valid
+
+
+# --------------------------------------------------------------------------
+# The Pallas kernel body shared by the three gathers.
+# --------------------------------------------------------------------------
+
+
+def _emit_tile(rows, valid, nope_ref, scales_ref, rope_ref, out_ref, valid_ref, out_row, tile0, fmt):
+    """Dequantize pool ``rows`` ([TILE] int32) into
+    ``out_ref[out_row, tile0:tile0+TILE]``; invalid rows become zeros."""
+    tile = pl.ds(tile0, rows.shape[0])
+    keep = valid[:, None]
+    for g in range(fmt.num_groups):
+        cols = pl.ds(g * fmt.group_size, fmt.group_size)
+        values = nope_ref[rows, cols].astype(jnp.float32)  # [TILE, group]
+        raw_scale = scales_ref[rows, g]  # [TILE]
+        if fmt.scale_kind == "ue8m0":
+            scale = ue8m0_to_float32(raw_scale)
+        else:
+            scale = raw_scale.astype(jnp.float32)
+        # where() before the store, not a multiply: a garbage row may hold NaN.
+        out_ref[out_row, tile, cols] = jnp.where(keep, values * scale[:, None], 0.0).astype(out_ref.dtype)
+    for start, size in _dispatch.pow2_chunks(fmt.rope_dim):
+        rope = rope_ref[rows, pl.ds(start, size)]
+        out_ref[out_row, tile, pl.ds(fmt.nope_dim + start, size)] = jnp.where(keep, rope, 0).astype(out_ref.dtype)
+    valid_ref[out_row, tile] = valid.astype(valid_ref.dtype)
+
+
+def _compressed_kernel(token_rows_ref, limits_ref, indices_ref, table_ref, nope_ref, scales_ref, rope_ref,
+                       *outs, fmt, entries_per_page, num_pages):
+    out_ref, valid_ref = outs[-2:]  # leading outs are the interpret-mode poison inputs
+    t, k = pl.program_id(0), pl.program_id(1)
+    tile0 = k * TILE
+    entry = indices_ref[t, pl.ds(tile0, TILE)]
+    row = token_rows_ref[t]
+    rows, valid = _paged_rows(entry, limits_ref[t], lambda lp: table_ref[row, lp], table_ref.shape[1],
+                              entries_per_page, num_pages)
+    _emit_tile(rows, valid, nope_ref, scales_ref, rope_ref, out_ref, valid_ref, t, tile0, fmt)
+
+
+def _all_kernel(num_entries_ref, table_ref, nope_ref, scales_ref, rope_ref, *outs,
+                fmt, entries_per_page, num_pages):
+    out_ref, valid_ref = outs[-2:]
+    b, k = pl.program_id(0), pl.program_id(1)
+    tile0 = k * TILE
+    entry = tile0 + jnp.arange(TILE, dtype=jnp.int32)
+    rows, valid = _paged_rows(entry, num_entries_ref[b], lambda lp: table_ref[b, lp], table_ref.shape[1],
+                              entries_per_page, num_pages)
+    _emit_tile(rows, valid, nope_ref, scales_ref, rope_ref, out_ref, valid_ref, b, tile0, fmt)
+
+
+def _swa_kernel(slots_ref, positions_ref, nope_ref, scales_ref, rope_ref, *outs, fmt, window, num_slots):
+    out_ref, valid_ref = outs[-2:]
+    b, k = pl.program_id(0), pl.program_id(1)
+    tile0 = k * TILE
+    i = tile0 + jnp.arange(TILE, dtype=jnp.int32)
+    rows, valid = _ring_rows(i, slots_ref[b], positions_ref[b], window, num_slots)
+    _emit_tile(rows, valid, nope_ref, scales_ref, rope_ref, out_ref, valid_ref, b, tile0, fmt)
+
+
+def _launch(kernel, inputs, num_out_rows, padded_width, fmt, interpret):
+    """Run ``kernel`` on a ``(num_out_rows, padded_width / TILE)`` grid.
+
+    Outputs: bf16 ``[rows, padded_width, head_dim]`` and int8 validity. In
+    interpret mode both start poisoned (NaN / int8 min) through
+    ``input_output_aliases``, so unwritten elements show."""
+    out_shapes = [jax.ShapeDtypeStruct((num_out_rows, padded_width, fmt.head_dim), jnp.bfloat16),
+                  jax.ShapeDtypeStruct((num_out_rows, padded_width), jnp.int8)]
+    aliases, extra = {}, []
+    if interpret:
+        extra = [_dispatch.poisoned(s.shape, s.dtype) for s in out_shapes]
+        aliases = {len(inputs): 0, len(inputs) + 1: 1}
+    out, valid = pl.pallas_call(
+        kernel,
+        grid=(num_out_rows, padded_width // TILE),
+        out_shape=out_shapes,
+        input_output_aliases=aliases,
+        interpret=interpret,
+        name=kernel.func.__name__.strip("_"),
+    )(*inputs, *extra)
+    return out, valid
+
+
+def _flat(entries: CompressedEntries):
+    """Pool arrays with the leading two dims merged into one row axis."""
+    return tuple(a.reshape(-1, a.shape[-1]) for a in (entries.nope, entries.scales, entries.rope))
+
+
+def _padded(width):
+    return max(TILE, -(-width // TILE) * TILE)
+
+
+@functools.partial(jax.jit, static_argnames=("interpret",))
+def _compressed_pallas(pages, block_table, token_rows, indices, limits, *, interpret):
+    num_tokens, k = indices.shape
+    width = _padded(k)
+    indices = jnp.pad(indices, ((0, 0), (0, width - k)), constant_values=-1)
+    kernel = functools.partial(_compressed_kernel, fmt=pages.fmt, entries_per_page=pages.shape[1],
+                               num_pages=pages.shape[0])
+    out, valid = _launch(kernel, (token_rows, limits, indices, block_table, *_flat(pages)),
+                         num_tokens, width, pages.fmt, interpret)
+    return out[:, :k], valid[:, :k] == 1
+
+
+@functools.partial(jax.jit, static_argnames=("max_entries", "interpret"))
+def _all_pallas(pages, block_table, num_entries, *, max_entries, interpret):
+    width = _padded(max_entries)
+    kernel = functools.partial(_all_kernel, fmt=pages.fmt, entries_per_page=pages.shape[1],
+                               num_pages=pages.shape[0])
+    out, valid = _launch(kernel, (num_entries, block_table, *_flat(pages)),
+                         block_table.shape[0], width, pages.fmt, interpret)
+    return out[:, :max_entries], valid[:, :max_entries] == 1
+
+
+@functools.partial(jax.jit, static_argnames=("interpret",))
+def _swa_pallas(ring, slots, positions, *, interpret):
+    num_slots, window = ring.shape
+    width = _padded(window)
+    kernel = functools.partial(_swa_kernel, fmt=ring.fmt, window=window, num_slots=num_slots)
+    out, valid = _launch(kernel, (slots, positions, *_flat(ring)), slots.shape[0], width, ring.fmt, interpret)
+    return out[:, :window], valid[:, :window] == 1
+
+
+# --------------------------------------------------------------------------
+# References: the same rules, vectorized over everything with plain jnp.
+# --------------------------------------------------------------------------
+
+
+def _dequantized_rows(entries: CompressedEntries, rows, valid):
+    nope, scales, rope = _flat(entries)
+    picked = CompressedEntries(nope=nope[rows], scales=scales[rows], rope=rope[rows], fmt=entries.fmt)
+    return jnp.where(valid[..., None], picked.dequantize(), jnp.zeros((), jnp.bfloat16))
+
+
+# --------------------------------------------------------------------------
+# References: the same index rules, vectorized with plain jnp.
+# --------------------------------------------------------------------------
+
+
+def _dequantized_rows(entries: CompressedEntries, rows, valid):
+    nope, scales, rope = _flat(entries)
+    picked = CompressedEntries(nope=nope[rows], scales=scales[rows], rope=rope[rows], fmt=entries.fmt)
+    return jnp.where(valid[..., None], picked.dequantize(), jnp.zeros((), jnp.bfloat16))
+
+
+def _table_lookup(tables):
+    """``lookup(logical_page[r, k]) = tables[r, logical_page[r, k]]``."""
+    return lambda logical_page: jnp.take_along_axis(tables, logical_page, axis=1)
+
+
+@jax.jit
+def _compressed_reference(pages, block_table, token_rows, indices, limits):
+    tables = block_table[token_rows]  # each token's copy of its request's row
+    rows, valid = _paged_rows(indices, limits[:, None], _table_lookup(tables), tables.shape[1],
+                              pages.shape[1], pages.shape[0])
+    return _dequantized_rows(pages, rows, valid), valid
+
+
+@functools.partial(jax.jit, static_argnames=("max_entries",))
+def _all_reference(pages, block_table, num_entries, *, max_entries):
+    entry = jnp.broadcast_to(jnp.arange(max_entries, dtype=jnp.int32), (block_table.shape[0], max_entries))
+    rows, valid = _paged_rows(entry, num_entries[:, None], _table_lookup(block_table), block_table.shape[1],
+                              pages.shape[1], pages.shape[0])
+    return _dequantized_rows(pages, rows, valid), valid
+
+
+@jax.jit
+def _swa_reference(ring, slots, positions):
+    num_slots, window = ring.shape
+    i = jnp.arange(window, dtype=jnp.int32)[None, :]
+    rows, valid = _ring_rows(i, slots[:, None], positions[:, None], window, num_slots)
+    return _dequantized_rows(ring, rows, valid), valid
+
+
+# --------------------------------------------------------------------------
+# Public entry points: check static shapes, then run the kernel or reference.
+# --------------------------------------------------------------------------
+
+
+def _int_array(x, name, shape):
+    x = jnp.asarray(x)
+    if not jnp.issubdtype(x.dtype, jnp.integer):
+        raise InvalidArgument(f"{name} must be an integer array, got {x.dtype}")
+    if tuple(x.shape) != tuple(shape):
+        raise InvalidArgument(f"{name} must have shape {tuple(shape)}, got {tuple(x.shape)}")
+    return x.astype(jnp.int32)
+
+
+def _check_pool(entries, what, leading_names):
+    if not isinstance(entries, CompressedEntries):
+        raise InvalidArgument(f"{what} must be CompressedEntries, got {type(entries).__name__}")
+    if len(entries.shape) != 2 or min(entries.shape) < 1:
+        raise InvalidArgument(
+            f"{what} must have leading shape [{', '.join(leading_names)}], got {list(entries.shape)}")
+    entries.check(what)
+
+
+def _check_table(block_table, rows=None):
+    block_table = jnp.asarray(block_table)
+    if block_table.ndim != 2 or block_table.shape[1] < 1:
+        raise InvalidArgument(f"block_table must be [rows, max_pages] with max_pages >= 1, "
+                              f"got shape {tuple(block_table.shape)}")
+    if rows is not None and block_table.shape[0] != rows:
+        raise InvalidArgument(f"block_table has {block_table.shape[0]} rows, expected {rows}")
+    return _int_array(block_table, "block_table", block_table.shape)
+
+
+def gather_compressed_kv(
+    pages: CompressedEntries,
+    block_table: Int[Array, "R M"],
+    indices: Int[Array, "T K"],
+    token_rows: Int[Array, " T"] | None = None,
+    *,
+    num_entries: Int[Array, " T"] | None = None,
+    implementation: str | None = None,
+    interpret: bool = False,
+) -> tuple[Float[Array, "T K D"], Bool[Array, "T K"]]:
+    """CSA top-k gather: for each query token, its selected entries, dequantized.
+
+    Args:
+      pages: the layer's paged pool, leading shape ``[num_pages,
+        entries_per_page]`` (e.g. 32 CSA entries per 128-token block).
+      block_table: ``[R, M]`` int; ``block_table[r, j]`` is the page holding
+        entries ``[j*E, (j+1)*E)`` of request row ``r`` (``E`` entries per
+        page); -1 or out-of-range ids are invalid.
+      indices: ``[T, K]`` int, the top-k entry ids of each query token in its
+        request's entry space; -1 means "no entry".
+      token_rows: ``[T]`` int, the ``block_table`` row of each token (e.g.
+        ``request_slots[request_ids]``). None: token ``t`` uses row ``t``
+        (decode, one token per request; needs ``T == R``).
+      num_entries: ``[T]`` int, entries visible to each token; ids at or past
+        it are invalid. For the causal rule pass ``(position + 1) // ratio``.
+        None: no limit beyond the table.
+      implementation, interpret: see :mod:`kernels_pallas._dispatch`.
+
+    Returns:
+      ``(kv, valid)``: bf16 ``[T, K, nope + rope]`` (row ``[t, k]`` = entry
+      ``indices[t, k]`` dequantized, zeros where invalid) and bool ``[T, K]``.
+    """
+    _check_pool(pages, "pages", ("num_pages", "entries_per_page"))
+    block_table = _check_table(block_table)
+    indices = jnp.asarray(indices)
+    if indices.ndim != 2 or indices.shape[1] < 1:
+        raise InvalidArgument(f"indices must be [tokens, k] with k >= 1, got shape {tuple(indices.shape)}")
+    num_tokens = indices.shape[0]
+    indices = _int_array(indices, "indices", indices.shape)
+    if token_rows is None:
+        if num_tokens != block_table.shape[0]:
+            raise InvalidArgument(f"token_rows is None, so indices needs one row per block_table row "
+                                  f"({block_table.shape[0]}), got {num_tokens}")
+        token_rows = jnp.arange(num_tokens, dtype=jnp.int32)
+    token_rows = jnp.clip(_int_array(token_rows, "token_rows", (num_tokens,)), 0, block_table.shape[0] - 1)
+    if num_entries is None:
+        limits = jnp.full((num_tokens,), _BIG, jnp.int32)
+    else:
+        limits = _int_array(num_entries, "num_entries", (num_tokens,))
+    if _dispatch.use_pallas(implementation, interpret):
+        return _compressed_pallas(pages, block_table, token_rows, indices, limits, interpret=interpret)
+    return _compressed_reference(pages, block_table, token_rows, indices, limits)
+
+
+def gather_all_compressed_kv(
+    pages: CompressedEntries,
+    block_table: Int[Array, "B M"],
+    num_entries: Int[Array, " B"],
+    *,
+    max_entries: int,
+    implementation: str | None = None,
+    interpret: bool = False,
+) -> tuple[Float[Array, "B N D"], Bool[Array, "B N"]]:
+    """HCA gather: every completed entry of each request, in order.
+
+    Args:
+      pages: the layer's paged pool, leading shape ``[num_pages, entries_per_page]``.
+      block_table: ``[B, M]`` int, one row per request (see
+        :func:`gather_compressed_kv`).
+      num_entries: ``[B]`` int, completed entries per request (at decode
+        position ``pos`` with ratio ``r``: ``(pos + 1) // r``).
+      max_entries: static ``N``, the padded output width.
+
+    Returns:
+      ``(kv, valid)``: bf16 ``[B, N, nope + rope]``, row ``[b, j]`` = entry
+      ``j`` for ``j < num_entries[b]`` (and a valid table entry), zeros
+      after; bool ``[B, N]``.
+    """
+    _check_pool(pages, "pages", ("num_pages", "entries_per_page"))
+    block_table = _check_table(block_table)
+    max_entries = int(max_entries)
+    if max_entries < 1:
+        raise InvalidArgument(f"max_entries must be >= 1, got {max_entries}")
+    num_entries = _int_array(num_entries, "num_entries", (block_table.shape[0],))
+    if _dispatch.use_pallas(implementation, interpret):
+        return _all_pallas(pages, block_table, num_entries, max_entries=max_entries, interpret=interpret)
+    return _all_reference(pages, block_table, num_entries, max_entries=max_entries)
+
+
+def gather_swa_kv(
+    ring: CompressedEntries,
+    slots: Int[Array, " B"],
+    positions: Int[Array, " B"],
+    *,
+    implementation: str | None = None,
+    interpret: bool = False,
+) -> tuple[Float[Array, "B W D"], Bool[Array, "B W"]]:
+    """SWA gather: each request's sliding window from its ring buffer, in order.
+
+    Args:
+      ring: the layer's ring buffers, leading shape ``[num_slots, W]``;
+        position ``p`` of the request in slot ``s`` is stored at ``[s, p % W]``.
+      slots: ``[B]`` int, each request's ring slot (out of range: all invalid).
+      positions: ``[B]`` int, the newest position written to each ring (the
+        decode token's own position once its entry is written); -1 = empty.
+
+    Returns:
+      ``(kv, valid)``: bf16 ``[B, W, nope + rope]`` where, with ``n =
+      min(pos + 1, W)``, row ``i < n`` is position ``pos - n + 1 + i`` (oldest
+      first) and rows ``i >= n`` are zeros (ring slots not yet written before
+      the ring first fills, so never stale data); bool ``[B, W]``.
+    """
+    _check_pool(ring, "ring", ("num_slots", "window"))
+    slots = jnp.asarray(slots)
+    if slots.ndim != 1:
+        raise InvalidArgument(f"slots must be [batch], got shape {tuple(slots.shape)}")
+    slots = _int_array(slots, "slots", slots.shape)
+    positions = _int_array(positions, "positions", slots.shape)
+    if _dispatch.use_pallas(implementation, interpret):
+        return _swa_pallas(ring, slots, positions, interpret=interpret)
+    return _swa_reference(ring, slots, positions)
+
+
+def gather_compressed_kv_reference(pages, block_table, indices, token_rows=None, *, num_entries=None):
+    """:func:`gather_compressed_kv` with ``implementation="reference"``."""
+    return gather_compressed_kv(pages, block_table, indices, token_rows, num_entries=num_entries,
+                                implementation="reference")
+
+
+def gather_all_compressed_kv_reference(pages, block_table, num_entries, *, max_entries):
+    """:func:`gather_all_compressed_kv` with ``implementation="reference"``."""
+    return gather_all_compressed_kv(pages, block_table, num_entries, max_entries=max_entries,
+                                    implementation="reference")
+
+
+def gather_swa_kv_reference(ring, slots, positions):
+    """:func:`gather_swa_kv` with ``implementation="reference"``."""
+    return gather_swa_kv(ring, slots, positions, implementation="reference")
