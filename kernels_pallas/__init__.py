@@ -25,6 +25,7 @@ from kernels_pallas.gather import (
     gather_swa_kv,
     gather_swa_kv_reference,
 )
+from kernels_pallas.paged_attention import paged_attention
 
 __all__ = [
     "DSV32_FP8",
@@ -37,5 +38,6 @@ __all__ = [
     "gather_compressed_kv_reference",
     "gather_swa_kv",
     "gather_swa_kv_reference",
+    "paged_attention",
     "ue8m0_to_float32",
 ]

@@ -286,3 +286,27 @@ def test_default_on_cpu_is_the_reference_and_errors_are_typed():
     with pytest.raises(InvalidArgument, match=r"ring.nope must be float8_e4m3fn\[2, 4, 448\]"):
         good = CompressedEntries.zeros(DSV4_FP8, (2, 4))
         gather_swa_kv(good.replace(nope=good.nope.astype(jnp.bfloat16)), np.zeros(1, np.int32), np.zeros(1, np.int32))
+
+
+def test_gathers_lower_to_triton():
+    """Cross-lowering for CUDA runs Pallas' Triton lowering here on CPU, which
+    enforces what the interpreter does not (power-of-two tiles, supported
+    ops), at real shapes: 32-entry pages, top-512, a 128-token ring."""
+    sds = jax.ShapeDtypeStruct
+    i32 = jnp.int32
+
+    def pool(fmt, shape):
+        return CompressedEntries(nope=sds(shape + (fmt.nope_dim,), jnp.float8_e4m3fn),
+                                 scales=sds(shape + (fmt.num_groups,), fmt.scale_dtype),
+                                 rope=sds(shape + (fmt.rope_dim,), jnp.bfloat16), fmt=fmt)
+
+    def lowered(fn, *args, **kw):
+        jitted = jax.jit(lambda *a: fn(*a, implementation="pallas", **kw))
+        return jitted.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+    for fmt in FORMATS:
+        pages = pool(fmt, (100, 32))
+        table = sds((4, 9), i32)
+        assert "triton" in lowered(gather_compressed_kv, pages, table, sds((16, 512), i32), sds((16,), i32))
+        assert "triton" in lowered(gather_all_compressed_kv, pages, table, sds((4,), i32), max_entries=77)
+        assert "triton" in lowered(gather_swa_kv, pool(fmt, (10, 128)), sds((4,), i32), sds((4,), i32))

@@ -17,7 +17,7 @@ BENCHMARKS = {
     "prefix": "jaxkv.bench.prefix",
     "decode": "jaxkv.bench.decode",
     "memory": None,  # issue 5
-    "kernels": None,  # issue 6: Pallas kernels
+    "kernels": "jaxkv.bench.kernels",
     "hybrid": None,  # issue 7: hybrid KVCacheManager
 }
 

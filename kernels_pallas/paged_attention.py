@@ -1,0 +1,406 @@
+"""Paged decode attention: a Pallas GPU (Triton) kernel and its dispatch.
+
+:func:`paged_attention` computes what :func:`jaxkv.attention.paged_decode_attention`
+computes (same arguments, masking rules and isolation guarantee; that function
+is also the reference this one dispatches to, see
+:mod:`kernels_pallas._dispatch`), with a split-K flash-decoding kernel.
+
+Algorithm. The grid is ``(B, KVH * head_blocks, k_splits)``. The block table
+is padded to ``k_splits * pages_per_split`` columns (with page 0, and every
+entry clamped into ``[0, P)``) and split into ``k_splits`` equal ranges of
+pages. Each program takes ``block_h`` query rows of one KV head's GQA group
+(``g = H // KVH`` rows, padded with zero rows to a power of two >= 16, the
+smallest M of a Triton dot; ``head_blocks = g_pad / block_h`` is 1 unless the
+float32 accumulator would not fit in registers, as with MLA's 512-wide values
+and many heads) and loops, with dynamic bounds, over the compute blocks of
+``pages_per_compute_block`` pages of its range that hold attended positions,
+i.e. pages ``[max(0, len - W) // ps, ceil(len / ps))``: pages before a sliding
+window and splits past a short sequence cost no loads. A block's pages are
+gathered through the table with one vector-indexed load per head-dim chunk.
+Online softmax (running max ``m``, sum ``l``, accumulator ``o``, all float32)
+runs over the blocks; each program writes its unnormalised partial ``o``,
+``m`` and ``l``, and the splits are merged outside the kernel with a
+log-sum-exp in ``jnp``. A program with no attended position writes ``o = 0``,
+``l = 0``, so a sequence with none gets exact zeros, never NaN.
+
+Masking and isolation. Position ``t`` is attended iff
+``max(0, len - W) <= t < min(len, M * ps)``. Every loaded K/V tile and scale is
+passed through ``jnp.where(valid, x, 0)`` before any arithmetic, the masked
+logits are replaced before the max, and the masked probabilities are set to
+exactly 0 with ``jnp.where`` (not by underflow), so NaN/inf in the null page,
+in unreferenced pages, in the tail of a last page, before the window or in
+their scales cannot reach the output (the reference's guarantee).
+
+Triton power-of-two rule. Triton tensors need power-of-two sizes, and its dot
+needs M, N, K >= 16. So the head dims are cut into static power-of-two chunks
+(:func:`kernels_pallas._dispatch.pow2_chunks`): logits are the sum over K chunks
+of ``q_chunk @ k_chunk.T``, and the output is accumulated per V chunk. Chunks
+narrower than 16 use a broadcast-multiply-reduce instead of a dot. Block
+tokens (``pages_per_compute_block * page_size``) must be a power of two >= 16,
+so the Pallas path needs a power-of-two page size (other page sizes run the
+reference when ``implementation`` is left to the default). In MLA mode the K
+chunks are those of ``[0, Dv)`` followed by those of ``[Dv, Dk)``, so the value
+chunks are exactly the first K chunks and the loaded K tiles are reused as V.
+
+Numerics (flash convention): ``q @ K.T`` takes K in ``q.dtype`` (fp8 pages are
+cast after the load), accumulates in float32 and is then scaled by
+``sm_scale`` and the per-token K scale (scaling the float32 logits instead of
+pre-scaling a bf16 ``q`` keeps one rounding out); the soft cap applies to
+those scaled logits; ``p`` is scaled by the per-token V scale, cast to
+``q.dtype`` and multiplied into V in ``q.dtype`` with float32 accumulation.
+The reference does everything in float32, so bf16 results agree to bf16
+precision, not bitwise.
+
+Differences from JAX's ``jax.experimental.pallas.ops.gpu.paged_attention``:
+``sm_scale`` is an argument (JAX's expects a pre-scaled ``q``); the caller
+needs no table padding or clamping (any table width, -1 or garbage past the
+live pages); sliding windows (traced or static) with skipped pages; MLA mode
+(no V pages; K and V head dims may differ and need not be powers of two);
+full isolation of masked K/V and scales (JAX's multiplies its zero weights
+into whatever V rows it loaded, so NaN there reaches the output); fp8 pages
+take per-token-per-head scales; the split count defaults from the shapes to
+fill the GPU instead of a fixed 16, and empty splits skip their work.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+from jaxtyping import Array, Float, Int
+
+from jaxkv.attention import _scalar_args, paged_decode_attention
+from jaxkv.errors import InvalidArgument
+from kernels_pallas import _dispatch
+
+__all__ = ["paged_attention"]
+
+# Finite stand-in for -inf on masked logits and the initial running max: with
+# -inf, a block or split with nothing attended would compute exp(-inf + inf).
+_MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
+_MIN_DOT = 16  # Triton's tl.dot needs M, N, K >= 16
+_TARGET_PROGRAMS = 2 * 132  # about two programs per H100 SM
+# Float32 accumulator elements per program (block_h * Dv): 32 KiB, so the
+# accumulator stays in registers even for MLA's Dv = 512 (block_h 16).
+_ACC_BUDGET = 8192
+
+
+# --------------------------------------------------------------------------
+# The kernel.
+# --------------------------------------------------------------------------
+
+
+def _dot_nt(a, b):
+    """``a [M, K] @ b [N, K].T`` in float32 (Triton dot needs K >= 16)."""
+    if a.shape[1] >= _MIN_DOT:
+        return jnp.dot(a, b.T, preferred_element_type=jnp.float32)
+    return jnp.sum(a.astype(jnp.float32)[:, None, :] * b.astype(jnp.float32)[None, :, :], axis=2)
+
+
+def _dot_nn(a, b):
+    """``a [M, K] @ b [K, N]`` in float32 (Triton dot needs N >= 16)."""
+    if b.shape[1] >= _MIN_DOT:
+        return jnp.dot(a, b, preferred_element_type=jnp.float32)
+    return jnp.sum(a.astype(jnp.float32)[:, :, None] * b.astype(jnp.float32)[None, :, :], axis=1)
+
+
+def _kernel(*refs, n_poisoned, page_size, ppcb, pages_per_split, k_chunks, v_chunks, mla, use_cap):
+    # The first n_poisoned inputs are the NaN-filled outputs aliased in interpret mode.
+    (bounds_ref, params_ref, table_ref, q_ref, k_ref, ks_ref, v_ref, vs_ref,
+     o_ref, m_ref, l_ref) = refs[n_poisoned:]
+    ps, f32 = page_size, jnp.float32
+    block = ppcb * ps
+    rows = q_ref.shape[0]  # block_h query rows of one KV head's group
+    dtype = q_ref.dtype  # both dots take their operands in q.dtype
+    start, end = bounds_ref[0], bounds_ref[1]  # attended positions [start, end)
+    sm_scale, cap = params_ref[0], params_ref[1]
+    q_tiles = [q_ref[:, pl.ds(c0, n)] for c0, n in k_chunks]
+
+    # Pages of this split holding attended positions: [lo, hi). All values
+    # are >= 0 where it matters, so truncating division is floor division.
+    split_first = pl.program_id(2) * pages_per_split
+    lo = jnp.maximum(lax.div(start, ps), split_first)
+    hi = jnp.minimum(lax.div(end + ps - 1, ps), split_first + pages_per_split)
+    # Blocks stay aligned to the split's start so that a block never reads
+    # past the padded table.
+    first_block = lax.div(lo - split_first, ppcb)
+    n_blocks = jnp.maximum(lax.div(hi - split_first + ppcb - 1, ppcb) - first_block, 0)
+
+    def body(i, carry):
+        m_prev, l_prev, accs = carry
+        p0 = split_first + (first_block + i) * ppcb
+        page_ids = table_ref[pl.ds(p0, ppcb)]
+        pos = p0 * ps + lax.broadcasted_iota(jnp.int32, (block,), 0)
+        valid = (pos >= start) & (pos < end)
+
+        logits, k_tiles = None, []
+        for q_tile, (c0, n) in zip(q_tiles, k_chunks):
+            k = k_ref[page_ids, :, pl.ds(c0, n)].reshape(block, n).astype(dtype)
+            k = jnp.where(valid[:, None], k, jnp.zeros_like(k))  # isolation: before the dot
+            k_tiles.append(k)
+            part = _dot_nt(q_tile, k)
+            logits = part if logits is None else logits + part
+        k_scale = None
+        if ks_ref is not None:
+            k_scale = jnp.where(valid, ks_ref[page_ids].reshape(block).astype(f32), 0.0)
+            logits = logits * (sm_scale * k_scale)[None, :]
+        else:
+            logits = logits * sm_scale
+        if use_cap:
+            logits = cap * jnp.tanh(logits / cap)
+        logits = jnp.where(valid[None, :], logits, _MASK_VALUE)
+
+        m_next = jnp.maximum(m_prev, jnp.max(logits, axis=1))
+        correction = jnp.exp(m_prev - m_next)
+        # Masked weights are exactly 0 by the where, not by exp underflow.
+        p = jnp.where(valid[None, :], jnp.exp(logits - m_next[:, None]), 0.0)
+        l_next = correction * l_prev + jnp.sum(p, axis=1)
+
+        # Per-token V scales act on the reduction axis, so they scale p.
+        if mla:
+            v_scale = k_scale
+        elif vs_ref is not None:
+            v_scale = jnp.where(valid, vs_ref[page_ids].reshape(block).astype(f32), 0.0)
+        else:
+            v_scale = None
+        if v_scale is not None:
+            p = p * v_scale[None, :]
+        p = p.astype(dtype)
+
+        new_accs = []
+        for j, (c0, n) in enumerate(v_chunks):
+            if mla:
+                v = k_tiles[j]  # the value chunks are the first K chunks, already masked
+            else:
+                v = v_ref[page_ids, :, pl.ds(c0, n)].reshape(block, n).astype(dtype)
+                v = jnp.where(valid[:, None], v, jnp.zeros_like(v))
+            new_accs.append(correction[:, None] * accs[j] + _dot_nn(p, v))
+        return m_next, l_next, tuple(new_accs)
+
+    init = (jnp.full((rows,), _MASK_VALUE, f32), jnp.zeros((rows,), f32),
+            tuple(jnp.zeros((rows, n), f32) for _, n in v_chunks))
+    m_run, l_run, accs = lax.fori_loop(0, n_blocks, body, init)
+    for (c0, n), acc in zip(v_chunks, accs):
+        o_ref[:, pl.ds(c0, n)] = acc
+    m_ref[...] = m_run
+    l_ref[...] = l_run
+
+
+@functools.partial(jax.jit, static_argnames=(
+    "use_cap", "mla_value_dim", "pages_per_compute_block", "k_splits", "block_h", "interpret"))
+def _pallas_impl(q, k_pages, v_pages, block_tables, lengths, k_scales, v_scales,
+                 sm_scale, window, cap, *, use_cap, mla_value_dim, pages_per_compute_block,
+                 k_splits, block_h, interpret):
+    b, h, dk = q.shape
+    kvh, num_pages, ps, _ = k_pages.shape
+    width = block_tables.shape[1]
+    mla = v_pages is None
+    dv = mla_value_dim if mla else v_pages.shape[-1]
+    g = h // kvh
+    g_pad = max(_MIN_DOT, _dispatch.next_pow2(g))
+    n_hb = g_pad // block_h  # head blocks per KV head (both powers of two)
+    ppcb = pages_per_compute_block
+    pages_per_split = max(1, -(-width // (ppcb * k_splits))) * ppcb  # M = 0: one empty block
+    i32, f32 = jnp.int32, jnp.float32
+
+    # Pad the table to whole splits and clamp every entry into [0, P) here,
+    # once, so the kernel's loads are always in bounds; masking by position
+    # makes whatever those pages hold irrelevant.
+    table = jnp.pad(block_tables.astype(i32), ((0, 0), (0, k_splits * pages_per_split - width)))
+    table = jnp.clip(table, 0, num_pages - 1)
+    length = jnp.maximum(lengths.astype(i32), 0)
+    # len >= 0 and 1 <= W <= INT32_MAX, so len - W cannot overflow.
+    bounds = jnp.stack([jnp.maximum(length - window, 0), jnp.minimum(length, width * ps)], axis=1)
+    params = jnp.stack([sm_scale, cap]).astype(f32)
+    qg = q.reshape(b, kvh, g, dk)
+    qg = jnp.pad(qg, ((0, 0), (0, 0), (0, g_pad - g), (0, 0)))  # zero rows: harmless, sliced off
+
+    if mla:
+        # Value chunks first, so they are the first K chunks (reused as V).
+        k_chunks = _dispatch.pow2_chunks(dv) + [(dv + s, n) for s, n in _dispatch.pow2_chunks(dk - dv)]
+    else:
+        k_chunks = _dispatch.pow2_chunks(dk)
+    v_chunks = _dispatch.pow2_chunks(dv)
+
+    def full(*shape):  # the whole array, same block for every program
+        return pl.BlockSpec(shape, lambda *_: (0,) * len(shape))
+
+    # Grid axis 1 enumerates (KV head, head block) pairs: j = head * n_hb + head_block.
+    def per_head(x):  # [KVH, P, ...] -> this program's KV head
+        return None if x is None else pl.BlockSpec(
+            (None, *x.shape[1:]), lambda bi, j, si: (j // n_hb,) + (0,) * (x.ndim - 1))
+
+    out_shape = [jax.ShapeDtypeStruct((b, kvh, k_splits, g_pad, dv), f32),
+                 jax.ShapeDtypeStruct((b, kvh, k_splits, g_pad), f32),
+                 jax.ShapeDtypeStruct((b, kvh, k_splits, g_pad), f32)]
+    out_specs = [
+        pl.BlockSpec((None, None, None, block_h, dv), lambda bi, j, si: (bi, j // n_hb, si, j % n_hb, 0)),
+        pl.BlockSpec((None, None, None, block_h), lambda bi, j, si: (bi, j // n_hb, si, j % n_hb)),
+        pl.BlockSpec((None, None, None, block_h), lambda bi, j, si: (bi, j // n_hb, si, j % n_hb)),
+    ]
+    in_specs = [
+        pl.BlockSpec((None, 2), lambda bi, j, si: (bi, 0)),  # bounds
+        full(2),  # sm_scale, cap
+        pl.BlockSpec((None, table.shape[1]), lambda bi, j, si: (bi, 0)),  # table row
+        pl.BlockSpec((None, None, block_h, dk), lambda bi, j, si: (bi, j // n_hb, j % n_hb, 0)),  # q rows
+        per_head(k_pages), per_head(k_scales), per_head(v_pages), per_head(v_scales),
+    ]
+    args = [bounds, params, table, qg, k_pages, k_scales, v_pages, v_scales]
+    poisoned, aliases = [], {}
+    if interpret:
+        # Outputs start as NaN so an element the kernel forgets to write shows up.
+        poisoned = [_dispatch.poisoned(s.shape, s.dtype) for s in out_shape]
+        aliases = {i: i for i in range(len(poisoned))}
+        in_specs = out_specs + in_specs
+    kernel = functools.partial(
+        _kernel, n_poisoned=len(poisoned), page_size=ps, ppcb=ppcb,
+        pages_per_split=pages_per_split, k_chunks=tuple(k_chunks), v_chunks=tuple(v_chunks),
+        mla=mla, use_cap=use_cap)
+    o_part, m_part, l_part = pl.pallas_call(
+        kernel,
+        grid=(b, kvh * n_hb, k_splits),
+        in_specs=in_specs,
+        out_specs=out_specs,
+        out_shape=out_shape,
+        input_output_aliases=aliases,
+        interpret=interpret,
+        compiler_params=plgpu.CompilerParams(num_warps=8 if max(dk, dv) > 128 else 4, num_stages=2),
+        name=f"jaxkv_paged_attention_ppcb{ppcb}_splits{k_splits}",
+    )(*poisoned, *args)
+
+    # Merge the splits (log-sum-exp). Empty splits have l = 0, o = 0 and the
+    # finite mask value as m, so they weigh nothing; nothing attended at all
+    # gives l = 0 and an exact 0 output.
+    m_max = jnp.max(m_part, axis=2, keepdims=True)
+    w = jnp.exp(m_part - m_max)
+    l_sum = jnp.sum(w * l_part, axis=2)
+    o_sum = jnp.sum(w[..., None] * o_part, axis=2)
+    out = jnp.where(l_sum[..., None] > 0, o_sum / jnp.where(l_sum > 0, l_sum, 1.0)[..., None], 0.0)
+    return out[:, :, :g].reshape(b, h, dv).astype(q.dtype)
+
+
+# --------------------------------------------------------------------------
+# Static defaults and the public entry point.
+# --------------------------------------------------------------------------
+
+
+def _is_pow2(n: int) -> bool:
+    return n >= 1 and n & (n - 1) == 0
+
+
+def _default_pages_per_compute_block(page_size: int, width: int, head_dim: int) -> int:
+    # ~128 tokens per block (64 for MLA-sized heads, whose K tiles are big),
+    # no longer than the table needs, and at least 16 tokens for the dots.
+    target = 128 if head_dim <= 256 else 64
+    ppcb = min(max(1, target // page_size), _dispatch.next_pow2(width))
+    return max(ppcb, _dispatch.next_pow2(-(-_MIN_DOT // page_size)))
+
+
+def _default_block_h(g_pad: int, dv: int) -> int:
+    return min(g_pad, max(_MIN_DOT, _ACC_BUDGET // _dispatch.next_pow2(dv)))
+
+
+def _default_k_splits(programs: int, blocks: int) -> int:
+    # Enough programs to fill the GPU, never more splits than compute blocks,
+    # then as few splits as give the same blocks per split.
+    splits = max(1, min(-(-_TARGET_PROGRAMS // programs), blocks))
+    return -(-blocks // -(-blocks // splits))
+
+
+def paged_attention(
+    q: Float[Array, "B H Dk"],
+    k_pages: Float[Array, "KVH P ps Dk"],
+    v_pages: Float[Array, "KVH P ps Dv"] | None,
+    block_tables: Int[Array, "B M"],
+    lengths: Int[Array, " B"],
+    k_scales: Float[Array, "KVH P ps"] | None = None,
+    v_scales: Float[Array, "KVH P ps"] | None = None,
+    *,
+    sm_scale: float | None = None,
+    sliding_window: int | Int[Array, ""] | None = None,
+    logit_soft_cap: float | None = None,
+    mla_value_dim: int | None = None,
+    pages_per_compute_block: int | None = None,
+    k_splits: int | None = None,
+    block_h: int | None = None,
+    implementation: str | None = None,
+    interpret: bool = False,
+) -> Float[Array, "B H Dv"]:
+    """One decode step of attention over one layer of the paged KV pool.
+
+    Arguments, masking rules, isolation guarantee, output and errors are
+    those of :func:`jaxkv.attention.paged_decode_attention`, plus:
+
+    Args:
+      pages_per_compute_block: pages per kernel loop step, a power of two with
+        ``pages_per_compute_block * page_size >= 16``. Default: ~128 tokens
+        (64 when ``Dk > 256``), no more than the table needs.
+      k_splits: programs per (sequence, KV head), each taking an equal share
+        of the (padded) table; >= 1. Default: enough for ~264 programs in
+        all, no more than there are compute blocks.
+      block_h: query rows per program, a power of two >= 16; a KV head's
+        group of ``H // KVH`` rows (padded to a power of two >= 16) is split
+        into blocks of this many, each its own program (which re-reads the
+        K/V pages). Default: the whole group, unless its float32 accumulator
+        (``block_h * Dv``) would exceed 8192 elements (MLA: 16 rows).
+      implementation, interpret: see :mod:`kernels_pallas._dispatch`. The
+        default runs the kernel on GPU and the reference elsewhere; on GPU a
+        page size that is not a power of two also runs the reference.
+
+    Works inside ``jax.jit``; ``sliding_window``, ``sm_scale`` and
+    ``logit_soft_cap`` may be traced scalars (they reach the kernel as data;
+    only whether a soft cap is given is static).
+
+    Raises:
+      InvalidArgument: as the reference, or kernel knobs out of range, or
+        (on the Pallas path) a page size that is not a power of two.
+    """
+    pallas = _dispatch.use_pallas(implementation, interpret)
+    reference = functools.partial(
+        paged_decode_attention, sm_scale=sm_scale, sliding_window=sliding_window,
+        logit_soft_cap=logit_soft_cap, mla_value_dim=mla_value_dim)
+    args = (q, k_pages, v_pages, block_tables, lengths, k_scales, v_scales)
+    ps = k_pages.shape[2] if k_pages.ndim == 4 else 0
+    if pallas and implementation is None and not interpret and not _is_pow2(ps):
+        pallas = False  # Triton needs power-of-two tiles; the reference does not
+    if not pallas:
+        return reference(*args)
+    # The reference's argument checks, by tracing it (no compile, no run).
+    jax.eval_shape(reference, *args)
+
+    b, h, dk = q.shape
+    kvh = k_pages.shape[0]
+    width = block_tables.shape[1]
+    if not _is_pow2(ps):
+        raise InvalidArgument(f"the Pallas kernel needs a power-of-two page size, got {ps}")
+    ppcb = pages_per_compute_block
+    if ppcb is None:
+        ppcb = _default_pages_per_compute_block(ps, width, dk)
+    elif not (_is_pow2(int(ppcb)) and int(ppcb) * ps >= _MIN_DOT):
+        raise InvalidArgument(
+            f"pages_per_compute_block must be a power of two with pages_per_compute_block * "
+            f"page_size >= {_MIN_DOT}, got {ppcb} (page_size {ps})")
+    g_pad = max(_MIN_DOT, _dispatch.next_pow2(h // kvh))
+    dv = int(mla_value_dim) if v_pages is None else v_pages.shape[-1]
+    if block_h is None:
+        block_h = _default_block_h(g_pad, dv)
+    elif not (_is_pow2(int(block_h)) and int(block_h) >= _MIN_DOT):
+        raise InvalidArgument(f"block_h must be a power of two >= {_MIN_DOT}, got {block_h}")
+    block_h = min(int(block_h), g_pad)
+    blocks = max(1, -(-width // int(ppcb)))
+    if k_splits is None:
+        k_splits = _default_k_splits(b * kvh * (g_pad // block_h), blocks)
+    elif int(k_splits) < 1:
+        raise InvalidArgument(f"k_splits must be >= 1, got {k_splits}")
+
+    sm, window, cap, use_cap = _scalar_args(dk, sm_scale, sliding_window, logit_soft_cap)
+    return _pallas_impl(
+        q, k_pages, v_pages, block_tables, lengths, k_scales, v_scales, sm, window, cap,
+        use_cap=use_cap, mla_value_dim=None if v_pages is not None else int(mla_value_dim),
+        pages_per_compute_block=int(ppcb), k_splits=int(k_splits), block_h=block_h,
+        interpret=bool(interpret))
