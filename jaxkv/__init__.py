@@ -13,7 +13,7 @@ from jaxkv.attention import dense_decode_attention, paged_decode_attention
 from jaxkv.errors import DoubleFree, InvalidArgument, InvalidId, KVCacheError, KVCacheOOM
 from jaxkv.manager import kernel_tables
 from jaxkv.manager.block_space import ALLOC_LATER, ALLOC_NEVER, ALLOC_OK, BlockSpaceManager
-from jaxkv.pool import KVPool, ReqToTokenPool, make_full_attention_net_mem_pool, make_req_to_token_pool
+from jaxkv.pool import GDNPool, KVPool, ReqToTokenPool, make_full_attention_net_mem_pool, make_req_to_token_pool
 from jaxkv.prefix import (
     AllBlocksCleared,
     BlockRemoved,
@@ -23,6 +23,16 @@ from jaxkv.prefix import (
     PrefixCacheStats,
     PrefixScheduler,
     SlotPrefixCacheManager,
+)
+
+from jaxkv.manager.hybrid import KVCacheManager, LayerCacheHandle
+from jaxkv.manager.hybrid_schema import (
+    AttentionKind,
+    HybridConfig,
+    LayerCacheSchema,
+    LayerSpec,
+    deepseek_v4_schedule,
+    qwen3_next_schedule,
 )
 
 __version__ = "0.1.0"
@@ -38,6 +48,15 @@ __all__ = [
     "ReqToTokenPool",
     "make_req_to_token_pool",
     "BlockSpaceManager",
+    "KVCacheManager",
+    "LayerCacheHandle",
+    "AttentionKind",
+    "HybridConfig",
+    "LayerCacheSchema",
+    "LayerSpec",
+    "deepseek_v4_schedule",
+    "qwen3_next_schedule",
+    "GDNPool",
     "ALLOC_OK",
     "ALLOC_LATER",
     "ALLOC_NEVER",

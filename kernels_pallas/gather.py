@@ -173,7 +173,8 @@ def _launch(kernel, inputs, num_out_rows, padded_width, fmt, interpret):
 
 def _flat(entries: CompressedEntries):
     """Pool arrays with the leading two dims merged into one row axis."""
-    return tuple(a.reshape(-1, a.shape[-1]) for a in (entries.nope, entries.scales, entries.rope))
+    rows = entries.shape[0] * entries.shape[1]  # explicit: a 0-wide RoPE part cannot infer -1
+    return tuple(a.reshape(rows, a.shape[-1]) for a in (entries.nope, entries.scales, entries.rope))
 
 
 def _padded(width):

@@ -1,2 +1,2 @@
-"""Managers over pools: block tables and their kernel exports (the
-BlockSpaceManager and the hybrid KVCacheManager arrive with their issues)."""
+"""Managers over pools: the BlockSpaceManager (paging, copy-on-write, swap),
+block-table exports for kernels, and the hybrid KVCacheManager (seed 004)."""
