@@ -16,6 +16,8 @@ Every entry point takes ``implementation=None | "pallas" | "reference"`` and
 reference elsewhere; ``interpret=True`` runs the kernel code on CPU.
 """
 
+import jaxkv  # noqa: F401  first: jaxkv's hybrid manager imports this package's modules
+
 from kernels_pallas.formats import DSV4_FP8, DSV32_FP8, CompressedEntries, EntryFormat, ue8m0_to_float32
 from kernels_pallas.gather import (
     gather_all_compressed_kv,

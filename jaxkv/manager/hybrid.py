@@ -52,13 +52,10 @@ from jaxkv.manager.hybrid_schema import (
 from jaxkv.pool.gdn_pool import GDNPool
 from jaxkv.pool.kv_pool import KVPool
 from jaxkv.types import Ok
-from kernels_pallas import (
-    CompressedEntries,
-    gather_all_compressed_kv,
-    gather_compressed_kv,
-    gather_swa_kv,
-    paged_attention,
-)
+# Submodules, not the package: ``kernels_pallas`` imports ``jaxkv`` first.
+from kernels_pallas.formats import CompressedEntries
+from kernels_pallas.gather import gather_all_compressed_kv, gather_compressed_kv, gather_swa_kv
+from kernels_pallas.paged_attention import paged_attention
 
 __all__ = ["BlockGroup", "CompressedLayerCache", "KVCacheManager", "LayerCacheHandle"]
 
