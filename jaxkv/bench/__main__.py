@@ -18,7 +18,7 @@ BENCHMARKS = {
     "decode": "jaxkv.bench.decode",
     "memory": None,  # issue 5
     "kernels": "jaxkv.bench.kernels",
-    "hybrid": None,  # issue 7: hybrid KVCacheManager
+    "hybrid": "jaxkv.bench.hybrid",
 }
 
 

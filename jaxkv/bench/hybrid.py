@@ -1,0 +1,168 @@
+"""``python -m jaxkv.bench hybrid``: memory and step cost of the hybrid cache.
+
+**Memory** (exact, from the arrays the managers would own: ``jax.eval_shape``
+of ``KVCacheManager.create``, nothing allocated). For the V4-Flash-like
+schedule (43 layers: 2 SWA-only, then CSA / HCA alternating; DeepSeek-V4
+entries of 448 fp8 + 64 bf16 dims, window 128, top-512 indexer) and for a
+plain full-attention cache of the same model size (the same 43 layers, each
+keeping its 512-dim K (= V, one shared head) for every token in bf16, as
+without compression): KV bytes per token (paged storage, amortized per token),
+fixed per-request state (SWA rings, compressor rings), and how many
+128k-token requests fit in a KV budget (default 64 GiB, ``--budget-gib``).
+
+**Step cost**: one jitted ``lax.scan`` of decode steps at batch 8, per step
+``reserve`` (block allocation in every group) then, for every layer,
+``acquire`` + SWA write + compressor (+ indexer) writes + ``update``; against
+a full-attention paged cache doing the same job in the same run: one
+``BlockSpaceManager.append_slots`` and one ``KVPool.set_kv`` per layer. Both
+timed interleaved, minimum over repeats, compilation excluded; the ratio is
+hybrid / full-attention. ``--quick`` uses 4 layers, 4 steps and 1k-token tables.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxkv.bench._timing import best_seconds_interleaved, machine_description, print_json, print_table
+from jaxkv.manager.block_space import BlockSpaceManager
+from jaxkv.manager.hybrid import KVCacheManager
+from jaxkv.manager.hybrid_schema import AttentionKind, HybridConfig, LayerSpec, deepseek_v4_schedule, v4_flash_like_ratios
+from jaxkv.pool.kv_pool import KVPool
+
+CONTEXT = 131072
+GIB = 2**30
+
+
+def _bytes(tree) -> int:
+    return sum(leaf.size * jnp.dtype(leaf.dtype).itemsize for leaf in jax.tree.leaves(tree))
+
+
+def _hybrid_shape(schedule, requests, context):
+    return jax.eval_shape(lambda: KVCacheManager.create(HybridConfig(), schedule, requests,
+                                                        max_context_tokens=context))
+
+
+def memory_rows(num_layers: int, budget_gib: float):
+    """Per-token bytes, per-request state, and 128k requests per budget."""
+    schedule = deepseek_v4_schedule(v4_flash_like_ratios(num_layers))
+    one, two = (_hybrid_shape(schedule, n, CONTEXT) for n in (1, 2))
+    per_request = _bytes(two) - _bytes(one)  # one more 128k request: its blocks, table rows, state
+    # Fixed state: every per-slot array (SWA rings, compressor rings) / slots.
+    state = sum(_bytes([c.swa, c.comp_kv, c.comp_score, c.index_kv, c.index_score]) for c in two.layers) // 3
+    head_dim = HybridConfig().head_dim
+    full_pool = jax.eval_shape(lambda: KVPool.create_mla(num_pages=CONTEXT // 16 + 1, page_size=16,
+                                                         num_layers=num_layers, kv_lora_rank=head_dim - 64,
+                                                         rope_dim=64))
+    full_per_request = _bytes(full_pool)
+    budget = budget_gib * GIB
+    return [
+        {"cache": "hybrid V4-Flash-like", "kv_bytes_per_token": (per_request - state) / CONTEXT,
+         "state_bytes_per_request": state, "bytes_per_128k_request": per_request,
+         "max_128k_requests": int(budget // per_request)},
+        {"cache": "full attention (bf16, same layers)", "kv_bytes_per_token": full_per_request / CONTEXT,
+         "state_bytes_per_request": 0, "bytes_per_128k_request": full_per_request,
+         "max_128k_requests": int(budget // full_per_request)},
+    ]
+
+
+# --------------------------------------------------------------------------
+# Step cost.
+# --------------------------------------------------------------------------
+
+
+def _hybrid_step(manager, slots, values):
+    manager, starts, ok = manager.reserve(slots, jnp.ones(slots.shape, jnp.int32))
+    for layer, schema in enumerate(manager.schemas):
+        h = manager.acquire(layer, slots, starts)
+        h = h.write_swa(values[:, : schema.entry_format.head_dim])
+        if schema.group is not None:
+            w = schema.compressor_width
+            h = h.compress(values[:, :w], values[:, w: 2 * w])
+            if schema.index_format is not None:
+                wi = schema.index_compressor_width
+                h = h.compress_index(values[:, :wi], values[:, wi: 2 * wi])
+        manager = manager.update(h)
+    return manager, ok
+
+
+def _full_step(state, seq_ids, values):
+    manager, pool = state
+    manager, pool, token_slots, ok, _ = manager.append_slots(pool, seq_ids)
+    kv = values[:, None, : pool.k_dim]
+    for layer in range(pool.num_layers):
+        pool = pool.set_kv(layer, token_slots.reshape(-1), kv)
+    return (manager, pool), ok
+
+
+@functools.partial(jax.jit, static_argnums=(0,), donate_argnums=(1,))
+def _scan(step, state, rows, values):
+    def body(state, x):
+        state, ok = step(state, rows, x)
+        return state, ok
+
+    return jax.lax.scan(body, state, values)
+
+
+def step_rows(num_layers: int, steps: int, batch: int, repeats: int, rng, context: int = 4096):
+    schedule = deepseek_v4_schedule(v4_flash_like_ratios(num_layers))
+    config = HybridConfig()
+    hybrid = KVCacheManager.create(config, schedule, batch, max_context_tokens=context)
+    hybrid, slots, _ = hybrid.admit(batch, max_n=batch)
+    head_dim = config.head_dim
+    width = 4 * head_dim  # enough columns for the widest kv + score
+    values = jnp.asarray(rng.normal(size=(steps, batch, width)), jnp.float32)
+
+    pages = batch * context // 16 + 1
+    full = BlockSpaceManager.create(num_device_blocks=pages, num_host_blocks=1, block_size=16,
+                                    max_seqs=batch, max_blocks_per_seq=context // 16)
+    full = full.allocate_or_raise(list(range(batch)), num_tokens=1)
+    pool = KVPool.create_mla(num_pages=pages, page_size=16, num_layers=num_layers, kv_lora_rank=head_dim - 64,
+                             rope_dim=64)
+    seq_ids = jnp.arange(batch, dtype=jnp.int32)
+
+    def fresh():
+        return jax.tree.map(jnp.copy, hybrid), jax.tree.map(jnp.copy, (full, pool))
+
+    def run_hybrid():
+        state, _ = fresh()
+        return _scan(_hybrid_step, state, slots, values)
+
+    def run_full():
+        _, state = fresh()
+        return _scan(_full_step, state, seq_ids, values)
+
+    for run in (run_hybrid, run_full):
+        _, oks = jax.block_until_ready(run())
+        if not bool(np.asarray(oks).all()):
+            raise AssertionError(f"{run.__name__}: a step failed")
+    copy_time = best_seconds_interleaved({"copy": lambda: fresh()}, repeats)["copy"]
+    times = best_seconds_interleaved({"hybrid": run_hybrid, "full": run_full}, repeats)
+    per_step = {k: max(v - copy_time, 0.0) / steps * 1e6 for k, v in times.items()}
+    return [{"layers": num_layers, "batch": batch, "steps": steps, "hybrid_us_per_step": per_step["hybrid"],
+             "full_attention_us_per_step": per_step["full"],
+             "ratio": per_step["hybrid"] / max(per_step["full"], 1e-9)}]
+
+
+def main(args) -> int:
+    quick = args.quick
+    layers = 4 if quick else 43
+    rng = np.random.default_rng(0)
+    print(machine_description())
+    memory = memory_rows(43, 64.0)
+    print_table(f"KV memory, V4-Flash-like schedule (43 layers) vs full attention; 128k-token requests in 64 GiB",
+                ["cache", "KV bytes/token", "state bytes/request", "GiB per 128k request", "max 128k requests"],
+                [[r["cache"], r["kv_bytes_per_token"], r["state_bytes_per_request"],
+                  r["bytes_per_128k_request"] / GIB, r["max_128k_requests"]] for r in memory])
+    steps = step_rows(layers, 4 if quick else 32, 8, 1 if quick else 5, rng, context=1024 if quick else 4096)
+    print_table(f"per-step cache cost inside one jitted lax.scan ({jax.default_backend()})",
+                ["layers", "batch", "steps", "hybrid us/step", "full-attention us/step", "hybrid / full"],
+                [[r["layers"], r["batch"], r["steps"], r["hybrid_us_per_step"], r["full_attention_us_per_step"],
+                  r["ratio"]] for r in steps])
+    if args.json:
+        print_json({"benchmark": "hybrid", "machine": machine_description(),
+                    "results": {"memory": memory, "step": steps}})
+    return 0
