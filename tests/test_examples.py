@@ -16,6 +16,7 @@ EXPECTED = {  # a line each example must print
     "load_hf_checkpoint.py": "wrote a random checkpoint",
     "continuous_batching.py": "prefix hit rate",
     "swap_under_pressure.py": "recompute: 0 swaps",
+    "hybrid_cache.py": "KV bytes per token of a 128k-token request",
 }
 
 

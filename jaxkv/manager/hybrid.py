@@ -366,19 +366,51 @@ class LayerCacheHandle:
         rows = _drop(active, self.token_slots * window + self.positions % window, num_slots * window)
         return self.replace(cache=self.cache.replace(swa=_store_entries(ring, rows, kv)))
 
-    def gather_swa(self) -> tuple[Float[Array, "T W D"], Bool[Array, "T W"]]:
-        """Each token's window ``(pos - W, pos]`` from its ring, oldest first,
-        dequantized to bf16 (:func:`kernels_pallas.gather_swa_kv`). Call after
-        :meth:`write_swa`. Rows that a later token of the same step has
-        overwritten come back invalid (prefill attends those from the step)."""
+    def gather_swa(self, kv: Float[Array, "T D"] | None = None
+                   ) -> tuple[Float[Array, "T W D"], Bool[Array, "T W"]]:
+        """Each token's window ``(pos - W, pos]``, oldest first, dequantized
+        to bf16, with its validity mask (rows before position 0 are invalid).
+
+        Two ways to call it:
+
+        * ``gather_swa(kv)`` with this step's entries ``kv [T, D]``, *before*
+          :meth:`write_swa`: exact for any step, also one with many tokens
+          per request (chunked prefill): rows of earlier steps come from the
+          ring (:func:`kernels_pallas.gather_swa_kv`), rows of this step from
+          ``kv`` rounded through the entry format exactly as the ring stores
+          them.
+        * ``gather_swa()`` *after* :meth:`write_swa`: the decode fast path,
+          exact for one token per request. With several tokens of a request
+          in the step, ring rows that a later token of the step overwrote
+          come back invalid.
+        """
         self._need("SWA ring", self.cache is not None)
-        kv, valid = gather_swa_kv(self.cache.swa, self.token_slots, self.positions,
-                                  implementation=self.implementation)
-        window = self.cache.swa.shape[1]
+        ring = self.cache.swa
+        window = ring.shape[1]
+        i = jnp.arange(window, dtype=jnp.int32)[None, :]
         count = jnp.clip(self.positions + 1, 0, window)[:, None]
-        row_pos = self.positions[:, None] - count + 1 + jnp.arange(window, dtype=jnp.int32)[None, :]
-        fresh = row_pos > (self._newest() - window)[:, None]
-        return jnp.where(fresh[..., None], kv, 0).astype(kv.dtype), valid & fresh
+        row_pos = self.positions[:, None] - count + 1 + i  # position of output row i
+        if kv is None:
+            out, valid = gather_swa_kv(ring, self.token_slots, self.positions, implementation=self.implementation)
+            fresh = row_pos > (self._newest() - window)[:, None]
+            return jnp.where(fresh[..., None], out, 0).astype(out.dtype), valid & fresh
+        self._check_rows("kv", kv, ring.fmt.head_dim)
+        # First position of each token's request in this step: the ring holds
+        # everything before it (still unwritten by this step).
+        first = -jax.ops.segment_max(-self.positions, self.request_ids,
+                                     num_segments=self.request_slots.shape[0])[self.request_ids]
+        old, old_valid = gather_swa_kv(ring, self.token_slots, first - 1, implementation=self.implementation)
+        old_count = jnp.clip(first, 0, window)[:, None]  # old row j holds position first - old_count + j
+        j = jnp.clip(row_pos - (first[:, None] - old_count), 0, window - 1)
+        from_ring = jnp.take_along_axis(old, j[..., None], axis=1)
+        ring_ok = jnp.take_along_axis(old_valid, j, axis=1)
+        step_rows = CompressedEntries.quantize(kv, ring.fmt).dequantize()  # the ring's rounding
+        t = jnp.arange(self.positions.shape[0], dtype=jnp.int32)[:, None]
+        src = jnp.clip(t - (self.positions[:, None] - row_pos), 0, self.positions.shape[0] - 1)
+        in_step = row_pos >= first[:, None]
+        out = jnp.where(in_step[..., None], step_rows[src], from_ring)
+        valid = (i < count) & (self.token_slots >= 0)[:, None] & jnp.where(in_step, True, ring_ok)
+        return jnp.where(valid[..., None], out, 0).astype(out.dtype), valid
 
     # ---------------------------------------------------------------- compressed
 
