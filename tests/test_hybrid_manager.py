@@ -382,3 +382,36 @@ def test_two_hundred_step_serving_scan_has_no_host_transfer():
     np.testing.assert_array_equal(np.asarray(final.seq_lens)[np.asarray(slots)], expected)
     free = {n: int(g.allocator.num_free) + int(np.asarray(g.lens).sum()) for n, g in final.groups.items()}
     assert free == {"csa4": 3, "hca32": 3, "full": 79}
+
+
+def test_mla_layer_decodes_against_dense_attention():
+    """An MLA layer through the manager: each step writes the token's latent
+    (512-style latent + RoPE dims, here 24 + 8) and attends through the pages;
+    the output equals dense attention over all latents so far (values = the
+    latent's first 24 dims)."""
+    config = HybridConfig(kv_head_dim=32, mla_value_dim=24, page_size=4, kv_dtype=jnp.float32)
+    manager = KVCacheManager.create(config, [LayerSpec(0, AttentionKind.MLA)], 2, max_context_tokens=32)
+    manager, slots = manager.admit_or_raise(2)
+    slots = jnp.asarray(slots, jnp.int32)
+    rng = np.random.default_rng()
+    steps, heads = 11, 4
+    latents = rng.normal(size=(steps, 2, 32)).astype(np.float32)
+    queries = rng.normal(size=(steps, 2, heads, 32)).astype(np.float32)
+
+    @jax.jit
+    def step(manager, latent, q):
+        manager, positions, ok = manager.reserve(slots, 1)
+        handle = manager.acquire(0, slots, positions)
+        handle = handle.write_kv(latent[:, None, :])
+        return manager.update(handle), handle.attend(q), ok
+
+    for t in range(steps):
+        manager, out, ok = step(manager, jnp.asarray(latents[t]), jnp.asarray(queries[t]))
+        assert bool(ok)
+        for b in range(2):
+            k = latents[: t + 1, b]  # [t + 1, 32]
+            logits = queries[t, b] @ k.T / np.sqrt(32)
+            w = np.exp(logits - logits.max(-1, keepdims=True))
+            expected = (w / w.sum(-1, keepdims=True)) @ k[:, :24]
+            np.testing.assert_allclose(np.asarray(out[b]), expected, rtol=1e-4, atol=1e-5)
+    assert np.asarray(manager.groups["mla"].lens)[np.asarray(slots)].tolist() == [3, 3]  # 11 tokens, pages of 4
