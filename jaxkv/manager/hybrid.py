@@ -425,26 +425,22 @@ class LayerCacheHandle:
         for the pooling rule). :meth:`KVCacheManager.reserve` must have
         allocated the blocks."""
         self._need("compressor", self.cache is not None and self.cache.comp_kv is not None)
-        for name, x in (("kv", kv), ("score", score)):
-            self._check_rows(name, x, self.schema.compressor_width)
-        c = self.cache
-        ring_kv, ring_score, pool = _compress(
-            c.comp_kv, c.comp_score, c.entries, self.block_table, self.token_slots, self.positions,
-            self.request_ids, self._newest(), kv.astype(jnp.float32), score.astype(jnp.float32),
-            ratio=self.schema.compress_ratio, overlap=self.schema.overlap)
-        return self.replace(cache=c.replace(comp_kv=ring_kv, comp_score=ring_score, entries=pool))
+        return self._advance(kv, score, self.schema.compressor_width, "comp_kv", "comp_score", "entries")
 
     def compress_index(self, kv: Float[Array, "T Wi"], score: Float[Array, "T Wi"]) -> "LayerCacheHandle":
         """The same for the CSA indexer's keys (``[T, overlap * index_dim]``)."""
         self._need("indexer", self.cache is not None and self.cache.index_kv is not None)
+        return self._advance(kv, score, self.schema.index_compressor_width, "index_kv", "index_score", "index_keys")
+
+    def _advance(self, kv, score, width, ring_kv, ring_score, pool):
         for name, x in (("kv", kv), ("score", score)):
-            self._check_rows(name, x, self.schema.index_compressor_width)
+            self._check_rows(name, x, width)
         c = self.cache
-        ring_kv, ring_score, pool = _compress(
-            c.index_kv, c.index_score, c.index_keys, self.block_table, self.token_slots, self.positions,
-            self.request_ids, self._newest(), kv.astype(jnp.float32), score.astype(jnp.float32),
+        new_kv, new_score, new_pool = _compress(
+            getattr(c, ring_kv), getattr(c, ring_score), getattr(c, pool), self.block_table, self.token_slots,
+            self.positions, self.request_ids, self._newest(), kv.astype(jnp.float32), score.astype(jnp.float32),
             ratio=self.schema.compress_ratio, overlap=self.schema.overlap)
-        return self.replace(cache=c.replace(index_kv=ring_kv, index_score=ring_score, index_keys=pool))
+        return self.replace(cache=c.replace(**{ring_kv: new_kv, ring_score: new_score, pool: new_pool}))
 
     def gather_compressed(self, indices: Int[Array, "T K"]) -> tuple[Float[Array, "T K D"], Bool[Array, "T K"]]:
         """CSA: each token's selected entries (-1 = none), causally limited
