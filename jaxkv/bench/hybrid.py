@@ -12,11 +12,16 @@ fixed per-request state (SWA rings, compressor rings), and how many
 
 **Step cost**: one jitted ``lax.scan`` of decode steps at batch 8, per step
 ``reserve`` (block allocation in every group) then, for every layer,
-``acquire`` + SWA write + compressor (+ indexer) writes + ``update``; against
+``acquire`` + SWA write + compressor (+ indexer) writes + ``update`` (and,
+alone, the ``reserve`` part: block allocation in every group); against
 a full-attention paged cache doing the same job in the same run: one
-``BlockSpaceManager.append_slots`` and one ``KVPool.set_kv`` per layer. Both
+``BlockSpaceManager.append_slots`` and one ``KVPool.set_kv`` per layer
+(bf16 pool; float32 on CPU, see below). Both
 timed interleaved, minimum over repeats, compilation excluded; the ratio is
-hybrid / full-attention. ``--quick`` uses 4 layers, 4 steps and 1k-token tables.
+hybrid / full-attention. On CPU: 1k-token tables and a float32
+baseline pool, because XLA's CPU backend copies a whole bf16/fp8 array for
+every scatter into it (the hybrid side's fp8/bf16 stores pay that on CPU,
+per layer array); ``--quick``: 4 layers, 4 steps.
 """
 
 from __future__ import annotations
@@ -89,6 +94,11 @@ def _hybrid_step(manager, slots, values):
     return manager, ok
 
 
+def _reserve_step(manager, slots, values):
+    manager, _, ok = manager.reserve(slots, jnp.ones(slots.shape, jnp.int32))
+    return manager, ok
+
+
 def _full_step(state, seq_ids, values):
     manager, pool = state
     manager, pool, token_slots, ok, _ = manager.append_slots(pool, seq_ids)
@@ -120,29 +130,40 @@ def step_rows(num_layers: int, steps: int, batch: int, repeats: int, rng, contex
     full = BlockSpaceManager.create(num_device_blocks=pages, num_host_blocks=1, block_size=16,
                                     max_seqs=batch, max_blocks_per_seq=context // 16)
     full = full.allocate_or_raise(list(range(batch)), num_tokens=1)
+    # bf16 as a model would store it; on CPU float32, because XLA's CPU
+    # backend copies a whole bf16 array (all layers) for each scatter into it.
+    dtype = jnp.bfloat16 if jax.default_backend() == "gpu" else jnp.float32
     pool = KVPool.create_mla(num_pages=pages, page_size=16, num_layers=num_layers, kv_lora_rank=head_dim - 64,
-                             rope_dim=64)
+                             rope_dim=64, dtype=dtype)
     seq_ids = jnp.arange(batch, dtype=jnp.int32)
 
-    def fresh():
-        return jax.tree.map(jnp.copy, hybrid), jax.tree.map(jnp.copy, (full, pool))
+    def fresh_hybrid():
+        return jax.tree.map(jnp.copy, hybrid)
+
+    def fresh_full():
+        return jax.tree.map(jnp.copy, (full, pool))
 
     def run_hybrid():
-        state, _ = fresh()
-        return _scan(_hybrid_step, state, slots, values)
+        return _scan(_hybrid_step, fresh_hybrid(), slots, values)
 
     def run_full():
-        _, state = fresh()
-        return _scan(_full_step, state, seq_ids, values)
+        return _scan(_full_step, fresh_full(), seq_ids, values)
 
-    for run in (run_hybrid, run_full):
+    def run_reserve():
+        return _scan(_reserve_step, fresh_hybrid(), slots, values)
+
+    for run in (run_hybrid, run_full, run_reserve):
         _, oks = jax.block_until_ready(run())
         if not bool(np.asarray(oks).all()):
             raise AssertionError(f"{run.__name__}: a step failed")
-    copy_time = best_seconds_interleaved({"copy": lambda: fresh()}, repeats)["copy"]
-    times = best_seconds_interleaved({"hybrid": run_hybrid, "full": run_full}, repeats)
-    per_step = {k: max(v - copy_time, 0.0) / steps * 1e6 for k, v in times.items()}
+    # The scans donate their state, so each run starts from a fresh copy;
+    # the copies are timed alone too and subtracted.
+    times = best_seconds_interleaved({"hybrid": run_hybrid, "full": run_full, "reserve": run_reserve,
+                                      "copy_hybrid": fresh_hybrid, "copy_full": fresh_full}, repeats)
+    times["copy_reserve"] = times["copy_hybrid"]
+    per_step = {k: max(times[k] - times["copy_" + k], 0.0) / steps * 1e6 for k in ("hybrid", "full", "reserve")}
     return [{"layers": num_layers, "batch": batch, "steps": steps, "hybrid_us_per_step": per_step["hybrid"],
+             "reserve_only_us_per_step": per_step["reserve"],
              "full_attention_us_per_step": per_step["full"],
              "ratio": per_step["hybrid"] / max(per_step["full"], 1e-9)}]
 
@@ -157,11 +178,21 @@ def main(args) -> int:
                 ["cache", "KV bytes/token", "state bytes/request", "GiB per 128k request", "max 128k requests"],
                 [[r["cache"], r["kv_bytes_per_token"], r["state_bytes_per_request"],
                   r["bytes_per_128k_request"] / GIB, r["max_128k_requests"]] for r in memory])
-    steps = step_rows(layers, 4 if quick else 32, 8, 1 if quick else 5, rng, context=1024 if quick else 4096)
-    print_table(f"per-step cache cost inside one jitted lax.scan ({jax.default_backend()})",
-                ["layers", "batch", "steps", "hybrid us/step", "full-attention us/step", "hybrid / full"],
-                [[r["layers"], r["batch"], r["steps"], r["hybrid_us_per_step"], r["full_attention_us_per_step"],
-                  r["ratio"]] for r in steps])
+    on_gpu = jax.default_backend() == "gpu"
+    if quick:
+        shape = dict(steps=4, repeats=1, context=1024)
+    elif on_gpu:
+        shape = dict(steps=32, repeats=5, context=4096)
+    else:  # CPU: every bf16/fp8 scatter copies its whole array here, so keep the pools small
+        shape = dict(steps=32, repeats=3, context=1024)
+    steps = step_rows(layers, shape["steps"], 8, shape["repeats"], rng, context=shape["context"])
+    baseline = "bf16" if jax.default_backend() == "gpu" else "float32 (CPU)"
+    print_table(f"per-step cache cost inside one jitted lax.scan ({jax.default_backend()}; "
+                f"full-attention pool {baseline})",
+                ["layers", "batch", "steps", "hybrid us/step", "of which reserve", "full-attention us/step",
+                 "hybrid / full"],
+                [[r["layers"], r["batch"], r["steps"], r["hybrid_us_per_step"], r["reserve_only_us_per_step"],
+                  r["full_attention_us_per_step"], r["ratio"]] for r in steps])
     if args.json:
         print_json({"benchmark": "hybrid", "machine": machine_description(),
                     "results": {"memory": memory, "step": steps}})
