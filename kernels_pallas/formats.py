@@ -88,6 +88,11 @@ class EntryFormat:
         return jnp.dtype(jnp.uint8 if self.scale_kind == "ue8m0" else jnp.float32)
 
     @property
+    def unit_scale(self):
+        """The stored scale that means 1.0 (exponent 127, or 1.0)."""
+        return 127 if self.scale_kind == "ue8m0" else 1.0
+
+    @property
     def bytes_per_entry(self) -> int:
         """Packed size of one entry, as the peers count it (ue8m0 exponents are
         padded to a multiple of 8 bytes: 7 exponents + 1 pad in DSV4)."""
@@ -141,9 +146,8 @@ class CompressedEntries:
     def zeros(cls, fmt: EntryFormat, shape: tuple[int, ...]) -> "CompressedEntries":
         """Entries that all dequantize to 0.0 (scale 1.0), with leading ``shape``."""
         shape = tuple(int(s) for s in shape)
-        one = jnp.uint8(127) if fmt.scale_kind == "ue8m0" else jnp.float32(1.0)
         return cls(nope=jnp.zeros(shape + (fmt.nope_dim,), FP8),
-                   scales=jnp.full(shape + (fmt.num_groups,), one, fmt.scale_dtype),
+                   scales=jnp.full(shape + (fmt.num_groups,), fmt.unit_scale, fmt.scale_dtype),
                    rope=jnp.zeros(shape + (fmt.rope_dim,), jnp.bfloat16), fmt=fmt)
 
     @classmethod

@@ -29,7 +29,7 @@ from jaxkv.manager.hybrid_schema import (
     qwen3_next_schedule,
     v4_flash_like_ratios,
 )
-from kernels_pallas import DSV4_FP8, EntryFormat
+from kernels_pallas import EntryFormat
 
 TINY = EntryFormat("tiny", nope_dim=64, rope_dim=16, group_size=32, scale_kind="ue8m0")
 TINY_CONFIG = HybridConfig(entry_format=TINY, window=8, index_head_dim=16, index_topk=3, num_kv_heads=2,

@@ -35,7 +35,7 @@ import numpy as np
 from jaxkv.bench._timing import best_seconds_interleaved, machine_description, print_json, print_table
 from jaxkv.manager.block_space import BlockSpaceManager
 from jaxkv.manager.hybrid import KVCacheManager
-from jaxkv.manager.hybrid_schema import AttentionKind, HybridConfig, LayerSpec, deepseek_v4_schedule, v4_flash_like_ratios
+from jaxkv.manager.hybrid_schema import HybridConfig, deepseek_v4_schedule, v4_flash_like_ratios
 from jaxkv.pool.kv_pool import KVPool
 
 CONTEXT = 131072

@@ -195,9 +195,8 @@ class CompressedLayerCache:
     def reset(self, targets) -> "CompressedLayerCache":
         """Initial state for slots ``targets`` (out-of-range entries dropped)."""
         def zero_rows(entries):
-            one = 127 if entries.fmt.scale_kind == "ue8m0" else 1.0
             return entries.replace(nope=entries.nope.at[targets].set(0, mode="drop"),
-                                   scales=entries.scales.at[targets].set(one, mode="drop"),
+                                   scales=entries.scales.at[targets].set(entries.fmt.unit_scale, mode="drop"),
                                    rope=entries.rope.at[targets].set(0, mode="drop"))
 
         out = self.replace(swa=zero_rows(self.swa))
