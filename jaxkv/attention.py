@@ -197,6 +197,7 @@ def paged_decode_attention(
     k_scales: Float[Array, "KVH P ps"] | None = None,
     v_scales: Float[Array, "KVH P ps"] | None = None,
     *,
+    layer: int | Int[Array, ""] | None = None,
     sm_scale: float | None = None,
     sliding_window: int | Int[Array, ""] | None = None,
     logit_soft_cap: float | None = None,
@@ -226,6 +227,10 @@ def paged_decode_attention(
       logit_soft_cap: ``cap``: logits become ``cap * tanh(l / cap)``, ``l`` the
         already scaled logit (as in JAX's kernel, where q is pre-scaled).
       mla_value_dim: MLA mode's value width; required iff ``v_pages`` is None.
+      layer: None, or the layer to attend when pages and scales are the
+        whole stacked pool (``KVPool``'s ``[L, KVH, P, ps, D]`` and
+        ``[L, KVH, P, ps]``): the pool is passed as is and the layer picked
+        inside, so a kernel can read it in place. Static or traced.
 
     Returns:
       ``[B, H, Dv]`` in ``q.dtype``. Query head ``i`` uses KV head
@@ -243,6 +248,8 @@ def paged_decode_attention(
         q/K head dim mismatch, block_tables not rank 2, batch mismatches, scale
         shapes, missing fp8 scales, MLA arguments inconsistent).
     """
+    if layer is not None:
+        k_pages, v_pages, k_scales, v_scales = _pick_layer(layer, k_pages, v_pages, k_scales, v_scales)
     if k_pages.ndim != 4:
         raise InvalidArgument(
             f"k_pages must be [kv_heads, num_pages, page_size, head_dim], got shape {tuple(k_pages.shape)}")
@@ -288,6 +295,21 @@ def paged_decode_attention(
     sm, window, cap, use_cap = _scalar_args(dk, sm_scale, sliding_window, logit_soft_cap)
     return _paged_impl(q, k_pages, v_pages, block_tables, lengths, k_scales, v_scales,
                        sm, window, cap, use_cap=use_cap, mla_value_dim=mla_value_dim)
+
+
+def _pick_layer(layer, k_pages, v_pages, k_scales, v_scales):
+    """One layer of stacked ``[L, ...]`` pages and scales (checked)."""
+    if k_pages.ndim != 5:
+        raise InvalidArgument(f"with layer=, k_pages must be the stacked pool [layers, kv_heads, num_pages, "
+                              f"page_size, head_dim], got shape {tuple(k_pages.shape)}")
+    num_layers = k_pages.shape[0]
+    for name, x, rank in (("v_pages", v_pages, 5), ("k_scales", k_scales, 4), ("v_scales", v_scales, 4)):
+        if x is not None and (x.ndim != rank or x.shape[0] != num_layers):
+            raise InvalidArgument(f"with layer=, {name} must be stacked like k_pages ({num_layers} layers, "
+                                  f"rank {rank}), got shape {tuple(x.shape)}")
+    if isinstance(layer, (int, np.integer)) and not 0 <= layer < num_layers:
+        raise InvalidArgument(f"layer {layer} is out of range for a pool of {num_layers} layers")
+    return tuple(None if x is None else x[layer] for x in (k_pages, v_pages, k_scales, v_scales))
 
 
 def dense_decode_attention(

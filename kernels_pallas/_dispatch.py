@@ -16,20 +16,41 @@ arguments, resolved here so all kernels behave the same:
     ``implementation="reference"`` is an error. In interpret mode the kernel's
     float outputs start filled with NaN (through ``input_output_aliases``), so
     an element the kernel forgets to write cannot pass a test by luck.
+
+What the GPU cannot run. Some inputs cannot take the compiled kernel on the
+target GPU (:func:`kernels_pallas._gpu.target`): float8 pools on GPUs before
+sm_89 (Triton cannot convert from float8 there), and 1-byte arrays of 2 to 4
+GiB (Pallas' Triton lowering indexes arrays up to 4 GiB with 32-bit offsets,
+which wrap past 2**31 elements). :func:`choose` sends those to the
+reference when ``implementation`` is None, with a
+:class:`KernelFallbackWarning` that says why, and raises
+:class:`~jaxkv.errors.InvalidArgument` when ``"pallas"`` was asked for.
 """
 
 from __future__ import annotations
+
+import math
+import warnings
 
 import jax
 import jax.numpy as jnp
 
 from jaxkv.errors import InvalidArgument
+from kernels_pallas import _gpu
 
 IMPLEMENTATIONS = ("pallas", "reference")
+_FP8 = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
+# Pallas' Triton lowering switches to 64-bit offsets only above 2**32 bytes.
+_WRAP_LO, _WRAP_HI = 2**31, 2**32
+
+
+class KernelFallbackWarning(UserWarning):
+    """A GPU kernel call ran the reference instead, and why."""
 
 
 def use_pallas(implementation: str | None, interpret: bool) -> bool:
-    """True to run the Pallas kernel, False to run the reference."""
+    """True to run the Pallas kernel, False to run the reference (the
+    implementation/interpret rules only; see :func:`choose`)."""
     if implementation is not None and implementation not in IMPLEMENTATIONS:
         raise InvalidArgument(
             f"implementation must be one of {IMPLEMENTATIONS} or None, got {implementation!r}")
@@ -39,8 +60,45 @@ def use_pallas(implementation: str | None, interpret: bool) -> bool:
                                   "with implementation='reference'")
         return True
     if implementation is None:
-        return jax.default_backend() == "gpu"
+        return _gpu.building_ahead() or jax.default_backend() == "gpu"
     return implementation == "pallas"
+
+
+def gpu_obstacle(arrays: dict) -> str | None:
+    """Why the compiled kernel cannot take these ``{name: array}`` on the
+    target GPU, or None."""
+    spec = _gpu.target()
+    for name, x in arrays.items():
+        if x is None:
+            continue
+        dtype = jnp.dtype(x.dtype)
+        if dtype in _FP8 and not spec.has_fp8:
+            return (f"{name} is {dtype.name}, and {spec.name} (sm_{spec.sm}) cannot convert from "
+                    f"float8 in Triton: the fp8 kernels need sm_89 or newer")
+        nbytes = math.prod(x.shape) * dtype.itemsize
+        if dtype.itemsize == 1 and _WRAP_LO <= nbytes <= _WRAP_HI:
+            return (f"{name} ({dtype.name}, shape {tuple(x.shape)}) holds {nbytes} bytes: Pallas' Triton "
+                    f"lowering indexes arrays of at most 2**32 bytes with 32-bit offsets, which wrap past "
+                    f"2**31 = {_WRAP_LO} elements of a 1-byte array; size this pool below 2 GiB or above 4 GiB")
+    return None
+
+
+def choose(kernel: str, implementation: str | None, interpret: bool, arrays: dict) -> bool:
+    """True to run the Pallas kernel ``kernel`` on ``arrays`` ({name: array}),
+    False to run its reference. Falls back to the reference (with a
+    :class:`KernelFallbackWarning`) when the default would be the compiled
+    kernel but :func:`gpu_obstacle` names a reason; raises
+    :class:`InvalidArgument` when ``implementation="pallas"`` was asked for."""
+    pallas = use_pallas(implementation, interpret)
+    if not pallas or interpret:
+        return pallas
+    reason = gpu_obstacle(arrays)
+    if reason is None:
+        return True
+    if implementation == "pallas":
+        raise InvalidArgument(f"{kernel}: the Pallas kernel cannot run here: {reason}")
+    warnings.warn(f"{kernel} runs its jnp reference: {reason}", KernelFallbackWarning, stacklevel=3)
+    return False
 
 
 def poisoned(shape, dtype):

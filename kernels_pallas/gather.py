@@ -25,9 +25,12 @@ values can never read memory outside the pool, and rows past a request's
 entries never show another request's data.
 
 The Pallas kernels: one program per (output row, tile of ``TILE`` entries).
-It computes the tile's pool rows, then for each scale group loads the fp8
-values and the group's scale, multiplies in float32 and stores bf16, and
-copies the RoPE part. Every piece moved is a power of two wide (group sizes 64
+It computes the tile's pool rows, issues every load of the tile (each scale
+group's fp8 values and scales, the RoPE part), then dequantizes in float32 and
+stores bf16 (all loads before the first store, so they are in flight
+together). Float8 conversion needs sm_89+: on older GPUs, and for 1-byte
+arrays of 2 to 4 GiB, the default dispatch runs the reference (see
+:mod:`kernels_pallas._dispatch`). Every piece moved is a power of two wide (group sizes 64
 and 128, RoPE 64) because Triton needs that; entry counts that are not a
 multiple of the tile are padded by the wrapper (and sliced off after).
 """
@@ -94,22 +97,27 @@ def _ring_rows(i, slot, pos, window, num_slots):
 
 def _emit_tile(rows, valid, nope_ref, scales_ref, rope_ref, out_ref, valid_ref, out_row, tile0, fmt):
     """Dequantize pool ``rows`` ([TILE] int32) into
-    ``out_ref[out_row, tile0:tile0+TILE]``; invalid rows become zeros."""
+    ``out_ref[out_row, tile0:tile0+TILE]``; invalid rows become zeros.
+
+    Every load is issued before the first store: the loads are independent,
+    so the GPU keeps them all in flight at once (a load-store-load chain would
+    wait out one memory round trip per group)."""
     tile = pl.ds(tile0, rows.shape[0])
     keep = valid[:, None]
-    for g in range(fmt.num_groups):
-        cols = pl.ds(g * fmt.group_size, fmt.group_size)
-        values = nope_ref[rows, cols].astype(jnp.float32)  # [TILE, group]
-        raw_scale = scales_ref[rows, g]  # [TILE]
+    groups = [(pl.ds(g * fmt.group_size, fmt.group_size), nope_ref[rows, pl.ds(g * fmt.group_size, fmt.group_size)],
+               scales_ref[rows, g]) for g in range(fmt.num_groups)]  # [TILE, group] values, [TILE] scales
+    ropes = [(pl.ds(fmt.nope_dim + start, size), rope_ref[rows, pl.ds(start, size)])
+             for start, size in _dispatch.pow2_chunks(fmt.rope_dim)]
+    for cols, values, raw_scale in groups:
         if fmt.scale_kind == "ue8m0":
             scale = ue8m0_to_float32(raw_scale)
         else:
             scale = raw_scale.astype(jnp.float32)
         # where() before the store, not a multiply: a garbage row may hold NaN.
-        out_ref[out_row, tile, cols] = jnp.where(keep, values * scale[:, None], 0.0).astype(out_ref.dtype)
-    for start, size in _dispatch.pow2_chunks(fmt.rope_dim):
-        rope = rope_ref[rows, pl.ds(start, size)]
-        out_ref[out_row, tile, pl.ds(fmt.nope_dim + start, size)] = jnp.where(keep, rope, 0).astype(out_ref.dtype)
+        dequantized = values.astype(jnp.float32) * scale[:, None]
+        out_ref[out_row, tile, cols] = jnp.where(keep, dequantized, 0.0).astype(out_ref.dtype)
+    for cols, rope in ropes:
+        out_ref[out_row, tile, cols] = jnp.where(keep, rope, 0).astype(out_ref.dtype)
     valid_ref[out_row, tile] = valid.astype(valid_ref.dtype)
 
 
@@ -164,9 +172,10 @@ def _launch(kernel, inputs, num_out_rows, padded_width, fmt, interpret):
         input_output_aliases=aliases,
         interpret=interpret,
         # Triton, not Mosaic GPU: these are gathers of scattered rows, which
-        # Triton's pointer loads express directly (and it runs on H100 and A100).
+        # Triton's pointer loads express directly. The float8 conversion needs
+        # sm_89+ (H100, L40, ...); on A100 the dispatch runs the reference.
         compiler_params=pl_triton.CompilerParams(num_warps=4, num_stages=1),
-        name=kernel.func.__name__.strip("_"),
+        name="jaxkv_gather_" + kernel.func.__name__.strip("_").removesuffix("_kernel"),
     )(*inputs, *extra)
     return out, valid
 
@@ -213,17 +222,6 @@ def _swa_pallas(ring, slots, positions, *, interpret):
 
 
 # --------------------------------------------------------------------------
-# References: the same rules, vectorized over everything with plain jnp.
-# --------------------------------------------------------------------------
-
-
-def _dequantized_rows(entries: CompressedEntries, rows, valid):
-    nope, scales, rope = _flat(entries)
-    picked = CompressedEntries(nope=nope[rows], scales=scales[rows], rope=rope[rows], fmt=entries.fmt)
-    return jnp.where(valid[..., None], picked.dequantize(), jnp.zeros((), jnp.bfloat16))
-
-
-# --------------------------------------------------------------------------
 # References: the same index rules, vectorized with plain jnp.
 # --------------------------------------------------------------------------
 
@@ -266,6 +264,10 @@ def _swa_reference(ring, slots, positions):
 # --------------------------------------------------------------------------
 # Public entry points: check static shapes, then run the kernel or reference.
 # --------------------------------------------------------------------------
+
+
+def _arrays(entries: CompressedEntries) -> dict:
+    return {"nope": entries.nope, "scales": entries.scales, "rope": entries.rope}
 
 
 def _int_array(x, name, shape):
@@ -345,7 +347,7 @@ def gather_compressed_kv(
         limits = jnp.full((num_tokens,), _BIG, jnp.int32)
     else:
         limits = _int_array(num_entries, "num_entries", (num_tokens,))
-    if _dispatch.use_pallas(implementation, interpret):
+    if _dispatch.choose("gather_compressed_kv", implementation, interpret, _arrays(pages)):
         return _compressed_pallas(pages, block_table, token_rows, indices, limits, interpret=interpret)
     return _compressed_reference(pages, block_table, token_rows, indices, limits)
 
@@ -380,7 +382,7 @@ def gather_all_compressed_kv(
     if max_entries < 1:
         raise InvalidArgument(f"max_entries must be >= 1, got {max_entries}")
     num_entries = _int_array(num_entries, "num_entries", (block_table.shape[0],))
-    if _dispatch.use_pallas(implementation, interpret):
+    if _dispatch.choose("gather_all_compressed_kv", implementation, interpret, _arrays(pages)):
         return _all_pallas(pages, block_table, num_entries, max_entries=max_entries, interpret=interpret)
     return _all_reference(pages, block_table, num_entries, max_entries=max_entries)
 
@@ -414,7 +416,7 @@ def gather_swa_kv(
         raise InvalidArgument(f"slots must be [batch], got shape {tuple(slots.shape)}")
     slots = _int_array(slots, "slots", slots.shape)
     positions = _int_array(positions, "positions", slots.shape)
-    if _dispatch.use_pallas(implementation, interpret):
+    if _dispatch.choose("gather_swa_kv", implementation, interpret, _arrays(ring)):
         return _swa_pallas(ring, slots, positions, interpret=interpret)
     return _swa_reference(ring, slots, positions)
 

@@ -64,7 +64,10 @@ fill the GPU instead of a fixed 16, and empty splits skip their work.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import json
+import os
 
 import jax
 import jax.numpy as jnp
@@ -76,15 +79,14 @@ from jaxtyping import Array, Float, Int
 
 from jaxkv.attention import _scalar_args, paged_decode_attention
 from jaxkv.errors import InvalidArgument
-from kernels_pallas import _dispatch
+from kernels_pallas import _dispatch, _gpu
 
-__all__ = ["paged_attention"]
+__all__ = ["KernelShape", "paged_attention", "plan", "smem_bytes"]
 
 # Finite stand-in for -inf on masked logits and the initial running max: with
 # -inf, a block or split with nothing attended would compute exp(-inf + inf).
 _MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
 _MIN_DOT = 16  # Triton's tl.dot needs M, N, K >= 16
-_TARGET_PROGRAMS = 2 * 132  # about two programs per H100 SM
 # Float32 accumulator elements per program (block_h * Dv): 32 KiB, so the
 # accumulator stays in registers even for MLA's Dv = 512 (block_h 16).
 _ACC_BUDGET = 8192
@@ -95,17 +97,23 @@ _ACC_BUDGET = 8192
 # --------------------------------------------------------------------------
 
 
+def _precision(dtype):
+    # float32 operands: full float32 products (Triton "ieee"), as the
+    # reference computes; the default would run them as TF32 (10-bit mantissa).
+    return lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else None
+
+
 def _dot_nt(a, b):
     """``a [M, K] @ b [N, K].T`` in float32 (Triton dot needs K >= 16)."""
     if a.shape[1] >= _MIN_DOT:
-        return jnp.dot(a, b.T, preferred_element_type=jnp.float32)
+        return jnp.dot(a, b.T, preferred_element_type=jnp.float32, precision=_precision(a.dtype))
     return jnp.sum(a.astype(jnp.float32)[:, None, :] * b.astype(jnp.float32)[None, :, :], axis=2)
 
 
 def _dot_nn(a, b):
     """``a [M, K] @ b [K, N]`` in float32 (Triton dot needs N >= 16)."""
     if b.shape[1] >= _MIN_DOT:
-        return jnp.dot(a, b, preferred_element_type=jnp.float32)
+        return jnp.dot(a, b, preferred_element_type=jnp.float32, precision=_precision(a.dtype))
     return jnp.sum(a.astype(jnp.float32)[:, :, None] * b.astype(jnp.float32)[None, :, :], axis=1)
 
 
@@ -123,7 +131,7 @@ def _kernel(*refs, n_poisoned, page_size, ppcb, pages_per_split, k_chunks, v_chu
 
     # Pages of this split holding attended positions: [lo, hi). All values
     # are >= 0 where it matters, so truncating division is floor division.
-    split_first = pl.program_id(2) * pages_per_split
+    split_first = pl.program_id(2) * pages_per_split  # grid: (head block, row * KVH + head, split)
     lo = jnp.maximum(lax.div(start, ps), split_first)
     hi = jnp.minimum(lax.div(end + ps - 1, ps), split_first + pages_per_split)
     # Blocks stay aligned to the split's start so that a block never reads
@@ -191,20 +199,21 @@ def _kernel(*refs, n_poisoned, page_size, ppcb, pages_per_split, k_chunks, v_chu
     l_ref[...] = l_run
 
 
-@functools.partial(jax.jit, static_argnames=(
-    "use_cap", "mla_value_dim", "pages_per_compute_block", "k_splits", "block_h", "interpret"))
+@functools.partial(jax.jit, static_argnames=("layer", "use_cap", "mla_value_dim", "shape", "interpret"))
 def _pallas_impl(q, k_pages, v_pages, block_tables, lengths, k_scales, v_scales,
-                 sm_scale, window, cap, *, use_cap, mla_value_dim, pages_per_compute_block,
-                 k_splits, block_h, interpret):
+                 sm_scale, window, cap, *, layer, use_cap, mla_value_dim, shape, interpret):
+    """The kernel launch and the split merge. Pages and scales carry a
+    leading layer axis (``[L, KVH, P, ps, ...]``); the kernel's block specs
+    pick ``layer``, so no layer is ever sliced out (copied) in XLA."""
     b, h, dk = q.shape
-    kvh, num_pages, ps, _ = k_pages.shape
+    _, kvh, num_pages, ps, _ = k_pages.shape
     width = block_tables.shape[1]
     mla = v_pages is None
     dv = mla_value_dim if mla else v_pages.shape[-1]
     g = h // kvh
     g_pad = max(_MIN_DOT, _dispatch.next_pow2(g))
+    block_h, k_splits, ppcb = shape.block_h, shape.k_splits, shape.pages_per_compute_block
     n_hb = g_pad // block_h  # head blocks per KV head (both powers of two)
-    ppcb = pages_per_compute_block
     pages_per_split = max(1, -(-width // (ppcb * k_splits))) * ppcb  # M = 0: one empty block
     i32, f32 = jnp.int32, jnp.float32
 
@@ -227,27 +236,30 @@ def _pallas_impl(q, k_pages, v_pages, block_tables, lengths, k_scales, v_scales,
         k_chunks = _dispatch.pow2_chunks(dk)
     v_chunks = _dispatch.pow2_chunks(dv)
 
+    # Grid (head block, row * KVH + KV head, split). Axis 0 is CUDA's x, the
+    # fastest-varying in launch order, so the head blocks that read the same
+    # pages (MLA's 128 heads: 8 blocks of 16) run side by side and share
+    # those pages through L2 instead of re-reading them from HBM.
     def full(*shape):  # the whole array, same block for every program
         return pl.BlockSpec(shape, lambda *_: (0,) * len(shape))
 
-    # Grid axis 1 enumerates (KV head, head block) pairs: j = head * n_hb + head_block.
-    def per_head(x):  # [KVH, P, ...] -> this program's KV head
+    def per_head(x):  # [L, KVH, P, ...] -> this program's layer and KV head
         return None if x is None else pl.BlockSpec(
-            (None, *x.shape[1:]), lambda bi, j, si: (j // n_hb,) + (0,) * (x.ndim - 1))
+            (None, None, *x.shape[2:]), lambda hb, r, si: (layer, r % kvh) + (0,) * (x.ndim - 2))
 
     out_shape = [jax.ShapeDtypeStruct((b, kvh, k_splits, g_pad, dv), f32),
                  jax.ShapeDtypeStruct((b, kvh, k_splits, g_pad), f32),
                  jax.ShapeDtypeStruct((b, kvh, k_splits, g_pad), f32)]
     out_specs = [
-        pl.BlockSpec((None, None, None, block_h, dv), lambda bi, j, si: (bi, j // n_hb, si, j % n_hb, 0)),
-        pl.BlockSpec((None, None, None, block_h), lambda bi, j, si: (bi, j // n_hb, si, j % n_hb)),
-        pl.BlockSpec((None, None, None, block_h), lambda bi, j, si: (bi, j // n_hb, si, j % n_hb)),
+        pl.BlockSpec((None, None, None, block_h, dv), lambda hb, r, si: (r // kvh, r % kvh, si, hb, 0)),
+        pl.BlockSpec((None, None, None, block_h), lambda hb, r, si: (r // kvh, r % kvh, si, hb)),
+        pl.BlockSpec((None, None, None, block_h), lambda hb, r, si: (r // kvh, r % kvh, si, hb)),
     ]
     in_specs = [
-        pl.BlockSpec((None, 2), lambda bi, j, si: (bi, 0)),  # bounds
+        pl.BlockSpec((None, 2), lambda hb, r, si: (r // kvh, 0)),  # bounds
         full(2),  # sm_scale, cap
-        pl.BlockSpec((None, table.shape[1]), lambda bi, j, si: (bi, 0)),  # table row
-        pl.BlockSpec((None, None, block_h, dk), lambda bi, j, si: (bi, j // n_hb, j % n_hb, 0)),  # q rows
+        pl.BlockSpec((None, table.shape[1]), lambda hb, r, si: (r // kvh, 0)),  # table row
+        pl.BlockSpec((None, None, block_h, dk), lambda hb, r, si: (r // kvh, r % kvh, hb, 0)),  # q rows
         per_head(k_pages), per_head(k_scales), per_head(v_pages), per_head(v_scales),
     ]
     args = [bounds, params, table, qg, k_pages, k_scales, v_pages, v_scales]
@@ -263,14 +275,14 @@ def _pallas_impl(q, k_pages, v_pages, block_tables, lengths, k_scales, v_scales,
         mla=mla, use_cap=use_cap)
     o_part, m_part, l_part = pl.pallas_call(
         kernel,
-        grid=(b, kvh * n_hb, k_splits),
+        grid=(n_hb, b * kvh, k_splits),
         in_specs=in_specs,
         out_specs=out_specs,
         out_shape=out_shape,
         input_output_aliases=aliases,
         interpret=interpret,
-        compiler_params=plgpu.CompilerParams(num_warps=8 if max(dk, dv) > 128 else 4, num_stages=2),
-        name=f"jaxkv_paged_attention_ppcb{ppcb}_splits{k_splits}",
+        compiler_params=plgpu.CompilerParams(num_warps=shape.num_warps, num_stages=shape.num_stages),
+        name=f"jaxkv_paged_attention_ppcb{ppcb}_bh{block_h}_splits{k_splits}",
     )(*poisoned, *args)
 
     # Merge the splits (log-sum-exp). Empty splits have l = 0, o = 0 and the
@@ -285,31 +297,193 @@ def _pallas_impl(q, k_pages, v_pages, block_tables, lengths, k_scales, v_scales,
 
 
 # --------------------------------------------------------------------------
-# Static defaults and the public entry point.
+# Kernel shape: chosen from the target GPU's shared memory, registers and SMs.
 # --------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelShape:
+    """How one ``paged_attention`` call is cut into programs.
+
+    ``pages_per_compute_block`` pages (``block_tokens`` tokens) per loop
+    step, ``block_h`` query rows per program, ``k_splits`` programs per
+    (sequence, KV head, head block), Triton's ``num_warps`` and
+    ``num_stages``; ``smem_bytes`` is the shared memory this module expects
+    Triton to allocate (an upper bound, checked against the compiled kernels
+    by ``python -m kernels_pallas.aot_check``); ``occupancy`` the programs
+    per SM: measured (shared memory and ``ptxas`` registers of this kernel
+    body compiled for this GPU, recorded in ``measured.json`` by
+    ``aot_check --record``) where known, else a lower bound from
+    ``smem_bytes`` and 255 registers; ``programs`` the grid size.
+    """
+
+    pages_per_compute_block: int
+    block_tokens: int
+    block_h: int
+    k_splits: int
+    num_warps: int
+    num_stages: int
+    smem_bytes: int
+    occupancy: int
+    programs: int
+    key: str = ""  # the compiled kernel body, as recorded in measured.json
+    occupancy_from: str = "estimate"  # or "measured" (aot_check's record of this key)
+
+
+def smem_bytes(*, block_tokens, block_h, dk, dv, k_itemsize, v_itemsize, q_itemsize, mla, num_stages) -> int:
+    """Upper bound of the shared memory Triton allocates for one program
+    (checked against every compiled configuration of ``aot_check``).
+
+    Triton stages the K/V tile loads through shared memory ``num_stages``
+    deep; narrower-than-``q`` pages (fp8) are converted through it for the
+    dot operands (half a converted tile at most, measured); and the ``q``
+    rows, logits and accumulator rows pass through it for layout changes.
+    """
+    kv_tile = block_tokens * (dk * k_itemsize + (0 if mla else dv * v_itemsize))
+    converted = 0
+    if k_itemsize < q_itemsize:
+        converted = block_tokens * (dk + (0 if mla else dv)) * q_itemsize // 2
+    scratch = block_h * (dk * q_itemsize + (block_tokens + dv) * 4)
+    return num_stages * kv_tile + converted + scratch
+
+
+@functools.cache
+def _measured() -> dict:
+    path = os.path.join(os.path.dirname(__file__), "measured.json")
+    if not os.path.exists(path):
+        return {}
+    with open(path) as f:
+        return json.load(f)
+
+
+def kernel_key(*, q_dtype, k_dtype, v_dtype, dk, dv, page_size, block_tokens, block_h, num_stages, num_warps,
+               soft_cap) -> str:
+    """Names one compiled kernel body (everything that changes its code)."""
+    v = "mla" if v_dtype is None else jnp.dtype(v_dtype).name
+    return (f"q={jnp.dtype(q_dtype).name} k={jnp.dtype(k_dtype).name} v={v} dk={dk} dv={dv} ps={page_size} "
+            f"tokens={block_tokens} bh={block_h} stages={num_stages} warps={num_warps} cap={int(bool(soft_cap))}")
 
 
 def _is_pow2(n: int) -> bool:
     return n >= 1 and n & (n - 1) == 0
 
 
-def _default_pages_per_compute_block(page_size: int, width: int, head_dim: int) -> int:
-    # ~128 tokens per block (64 for MLA-sized heads, whose K tiles are big),
-    # no longer than the table needs, and at least 16 tokens for the dots.
-    target = 128 if head_dim <= 256 else 64
-    ppcb = min(max(1, target // page_size), _dispatch.next_pow2(width))
-    return max(ppcb, _dispatch.next_pow2(-(-_MIN_DOT // page_size)))
+def _target_block_tokens(head_dim: int, f32: bool) -> int:
+    # ~128 tokens per loop step (64 for MLA-sized heads, whose K tiles are
+    # large): long enough to hide the latency of the page loads. float32's
+    # FMA dots spill registers past 64 tokens (measured by aot_check).
+    return 128 if head_dim <= 256 and not f32 else 64
 
 
 def _default_block_h(g_pad: int, dv: int) -> int:
     return min(g_pad, max(_MIN_DOT, _ACC_BUDGET // _dispatch.next_pow2(dv)))
 
 
-def _default_k_splits(programs: int, blocks: int) -> int:
-    # Enough programs to fill the GPU, never more splits than compute blocks,
-    # then as few splits as give the same blocks per split.
-    splits = max(1, min(-(-_TARGET_PROGRAMS // programs), blocks))
+def _default_k_splits(base_programs: int, blocks: int, slots: int) -> int:
+    """The most splits ``s <= blocks`` with ``s * base_programs <= slots``
+    (programs the GPU holds at once: SMs x occupancy), so the grid is one
+    full wave or less and never spills a partial second wave; 1 if the
+    batch alone fills the GPU. Then as few splits as give the same blocks
+    per split."""
+    splits = max(1, min(blocks, slots // max(1, base_programs)))
     return -(-blocks // -(-blocks // splits))
+
+
+def plan(q, k_pages, v_pages, block_tables, *, mla_value_dim=None, layer=None, pages_per_compute_block=None,
+         k_splits=None, block_h=None, soft_cap=False, spec: _gpu.GpuSpec | None = None) -> KernelShape:
+    """The :class:`KernelShape` :func:`paged_attention` uses for these
+    arguments (arrays or ``jax.ShapeDtypeStruct``; explicit knobs are
+    checked and kept) on ``spec`` (default: :func:`kernels_pallas._gpu.target`).
+
+    Defaults: the largest power-of-two block of at most ~128 tokens (64 when
+    ``Dk > 256``; at least 16, no longer than the table needs) whose
+    :func:`smem_bytes` with two pipeline stages fits the GPU's per-block
+    shared memory, else one stage; ``block_h`` the whole padded group unless
+    its float32 accumulator exceeds 8192 elements; 8 warps when a head dim
+    exceeds 128; ``k_splits`` from :func:`_default_k_splits` with the SM
+    count and the occupancy of this shape (see :class:`KernelShape`).
+
+    Raises:
+      InvalidArgument: a knob out of range, or no block shape fits shared memory.
+    """
+    spec = spec or _gpu.target()
+    lead = 0 if layer is None else 1
+    b, h, dk = q.shape
+    kvh, _, ps = k_pages.shape[lead:lead + 3]
+    width = block_tables.shape[1]
+    mla = v_pages is None
+    dv = int(mla_value_dim) if mla else v_pages.shape[-1]
+    g_pad = max(_MIN_DOT, _dispatch.next_pow2(h // kvh))
+    if not _is_pow2(ps):
+        raise InvalidArgument(f"the Pallas kernel needs a power-of-two page size, got {ps}")
+    if block_h is None:
+        block_h = _default_block_h(g_pad, dv)
+    elif not (_is_pow2(int(block_h)) and int(block_h) >= _MIN_DOT):
+        raise InvalidArgument(f"block_h must be a power of two >= {_MIN_DOT}, got {block_h}")
+    block_h = min(int(block_h), g_pad)
+    num_warps = 8 if max(dk, dv) > 128 or jnp.dtype(q.dtype) == jnp.float32 else 4
+    sizes = dict(block_h=block_h, dk=dk, dv=dv, k_itemsize=jnp.dtype(k_pages.dtype).itemsize,
+                 v_itemsize=0 if mla else jnp.dtype(v_pages.dtype).itemsize,
+                 q_itemsize=jnp.dtype(q.dtype).itemsize, mla=mla)
+
+    f32 = jnp.dtype(q.dtype) == jnp.float32
+    # float32 dots at full precision run on FMA units, not tensor cores, and
+    # hold far more registers: one stage (no cp.async staging) keeps them
+    # from spilling.
+    stage_options = (1,) if f32 else (2, 1)
+    min_ppcb = _dispatch.next_pow2(-(-_MIN_DOT // ps))
+    if pages_per_compute_block is None:
+        ppcb = min(max(1, _target_block_tokens(dk, f32) // ps), _dispatch.next_pow2(width))
+        ppcb = max(ppcb, min_ppcb)
+        candidates = [(p, st) for st in stage_options for p in _halvings(ppcb, min_ppcb)]
+    else:
+        ppcb = int(pages_per_compute_block)
+        if not (_is_pow2(ppcb) and ppcb * ps >= _MIN_DOT):
+            raise InvalidArgument(
+                f"pages_per_compute_block must be a power of two with pages_per_compute_block * "
+                f"page_size >= {_MIN_DOT}, got {pages_per_compute_block} (page_size {ps})")
+        candidates = [(ppcb, st) for st in stage_options]
+    fits = [(p, st, smem_bytes(block_tokens=p * ps, num_stages=st, **sizes)) for p, st in candidates]
+    fits = [f for f in fits if f[2] <= spec.smem_per_block]
+    if not fits:
+        need = smem_bytes(block_tokens=candidates[-1][0] * ps, num_stages=1, **sizes)
+        raise InvalidArgument(
+            f"paged_attention: no block shape fits {spec.name}'s {spec.smem_per_block} bytes of shared memory "
+            f"per block (the smallest needs {need}: {candidates[-1][0] * ps} tokens x head dims {dk}/{dv}, "
+            f"block_h {block_h}); pass a smaller block_h or pages_per_compute_block")
+    ppcb, stages, smem = fits[0]
+    key = kernel_key(q_dtype=q.dtype, k_dtype=k_pages.dtype, v_dtype=None if mla else v_pages.dtype, dk=dk, dv=dv,
+                     page_size=ps, block_tokens=ppcb * ps, block_h=block_h, num_stages=stages,
+                     num_warps=num_warps, soft_cap=soft_cap)
+    measured = _measured().get(f"sm_{spec.sm}", {}).get(key)
+    if measured:
+        occ = _gpu.occupancy(spec, smem_bytes=measured["smem_bytes"], num_warps=num_warps,
+                             registers=measured["registers"])
+    else:
+        occ = _gpu.occupancy(spec, smem_bytes=smem, num_warps=num_warps)
+    occ = max(1, occ)
+    base = b * kvh * (g_pad // block_h)
+    blocks = max(1, -(-width // ppcb))
+    if k_splits is None:
+        k_splits = _default_k_splits(base, blocks, spec.sm_count * occ)
+    elif int(k_splits) < 1:
+        raise InvalidArgument(f"k_splits must be >= 1, got {k_splits}")
+    return KernelShape(pages_per_compute_block=ppcb, block_tokens=ppcb * ps, block_h=block_h,
+                       k_splits=int(k_splits), num_warps=num_warps, num_stages=stages, smem_bytes=smem,
+                       occupancy=occ, programs=base * int(k_splits), key=key,
+                       occupancy_from="measured" if measured else "estimate")
+
+
+def _halvings(start: int, smallest: int) -> list[int]:
+    out = [start]
+    while out[-1] // 2 >= smallest:
+        out.append(out[-1] // 2)
+    return out
+
+
+# --------------------------------------------------------------------------
+# The public entry point.
+# --------------------------------------------------------------------------
 
 
 def paged_attention(
@@ -321,6 +495,7 @@ def paged_attention(
     k_scales: Float[Array, "KVH P ps"] | None = None,
     v_scales: Float[Array, "KVH P ps"] | None = None,
     *,
+    layer: int | None = None,
     sm_scale: float | None = None,
     sliding_window: int | Int[Array, ""] | None = None,
     logit_soft_cap: float | None = None,
@@ -334,73 +509,70 @@ def paged_attention(
     """One decode step of attention over one layer of the paged KV pool.
 
     Arguments, masking rules, isolation guarantee, output and errors are
-    those of :func:`jaxkv.attention.paged_decode_attention`, plus:
+    those of :func:`jaxkv.attention.paged_decode_attention` (``layer``
+    included: pass the whole stacked ``[L, KVH, P, ps, D]`` pool and a
+    static layer index, and the kernel reads that layer in place; slicing
+    ``pool[layer]`` first would make XLA copy the layer before the call),
+    plus:
 
     Args:
       pages_per_compute_block: pages per kernel loop step, a power of two with
-        ``pages_per_compute_block * page_size >= 16``. Default: ~128 tokens
-        (64 when ``Dk > 256``), no more than the table needs.
-      k_splits: programs per (sequence, KV head), each taking an equal share
-        of the (padded) table; >= 1. Default: enough for ~264 programs in
-        all, no more than there are compute blocks.
+        ``pages_per_compute_block * page_size >= 16``. Default: see :func:`plan`
+        (~128 tokens, 64 when ``Dk > 256``, fewer if shared memory is short).
+      k_splits: programs per (sequence, KV head, head block), each taking an
+        equal share of the (padded) table; >= 1. Default: as many as fill
+        the GPU's SMs at this shape's occupancy in one wave (:func:`plan`).
       block_h: query rows per program, a power of two >= 16; a KV head's
         group of ``H // KVH`` rows (padded to a power of two >= 16) is split
-        into blocks of this many, each its own program (which re-reads the
-        K/V pages). Default: the whole group, unless its float32 accumulator
-        (``block_h * Dv``) would exceed 8192 elements (MLA: 16 rows).
+        into blocks of this many, each its own program (which reads the
+        same K/V pages; the grid runs them side by side). Default: the
+        whole group, unless its float32 accumulator (``block_h * Dv``)
+        would exceed 8192 elements (MLA: 16 rows).
       implementation, interpret: see :mod:`kernels_pallas._dispatch`. The
         default runs the kernel on GPU and the reference elsewhere; on GPU a
-        page size that is not a power of two also runs the reference.
+        page size that is not a power of two, float8 pages before sm_89 and
+        float8 pools of 2 to 4 GiB also run the reference (with a
+        :class:`~kernels_pallas._dispatch.KernelFallbackWarning`).
 
     Works inside ``jax.jit``; ``sliding_window``, ``sm_scale`` and
     ``logit_soft_cap`` may be traced scalars (they reach the kernel as data;
-    only whether a soft cap is given is static).
+    only whether a soft cap is given is static). On the Pallas path
+    ``layer`` must be a Python int.
 
     Raises:
       InvalidArgument: as the reference, or kernel knobs out of range, or
-        (on the Pallas path) a page size that is not a power of two.
+        (on the Pallas path) a page size that is not a power of two, a
+        traced ``layer``, or inputs the target GPU cannot take.
     """
-    pallas = _dispatch.use_pallas(implementation, interpret)
     reference = functools.partial(
-        paged_decode_attention, sm_scale=sm_scale, sliding_window=sliding_window,
+        paged_decode_attention, layer=layer, sm_scale=sm_scale, sliding_window=sliding_window,
         logit_soft_cap=logit_soft_cap, mla_value_dim=mla_value_dim)
     args = (q, k_pages, v_pages, block_tables, lengths, k_scales, v_scales)
-    ps = k_pages.shape[2] if k_pages.ndim == 4 else 0
+    pallas = _dispatch.use_pallas(implementation, interpret)
+    lead = 0 if layer is None else 1
+    ps = k_pages.shape[lead + 2] if k_pages.ndim == 4 + lead else 0
     if pallas and implementation is None and not interpret and not _is_pow2(ps):
         pallas = False  # Triton needs power-of-two tiles; the reference does not
+    if pallas:
+        pallas = _dispatch.choose("paged_attention", implementation, interpret,
+                                  {"k_pages": k_pages, "v_pages": v_pages})
     if not pallas:
         return reference(*args)
     # The reference's argument checks, by tracing it (no compile, no run).
     jax.eval_shape(reference, *args)
-
-    b, h, dk = q.shape
-    kvh = k_pages.shape[0]
-    width = block_tables.shape[1]
-    if not _is_pow2(ps):
-        raise InvalidArgument(f"the Pallas kernel needs a power-of-two page size, got {ps}")
-    ppcb = pages_per_compute_block
-    if ppcb is None:
-        ppcb = _default_pages_per_compute_block(ps, width, dk)
-    elif not (_is_pow2(int(ppcb)) and int(ppcb) * ps >= _MIN_DOT):
-        raise InvalidArgument(
-            f"pages_per_compute_block must be a power of two with pages_per_compute_block * "
-            f"page_size >= {_MIN_DOT}, got {ppcb} (page_size {ps})")
-    g_pad = max(_MIN_DOT, _dispatch.next_pow2(h // kvh))
-    dv = int(mla_value_dim) if v_pages is None else v_pages.shape[-1]
-    if block_h is None:
-        block_h = _default_block_h(g_pad, dv)
-    elif not (_is_pow2(int(block_h)) and int(block_h) >= _MIN_DOT):
-        raise InvalidArgument(f"block_h must be a power of two >= {_MIN_DOT}, got {block_h}")
-    block_h = min(int(block_h), g_pad)
-    blocks = max(1, -(-width // int(ppcb)))
-    if k_splits is None:
-        k_splits = _default_k_splits(b * kvh * (g_pad // block_h), blocks)
-    elif int(k_splits) < 1:
-        raise InvalidArgument(f"k_splits must be >= 1, got {k_splits}")
-
-    sm, window, cap, use_cap = _scalar_args(dk, sm_scale, sliding_window, logit_soft_cap)
+    if layer is None:
+        # A leading unit axis is a free reshape; one kernel handles both forms.
+        k_pages, v_pages, k_scales, v_scales = (
+            None if x is None else x[None] for x in (k_pages, v_pages, k_scales, v_scales))
+        layer = 0
+    elif not isinstance(layer, (int, np.integer)):
+        raise InvalidArgument(f"the Pallas kernel needs a static (Python int) layer, got {type(layer).__name__}; "
+                              f"pass implementation='reference' for a traced layer index")
+    shape = plan(q, k_pages, v_pages, block_tables, mla_value_dim=mla_value_dim, layer=0,
+                 pages_per_compute_block=pages_per_compute_block, k_splits=k_splits, block_h=block_h,
+                 soft_cap=logit_soft_cap is not None)
+    sm, window, cap, use_cap = _scalar_args(q.shape[-1], sm_scale, sliding_window, logit_soft_cap)
     return _pallas_impl(
         q, k_pages, v_pages, block_tables, lengths, k_scales, v_scales, sm, window, cap,
-        use_cap=use_cap, mla_value_dim=None if v_pages is not None else int(mla_value_dim),
-        pages_per_compute_block=int(ppcb), k_splits=int(k_splits), block_h=block_h,
-        interpret=bool(interpret))
+        layer=int(layer), use_cap=use_cap, mla_value_dim=None if v_pages is not None else int(mla_value_dim),
+        shape=shape, interpret=bool(interpret))

@@ -25,12 +25,7 @@ from jax.experimental.pallas.ops.gpu import paged_attention as jax_pa
 from jaxkv.attention import paged_decode_attention
 from jaxkv.errors import InvalidArgument
 from jaxkv.manager.kernel_tables import pallas_gpu_block_tables
-from kernels_pallas.paged_attention import (
-    _default_block_h,
-    _default_k_splits,
-    _default_pages_per_compute_block,
-    paged_attention,
-)
+from kernels_pallas.paged_attention import paged_attention
 
 F32, BF16, FP8 = jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float8_e4m3fn)
 B, PS, M, P = 4, 4, 5, 24  # batch, page size, table width, pages (page 0 = null)
@@ -280,20 +275,6 @@ def test_dispatch_and_errors(gqa_bf16):
     with pytest.raises(InvalidArgument):
         paged_attention(**odd, interpret=True)
     np.testing.assert_array_equal(_f32(paged_attention(**odd)), _f32(paged_decode_attention(**odd)))
-
-
-def test_static_defaults():
-    ppcb = _default_pages_per_compute_block
-    assert ppcb(16, 128, 128) == 8     # 128-token blocks
-    assert ppcb(4, M, 32) == 8         # capped by the 5-page table (next power of two)
-    assert ppcb(2, 1, 64) == 8         # but never fewer than 16 tokens
-    assert ppcb(256, 10, 128) == 1
-    assert ppcb(1, 4096, 576) == 64    # MLA-sized heads: 64-token blocks
-    assert _default_k_splits(8, 256) == 32    # ~264 programs, equal blocks per split
-    assert _default_k_splits(512, 100) == 1   # the batch already fills the GPU
-    assert _default_k_splits(8, 2) == 2       # no more splits than blocks
-    assert _default_block_h(16, 128) == 16 and _default_block_h(128, 512) == 16
-    assert _default_block_h(64, 128) == 64
 
 
 def test_model_layer_decodes_through_the_kernel():

@@ -486,11 +486,14 @@ class LayerCacheHandle:
         the pages (:func:`kernels_pallas.paged_attention`; keyword arguments
         such as ``sm_scale`` or ``sliding_window`` are passed on)."""
         self._need("paged K/V", self.kv_pool is not None)
-        k, v, ks, vs = self.kv_pool.layer_arrays(self.kv_layer)
-        if v is None:
-            kwargs.setdefault("mla_value_dim", self.kv_pool.kv_lora_rank)
+        pool = self.kv_pool
+        if pool.v_pages is None:
+            kwargs.setdefault("mla_value_dim", pool.kv_lora_rank)
         lengths = jnp.where(self.token_slots >= 0, self.positions + 1, 0)
-        return paged_attention(q, k, v, jnp.clip(self._token_tables(), 0, None), lengths, ks, vs,
+        # The whole stacked pool and the layer index: the kernel reads the
+        # layer in place (pool[layer] would be copied before the call).
+        return paged_attention(q, pool.k_pages, pool.v_pages, jnp.clip(self._token_tables(), 0, None), lengths,
+                               pool.k_scales, pool.v_scales, layer=self.kv_layer,
                                implementation=self.implementation, **kwargs)
 
 

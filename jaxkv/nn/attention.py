@@ -197,7 +197,10 @@ def paged_prefill_attention(
 
 #: Decode attention used by :class:`PagedAttention` when the layer has no
 #: override: ``fn(q [B,H,D], k_pages, v_pages, block_tables, lengths,
-#: k_scales, v_scales, *, sm_scale, sliding_window) -> [B,H,D]``.
+#: k_scales, v_scales, *, layer, sm_scale, sliding_window) -> [B,H,D]``
+#: where pages and scales are the pool's whole stacked ``[L, ...]`` arrays
+#: and ``layer`` (a static int) the one to attend: a kernel reads it in
+#: place (slicing it out first would copy the layer before every call).
 decode_attention_fn: Callable[..., Array] = paged_decode_attention
 #: Prefill attention used by :class:`PagedAttention` when the layer has no
 #: override; the signature of :func:`paged_prefill_attention`.
@@ -380,13 +383,13 @@ class PagedAttention(nnx.Module):
         slots = jnp.where(real, jnp.asarray(slots, jnp.int32), -1)  # padding never overwrites a page
         pool = pool.set_kv(layer, slots.reshape(-1), k.reshape(b * t, self.num_kv_heads, self.head_dim),
                            v.reshape(b * t, self.num_kv_heads, self.head_dim))
-        k_pages, v_pages, k_scales, v_scales = pool.layer_arrays(layer)
         if mode == "decode":
             fn = self.decode_attention_fn or decode_attention_fn
             lengths = jnp.where(num_new > 0, starts + 1, 0)
-            attn = fn(q[:, 0], k_pages, v_pages, block_tables, lengths, k_scales, v_scales,
-                      sm_scale=self.sm_scale, sliding_window=self.sliding_window)[:, None]
+            attn = fn(q[:, 0], pool.k_pages, pool.v_pages, block_tables, lengths, pool.k_scales, pool.v_scales,
+                      layer=layer, sm_scale=self.sm_scale, sliding_window=self.sliding_window)[:, None]
         else:
+            k_pages, v_pages, k_scales, v_scales = pool.layer_arrays(layer)
             fn = self.prefill_attention_fn or prefill_attention_fn
             attn = fn(q, k_pages, v_pages, block_tables, starts, num_new, k_scales, v_scales,
                       sm_scale=self.sm_scale, sliding_window=self.sliding_window)
