@@ -50,6 +50,9 @@ class GpuSpec:
 H100 = GpuSpec("NVIDIA H100 80GB HBM3", (9, 0), sm_count=132, smem_per_block=232448, smem_per_sm=233472)
 A100 = GpuSpec("NVIDIA A100-SXM4-80GB", (8, 0), sm_count=108, smem_per_block=166912, smem_per_sm=167936)
 
+# Pallas' interpreter: the GPU's shape rules without its memory limits.
+UNLIMITED = GpuSpec("interpreter", (9, 0), sm_count=132, smem_per_block=2**40, smem_per_sm=2**40)
+
 _KNOWN = {H100.compute_capability: H100, A100.compute_capability: A100}
 _override: contextvars.ContextVar[GpuSpec | None] = contextvars.ContextVar("jaxkv_gpu_target", default=None)
 

@@ -277,6 +277,7 @@ class Result:
     occupancy: int | None = None
     planned: dict | None = None  # paged_attention: the KernelShape the default chose
     other_launches: int | None = None
+    ptx_loads: tuple | None = None  # (global loads before the first global store, loads after it)
     seconds: float = 0.0
     hlo_copies: list = dataclasses.field(default_factory=list)  # paged_attention: copies of a layer's pool
 
@@ -309,14 +310,26 @@ def _read_thunks(dump_dir: str) -> list[tuple]:
     return rows
 
 
-def _ptxas_info(dump_dir: str, kernel: str, sm: str) -> tuple[int | None, int | None]:
-    ptxas = _ptxas()
-    if ptxas is None:
-        return None, None
+def _kernel_ptx(dump_dir: str, kernel: str) -> tuple[str, str] | None:
     for path in glob.glob(os.path.join(dump_dir, "*.ptx")):
         text = open(path).read()
-        if f".entry {kernel}(" not in text:
-            continue
+        if f".entry {kernel}(" in text:
+            return path, text
+    return None
+
+
+def _load_store_order(ptx: str) -> tuple[int, int]:
+    ops = re.findall(r"\b(ld|st)\.global", ptx)
+    first = ops.index("st") if "st" in ops else len(ops)
+    return ops[:first].count("ld"), ops[first:].count("ld")
+
+
+def _ptxas_info(dump_dir: str, kernel: str, sm: str) -> tuple[int | None, int | None]:
+    ptxas = _ptxas()
+    found = _kernel_ptx(dump_dir, kernel)
+    if ptxas is None or found is None:
+        return None, None
+    for path in (found[0],):
         out = subprocess.run([ptxas, "-v", f"--gpu-name={sm}", path, "-o", os.devnull],
                              capture_output=True, text=True, check=False).stderr
         regs = re.search(r"Used (\d+) registers", out)
@@ -386,6 +399,8 @@ def compile_case(case: Case, target: str = "h100") -> Result:
             name, grid, threads, smem = kernels[0]
             result.kernel, result.grid, result.threads, result.smem_bytes = name, grid, threads, smem
             result.other_launches = len(thunks) - len(kernels)
+            found = _kernel_ptx(dump, name)
+            result.ptx_loads = _load_store_order(found[1]) if found else None
             result.registers, result.spill_bytes = _ptxas_info(dump, name, f"sm_{spec.sm}a" if spec.sm >= 90
                                                                else f"sm_{spec.sm}")
             if result.registers is not None:

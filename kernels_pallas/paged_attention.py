@@ -68,6 +68,7 @@ import dataclasses
 import functools
 import json
 import os
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -81,7 +82,7 @@ from jaxkv.attention import _scalar_args, paged_decode_attention
 from jaxkv.errors import InvalidArgument
 from kernels_pallas import _dispatch, _gpu
 
-__all__ = ["KernelShape", "paged_attention", "plan", "smem_bytes"]
+__all__ = ["KernelShape", "SharedMemoryExceeded", "paged_attention", "plan", "smem_bytes"]
 
 # Finite stand-in for -inf on masked logits and the initial running max: with
 # -inf, a block or split with nothing attended would compute exp(-inf + inf).
@@ -301,6 +302,10 @@ def _pallas_impl(q, k_pages, v_pages, block_tables, lengths, k_scales, v_scales,
 # --------------------------------------------------------------------------
 
 
+class SharedMemoryExceeded(InvalidArgument):
+    """No block shape of these arguments fits the GPU's shared memory."""
+
+
 @dataclasses.dataclass(frozen=True)
 class KernelShape:
     """How one ``paged_attention`` call is cut into programs.
@@ -447,7 +452,7 @@ def plan(q, k_pages, v_pages, block_tables, *, mla_value_dim=None, layer=None, p
     fits = [f for f in fits if f[2] <= spec.smem_per_block]
     if not fits:
         need = smem_bytes(block_tokens=candidates[-1][0] * ps, num_stages=1, **sizes)
-        raise InvalidArgument(
+        raise SharedMemoryExceeded(
             f"paged_attention: no block shape fits {spec.name}'s {spec.smem_per_block} bytes of shared memory "
             f"per block (the smallest needs {need}: {candidates[-1][0] * ps} tokens x head dims {dk}/{dv}, "
             f"block_h {block_h}); pass a smaller block_h or pages_per_compute_block")
@@ -542,7 +547,9 @@ def paged_attention(
     Raises:
       InvalidArgument: as the reference, or kernel knobs out of range, or
         (on the Pallas path) a page size that is not a power of two, a
-        traced ``layer``, or inputs the target GPU cannot take.
+        traced ``layer``, or inputs the target GPU cannot take
+        (:class:`SharedMemoryExceeded` when no block fits its shared memory;
+        the default dispatch runs the reference then, with a warning).
     """
     reference = functools.partial(
         paged_decode_attention, layer=layer, sm_scale=sm_scale, sliding_window=sliding_window,
@@ -568,9 +575,19 @@ def paged_attention(
     elif not isinstance(layer, (int, np.integer)):
         raise InvalidArgument(f"the Pallas kernel needs a static (Python int) layer, got {type(layer).__name__}; "
                               f"pass implementation='reference' for a traced layer index")
-    shape = plan(q, k_pages, v_pages, block_tables, mla_value_dim=mla_value_dim, layer=0,
-                 pages_per_compute_block=pages_per_compute_block, k_splits=k_splits, block_h=block_h,
-                 soft_cap=logit_soft_cap is not None)
+    knobs = dict(mla_value_dim=mla_value_dim, layer=0, pages_per_compute_block=pages_per_compute_block,
+                 k_splits=k_splits, block_h=block_h, soft_cap=logit_soft_cap is not None)
+    try:
+        shape = plan(q, k_pages, v_pages, block_tables, **knobs)
+    except SharedMemoryExceeded as e:
+        if interpret:  # no shared memory in the interpreter: same shape rules, no limit
+            shape = plan(q, k_pages, v_pages, block_tables, spec=_gpu.UNLIMITED, **knobs)
+        elif implementation is None:
+            warnings.warn(f"paged_attention runs its jnp reference: {e}", _dispatch.KernelFallbackWarning,
+                          stacklevel=2)
+            return reference(*args)
+        else:
+            raise
     sm, window, cap, use_cap = _scalar_args(q.shape[-1], sm_scale, sliding_window, logit_soft_cap)
     return _pallas_impl(
         q, k_pages, v_pages, block_tables, lengths, k_scales, v_scales, sm, window, cap,

@@ -18,3 +18,31 @@ _COMMON = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow, Healt
 settings.register_profile("ci", max_examples=30, stateful_step_count=60, **_COMMON)
 settings.register_profile("long", max_examples=400, stateful_step_count=100, **_COMMON)
 settings.load_profile(os.environ.get("JAXKV_HYPOTHESIS", "ci"))
+
+
+def _cuda_plugin() -> bool:
+    try:
+        import jax_cuda12_plugin  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def pytest_collection_modifyitems(config, items):
+    """``gpu`` tests need a GPU JAX can run on; ``aot`` tests need the CUDA
+    plugin (``pip install 'jax[cuda12]>=0.10,<0.11'``), no GPU. Without
+    them, they skip and say why."""
+    import jax
+    import pytest
+
+    wants_gpu = any("gpu" in item.keywords for item in items)
+    has_gpu = wants_gpu and jax.default_backend() == "gpu"
+    has_plugin = _cuda_plugin()
+    for item in items:
+        if "gpu" in item.keywords and not has_gpu:
+            item.add_marker(pytest.mark.skip(
+                reason=f"compiled GPU kernel: JAX's backend here is {jax.default_backend()!r}, not a GPU"))
+        if "aot" in item.keywords and not has_plugin:
+            item.add_marker(pytest.mark.skip(
+                reason="compile for H100 without a GPU: needs pip install 'jax[cuda12]>=0.10,<0.11' "
+                       "(see README, 'GPU-compile tests')"))

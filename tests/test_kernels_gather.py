@@ -16,6 +16,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
+
 from jaxkv.errors import InvalidArgument
 from kernels_pallas import (
     DSV4_FP8,
@@ -26,6 +27,7 @@ from kernels_pallas import (
     gather_compressed_kv,
     gather_swa_kv,
 )
+from tests.util import KERNEL_MODES
 
 FORMATS = [DSV4_FP8, DSV32_FP8]
 NUM_PAGES, PER_PAGE = 6, 4  # real entry widths, small pools
@@ -159,7 +161,8 @@ def test_entries_check_names_the_bad_array():
 
 
 @pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
-def test_gather_compressed_kv(fmt):
+@pytest.mark.parametrize("interpret", KERNEL_MODES)
+def test_gather_compressed_kv(fmt, interpret):
     rng = np.random.default_rng()
     pages = _paged_pool(rng, fmt)
     requests, width, tokens, k = 3, 4, 5, 37  # k is not a multiple of the tile
@@ -168,7 +171,7 @@ def test_gather_compressed_kv(fmt):
     token_rows = rng.integers(0, requests, tokens).astype(np.int32)
     limits = rng.integers(0, width * PER_PAGE + 2, tokens).astype(np.int32)
 
-    kernel = gather_compressed_kv(pages, table, indices, token_rows, num_entries=limits, interpret=True)
+    kernel = gather_compressed_kv(pages, table, indices, token_rows, num_entries=limits, interpret=interpret)
     reference = gather_compressed_kv(pages, table, indices, token_rows, num_entries=limits,
                                      implementation="reference")
     _assert_same(kernel, reference)
@@ -182,20 +185,22 @@ def test_gather_compressed_kv(fmt):
     assert valid.any() and not valid.all()
 
 
-def test_gather_compressed_kv_decode_rows_and_jit():
+@pytest.mark.parametrize("interpret", KERNEL_MODES)
+def test_gather_compressed_kv_decode_rows_and_jit(interpret):
     """token_rows=None maps token t to table row t; works inside a user's jit."""
     rng = np.random.default_rng()
     fmt = DSV4_FP8
     pages = _paged_pool(rng, fmt)
     table = _random_table(rng, 2, 3)
     indices = rng.integers(-1, 12, (2, 8)).astype(np.int32)
-    got = jax.jit(lambda p, t, i: gather_compressed_kv(p, t, i, interpret=True))(pages, table, indices)
+    got = jax.jit(lambda p, t, i: gather_compressed_kv(p, t, i, interpret=interpret))(pages, table, indices)
     expected = gather_compressed_kv(pages, table, indices, np.arange(2, dtype=np.int32))
     _assert_same(got, expected)
 
 
 @pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
-def test_gather_all_compressed_kv(fmt):
+@pytest.mark.parametrize("interpret", KERNEL_MODES)
+def test_gather_all_compressed_kv(fmt, interpret):
     rng = np.random.default_rng()
     pages = _paged_pool(rng, fmt)
     width, max_entries = 4, 19  # 19: not a tile multiple; capacity 16 < 19
@@ -203,7 +208,7 @@ def test_gather_all_compressed_kv(fmt):
     table[0] = rng.permutation(np.arange(1, NUM_PAGES))[:width]  # one fully valid row
     num_entries = np.array([16, 0, rng.integers(1, 16), 25], np.int32)
 
-    kernel = gather_all_compressed_kv(pages, table, num_entries, max_entries=max_entries, interpret=True)
+    kernel = gather_all_compressed_kv(pages, table, num_entries, max_entries=max_entries, interpret=interpret)
     reference = gather_all_compressed_kv(pages, table, num_entries, max_entries=max_entries,
                                          implementation="reference")
     _assert_same(kernel, reference)
@@ -218,7 +223,8 @@ def test_gather_all_compressed_kv(fmt):
 
 
 @pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
-def test_gather_swa_kv_before_and_after_wraparound(fmt):
+@pytest.mark.parametrize("interpret", KERNEL_MODES)
+def test_gather_swa_kv_before_and_after_wraparound(fmt, interpret):
     """Each request's ring is written token by token; the gather must return
     exactly the last min(pos + 1, W) tokens written, oldest first."""
     rng = np.random.default_rng()
@@ -238,7 +244,7 @@ def test_gather_swa_kv_before_and_after_wraparound(fmt):
     ring = CompressedEntries.quantize(jnp.asarray(np.nan_to_num(ring_x)), fmt)
     ring = _poison_rows(ring, ~written)
 
-    kernel = gather_swa_kv(ring, slots, positions, interpret=True)
+    kernel = gather_swa_kv(ring, slots, positions, interpret=interpret)
     reference = gather_swa_kv(ring, slots, positions, implementation="reference")
     _assert_same(kernel, reference)
 

@@ -20,12 +20,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+
 from jax.experimental.pallas.ops.gpu import paged_attention as jax_pa
 
 from jaxkv.attention import paged_decode_attention
 from jaxkv.errors import InvalidArgument
 from jaxkv.manager.kernel_tables import pallas_gpu_block_tables
 from kernels_pallas.paged_attention import paged_attention
+from tests.util import KERNEL_MODES
 
 F32, BF16, FP8 = jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float8_e4m3fn)
 B, PS, M, P = 4, 4, 5, 24  # batch, page size, table width, pages (page 0 = null)
@@ -135,15 +137,16 @@ def gqa_bf16():
     return make_case(rng, kvh=2, h=4, dk=32, dv=32, kv_dtype=BF16), seed
 
 
-def test_bf16_gqa_matches_reference_and_jax(gqa_bf16):
+@pytest.mark.parametrize("interpret", KERNEL_MODES)
+def test_bf16_gqa_matches_reference_and_jax(gqa_bf16, interpret):
     (args, clean), seed = gqa_bf16
     sm = 0.25  # a power of two, so pre-scaling q for JAX's functions is exact in bf16
-    out = paged_attention(**args, sm_scale=sm, interpret=True)
+    out = paged_attention(**args, sm_scale=sm, interpret=interpret)
     assert out.shape == (B, 4, 32) and out.dtype == BF16
     _check(out, paged_attention(**args, sm_scale=sm, implementation="reference"), BF16_TOL, seed)
 
     # Isolation: what masked positions hold changes no bit of the output.
-    np.testing.assert_array_equal(_f32(paged_attention(**clean, sm_scale=sm, interpret=True)),
+    np.testing.assert_array_equal(_f32(paged_attention(**clean, sm_scale=sm, interpret=interpret)),
                                   _f32(out), err_msg=seed)
 
     # JAX's reference on the gathered dense K/V (it has no sm_scale, and no
@@ -158,7 +161,7 @@ def test_bf16_gqa_matches_reference_and_jax(gqa_bf16):
 
     # A static window reuses the compiled kernel (the window is data).
     w = 3
-    _check(paged_attention(**args, sm_scale=sm, sliding_window=w, interpret=True),
+    _check(paged_attention(**args, sm_scale=sm, sliding_window=w, interpret=interpret),
            paged_attention(**args, sm_scale=sm, sliding_window=w, implementation="reference"),
            BF16_TOL, f"{seed} window={w}")
 
@@ -178,15 +181,17 @@ def test_bf16_matches_jax_kernel(gqa_bf16):
     _check(ours, theirs, BF16_TOL, seed)
 
 
-def test_fp8_scales_soft_cap():
+@pytest.mark.parametrize("interpret", KERNEL_MODES)
+def test_fp8_scales_soft_cap(interpret):
     rng, seed = _new_rng()
     args, _ = make_case(rng, kvh=2, h=4, dk=32, dv=32, kv_dtype=FP8, scales=True)
     kw = dict(logit_soft_cap=1.5)  # scaled logits here are O(1-5): the cap bites
-    _check(paged_attention(**args, **kw, interpret=True),
+    _check(paged_attention(**args, **kw, interpret=interpret),
            paged_attention(**args, **kw, implementation="reference"), BF16_TOL, seed)
 
 
-def test_sliding_window_traced_and_splits():
+@pytest.mark.parametrize("interpret", KERNEL_MODES)
+def test_sliding_window_traced_and_splits(interpret):
     """A traced window inside the caller's jit, with 3 splits of 4 pages over a
     5-page table: split 2 never has pages, split 1 only for the full row.
     float32 end to end, so the tolerance is tight. NaN is also written before
@@ -197,7 +202,7 @@ def test_sliding_window_traced_and_splits():
     @jax.jit
     def run(a, window):
         return (paged_attention(**a, sliding_window=window, k_splits=3, pages_per_compute_block=4,
-                                interpret=True),
+                                interpret=interpret),
                 paged_attention(**a, sliding_window=window, implementation="reference"))
 
     table, lengths = np.asarray(args["block_tables"]), np.asarray(args["lengths"])
@@ -213,14 +218,15 @@ def test_sliding_window_traced_and_splits():
         _check(ours, ref, F32_TOL, f"{seed} window={w}")
 
 
-def test_mla_fp8_chunks_and_head_blocks():
+@pytest.mark.parametrize("interpret", KERNEL_MODES)
+def test_mla_fp8_chunks_and_head_blocks(interpret):
     """MLA: value = first 40 dims of a 64-dim latent, so K chunks are 32, 8
     (the value chunks, reused as V; 8 < 16 takes the non-dot path) then 16, 8.
     20 query heads pad to 32 rows, run as two 16-row head blocks."""
     rng, seed = _new_rng()
     args, _ = make_case(rng, kvh=1, h=20, dk=64, dv=None, kv_dtype=FP8, scales=True)
     kw = dict(mla_value_dim=40)
-    out = paged_attention(**args, **kw, block_h=16, interpret=True)
+    out = paged_attention(**args, **kw, block_h=16, interpret=interpret)
     assert out.shape == (B, 20, 40)
     _check(out, paged_attention(**args, **kw, implementation="reference"), BF16_TOL, seed)
 

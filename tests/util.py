@@ -2,6 +2,7 @@
 
 import jax
 import numpy as np
+import pytest
 
 
 def assert_tree_equal(expected, actual):
@@ -34,3 +35,12 @@ def assert_all_or_nothing(before, after, ids, ok, expected, lanes):
         n = len(expected)
         np.testing.assert_array_equal(ids[:n], expected)
         assert (ids[n:] == -1).all(), ids
+
+
+#: Kernel tests run twice: in Pallas' interpreter (on any machine) and as the
+#: compiled GPU kernel (marked ``gpu``; skipped with the reason where JAX
+#: has no GPU, see conftest.py).
+KERNEL_MODES = [
+    pytest.param(True, id="interpret"),
+    pytest.param(False, id="compiled", marks=pytest.mark.gpu),
+]
