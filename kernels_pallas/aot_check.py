@@ -384,12 +384,12 @@ def compile_case(case: Case, target: str = "h100") -> Result:
             result.status, result.detail = "FAIL", f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
             result.seconds = time.perf_counter() - started
             return result
-        if case.kernel.startswith("paged_attention"):
+        thunks = _read_thunks(dump)
+        kernels = [t for t in thunks if t[0].startswith("jaxkv_")]
+        if case.kernel.startswith("paged_attention") and kernels:
             pages = args[1]  # K pages: one layer's pool is the smallest buffer a layer copy would make
             layer_bytes = pages.size * pages.dtype.itemsize // (pages.shape[0] if pages.ndim == 5 else 1)
             result.hlo_copies = _big_copies(compiled.as_text(), layer_bytes)
-        thunks = _read_thunks(dump)
-        kernels = [t for t in thunks if t[0].startswith("jaxkv_")]
         if fallback:
             result.status, result.detail = "reference", str(fallback[0].message)
             result.other_launches = len(thunks)

@@ -112,3 +112,19 @@ def test_sampling_filters():
         for b in range(4):
             mass_before = probs[b, order[b]][: list(order[b]).index(drawn[b])].sum()
             assert mass_before < 0.5
+
+
+@pytest.mark.gpu
+def test_pallas_attention_gives_the_reference_greedy_tokens(model, prompts):
+    """The compiled Pallas kernel as every layer's decode attention (set on
+    the layers, so the jitted loop is traced anew) yields the reference
+    path's greedy tokens."""
+    import functools
+
+    from kernels_pallas import paged_attention
+
+    reference = generate(model, prompts, 6, page_size=16).tokens
+    kernel_model = LlamaForCausalLM(LlamaConfig.from_hf(CONFIG), rngs=nnx.Rngs(0))
+    for layer in kernel_model.layers:
+        layer.self_attn.decode_attention_fn = functools.partial(paged_attention, implementation="pallas")
+    assert generate(kernel_model, prompts, 6, page_size=16).tokens == reference
