@@ -5,7 +5,11 @@ computes (same arguments, masking rules and isolation guarantee; that function
 is also the reference this one dispatches to, see
 :mod:`kernels_pallas._dispatch`), with a split-K flash-decoding kernel.
 
-Algorithm. The grid is ``(B, KVH * head_blocks, k_splits)``. The block table
+Algorithm. The grid is ``(head_blocks, B * KVH, k_splits)`` (head blocks
+fastest, so the programs that read the same pages run together; block sizes,
+pipeline depth and ``k_splits`` come from :func:`plan`, sized to the target
+GPU's shared memory and SMs). Pages and scales may be the whole stacked
+``[L, ...]`` pool with a static ``layer``, picked by the block specs. The block table
 is padded to ``k_splits * pages_per_split`` columns (with page 0, and every
 entry clamped into ``[0, P)``) and split into ``k_splits`` equal ranges of
 pages. Each program takes ``block_h`` query rows of one KV head's GQA group
