@@ -324,18 +324,16 @@ def _load_store_order(ptx: str) -> tuple[int, int]:
     return ops[:first].count("ld"), ops[first:].count("ld")
 
 
-def _ptxas_info(dump_dir: str, kernel: str, sm: str) -> tuple[int | None, int | None]:
+def _ptxas_info(ptx_path: str, sm: str) -> tuple[int | None, int | None]:
+    """Registers per thread and spill bytes (stores + loads) of a PTX file."""
     ptxas = _ptxas()
-    found = _kernel_ptx(dump_dir, kernel)
-    if ptxas is None or found is None:
+    if ptxas is None:
         return None, None
-    for path in (found[0],):
-        out = subprocess.run([ptxas, "-v", f"--gpu-name={sm}", path, "-o", os.devnull],
-                             capture_output=True, text=True, check=False).stderr
-        regs = re.search(r"Used (\d+) registers", out)
-        spills = re.findall(r"(\d+) bytes spill (?:stores|loads)", out)
-        return (int(regs.group(1)) if regs else None), sum(int(x) for x in spills)
-    return None, None
+    out = subprocess.run([ptxas, "-v", f"--gpu-name={sm}", ptx_path, "-o", os.devnull],
+                         capture_output=True, text=True, check=False).stderr
+    regs = re.search(r"Used (\d+) registers", out)
+    spills = re.findall(r"(\d+) bytes spill (?:stores|loads)", out)
+    return (int(regs.group(1)) if regs else None), sum(int(x) for x in spills)
 
 
 def _big_copies(hlo: str, min_bytes: int) -> list[str]:
@@ -400,9 +398,10 @@ def compile_case(case: Case, target: str = "h100") -> Result:
             result.kernel, result.grid, result.threads, result.smem_bytes = name, grid, threads, smem
             result.other_launches = len(thunks) - len(kernels)
             found = _kernel_ptx(dump, name)
-            result.ptx_loads = _load_store_order(found[1]) if found else None
-            result.registers, result.spill_bytes = _ptxas_info(dump, name, f"sm_{spec.sm}a" if spec.sm >= 90
-                                                               else f"sm_{spec.sm}")
+            if found:
+                result.ptx_loads = _load_store_order(found[1])
+                arch = f"sm_{spec.sm}a" if spec.sm >= 90 else f"sm_{spec.sm}"  # wgmma needs the "a" target
+                result.registers, result.spill_bytes = _ptxas_info(found[0], arch)
             if result.registers is not None:
                 result.occupancy = _gpu.occupancy(spec, smem_bytes=smem, num_warps=threads // 32,
                                                   registers=result.registers)

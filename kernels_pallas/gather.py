@@ -104,8 +104,9 @@ def _emit_tile(rows, valid, nope_ref, scales_ref, rope_ref, out_ref, valid_ref, 
     wait out one memory round trip per group)."""
     tile = pl.ds(tile0, rows.shape[0])
     keep = valid[:, None]
-    groups = [(pl.ds(g * fmt.group_size, fmt.group_size), nope_ref[rows, pl.ds(g * fmt.group_size, fmt.group_size)],
-               scales_ref[rows, g]) for g in range(fmt.num_groups)]  # [TILE, group] values, [TILE] scales
+    group_cols = [pl.ds(g * fmt.group_size, fmt.group_size) for g in range(fmt.num_groups)]
+    groups = [(cols, nope_ref[rows, cols], scales_ref[rows, g])  # [TILE, group] values, [TILE] scales
+              for g, cols in enumerate(group_cols)]
     ropes = [(pl.ds(fmt.nope_dim + start, size), rope_ref[rows, pl.ds(start, size)])
              for start, size in _dispatch.pow2_chunks(fmt.rope_dim)]
     for cols, values, raw_scale in groups:

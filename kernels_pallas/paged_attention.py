@@ -559,14 +559,11 @@ def paged_attention(
         paged_decode_attention, layer=layer, sm_scale=sm_scale, sliding_window=sliding_window,
         logit_soft_cap=logit_soft_cap, mla_value_dim=mla_value_dim)
     args = (q, k_pages, v_pages, block_tables, lengths, k_scales, v_scales)
-    pallas = _dispatch.use_pallas(implementation, interpret)
+    pallas = _dispatch.choose("paged_attention", implementation, interpret, {"k_pages": k_pages, "v_pages": v_pages})
     lead = 0 if layer is None else 1
     ps = k_pages.shape[lead + 2] if k_pages.ndim == 4 + lead else 0
     if pallas and implementation is None and not interpret and not _is_pow2(ps):
         pallas = False  # Triton needs power-of-two tiles; the reference does not
-    if pallas:
-        pallas = _dispatch.choose("paged_attention", implementation, interpret,
-                                  {"k_pages": k_pages, "v_pages": v_pages})
     if not pallas:
         return reference(*args)
     # The reference's argument checks, by tracing it (no compile, no run).
