@@ -9,6 +9,8 @@ varying counts reuses a handful of compiled programs instead of one per count.
 
 from __future__ import annotations
 
+import numbers
+
 import numpy as np
 
 
@@ -21,18 +23,83 @@ def pow2_at_least(n: int) -> int:
 _INT32_MAX = np.iinfo(np.int32).max
 
 
-def padded_ids(ids) -> np.ndarray:
+def padded_ids(ids, name: str = "ids") -> np.ndarray:
     """``ids`` flattened to int32 and padded with -1 to a power-of-two length.
 
     Values that int32 cannot hold are mapped to ids that are invalid for every
     structure (``INT32_MAX``, or -2 below -1) instead of wrapping around onto a
     real id: the device op then fails and the host path names the original id.
     """
-    flat = np.asarray(ids, dtype=np.int64).reshape(-1)
+    flat = int_array(ids, name).reshape(-1)
     flat = np.where(flat > _INT32_MAX, _INT32_MAX, np.where(flat < -1, -2, flat))
     out = np.full(pow2_at_least(flat.size), -1, dtype=np.int32)
     out[: flat.size] = flat
     return out
+
+
+_INT64_MAX = np.iinfo(np.int64).max
+
+
+def int_array(values, name: str, *, ndim: int | None = None) -> np.ndarray:
+    """``values`` as an int64 numpy array, or ``InvalidArgument`` naming ``name``.
+
+    The one gate of every host path for ids, positions and counts. Accepted:
+    Python ints, numpy and JAX integer scalars and arrays, and (nested) lists
+    or tuples of them; an empty list is an empty id list. Refused, with the
+    offending value in the message: bools (``True`` is not block 1), floats
+    (even ``2.0``: a float id is a bug upstream, not a rounding question),
+    numeric strings, ``None``, NaN, and integers int64 cannot hold.
+    ``ndim`` (when given) is the number of dimensions the argument must have.
+    """
+    from jaxkv.errors import InvalidArgument
+
+    try:
+        arr = np.asarray(values)
+    except (ValueError, TypeError, OverflowError) as exc:  # ragged lists, huge ints
+        raise InvalidArgument(f"{name} must be integers; got {_short(values)} ({exc})") from None
+    if isinstance(values, (list, tuple)) and arr.dtype.kind in "iu" and _holds_bool(values):
+        raise InvalidArgument(f"{name} must be integers, not bools: {_short(values)}")
+    if arr.dtype == object:  # Python ints past int64, None, mixed objects
+        if all(_is_int(v) for v in arr.reshape(-1)):
+            raise InvalidArgument(f"{name} holds integers outside int64: {_short(values)}")
+        raise InvalidArgument(f"{name} must be integers; got {_short(values)}")
+    if arr.size == 0 and arr.dtype.kind == "f":  # [] and np.array([]) default to float
+        arr = arr.astype(np.int64)
+    if arr.dtype.kind not in "iu":
+        raise InvalidArgument(
+            f"{name} must be integers, got dtype {arr.dtype}: {_short(values)}")
+    if arr.dtype.kind == "u" and arr.size and int(arr.max()) > _INT64_MAX:
+        raise InvalidArgument(f"{name} holds integers outside int64: {_short(values)}")
+    if ndim is not None and arr.ndim != ndim:
+        raise InvalidArgument(f"{name} must have {ndim} dimension(s), got shape {arr.shape}")
+    return arr.astype(np.int64)
+
+
+def int_scalar(value, name: str) -> int:
+    """``value`` as a Python int, refusing what :func:`int_array` refuses and
+    anything that is not a single value."""
+    from jaxkv.errors import InvalidArgument
+
+    arr = int_array(value, name)
+    if arr.ndim != 0:
+        raise InvalidArgument(f"{name} must be one integer, got shape {arr.shape}")
+    return int(arr)
+
+
+def _holds_bool(values) -> bool:
+    """Whether a (nested) list mixes bools into integers (numpy casts
+    ``[True, 1]`` to ``[1, 1]`` without a word)."""
+    return any(_holds_bool(v) if isinstance(v, (list, tuple)) else isinstance(v, (bool, np.bool_))
+               for v in values)
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, (bool, np.bool_))
+
+
+def _short(value, limit: int = 60) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def count_or_raise(n, capacity: int, available, unit: str) -> int:
@@ -42,7 +109,7 @@ def count_or_raise(n, capacity: int, available, unit: str) -> int:
     ``available`` is a callable, read only on that failure path."""
     from jaxkv.errors import InvalidArgument, KVCacheOOM
 
-    n = int(n)
+    n = int_scalar(n, f"number of {unit}")
     if n < 0:
         raise InvalidArgument(f"cannot allocate a negative number of {unit} ({n})")
     if n > capacity:
