@@ -88,9 +88,14 @@ def int_scalar(value, name: str) -> int:
 
 def _holds_bool(values) -> bool:
     """Whether a (nested) list mixes bools into integers (numpy casts
-    ``[True, 1]`` to ``[1, 1]`` without a word)."""
-    return any(_holds_bool(v) if isinstance(v, (list, tuple)) else isinstance(v, (bool, np.bool_))
-               for v in values)
+    ``[True, 1]`` to ``[1, 1]`` without a word). One pass over the element
+    types, so a long token list costs microseconds."""
+    types = set(map(type, values))
+    if types <= {int}:
+        return False
+    if types & {bool, np.bool_}:
+        return True
+    return any(_holds_bool(v) for v in values if isinstance(v, (list, tuple)))
 
 
 def _is_int(value) -> bool:

@@ -448,10 +448,17 @@ TestBlockLowestFirstMachine = BlockLowestFirstMachine.TestCase
 # ------------------------------------------------------------- host errors
 
 
-def test_create_rejects_fewer_than_two_blocks():
-    for nb in (1, 0, -3):
+def test_create_rejects_fewer_than_one_block_and_one_block_hands_out_nothing():
+    for nb in (0, -3):
         with pytest.raises(InvalidArgument, match=f"num_blocks={nb}"):
             BlockAllocator.create(nb)
+    empty = BlockAllocator.create(1)  # only the null block: a manager with no host tier
+    assert empty.capacity == 0
+    with pytest.raises(KVCacheOOM, match=re.escape("requested 1 blocks, 0 available (of 0 total)")):
+        empty.acquire_or_raise(1)
+    assert empty.acquire_or_raise(0)[1].tolist() == []
+    with pytest.raises(InvalidId):
+        empty.release_or_raise([1])
     a = BlockAllocator.create(2)  # a single allocatable block
     a, ids = a.acquire_or_raise(1)
     assert ids.tolist() == [1]

@@ -642,19 +642,19 @@ def test_events_stored_removed_and_drained():
     assert cache.take_events() == []  # drained
     b = a[:2] + [60, 61, 62, 63]
     cache.insert(b, [10, 11, 12], namespace="ns")  # another namespace: all new
-    cache.insert(b, [13, 11, 12])  # default namespace: shares page 0 with a
+    cache.insert(b, [13, 14, 15])  # default namespace: shares page 0 with a
     events = cache.take_events()
     assert len(events) == 2
     _event(events[0], BlockStored, b, [10, 11, 12], namespace="ns")
-    _event(events[1], BlockStored, b[2:], [11, 12])  # only the new pages, with their tokens
+    _event(events[1], BlockStored, b[2:], [14, 15])  # only the new pages, with their tokens
     cache.insert(a, [20, 21])  # all duplicates: nothing stored
     assert cache.take_events() == []
     cache.match(a)
     cache.match(b, namespace="ns")
     evicted = cache.evict(1)  # LRU leaf: b's tail in the default namespace, its last page
-    assert evicted.blocks == [12]
+    assert evicted.blocks == [15]
     [removed] = cache.take_events()
-    _event(removed, BlockRemoved, b[4:], [12])
+    _event(removed, BlockRemoved, b[4:], [15])
     quiet = PrefixCacheManager(ps)
     quiet.insert(a, [1, 2])
     quiet.evict(2)
@@ -717,12 +717,14 @@ def prefill(sched: PrefixScheduler, adm, rng) -> dict:
     k = rng.uniform(1.0, 2.0, shape).astype(np.float32) * rng.choice([-1, 1], shape)
     v = rng.uniform(3.0, 4.0, shape).astype(np.float32)
     data = KVPool(k_pages=jnp.asarray(k), v_pages=jnp.asarray(v), k_scales=None, v_scales=None)
-    sched.pool = sched.pool.write_pages(np.asarray(blocks, np.int32), data)
+    sched.pool, ok = sched.pool.write_pages(np.asarray(blocks, np.int32), data)
+    assert ok
     return {block: (k[:, :, i], v[:, :, i]) for i, block in enumerate(blocks)}
 
 
 def read(sched: PrefixScheduler, blocks) -> list:
-    data = sched.pool.read_pages(np.asarray(blocks, np.int32))
+    data, ok = sched.pool.read_pages(np.asarray(blocks, np.int32))
+    assert ok
     k, v = np.asarray(data.k_pages), np.asarray(data.v_pages)
     return [(k[:, :, i], v[:, :, i]) for i in range(len(blocks))]
 

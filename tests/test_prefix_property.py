@@ -104,11 +104,11 @@ def expected_pages(namespace, tokens: tuple, start: int, stop: int) -> np.ndarra
 
 def _write_k(pool: KVPool, targets, k):
     k = k[None, None, :, :, None]
-    return pool.write_pages(targets, KVPool(k_pages=k, v_pages=-k, k_scales=None, v_scales=None))
+    return pool.write_pages(targets, KVPool(k_pages=k, v_pages=-k, k_scales=None, v_scales=None))[0]
 
 
 WRITE_K = jax.jit(_write_k, donate_argnums=0)
-READ = jax.jit(KVPool.read_pages)
+READ = jax.jit(lambda pool, pages: pool.read_pages(pages)[0])
 
 
 def tree_blocks(cache: PrefixCacheManager, tokens: bytes, namespace) -> list:

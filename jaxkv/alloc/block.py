@@ -63,10 +63,13 @@ class BlockAllocator:
         """All of ``1 .. num_blocks-1`` free; block 0 reserved as the null block.
 
         The stack is ordered so that the first pops return 1, 2, 3, ...
+        ``num_blocks=1`` is an allocator with nothing to hand out (every
+        acquisition of one block or more fails): a manager with no host tier.
         """
-        if num_blocks < 2:
+        num_blocks = _host.int_scalar(num_blocks, "num_blocks")
+        if num_blocks < 1:
             raise InvalidArgument(
-                f"num_blocks={num_blocks}: need at least 2 (block 0 is the null block)"
+                f"num_blocks={num_blocks}: need at least 1 (block 0 is the null block)"
             )
         return cls(
             free_ids=jnp.arange(num_blocks - 1, 0, -1, dtype=jnp.int32),
@@ -115,7 +118,9 @@ class BlockAllocator:
             ids = first_true_indices(is_free, jnp.where(ok, n, 0), max_n)
         else:  # pop: the popped entries stay in the array, past the new top
             top = self.num_free - 1 - lane
-            ids = jnp.where(ok & (lane < n), self.free_ids[jnp.clip(top, 0, self.capacity - 1)], -1)
+            popped = (self.free_ids[jnp.clip(top, 0, self.capacity - 1)] if self.capacity
+                      else jnp.full((max_n,), -1, jnp.int32))  # nothing to pop (and ok is False for n > 0)
+            ids = jnp.where(ok & (lane < n), popped, -1)
         ref_counts = self.ref_counts.at[self._or_drop(ids >= 0, ids)].set(owners, mode="drop")
         num_free = self.num_free - jnp.where(ok, n, 0)
         return self.replace(num_free=num_free, ref_counts=ref_counts), ids, ok
@@ -198,7 +203,8 @@ class BlockAllocator:
 
         Fails (``ok`` False, state unchanged) if any id is out of range or is
         free: sharing a block nobody holds would resurrect freed memory
-        (``InvalidId`` on the host path).
+        (``InvalidId`` on the host path); or if a count would pass INT32_MAX
+        (``InvalidArgument``), which would wrap it negative.
         """
         ids = jnp.asarray(ids, jnp.int32).reshape(-1)
         given = ids != -1
@@ -207,8 +213,17 @@ class BlockAllocator:
         self._require_in_range(ids, given & ~in_range, "incref", what)
         require(jnp.all(~given | ~in_range | held), InvalidId,
                 f"incref of free {what} id {{}}: only a held {what} can be shared", first_where(ids, given & ~held))
-        ok = jnp.all(~given | (in_range & held))
-        counts = self.ref_counts.at[self._or_drop(ok & given, ids)].add(1, mode="drop")
+        valid = jnp.all(~given | (in_range & held))
+        # Add tentatively; a count that wrapped (held counts are >= 1, so a
+        # sum <= 0 wrapped) fails the call, and the same scatter of -1 undoes
+        # it exactly (two's complement addition is invertible).
+        target = self._or_drop(valid & given, ids)
+        counts = self.ref_counts.at[target].add(1, mode="drop")
+        wrapped = given & (counts.at[target].get(mode="fill", fill_value=1) <= 0)
+        require(~jnp.any(wrapped), InvalidArgument,
+                f"incref of {what} id {{}} past INT32_MAX owners", first_where(ids, wrapped))
+        ok = valid & ~jnp.any(wrapped)
+        counts = counts.at[jnp.where(ok, self.num_blocks, target)].add(-1, mode="drop")
         return self.replace(ref_counts=counts), ok
 
     def update(
@@ -350,6 +365,11 @@ class BlockAllocator:
                 f"{_host.preview(np.unique(bad))}",
                 np.unique(bad),
             )
+        unique, times = np.unique(given, return_counts=True)
+        owners = np.asarray(self.ref_counts)[unique].astype(np.int64)
+        full = unique[(owners > 0) & (owners + times > np.iinfo(np.int32).max)]
+        if full.size:
+            return InvalidArgument(f"incref of {unit}s {_host.preview(full)} past INT32_MAX owners")
         free = np.unique(given[np.asarray(self.ref_counts)[given] == 0])
         return InvalidId(
             f"incref of free {unit}s {_host.preview(free)}: only a held {unit} can be shared",

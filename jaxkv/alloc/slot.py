@@ -199,11 +199,7 @@ class SlotAllocator:
 
     def alloc_many_or_raise(self, k: int) -> tuple["SlotAllocator", np.ndarray]:
         """Host path of :meth:`alloc_many`; raises ``KVCacheOOM`` or ``InvalidArgument``."""
-        k = int(k)
-        if k < 0:
-            raise InvalidArgument(f"cannot allocate a negative number of slots ({k})")
-        if k > self.capacity:  # never satisfiable: refuse before compiling a max_k that large
-            raise KVCacheOOM(k, int(self.free_count), self.capacity, unit="slots")
+        k = _host.count_or_raise(k, self.capacity, lambda: self.free_count, "slots")
         state, slots, ok = _alloc_many(self, k, max_k=_host.pow2_at_least(k))
         if not bool(ok):
             raise KVCacheOOM(k, int(self.free_count), self.capacity, unit="slots")

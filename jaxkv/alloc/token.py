@@ -157,7 +157,7 @@ class TokenToKVPoolAllocator:
     def alloc_or_raise(self, n: int) -> tuple["TokenToKVPoolAllocator", np.ndarray]:
         """Host path of :meth:`alloc`: ``n`` indices as numpy, or raises
         ``KVCacheOOM`` (tokens requested / available / total) or ``InvalidArgument``."""
-        n = int(n)
+        n = _host.int_scalar(n, "number of tokens")
         if n < 0 or n % self.page_size:
             raise InvalidArgument(
                 f"alloc({n}): need a non-negative multiple of page_size={self.page_size}"
@@ -224,7 +224,7 @@ class FreeGroup:
 
     def free(self, indices) -> None:
         """Queue ``indices`` (any shape, -1 ignored) for freeing."""
-        self._parts.append(np.asarray(indices, np.int64).reshape(-1))
+        self._parts.append(_host.int_array(indices, "indices").reshape(-1))
 
     def indices(self) -> np.ndarray:
         """Everything queued so far, concatenated."""

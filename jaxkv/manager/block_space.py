@@ -46,6 +46,7 @@ FREE, ON_DEVICE, SWAPPED = 0, 1, 2
 STATUS_NAMES = {FREE: "FREE", ON_DEVICE: "ON_DEVICE", SWAPPED: "SWAPPED"}
 #: ``can_allocate`` answers (vLLM's AllocStatus).
 ALLOC_OK, ALLOC_LATER, ALLOC_NEVER = 0, 1, 2
+_INT32_MAX = int(np.iinfo(np.int32).max)
 
 
 @struct.dataclass
@@ -73,9 +74,19 @@ class BlockSpaceManager:
         watermark: float = 0.01,
     ) -> "BlockSpaceManager":
         """Every row free. Block counts include the null block 0 (they equal the
-        ``num_pages`` of the matching :class:`KVPool`). ``watermark`` is the
+        ``num_pages`` of the matching :class:`KVPool` and host pool; the swap
+        host paths check that). ``num_host_blocks`` 0 or 1 means no host
+        tier: every swap-out fails with ``KVCacheOOM``. ``watermark`` is the
         fraction of device blocks ``can_allocate`` keeps free for running
         sequences to grow into (vLLM's default 1%)."""
+        sizes = dict(num_device_blocks=num_device_blocks, num_host_blocks=num_host_blocks, block_size=block_size,
+                     max_seqs=max_seqs, max_blocks_per_seq=max_blocks_per_seq)
+        num_device_blocks, num_host_blocks, block_size, max_seqs, max_blocks_per_seq = (
+            _host.int_scalar(value, name) for name, value in sizes.items())
+        if num_device_blocks < 2 or num_host_blocks < 0:
+            raise InvalidArgument(
+                f"num_device_blocks={num_device_blocks} must be >= 2 (block 0 is the null block) and "
+                f"num_host_blocks={num_host_blocks} >= 0 (0 or 1: no host tier)")
         if block_size < 1 or max_seqs < 1 or max_blocks_per_seq < 1:
             raise InvalidArgument(
                 f"block_size={block_size}, max_seqs={max_seqs} and max_blocks_per_seq={max_blocks_per_seq} "
@@ -88,7 +99,7 @@ class BlockSpaceManager:
             seq_lens=jnp.zeros((max_seqs,), jnp.int32),
             status=jnp.zeros((max_seqs,), jnp.int32),
             device=BlockAllocator.create(num_device_blocks),
-            host=BlockAllocator.create(max(num_host_blocks, 2)),
+            host=BlockAllocator.create(max(num_host_blocks, 1)),  # 0 or 1: no host tier
             block_size=block_size,
             watermark_blocks=int(watermark * num_device_blocks),
         )
@@ -102,8 +113,10 @@ class BlockSpaceManager:
         return self.block_tables.shape[1]
 
     def blocks_for(self, num_tokens: Count) -> Int[Array, "..."]:
-        """Blocks needed to hold ``num_tokens`` tokens."""
-        return (jnp.asarray(num_tokens, jnp.int32) + self.block_size - 1) // self.block_size
+        """Blocks needed to hold ``num_tokens`` tokens (0 for a count <= 0;
+        no int32 overflow near 2**31)."""
+        num_tokens = jnp.maximum(jnp.asarray(num_tokens, jnp.int32), 0)
+        return num_tokens // self.block_size + (num_tokens % self.block_size != 0)
 
     def reset(self) -> "BlockSpaceManager":
         """Every sequence and block free (same configuration)."""
@@ -120,9 +133,15 @@ class BlockSpaceManager:
     def can_allocate(self, num_tokens: Count) -> Int[Array, ""]:
         """``ALLOC_OK`` if a prompt of ``num_tokens`` fits now while leaving the
         watermark free, ``ALLOC_LATER`` if it will once blocks are freed,
-        ``ALLOC_NEVER`` if it cannot fit even in an empty cache."""
+        ``ALLOC_NEVER`` if it cannot fit even in an empty cache (including a
+        count below 1, and any count int32 cannot hold)."""
+        if not isinstance(num_tokens, jax.core.Tracer):
+            num_tokens = _host.int_scalar(num_tokens, "num_tokens")
+            if num_tokens > _INT32_MAX:
+                return jnp.asarray(ALLOC_NEVER, jnp.int32)
+        num_tokens = jnp.asarray(num_tokens, jnp.int32)
         needed = self.blocks_for(num_tokens)
-        return self._admission(needed, too_long=needed > self.max_blocks_per_seq)
+        return self._admission(needed, too_long=(needed > self.max_blocks_per_seq) | (num_tokens < 1))
 
     def _admission(self, needed: Int[Array, ""], too_long: Bool[Array, ""] = False) -> Int[Array, ""]:
         """vLLM's rule: NEVER if ``needed`` blocks exceed the device minus the
@@ -189,8 +208,13 @@ class BlockSpaceManager:
         blocks, a sequence not on the device, past ``max_blocks_per_seq``, a row
         named twice) nothing changes, ``ok`` is False and ``blocked`` marks the
         sequences that could not proceed, so a scheduler can preempt.
+        ``num_new_tokens`` must be a non-negative Python integer
+        (``InvalidArgument`` at trace time otherwise).
         """
-        bs, n = self.block_size, num_new_tokens
+        n = _host.int_scalar(num_new_tokens, "num_new_tokens")
+        if n < 0:
+            raise InvalidArgument(f"append_slots of num_new_tokens={n}: a sequence cannot shrink")
+        bs = self.block_size
         seqs, given = _ids(seq_ids)
         rows = jnp.where(given, seqs, 0)
         lens = jnp.where(given, self.seq_lens.at[rows].get(mode="fill", fill_value=0), 0)
@@ -236,7 +260,7 @@ class BlockSpaceManager:
         # Only steps with a copy-on-write touch the pool: the copy reads a page
         # of every layer per batch lane, far too much to pay on every step.
         pool = jax.lax.cond(
-            jnp.any(cow & ok), lambda p: p.copy_pages(copy_src, copy_dst), lambda p: p, pool
+            jnp.any(cow & ok), lambda p: p.copy_pages(copy_src, copy_dst)[0], lambda p: p, pool
         )
         device, _ = device.release(copy_src)  # drops this sequence's share; never frees
         seq_lens = self.seq_lens.at[jnp.where(ok & given, rows, self.max_seqs)].add(n, mode="drop")
@@ -412,8 +436,10 @@ class BlockSpaceManager:
         """Host path of :meth:`allocate`; raises ``InvalidId`` (a row out of range,
         not free or repeated), ``InvalidArgument`` (empty group, bad length) or
         ``KVCacheOOM`` (blocks requested / free / total)."""
-        num_tokens = int(num_tokens)
-        state, ok = _allocate(self, _host.padded_ids(seq_ids), num_tokens)
+        num_tokens = _host.int_scalar(num_tokens, "num_tokens")
+        # Past int32 the device op sees INT32_MAX, which fails as too many blocks.
+        state, ok = _allocate(self, _host.padded_ids(seq_ids, "seq_ids"),
+                              min(max(num_tokens, -1), _INT32_MAX))
         if bool(ok):
             return state
         error = self.row_error("allocate", seq_ids, FREE)
@@ -427,8 +453,12 @@ class BlockSpaceManager:
         raise error or KVCacheOOM(blocks, int(self.device.num_free), self.device.capacity, unit="blocks")
 
     def fork_or_raise(self, src_ids, dst_ids) -> "BlockSpaceManager":
-        """Host path of :meth:`fork`; raises ``InvalidId`` naming the bad row."""
-        state, ok = _fork(self, _host.padded_ids(src_ids), _host.padded_ids(dst_ids))
+        """Host path of :meth:`fork`; raises ``InvalidId`` naming the bad row,
+        or ``InvalidArgument`` when the lists differ in length."""
+        src, dst = _host.int_array(src_ids, "src_ids").reshape(-1), _host.int_array(dst_ids, "dst_ids").reshape(-1)
+        if src.size != dst.size:
+            raise InvalidArgument(f"fork: {src.size} sources but {dst.size} destinations (one source per destination)")
+        state, ok = _fork(self, _host.padded_ids(src), _host.padded_ids(dst))
         if bool(ok):
             return state
         raise self.row_error("fork source", src_ids, ON_DEVICE) or self.row_error("fork destination", dst_ids, FREE) or (

@@ -16,6 +16,11 @@ The block bookkeeping is done on device by
 ``swap_in``, which return the page pairs to copy; the functions here copy
 them. :func:`swap_out` and :func:`swap_in` do both, on the host path, and
 raise typed errors.
+
+No copy here ever drops a page silently: page ids are checked against both
+pools before anything moves (``InvalidId``), and the host paths check that
+the pools are at least as large as the manager's allocators say
+(``InvalidArgument``, with both sizes).
 """
 
 from __future__ import annotations
@@ -26,12 +31,13 @@ from jax.experimental.compute_on import compute_on
 from jax.sharding import SingleDeviceSharding
 
 from jaxkv import _host
-from jaxkv.errors import InvalidArgument, KVCacheOOM
+from jaxkv.errors import InvalidArgument, InvalidId, KVCacheOOM
 from jaxkv.manager.block_space import ON_DEVICE, SWAPPED, BlockSpaceManager
 from jaxkv.pool.kv_pool import KVPool
 
-_read_pages = jax.jit(KVPool.read_pages)
-_write_pages = jax.jit(KVPool.write_pages, donate_argnums=0)
+# Page ids are checked on the host before these run: drop their ``ok``.
+_read_pages = jax.jit(lambda pool, pages: pool.read_pages(pages)[0])
+_write_pages = jax.jit(lambda pool, pages, data: pool.write_pages(pages, data)[0], donate_argnums=0)
 _swap_out = jax.jit(BlockSpaceManager.swap_out)
 _swap_in = jax.jit(BlockSpaceManager.swap_in)
 
@@ -68,7 +74,7 @@ def _load_pinned(pool: KVPool, host_pool: KVPool, host_pages, device_pages, *, s
     """Inside jit: gather pinned host pages on the host, move them to the
     device (``sharding``) and write them into the device pool."""
     data = _host_read_pages(host_pool, jax.device_put(host_pages, host_sharding))
-    return pool.write_pages(device_pages, jax.device_put(data, sharding))
+    return pool.write_pages(device_pages, jax.device_put(data, sharding))[0]
 
 
 _store_pinned_jit = jax.jit(_store_pinned, donate_argnums=0, static_argnames=("sharding",))
@@ -112,17 +118,31 @@ def is_pinned(host_pool: KVPool) -> bool:
     return isinstance(host_pool.k_pages, jax.Array)
 
 
-def _pairs(src_pages, dst_pages) -> tuple[np.ndarray, np.ndarray]:
-    src, dst = np.asarray(src_pages).reshape(-1), np.asarray(dst_pages).reshape(-1)
-    keep = (src >= 0) & (dst >= 0)
-    return src[keep], dst[keep]
+def _pairs(src_pages, src_pool: KVPool, dst_pages, dst_pool: KVPool, what: str) -> tuple[np.ndarray, np.ndarray]:
+    """The (source, target) page pairs to copy, -1 pairs skipped; raises
+    ``InvalidId``/``InvalidArgument`` before anything moves for a page
+    outside its pool, a target named twice, or lists of different lengths."""
+    src = _host.int_array(src_pages, "source pages").reshape(-1)
+    dst = _host.int_array(dst_pages, "target pages").reshape(-1)
+    if src.shape != dst.shape:
+        raise InvalidArgument(f"{what}: {src.size} source pages but {dst.size} target pages")
+    keep = (src != -1) & (dst != -1)
+    src, dst = src[keep], dst[keep]
+    for pages, pool, side in ((src, src_pool, "source"), (dst, dst_pool, "target")):
+        bad = pages[(pages < 0) | (pages >= pool.num_pages)]
+        if bad.size:
+            raise InvalidId(f"{what}: {side} pages {_host.preview(np.unique(bad))} outside that pool's "
+                            f"[0, {pool.num_pages})", np.unique(bad))
+    if np.unique(dst).size != dst.size:
+        raise InvalidArgument(f"{what}: a target page is named twice in {_host.preview(dst)}")
+    return src, dst
 
 
 def swap_out_pages(pool: KVPool, host_pool: KVPool, device_pages, host_pages) -> KVPool:
     """Copy ``pool`` page ``device_pages[i]`` to host page ``host_pages[i]``
     (every layer, K, V, scales; -1 pairs skipped) and return the host pool
     (a pinned one is donated; a numpy one is written in place)."""
-    src, dst = _pairs(device_pages, host_pages)
+    src, dst = _pairs(device_pages, pool, host_pages, host_pool, "swap_out_pages")
     if not src.size:
         return host_pool
     data = _read_pages(pool, _host.padded_ids(src))
@@ -137,7 +157,7 @@ def swap_out_pages(pool: KVPool, host_pool: KVPool, device_pages, host_pages) ->
 def swap_in_pages(pool: KVPool, host_pool: KVPool, host_pages, device_pages) -> KVPool:
     """Copy host page ``host_pages[i]`` into ``pool`` page ``device_pages[i]``
     (-1 pairs skipped); returns the new device pool (``pool`` is donated)."""
-    src, dst = _pairs(host_pages, device_pages)
+    src, dst = _pairs(host_pages, host_pool, device_pages, pool, "swap_in_pages")
     if not src.size:
         return pool
     targets = _host.padded_ids(dst)  # -1 padding: write_pages skips it
@@ -157,7 +177,8 @@ def swap_out(
     and data). Raises ``InvalidId`` for a row that is not on the device and
     ``KVCacheOOM`` when the host has too few free blocks; nothing changes then.
     Returns ``(manager, host_pool)``."""
-    ids = _host.padded_ids(seq_ids)
+    _check_pool_sizes(manager, pool, host_pool)
+    ids = _host.padded_ids(seq_ids, "seq_ids")
     new, device_pages, host_pages, ok = _swap_out(manager, ids)
     if not bool(ok):
         raise _swap_error(manager, seq_ids, ON_DEVICE, "swap out", manager.host, "host blocks")
@@ -171,11 +192,22 @@ def swap_in(
     Raises ``InvalidId`` for a row that is not swapped out and ``KVCacheOOM``
     when the device has too few free blocks. Returns ``(manager, pool)``;
     ``pool`` is donated."""
-    ids = _host.padded_ids(seq_ids)
+    _check_pool_sizes(manager, pool, host_pool)
+    ids = _host.padded_ids(seq_ids, "seq_ids")
     new, host_pages, device_pages, ok = _swap_in(manager, ids)
     if not bool(ok):
         raise _swap_error(manager, seq_ids, SWAPPED, "swap in", manager.device, "device blocks")
     return new, swap_in_pages(pool, host_pool, host_pages, device_pages)
+
+
+def _check_pool_sizes(manager: BlockSpaceManager, pool: KVPool, host_pool: KVPool) -> None:
+    """The pools must hold every block id the manager can hand out."""
+    for name, have, allocator in (("pool", pool.num_pages, manager.device), ("host_pool", host_pool.num_pages,
+                                                                             manager.host)):
+        if have < allocator.num_blocks:
+            raise InvalidArgument(
+                f"{name} has {have} pages but the manager hands out block ids up to {allocator.num_blocks - 1}: "
+                f"make it with num_pages >= {allocator.num_blocks} (the manager's block count)")
 
 
 def _swap_error(manager, seq_ids, wanted: int, op: str, allocator, unit: str) -> Exception:

@@ -22,8 +22,17 @@ Invariants:
   (one head) and no V: the value is the first ``kv_lora_rank`` dims;
 * fp8 storage (float8_e4m3fn, float8_e5m2) keeps one float32 scale per token
   per head: ``stored = x / scale`` rounded to fp8 with
-  ``scale = max(|x|) / fp8_max`` over the head dim, and
-  ``x ~= stored.astype(float32) * scale``;
+  ``scale = max(|x|) / fp8_max`` over the finite entries of the head dim, and
+  ``x ~= stored.astype(float32) * scale``. Non-finite entries never cost the
+  row its finite values: ``±inf`` saturates to ``±fp8_max`` (it reads back
+  as ± the row's largest finite magnitude, ``±fp8_max`` if it has none) and
+  NaN stays NaN, for e4m3 and e5m2 alike;
+* page ids (``copy_pages``/``read_pages``/``write_pages``) are -1 (skip) or
+  in ``[0, num_pages)``; host (concrete) ids outside that raise ``InvalidId``
+  and repeated targets raise ``InvalidArgument``; traced ids outside it skip
+  their pair (read: the null page) and the call returns ``ok=False``.
+  Repeated traced targets of one write keep one of the values, which one
+  is unspecified (XLA scatter order);
 * writes are in place when the pool is donated into the jitted step
   (``jax.jit(step, donate_argnums=...)``); no method copies a whole pool.
 """
@@ -35,9 +44,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from jaxkv import _host
 from jaxkv.alloc.token import TokenToKVPoolAllocator
 from jaxkv.errors import InvalidArgument, InvalidId
-from jaxkv.types import Array, Ids, Int
+from jaxkv.types import Array, Ids, Int, Ok
 
 #: Storage dtypes a pool can hold.
 STORAGE_DTYPES = tuple(
@@ -53,10 +63,11 @@ def is_fp8(dtype) -> bool:
 def quantize_fp8(x: Array, dtype) -> tuple[Array, Array]:
     """Per-row fp8 quantization over the last axis: ``(stored, scale)`` with
     ``x ~= stored.astype(float32) * scale[..., None]``; an all-zero row gets
-    scale 1 (stored zeros)."""
+    scale 1 (stored zeros). The scale comes from the row's finite entries;
+    ``±inf`` saturates to ``±fp8_max`` and NaN stays NaN (module docstring)."""
     x = x.astype(jnp.float32)
     fp8_max = float(jnp.finfo(dtype).max)
-    amax = jnp.max(jnp.abs(x), axis=-1)
+    amax = jnp.max(jnp.where(jnp.isfinite(x), jnp.abs(x), 0.0), axis=-1)
     scale = jnp.where(amax > 0, amax / fp8_max, 1.0).astype(jnp.float32)
     stored = jnp.clip(x / scale[..., None], -fp8_max, fp8_max).astype(dtype)
     return stored, scale
@@ -181,11 +192,14 @@ class KVPool:
         rule); likewise ``v``. In MLA mode pass the latent as ``k`` and no
         ``v``. fp8 pools quantize here. Index -1 (padding) and any index
         outside the buffer write to the null page, never to another page.
-        Concrete (host) indices outside ``[-1, buffer_size)`` raise
-        ``InvalidId``; shape mismatches raise ``InvalidArgument``.
+        Concrete (host) indices outside ``[-1, buffer_size)`` or a concrete
+        ``layer`` outside ``[0, num_layers)`` raise ``InvalidId``; a repeated
+        concrete index, or a shape mismatch, raises ``InvalidArgument``. A
+        traced layer out of range writes nothing, and traced repeated indices
+        keep one of their rows (which one is unspecified).
         """
         layer = self._check_layer(layer)
-        flat = self._check_indices(indices)
+        flat = self._check_indices(indices, distinct=True)
         k = self._rows(k, flat.shape[0], self.k_heads, self.k_dim, "k")
         if self.is_mla:
             if v is not None:
@@ -207,7 +221,8 @@ class KVPool:
         """Dequantized ``(k [n, k_heads, k_dim], v [n, v_heads, v_dim])`` of the
         tokens at ``indices`` (flattened); in MLA mode ``v`` is the first
         ``kv_lora_rank`` dims of the latent. -1 reads the null page (garbage:
-        mask it)."""
+        mask it). A traced ``layer`` out of range reads NaN (never another
+        layer's data)."""
         layer = self._check_layer(layer)
         flat = self._check_indices(indices)
         k = _read(self.k_pages, self.k_scales, layer, flat, self.page_size, dtype)
@@ -220,52 +235,75 @@ class KVPool:
         ``[heads, num_pages, page_size, ...]``: the arguments of a paged
         attention kernel."""
         layer = self._check_layer(layer)
+        if not isinstance(layer, int):
+            raise InvalidArgument(f"layer_arrays takes a Python int layer, got {type(layer).__name__}")
         pick = lambda a: None if a is None else a[layer]  # noqa: E731
         return pick(self.k_pages), pick(self.v_pages), pick(self.k_scales), pick(self.v_scales)
 
     # ------------------------------------------------------------ page copies
 
-    def copy_pages(self, src_pages: Ids, dst_pages: Ids) -> "KVPool":
+    def copy_pages(self, src_pages: Ids, dst_pages: Ids) -> tuple["KVPool", Ok]:
         """``page dst[i] <- page src[i]`` in every layer, K, V and scales
         (copy-on-write, defragmentation). Pairs with a -1 on either side are
-        skipped; all sources are read before any destination is written."""
-        src = jnp.asarray(src_pages, jnp.int32).reshape(-1)
-        dst = jnp.asarray(dst_pages, jnp.int32).reshape(-1)
+        skipped; all sources are read before any destination is written.
+        Returns ``(pool, ok)``; see the module docstring for invalid ids."""
+        src, src_ok = self._check_pages(src_pages, "src_pages")
+        dst, dst_ok = self._check_pages(dst_pages, "dst_pages", distinct=True)
         if src.shape != dst.shape:
             raise InvalidArgument(f"copy_pages: {src.shape[0]} sources but {dst.shape[0]} destinations")
-        skip = (src == -1) | (dst == -1)
+        skip = (src == -1) | (dst == -1) | ~src_ok | ~dst_ok
         src = jnp.where(skip, 0, src)
         dst = jnp.where(skip, self.num_pages, dst)  # out of bounds: dropped
+        pool = jax.tree_util.tree_map(lambda a: a.at[:, :, dst].set(a[:, :, src], mode="drop"), self)
+        return pool, jnp.all(src_ok & dst_ok)
 
-        return jax.tree_util.tree_map(lambda a: a.at[:, :, dst].set(a[:, :, src], mode="drop"), self)
-
-    def read_pages(self, pages: Ids) -> "KVPool":
+    def read_pages(self, pages: Ids) -> tuple["KVPool", Ok]:
         """A small pool-shaped pytree holding just ``pages`` (every layer, K, V
-        and scales), e.g. to swap them to host memory. -1 reads the null page."""
-        pages = jnp.asarray(pages, jnp.int32).reshape(-1)
-        pages = jnp.where(pages == -1, 0, pages)
-        return jax.tree_util.tree_map(lambda a: a[:, :, pages], self)
+        and scales), e.g. to swap them to host memory, and ``ok``. -1 (and a
+        traced invalid id) reads the null page."""
+        pages, ok = self._check_pages(pages, "pages")
+        pages = jnp.where((pages == -1) | ~ok, 0, pages)
+        return jax.tree_util.tree_map(lambda a: a[:, :, pages], self), jnp.all(ok)
 
-    def write_pages(self, pages: Ids, data: "KVPool") -> "KVPool":
+    def write_pages(self, pages: Ids, data: "KVPool") -> tuple["KVPool", Ok]:
         """Inverse of :meth:`read_pages`: ``page pages[i] <- data page i``;
-        -1 entries are skipped."""
-        pages = jnp.asarray(pages, jnp.int32).reshape(-1)
+        -1 entries (and traced invalid ids) are skipped. Returns ``(pool, ok)``."""
+        pages, ok = self._check_pages(pages, "pages", distinct=True)
         if data.num_pages != pages.shape[0]:
             raise InvalidArgument(f"write_pages: {pages.shape[0]} pages but data holds {data.num_pages}")
-        target = jnp.where(pages == -1, self.num_pages, pages)
-        return jax.tree_util.tree_map(lambda a, d: a.at[:, :, target].set(d, mode="drop"), self, data)
+        target = jnp.where((pages == -1) | ~ok, self.num_pages, pages)
+        pool = jax.tree_util.tree_map(lambda a, d: a.at[:, :, target].set(d, mode="drop"), self, data)
+        return pool, jnp.all(ok)
 
     # --------------------------------------------------------------- internals
 
     def _check_layer(self, layer):
-        if isinstance(layer, (int, np.integer)):
-            if not 0 <= layer < self.num_layers:
-                raise InvalidId(f"layer {layer} outside [0, {self.num_layers})", [layer])
+        """A concrete layer as a checked Python int; a traced one as is."""
+        if isinstance(layer, jax.core.Tracer):
+            return layer
+        layer = _host.int_scalar(layer, "layer")
+        if not 0 <= layer < self.num_layers:
+            raise InvalidId(f"layer {layer} outside [0, {self.num_layers})", [layer])
         return layer
 
-    def _check_indices(self, indices) -> Array:
+    def _check_pages(self, pages, name: str, *, distinct: bool = False) -> tuple[Array, Array]:
+        """Flat int32 page ids and, per id, whether it is -1 or a page."""
+        if not isinstance(pages, jax.core.Tracer):
+            host = _host.int_array(pages, name).reshape(-1)
+            bad = host[(host < -1) | (host >= self.num_pages)]
+            if bad.size:
+                raise InvalidId(
+                    f"{name} {_host.preview(np.unique(bad))} outside [0, {self.num_pages}) (-1 skips a pair)",
+                    np.unique(bad))
+            if distinct:
+                _refuse_repeats(host, name)
+            pages = host.astype(np.int32)
+        flat = jnp.asarray(pages, jnp.int32).reshape(-1)
+        return flat, (flat >= -1) & (flat < self.num_pages)
+
+    def _check_indices(self, indices, *, distinct: bool = False) -> Array:
         if not isinstance(indices, jax.core.Tracer):
-            host = np.asarray(indices).reshape(-1)
+            host = _host.int_array(indices, "indices").reshape(-1)
             bad = host[(host < -1) | (host >= self.buffer_size)]
             if bad.size:
                 raise InvalidId(
@@ -273,6 +311,9 @@ class KVPool:
                     f"({self.num_pages} pages of {self.page_size}; -1 is padding)",
                     np.unique(bad),
                 )
+            if distinct:
+                _refuse_repeats(host, "indices")
+            indices = host.astype(np.int32)
         flat = jnp.asarray(indices, jnp.int32).reshape(-1)
         # Anything that is not a real row goes to the null page, never elsewhere.
         return jnp.where((flat >= 0) & (flat < self.buffer_size), flat, 0)
@@ -285,6 +326,17 @@ class KVPool:
                 f"{n} x {heads} heads x {dim} dims = {n * heads * dim}"
             )
         return x.reshape(n, heads, dim)
+
+
+def _refuse_repeats(ids: np.ndarray, name: str) -> None:
+    """``InvalidArgument`` when a target other than -1 appears twice: which
+    write would win is unspecified."""
+    given = ids[ids != -1]
+    unique, counts = np.unique(given, return_counts=True)
+    if (counts > 1).any():
+        raise InvalidArgument(
+            f"{name} names {_host.preview(unique[counts > 1])} more than once in one write "
+            "(which value would win is unspecified)")
 
 
 def _storage_dtype(dtype) -> jnp.dtype:
@@ -318,8 +370,13 @@ def _write(pages, scales, layer, flat, rows, page_size):
 
 def _read(pages, scales, layer, flat, page_size, dtype):
     page, offset = flat // page_size, flat % page_size
-    stored = pages[layer, :, page, offset]  # [n, heads, dim]
-    return dequantize(stored, None if scales is None else scales[layer, :, page, offset], dtype)
+    if isinstance(layer, int):  # checked on the host
+        stored = pages[layer, :, page, offset]  # [n, heads, dim]
+        return dequantize(stored, None if scales is None else scales[layer, :, page, offset], dtype)
+    # A traced layer out of range reads NaN, not the clamped last layer.
+    fill = dict(mode="fill", fill_value=jnp.nan)
+    stored = pages.at[layer, :, page, offset].get(**fill)
+    return dequantize(stored, None if scales is None else scales.at[layer, :, page, offset].get(**fill), dtype)
 
 
 def make_full_attention_net_mem_pool(

@@ -98,7 +98,9 @@ class ReqToTokenPool:
         Scalars or 1-D ``rows``/``starts``/``lengths`` with ``values`` of shape
         ``[m]`` or ``[b, m]``; a row of -1 is skipped (batch padding). Fails
         (state unchanged) when a row is not held, a start is negative, a length
-        exceeds ``m`` or a write would pass ``max_context_len``.
+        exceeds ``m`` or a write would pass ``max_context_len``. Two batch
+        entries writing the same position keep one of their values (which one
+        is unspecified: XLA's scatter order); the host path writes one row.
         """
         values = jnp.asarray(values, jnp.int32)
         values = values.reshape(-1, values.shape[-1])
@@ -128,11 +130,7 @@ class ReqToTokenPool:
 
     def alloc_or_raise(self, n: int = 1) -> tuple["ReqToTokenPool", np.ndarray]:
         """Host path of :meth:`alloc`; raises ``KVCacheOOM`` (rows)."""
-        n = int(n)
-        if n < 0:
-            raise InvalidArgument(f"cannot allocate a negative number of rows ({n})")
-        if n > self.size:  # never satisfiable: refuse before compiling a max_n that large
-            raise KVCacheOOM(n, int(self.available_size()), self.size, unit="rows")
+        n = _host.count_or_raise(n, self.size, self.available_size, "rows")
         state, ids, ok = _alloc(self, n, max_n=_host.pow2_at_least(n))
         if not bool(ok):
             raise KVCacheOOM(n, int(self.available_size()), self.size, unit="rows")
@@ -147,8 +145,13 @@ class ReqToTokenPool:
 
     def write_or_raise(self, row: int, start: int, values) -> "ReqToTokenPool":
         """Host path of :meth:`write` for one row; raises ``InvalidId`` (row
-        not held) or ``InvalidArgument`` (write past ``max_context_len``)."""
-        values = np.asarray(values, np.int64).reshape(-1)
+        not held, including -1, which the device op skips as batch padding)
+        or ``InvalidArgument`` (write past ``max_context_len``, non-integer
+        arguments)."""
+        values = _host.int_array(values, "values").reshape(-1)
+        row, start = _host.int_scalar(row, "row"), _host.int_scalar(start, "start")
+        if not (1 <= row <= self.size) or int(self.rows.ref_count(row)) == 0:
+            raise InvalidId(f"write to row {row}, which is not held (rows 1..{self.size})", [row])
         if values.size and (values.min() < 0 or values.max() > np.iinfo(np.int32).max):
             raise InvalidArgument(
                 f"write of token indices {_host.preview(values)}: indices must lie in [0, 2**31)"
@@ -156,12 +159,9 @@ class ReqToTokenPool:
         width = _host.pow2_at_least(values.size)
         padded = np.zeros((width,), np.int32)
         padded[: values.size] = values
-        row, start = int(row), int(start)
-        # Out-of-int32 rows/starts become values the device op rejects.
-        state, ok = _write(self, _host.padded_ids([row])[0], min(max(start, -1), 2**31 - 1), padded, values.size)
+        # Out-of-int32 starts become values the device op rejects.
+        state, ok = _write(self, row, min(max(start, -1), 2**31 - 1), padded, values.size)
         if not bool(ok):
-            if not (1 <= row <= self.size) or int(self.rows.ref_count(row)) == 0:
-                raise InvalidId(f"write to row {row}, which is not held (rows 1..{self.size})", [row])
             raise InvalidArgument(
                 f"write of {values.size} positions at start {start} to row {row}: "
                 f"positions must lie in [0, {self.max_context_len})"

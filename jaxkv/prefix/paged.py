@@ -49,21 +49,26 @@ from typing import NamedTuple
 
 import numpy as np
 
+from jaxkv import _host
 from jaxkv.errors import InvalidArgument, KVCacheError
 from jaxkv.prefix.radix import DEVICE, HOST, Node, RadixTree, token_bytes
 
 
 class CacheLocked(KVCacheError):
-    """``reset`` refused because some prefix is still pinned by a request.
+    """``reset`` refused because some prefix is still pinned, or (for
+    ``PrefixScheduler.reset``) requests are still running.
 
-    Attributes: ``protected_tokens`` (tokens of locked nodes).
+    Attributes: ``protected_tokens`` (tokens of locked nodes) and
+    ``running_requests``.
     """
 
-    def __init__(self, protected_tokens: int):
+    def __init__(self, protected_tokens: int, running_requests: int = 0):
         self.protected_tokens = int(protected_tokens)
+        self.running_requests = int(running_requests)
+        running = f" and {self.running_requests} requests are running" if running_requests else ""
         super().__init__(
             f"reset refused: {self.protected_tokens} cached tokens are pinned by running "
-            "requests or by pin(); release them first"
+            f"requests or by pin(){running}; finish or release them first"
         )
 
 
@@ -163,6 +168,9 @@ class PrefixCacheStats:
     num_nodes: int
 
 
+_INT32_MAX = 2**31 - 1
+
+
 def _split_pages(value: list, units: int) -> tuple[list, list]:
     return value[:units], value[units:]
 
@@ -180,6 +188,8 @@ class PrefixCacheManager:
     """
 
     def __init__(self, page_size: int, *, disable: bool = False, host_pages: int = 0, enable_events: bool = False):
+        page_size = _host.int_scalar(page_size, "page_size")
+        host_pages = _host.int_scalar(host_pages, "host_pages")
         if host_pages < 0:
             raise InvalidArgument(f"host_pages={host_pages}: must be >= 0")
         self.tree = RadixTree(page_size, _split_pages)
@@ -187,6 +197,7 @@ class PrefixCacheManager:
         self.disable = disable
         self.host_capacity = host_pages
         self._host_free = list(range(host_pages - 1, -1, -1))  # host page ids, a stack
+        self._owned: set = set()  # device block ids in the tree (refuses a second insert of one)
         self.enable_events = enable_events
         self._events: list = []
         self._query_tokens = self._hit_tokens = self._host_hit_tokens = 0
@@ -208,7 +219,7 @@ class PrefixCacheManager:
         if self.disable:
             return MatchResult(0, [], None, [])
         if max_tokens is not None:
-            query = query[: 4 * max(max_tokens, 0)]
+            query = query[: 4 * max(_host.int_scalar(max_tokens, "max_tokens"), 0)]
         tree = self.tree
         path, matched = tree.walk(query, namespace, split=True)
         tree.touch(path)
@@ -239,23 +250,26 @@ class PrefixCacheManager:
         only: a trailing partial page and any block past ``len(tokens) //
         page_size`` are ignored and stay the caller's).
 
-        Raises ``InvalidArgument`` when ``blocks`` covers fewer pages than the
-        whole pages of ``tokens`` would need, or when a block id is below 1.
+        Raises ``InvalidArgument``, changing nothing, when ``blocks`` covers
+        fewer pages than the whole pages of ``tokens`` would need, holds a
+        non-integer, an id below 1 or an id twice, or names a block the tree
+        already owns for another page (a second owner of one block would be
+        released twice by ``evict``).
         """
         query = token_bytes(tokens)
         unit = self.tree.unit_bytes
         num_pages = len(query) // unit
-        blocks = list(blocks[:num_pages]) if isinstance(blocks, list) else [int(b) for b in blocks[:num_pages]]
-        if len(blocks) < num_pages:
+        blocks = _host.int_array(blocks, "blocks", ndim=1)
+        if blocks.size < num_pages:
             raise InvalidArgument(
                 f"insert of {num_pages} whole pages ({len(query) // 4} tokens, page_size={self.page_size}) "
-                f"with only {len(blocks)} block ids"
+                f"with only {blocks.size} block ids"
             )
-        if blocks and min(blocks) < 1:
-            raise InvalidArgument(f"insert with block id {min(blocks)}: block ids start at 1 (0 is the null block)")
+        blocks = blocks[:num_pages].tolist()
+        query = query[: num_pages * unit]
+        self._check_insert_blocks(query, blocks, namespace)
         if self.disable or not num_pages:
             return InsertResult([], [], [], [], None)
-        query = query[: num_pages * unit]
         tree = self.tree
         path, matched = tree.walk(query, namespace, split=True)
         tree.touch(path)
@@ -278,24 +292,67 @@ class PrefixCacheManager:
         if matched < len(query):
             rest = blocks[matched // unit :]
             node = tree.add_child(node, query[matched:], rest)
+            self._owned.update(rest)
             new_blocks += rest
             tree_blocks += rest
             self._record(BlockStored, node, rest)
         return InsertResult(tree_blocks, new_blocks, duplicates, replacements, node)
 
+    def _check_insert_blocks(self, query: bytes, blocks: list, namespace: Hashable) -> None:
+        """Validate ``insert``'s block ids before the tree changes at all."""
+        if not blocks:
+            return
+        if min(blocks) < 1 or max(blocks) > _INT32_MAX:
+            bad = min(blocks) if min(blocks) < 1 else max(blocks)
+            raise InvalidArgument(f"insert with block id {bad}: block ids are in [1, 2**31) (0 is the null block)")
+        if len(set(blocks)) != len(blocks):
+            seen: set = set()
+            repeated = sorted({b for b in blocks if b in seen or seen.add(b)})
+            raise InvalidArgument(f"insert with block ids {_host.preview(repeated)} for more than one page")
+        if self.disable:
+            return
+        cached = self._cached_pages(query, namespace)
+        for page, block in enumerate(blocks):
+            if block in self._owned and (page >= len(cached) or cached[page] != block):
+                raise InvalidArgument(
+                    f"insert with block id {block} for page {page}: the cache already owns that block "
+                    "for another page (release the request's reference, never hand a cached block over twice)"
+                )
+
+    def _cached_pages(self, query: bytes, namespace: Hashable) -> list:
+        """The tree's device block per matched page of ``query`` (None for a
+        host-tier page), without splitting anything."""
+        path, matched = self.tree.walk(query, namespace, split=False)
+        pages: list = []
+        for node in path:
+            pages += node.value if node.tier == DEVICE else [None] * self.tree.units(node)
+        return pages[: matched // self.tree.unit_bytes]
+
     # ------------------------------------------------------------------ locks
 
     def pin(self, node: Node | None) -> None:
         """Protect ``node`` and its whole path from eviction (SGLang's
-        ``inc_lock_ref``). ``None`` (a disabled cache's match) is ignored."""
+        ``inc_lock_ref``). ``None`` (a disabled cache's match) is ignored.
+        Raises ``InvalidArgument`` for a node that is not in this cache
+        (evicted, dropped by ``reset``, or another cache's)."""
         if node is not None:
-            self.tree.lock(node)
+            self.tree.lock(self._own_node(node, "pin"))
 
     def release(self, node: Node | None) -> None:
         """Undo one ``pin(node)`` (SGLang's ``dec_lock_ref``). Raises
-        ``InvalidArgument`` (and changes nothing) if the node is not pinned."""
+        ``InvalidArgument`` (and changes nothing) if the node is not pinned
+        or not in this cache."""
         if node is not None:
-            self.tree.unlock(node)
+            self.tree.unlock(self._own_node(node, "release"))
+
+    def _own_node(self, node, op: str) -> Node:
+        if not isinstance(node, Node):
+            raise InvalidArgument(f"{op} takes a Node from match/insert, got {type(node).__name__}")
+        if not self.tree.owns(node):
+            raise InvalidArgument(
+                f"{op} of {node!r}: not a node of this cache (evicted, dropped by reset, "
+                "or from another PrefixCacheManager)")
+        return node
 
     def pin_prefix(self, tokens, namespace: Hashable = None) -> Node | None:
         """Pin the cached part of ``tokens`` (e.g. a system prompt) until
@@ -312,12 +369,18 @@ class PrefixCacheManager:
         are evictable) from least-recently-used unlocked leaves, tail first.
 
         A leaf larger than what is still needed is split and only its tail
-        evicted. With a host tier the pages move there (see ``Evicted``).
+        evicted. With a host tier the pages move there (see ``Evicted``);
+        each host page appears at most once in ``offload_to`` (a page given
+        in this call to a node that a later step of the same call drops is
+        taken out of the copy list with it). ``num_blocks`` must be a
+        non-negative integer (``InvalidArgument`` before anything changes).
         """
+        num_blocks = _host.int_scalar(num_blocks, "num_blocks")
+        if num_blocks < 0:
+            raise InvalidArgument(f"evict of {num_blocks} blocks: the count must be >= 0")
         tree = self.tree
         released: list = []
-        offload_from: list = []
-        offload_to: list = []
+        offloads: dict = {}  # host page -> device block to copy there, in order
         while len(released) < num_blocks:
             node = tree.pop_lru_leaf(DEVICE)
             if node is None:
@@ -329,15 +392,15 @@ class PrefixCacheManager:
                 units = need
             blocks = node.value
             released += blocks
+            self._owned.difference_update(blocks)
             self._evictions += 1
             self._evicted_tokens += units * self.page_size
             self._record(BlockRemoved, node, blocks)
-            host_pages = self._host_pages_for(units)
+            host_pages = self._host_pages_for(units, offloads)
             if host_pages is None:
-                self._drop_node(node)
+                self._drop_node(node, offloads)
             else:
-                offload_from += blocks
-                offload_to += host_pages
+                offloads.update(zip(host_pages, blocks))
                 node.value = host_pages
                 node.tier = HOST
                 tree.evictable_units -= units
@@ -346,19 +409,26 @@ class PrefixCacheManager:
                 self._record(BlockStored, node, host_pages, medium="host")
                 tree.push_if_leaf(node)
                 tree.push_if_leaf(node.parent)
-        return Evicted(released, offload_from, offload_to)
+        return Evicted(released, list(offloads.values()), list(offloads.keys()))
 
     def loaded(self, host_nodes: Sequence[Node], blocks: Sequence[int]) -> None:
         """Record that the pages of ``host_nodes`` (from a ``MatchResult``, in
         order) were copied into device ``blocks`` (one per page, in order); the
-        tree owns those blocks from now on and their host pages are freed."""
-        blocks = [int(b) for b in blocks]
+        tree owns those blocks from now on and their host pages are freed.
+        Raises ``InvalidArgument``, changing nothing, for a node that is not
+        a host-tier node of this cache, a block count that differs from the
+        pages, or a block id that is below 1, repeated or already the tree's."""
+        blocks = _host.int_array(blocks, "blocks", ndim=1).tolist()
         for node in host_nodes:
-            if node.tier != HOST or node.parent is None:
+            self._own_node(node, "loaded")
+            if node.tier != HOST:
                 raise InvalidArgument(f"{node!r} is not a host-tier node of this cache")
         wanted = sum(self.tree.units(node) for node in host_nodes)
         if len(blocks) != wanted:
             raise InvalidArgument(f"loaded {len(blocks)} blocks for {wanted} host pages")
+        if len(set(blocks)) != len(blocks) or (blocks and min(blocks) < 1) or self._owned.intersection(blocks):
+            raise InvalidArgument(
+                f"loaded into blocks {_host.preview(blocks)}: ids must be >= 1, distinct and not already the cache's")
         start = 0
         for node in host_nodes:
             units = self.tree.units(node)
@@ -372,6 +442,7 @@ class PrefixCacheManager:
         self._record(BlockRemoved, node, node.value, medium="host")
         self._drop_host_pages(node)
         node.value = blocks
+        self._owned.update(blocks)
         node.tier = DEVICE
         tree.host_units -= units
         if node.lock:
@@ -381,9 +452,11 @@ class PrefixCacheManager:
             tree.push_if_leaf(node)
         self._record(BlockStored, node, blocks)
 
-    def _host_pages_for(self, units: int) -> list | None:
+    def _host_pages_for(self, units: int, offloads: dict) -> list | None:
         """Host page ids for ``units`` pages, dropping host LRU leaves to make
-        room; None when there is no host tier or it cannot hold them."""
+        room; None when there is no host tier or it cannot hold them.
+        ``offloads`` are the copies queued by the current ``evict``: a
+        dropped leaf's pages leave it (their data is never needed)."""
         if units > self.host_capacity:
             return None
         while len(self._host_free) < units:
@@ -391,25 +464,28 @@ class PrefixCacheManager:
             if victim is None:
                 return None
             self._record(BlockRemoved, victim, victim.value, medium="host")
-            self._drop_host_pages(victim)
+            self._drop_host_pages(victim, offloads)
             self.tree.remove_leaf(victim)
         return [self._host_free.pop() for _ in range(units)]
 
-    def _drop_host_pages(self, node: Node) -> None:
+    def _drop_host_pages(self, node: Node, offloads: dict | None = None) -> None:
         self._host_free += node.value
+        if offloads:
+            for page in node.value:
+                offloads.pop(page, None)
 
-    def _drop_node(self, node: Node) -> None:
+    def _drop_node(self, node: Node, offloads: dict) -> None:
         """Remove an evicted device leaf; host-tier children go with it (a
         host node never hangs below a missing device node)."""
         for child in list(node.children.values()):
-            self._drop_subtree(child)
+            self._drop_subtree(child, offloads)
         self.tree.remove_leaf(node)
 
-    def _drop_subtree(self, node: Node) -> None:
+    def _drop_subtree(self, node: Node, offloads: dict) -> None:
         for child in list(node.children.values()):
-            self._drop_subtree(child)
+            self._drop_subtree(child, offloads)
         self._record(BlockRemoved, node, node.value, medium="host")
-        self._drop_host_pages(node)
+        self._drop_host_pages(node, offloads)
         self.tree.remove_leaf(node)
 
     # ------------------------------------------------------------------ whole cache
@@ -423,6 +499,7 @@ class PrefixCacheManager:
             raise CacheLocked(tree.protected_units * self.page_size)
         blocks = [b for node in tree.nodes() if node.tier == DEVICE for b in node.value]
         tree.clear()
+        self._owned.clear()
         self._host_free = list(range(self.host_capacity - 1, -1, -1))
         if self.enable_events:
             self._events.append(AllBlocksCleared())
@@ -478,4 +555,5 @@ class PrefixCacheManager:
             assert len(node.value) == self.tree.units(node)
             (host if node.tier == HOST else device).extend(node.value)
         assert len(device) == len(set(device)), "a device block is held by two nodes"
+        assert set(device) == self._owned, "the owned-block index differs from the tree"
         assert sorted(host) == list(range(self.host_capacity)), "host pages lost or held twice"

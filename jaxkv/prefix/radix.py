@@ -35,6 +35,7 @@ from typing import Any
 
 import numpy as np
 
+from jaxkv import _host
 from jaxkv.errors import InvalidArgument
 
 DEVICE = 0
@@ -46,29 +47,28 @@ def token_bytes(tokens) -> bytes:
     """The int32 bytes of a 1-D token sequence (list, tuple or integer array;
     ``bytes`` are taken to be such bytes already).
 
-    Raises ``InvalidArgument`` for a token id outside int32 or a shape that is
-    not one-dimensional.
+    Raises ``InvalidArgument`` for a token id outside int32, a non-integer
+    token (float, bool, string, None) or a shape that is not one-dimensional
+    (a nested list is refused like a 2-D array, not flattened).
     """
     if isinstance(tokens, bytes):
         if len(tokens) % 4:
             raise InvalidArgument(f"token bytes of length {len(tokens)}: not a whole number of int32 ids")
         return tokens
-    if isinstance(tokens, np.ndarray):
-        if tokens.ndim != 1:
-            raise InvalidArgument(f"token ids must be 1-D, got shape {tokens.shape}")
-        if tokens.dtype == np.int32:
-            return tokens.tobytes()
-        if tokens.dtype.kind not in "iu" and tokens.size:
-            raise InvalidArgument(f"token ids must be integers, got dtype {tokens.dtype}")
-        narrow = tokens.astype(np.int32)
-        if tokens.dtype.itemsize > 4 or tokens.dtype == np.uint32:  # values may not fit: check the round trip
-            if not np.array_equal(narrow, tokens):
-                raise InvalidArgument(f"token ids must fit in int32, got range [{tokens.min()}, {tokens.max()}]")
-        return narrow.tobytes()
-    try:
-        return np.array(tokens, dtype=np.int32).tobytes()
-    except (OverflowError, ValueError, TypeError) as error:
-        raise InvalidArgument(f"token ids must be a 1-D sequence of int32 values: {error}") from None
+    if isinstance(tokens, np.ndarray) and tokens.dtype == np.int32 and tokens.ndim == 1:
+        return tokens.tobytes()  # the common case, no copy through int64
+    ids = _host.int_array(tokens, "tokens", ndim=1)
+    if ids.size and (ids.min() < -_INT32_MAX - 1 or ids.max() > _INT32_MAX):
+        raise InvalidArgument(f"token ids must fit in int32, got range [{ids.min()}, {ids.max()}]")
+    return ids.astype(np.int32).tobytes()
+
+
+def namespace_key(namespace: Hashable) -> tuple:
+    """The dictionary key of a namespace's root. Python says ``False == 0``
+    and ``True == 1`` (same hash), so a bool namespace is told apart by
+    its type; numpy and Python integers of the same value stay one
+    namespace."""
+    return (isinstance(namespace, (bool, np.bool_)), namespace)
 
 
 class Node:
@@ -122,7 +122,7 @@ class RadixTree:
         self.page_size = page_size
         self.unit_bytes = 4 * page_size
         self.split_value = split_value
-        self.roots: dict[Hashable, Node] = {}
+        self.roots: dict[tuple, Node] = {}  # by namespace_key
         self.clock = 0  # logical time: deterministic LRU order, cheaper than time.time()
         self.evictable_units = 0
         self.protected_units = 0
@@ -134,9 +134,9 @@ class RadixTree:
     # ------------------------------------------------------------------ shape
 
     def root(self, namespace: Hashable, create: bool = False) -> Node | None:
-        root = self.roots.get(namespace)
+        root = self.roots.get(namespace_key(namespace))
         if root is None and create:
-            root = self.roots[namespace] = Node(b"", None, None, namespace)
+            root = self.roots[namespace_key(namespace)] = Node(b"", None, None, namespace)
             root.lock = 1  # roots are never evicted
         return root
 
@@ -167,7 +167,7 @@ class RadixTree:
         """The nodes matching the longest unit-aligned prefix of ``query`` and
         its length in bytes. With ``split``, a node matched only in part is
         split so that the last returned node ends exactly at the match."""
-        node = self.roots.get(namespace)
+        node = self.root(namespace)
         path: list[Node] = []
         offset = 0
         if node is None:
@@ -238,6 +238,13 @@ class RadixTree:
         else:
             self.host_units -= units
         self.push_if_leaf(parent)
+
+    def owns(self, node: Node) -> bool:
+        """Whether ``node`` is in this tree now: not evicted (removed nodes
+        lose their parent), not another tree's. O(depth)."""
+        while node.parent is not None:
+            node = node.parent
+        return self.roots.get(namespace_key(node.namespace)) is node
 
     # ------------------------------------------------------------------ locks
 
@@ -331,7 +338,7 @@ class RadixTree:
 
     def nodes(self, namespace: Hashable | None = ...) -> Iterator[Node]:
         """Every non-root node (of one namespace, or all)."""
-        roots = self.roots.values() if namespace is ... else [self.roots.get(namespace)]
+        roots = self.roots.values() if namespace is ... else [self.root(namespace)]
         stack = [child for root in roots if root is not None for child in root.children.values()]
         while stack:
             node = stack.pop()
@@ -346,11 +353,11 @@ class RadixTree:
     def check_invariants(self) -> None:
         """Recount everything from scratch and compare (tests call this)."""
         evictable = protected = host = count = 0
-        for namespace, root in self.roots.items():
-            assert root.lock == 1 and root.parent is None
-            for node in self.nodes(namespace):
+        for key, root in self.roots.items():
+            assert root.lock == 1 and root.parent is None and namespace_key(root.namespace) == key
+            for node in self.nodes(root.namespace):
                 count += 1
-                assert node.namespace == namespace
+                assert namespace_key(node.namespace) == key
                 assert len(node.key) % self.unit_bytes == 0 and node.key
                 assert node.parent.children[node.key[: self.unit_bytes]] is node
                 held = sum(child.lock for child in node.children.values())

@@ -44,7 +44,7 @@ import numpy as np
 from jaxkv import _host
 from jaxkv.alloc.block import BlockAllocator
 from jaxkv.errors import InvalidArgument, KVCacheError
-from jaxkv.prefix.paged import MatchResult, PrefixCacheManager
+from jaxkv.prefix.paged import CacheLocked, MatchResult, PrefixCacheManager
 from jaxkv.prefix.radix import DEVICE, HOST, Node, token_bytes
 
 _MIN_BUCKET = 64  # smallest padded id array: fewer shapes, fewer compiles
@@ -113,6 +113,7 @@ class PrefixScheduler:
         self.verify = verify
         self.num_free = int(allocator.num_free)  # host mirror, pending work included
         self._pending_release: list = []
+        self._running: dict[int, Admission] = {}  # id(admission) -> admission, until finish
         self.device_calls = 0
 
     # ------------------------------------------------------------------ admission
@@ -184,13 +185,17 @@ class PrefixScheduler:
             fresh = new_ids[cursor : cursor + fresh_counts[i]]
             cursor += fresh_counts[i]
             results.append(Admission(keys[i], namespaces[i], blocks + fresh, match.num_tokens, match.node, len(fresh)))
+        self._running.update((id(adm), adm) for adm in results)
         return results + [None] * (len(prompts) - admitted)
 
     def prefill_done(self, admissions: Sequence[Admission | None]) -> None:
         """Insert each request's whole pages into the tree (after its K/V are
         written): its new pages become the tree's, its copies of pages the
-        tree already had are released and replaced by the tree's."""
+        tree already had are released and replaced by the tree's. Raises
+        ``InvalidArgument``, changing nothing, for an admission that is not
+        running here."""
         cache = self.cache
+        self._check_running(admissions, "prefill_done")
         for adm in admissions:
             if adm is None:
                 continue
@@ -207,10 +212,14 @@ class PrefixScheduler:
 
     def finish(self, admissions: Sequence[Admission | None]) -> None:
         """End each request: release the blocks it owns (not the tree's) and
-        unpin its prefix."""
+        unpin its prefix. Raises ``InvalidArgument``, changing nothing, for an
+        admission that is not running here (finished already, or another
+        scheduler's), or one named twice."""
+        self._check_running(admissions, "finish")
         for adm in admissions:
             if adm is None:
                 continue
+            del self._running[id(adm)]
             if adm.num_exclusive:
                 self._pending_release += adm.blocks[len(adm.blocks) - adm.num_exclusive :]
                 self.num_free += adm.num_exclusive
@@ -223,6 +232,8 @@ class PrefixScheduler:
         """Empty the cache and give its blocks back to the allocator (queued
         for the next call). Raises ``CacheLocked`` while requests run or
         prefixes are pinned."""
+        if self._running:
+            raise CacheLocked(self.cache.protected_blocks * self.page_size, len(self._running))
         blocks = self.cache.reset()
         self._pending_release += blocks
         self.num_free += len(blocks)
@@ -247,6 +258,14 @@ class PrefixScheduler:
             raise KVCacheError(f"host mirror says {self.num_free} free blocks, the allocator {device}")
 
     # ------------------------------------------------------------------ internals
+
+    def _check_running(self, admissions: Sequence[Admission | None], op: str) -> None:
+        given = [adm for adm in admissions if adm is not None]
+        stale = [adm for adm in given if self._running.get(id(adm)) is not adm]
+        if stale or len({id(adm) for adm in given}) != len(given):
+            raise InvalidArgument(
+                f"{op} of {len(stale)} admission(s) not running in this scheduler (finished already or "
+                f"another scheduler's), or of one admission twice; {len(self._running)} are running")
 
     def _relisted(self, key: bytes, namespace: Hashable, match: MatchResult) -> MatchResult:
         """``match`` with its blocks and host nodes read again from the tree
