@@ -347,7 +347,7 @@ class PrefixCacheManager:
 
     def _own_node(self, node, op: str) -> Node:
         if not isinstance(node, Node):
-            raise InvalidArgument(f"{op} takes a Node from match/insert, got {type(node).__name__}")
+            raise InvalidArgument(f"{op}(node) takes a Node from match/insert, got {type(node).__name__}")
         if not self.tree.owns(node):
             raise InvalidArgument(
                 f"{op} of {node!r}: not a node of this cache (evicted, dropped by reset, "
@@ -377,7 +377,7 @@ class PrefixCacheManager:
         """
         num_blocks = _host.int_scalar(num_blocks, "num_blocks")
         if num_blocks < 0:
-            raise InvalidArgument(f"evict of {num_blocks} blocks: the count must be >= 0")
+            raise InvalidArgument(f"evict(num_blocks={num_blocks}): the count must be >= 0")
         tree = self.tree
         released: list = []
         offloads: dict = {}  # host page -> device block to copy there, in order
