@@ -398,10 +398,14 @@ class GDNPool:
         """Host path of :meth:`copy_states`; raises ``InvalidId`` (an id
         outside ``[1, pool_size)``) or ``InvalidArgument`` (shape mismatch,
         repeated destination)."""
-        src_flat = np.asarray(src, np.int64).reshape(-1)
-        dst_flat = np.asarray(dst, np.int64).reshape(-1)
-        if np.shape(src) != np.shape(dst):
-            raise InvalidArgument(f"copy_states: src has shape {np.shape(src)} but dst has shape {np.shape(dst)}")
+        # Through the integer gate: np.asarray(..., np.int64) would turn 4.5,
+        # True or "4" into a real slot id and raise untyped errors for NaN,
+        # None, ragged lists and ints past int64.
+        src_ids = _host.int_array(src, "src")
+        dst_ids = _host.int_array(dst, "dst")
+        if src_ids.shape != dst_ids.shape:
+            raise InvalidArgument(f"copy_states: src has shape {src_ids.shape} but dst has shape {dst_ids.shape}")
+        src_flat, dst_flat = src_ids.reshape(-1), dst_ids.reshape(-1)
         state, ok = _copy_states(self, _host.padded_ids(src_flat), _host.padded_ids(dst_flat))
         if bool(ok):
             return state

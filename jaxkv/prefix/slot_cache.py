@@ -58,13 +58,12 @@ tree's contents.
 from __future__ import annotations
 
 import dataclasses
-import operator
 from collections.abc import Hashable
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
+from jaxkv import _host
 from jaxkv.alloc.slot import SlotAllocator
 from jaxkv.errors import InvalidArgument
 from jaxkv.prefix.paged import AllBlocksCleared, BlockRemoved, BlockStored, CacheLocked
@@ -214,15 +213,9 @@ def _keep_both(value, units):
 
 
 def _int(value, what: str) -> int:
-    try:
-        return operator.index(value)
-    except TypeError:
-        try:
-            if np.ndim(value) == 0 and np.issubdtype(np.asarray(value).dtype, np.integer):
-                return int(value)
-        except TypeError:
-            pass
-        raise InvalidArgument(f"{what} must be an integer, got {value!r}") from None
+    """``value`` as a Python int; ``InvalidArgument`` for bools (``True`` is not
+    slot 1), floats, strings, None and arrays (``jaxkv._host.int_scalar``)."""
+    return _host.int_scalar(value, what)
 
 
 class SlotPrefixCacheManager:
@@ -264,8 +257,8 @@ class SlotPrefixCacheManager:
         toward the hit metrics and marks the path as recently used.
         """
         query = token_bytes(token_ids)
+        path, index, prefix_len = self._match(query, namespace, max_tokens)  # validates max_tokens
         self._query_tokens += len(query) // 4
-        path, index, prefix_len = self._match(query, namespace, max_tokens)
         if index < 0:
             return 0, -1, 0
         self.tree.touch(path[: index + 1])
@@ -429,7 +422,11 @@ class SlotPrefixCacheManager:
         layers; ``kv_cache`` donated), only if the source slot's current
         version is the recorded one. Returns ``(kv_cache, copied_len)``
         (0 when nothing was cached or the source was stale). Every node that
-        names ``target_slot`` is dropped (its rows are overwritten)."""
+        names ``target_slot`` is dropped (its rows are overwritten).
+        ``InvalidArgument`` (nothing donated) for a target outside ``[1,
+        slots)`` or when the prefix is recorded in ``target_slot`` at its
+        current version (a copy into itself); a record of it at an older
+        version is stale, a miss like any other."""
         target_slot = _int(target_slot, "target_slot")
         if not 1 <= target_slot < slot_alloc.max_slots:
             raise InvalidArgument(f"target slot {target_slot} outside [1, {slot_alloc.max_slots})")
@@ -440,8 +437,10 @@ class SlotPrefixCacheManager:
             return kv_cache, 0
         slot, version = path[index].value
         _check_prefix(prefix_len, max_len)
-        if slot == target_slot:
-            raise InvalidArgument(f"copy_kv from slot {slot} into itself")
+        if slot == target_slot and int(jax.device_get(slot_alloc.versions)[slot]) == version:
+            # A stale record of the target (it was handed out again since: the
+            # seed's alloc-then-copy_kv) is an ordinary stale miss below.
+            raise InvalidArgument(f"copy_kv from slot {slot} (version {version}) into itself")
         kv_cache, copied = _copy_if_current_jit(kv_cache, slot_alloc.versions, slot, version, target_slot, prefix_len)
         copied = int(copied)
         if not copied:
@@ -458,6 +457,8 @@ class SlotPrefixCacheManager:
         split, the upper part keeping the value). Returns the number of node
         values dropped."""
         slot = _int(slot, "slot")
+        if slot_ver is not None:
+            slot_ver = _int(slot_ver, "slot_ver")
         keep_len = _int(keep_len, "keep_len")
         dropped = 0
         for node in list(self._by_slot.get(slot, ())):
