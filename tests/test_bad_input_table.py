@@ -22,12 +22,14 @@ import pytest
 from jaxkv import (
     BlockAllocator,
     BlockSpaceManager,
+    GDNPool,
     KVCacheError,
     KVPool,
     PrefixCacheManager,
     PrefixScheduler,
     ReqToTokenPool,
     SlotAllocator,
+    SlotPrefixCacheManager,
     TokenToKVPoolAllocator,
 )
 from jaxkv.pool.host import create_host_pool, swap_in, swap_out
@@ -128,6 +130,19 @@ def _scheduler():
     return PrefixScheduler(_cache(), BlockAllocator.create(16))
 
 
+def _gdn():
+    """Request slots 1..2, track slots 3..4 (both held)."""
+    pool = GDNPool.create(2, 2, 1, 2, 2, conv_dim=4, conv_kernel_size=2, dtype=jnp.float32, max_track_slots=2)
+    pool, _ = pool.alloc_track_slot_or_raise()
+    return pool.alloc_track_slot_or_raise()[0]
+
+
+def _slot_cache():
+    cache = SlotPrefixCacheManager(8)
+    cache.insert([1, 2, 3], 2, 1)
+    return cache
+
+
 K1 = np.ones((1, 2, 4), np.float32)
 
 
@@ -194,6 +209,19 @@ ENTRY_POINTS = [
     Entry("PrefixCacheManager.release", "node", _cache, lambda s, v: s.release(v), as_scalar, frozenset({"none"})),
     Entry("PrefixScheduler.admit", "tokens", _scheduler, lambda s, v: s.admit([v]),
           legal=frozenset({"negative", "null", "out_of_range", "duplicates"})),
+    Entry("GDNPool.free_track_slot_or_raise", "ids", _gdn, lambda s, v: s.free_track_slot_or_raise(v)),
+    Entry("GDNPool.reset_states_or_raise", "ids", _gdn, lambda s, v: s.reset_states_or_raise(v),
+          legal=frozenset({"duplicates"})),
+    Entry("GDNPool.copy_states_or_raise(src)", "src", _gdn, lambda s, v: s.copy_states_or_raise(v, [2])),
+    Entry("GDNPool.copy_states_or_raise(dst)", "dst", _gdn, lambda s, v: s.copy_states_or_raise([1], v)),
+    Entry("GDNPool.get_states(layer)", "layer", _gdn, lambda s, v: s.get_states(v, [1]), as_scalar,
+          frozenset({"null"})),
+    Entry("SlotPrefixCacheManager.find", "tokens", _slot_cache, lambda s, v: s.find(v),
+          legal=frozenset({"negative", "null", "out_of_range", "duplicates"})),
+    Entry("SlotPrefixCacheManager.insert(slot)", "slot", _slot_cache, lambda s, v: s.insert([4, 5], v, 1), as_scalar,
+          frozenset({"out_of_range"})),
+    Entry("SlotPrefixCacheManager.forget(slot)", "slot", _slot_cache, lambda s, v: s.forget(v), as_scalar,
+          frozenset({"out_of_range"})),
 ]
 
 
@@ -211,6 +239,9 @@ def snapshot(state):
         state.check_invariants()
         return (sorted((n.path_tokens().tolist(), list(n.value), n.lock, n.tier) for n in state.tree.nodes()),
                 state.stats(), sorted(state._owned))
+    if isinstance(state, SlotPrefixCacheManager):
+        state.check_invariants()
+        return (sorted((n.path_tokens().tolist(), n.value, n.lock) for n in state.tree.nodes()), state.stats())
     return jax.tree_util.tree_map(np.array, jax.device_get(state))  # copies: numpy host pools change in place
 
 

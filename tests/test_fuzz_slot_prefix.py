@@ -646,6 +646,12 @@ class SlotCacheMachine(RuleBasedStateMachine):
         if reset:
             self._reset()
             return
+        if slot < 1:  # no such slot can be recorded: refused, nothing changes
+            before, alloc_before = tree_state(self.cache), self.alloc
+            with pytest.raises(InvalidArgument, match="forget of slot"):
+                self.cache.forget(slot, ver, keep_len=keep)
+            self._unchanged(before, alloc_before)
+            return
         assert self.cache.forget(slot, ver, keep_len=keep) == self.model.forget(slot, ver, keep)
 
     @rule(ns=NAMESPACES, tail=st.lists(TOKEN, max_size=4), data=st.data())

@@ -438,9 +438,13 @@ class GDNPool:
             f"track slots {self.first_track_slot}..{self.pool_size - 1})", bad)
 
     def _check_layer(self, layer):
-        if isinstance(layer, (int, np.integer)):
-            if not 0 <= layer < self.num_gdn_layers:
-                raise InvalidId(f"GDN layer {layer} outside [0, {self.num_gdn_layers})", [layer])
+        """A concrete layer (Python, numpy or JAX integer) as a checked
+        Python int; a traced one as is."""
+        if isinstance(layer, jax.core.Tracer):
+            return layer
+        layer = _host.int_scalar(layer, "layer")
+        if not 0 <= layer < self.num_gdn_layers:
+            raise InvalidId(f"GDN layer {layer} outside [0, {self.num_gdn_layers})", [layer])
         return layer
 
 

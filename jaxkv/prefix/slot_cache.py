@@ -455,8 +455,11 @@ class SlotPrefixCacheManager:
         None) no longer hold anything past position ``keep_len``: nodes that
         record it lose their value beyond that depth (a node straddling it is
         split, the upper part keeping the value). Returns the number of node
-        values dropped."""
+        values dropped. ``InvalidArgument`` for a slot outside ``[1, 2**31)``
+        (no such slot can be recorded: it is a caller's bug, not a miss)."""
         slot = _int(slot, "slot")
+        if not 1 <= slot <= _INT32_MAX:
+            raise InvalidArgument(f"forget of slot {slot}: slots are in [1, 2**31) (0 is the null slot)")
         if slot_ver is not None:
             slot_ver = _int(slot_ver, "slot_ver")
         keep_len = _int(keep_len, "keep_len")
