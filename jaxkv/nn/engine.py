@@ -179,6 +179,15 @@ def _device_view(manager: BlockSpaceManager) -> BlockSpaceManager:
 # ---------------------------------------------------------------- host side
 
 
+def _int_at_least(value, name: str, minimum: int) -> int:
+    """``value`` as an int, or ``InvalidArgument`` naming ``name`` when it is
+    not an integer (see :func:`jaxkv._host.int_scalar`) or is below ``minimum``."""
+    value = _host.int_scalar(value, name)
+    if value < minimum:
+        raise InvalidArgument(f"{name}={value}: must be >= {minimum}")
+    return value
+
+
 @dataclasses.dataclass
 class _Request:
     id: int
@@ -262,17 +271,28 @@ class Engine:
         host_memory_kind: the swap pool's memory (``create_host_pool``:
             ``"auto"``, ``"pinned_host"`` or ``"numpy"``).
         seed: PRNG seed for sampling.
+
+    Raises ``InvalidArgument``, naming the argument, for a size or count
+    that is not an integer or is too small (``num_pages < 2``, others
+    ``< 1``, ``num_host_pages < 0``), a non-integer ``seed`` or an unknown
+    ``host_memory_kind``.
     """
 
     def __init__(self, model, *, num_pages: int, page_size: int = 16, max_seqs: int = 8, max_blocks_per_seq: int,
                  num_host_pages: int = 0, decode_chunk: int = 8, prefix_cache: bool = True, kv_dtype=None,
                  prefill_chunk: int = 256, host_memory_kind: str = "auto", seed: int = 0):
-        if num_pages < 2 or page_size < 1 or max_seqs < 1 or max_blocks_per_seq < 1 or decode_chunk < 1:
-            raise InvalidArgument(
-                f"Engine: num_pages={num_pages} (>= 2), page_size={page_size}, max_seqs={max_seqs}, "
-                f"max_blocks_per_seq={max_blocks_per_seq}, decode_chunk={decode_chunk} (>= 1)")
-        if num_host_pages < 0:
-            raise InvalidArgument(f"num_host_pages={num_host_pages}: must be >= 0")
+        num_pages = _int_at_least(num_pages, "num_pages", 2)  # page 0 is the null page
+        page_size = _int_at_least(page_size, "page_size", 1)
+        max_seqs = _int_at_least(max_seqs, "max_seqs", 1)
+        max_blocks_per_seq = _int_at_least(max_blocks_per_seq, "max_blocks_per_seq", 1)
+        num_host_pages = _int_at_least(num_host_pages, "num_host_pages", 0)
+        decode_chunk = _int_at_least(decode_chunk, "decode_chunk", 1)
+        prefill_chunk = _int_at_least(prefill_chunk, "prefill_chunk", 1)
+        seed = _host.int_scalar(seed, "seed")
+        if host_memory_kind not in ("auto", "pinned_host", "numpy"):  # checked even when nothing is swapped
+            raise InvalidArgument(f"host_memory_kind={host_memory_kind!r}: choose 'auto', 'pinned_host' or 'numpy'")
+        # Token ids are checked against it (None: a model without ``config.vocab_size``).
+        self.vocab_size = getattr(getattr(model, "config", None), "vocab_size", None)
         self.page_size = page_size
         self.max_seqs = max_seqs
         self.max_blocks_per_seq = max_blocks_per_seq
@@ -316,23 +336,56 @@ class Engine:
                     arrival_step: int = 0, namespace: Hashable = None) -> int:
         """Queue a request; returns its id (its key in :attr:`outputs`).
 
-        Raises ``InvalidArgument`` for an empty prompt, ``max_new_tokens < 1``
-        or a request that could never fit (more than ``max_blocks_per_seq``
-        blocks, or more blocks than the whole pool)."""
-        prompt = [int(t) for t in prompt_tokens]
-        if not prompt or max_new_tokens < 1:
-            raise InvalidArgument(f"add_request: prompt of {len(prompt)} tokens, max_new_tokens={max_new_tokens}")
+        Raises ``InvalidArgument``, naming the argument, and queues nothing
+        for: a prompt that is empty or not a 1-D sequence of integer token
+        ids in the vocabulary (floats, bools, strings and ``None`` included);
+        ``max_new_tokens`` that is not an integer ``>= 1``; an
+        ``eos_token_id`` outside the vocabulary; a negative or non-integer
+        ``arrival_step``; ``sampling`` that is not a ``SamplingParams``; an
+        unhashable ``namespace``; a request that could never fit (more than
+        ``max_blocks_per_seq`` blocks, or more blocks than the whole pool).
+
+        Requests are queued in arrival order (ties: in the order added), so
+        they need not be added in that order."""
+        prompt = _host.int_array(prompt_tokens, "prompt_tokens", ndim=1).tolist()
+        if not prompt:
+            raise InvalidArgument("prompt_tokens is empty: a request needs at least one token")
+        self._check_token_ids(prompt, "prompt_tokens")
+        max_new_tokens = _int_at_least(max_new_tokens, "max_new_tokens", 1)
+        eos_id = -1
+        if eos_token_id is not None:
+            eos_id = _host.int_scalar(eos_token_id, "eos_token_id")
+            self._check_token_ids([eos_id], "eos_token_id")
+        arrival = _int_at_least(arrival_step, "arrival_step", 0)
+        if not isinstance(sampling, SamplingParams):
+            raise InvalidArgument(f"sampling must be a SamplingParams, got {sampling!r}")
+        try:
+            hash(namespace)
+        except TypeError:
+            raise InvalidArgument(f"namespace must be hashable, got {namespace!r}") from None
         blocks = -(-(len(prompt) + max_new_tokens) // self.page_size)
         if blocks > min(self.max_blocks_per_seq, self.capacity):
             raise InvalidArgument(
                 f"add_request: {len(prompt)} + {max_new_tokens} tokens need {blocks} blocks of {self.page_size}; "
                 f"max_blocks_per_seq={self.max_blocks_per_seq}, pool has {self.capacity}")
         rid = len(self._requests)
-        self._requests[rid] = _Request(rid, prompt, int(max_new_tokens), sampling,
-                                       -1 if eos_token_id is None else int(eos_token_id), int(arrival_step), namespace)
-        self._waiting.append(rid)
+        self._requests[rid] = _Request(rid, prompt, max_new_tokens, sampling, eos_id, arrival, namespace)
+        # After every request that arrives no later: admission stops at the
+        # first waiting request that has not arrived, so none that has may
+        # queue behind it.
+        later = (i for i, other in enumerate(self._waiting) if self._requests[other].arrival > arrival)
+        self._waiting.insert(next(later, len(self._waiting)), rid)
         self.outputs[rid] = []
         return rid
+
+    def _check_token_ids(self, ids: list, name: str) -> None:
+        """``InvalidArgument`` naming ``name`` for ids outside the vocabulary
+        (the embedding lookup would not fail, it would read garbage)."""
+        vocab = self.vocab_size
+        bad = [t for t in ids if t < 0 or (vocab is not None and t >= vocab)]
+        if bad:
+            raise InvalidArgument(f"{name} holds token ids outside the vocabulary [0, {vocab or '...'}): "
+                                  f"{_host.preview(bad)}")
 
     # ------------------------------------------------------------------- run
 
