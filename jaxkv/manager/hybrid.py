@@ -36,9 +36,11 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import struct
 from jaxtyping import Array, Bool, Float, Int
 
+from jaxkv import _host
 from jaxkv.alloc.block import BlockAllocator
 from jaxkv.errors import InvalidArgument, InvalidId, KVCacheOOM
 from jaxkv.manager.hybrid_schema import (
@@ -395,9 +397,11 @@ class LayerCacheHandle:
             return jnp.where(fresh[..., None], out, 0).astype(out.dtype), valid & fresh
         self._check_rows("kv", kv, ring.fmt.head_dim)
         # First position of each token's request in this step: the ring holds
-        # everything before it (still unwritten by this step).
-        first = -jax.ops.segment_max(-self.positions, self.request_ids,
-                                     num_segments=self.request_slots.shape[0])[self.request_ids]
+        # everything before it (still unwritten by this step). Padding tokens
+        # (-1) in the request's row are not among its tokens.
+        real = (self.token_slots >= 0) & (self.positions >= 0)
+        first = -jax.ops.segment_max(jnp.where(real, -self.positions, -jnp.iinfo(jnp.int32).max),
+                                     self.request_ids, num_segments=self.request_slots.shape[0])[self.request_ids]
         old, old_valid = gather_swa_kv(ring, self.token_slots, first - 1, implementation=self.implementation)
         old_count = jnp.clip(first, 0, window)[:, None]  # old row j holds position first - old_count + j
         j = jnp.clip(row_pos - (first[:, None] - old_count), 0, window - 1)
@@ -651,7 +655,7 @@ class KVCacheManager:
         """
         slots = jnp.asarray(slots, jnp.int32).reshape(-1)
         num_new = jnp.broadcast_to(jnp.asarray(num_new, jnp.int32).reshape(-1), slots.shape)
-        active = slots >= 0
+        active = slots != -1  # only -1 is padding: -2 is a bad slot (not held), and fails
         rows = jnp.clip(slots, 0, self.num_slots - 1)
         held = self.slots.ref_count(jnp.where(active, slots, 0)) > 0
         later = jnp.arange(slots.shape[0])[None, :] > jnp.arange(slots.shape[0])[:, None]
@@ -676,7 +680,9 @@ class KVCacheManager:
 
         ``request_slots`` ``[B]``; ``positions`` ``[T]``; ``request_ids``
         ``[T]`` batch row of each token (default: token ``t`` is row ``t``,
-        decoding one token per request).
+        decoding one token per request). Rows whose slot is not held become
+        padding (-1), and so do tokens at positions the request has not
+        reserved (outside ``[0, seq_lens[slot])``): they write and read nothing.
         """
         if not 0 <= layer < len(self.schemas):
             raise InvalidArgument(f"layer {layer} out of range: the schedule has {len(self.schemas)} layers")
@@ -689,6 +695,16 @@ class KVCacheManager:
                                       f"({request_slots.shape[0]}), got {positions.shape[0]}")
             request_ids = jnp.arange(request_slots.shape[0], dtype=jnp.int32)
         request_ids = jnp.asarray(request_ids, jnp.int32).reshape(-1)
+        # The handle touches held slots at reserved positions only: a row
+        # naming any other slot (the null slot 0, a free or out-of-range one)
+        # and a token at any other position are padding. Otherwise such a row
+        # would write into (and read) the blocks and rings of whatever slot
+        # its clipped id lands on, and such a token would overwrite its own
+        # window or read entries a previous owner left in a block.
+        request_slots = jnp.where(self.slots.ref_count(request_slots) > 0, request_slots, -1)
+        token_slots = request_slots[request_ids]
+        reserved = self.seq_lens[jnp.clip(token_slots, 0, self.num_slots - 1)]
+        positions = jnp.where((token_slots >= 0) & (positions >= 0) & (positions < reserved), positions, -1)
         group = self.groups.get(schema.group)
         kind = schema.kind
         return LayerCacheHandle(
@@ -719,7 +735,9 @@ class KVCacheManager:
     # ---------------------------------------------------------------- host paths
 
     def admit_or_raise(self, n: int = 1) -> tuple["KVCacheManager", list[int]]:
-        """Host path of :meth:`admit`; raises ``KVCacheOOM`` (slots)."""
+        """Host path of :meth:`admit`; raises ``InvalidArgument`` for a count
+        that is not a non-negative integer, ``KVCacheOOM`` (slots)."""
+        n = _host.count_or_raise(n, self.max_requests, lambda: self.slots.num_free, "request slots")
         manager, ids, ok = _admit_jit(self, n, max_n=max(1, n))
         if not bool(ok):
             raise KVCacheOOM(n, int(self.slots.num_free), self.max_requests, unit="request slots")
@@ -727,23 +745,31 @@ class KVCacheManager:
 
     def reserve_or_raise(self, slots, num_new, *, max_new_tokens: int | None = None
                          ) -> tuple["KVCacheManager", list[int]]:
-        """Host path of :meth:`reserve`; raises ``InvalidId`` for a slot that
-        is not held or repeats, ``KVCacheOOM`` naming the group that is short."""
-        slots = [int(s) for s in slots]
-        num_new = [int(n) for n in num_new]
-        limit = max_new_tokens or max([1, *num_new])
-        manager, starts, ok = _reserve_jit(self, jnp.asarray(slots, jnp.int32), jnp.asarray(num_new, jnp.int32),
+        """Host path of :meth:`reserve`; raises ``InvalidArgument`` for ids or
+        counts that are not integers or a count outside ``[0,
+        max_new_tokens]``, ``InvalidId`` for a slot that is not held or
+        repeats, ``KVCacheOOM`` naming the group that is short."""
+        slots, device_slots = _host_slots(slots, "slots", ndim=1)
+        num_new = _host.int_array(num_new, "num_new")
+        if num_new.ndim == 0:
+            num_new = np.broadcast_to(num_new, slots.shape)
+        if num_new.shape != slots.shape:
+            raise InvalidArgument(f"reserve: {slots.shape[0]} slots but num_new has shape {num_new.shape}")
+        slots, num_new = slots.tolist(), num_new.tolist()
+        limit = _host.int_scalar(max_new_tokens, "max_new_tokens") if max_new_tokens else max([1, *num_new])
+        counts = np.clip(num_new, -1, limit + 1).astype(np.int32)  # out of range stays out of range
+        manager, starts, ok = _reserve_jit(self, jnp.asarray(device_slots), jnp.asarray(counts),
                                            max_new_tokens=limit)
         if bool(ok):
             return manager, [int(s) for s in starts]
-        held = [s for s in slots if s >= 0 and int(self.slots.ref_count(s)) > 0]
-        if len(set(held)) != len([s for s in slots if s >= 0]):
-            raise InvalidId(f"reserve for slots {slots}: slots {sorted(set(slots) - set(held) - {-1})} are not "
-                            f"held, or a slot repeats", [s for s in slots if s not in held and s >= 0])
-        seq = [int(self.seq_lens[s]) for s in slots if s >= 0]
+        self._raise_for_slots("reserve", slots)
+        active = [(s, n) for s, n in zip(slots, num_new) if s != -1]
+        if any(not 0 <= n <= limit for _, n in active):
+            raise InvalidArgument(f"reserve of {num_new} tokens for slots {slots}: counts must be in "
+                                  f"[0, max_new_tokens={limit}]")
         for name, group in self.groups.items():
-            need = sum(max(0, int(group.blocks_for(jnp.int32(n0 + n))) - int(group.lens[s]))
-                       for s, n0, n in zip([s for s in slots if s >= 0], seq, num_new))
+            need = sum(max(0, int(group.blocks_for(jnp.int32(int(self.seq_lens[s]) + n))) - int(group.lens[s]))
+                       for s, n in active)
             free = int(group.allocator.num_free)
             if need > free:
                 raise KVCacheOOM(need, free, group.allocator.capacity, unit=f"{name} blocks")
@@ -751,13 +777,34 @@ class KVCacheManager:
                               f"(max_new_tokens={limit}, table width or context limit)")
 
     def release_or_raise(self, slots) -> "KVCacheManager":
-        """Host path of :meth:`release`; raises ``InvalidId`` for slots not held."""
-        slots = [int(s) for s in (slots if hasattr(slots, "__len__") else [slots])]
-        manager, ok = _release_jit(self, jnp.asarray(slots, jnp.int32))
+        """Host path of :meth:`release` (``slots`` any shape, -1 ignored);
+        raises ``InvalidArgument`` for ids that are not integers,
+        ``InvalidId`` for slots not held or repeated."""
+        slots, device_slots = _host_slots(slots, "slots")
+        manager, ok = _release_jit(self, jnp.asarray(device_slots))
         if not bool(ok):
-            free = [s for s in slots if s >= 0 and int(self.slots.ref_count(s)) == 0]
-            raise InvalidId(f"release of slots {slots}: {free or 'a repeated slot'} not held", free)
+            self._raise_for_slots("release", slots.tolist())
         return manager
+
+    def _raise_for_slots(self, op: str, slots: list[int]) -> None:
+        """``InvalidId`` naming the slots (other than -1) that are not held,
+        or else those that repeat; returns if there are none."""
+        held = np.asarray(self.slots.ref_counts) > 0
+        ids = [s for s in slots if s != -1]
+        free = sorted({s for s in ids if not (0 <= s < self.num_slots and held[s])})
+        if free:
+            raise InvalidId(f"{op} of slots {slots}: {free} not held (slots are 1 .. {self.max_requests})", free)
+        repeated = sorted({s for s in ids if ids.count(s) > 1})
+        if repeated:
+            raise InvalidId(f"{op} of slots {slots}: {repeated} repeated", repeated)
+
+
+def _host_slots(slots, name: str, ndim: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Host slot ids (``InvalidArgument`` unless integers), flattened, and
+    their int32 copy for the device op, where ids int32 cannot hold become
+    invalid ids (-2, or INT32_MAX) instead of wrapping onto a real slot."""
+    ids = _host.int_array(slots, name, ndim=ndim).reshape(-1)
+    return ids, np.clip(ids, -2, np.iinfo(np.int32).max).astype(np.int32)
 
 
 _admit_jit = jax.jit(KVCacheManager.admit, static_argnames=("max_n",))

@@ -48,6 +48,7 @@ import math
 
 import jax.numpy as jnp
 
+from jaxkv import _host
 from jaxkv.errors import InvalidArgument
 from kernels_pallas.formats import DSV4_FP8, EntryFormat
 
@@ -202,7 +203,8 @@ def deepseek_v4_schedule(compress_ratios: list[int]) -> list[LayerSpec]:
     """DeepSeek-V4's ``compress_ratios``: 0 = SWA only, 4 = CSA, 128 = HCA."""
     kinds = {0: AttentionKind.SWA, 4: AttentionKind.CSA, 128: AttentionKind.HCA}
     specs = []
-    for i, r in enumerate(compress_ratios):
+    ratios = _host.int_array(compress_ratios, "compress_ratios", ndim=1).tolist()  # 4.5 or "128": refused
+    for i, r in enumerate(ratios):
         if int(r) not in kinds:
             raise InvalidArgument(f"compress_ratios[{i}] = {r}: DeepSeek-V4 layers use 0, 4 or 128")
         specs.append(LayerSpec(i, kinds[int(r)], int(r)))
