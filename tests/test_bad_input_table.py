@@ -23,6 +23,7 @@ from jaxkv import (
     BlockAllocator,
     BlockSpaceManager,
     GDNPool,
+    KVCacheManager,
     KVCacheError,
     KVPool,
     PrefixCacheManager,
@@ -143,6 +144,14 @@ def _slot_cache():
     return cache
 
 
+def _hybrid():
+    """Request slots 1 and 2 held, 3 free (a DeepSeek-V4 SWA/CSA/HCA stack)."""
+    from jaxkv import HybridConfig, deepseek_v4_schedule
+
+    manager = KVCacheManager.create(HybridConfig(), deepseek_v4_schedule([0, 4, 128]), 3, max_context_tokens=256)
+    return manager.admit_or_raise(2)[0]
+
+
 K1 = np.ones((1, 2, 4), np.float32)
 
 
@@ -216,6 +225,13 @@ ENTRY_POINTS = [
     Entry("GDNPool.copy_states_or_raise(dst)", "dst", _gdn, lambda s, v: s.copy_states_or_raise([1], v)),
     Entry("GDNPool.get_states(layer)", "layer", _gdn, lambda s, v: s.get_states(v, [1]), as_scalar,
           frozenset({"null"})),
+    Entry("KVCacheManager.admit_or_raise", "request slots", _hybrid, lambda s, v: s.admit_or_raise(v), as_scalar,
+          frozenset({"null"})),
+    Entry("KVCacheManager.reserve_or_raise(slots)", "slots", _hybrid,
+          lambda s, v: s.reserve_or_raise(v, [1] * len(np.atleast_1d(np.asarray(v, object))))),
+    Entry("KVCacheManager.reserve_or_raise(num_new)", "num_new", _hybrid, lambda s, v: s.reserve_or_raise([1], v),
+          as_scalar, frozenset({"null"})),
+    Entry("KVCacheManager.release_or_raise", "slots", _hybrid, lambda s, v: s.release_or_raise(v)),
     Entry("SlotPrefixCacheManager.find", "tokens", _slot_cache, lambda s, v: s.find(v),
           legal=frozenset({"negative", "null", "out_of_range", "duplicates"})),
     Entry("SlotPrefixCacheManager.insert(slot)", "slot", _slot_cache, lambda s, v: s.insert([4, 5], v, 1), as_scalar,

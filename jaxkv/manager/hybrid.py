@@ -756,6 +756,9 @@ class KVCacheManager:
         if num_new.shape != slots.shape:
             raise InvalidArgument(f"reserve: {slots.shape[0]} slots but num_new has shape {num_new.shape}")
         slots, num_new = slots.tolist(), num_new.tolist()
+        context = min(g.tables.shape[1] * g.tokens_per_block for g in self.groups.values()) if self.groups else None
+        if context is not None and max([0, *num_new]) > context:  # never fits: refuse before compiling for it
+            raise InvalidArgument(f"reserve of {num_new} tokens: a request holds at most {context} tokens")
         limit = _host.int_scalar(max_new_tokens, "max_new_tokens") if max_new_tokens else max([1, *num_new])
         counts = np.clip(num_new, -1, limit + 1).astype(np.int32)  # out of range stays out of range
         manager, starts, ok = _reserve_jit(self, jnp.asarray(device_slots), jnp.asarray(counts),
