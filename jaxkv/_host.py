@@ -30,11 +30,17 @@ def padded_ids(ids, name: str = "ids") -> np.ndarray:
     structure (``INT32_MAX``, or -2 below -1) instead of wrapping around onto a
     real id: the device op then fails and the host path names the original id.
     """
-    flat = int_array(ids, name).reshape(-1)
-    flat = np.where(flat > _INT32_MAX, _INT32_MAX, np.where(flat < -1, -2, flat))
+    flat = as_int32_ids(int_array(ids, name).reshape(-1))
     out = np.full(pow2_at_least(flat.size), -1, dtype=np.int32)
     out[: flat.size] = flat
     return out
+
+
+def as_int32_ids(ids: np.ndarray) -> np.ndarray:
+    """Checked integer ids as int32 for a device op: values int32 cannot
+    hold become ``INT32_MAX`` (or -2 below -1), ids no structure has, never
+    a real id they would wrap onto."""
+    return np.clip(ids, -2, _INT32_MAX).astype(np.int32)
 
 
 _INT64_MAX = np.iinfo(np.int64).max
@@ -120,6 +126,17 @@ def count_or_raise(n, capacity: int, available, unit: str) -> int:
     if n > capacity:
         raise KVCacheOOM(n, int(available()), capacity, unit=unit)
     return n
+
+
+def refuse_repeats(ids: np.ndarray, name: str) -> None:
+    """``InvalidArgument`` when an id other than -1 appears twice in ``ids``
+    (targets of one write: which value would win is unspecified)."""
+    from jaxkv.errors import InvalidArgument
+
+    unique, counts = np.unique(ids[ids != -1], return_counts=True)
+    if (counts > 1).any():
+        raise InvalidArgument(f"{name} names {preview(unique[counts > 1])} more than once in one write "
+                              "(which value would win is unspecified)")
 
 
 def given_ids(ids) -> np.ndarray:

@@ -92,7 +92,7 @@ def test_1_page_copies_refuse_pages_outside_either_pool():
     assert_tree_equal(snapshot, host)
     with pytest.raises(InvalidId, match=r"source pages \[5\] outside"):
         swap_in_pages(pool, host, [5], [1])
-    with pytest.raises(InvalidArgument, match="named twice"):
+    with pytest.raises(InvalidArgument, match="more than once"):
         swap_out_pages(pool, host, [1, 2], [1, 1])
 
 

@@ -53,7 +53,7 @@ from jaxkv.alloc.slot import SlotAllocator
 from jaxkv.errors import DoubleFree, InvalidArgument, InvalidId, KVCacheOOM
 from jaxkv.prefix.paged import AllBlocksCleared, BlockRemoved, BlockStored, CacheLocked
 from jaxkv.prefix.slot_cache import SlotPrefixCacheManager
-from tests.util import assert_tree_equal
+from tests.util import assert_tree_equal, lcp
 
 SLOTS = 6  # slot 0 is the null slot: 5 usable
 MAX_LEN = 6
@@ -360,15 +360,6 @@ class TreeModel:
 
     def facts(self) -> dict:
         return {key: rec.value for key, rec in self.nodes.items() if rec.value is not None}
-
-
-def lcp(a, b) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 @dataclasses.dataclass

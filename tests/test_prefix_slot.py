@@ -41,6 +41,7 @@ from jaxkv.alloc.slot import SlotAllocator
 from jaxkv.errors import InvalidArgument
 from jaxkv.prefix.paged import AllBlocksCleared, BlockRemoved, BlockStored, CacheLocked
 from jaxkv.prefix.slot_cache import SlotPrefixCacheManager, claim, copy_kv
+from tests.util import lcp
 
 SLOTS = 4  # slot 0 is the null slot: 3 usable
 MAX_LEN = 8
@@ -499,15 +500,6 @@ class PrefixModel:
 
 NAMESPACES = st.sampled_from([None, "b"])
 TOKENS = st.lists(st.integers(0, 3), min_size=0, max_size=6).map(tuple)
-
-
-def lcp(a, b) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 def tree_facts(cache: SlotPrefixCacheManager) -> dict:

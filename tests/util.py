@@ -44,3 +44,13 @@ KERNEL_MODES = [
     pytest.param(True, id="interpret"),
     pytest.param(False, id="compiled", marks=pytest.mark.gpu),
 ]
+
+
+def lcp(a, b) -> int:
+    """Length of the longest common prefix of two sequences."""
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n

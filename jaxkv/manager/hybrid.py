@@ -804,10 +804,9 @@ class KVCacheManager:
 
 def _host_slots(slots, name: str, ndim: int | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Host slot ids (``InvalidArgument`` unless integers), flattened, and
-    their int32 copy for the device op, where ids int32 cannot hold become
-    invalid ids (-2, or INT32_MAX) instead of wrapping onto a real slot."""
+    their int32 copy for the device op (``_host.as_int32_ids``)."""
     ids = _host.int_array(slots, name, ndim=ndim).reshape(-1)
-    return ids, np.clip(ids, -2, np.iinfo(np.int32).max).astype(np.int32)
+    return ids, _host.as_int32_ids(ids)
 
 
 _admit_jit = jax.jit(KVCacheManager.admit, static_argnames=("max_n",))

@@ -133,8 +133,7 @@ def _pairs(src_pages, src_pool: KVPool, dst_pages, dst_pool: KVPool, what: str) 
         if bad.size:
             raise InvalidId(f"{what}: {side} pages {_host.preview(np.unique(bad))} outside that pool's "
                             f"[0, {pool.num_pages})", np.unique(bad))
-    if np.unique(dst).size != dst.size:
-        raise InvalidArgument(f"{what}: a target page is named twice in {_host.preview(dst)}")
+    _host.refuse_repeats(dst, f"{what}: target pages")
     return src, dst
 
 
@@ -202,8 +201,8 @@ def swap_in(
 
 def _check_pool_sizes(manager: BlockSpaceManager, pool: KVPool, host_pool: KVPool) -> None:
     """The pools must hold every block id the manager can hand out."""
-    for name, have, allocator in (("pool", pool.num_pages, manager.device), ("host_pool", host_pool.num_pages,
-                                                                             manager.host)):
+    sizes = (("pool", pool.num_pages, manager.device), ("host_pool", host_pool.num_pages, manager.host))
+    for name, have, allocator in sizes:
         if have < allocator.num_blocks:
             raise InvalidArgument(
                 f"{name} has {have} pages but the manager hands out block ids up to {allocator.num_blocks - 1}: "

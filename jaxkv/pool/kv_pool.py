@@ -288,33 +288,12 @@ class KVPool:
 
     def _check_pages(self, pages, name: str, *, distinct: bool = False) -> tuple[Array, Array]:
         """Flat int32 page ids and, per id, whether it is -1 or a page."""
-        if not isinstance(pages, jax.core.Tracer):
-            host = _host.int_array(pages, name).reshape(-1)
-            bad = host[(host < -1) | (host >= self.num_pages)]
-            if bad.size:
-                raise InvalidId(
-                    f"{name} {_host.preview(np.unique(bad))} outside [0, {self.num_pages}) (-1 skips a pair)",
-                    np.unique(bad))
-            if distinct:
-                _refuse_repeats(host, name)
-            pages = host.astype(np.int32)
-        flat = jnp.asarray(pages, jnp.int32).reshape(-1)
+        flat = _flat_ids(pages, name, self.num_pages, "(-1 skips a pair)", distinct)
         return flat, (flat >= -1) & (flat < self.num_pages)
 
     def _check_indices(self, indices, *, distinct: bool = False) -> Array:
-        if not isinstance(indices, jax.core.Tracer):
-            host = _host.int_array(indices, "indices").reshape(-1)
-            bad = host[(host < -1) | (host >= self.buffer_size)]
-            if bad.size:
-                raise InvalidId(
-                    f"token indices {np.unique(bad)[:8].tolist()} outside [0, {self.buffer_size}) "
-                    f"({self.num_pages} pages of {self.page_size}; -1 is padding)",
-                    np.unique(bad),
-                )
-            if distinct:
-                _refuse_repeats(host, "indices")
-            indices = host.astype(np.int32)
-        flat = jnp.asarray(indices, jnp.int32).reshape(-1)
+        flat = _flat_ids(indices, "token indices", self.buffer_size,
+                         f"({self.num_pages} pages of {self.page_size}; -1 is padding)", distinct)
         # Anything that is not a real row goes to the null page, never elsewhere.
         return jnp.where((flat >= 0) & (flat < self.buffer_size), flat, 0)
 
@@ -328,15 +307,20 @@ class KVPool:
         return x.reshape(n, heads, dim)
 
 
-def _refuse_repeats(ids: np.ndarray, name: str) -> None:
-    """``InvalidArgument`` when a target other than -1 appears twice: which
-    write would win is unspecified."""
-    given = ids[ids != -1]
-    unique, counts = np.unique(given, return_counts=True)
-    if (counts > 1).any():
-        raise InvalidArgument(
-            f"{name} names {_host.preview(unique[counts > 1])} more than once in one write "
-            "(which value would win is unspecified)")
+def _flat_ids(ids, name: str, upper: int, note: str, distinct: bool) -> Array:
+    """``ids`` flattened to int32. Concrete ids are checked on the host first:
+    ``InvalidId`` outside ``[-1, upper)``, and with ``distinct``
+    ``InvalidArgument`` for a target named twice (which write would win is
+    unspecified). Traced ids pass as they are; the callers mask them."""
+    if not isinstance(ids, jax.core.Tracer):
+        host = _host.int_array(ids, name).reshape(-1)
+        bad = np.unique(host[(host < -1) | (host >= upper)])
+        if bad.size:
+            raise InvalidId(f"{name} {_host.preview(bad)} outside [0, {upper}) {note}", bad)
+        if distinct:
+            _host.refuse_repeats(host, name)
+        ids = host.astype(np.int32)
+    return jnp.asarray(ids, jnp.int32).reshape(-1)
 
 
 def _storage_dtype(dtype) -> jnp.dtype:
