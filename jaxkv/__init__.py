@@ -9,7 +9,7 @@ function (state first in, new state first out, ``ok`` last) that works under
 from jaxkv.alloc import BlockAllocator, SlotAllocator, TokenToKVPoolAllocator
 from jaxkv.alloc.token import FreeGroup
 from jaxkv.checks import checked
-from jaxkv.attention import dense_decode_attention, paged_decode_attention
+from kernels_pallas.reference import dense_decode_attention, paged_decode_attention
 from jaxkv.errors import DoubleFree, InvalidArgument, InvalidId, KVCacheError, KVCacheOOM
 from jaxkv.manager import kernel_tables
 from jaxkv.manager.block_space import ALLOC_LATER, ALLOC_NEVER, ALLOC_OK, BlockSpaceManager

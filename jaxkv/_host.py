@@ -14,13 +14,7 @@ import numbers
 import numpy as np
 
 
-def pow2_at_least(n: int) -> int:
-    """Smallest power of two >= max(n, 1)."""
-    n = max(int(n), 1)
-    return 1 << (n - 1).bit_length()
-
-
-_INT32_MAX = np.iinfo(np.int32).max
+from jaxkv._ops import INT32_MAX as _INT32_MAX, pow2_at_least  # noqa: F401 - pow2_at_least re-exported
 
 
 def padded_ids(ids, name: str = "ids") -> np.ndarray:

@@ -1,14 +1,71 @@
-"""Small array routines shared by the allocators, chosen for what XLA does
-well: elementwise work, reductions, short prefix sums and small gathers."""
+"""Small routines shared across jaxkv, named once.
+
+Array routines are chosen for what XLA does well: elementwise work,
+reductions, short prefix sums and small gathers. The scalar helpers are the
+idioms every module needs (ceiling division, int32 limits, the fp8 dtypes,
+"new state where ok, else old").
+"""
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxkv.types import Array, Bool, Count, Int
 
+__all__ = [
+    "FP8_DTYPES",
+    "INT32_MAX",
+    "ceil_div",
+    "first_true_indices",
+    "ids_distinct",
+    "is_fp8",
+    "pow2_at_least",
+    "where_ok",
+]
+
+#: Largest int32: block ids, counts and lengths are int32 on device.
+INT32_MAX = int(np.iinfo(np.int32).max)
+
+#: The float8 storage dtypes jaxkv's pools and kernels accept.
+FP8_DTYPES = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
+
 #: Row length of the two-level search in :func:`first_true_indices`.
 _ROW = 128
+
+
+def ceil_div(a, b):
+    """``ceil(a / b)`` for positive ``b``; works on Python ints and int arrays."""
+    return -(-a // b)
+
+
+def pow2_at_least(n: int) -> int:
+    """Smallest power of two >= max(n, 1) (host ints: bucket sizes that keep
+    the number of compiled shapes small)."""
+    n = max(int(n), 1)
+    return 1 << (n - 1).bit_length()
+
+
+def is_fp8(dtype) -> bool:
+    """Whether ``dtype`` is one of :data:`FP8_DTYPES`."""
+    return jnp.dtype(dtype) in FP8_DTYPES
+
+
+def where_ok(ok: Bool[Array, ""], new, old):
+    """``new`` where ``ok`` else ``old``, leaf by leaf over two pytrees of the
+    same structure: the all-or-nothing commit of every device op."""
+    return jax.tree_util.tree_map(lambda n, o: jnp.where(ok, n, o), new, old)
+
+
+def ids_distinct(ids: Int[Array, "m"], given: Bool[Array, "m"]) -> Bool[Array, ""]:
+    """No given id appears twice among ``ids`` (entries where ``given`` is
+    False are ignored). Cost O(m log m): a sort, not a scratch array sized by
+    the id range, so it does not grow with the pool."""
+    big = jnp.iinfo(jnp.int32).max
+    ordered = jnp.sort(jnp.where(given, ids, big))
+    repeated = (ordered[1:] == ordered[:-1]) & (ordered[1:] != big)
+    return ~jnp.any(repeated)
 
 
 def first_true_indices(mask: Bool[Array, "n"], count: Count, size: int) -> Int[Array, "size"]:
@@ -23,7 +80,7 @@ def first_true_indices(mask: Bool[Array, "n"], count: Count, size: int) -> Int[A
     reduction + O(n / _ROW) + O(size * _ROW).
     """
     n = mask.shape[0]
-    rows = -(-n // _ROW)
+    rows = ceil_div(n, _ROW)
     grid = jnp.pad(mask, (0, rows * _ROW - n)).reshape(rows, _ROW)
     per_row = jnp.sum(grid, axis=1, dtype=jnp.int32)
     upto_row = jnp.cumsum(per_row, dtype=jnp.int32)  # True entries in rows 0..r

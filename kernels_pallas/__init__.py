@@ -14,9 +14,11 @@ split-K).
 Every entry point takes ``implementation=None | "pallas" | "reference"`` and
 ``interpret=False``: by default the Pallas kernel runs on GPU and the
 reference elsewhere; ``interpret=True`` runs the kernel code on CPU.
-"""
 
-import jaxkv  # noqa: F401  first: jaxkv's hybrid manager imports this package's modules
+This package is a leaf: it imports only JAX and numpy, never ``jaxkv``.
+Its one error type is :class:`KernelArgumentError`; the pure-jnp decode
+reference the kernels are checked against is :mod:`kernels_pallas.reference`.
+"""
 
 from kernels_pallas.formats import DSV4_FP8, DSV32_FP8, CompressedEntries, EntryFormat, ue8m0_to_float32
 from kernels_pallas.gather import (
@@ -27,19 +29,24 @@ from kernels_pallas.gather import (
     gather_swa_kv,
     gather_swa_kv_reference,
 )
+from kernels_pallas.errors import KernelArgumentError
 from kernels_pallas.paged_attention import paged_attention
+from kernels_pallas.reference import dense_decode_attention, paged_decode_attention
 
 __all__ = [
     "DSV32_FP8",
     "DSV4_FP8",
     "CompressedEntries",
     "EntryFormat",
+    "KernelArgumentError",
     "gather_all_compressed_kv",
     "gather_all_compressed_kv_reference",
     "gather_compressed_kv",
     "gather_compressed_kv_reference",
     "gather_swa_kv",
     "gather_swa_kv_reference",
+    "dense_decode_attention",
     "paged_attention",
+    "paged_decode_attention",
     "ue8m0_to_float32",
 ]

@@ -24,7 +24,7 @@ GiB (Pallas' Triton lowering indexes arrays up to 4 GiB with 32-bit offsets,
 which wrap past 2**31 elements). :func:`choose` sends those to the
 reference when ``implementation`` is None, with a
 :class:`KernelFallbackWarning` that says why, and raises
-:class:`~jaxkv.errors.InvalidArgument` when ``"pallas"`` was asked for.
+:class:`~kernels_pallas.errors.KernelArgumentError` when ``"pallas"`` was asked for.
 """
 
 from __future__ import annotations
@@ -35,11 +35,12 @@ import warnings
 import jax
 import jax.numpy as jnp
 
-from jaxkv.errors import InvalidArgument
+from kernels_pallas.errors import KernelArgumentError
 from kernels_pallas import _gpu
 
 IMPLEMENTATIONS = ("pallas", "reference")
-_FP8 = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
+#: The float8 storage dtypes (jaxkv keeps its own copy: this package imports nothing from it).
+FP8_DTYPES = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
 # Pallas' Triton lowering switches to 64-bit offsets only above 2**32 bytes.
 _WRAP_LO, _WRAP_HI = 2**31, 2**32
 
@@ -52,11 +53,11 @@ def use_pallas(implementation: str | None, interpret: bool) -> bool:
     """True to run the Pallas kernel, False to run the reference (the
     implementation/interpret rules only; see :func:`choose`)."""
     if implementation is not None and implementation not in IMPLEMENTATIONS:
-        raise InvalidArgument(
+        raise KernelArgumentError(
             f"implementation must be one of {IMPLEMENTATIONS} or None, got {implementation!r}")
     if interpret:
         if implementation == "reference":
-            raise InvalidArgument("interpret=True runs the Pallas kernel; it cannot be combined "
+            raise KernelArgumentError("interpret=True runs the Pallas kernel; it cannot be combined "
                                   "with implementation='reference'")
         return True
     if implementation is None:
@@ -72,7 +73,7 @@ def gpu_obstacle(arrays: dict) -> str | None:
         if x is None:
             continue
         dtype = jnp.dtype(x.dtype)
-        if dtype in _FP8 and not spec.has_fp8:
+        if dtype in FP8_DTYPES and not spec.has_fp8:
             return (f"{name} is {dtype.name}, and {spec.name} (sm_{spec.sm}) cannot convert from "
                     f"float8 in Triton: the fp8 kernels need sm_89 or newer")
         nbytes = math.prod(x.shape) * dtype.itemsize
@@ -88,7 +89,7 @@ def choose(kernel: str, implementation: str | None, interpret: bool, arrays: dic
     False to run its reference. Falls back to the reference (with a
     :class:`KernelFallbackWarning`) when the default would be the compiled
     kernel but :func:`gpu_obstacle` names a reason; raises
-    :class:`InvalidArgument` when ``implementation="pallas"`` was asked for."""
+    :class:`KernelArgumentError` when ``implementation="pallas"`` was asked for."""
     pallas = use_pallas(implementation, interpret)
     if not pallas or interpret:
         return pallas
@@ -96,7 +97,7 @@ def choose(kernel: str, implementation: str | None, interpret: bool, arrays: dic
     if reason is None:
         return True
     if implementation == "pallas":
-        raise InvalidArgument(f"{kernel}: the Pallas kernel cannot run here: {reason}")
+        raise KernelArgumentError(f"{kernel}: the Pallas kernel cannot run here: {reason}")
     warnings.warn(f"{kernel} runs its jnp reference: {reason}", KernelFallbackWarning, stacklevel=3)
     return False
 

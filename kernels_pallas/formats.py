@@ -41,7 +41,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float
 
-from jaxkv.errors import InvalidArgument
+from kernels_pallas.errors import KernelArgumentError
 
 __all__ = ["DSV32_FP8", "DSV4_FP8", "CompressedEntries", "EntryFormat", "ue8m0_to_float32"]
 
@@ -67,12 +67,12 @@ class EntryFormat:
 
     def __post_init__(self):
         if self.scale_kind not in ("ue8m0", "fp32"):
-            raise InvalidArgument(f"scale_kind must be 'ue8m0' or 'fp32', got {self.scale_kind!r}")
+            raise KernelArgumentError(f"scale_kind must be 'ue8m0' or 'fp32', got {self.scale_kind!r}")
         if self.group_size < 1 or self.nope_dim < self.group_size or self.nope_dim % self.group_size:
-            raise InvalidArgument(
+            raise KernelArgumentError(
                 f"nope_dim ({self.nope_dim}) must be a positive multiple of group_size ({self.group_size})")
         if self.rope_dim < 0:
-            raise InvalidArgument(f"rope_dim must be >= 0, got {self.rope_dim}")
+            raise KernelArgumentError(f"rope_dim must be >= 0, got {self.rope_dim}")
 
     @property
     def num_groups(self) -> int:
@@ -156,7 +156,7 @@ class CompressedEntries:
         way DeepSeek/FlashMLA do: per group, scale = ``2 ** ceil(log2(max(amax,
         1e-4) / 448))``, value = ``x / scale`` cast to e4m3; RoPE cast to bf16."""
         if x.shape[-1] != fmt.head_dim:
-            raise InvalidArgument(
+            raise KernelArgumentError(
                 f"{fmt.name} entries have {fmt.nope_dim} + {fmt.rope_dim} = {fmt.head_dim} dims, "
                 f"got last dim {x.shape[-1]}")
         lead = x.shape[:-1]
@@ -195,7 +195,7 @@ class CompressedEntries:
         return math.prod(self.shape) * self.fmt.bytes_per_entry
 
     def check(self, what: str = "entries") -> None:
-        """Raise :class:`InvalidArgument` unless the three arrays agree with
+        """Raise :class:`KernelArgumentError` unless the three arrays agree with
         the format and with each other (static shapes and dtypes only)."""
         fmt, lead = self.fmt, self.shape
         expected = {"nope": (lead + (fmt.nope_dim,), jnp.dtype(FP8)),
@@ -204,6 +204,6 @@ class CompressedEntries:
         for name, (shape, dtype) in expected.items():
             arr = getattr(self, name)
             if tuple(arr.shape) != shape or jnp.dtype(arr.dtype) != dtype:
-                raise InvalidArgument(
+                raise KernelArgumentError(
                     f"{what}.{name} must be {dtype.name}{list(shape)} for {fmt.name}, "
                     f"got {jnp.dtype(arr.dtype).name}{list(arr.shape)}")

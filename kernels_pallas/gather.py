@@ -45,7 +45,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pl_triton
 from jaxtyping import Array, Bool, Float, Int
 
-from jaxkv.errors import InvalidArgument
+from kernels_pallas.errors import KernelArgumentError
 from kernels_pallas import _dispatch
 from kernels_pallas.formats import CompressedEntries, ue8m0_to_float32
 
@@ -274,17 +274,17 @@ def _arrays(entries: CompressedEntries) -> dict:
 def _int_array(x, name, shape):
     x = jnp.asarray(x)
     if not jnp.issubdtype(x.dtype, jnp.integer):
-        raise InvalidArgument(f"{name} must be an integer array, got {x.dtype}")
+        raise KernelArgumentError(f"{name} must be an integer array, got {x.dtype}")
     if tuple(x.shape) != tuple(shape):
-        raise InvalidArgument(f"{name} must have shape {tuple(shape)}, got {tuple(x.shape)}")
+        raise KernelArgumentError(f"{name} must have shape {tuple(shape)}, got {tuple(x.shape)}")
     return x.astype(jnp.int32)
 
 
 def _check_pool(entries, what, leading_names):
     if not isinstance(entries, CompressedEntries):
-        raise InvalidArgument(f"{what} must be CompressedEntries, got {type(entries).__name__}")
+        raise KernelArgumentError(f"{what} must be CompressedEntries, got {type(entries).__name__}")
     if len(entries.shape) != 2 or min(entries.shape) < 1:
-        raise InvalidArgument(
+        raise KernelArgumentError(
             f"{what} must have leading shape [{', '.join(leading_names)}], got {list(entries.shape)}")
     entries.check(what)
 
@@ -292,10 +292,10 @@ def _check_pool(entries, what, leading_names):
 def _check_table(block_table, rows=None):
     block_table = jnp.asarray(block_table)
     if block_table.ndim != 2 or block_table.shape[1] < 1:
-        raise InvalidArgument(f"block_table must be [rows, max_pages] with max_pages >= 1, "
+        raise KernelArgumentError(f"block_table must be [rows, max_pages] with max_pages >= 1, "
                               f"got shape {tuple(block_table.shape)}")
     if rows is not None and block_table.shape[0] != rows:
-        raise InvalidArgument(f"block_table has {block_table.shape[0]} rows, expected {rows}")
+        raise KernelArgumentError(f"block_table has {block_table.shape[0]} rows, expected {rows}")
     return _int_array(block_table, "block_table", block_table.shape)
 
 
@@ -335,12 +335,12 @@ def gather_compressed_kv(
     block_table = _check_table(block_table)
     indices = jnp.asarray(indices)
     if indices.ndim != 2 or indices.shape[1] < 1:
-        raise InvalidArgument(f"indices must be [tokens, k] with k >= 1, got shape {tuple(indices.shape)}")
+        raise KernelArgumentError(f"indices must be [tokens, k] with k >= 1, got shape {tuple(indices.shape)}")
     num_tokens = indices.shape[0]
     indices = _int_array(indices, "indices", indices.shape)
     if token_rows is None:
         if num_tokens != block_table.shape[0]:
-            raise InvalidArgument(f"token_rows is None, so indices needs one row per block_table row "
+            raise KernelArgumentError(f"token_rows is None, so indices needs one row per block_table row "
                                   f"({block_table.shape[0]}), got {num_tokens}")
         token_rows = jnp.arange(num_tokens, dtype=jnp.int32)
     token_rows = jnp.clip(_int_array(token_rows, "token_rows", (num_tokens,)), 0, block_table.shape[0] - 1)
@@ -381,7 +381,7 @@ def gather_all_compressed_kv(
     block_table = _check_table(block_table)
     max_entries = int(max_entries)
     if max_entries < 1:
-        raise InvalidArgument(f"max_entries must be >= 1, got {max_entries}")
+        raise KernelArgumentError(f"max_entries must be >= 1, got {max_entries}")
     num_entries = _int_array(num_entries, "num_entries", (block_table.shape[0],))
     if _dispatch.choose("gather_all_compressed_kv", implementation, interpret, _arrays(pages)):
         return _all_pallas(pages, block_table, num_entries, max_entries=max_entries, interpret=interpret)
@@ -414,7 +414,7 @@ def gather_swa_kv(
     _check_pool(ring, "ring", ("num_slots", "window"))
     slots = jnp.asarray(slots)
     if slots.ndim != 1:
-        raise InvalidArgument(f"slots must be [batch], got shape {tuple(slots.shape)}")
+        raise KernelArgumentError(f"slots must be [batch], got shape {tuple(slots.shape)}")
     slots = _int_array(slots, "slots", slots.shape)
     positions = _int_array(positions, "positions", slots.shape)
     if _dispatch.choose("gather_swa_kv", implementation, interpret, _arrays(ring)):

@@ -1,6 +1,6 @@
 """Paged decode attention: a Pallas GPU (Triton) kernel and its dispatch.
 
-:func:`paged_attention` computes what :func:`jaxkv.attention.paged_decode_attention`
+:func:`paged_attention` computes what :func:`kernels_pallas.reference.paged_decode_attention`
 computes (same arguments, masking rules and isolation guarantee; that function
 is also the reference this one dispatches to, see
 :mod:`kernels_pallas._dispatch`), with a split-K flash-decoding kernel.
@@ -82,8 +82,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 from jaxtyping import Array, Float, Int
 
-from jaxkv.attention import _scalar_args, paged_decode_attention
-from jaxkv.errors import InvalidArgument
+from kernels_pallas.reference import attention_scalars, paged_decode_attention
+from kernels_pallas.errors import KernelArgumentError
 from kernels_pallas import _dispatch, _gpu
 
 __all__ = ["KernelShape", "SharedMemoryExceeded", "paged_attention", "plan", "smem_bytes"]
@@ -306,7 +306,7 @@ def _pallas_impl(q, k_pages, v_pages, block_tables, lengths, k_scales, v_scales,
 # --------------------------------------------------------------------------
 
 
-class SharedMemoryExceeded(InvalidArgument):
+class SharedMemoryExceeded(KernelArgumentError):
     """No block shape of these arguments fits the GPU's shared memory."""
 
 
@@ -413,7 +413,7 @@ def plan(q, k_pages, v_pages, block_tables, *, mla_value_dim=None, layer=None, p
     count and the occupancy of this shape (see :class:`KernelShape`).
 
     Raises:
-      InvalidArgument: a knob out of range, or no block shape fits shared memory.
+      KernelArgumentError: a knob out of range, or no block shape fits shared memory.
     """
     spec = spec or _gpu.target()
     lead = 0 if layer is None else 1
@@ -424,11 +424,11 @@ def plan(q, k_pages, v_pages, block_tables, *, mla_value_dim=None, layer=None, p
     dv = int(mla_value_dim) if mla else v_pages.shape[-1]
     g_pad = max(_MIN_DOT, _dispatch.next_pow2(h // kvh))
     if not _is_pow2(ps):
-        raise InvalidArgument(f"the Pallas kernel needs a power-of-two page size, got {ps}")
+        raise KernelArgumentError(f"the Pallas kernel needs a power-of-two page size, got {ps}")
     if block_h is None:
         block_h = _default_block_h(g_pad, dv)
     elif not (_is_pow2(int(block_h)) and int(block_h) >= _MIN_DOT):
-        raise InvalidArgument(f"block_h must be a power of two >= {_MIN_DOT}, got {block_h}")
+        raise KernelArgumentError(f"block_h must be a power of two >= {_MIN_DOT}, got {block_h}")
     block_h = min(int(block_h), g_pad)
     num_warps = 8 if max(dk, dv) > 128 or jnp.dtype(q.dtype) == jnp.float32 else 4
     sizes = dict(block_h=block_h, dk=dk, dv=dv, k_itemsize=jnp.dtype(k_pages.dtype).itemsize,
@@ -448,7 +448,7 @@ def plan(q, k_pages, v_pages, block_tables, *, mla_value_dim=None, layer=None, p
     else:
         ppcb = int(pages_per_compute_block)
         if not (_is_pow2(ppcb) and ppcb * ps >= _MIN_DOT):
-            raise InvalidArgument(
+            raise KernelArgumentError(
                 f"pages_per_compute_block must be a power of two with pages_per_compute_block * "
                 f"page_size >= {_MIN_DOT}, got {pages_per_compute_block} (page_size {ps})")
         candidates = [(ppcb, st) for st in stage_options]
@@ -476,7 +476,7 @@ def plan(q, k_pages, v_pages, block_tables, *, mla_value_dim=None, layer=None, p
     if k_splits is None:
         k_splits = _default_k_splits(base, blocks, spec.sm_count * occ)
     elif int(k_splits) < 1:
-        raise InvalidArgument(f"k_splits must be >= 1, got {k_splits}")
+        raise KernelArgumentError(f"k_splits must be >= 1, got {k_splits}")
     return KernelShape(pages_per_compute_block=ppcb, block_tokens=ppcb * ps, block_h=block_h,
                        k_splits=int(k_splits), num_warps=num_warps, num_stages=stages, smem_bytes=smem,
                        occupancy=occ, programs=base * int(k_splits), key=key,
@@ -518,7 +518,7 @@ def paged_attention(
     """One decode step of attention over one layer of the paged KV pool.
 
     Arguments, masking rules, isolation guarantee, output and errors are
-    those of :func:`jaxkv.attention.paged_decode_attention` (``layer``
+    those of :func:`kernels_pallas.reference.paged_decode_attention` (``layer``
     included: pass the whole stacked ``[L, KVH, P, ps, D]`` pool and a
     static layer index, and the kernel reads that layer in place; slicing
     ``pool[layer]`` first would make XLA copy the layer before the call),
@@ -549,7 +549,7 @@ def paged_attention(
     ``layer`` must be a Python int.
 
     Raises:
-      InvalidArgument: as the reference, or kernel knobs out of range, or
+      KernelArgumentError: as the reference, or kernel knobs out of range, or
         (on the Pallas path) a page size that is not a power of two, a
         traced ``layer``, or inputs the target GPU cannot take
         (:class:`SharedMemoryExceeded` when no block fits its shared memory;
@@ -574,7 +574,7 @@ def paged_attention(
             None if x is None else x[None] for x in (k_pages, v_pages, k_scales, v_scales))
         layer = 0
     elif not isinstance(layer, (int, np.integer)):
-        raise InvalidArgument(f"the Pallas kernel needs a static (Python int) layer, got {type(layer).__name__}; "
+        raise KernelArgumentError(f"the Pallas kernel needs a static (Python int) layer, got {type(layer).__name__}; "
                               f"pass implementation='reference' for a traced layer index")
     knobs = dict(mla_value_dim=mla_value_dim, layer=0, pages_per_compute_block=pages_per_compute_block,
                  k_splits=k_splits, block_h=block_h, soft_cap=logit_soft_cap is not None)
@@ -589,7 +589,7 @@ def paged_attention(
             return reference(*args)
         else:
             raise
-    sm, window, cap, use_cap = _scalar_args(q.shape[-1], sm_scale, sliding_window, logit_soft_cap)
+    sm, window, cap, use_cap = attention_scalars(q.shape[-1], sm_scale, sliding_window, logit_soft_cap)
     return _pallas_impl(
         q, k_pages, v_pages, block_tables, lengths, k_scales, v_scales, sm, window, cap,
         layer=int(layer), use_cap=use_cap, mla_value_dim=None if v_pages is not None else int(mla_value_dim),

@@ -20,8 +20,8 @@ from jax.experimental.pallas.ops.gpu.paged_attention import (
     paged_attention_reference,
 )
 
-from jaxkv.attention import dense_decode_attention, paged_decode_attention
-from jaxkv.errors import InvalidArgument
+from kernels_pallas.reference import dense_decode_attention, paged_decode_attention
+from kernels_pallas.errors import KernelArgumentError
 
 F32, BF16, FP8 = jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float8_e4m3fn)
 FP8_MAX = float(ml_dtypes.finfo(ml_dtypes.float8_e4m3fn).max)
@@ -354,20 +354,20 @@ def _args(h=8, kvh=2, dk=16, dkq=None, dv=16, m_shape=(B, M), fp8=False, scales_
 ])
 def test_bad_arguments_raise(kwargs, extra, match):
     q, k, v, t, lengths, ks = _args(**kwargs)
-    with pytest.raises(InvalidArgument, match=match):
+    with pytest.raises(KernelArgumentError, match=match):
         paged_decode_attention(q, k, v, t, lengths, ks, **extra)
 
 
 def test_bad_arguments_raise_other():
     q, k, v, t, lengths, _ = _args()
-    with pytest.raises(InvalidArgument, match=r"v_pages must be \[2, 48, 4"):
+    with pytest.raises(KernelArgumentError, match=r"v_pages must be \[2, 48, 4"):
         paged_decode_attention(q, k, jnp.ones((1, P, PS, 16)), t, lengths)
-    with pytest.raises(InvalidArgument, match=r"lengths must have shape \(4,\)"):
+    with pytest.raises(KernelArgumentError, match=r"lengths must have shape \(4,\)"):
         paged_decode_attention(q, k, v, t, jnp.ones((B + 1,), jnp.int32))
     kd = jnp.ones((B, S, 2, 16))
-    with pytest.raises(InvalidArgument, match=r"\(8\).*\(3\)"):
+    with pytest.raises(KernelArgumentError, match=r"\(8\).*\(3\)"):
         dense_decode_attention(q, jnp.ones((B, S, 3, 16)), jnp.ones((B, S, 3, 16)), lengths)
-    with pytest.raises(InvalidArgument, match=r"v must be"):
+    with pytest.raises(KernelArgumentError, match=r"v must be"):
         dense_decode_attention(q, kd, jnp.ones((B, S + 1, 2, 16)), lengths)
-    with pytest.raises(InvalidArgument, match=r"20"):
+    with pytest.raises(KernelArgumentError, match=r"20"):
         dense_decode_attention(q, jnp.ones((B, S, 2, 20)), kd, lengths)

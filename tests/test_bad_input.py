@@ -27,7 +27,7 @@ from jaxkv import (
     TokenToKVPoolAllocator,
 )
 from jaxkv.manager.block_space import ALLOC_NEVER
-from jaxkv.pool.host import create_host_pool, swap_in, swap_out
+from jaxkv.pool.host import create_host_pool
 from tests.util import assert_tree_equal
 
 BS = 4
@@ -62,20 +62,20 @@ def test_1_swap_checks_host_pool_size_and_never_drops_a_page():
     # is refused as out of memory instead of writing past a one-page pool.
     m = _manager(num_host_blocks=1).allocate_or_raise([0], 6)
     with pytest.raises(KVCacheOOM, match="0 available"):
-        swap_out(m, pool, create_host_pool(pool, 1, memory_kind="numpy"), [0])
+        m.swap_out_or_raise(pool, create_host_pool(pool, 1, memory_kind="numpy"), [0])
     # A host pool smaller than the manager's host allocator is refused before
     # anything moves, naming both sizes.
     m = _manager(num_host_blocks=4).allocate_or_raise([0], 6)
     small = create_host_pool(pool, 2, memory_kind="numpy")
     with pytest.raises(InvalidArgument, match="host_pool has 2 pages .* num_pages >= 4"):
-        swap_out(m, pool, small, [0])
+        m.swap_out_or_raise(pool, small, [0])
     # The matching size round-trips every byte.
     host = create_host_pool(pool, 4, memory_kind="numpy")
     table = np.asarray(m.block_tables[0, :2])
     before = pool.get_kv(1, (table[:, None] * BS + np.arange(BS)).reshape(-1))
-    m2, host = swap_out(m, pool, host, [0])
+    m2, host = m.swap_out_or_raise(pool, host, [0])
     wiped = _pool()
-    m3, wiped = swap_in(m2, wiped, host, [0])
+    m3, wiped = m2.swap_in_or_raise(wiped, host, [0])
     table = np.asarray(m3.block_tables[0, :2])
     after = wiped.get_kv(1, (table[:, None] * BS + np.arange(BS)).reshape(-1))
     np.testing.assert_array_equal(np.asarray(after[0]), np.asarray(before[0]))

@@ -33,7 +33,7 @@ from jaxkv import (
     SlotPrefixCacheManager,
     TokenToKVPoolAllocator,
 )
-from jaxkv.pool.host import create_host_pool, swap_in, swap_out
+from jaxkv.pool.host import create_host_pool
 from tests.util import assert_tree_equal
 
 #: The kinds of bad value, as a scalar would be passed.
@@ -201,8 +201,8 @@ ENTRY_POINTS = [
     Entry("KVPool.read_pages", "pages", _pool, lambda s, v: s.read_pages(v), legal=frozenset({"null", "duplicates"})),
     Entry("KVPool.write_pages", "pages", _pool, lambda s, v: s.write_pages(v, s.read_pages([1] * len(np.atleast_1d(
         np.asarray(v, object))))[0]), legal=frozenset({"null"})),
-    Entry("swap_out", "seq_ids", _swap_state, lambda s, v: swap_out(*s, v)),
-    Entry("swap_in", "seq_ids", _swap_state, lambda s, v: swap_in(*s, v)),
+    Entry("swap_out", "seq_ids", _swap_state, lambda s, v: s[0].swap_out_or_raise(*s[1:], v)),
+    Entry("swap_in", "seq_ids", _swap_state, lambda s, v: s[0].swap_in_or_raise(*s[1:], v)),
     Entry("PrefixCacheManager.match", "tokens", _cache, lambda s, v: s.match(v),
           legal=frozenset({"negative", "null", "out_of_range", "duplicates"})),
     Entry("PrefixCacheManager.insert(tokens)", "tokens", _cache, lambda s, v: s.insert(v, [7, 8]),

@@ -379,7 +379,7 @@ class BlockMachine(RuleBasedStateMachine):
                 before.acquire_or_raise(n)
             e = exc.value
             assert (e.requested, e.available, e.total, e.unit) == (n, len(free), NUM_BLOCKS - 1, "blocks")
-            assert str(e) == f"requested {n} blocks, {len(free)} available (of {NUM_BLOCKS - 1} total)"
+            assert str(e) == f"KV cache OOM: requested {n} blocks, {len(free)} available (of {NUM_BLOCKS - 1} total)"
         else:
             state, ids = before.acquire_or_raise(n)
             assert isinstance(ids, np.ndarray) and ids.shape == (n,)
@@ -474,7 +474,7 @@ def test_acquire_oom_message_and_attributes(lowest_first):
     with pytest.raises(KVCacheOOM) as exc:
         a.acquire_or_raise(10)
     e = exc.value
-    assert str(e) == "requested 10 blocks, 6 available (of 7 total)"
+    assert str(e) == "KV cache OOM: requested 10 blocks, 6 available (of 7 total)"
     assert (e.requested, e.available, e.total, e.unit) == (10, 6, 7, "blocks")
     # the state we called it on is intact and still usable
     check_state(a, _model_from(a))

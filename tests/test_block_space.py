@@ -449,7 +449,7 @@ class SpaceMachine(RuleBasedStateMachine):
         plan = m.append_plan(ids, n)
         note(f"append n={n} {ids.tolist()} -> expect ok={plan.ok} blocked={plan.blocked} cow={plan.cow}")
         before, pool_before = self.state, self.pool
-        state, pool, slots, ok, blocked = APPEND[n](before, pool_before, ids)
+        state, pool, slots, blocked, ok = APPEND[n](before, pool_before, ids)
         slots, blocked = np.asarray(slots), np.asarray(blocked)
         assert slots.shape == (APPEND_W, n) and slots.dtype == np.int32
         assert blocked.shape == (APPEND_W,) and blocked.dtype == np.bool_
@@ -636,7 +636,7 @@ def test_copy_on_write_keeps_each_sequence_data(dtype, data):
         batch = data.draw(st.lists(st.sampled_from(family), min_size=1, unique=True), label="batch")
         ids = pad(batch, APPEND_W)
         before = np.asarray(m.block_tables)
-        m, pool, slots, ok, blocked = APPEND_1(m, pool, ids)
+        m, pool, slots, blocked, ok = APPEND_1(m, pool, ids)
         assert bool(ok) and not np.asarray(blocked).any()
         after = np.asarray(m.block_tables)
         for r in batch:
@@ -695,7 +695,7 @@ def _scan_step(carry, xs):
     m, ok_fork = m.fork(fork_src[None], fork_dst[None])
     # 4. every sequence on the device appends one token, in a shuffled order
     ids = jnp.where(m.status[perm] == ON_DEVICE, perm, -1)
-    m, pool, slots, ok_app, blocked = m.append_slots(pool, ids, 1)
+    m, pool, slots, blocked, ok_app = m.append_slots(pool, ids, 1)
     vals = (t * 16 + rows + 1).astype(jnp.float32)
     pool = pool.set_kv(0, slots[:, 0], vals[:, None, None], vals[:, None, None])
     preempt = jnp.zeros((S_SEQS,), bool).at[jnp.where(blocked, ids, S_SEQS)].set(True, mode="drop")

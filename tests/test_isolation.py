@@ -9,7 +9,7 @@ import pytest
 from jax.experimental.pallas.ops.gpu.paged_attention import paged_attention as pallas_paged_attention
 
 import jaxkv
-from jaxkv.attention import dense_decode_attention, paged_decode_attention
+from kernels_pallas.reference import dense_decode_attention, paged_decode_attention
 from jaxkv.manager import kernel_tables
 from jaxkv.manager.block_space import BlockSpaceManager
 from jaxkv.pool import KVPool
@@ -56,7 +56,7 @@ class Scenario:
         self.written[dst] = [(k.copy(), v.copy()) for k, v in self.written[src]]
 
     def step(self, seqs):
-        self.manager, self.pool, slots, ok, _ = APPEND(self.manager, self.pool, jnp.asarray(seqs, jnp.int32))
+        self.manager, self.pool, slots, _, ok = APPEND(self.manager, self.pool, jnp.asarray(seqs, jnp.int32))
         assert bool(ok)
         for seq, slot in zip(seqs, np.asarray(slots)[:, 0]):
             self._write(seq, [slot])

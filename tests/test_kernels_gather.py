@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 
-from jaxkv.errors import InvalidArgument
+from kernels_pallas.errors import KernelArgumentError
 from kernels_pallas import (
     DSV4_FP8,
     DSV32_FP8,
@@ -115,9 +115,9 @@ def _np_fill(out, valid, at, row):
 def test_formats_have_the_peer_byte_sizes():
     assert (DSV4_FP8.bytes_per_entry, DSV32_FP8.bytes_per_entry) == (584, 656)
     assert (DSV4_FP8.head_dim, DSV32_FP8.head_dim) == (512, 576)
-    with pytest.raises(InvalidArgument, match="multiple of group_size"):
+    with pytest.raises(KernelArgumentError, match="multiple of group_size"):
         EntryFormat("bad", nope_dim=100, rope_dim=64, group_size=64, scale_kind="ue8m0")
-    with pytest.raises(InvalidArgument, match="scale_kind"):
+    with pytest.raises(KernelArgumentError, match="scale_kind"):
         EntryFormat("bad", nope_dim=128, rope_dim=64, group_size=64, scale_kind="int8")
 
 
@@ -151,7 +151,7 @@ def test_entries_check_names_the_bad_array():
     entries = CompressedEntries.zeros(DSV4_FP8, (2, 3))
     assert float(jnp.abs(entries.dequantize().astype(jnp.float32)).max()) == 0.0
     bad = entries.replace(scales=entries.scales.astype(jnp.float32))
-    with pytest.raises(InvalidArgument, match=r"pages.scales must be uint8\[2, 3, 7\]"):
+    with pytest.raises(KernelArgumentError, match=r"pages.scales must be uint8\[2, 3, 7\]"):
         bad.check("pages")
 
 
@@ -275,21 +275,21 @@ def test_default_on_cpu_is_the_reference_and_errors_are_typed():
     default = gather_all_compressed_kv(pages, table, n, max_entries=8)
     _assert_same(default, gather_all_compressed_kv(pages, table, n, max_entries=8, implementation="reference"))
 
-    with pytest.raises(InvalidArgument, match="cannot be combined"):
+    with pytest.raises(KernelArgumentError, match="cannot be combined"):
         gather_all_compressed_kv(pages, table, n, max_entries=8, implementation="reference", interpret=True)
-    with pytest.raises(InvalidArgument, match="implementation must be"):
+    with pytest.raises(KernelArgumentError, match="implementation must be"):
         gather_all_compressed_kv(pages, table, n, max_entries=8, implementation="triton")
-    with pytest.raises(InvalidArgument, match=r"num_entries must have shape \(2,\)"):
+    with pytest.raises(KernelArgumentError, match=r"num_entries must have shape \(2,\)"):
         gather_all_compressed_kv(pages, table, n[:1], max_entries=8)
-    with pytest.raises(InvalidArgument, match="max_entries must be >= 1"):
+    with pytest.raises(KernelArgumentError, match="max_entries must be >= 1"):
         gather_all_compressed_kv(pages, table, n, max_entries=0)
-    with pytest.raises(InvalidArgument, match="indices must be an integer array"):
+    with pytest.raises(KernelArgumentError, match="indices must be an integer array"):
         gather_compressed_kv(pages, table, np.zeros((2, 4), np.float32))
-    with pytest.raises(InvalidArgument, match="one row per block_table row"):
+    with pytest.raises(KernelArgumentError, match="one row per block_table row"):
         gather_compressed_kv(pages, table, np.zeros((3, 4), np.int32))
-    with pytest.raises(InvalidArgument, match=r"leading shape \[num_slots, window\]"):
+    with pytest.raises(KernelArgumentError, match=r"leading shape \[num_slots, window\]"):
         gather_swa_kv(CompressedEntries.zeros(DSV4_FP8, (8,)), np.zeros(1, np.int32), np.zeros(1, np.int32))
-    with pytest.raises(InvalidArgument, match=r"ring.nope must be float8_e4m3fn\[2, 4, 448\]"):
+    with pytest.raises(KernelArgumentError, match=r"ring.nope must be float8_e4m3fn\[2, 4, 448\]"):
         good = CompressedEntries.zeros(DSV4_FP8, (2, 4))
         gather_swa_kv(good.replace(nope=good.nope.astype(jnp.bfloat16)), np.zeros(1, np.int32), np.zeros(1, np.int32))
 

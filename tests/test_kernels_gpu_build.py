@@ -18,8 +18,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxkv.attention import paged_decode_attention
-from jaxkv.errors import InvalidArgument
+from kernels_pallas.reference import paged_decode_attention
+from kernels_pallas.errors import KernelArgumentError
 from kernels_pallas import DSV4_FP8, DSV32_FP8, CompressedEntries, _gpu, gather_all_compressed_kv
 from kernels_pallas import gather_compressed_kv, gather_swa_kv
 from kernels_pallas._dispatch import KernelFallbackWarning, gpu_obstacle
@@ -141,11 +141,11 @@ def test_layer_of_a_stacked_pool_matches_the_layer_alone():
         np.testing.assert_allclose(np.asarray(kernel), np.asarray(alone), rtol=1e-5, atol=1e-5)
         np.testing.assert_array_equal(np.asarray(reference), np.asarray(alone))
         np.testing.assert_array_equal(np.asarray(traced), np.asarray(alone))
-    with pytest.raises(InvalidArgument, match="out of range"):
+    with pytest.raises(KernelArgumentError, match="out of range"):
         paged_decode_attention(*stacked, layer=3)
-    with pytest.raises(InvalidArgument, match="stacked pool"):
+    with pytest.raises(KernelArgumentError, match="stacked pool"):
         paged_decode_attention(q, jnp.asarray(k[0]), jnp.asarray(v[0]), table, lengths, layer=0)
-    with pytest.raises(InvalidArgument, match="static"):
+    with pytest.raises(KernelArgumentError, match="static"):
         jax.jit(lambda l, *a: paged_attention(*a, layer=l, implementation="pallas"))(jnp.int32(0), *stacked)
 
 
@@ -183,7 +183,7 @@ def test_default_shapes_fit_shared_memory_for_every_dtype_and_head_dim(spec):
     with _gpu.building_for(spec):
         with pytest.warns(KernelFallbackWarning, match="shared memory"):
             jax.eval_shape(lambda *a: paged_attention(*a), *args)
-        with pytest.raises(InvalidArgument, match="shared memory"):
+        with pytest.raises(KernelArgumentError, match="shared memory"):
             jax.eval_shape(lambda *a: paged_attention(*a, implementation="pallas"), *args)
 
 
@@ -233,7 +233,7 @@ def test_fp8_needs_sm89_and_the_reason_is_visible():
         assert "sm_80" in gpu_obstacle({"k_pages": args[1]})
         with pytest.warns(KernelFallbackWarning, match="sm_89"):
             jax.eval_shape(paged_attention, *args, scales, scales)
-        with pytest.raises(InvalidArgument, match="sm_89"):
+        with pytest.raises(KernelArgumentError, match="sm_89"):
             jax.eval_shape(lambda *a: paged_attention(*a, implementation="pallas"), *args, scales, scales)
         with pytest.warns(KernelFallbackWarning, match="float8"):
             jax.eval_shape(lambda p, t, n: gather_all_compressed_kv(p, t, n, max_entries=64),
@@ -256,7 +256,7 @@ def test_one_byte_pools_of_2_to_4_gib_are_refused_not_misread():
         assert (reason is not None) == refused, (pages, pages * per_page)
         if refused:
             assert str(pages * per_page) in reason
-            with pytest.raises(InvalidArgument, match="32-bit offsets"):
+            with pytest.raises(KernelArgumentError, match="32-bit offsets"):
                 jax.eval_shape(lambda p, t, n: gather_all_compressed_kv(p, t, n, max_entries=64,
                                                                         implementation="pallas"),
                                entries, sds((4, 9), I32), sds((4,), I32))

@@ -23,8 +23,8 @@ import pytest
 
 from jax.experimental.pallas.ops.gpu import paged_attention as jax_pa
 
-from jaxkv.attention import paged_decode_attention
-from jaxkv.errors import InvalidArgument
+from kernels_pallas.reference import paged_decode_attention
+from kernels_pallas.errors import KernelArgumentError
 from jaxkv.manager.kernel_tables import pallas_gpu_block_tables
 from kernels_pallas.paged_attention import paged_attention
 from tests.util import KERNEL_MODES
@@ -257,9 +257,9 @@ def test_dispatch_and_errors(gqa_bf16):
     (args, _), seed = gqa_bf16
     # Default on CPU: the reference, bit for bit.
     np.testing.assert_array_equal(_f32(paged_attention(**args)), _f32(paged_decode_attention(**args)))
-    with pytest.raises(InvalidArgument):
+    with pytest.raises(KernelArgumentError):
         paged_attention(**args, implementation="reference", interpret=True)
-    with pytest.raises(InvalidArgument):
+    with pytest.raises(KernelArgumentError):
         paged_attention(**args, implementation="triton")
     bad = [
         dict(q=args["q"][:, :3]),                   # 3 query heads, 2 KV heads
@@ -269,16 +269,16 @@ def test_dispatch_and_errors(gqa_bf16):
         dict(sliding_window=0),
     ]
     for change in bad:
-        with pytest.raises(InvalidArgument):
+        with pytest.raises(KernelArgumentError):
             paged_attention(**{**args, **change}, interpret=True)
     for knobs in (dict(pages_per_compute_block=3), dict(pages_per_compute_block=2),  # 8 tokens
                   dict(k_splits=0), dict(block_h=8)):
-        with pytest.raises(InvalidArgument):
+        with pytest.raises(KernelArgumentError):
             paged_attention(**args, **knobs, interpret=True)
     # A page size that is not a power of two: an error on the Pallas path,
     # the reference when the implementation is left to the default.
     odd = {**args, "k_pages": args["k_pages"][:, :, :3], "v_pages": args["v_pages"][:, :, :3]}
-    with pytest.raises(InvalidArgument):
+    with pytest.raises(KernelArgumentError):
         paged_attention(**odd, interpret=True)
     np.testing.assert_array_equal(_f32(paged_attention(**odd)), _f32(paged_decode_attention(**odd)))
 

@@ -223,7 +223,7 @@ _step = nnx.jit(lambda model, tokens, positions, pool, slots, tables, starts, nu
 @jax.jit
 def _append(manager, pool, seqs):
     """One decode token per sequence: (manager, pool, slots, ok, (tables, lengths))."""
-    manager, pool, slots, ok, _ = manager.append_slots(pool, seqs)
+    manager, pool, slots, _, ok = manager.append_slots(pool, seqs)
     return manager, pool, slots, ok, manager.batch_tables(seqs)
 
 

@@ -155,7 +155,7 @@ def test_fork_shares_prompt_blocks_then_copy_on_write(model, sampled):
 
     # First append: the half-filled shared page is copied for all rows but one.
     before = state.pool
-    manager, pool, slots, ok, _ = jax.jit(BlockSpaceManager.append_slots, static_argnums=3)(
+    manager, pool, slots, _, ok = jax.jit(BlockSpaceManager.append_slots, static_argnums=3)(
         manager, state.pool, jnp.arange(N), 1)
     assert bool(ok)
     tables = np.asarray(manager.block_tables)

@@ -346,7 +346,7 @@ def test_alloc_or_raise_oom_numbers():
     with pytest.raises(KVCacheOOM) as info:
         pool.alloc_or_raise(4)
     e = info.value
-    assert str(e) == "requested 4 rows, 2 available (of 3 total)"
+    assert str(e) == "KV cache OOM: requested 4 rows, 2 available (of 3 total)"
     assert (e.requested, e.available, e.total, e.unit) == (4, 2, 3, "rows")
     assert_tree_equal(before, pool)
     with pytest.raises(KVCacheOOM, match=re.escape("requested 3 rows, 2 available (of 3 total)")):

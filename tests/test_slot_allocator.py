@@ -347,7 +347,7 @@ def test_alloc_many_or_raise_oom_numbers():
     with pytest.raises(KVCacheOOM) as info:
         s.alloc_many_or_raise(5)
     e = info.value
-    assert str(e) == "requested 5 slots, 3 available (of 69 total)"
+    assert str(e) == "KV cache OOM: requested 5 slots, 3 available (of 69 total)"
     assert (e.requested, e.available, e.total, e.unit) == (5, 3, 69, "slots")
     assert isinstance(e, KVCacheError)
     assert_tree_equal(before, s)
@@ -390,7 +390,7 @@ def test_alloc_or_raise_when_full():
     before = snapshot(s)
     with pytest.raises(KVCacheOOM) as info:
         s.alloc_or_raise()
-    assert str(info.value) == "requested 1 slots, 0 available (of 4 total)"
+    assert str(info.value) == "KV cache OOM: requested 1 slots, 0 available (of 4 total)"
     assert (info.value.requested, info.value.available, info.value.total) == (1, 0, 4)
     assert_tree_equal(before, s)
 

@@ -62,14 +62,14 @@ def test_group_round_trip_is_bit_exact_and_keeps_sharing(dtype, memory_kind):
     prompt = int(rng.integers(5, 12))
     manager, ok = manager.allocate(jnp.array([0]), prompt)
     manager, ok2 = manager.fork(jnp.array([0, 0]), jnp.array([1, 2]))
-    manager, pool, _, ok3, _ = APPEND(manager, pool, jnp.array([0, 1, 2, -1]), num_new_tokens=3)
+    manager, pool, _, _, ok3 = APPEND(manager, pool, jnp.array([0, 1, 2, -1]), num_new_tokens=3)
     manager, ok4 = manager.allocate(jnp.array([3]), 6)  # another sequence stays on device
     assert bool(ok & ok2 & ok3 & ok4)
     pool = _fill(manager, pool, [0, 1, 2, 3], rng)
     before = {s: _contents(manager, pool, s) for s in range(4)}
     _conserved(manager)
 
-    out, host_pool = host.swap_out(manager, pool, host_pool, [0, 1, 2])
+    out, host_pool = manager.swap_out_or_raise(pool, host_pool, [0, 1, 2])
     if memory_kind == "pinned_host":  # the pages really live in pinned host memory
         assert {leaf.sharding.memory_kind for leaf in jax.tree_util.tree_leaves(host_pool)} == {"pinned_host"}
     _conserved(out)
@@ -81,7 +81,7 @@ def test_group_round_trip_is_bit_exact_and_keeps_sharing(dtype, memory_kind):
     # Reuse the freed device blocks for someone else before swapping back.
     out, ok = out.allocate(jnp.array([4]), 4 * BS)
     pool = _fill(out, pool, [4], rng)
-    back, pool = host.swap_in(out, pool, host_pool, [0, 1, 2])
+    back, pool = out.swap_in_or_raise(pool, host_pool, [0, 1, 2])
     _conserved(back)
     for seq in range(4):
         for a, b in zip(before[seq], _contents(back, pool, seq)):
@@ -94,11 +94,11 @@ def test_block_shared_outside_the_group_stays_on_device():
     manager, _ = manager.allocate(jnp.array([0]), 9)
     manager, _ = manager.fork(jnp.array([0]), jnp.array([1]))
     pool = _fill(manager, pool, [0], rng)
-    out, host_pool = host.swap_out(manager, pool, host_pool, [1])
+    out, host_pool = manager.swap_out_or_raise(pool, host_pool, [1])
     _conserved(out)
     # Row 0 still holds its blocks on device, each now with one owner.
     np.testing.assert_array_equal(np.asarray(out.device.ref_count(out.block_tables[0, :3])), [1, 1, 1])
-    back, pool = host.swap_in(out, pool, host_pool, [1])
+    back, pool = out.swap_in_or_raise(pool, host_pool, [1])
     _conserved(back)
     for a, b in zip(_contents(manager, pool, 0), _contents(back, pool, 1)):
         np.testing.assert_array_equal(a, b)
@@ -107,7 +107,7 @@ def test_block_shared_outside_the_group_stays_on_device():
 def test_free_of_a_swapped_sequence_returns_host_blocks():
     manager, pool, host_pool = _setup(jnp.float32)
     manager, _ = manager.allocate(jnp.array([2]), 10)
-    manager, host_pool = host.swap_out(manager, pool, host_pool, [2])
+    manager, host_pool = manager.swap_out_or_raise(pool, host_pool, [2])
     assert int(manager.host.num_free) == manager.host.capacity - 3
     manager, ok = manager.free(jnp.array([2]))
     assert bool(ok) and int(manager.host.num_free) == manager.host.capacity
@@ -129,18 +129,18 @@ def test_admission_answers_and_errors_leave_state_unchanged():
     assert bool(manager.can_swap_out(jnp.array([0])))
     assert not bool(manager.can_swap_out(jnp.array([1])))
     with pytest.raises(jaxkv.KVCacheOOM, match=r"requested 4 host blocks, 3 available \(of 3 total\)") as info:
-        host.swap_out(manager, pool, host_pool, [1])
+        manager.swap_out_or_raise(pool, host_pool, [1])
     assert (info.value.requested, info.value.available) == (4, 3)
     with pytest.raises(jaxkv.InvalidId, match="swap in: sequence 0 is ON_DEVICE, not SWAPPED"):
-        host.swap_in(manager, pool, host_pool, [0])
+        manager.swap_in_or_raise(pool, host_pool, [0])
     with pytest.raises(jaxkv.InvalidId, match="swap out: sequence 5 is FREE"):
-        host.swap_out(manager, pool, host_pool, [5])
+        manager.swap_out_or_raise(pool, host_pool, [5])
     before = manager
     state, _, _, ok = BlockSpaceManager.swap_out(manager, jnp.array([1, -1]))
     assert not bool(ok)
     assert_tree_equal(before, state)
 
-    out, host_pool2 = host.swap_out(manager, pool, host.create_host_pool(pool, 6), [0])
+    out, host_pool2 = manager.swap_out_or_raise(pool, host.create_host_pool(pool, 6), [0])
     assert int(out.can_swap_in(jnp.array([0]))) == ALLOC_OK
     out, _ = out.allocate(jnp.array([2]), 9)  # takes the 3 freed blocks
     assert int(out.can_swap_in(jnp.array([0]))) == ALLOC_LATER

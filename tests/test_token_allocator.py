@@ -267,7 +267,7 @@ class TokenMachine(RuleBasedStateMachine):
                 before.alloc_or_raise(n)
             e = exc.value
             assert (e.requested, e.available, e.total, e.unit) == (n, len(free) * ps, self.SIZE, "tokens")
-            assert str(e) == f"requested {n} tokens, {len(free) * ps} available (of {self.SIZE} total)"
+            assert str(e) == f"KV cache OOM: requested {n} tokens, {len(free) * ps} available (of {self.SIZE} total)"
         else:
             state, indices = before.alloc_or_raise(n)
             assert isinstance(indices, np.ndarray) and indices.shape == (n,)
@@ -368,7 +368,7 @@ def test_alloc_errors_page_mode(need_sort):
     with pytest.raises(KVCacheOOM) as exc:
         a.alloc_or_raise(28)
     e = exc.value
-    assert str(e) == "requested 28 tokens, 24 available (of 32 total)"
+    assert str(e) == "KV cache OOM: requested 28 tokens, 24 available (of 32 total)"
     assert (e.requested, e.available, e.total, e.unit) == (28, 24, 32, "tokens")
     with pytest.raises(InvalidArgument, match=re.escape("alloc(6): need a non-negative multiple of page_size=4")):
         a.alloc_or_raise(6)
@@ -388,7 +388,7 @@ def test_alloc_errors_token_mode():
     assert idx.tolist() == [1, 2, 3]
     with pytest.raises(KVCacheOOM) as exc:
         a.alloc_or_raise(8)
-    assert str(exc.value) == "requested 8 tokens, 7 available (of 10 total)"
+    assert str(exc.value) == "KV cache OOM: requested 8 tokens, 7 available (of 10 total)"
     assert (exc.value.requested, exc.value.available, exc.value.total) == (8, 7, 10)
     a2, idx = a.alloc_or_raise(7)
     assert sorted(idx.tolist()) == list(range(4, 11))

@@ -45,7 +45,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxkv.attention import dense_decode_attention
+from kernels_pallas.reference import dense_decode_attention
 from jaxkv.bench._timing import inline_cpu_dispatch, machine_description, print_json, print_table
 from jaxkv.manager.block_space import BlockSpaceManager
 from jaxkv.nn.attention import causal_attention

@@ -101,7 +101,7 @@ def _reserve_step(manager, slots, values):
 
 def _full_step(state, seq_ids, values):
     manager, pool = state
-    manager, pool, token_slots, ok, _ = manager.append_slots(pool, seq_ids)
+    manager, pool, token_slots, _, ok = manager.append_slots(pool, seq_ids)
     kv = values[:, None, : pool.k_dim]
     for layer in range(pool.num_layers):
         pool = pool.set_kv(layer, token_slots.reshape(-1), kv)

@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxkv.attention import dense_decode_attention, paged_decode_attention
+from kernels_pallas.reference import dense_decode_attention, paged_decode_attention
 from jaxkv.bench._timing import best_seconds_interleaved, machine_description, print_json, print_table
 from jaxkv.pool import KVPool
 from jaxkv.pool.kv_pool import dequantize, is_fp8, quantize_fp8

@@ -37,16 +37,28 @@ import numpy as np
 from flax import struct
 
 from jaxkv import _host
+from jaxkv._ops import INT32_MAX, ceil_div, ids_distinct, where_ok
 from jaxkv.alloc.block import BlockAllocator
 from jaxkv.errors import InvalidArgument, InvalidId, KVCacheOOM
+from jaxkv.pool.host import swap_in_pages, swap_out_pages
 from jaxkv.pool.kv_pool import KVPool
 from jaxkv.types import Array, Bool, Count, Ids, Int, Ok
+
+__all__ = [
+    "ALLOC_LATER",
+    "ALLOC_NEVER",
+    "ALLOC_OK",
+    "FREE",
+    "ON_DEVICE",
+    "STATUS_NAMES",
+    "SWAPPED",
+    "BlockSpaceManager",
+]
 
 FREE, ON_DEVICE, SWAPPED = 0, 1, 2
 STATUS_NAMES = {FREE: "FREE", ON_DEVICE: "ON_DEVICE", SWAPPED: "SWAPPED"}
 #: ``can_allocate`` answers (vLLM's AllocStatus).
 ALLOC_OK, ALLOC_LATER, ALLOC_NEVER = 0, 1, 2
-_INT32_MAX = int(np.iinfo(np.int32).max)
 
 
 @struct.dataclass
@@ -137,7 +149,7 @@ class BlockSpaceManager:
         count below 1, and any count int32 cannot hold)."""
         if not isinstance(num_tokens, jax.core.Tracer):
             num_tokens = _host.int_scalar(num_tokens, "num_tokens")
-            if num_tokens > _INT32_MAX:
+            if num_tokens > INT32_MAX:
                 return jnp.asarray(ALLOC_NEVER, jnp.int32)
         num_tokens = jnp.asarray(num_tokens, jnp.int32)
         needed = self.blocks_for(num_tokens)
@@ -165,7 +177,7 @@ class BlockSpaceManager:
         blocks = self.blocks_for(num_tokens)
         valid = (
             self._rows_in_state(seqs, given, FREE)
-            & _distinct(seqs, given, self.max_seqs)
+            & ids_distinct(seqs, given)
             & (group >= 1)
             & (num_tokens >= 1)
             & (blocks <= self.max_blocks_per_seq)
@@ -190,7 +202,7 @@ class BlockSpaceManager:
 
     def append_slots(
         self, pool: KVPool, seq_ids: Ids, num_new_tokens: int = 1
-    ) -> tuple["BlockSpaceManager", KVPool, Int[Array, "batch num_new_tokens"], Ok, Bool[Array, "batch"]]:
+    ) -> tuple["BlockSpaceManager", KVPool, Int[Array, "batch num_new_tokens"], Bool[Array, "batch"], Ok]:
         """Grow each sequence of ``seq_ids`` (ON_DEVICE rows, -1 padding) by
         ``num_new_tokens`` (static) tokens.
 
@@ -202,7 +214,7 @@ class BlockSpaceManager:
         block append in the same step, the first (in batch order) keeps it and
         only the others copy. All blocks of the step come from one acquire.
 
-        Returns ``(state, pool, slots, ok, blocked)``: ``slots[b, i]`` is the
+        Returns ``(state, pool, slots, blocked, ok)``: ``slots[b, i]`` is the
         token index in the pool where new token ``i`` of sequence ``b`` must be
         written (-1 for padding). When the step cannot complete (too few free
         blocks, a sequence not on the device, past ``max_blocks_per_seq``, a row
@@ -237,8 +249,8 @@ class BlockSpaceManager:
         on_device = self._rows_in_state(seqs, given, ON_DEVICE, per_row=True)
         fits = needed <= self.max_blocks_per_seq
         bad_row = given & ~(on_device & fits)
-        valid = ~jnp.any(bad_row) & _distinct(seqs, given, self.max_seqs)
-        lanes = -(-n // bs) + 1  # most blocks one sequence can take in a step
+        valid = ~jnp.any(bad_row) & ids_distinct(seqs, given)
+        lanes = ceil_div(n, bs) + 1  # most blocks one sequence can take in a step
         total = jnp.sum(jnp.where(given, takes, 0), dtype=jnp.int32)
         device, ids, acquired = self.device.acquire(
             jnp.where(valid, total, seqs.shape[0] * lanes + 1), max_n=seqs.shape[0] * lanes
@@ -274,7 +286,7 @@ class BlockSpaceManager:
         repeated = given & in_range & (times.at[rows].get(mode="fill", fill_value=0) > 1)
         blocked = jnp.where(valid, given & (takes > 0), bad_row | repeated) & ~ok
         state = self.replace(block_tables=tables, seq_lens=seq_lens, device=device)
-        return state, pool, slots, ok, blocked
+        return state, pool, slots, blocked, ok
 
     def fork(self, src_ids: Ids, dst_ids: Ids) -> tuple["BlockSpaceManager", Ok]:
         """``dst[i]`` becomes a copy of sequence ``src[i]`` sharing all its
@@ -295,7 +307,7 @@ class BlockSpaceManager:
         valid = (
             self._rows_in_state(src, pair, ON_DEVICE)
             & self._rows_in_state(dst, pair, FREE)
-            & _distinct(dst, pair, self.max_seqs)
+            & ids_distinct(dst, pair)
         )
         src_rows = jnp.where(pair, src, 0)
         shared = jnp.where(pair[:, None], self.block_tables[src_rows], -1)
@@ -321,7 +333,7 @@ class BlockSpaceManager:
         rows = jnp.where(given, seqs, 0)
         status = jnp.where(given, self.status.at[rows].get(mode="fill", fill_value=FREE), FREE)
         in_range = (seqs >= 0) & (seqs < self.max_seqs)
-        valid = jnp.all(~given | (in_range & (status != FREE))) & _distinct(seqs, given, self.max_seqs)
+        valid = jnp.all(~given | (in_range & (status != FREE))) & ids_distinct(seqs, given)
         tables = jnp.where(given[:, None], self.block_tables.at[rows].get(mode="fill", fill_value=-1), -1)
         device, device_ok = self.device.release(jnp.where(valid & (status == ON_DEVICE)[:, None], tables, -1))
         host, host_ok = self.host.release(jnp.where(valid & (status == SWAPPED)[:, None], tables, -1))
@@ -332,11 +344,83 @@ class BlockSpaceManager:
                 block_tables=self.block_tables.at[target].set(-1, mode="drop"),
                 seq_lens=self.seq_lens.at[target].set(0, mode="drop"),
                 status=self.status.at[target].set(FREE, mode="drop"),
-                device=jax.tree_util.tree_map(lambda new, old: jnp.where(ok, new, old), device, self.device),
-                host=jax.tree_util.tree_map(lambda new, old: jnp.where(ok, new, old), host, self.host),
+                device=where_ok(ok, device, self.device),
+                host=where_ok(ok, host, self.host),
             ),
             ok,
         )
+
+    # ------------------------------------------------------------ prefix cache
+
+    def admit_with_prefix(
+        self,
+        rows: Int[Array, " batch"],
+        prefix_blocks: Int[Array, "batch max_blocks"],
+        num_tokens: Int[Array, " batch"],
+    ) -> tuple["BlockSpaceManager", Ok]:
+        """Start sequence ``rows[b]`` (a FREE row; -1 padding) holding
+        ``num_tokens[b]`` tokens whose first pages are the cached blocks
+        ``prefix_blocks[b]`` (leading ids, then -1), e.g. a prefix-cache hit.
+
+        Each cached block gets one more owner (this sequence: the table
+        invariant holds, and :meth:`free` later drops exactly this
+        sequence's references), and ``ceil(num_tokens / bs) - num_cached``
+        fresh blocks are acquired for the rest, in one allocator update.
+
+        Fails (state unchanged, ``ok`` False) when a row is not FREE, is out of
+        range or repeats, a length is < 1 or needs more than
+        ``max_blocks_per_seq`` blocks, a row has more cached blocks than its
+        length needs, a cached block is free, or too few blocks are free.
+        """
+        rows = jnp.asarray(rows, jnp.int32).reshape(-1)
+        given = rows != -1
+        batch = rows.shape[0]
+        width = self.max_blocks_per_seq
+        prefix_blocks = jnp.asarray(prefix_blocks, jnp.int32).reshape(batch, width)
+        num_tokens = jnp.asarray(num_tokens, jnp.int32).reshape(-1)
+        num_prefix = jnp.sum(prefix_blocks != -1, axis=1, dtype=jnp.int32)
+        blocks = self.blocks_for(num_tokens)
+        row_ok = (num_tokens >= 1) & (blocks <= width) & (num_prefix <= blocks)
+        valid = self._rows_in_state(rows, given, FREE) & ids_distinct(rows, given) & jnp.all(~given | row_ok)
+        rest = jnp.where(given, blocks - num_prefix, 0)
+        total = jnp.sum(rest, dtype=jnp.int32)
+        max_n = batch * width
+        empty = jnp.full((0,), -1, jnp.int32)
+        device, ids, ok = self.device.update(
+            jnp.where(valid & given[:, None], prefix_blocks, -1), empty, jnp.where(valid, total, max_n + 1), max_n=max_n
+        )
+        ok = ok & valid
+        first = jnp.cumsum(rest) - rest  # this row's first id in ``ids``
+        column = jnp.arange(width, dtype=jnp.int32)[None, :]
+        fresh = ids.at[first[:, None] + column - num_prefix[:, None]].get(mode="fill", fill_value=-1)
+        table = jnp.where(
+            column < num_prefix[:, None], prefix_blocks, jnp.where(column < blocks[:, None], fresh, -1)
+        )
+        target = jnp.where(ok & given, rows, self.max_seqs)
+        state = self.replace(
+            block_tables=self.block_tables.at[target].set(table, mode="drop"),
+            seq_lens=self.seq_lens.at[target].set(num_tokens, mode="drop"),
+            status=self.status.at[target].set(ON_DEVICE, mode="drop"),
+            device=where_ok(ok, device, self.device),
+        )
+        return state, ok
+
+    def retire(
+        self, incref_ids: Int[Array, " m"], rows: Int[Array, " batch"], release_ids: Int[Array, " k"] | None = None,
+    ) -> tuple["BlockSpaceManager", Ok]:
+        """``incref(incref_ids)`` (the blocks a prefix-cache ``insert`` reported
+        as new: the tree takes its own reference), then ``free(rows)`` (the
+        sequences drop theirs), then one device release per ``release_ids``
+        entry (e.g. blocks the tree evicted). All or nothing; -1 entries are
+        padding."""
+        device, increfed = self.device.incref(incref_ids)
+        freed_state, freed = self.replace(device=device).free(rows)
+        ok = increfed & freed
+        if release_ids is not None:
+            device, released = freed_state.device.release(release_ids)
+            freed_state = freed_state.replace(device=device)
+            ok = ok & released
+        return where_ok(ok, freed_state, self), ok
 
     # -------------------------------------------------------------------- swap
 
@@ -361,7 +445,8 @@ class BlockSpaceManager:
         Returns ``(state, device_pages, host_pages, ok)``: page
         ``device_pages[i]`` must be copied to host page ``host_pages[i]``
         (-1 pairs are padding) before the freed device blocks are written
-        again; :func:`jaxkv.pool.host.swap_out_pages` does it. Fails (state
+        again; :func:`jaxkv.pool.host.swap_out_pages` does it
+        (:meth:`swap_out_or_raise` does both on the host path). Fails (state
         unchanged) when a row is not ON_DEVICE or named twice, or the host has
         too few free blocks.
         """
@@ -376,7 +461,7 @@ class BlockSpaceManager:
     def _move_group(self, seq_ids, from_status: int, to_status: int):
         seqs, given = _ids(seq_ids)
         source, target = (self.device, self.host) if from_status == ON_DEVICE else (self.host, self.device)
-        valid = self._rows_in_state(seqs, given, from_status) & _distinct(seqs, given, self.max_seqs)
+        valid = self._rows_in_state(seqs, given, from_status) & ids_distinct(seqs, given)
         rows = jnp.where(given, seqs, 0)
         tables = jnp.where((given & valid)[:, None], self.block_tables[rows], -1)
         flat = tables.reshape(-1)
@@ -439,11 +524,11 @@ class BlockSpaceManager:
         num_tokens = _host.int_scalar(num_tokens, "num_tokens")
         # Past int32 the device op sees INT32_MAX, which fails as too many blocks.
         state, ok = _allocate(self, _host.padded_ids(seq_ids, "seq_ids"),
-                              min(max(num_tokens, -1), _INT32_MAX))
+                              min(max(num_tokens, -1), INT32_MAX))
         if bool(ok):
             return state
         error = self.row_error("allocate", seq_ids, FREE)
-        blocks = -(-num_tokens // self.block_size)
+        blocks = ceil_div(num_tokens, self.block_size)
         if error is None and (num_tokens < 1 or blocks > self.max_blocks_per_seq or not _host.given_ids(seq_ids).size):
             error = InvalidArgument(
                 f"allocate of {num_tokens} tokens ({blocks} blocks of {self.block_size}) for "
@@ -472,6 +557,46 @@ class BlockSpaceManager:
         if bool(ok):
             return state
         raise self.row_error("free", seq_ids, (ON_DEVICE, SWAPPED)) or InvalidId(f"free of {list(seq_ids)} failed", [])
+
+    def swap_out_or_raise(self, pool: KVPool, host_pool: KVPool, seq_ids) -> tuple["BlockSpaceManager", KVPool]:
+        """Host path: move the sequence group ``seq_ids`` to host memory (tables
+        by :meth:`swap_out`, data by :func:`jaxkv.pool.host.swap_out_pages`).
+        Raises ``InvalidId`` for a row that is not on the device,
+        ``KVCacheOOM`` when the host has too few free blocks and
+        ``InvalidArgument`` when a pool is smaller than this manager's block
+        count; nothing changes then. Returns ``(manager, host_pool)``."""
+        self._check_pool_sizes(pool, host_pool)
+        new, device_pages, host_ids, ok = _swap_out(self, _host.padded_ids(seq_ids, "seq_ids"))
+        if not bool(ok):
+            raise self._swap_error(seq_ids, ON_DEVICE, "swap out", self.host, "host blocks")
+        return new, swap_out_pages(pool, host_pool, device_pages, host_ids)
+
+    def swap_in_or_raise(self, pool: KVPool, host_pool: KVPool, seq_ids) -> tuple["BlockSpaceManager", KVPool]:
+        """Host path: bring the swapped group ``seq_ids`` back to the device.
+        Raises ``InvalidId`` for a row that is not swapped out, ``KVCacheOOM``
+        when the device has too few free blocks and ``InvalidArgument`` for a
+        pool smaller than this manager's block count. Returns
+        ``(manager, pool)``; ``pool`` is donated."""
+        self._check_pool_sizes(pool, host_pool)
+        new, host_ids, device_pages, ok = _swap_in(self, _host.padded_ids(seq_ids, "seq_ids"))
+        if not bool(ok):
+            raise self._swap_error(seq_ids, SWAPPED, "swap in", self.device, "device blocks")
+        return new, swap_in_pages(pool, host_pool, host_ids, device_pages)
+
+    def _check_pool_sizes(self, pool: KVPool, host_pool: KVPool) -> None:
+        """The pools must hold every block id this manager can hand out."""
+        for name, have, allocator in (("pool", pool.num_pages, self.device), ("host_pool", host_pool.num_pages, self.host)):
+            if have < allocator.num_blocks:
+                raise InvalidArgument(
+                    f"{name} has {have} pages but the manager hands out block ids up to {allocator.num_blocks - 1}: "
+                    f"make it with num_pages >= {allocator.num_blocks} (the manager's block count)")
+
+    def _swap_error(self, seq_ids, wanted: int, op: str, allocator: BlockAllocator, unit: str) -> Exception:
+        error = self.row_error(op, seq_ids, wanted)
+        if error is not None:
+            return error
+        needed = int(self._distinct_blocks(_host.padded_ids(seq_ids)))
+        return KVCacheOOM(needed, int(allocator.num_free), allocator.capacity, unit=unit)
 
     def row_error(self, op: str, seq_ids, wanted) -> Exception | None:
         """``InvalidId`` for the first row of ``seq_ids`` that is out of range,
@@ -505,12 +630,6 @@ class BlockSpaceManager:
 def _ids(ids: Ids) -> tuple[Int[Array, "m"], Bool[Array, "m"]]:
     ids = jnp.asarray(ids, jnp.int32).reshape(-1)
     return ids, ids != -1
-
-
-def _distinct(ids: Int[Array, "m"], given: Bool[Array, "m"], bound: int) -> Bool[Array, ""]:
-    """No given id appears twice (ids outside [0, bound) are checked elsewhere)."""
-    counts = jnp.zeros((bound,), jnp.int32).at[jnp.where(given, ids, bound)].add(1, mode="drop")
-    return jnp.all(counts <= 1)
 
 
 @struct.dataclass
@@ -548,3 +667,5 @@ def _table_at(tables: Int[Array, "s c"], rows: Int[Array, "..."], columns: Int[A
 _allocate = jax.jit(BlockSpaceManager.allocate)
 _fork = jax.jit(BlockSpaceManager.fork)
 _free = jax.jit(BlockSpaceManager.free)
+_swap_out = jax.jit(BlockSpaceManager.swap_out)
+_swap_in = jax.jit(BlockSpaceManager.swap_in)

@@ -28,7 +28,7 @@ import numpy as np
 from flax import nnx
 from jaxtyping import Array, Float, Int
 
-from jaxkv.attention import _gather, paged_decode_attention
+from kernels_pallas.reference import gather_pages, paged_decode_attention
 from jaxkv.errors import InvalidArgument
 from jaxkv.nn.config import LlamaConfig, RopeScaling
 from jaxkv.nn.rope import apply_rope, rope_inv_freq
@@ -109,8 +109,8 @@ def _prefill_impl(q, k_pages, v_pages, block_tables, starts, num_new, k_scales, 
                   sm_scale, window, *, use_window):
     num_pages = k_pages.shape[1]
     table = jnp.clip(block_tables.astype(jnp.int32), 0, num_pages - 1)  # masked past the sequence
-    k = _gather(k_pages, k_scales, table)  # [B, M*ps, KVH, D] float32
-    v = _gather(v_pages, v_scales, table)
+    k = gather_pages(k_pages, k_scales, table)  # [B, M*ps, KVH, D] float32
+    v = gather_pages(v_pages, v_scales, table)
     t = q.shape[1]
     starts = starts.astype(jnp.int32)
     num_new = num_new.astype(jnp.int32)

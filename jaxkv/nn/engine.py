@@ -11,7 +11,7 @@ which a request may be admitted). Each scheduler iteration:
    cache (hit capped at ``len - 1`` tokens, page aligned) and the matched
    node pinned; the cached blocks go at the start of the new sequence's block
    table with one ``incref`` each and the rest is acquired
-   (:func:`jaxkv.manager.prefix_tables.admit_with_prefix`, all or nothing),
+   (:meth:`BlockSpaceManager.admit_with_prefix`, all or nothing),
    then only the uncached tail is prefilled (``starts = cached_len``), the
    whole admitted batch in ONE jitted call that also samples each request's
    first token. When blocks are short the prefix cache is evicted first; if
@@ -65,7 +65,6 @@ from jaxkv import _host
 from jaxkv.alloc.block import BlockAllocator
 from jaxkv.errors import InvalidArgument, KVCacheOOM
 from jaxkv.manager.block_space import BlockSpaceManager
-from jaxkv.manager.prefix_tables import admit_with_prefix, retire
 from jaxkv.nn.generate import SamplingParams, _model_step
 from jaxkv.pool import host as host_swap
 from jaxkv.pool.kv_pool import KVPool
@@ -112,7 +111,7 @@ def _prefill(graphdef, params, manager: BlockSpaceManager, pool: KVPool, admit_r
     prefixes, then prefill one chunk: ``tokens [B, W]`` of sequence ``rows``
     at positions ``starts + t`` for ``t < num_new``, and sample a token from
     each row's last chunk position (the host keeps it from the final chunk)."""
-    manager, ok = admit_with_prefix(manager, admit_rows, prefix_blocks, lengths)
+    manager, ok = manager.admit_with_prefix(admit_rows, prefix_blocks, lengths)
     width = tokens.shape[1]
     lane = jnp.arange(width, dtype=jnp.int32)[None, :]
     positions = starts[:, None] + lane
@@ -140,7 +139,7 @@ def _decode_chunk(graphdef, params, manager: BlockSpaceManager, pool: KVPool, la
     def body(carry):
         step, _, blocked, manager, pool, active, last, num_generated, out, count, key, peak = carry
         seqs = jnp.where(active, lanes, -1)
-        manager, pool, slots, ok, now_blocked = manager.append_slots(pool, seqs, 1)
+        manager, pool, slots, now_blocked, ok = manager.append_slots(pool, seqs, 1)
         tables, lengths = manager.batch_tables(seqs)
         starts = jnp.maximum(lengths - 1, 0)
         running = active & ok
@@ -165,7 +164,7 @@ def _decode_chunk(graphdef, params, manager: BlockSpaceManager, pool: KVPool, la
     return manager, pool, out, count, active, stalled, blocked, peak
 
 
-_retire_jit = jax.jit(retire)
+_retire_jit = jax.jit(BlockSpaceManager.retire)
 
 # The jitted steps never touch host blocks (they free only ON_DEVICE rows; swaps
 # go through jaxkv.pool.host). They get the manager with this placeholder host
@@ -527,7 +526,7 @@ class Engine:
             if not self._make_room(-(-(req.kv_len + growth) // self.page_size) + self._growth_reserve()):
                 break
             try:
-                self.manager, self.pool = host_swap.swap_in(self.manager, self.pool, self.host_pool, [req.row])
+                self.manager, self.pool = self.manager.swap_in_or_raise(self.pool, self.host_pool, [req.row])
             except KVCacheOOM:
                 break
             self._swapped.pop(0)
@@ -668,7 +667,7 @@ class Engine:
     def _preempt(self, req: _Request) -> None:
         if self.host_pool is not None:
             try:
-                self.manager, self.host_pool = host_swap.swap_out(self.manager, self.pool, self.host_pool, [req.row])
+                self.manager, self.host_pool = self.manager.swap_out_or_raise(self.pool, self.host_pool, [req.row])
             except KVCacheOOM:
                 pass
             else:

@@ -117,7 +117,7 @@ def prefill(graphdef, params, manager: BlockSpaceManager, pool: KVPool, prompts,
 def _decode_body(graphdef, params, state: DecodeState, sampling: SamplingParams) -> DecodeState:
     batch, max_new = state.tokens.shape
     seqs = jnp.where(state.finished, -1, jnp.arange(batch, dtype=jnp.int32))
-    manager, pool, slots, ok, _ = state.manager.append_slots(state.pool, seqs, 1)
+    manager, pool, slots, _, ok = state.manager.append_slots(state.pool, seqs, 1)
     tables, lengths = manager.batch_tables(seqs)
     starts = jnp.maximum(lengths - 1, 0)
     logits, pool = _model_step(graphdef, params, state.last[:, None], starts[:, None], pool, slots,

@@ -172,7 +172,7 @@ def prefill_fork(graphdef, params, manager: BlockSpaceManager, pool: KVPool, pro
 def _parallel_body(graphdef, params, state: ParallelState, sampling: SamplingParams) -> ParallelState:
     n, max_new = state.tokens.shape
     seqs = jnp.where(state.finished, -1, jnp.arange(n, dtype=jnp.int32))
-    manager, pool, slots, ok, _ = state.manager.append_slots(state.pool, seqs, 1)  # CoW of shared last blocks
+    manager, pool, slots, _, ok = state.manager.append_slots(state.pool, seqs, 1)  # CoW of shared last blocks
     tables, lengths = manager.batch_tables(seqs)
     starts = jnp.maximum(lengths - 1, 0)
     logits, pool = _model_step(graphdef, params, state.last[:, None], starts[:, None], pool, slots, tables,
@@ -342,7 +342,7 @@ def _beam_body(graphdef, params, state: BeamState) -> BeamState:
     manager, forked = manager.fork(fork_src, fork_dst)  # shares the parents' blocks
     seqs = jnp.arange(b, dtype=jnp.int32)
     last = jnp.zeros((b,), jnp.int32).at[rows].set(tokens)
-    manager, pool, slots, appended, _ = manager.append_slots(state.pool, seqs, 1)  # CoW of shared last pages
+    manager, pool, slots, _, appended = manager.append_slots(state.pool, seqs, 1)  # CoW of shared last pages
     tables, lengths = manager.batch_tables(seqs)
     starts = jnp.maximum(lengths - 1, 0)
     logits, pool = _model_step(graphdef, params, last[:, None], starts[:, None], pool, slots, tables, starts,

@@ -14,12 +14,13 @@ included), kept in host memory:
 The block bookkeeping is done on device by
 :meth:`~jaxkv.manager.block_space.BlockSpaceManager.swap_out` /
 ``swap_in``, which return the page pairs to copy; the functions here copy
-them. :func:`swap_out` and :func:`swap_in` do both, on the host path, and
-raise typed errors.
+them. ``BlockSpaceManager.swap_out_or_raise`` / ``swap_in_or_raise`` do
+both, on the host path, and raise typed errors (this module does not import
+the manager: the pool layer sits below it).
 
 No copy here ever drops a page silently: page ids are checked against both
-pools before anything moves (``InvalidId``), and the host paths check that
-the pools are at least as large as the manager's allocators say
+pools before anything moves (``InvalidId``), and the manager's host paths
+check that the pools are at least as large as its allocators say
 (``InvalidArgument``, with both sizes).
 """
 
@@ -31,15 +32,14 @@ from jax.experimental.compute_on import compute_on
 from jax.sharding import SingleDeviceSharding
 
 from jaxkv import _host
-from jaxkv.errors import InvalidArgument, InvalidId, KVCacheOOM
-from jaxkv.manager.block_space import ON_DEVICE, SWAPPED, BlockSpaceManager
+from jaxkv.errors import InvalidArgument, InvalidId
 from jaxkv.pool.kv_pool import KVPool
+
+__all__ = ["create_host_pool", "is_pinned", "swap_in_pages", "swap_out_pages"]
 
 # Page ids are checked on the host before these run: drop their ``ok``.
 _read_pages = jax.jit(lambda pool, pages: pool.read_pages(pages)[0])
 _write_pages = jax.jit(lambda pool, pages, data: pool.write_pages(pages, data)[0], donate_argnums=0)
-_swap_out = jax.jit(BlockSpaceManager.swap_out)
-_swap_in = jax.jit(BlockSpaceManager.swap_in)
 
 
 def _pinned_sharding(pool: KVPool) -> SingleDeviceSharding | None:
@@ -167,51 +167,3 @@ def swap_in_pages(pool: KVPool, host_pool: KVPool, host_pages, device_pages) -> 
                                 host_sharding=_placement(host_pool))
     data = jax.tree_util.tree_map(lambda leaf: leaf[:, :, gather], host_pool)
     return _write_pages(pool, targets, jax.device_put(data))
-
-
-def swap_out(
-    manager: BlockSpaceManager, pool: KVPool, host_pool: KVPool, seq_ids
-) -> tuple[BlockSpaceManager, KVPool]:
-    """Host path: move the sequence group ``seq_ids`` to host memory (tables
-    and data). Raises ``InvalidId`` for a row that is not on the device and
-    ``KVCacheOOM`` when the host has too few free blocks; nothing changes then.
-    Returns ``(manager, host_pool)``."""
-    _check_pool_sizes(manager, pool, host_pool)
-    ids = _host.padded_ids(seq_ids, "seq_ids")
-    new, device_pages, host_pages, ok = _swap_out(manager, ids)
-    if not bool(ok):
-        raise _swap_error(manager, seq_ids, ON_DEVICE, "swap out", manager.host, "host blocks")
-    return new, swap_out_pages(pool, host_pool, device_pages, host_pages)
-
-
-def swap_in(
-    manager: BlockSpaceManager, pool: KVPool, host_pool: KVPool, seq_ids
-) -> tuple[BlockSpaceManager, KVPool]:
-    """Host path: bring the swapped group ``seq_ids`` back to the device.
-    Raises ``InvalidId`` for a row that is not swapped out and ``KVCacheOOM``
-    when the device has too few free blocks. Returns ``(manager, pool)``;
-    ``pool`` is donated."""
-    _check_pool_sizes(manager, pool, host_pool)
-    ids = _host.padded_ids(seq_ids, "seq_ids")
-    new, host_pages, device_pages, ok = _swap_in(manager, ids)
-    if not bool(ok):
-        raise _swap_error(manager, seq_ids, SWAPPED, "swap in", manager.device, "device blocks")
-    return new, swap_in_pages(pool, host_pool, host_pages, device_pages)
-
-
-def _check_pool_sizes(manager: BlockSpaceManager, pool: KVPool, host_pool: KVPool) -> None:
-    """The pools must hold every block id the manager can hand out."""
-    sizes = (("pool", pool.num_pages, manager.device), ("host_pool", host_pool.num_pages, manager.host))
-    for name, have, allocator in sizes:
-        if have < allocator.num_blocks:
-            raise InvalidArgument(
-                f"{name} has {have} pages but the manager hands out block ids up to {allocator.num_blocks - 1}: "
-                f"make it with num_pages >= {allocator.num_blocks} (the manager's block count)")
-
-
-def _swap_error(manager, seq_ids, wanted: int, op: str, allocator, unit: str) -> Exception:
-    error = manager.row_error(op, seq_ids, wanted)
-    if error is not None:
-        return error
-    needed = int(manager._distinct_blocks(_host.padded_ids(seq_ids)))
-    return KVCacheOOM(needed, int(allocator.num_free), allocator.capacity, unit=unit)

@@ -50,26 +50,8 @@ from typing import NamedTuple
 import numpy as np
 
 from jaxkv import _host
-from jaxkv.errors import InvalidArgument, KVCacheError
+from jaxkv.errors import CacheLocked, InvalidArgument, KVCacheError
 from jaxkv.prefix.radix import DEVICE, HOST, Node, RadixTree, token_bytes
-
-
-class CacheLocked(KVCacheError):
-    """``reset`` refused because some prefix is still pinned, or (for
-    ``PrefixScheduler.reset``) requests are still running.
-
-    Attributes: ``protected_tokens`` (tokens of locked nodes) and
-    ``running_requests``.
-    """
-
-    def __init__(self, protected_tokens: int, running_requests: int = 0):
-        self.protected_tokens = int(protected_tokens)
-        self.running_requests = int(running_requests)
-        running = f" and {self.running_requests} requests are running" if running_requests else ""
-        super().__init__(
-            f"reset refused: {self.protected_tokens} cached tokens are pinned by running "
-            f"requests or by pin(){running}; finish or release them first"
-        )
 
 
 class MatchResult(NamedTuple):
