@@ -9,7 +9,8 @@ jitted chunks, finish and free.
 import numpy as np
 from flax import nnx
 
-from jaxkv.nn import Engine, LlamaConfig, LlamaForCausalLM
+from jaxkv.nn import LlamaConfig, LlamaForCausalLM
+from jaxkv.serve import Engine
 
 config = LlamaConfig.from_hf(dict(
     model_type="qwen2", vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=1,

@@ -15,15 +15,23 @@ Run: ``python examples/hybrid_cache.py``
 
 from __future__ import annotations
 
+import pathlib
+import sys
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jaxkv import AttentionKind, HybridConfig, KVCacheManager, LayerSpec, deepseek_v4_schedule, qwen3_next_schedule
 from jaxkv.manager.hybrid_schema import v4_flash_like_ratios
-from jaxkv.nn import dsv4_reference, gated_delta_net
 from jaxkv.pool.kv_pool import KVPool
 from kernels_pallas import EntryFormat
+
+# The DeepSeek-V4 and Gated DeltaNet layers here are the test-only reference
+# implementations (no real model in jaxkv.nn uses them); they live beside the
+# tests, so this script puts the repository root on the path to import them.
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
+from tests.reference import dsv4_reference, gated_delta_net  # noqa: E402
 
 HIDDEN, HEADS, STEPS = 32, 2, 136  # 136 > 128: an HCA entry and a second CSA block
 TINY = HybridConfig(entry_format=EntryFormat("tiny", nope_dim=64, rope_dim=16, group_size=32, scale_kind="ue8m0"),

@@ -10,7 +10,8 @@ request still gets exactly the tokens it would get alone.
 import numpy as np
 from flax import nnx
 
-from jaxkv.nn import Engine, LlamaConfig, LlamaForCausalLM, generate
+from jaxkv.nn import LlamaConfig, LlamaForCausalLM, generate
+from jaxkv.serve import Engine
 
 config = LlamaConfig.from_hf(dict(
     model_type="llama", vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=1,

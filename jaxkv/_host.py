@@ -1,5 +1,12 @@
 """Helpers shared by the host-facing ``*_or_raise`` paths.
 
+Error explainers follow one style across jaxkv: a public method
+``<op>_error(args) -> KVCacheError | None`` on the state, None when ``op``
+would succeed on it, else the typed error with the message shaped
+``"<op>: <what> (<numbers>)"``. A host path raises
+``state.<op>_error(args) or unexplained(op, args)``: the second only when
+the device refused what the host check accepts, a jaxkv bug.
+
 The host paths call a jitted device op, read its ``ok`` flag (one device to
 host transfer) and raise a typed error built from the state as it was before
 the call; that is exact because a failed op leaves its state unchanged.
@@ -15,6 +22,19 @@ import numpy as np
 
 
 from jaxkv._ops import INT32_MAX as _INT32_MAX, pow2_at_least  # noqa: F401 - pow2_at_least re-exported
+
+__all__ = [
+    "as_int32_ids",
+    "count_or_raise",
+    "given_ids",
+    "int_array",
+    "int_scalar",
+    "padded_ids",
+    "pow2_at_least",
+    "preview",
+    "refuse_repeats",
+    "unexplained",
+]
 
 
 def padded_ids(ids, name: str = "ids") -> np.ndarray:
@@ -145,3 +165,12 @@ def preview(values, limit: int = 8) -> str:
     head = ", ".join(str(v) for v in values[:limit])
     more = f", ... ({len(values)} in all)" if len(values) > limit else ""
     return f"[{head}{more}]"
+
+
+def unexplained(op: str, ids) -> Exception:
+    """The ``BookkeepingError`` of a host path whose device op failed while
+    the host explainer found nothing wrong (the two disagree: a jaxkv bug)."""
+    from jaxkv.errors import BookkeepingError
+
+    return BookkeepingError(f"{op}: the device op refused {preview(given_ids(ids))} "
+                            "but the host check finds nothing wrong")

@@ -18,6 +18,15 @@ import numpy as np
 
 import jaxkv
 
+__all__ = [
+    "blocks_with_sharing",
+    "decode_loop_in_scan",
+    "main",
+    "prefix_cache",
+    "slots_with_versions",
+    "tokens_and_rows",
+]
+
 
 def _say(text: str) -> None:
     print(f"  {text}")

@@ -28,6 +28,8 @@ from jax.experimental import checkify
 
 from jaxkv import errors
 
+__all__ = ["checked", "first_where", "require"]
+
 _CHECKS_ON: contextvars.ContextVar[bool] = contextvars.ContextVar("jaxkv_checks_on", default=False)
 
 

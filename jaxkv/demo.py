@@ -13,6 +13,7 @@ requests, tokens/s, prefix hit rate, peak KV blocks used and preemptions.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 
 import jax
@@ -20,7 +21,10 @@ import numpy as np
 from flax import nnx
 
 import jaxkv
-from jaxkv.nn import Engine, LlamaConfig, LlamaForCausalLM, SamplingParams
+from jaxkv.nn import LlamaConfig, LlamaForCausalLM, SamplingParams
+from jaxkv.serve import Engine, EngineProgress
+
+__all__ = ["DEMO_CONFIG", "main", "progress_bar", "run_checkpoint", "run_random_model", "synthetic_workload"]
 
 DEMO_CONFIG = dict(
     model_type="llama", vocab_size=2048, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
@@ -39,6 +43,25 @@ def synthetic_workload(vocab: int, num_requests: int, rng) -> list[tuple[list[in
     return workload
 
 
+@contextlib.contextmanager
+def progress_bar(total: int):
+    """A ``rich`` progress bar; yields the ``on_progress`` callback for
+    :meth:`Engine.run` that advances it (the engine itself never prints)."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    columns = (TextColumn("serving"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+               TextColumn("{task.fields[detail]}"))
+    with Progress(*columns, transient=False) as bar:
+        task = bar.add_task("serve", total=total, detail="")
+
+        def update(p: EngineProgress) -> None:
+            bar.update(task, completed=p.finished, detail=(
+                f"{p.running} running, {p.generated_tokens} tok, {p.tokens_per_second:.0f} tok/s, "
+                f"{p.preemptions} preempted"))
+
+        yield update
+
+
 def run_random_model(num_requests: int) -> None:
     model = LlamaForCausalLM(LlamaConfig.from_hf(DEMO_CONFIG), rngs=nnx.Rngs(0))
     rng = np.random.default_rng(0)
@@ -49,8 +72,8 @@ def run_random_model(num_requests: int) -> None:
     print(f"jaxkv {jaxkv.__version__} demo on {jax.devices()[0].platform}: {num_requests} requests sharing 4 system "
           f"prompts, random Llama ({DEMO_CONFIG['num_hidden_layers']} layers, hidden {DEMO_CONFIG['hidden_size']}), "
           f"{engine.capacity} KV blocks of 8 tokens")
-    summary = engine.run(progress=True)
-    print()
+    with progress_bar(num_requests) as on_progress:
+        summary = engine.run(on_progress=on_progress)
     print(summary)
 
 
@@ -62,8 +85,8 @@ def run_checkpoint(path: str, prompts: list[str], max_new: int) -> None:
     eos = model.config.eos_token_id[0] if model.config.eos_token_id else None
     engine = Engine(model, num_pages=512, page_size=16, max_seqs=8, max_blocks_per_seq=64)
     ids = [engine.add_request(tokenizer.encode(text).ids, max_new, eos_token_id=eos) for text in prompts]
-    summary = engine.run(progress=True)
-    print()
+    with progress_bar(len(ids)) as on_progress:
+        summary = engine.run(on_progress=on_progress)
     for text, rid in zip(prompts, ids):
         print(f"{text!r} -> {tokenizer.decode(engine.outputs[rid])!r}")
     print(summary)

@@ -6,7 +6,7 @@ is ignored wherever ids are taken as input.
 
 from __future__ import annotations
 
-from jaxtyping import Array, ArrayLike, Bool, Int, UInt32
+from jaxtyping import Array, ArrayLike, Bool, Float, Float32, Int, Shaped, UInt32
 
 #: A scalar int32 count or id (traced or concrete).
 Count = Int[ArrayLike, ""]
@@ -15,4 +15,4 @@ Ok = Bool[Array, ""]
 #: Ids of any shape, int32, ``-1`` for padding.
 Ids = Int[ArrayLike, "..."]
 
-__all__ = ["Array", "ArrayLike", "Bool", "Int", "UInt32", "Count", "Ok", "Ids"]
+__all__ = ["Array", "ArrayLike", "Bool", "Float", "Float32", "Int", "Shaped", "UInt32", "Count", "Ok", "Ids"]

@@ -5,6 +5,7 @@ host entry point against every kind of bad value is in
 
 from __future__ import annotations
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -28,7 +29,6 @@ from jaxkv import (
 )
 from jaxkv.manager.block_space import ALLOC_NEVER
 from jaxkv.pool.host import create_host_pool
-from tests.util import assert_tree_equal
 
 BS = 4
 
@@ -89,7 +89,7 @@ def test_1_page_copies_refuse_pages_outside_either_pool():
     snapshot = jax.device_get(host)
     with pytest.raises(InvalidId, match=r"target pages \[3\] outside"):
         swap_out_pages(pool, host, [1, 2], [1, 3])
-    assert_tree_equal(snapshot, host)
+    chex.assert_trees_all_equal(snapshot, host, strict=True)
     with pytest.raises(InvalidId, match=r"source pages \[5\] outside"):
         swap_in_pages(pool, host, [5], [1])
     with pytest.raises(InvalidArgument, match="more than once"):
@@ -217,7 +217,7 @@ def test_5_page_copies_validate_ids_on_host_and_report_ok_when_traced():
     np.testing.assert_array_equal(out.k_pages[:, :, 4], snapshot.k_pages[:, :, 4])  # the bad pair is skipped
     out, ok = copy(pool, jnp.array([1]), jnp.array([-2]))
     assert not bool(ok)
-    assert_tree_equal(snapshot, out)  # page num_pages-2 untouched
+    chex.assert_trees_all_equal(snapshot, out, strict=True)  # page num_pages-2 untouched
     data, ok = jax.jit(KVPool.read_pages)(pool, jnp.array([2, 9]))
     assert not bool(ok)
     np.testing.assert_array_equal(np.asarray(data.k_pages[:, :, 0]), snapshot.k_pages[:, :, 2])
@@ -342,7 +342,7 @@ def test_13_incref_refuses_to_wrap_a_count_past_int32_max():
         a.incref_or_raise([1])
     b, ok = jax.jit(BlockAllocator.incref)(a, jnp.array([2, 1, -1, -1]))
     assert not bool(ok)
-    assert_tree_equal(a, b)
+    chex.assert_trees_all_equal(a, b, strict=True)
 
 
 def test_16_duplicate_targets_in_one_host_write_are_refused():

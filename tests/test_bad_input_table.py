@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -34,7 +35,6 @@ from jaxkv import (
     TokenToKVPoolAllocator,
 )
 from jaxkv.pool.host import create_host_pool
-from tests.util import assert_tree_equal
 
 #: The kinds of bad value, as a scalar would be passed.
 BAD = {
@@ -232,6 +232,7 @@ ENTRY_POINTS = [
     Entry("KVCacheManager.reserve_or_raise(num_new)", "num_new", _hybrid, lambda s, v: s.reserve_or_raise([1], v),
           as_scalar, frozenset({"null"})),
     Entry("KVCacheManager.release_or_raise", "slots", _hybrid, lambda s, v: s.release_or_raise(v)),
+    Entry("KVCacheManager.allocate_block_or_raise", "slot", _hybrid, lambda s, v: s.allocate_block_or_raise(1, v), as_scalar),
     Entry("SlotPrefixCacheManager.find", "tokens", _slot_cache, lambda s, v: s.find(v),
           legal=frozenset({"negative", "null", "out_of_range", "duplicates"})),
     Entry("SlotPrefixCacheManager.insert(slot)", "slot", _slot_cache, lambda s, v: s.insert([4, 5], v, 1), as_scalar,
@@ -265,7 +266,7 @@ def assert_same(before, after):
     if isinstance(before, tuple) and any(isinstance(b, (list, int)) for b in before):
         assert repr(before) == repr(after)
     else:
-        assert_tree_equal(before, after)
+        chex.assert_trees_all_equal(before, after, strict=True)
 
 
 CASES = [pytest.param(entry, kind, id=f"{entry.name}-{kind}") for entry in ENTRY_POINTS for kind in BAD]

@@ -17,6 +17,7 @@ from __future__ import annotations
 import collections
 import re
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -26,7 +27,6 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from jaxkv import BlockAllocator, DoubleFree, InvalidArgument, InvalidId, KVCacheOOM
-from tests.util import assert_tree_equal
 
 NUM_BLOCKS = 13  # capacity 12
 MAX_N = 5  # static lane count of every device acquire in the state machine
@@ -205,7 +205,7 @@ class BlockMachine(RuleBasedStateMachine):
         assert ids.shape == (MAX_N,) and ids.dtype == np.int32
         assert bool(ok) == expect_ok, (n, free_before)
         if not expect_ok:
-            assert_tree_equal(before, state)
+            chex.assert_trees_all_equal(before, state, strict=True)
             assert (ids == -1).all(), ids
             return
         got = ids[:n].tolist()
@@ -243,7 +243,7 @@ class BlockMachine(RuleBasedStateMachine):
         state, ok = REL(before, ids)
         assert bool(ok) == (expect is None), (ids.tolist(), expect)
         if expect is not None:
-            assert_tree_equal(before, state)
+            chex.assert_trees_all_equal(before, state, strict=True)
             return
         nonzero_before = set(self.model.held())
         freed = self.model.apply_release(ids.tolist())
@@ -278,7 +278,7 @@ class BlockMachine(RuleBasedStateMachine):
         state, ok = INC(before, ids)
         assert bool(ok) == (expect is None), (ids.tolist(), expect)
         if expect is not None:
-            assert_tree_equal(before, state)
+            chex.assert_trees_all_equal(before, state, strict=True)
             return
         self.model.apply_incref(ids.tolist())
         # incref never touches the free stack
@@ -323,7 +323,7 @@ class BlockMachine(RuleBasedStateMachine):
         state, ok = REL_DISTINCT(before, padded(data, vals))
         assert bool(ok) == expect_ok, (vals, self.model.counts)
         if not expect_ok:
-            assert_tree_equal(before, state)
+            chex.assert_trees_all_equal(before, state, strict=True)
             return
         freed = self.model.apply_release(vals)
         self.state = state
@@ -353,7 +353,7 @@ class BlockMachine(RuleBasedStateMachine):
         expect_ok = incref_ok and release_ok and n <= len(after_incref.free())
         assert bool(ok) == expect_ok, (inc, rel, n, self.model.counts)
         if not expect_ok:
-            assert_tree_equal(before, state)
+            chex.assert_trees_all_equal(before, state, strict=True)
             assert (ids == -1).all()
             return
         got = ids[:n].tolist()
@@ -390,7 +390,7 @@ class BlockMachine(RuleBasedStateMachine):
             self.model.apply_acquire(got)
             self.state = state
             return
-        assert_tree_equal(before, self.state)
+        chex.assert_trees_all_equal(before, self.state, strict=True)
 
     @rule(data=st.data(), which=st.sampled_from(["valid", "invalid", "any"]))
     def host_release(self, data, which):
@@ -413,7 +413,7 @@ class BlockMachine(RuleBasedStateMachine):
         assert exc.value.ids == bad, (exc.value.ids, bad, vals)
         for i in bad[:8]:
             assert str(i) in str(exc.value)
-        assert_tree_equal(before, self.state)
+        chex.assert_trees_all_equal(before, self.state, strict=True)
 
     @rule(data=st.data())
     def host_incref(self, data):
@@ -427,7 +427,7 @@ class BlockMachine(RuleBasedStateMachine):
         with pytest.raises(InvalidId) as exc:
             before.incref_or_raise(vals)
         assert exc.value.ids == expect[1], (exc.value.ids, expect, vals)
-        assert_tree_equal(before, self.state)
+        chex.assert_trees_all_equal(before, self.state, strict=True)
 
     # -- the rest
 
@@ -512,7 +512,7 @@ def test_acquire_oom_numbers_random(num_blocks, taken_frac, excess, lowest_first
     assert (e.requested, e.available, e.total) == (avail + excess, avail, cap)
     assert f"requested {avail + excess} blocks, {avail} available (of {cap} total)" in str(e)
     snap = jax.tree.map(np.array, a)
-    assert_tree_equal(snap, a)
+    chex.assert_trees_all_equal(snap, a, strict=True)
     a, ids = a.acquire_or_raise(avail)  # exactly what is left still succeeds
     assert int(a.num_free) == 0 and sorted(ids.tolist()) == list(range(taken + 1, num_blocks))
 
@@ -520,7 +520,7 @@ def test_acquire_oom_numbers_random(num_blocks, taken_frac, excess, lowest_first
 def assert_double_free_message(exc: DoubleFree, offenders) -> None:
     """For each (id, times released, owners): the three numbers appear, in that order."""
     msg = str(exc)
-    assert msg.startswith("double free"), msg
+    assert msg.startswith("release: double free"), msg
     for i, times, owners in offenders:
         num = r"(?<![\d-]){}(?!\d)"
         pattern = ".*?".join(num.format(v) for v in (i, times, owners))
@@ -548,12 +548,12 @@ def test_release_error_paths(lowest_first):
     # the null block and ids past the end
     with pytest.raises(InvalidId) as exc:
         a.release_or_raise([1, 0])
-    assert exc.value.ids == [0] and "outside [1, 8): [0]" in str(exc.value)
+    assert exc.value.ids == [0] and "ids [0] outside [1, 8)" in str(exc.value)
     with pytest.raises(InvalidId) as exc:
         a.release_or_raise([8, 1, 100, -7, 8])
-    assert exc.value.ids == [-7, 8, 100] and "outside [1, 8): [-7, 8, 100]" in str(exc.value)
+    assert exc.value.ids == [-7, 8, 100] and "ids [-7, 8, 100] outside [1, 8)" in str(exc.value)
     assert isinstance(exc.value, IndexError)
-    assert_tree_equal(snap, a)
+    chex.assert_trees_all_equal(snap, a, strict=True)
     check_state(a, _model_from(a))
 
     # all of that left the state usable: the exact valid release succeeds
@@ -573,11 +573,11 @@ def test_incref_error_paths(lowest_first):
     with pytest.raises(InvalidId) as exc:
         a.incref_or_raise([1, 4, 3, 4])
     assert exc.value.ids == [3, 4]
-    assert "incref of free blocks [3, 4]" in str(exc.value)
+    assert "incref: free blocks [3, 4]" in str(exc.value)
     with pytest.raises(InvalidId) as exc:
         a.incref_or_raise([0, 1, 6])
-    assert exc.value.ids == [0, 6] and "outside [1, 6): [0, 6]" in str(exc.value)
-    assert_tree_equal(snap, a)
+    assert exc.value.ids == [0, 6] and "ids [0, 6] outside [1, 6)" in str(exc.value)
+    chex.assert_trees_all_equal(snap, a, strict=True)
     a = a.incref_or_raise([1, 1, 2])
     assert np.asarray(a.ref_counts).tolist() == [0, 3, 2, 0, 0, 0]
 
@@ -746,7 +746,7 @@ def test_incref_then_release_round_trips(lowest_first):
         assert int(b.num_free) == int(a.num_free)
         c, ok = REL(b, rng.permutation(pad))
         assert bool(ok)
-        assert_tree_equal(a, c)  # whole pytree, free stack included
+        chex.assert_trees_all_equal(a, c, strict=True)  # whole pytree, free stack included
 
 
 def test_release_and_incref_ignore_padding_and_accept_any_shape():
@@ -758,7 +758,7 @@ def test_release_and_incref_ignore_padding_and_accept_any_shape():
     assert np.asarray(rc(b, ids)).tolist() == [2, 2, 1, 1]
     c, ok = REL(b, np.full((2, 2), -1, np.int32))
     assert bool(ok)
-    assert_tree_equal(b, c)
+    chex.assert_trees_all_equal(b, c, strict=True)
     d, ok = REL(b, np.asarray([[ids[0], ids[0]], [ids[2], -1]], np.int32))
     assert bool(ok)
     assert np.asarray(rc(d, ids)).tolist() == [0, 2, 0, 1]
@@ -773,7 +773,7 @@ def test_reset_and_stack_pop_order(lowest_first):
     assert ids.tolist() == [1, 2, 3, 4]  # documented: the first pops return 1, 2, 3, ...
     a = a.incref_or_raise(ids[:2])
     r = a.reset()
-    assert_tree_equal(BlockAllocator.create(NUM_BLOCKS, lowest_first=lowest_first), r)
+    chex.assert_trees_all_equal(BlockAllocator.create(NUM_BLOCKS, lowest_first=lowest_first), r, strict=True)
     assert r.lowest_first == lowest_first and int(r.num_used) == 0
 
 
@@ -800,3 +800,30 @@ def test_acquire_or_raise_huge_request_is_oom():
     a = BlockAllocator.create(9)
     with pytest.raises(KVCacheOOM, match=re.escape(f"requested {2**31} blocks, 8 available (of 8 total)")):
         a.acquire_or_raise(2**31)
+
+
+# ---------------------------------------------------------------------- jit and eager agree
+
+
+class BlockAllocatorVariantsTest(chex.TestCase):
+    """The device ops give the same results traced under ``jax.jit`` and
+    run eagerly (``chex.variants``), with the documented shapes."""
+
+    @chex.variants(with_jit=True, without_jit=True)
+    def test_acquire_incref_release_round_trip(self):
+        acquire = self.variant(lambda s, n: s.acquire(n, max_n=4))
+        incref = self.variant(lambda s, ids: s.incref(ids))
+        release = self.variant(lambda s, ids: s.release(ids))
+        state = BlockAllocator.create(8, lowest_first=True)
+        state, ids, ok = acquire(state, jnp.int32(3))
+        chex.assert_shape(ids, (4,))
+        chex.assert_shape(ok, ())
+        assert bool(ok) and np.asarray(ids).tolist() == [1, 2, 3, -1]
+        state, ok = incref(state, ids)
+        assert bool(ok) and np.asarray(state.ref_count(ids[:3])).tolist() == [2, 2, 2]
+        state, ok = release(state, jnp.concatenate([ids, ids]))
+        assert bool(ok) and int(state.num_free) == 7
+        before = state
+        state, ids, ok = acquire(state, jnp.int32(8))  # more than free: nothing changes
+        assert not bool(ok) and (np.asarray(ids) == -1).all()
+        chex.assert_trees_all_equal(before, state, strict=True)

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import collections
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -49,7 +50,6 @@ from jaxkv.manager.block_space import (
     ON_DEVICE,
     BlockSpaceManager,
 )
-from tests.util import assert_tree_equal
 
 BS = 4
 NUM_BLOCKS = 14  # 13 usable
@@ -82,6 +82,7 @@ def make_value_pool(num_pages: int = NUM_BLOCKS, page_size: int = BS) -> KVPool:
 ALLOCATE = jax.jit(BlockSpaceManager.allocate)
 APPEND_1 = jax.jit(lambda m, pool, ids: m.append_slots(pool, ids, 1))
 APPEND_3 = jax.jit(lambda m, pool, ids: m.append_slots(pool, ids, 3))
+CAN_APPEND = {n: jax.jit(lambda m, ids, n=n: m.can_append(ids, n)) for n in (1, 3)}
 APPEND = {1: APPEND_1, 3: APPEND_3}
 FORK = jax.jit(BlockSpaceManager.fork)
 FREE_SEQS = jax.jit(BlockSpaceManager.free)
@@ -324,7 +325,7 @@ def check_space(state: BlockSpaceManager, model: SpaceModel, fresh_host: BlockAl
             assert len(set(tables[r, :k].tolist())) == k, tables[r]
         else:
             assert status[r] == FREE and lens[r] == 0 and (tables[r] == -1).all(), (r, status[r], lens[r], tables[r])
-    assert_tree_equal(fresh_host, state.host)  # nothing touches host blocks yet
+    chex.assert_trees_all_equal(fresh_host, state.host, strict=True)  # nothing touches host blocks yet
     # the model agrees
     assert sorted(np.flatnonzero(on).tolist()) == model.on_rows(), (on, model.on_rows())
     for r in model.on_rows():
@@ -412,7 +413,7 @@ class SpaceMachine(RuleBasedStateMachine):
         assert np.asarray(ok).shape == () and bool(ok) == expect, (kind, ids, tokens)
         event(f"allocate {kind}: {'ok' if expect else 'fails'}")
         if not expect:
-            assert_tree_equal(before, state)
+            chex.assert_trees_all_equal(before, state, strict=True)
             return
         given = m.apply_allocate(ids, tokens, np.asarray(state.block_tables))
         self.state = state
@@ -449,6 +450,7 @@ class SpaceMachine(RuleBasedStateMachine):
         plan = m.append_plan(ids, n)
         note(f"append n={n} {ids.tolist()} -> expect ok={plan.ok} blocked={plan.blocked} cow={plan.cow}")
         before, pool_before = self.state, self.pool
+        assert bool(CAN_APPEND[n](before, ids)) == plan.ok, (ids, n)  # the same count, without the step
         state, pool, slots, blocked, ok = APPEND[n](before, pool_before, ids)
         slots, blocked = np.asarray(slots), np.asarray(blocked)
         assert slots.shape == (APPEND_W, n) and slots.dtype == np.int32
@@ -457,8 +459,8 @@ class SpaceMachine(RuleBasedStateMachine):
         assert blocked.tolist() == plan.blocked, (ids, n, blocked, plan.blocked)
         if not plan.ok:
             event(f"append n={n}: fails ({plan.why})")
-            assert_tree_equal(before, state)
-            assert_tree_equal(pool_before, pool)
+            chex.assert_trees_all_equal(before, state, strict=True)
+            chex.assert_trees_all_equal(pool_before, pool, strict=True)
             assert (slots == -1).all(), slots
             return
         for r, copied in plan.cow.items():
@@ -515,7 +517,7 @@ class SpaceMachine(RuleBasedStateMachine):
         assert bool(ok) == expect, (src, dst)
         event(f"fork {kind}: {'ok' if expect else 'fails'}")
         if not expect:
-            assert_tree_equal(before, state)
+            chex.assert_trees_all_equal(before, state, strict=True)
             return
         m.apply_fork(src, dst)
         assert int(state.device.num_free) == int(before.device.num_free)  # fork never allocates
@@ -543,7 +545,7 @@ class SpaceMachine(RuleBasedStateMachine):
         assert bool(ok) == expect, ids
         event(f"free {kind}: {'ok' if expect else 'fails'}")
         if not expect:
-            assert_tree_equal(before, state)
+            chex.assert_trees_all_equal(before, state, strict=True)
             return
         m.apply_free(ids)
         self.state = state
@@ -555,7 +557,7 @@ class SpaceMachine(RuleBasedStateMachine):
     def reset(self):
         event("reset")
         self.state = self.state.reset()
-        assert_tree_equal(make_manager(), self.state)
+        chex.assert_trees_all_equal(make_manager(), self.state, strict=True)
         self.model.reset()
 
     @invariant()

@@ -1,12 +1,12 @@
 """Checked mode: violations inside jit surface as typed errors naming the id."""
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import jaxkv
-from tests.util import assert_tree_equal
 
 
 def _double_free_loop(bad_step):
@@ -56,7 +56,7 @@ def test_valid_program_runs_the_same_checked_and_unchecked():
     checked_state, checked_ok = jaxkv.checked(program)(blocks)
     plain_state, plain_ok = jax.jit(program)(blocks)
     assert bool(checked_ok) and bool(plain_ok)
-    assert_tree_equal(plain_state, checked_state)
+    chex.assert_trees_all_equal(plain_state, checked_state, strict=True)
 
 
 @pytest.mark.parametrize(
@@ -80,7 +80,7 @@ def test_empty_release_is_fine_when_checked():
     blocks = jaxkv.BlockAllocator.create(8)
     state, ok = jaxkv.checked(lambda b: b.release(jnp.zeros((0,), jnp.int32)))(blocks)
     assert bool(ok)
-    assert_tree_equal(blocks, state)
+    chex.assert_trees_all_equal(blocks, state, strict=True)
 
 
 def test_slot_checks():
@@ -96,8 +96,10 @@ def test_slot_checks():
 
 def test_token_and_row_checks():
     tokens = jaxkv.TokenToKVPoolAllocator.create(16, page_size=4)
-    with pytest.raises(jaxkv.InvalidArgument, match="alloc of 6 tokens: need a multiple of page_size=4"):
-        jaxkv.checked(lambda t: t.alloc(6, max_n=8))(tokens)
+    with pytest.raises(jaxkv.InvalidArgument, match=r"alloc of 9 tokens: need 0 <= n <= max_n=8"):
+        jaxkv.checked(lambda t: t.alloc(9, max_n=8))(tokens)
+    _, indices, ok = jaxkv.checked(lambda t: t.alloc(6, max_n=8))(tokens)  # a partial last page is fine
+    assert bool(ok) and np.asarray(indices).tolist() == [4, 5, 6, 7, 8, 9, -1, -1]
     with pytest.raises(jaxkv.InvalidId, match=r"free of token index id 2 outside \[4, 20\)"):
         jaxkv.checked(lambda t: t.free(jnp.array([2])))(tokens)
     table = jaxkv.make_req_to_token_pool(3, 8)

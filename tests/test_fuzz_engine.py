@@ -45,8 +45,8 @@ from hypothesis import strategies as st
 from jaxkv.errors import InvalidArgument, KVCacheError
 from jaxkv.manager.block_space import FREE
 from jaxkv.nn import LlamaConfig, LlamaForCausalLM, generate
-from jaxkv.nn.engine import Engine
-from jaxkv.nn.generate import SamplingParams
+from jaxkv.serve import Engine
+from jaxkv.nn.sampling import SamplingParams
 from tests.test_nn_engine import CONFIG, PAGE, REF_NEW
 
 VOCAB = CONFIG["vocab_size"]

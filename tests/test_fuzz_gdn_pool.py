@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import re
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -45,7 +46,6 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from jaxkv.errors import DoubleFree, InvalidArgument, InvalidId, KVCacheOOM
 from jaxkv.pool.gdn_pool import GDNPool
-from tests.util import assert_tree_equal
 
 LAYERS, MAX_REQS, TRACK = 2, 3, 3  # slots: 0 padding, 1..3 requests, 4..6 track
 HK, HV, DK, DV, KERNEL = 1, 2, 3, 2, 3  # Dk != Dv: a transposed state would show
@@ -155,7 +155,7 @@ class GDNTrackMachine(RuleBasedStateMachine):
         if device_call is not None:
             after, ok = device_call()
             assert not bool(ok)
-            assert_tree_equal(before, after)
+            chex.assert_trees_all_equal(before, after, strict=True)
 
     # -------------------------------------------------------------- requests
 
@@ -213,10 +213,10 @@ class GDNTrackMachine(RuleBasedStateMachine):
                 with pytest.raises(KVCacheOOM, match=re.escape(
                         f"requested 1 track slots, 0 available (of {TRACK} total)")):
                     self.pool.alloc_track_slot_or_raise()
-                assert_tree_equal(before, self.pool)
+                chex.assert_trees_all_equal(before, self.pool, strict=True)
                 after, slot, ok = ALLOC(self.pool)
                 assert not bool(ok) and int(slot) == -1
-                assert_tree_equal(before, after)
+                chex.assert_trees_all_equal(before, after, strict=True)
                 event("snapshot: no track slot")
                 break
             self.pool, track = self.pool.alloc_track_slot_or_raise()

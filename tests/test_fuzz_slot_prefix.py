@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -51,9 +52,9 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from jaxkv.alloc.slot import SlotAllocator
 from jaxkv.errors import DoubleFree, InvalidArgument, InvalidId, KVCacheOOM
-from jaxkv.prefix.paged import AllBlocksCleared, BlockRemoved, BlockStored, CacheLocked
+from jaxkv.prefix.block_cache import AllBlocksCleared, BlockRemoved, BlockStored, CacheLocked
 from jaxkv.prefix.slot_cache import SlotPrefixCacheManager
-from tests.util import assert_tree_equal, lcp
+from tests.util import lcp
 
 SLOTS = 6  # slot 0 is the null slot: 5 usable
 MAX_LEN = 6
@@ -325,8 +326,10 @@ class TreeModel:
 
     def release_outcome(self, ns, tokens: tuple):
         """True / False / InvalidArgument, changing nothing."""
+        if not tokens:
+            return False  # the empty prefix: a no-op, like pin([])
         if not self.covered(ns, tokens):
-            return False
+            return InvalidArgument  # nothing pinned there to undo
         path, _ = self.walk(nskey(ns), tokens, split=False)
         node = path[-1]
         if len(node[1]) != len(tokens) or self.nodes[node].pins == 0:
@@ -473,7 +476,7 @@ class SlotCacheMachine(RuleBasedStateMachine):
 
     def _unchanged(self, tree_before, alloc_before):
         assert tree_state(self.cache) == tree_before
-        assert_tree_equal(alloc_before, self.alloc)
+        chex.assert_trees_all_equal(alloc_before, self.alloc, strict=True)
         assert self.cache.take_events() == []
 
     # -------------------------------------------------------------- requests
@@ -772,7 +775,7 @@ class SlotCacheMachine(RuleBasedStateMachine):
             error = InvalidArgument
         with pytest.raises(error):
             self.alloc.free_or_raise(slot)
-        assert_tree_equal(before, self.alloc)
+        chex.assert_trees_all_equal(before, self.alloc, strict=True)
 
     def _bad_alloc_when_full(self, data):
         if self.free:
@@ -780,7 +783,7 @@ class SlotCacheMachine(RuleBasedStateMachine):
         before = self.alloc
         with pytest.raises(KVCacheOOM, match=f"requested 1 slots, 0 available \\(of {SLOTS - 1} total\\)"):
             self.alloc.alloc_or_raise()
-        assert_tree_equal(before, self.alloc)
+        chex.assert_trees_all_equal(before, self.alloc, strict=True)
 
     # -------------------------------------------------------------- invariants
 

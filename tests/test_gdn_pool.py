@@ -25,7 +25,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 
 import jaxkv
 from jaxkv.errors import DoubleFree, InvalidArgument, InvalidId, KVCacheOOM
-from jaxkv.nn import gated_delta_net as gdn
+from tests.reference import gated_delta_net as gdn
 from jaxkv.pool.gdn_pool import GDNPool
 from tests.util import assert_tree_equal
 

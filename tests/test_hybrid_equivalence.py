@@ -9,7 +9,7 @@ different times, some released mid-way and new ones admitted into their
 slots. Every output of every layer is compared with the layer's no-cache
 recomputation of the request's whole sequence:
 
-* DeepSeek-V4 kinds (SWA-only, CSA, HCA; :mod:`jaxkv.nn.dsv4_reference`):
+* DeepSeek-V4 kinds (SWA-only, CSA, HCA; :mod:`tests.reference.dsv4_reference`):
   against ``forward_full(quantize=True)`` (the cache's fp8 round trip applied
   to the same values) tightly (see ``TIGHT``), with the CSA top-k choices
   identical; and against ``forward_full(quantize=False)`` within fp8 bounds;
@@ -42,8 +42,8 @@ from jaxkv.manager.hybrid_schema import (
     LayerSpec,
     qwen3_next_schedule,
 )
-from jaxkv.nn import dsv4_reference as dsv4
-from jaxkv.nn import gated_delta_net as gdn
+from tests.reference import dsv4_reference as dsv4
+from tests.reference import gated_delta_net as gdn
 from jaxkv.nn.rope import apply_rope, rope_inv_freq
 from kernels_pallas.formats import EntryFormat
 
@@ -57,12 +57,12 @@ _FAST = {"xla_backend_optimization_level": 0}
 
 # Tight bound (cache vs forward_full(quantize=True)). Both paths store the
 # same values: projections and RoPE are exact in float32 whatever program XLA
-# builds (see jaxkv.nn.dsv4_reference), both round them through the same fp8
+# builds (see tests.reference.dsv4_reference), both round them through the same fp8
 # / bf16 formats, and the gathers dequantize exactly. The attention then sums
 # in different orders (window + gathered entries vs the whole masked
 # sequence): a few ulps on outputs of size ~1 (observed <= 1.1e-6), so
 # TIGHT = 1e-4. One thing is not exact: the compressor's softmax pooling,
-# which the cache (hybrid._compress) and the reference compute in different
+# which the cache (dsv4_compressor.compress_step) and the reference compute in different
 # programs; ~3% of pooled values differ in their last bit, and such a value
 # lands on the other side of an fp8 (bf16) rounding boundary with probability
 # ~2**-19.5 (2**-15.5): about one run in 100 has one flipped entry value. Its
@@ -332,7 +332,7 @@ def test_deepseek_v4_fp32_scales_and_prompts_match_recompute():
     decode token), then decoding. A prompt is over two windows long, so its
     later tokens overwrite ring rows its earlier ones see (attended from the
     step); 9 CSA entries and an HCA entry complete inside the step, pooling
-    rows of the same step (the ``here`` path of ``_compress``), and decoding
+    rows of the same step (the ``here`` path of ``compress_step``), and decoding
     then continues from the compressor rings and SWA ring the prompt left.
     (Prompts split over several steps:
     :func:`test_swa_rows_of_earlier_steps_survive_a_multi_token_step`.)"""

@@ -174,7 +174,7 @@ def test_manager_host_paths_raise_typed_errors_with_numbers():
         m.allocate_or_raise([0], 4)
     with pytest.raises(jaxkv.InvalidId, match=r"allocate: sequence 5 outside \[0, 3\)"):
         m.allocate_or_raise([5], 3)
-    with pytest.raises(jaxkv.InvalidArgument, match="allocate of 17 tokens"):
+    with pytest.raises(jaxkv.InvalidArgument, match="allocate: 17 tokens"):
         m.allocate_or_raise([1], 17)
     with pytest.raises(jaxkv.KVCacheOOM, match=r"requested 2 blocks, 1 available \(of 7 total\)"):
         m.allocate_or_raise([1], 12).allocate_or_raise([2], 5)

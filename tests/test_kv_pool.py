@@ -1,5 +1,6 @@
 """KVPool: layout, dtypes, fp8 quantization, in-place writes, page copies, errors."""
 
+import chex
 import jax
 import jax.numpy as jnp
 import ml_dtypes
@@ -8,7 +9,6 @@ import pytest
 
 import jaxkv
 from jaxkv.pool import KVPool, make_full_attention_net_mem_pool
-from tests.util import assert_tree_equal
 
 LAYERS, PAGES, PAGE_SIZE = 2, 9, 4
 K_HEADS, K_DIM, V_HEADS, V_DIM = 2, 8, 3, 4
@@ -137,7 +137,7 @@ def test_copy_pages_and_page_round_trip_are_bit_exact(dtype):
     wiped, _ = pool.write_pages(jnp.array([2, 6]), jax.tree_util.tree_map(np.zeros_like, saved))
     restored, ok = wiped.write_pages(jnp.array([2, 6]), saved)
     assert ok
-    assert_tree_equal(pool, restored)
+    chex.assert_trees_all_equal(pool, restored, strict=True)
 
 
 def test_mem_bytes_counts_every_array():
@@ -146,7 +146,8 @@ def test_mem_bytes_counts_every_array():
         itemsize = jnp.dtype(dtype).itemsize
         pages = LAYERS * PAGES * PAGE_SIZE * (K_HEADS * K_DIM + V_HEADS * V_DIM) * itemsize
         scales = LAYERS * PAGES * PAGE_SIZE * (K_HEADS + V_HEADS) * 4 if itemsize == 1 else 0
-        assert pool.mem_bytes() == pages + scales
+        assert pool.memory_bytes() == pages + scales
+        assert pool.mem_bytes() == pool.memory_bytes()  # the deprecated alias
 
 
 def test_factory_matches_allocator_index_space():

@@ -1,4 +1,4 @@
-"""``jaxkv.nn.engine.Engine``: continuous batching against the per-request
+"""``jaxkv.serve.Engine``: continuous batching against the per-request
 reference ``jaxkv.nn.generate`` (greedy), with arrivals over time, prefix-cache
 hits, and preemption by swap and by recompute; block accounting after ``run``.
 
@@ -15,9 +15,11 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxkv.errors import InvalidArgument
+import jaxkv.nn
+import jaxkv.serve
+from jaxkv.errors import BookkeepingError, InvalidArgument
 from jaxkv.nn import LlamaConfig, LlamaForCausalLM, generate
-from jaxkv.nn.engine import Engine, EngineSummary, sample_rows
+from jaxkv.serve import Engine, EngineProgress, EngineSummary, RequestState
 
 CONFIG = dict(
     model_type="llama", vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
@@ -94,11 +96,20 @@ def test_shared_prefixes_hit_the_cache(model, reference, capsys):
     for arrival, (length, max_new) in enumerate([(2, 6), (4, 4), (1, 7), (3, 5)]):
         prompt = system + tokens(rng, length)
         requests[engine.add_request(prompt, max_new, arrival_step=arrival)] = (prompt, max_new)
-    summary = engine.run(progress=True)
+    seen = []
+    summary = engine.run(on_progress=seen.append)
     check_outputs(engine, requests, reference)
     assert summary.prefix_hit_rate > 0 and summary.prefix_hit_tokens % PAGE == 0
-    out = capsys.readouterr().out
-    assert "\r" in out and "4/4 done" in out
+    # progress reaches the callback, never stdout/stderr
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err == ""
+    assert seen and all(isinstance(p, EngineProgress) for p in seen)
+    for field in ("finished", "generated_tokens", "iteration", "preemptions"):
+        values = [getattr(p, field) for p in seen]
+        assert values == sorted(values), field
+    assert all(p.total == 4 and p.finished + p.running + p.waiting + p.swapped == 4 for p in seen)
+    assert seen[-1].finished == 4 and seen[-1].generated_tokens == summary.generated_tokens
+    assert seen[-1].iteration == summary.iterations
     check_blocks(engine)
 
 
@@ -147,12 +158,53 @@ def test_rejects_requests_that_never_fit(model):
         engine.add_request([], 4)
 
 
-def test_sample_rows_is_greedy_per_row():
-    import jax
-    import jax.numpy as jnp
+def test_engine_is_importable_from_nn_and_serve():
+    assert jaxkv.nn.Engine is jaxkv.serve.Engine and jaxkv.nn.EngineSummary is jaxkv.serve.EngineSummary
+    from jaxkv.nn import Engine as from_nn
 
-    logits = jax.random.normal(jax.random.key(0), (3, 11))
-    out = sample_rows(logits, jax.random.key(1), jnp.asarray([0.0, 1.0, 0.0]), jnp.asarray([0, 1, 0]),
-                      jnp.asarray([1.0, 1.0, 1.0]))
-    greedy = np.asarray(jnp.argmax(logits, axis=-1))
-    assert np.asarray(out).tolist() == greedy.tolist()  # top_k=1 sampling is greedy too
+    assert from_nn is Engine and "Engine" in dir(jaxkv.nn)
+
+
+def test_request_states_follow_the_life_cycle(model):
+    engine = Engine(model, **ENGINE)
+    rid = engine.add_request([3, 4, 5, 6, 7, 8, 9, 10, 11], 3)
+    assert engine._requests[rid].state is RequestState.WAITING
+    engine.run()
+    assert engine._requests[rid].state is RequestState.FINISHED and len(engine.outputs[rid]) == 3
+    assert {s.name for s in RequestState} == {"WAITING", "RUNNING", "SWAPPED", "FINISHED"}
+
+
+def test_corrupted_bookkeeping_raises_bookkeeping_error(model):
+    """A running request whose row was tampered with is caught before the
+    next decode, with the numbers, as a BookkeepingError (not an assert, not
+    an OOM)."""
+    engine = Engine(model, **ENGINE)
+    rid = engine.add_request([3, 4, 5, 6, 7, 8, 9, 10, 11], 8)
+    engine._admit()
+    req = engine._requests[rid]
+    assert req.state is RequestState.RUNNING
+    engine.check_bookkeeping()  # consistent so far
+    real = req.row
+    req.row = (real + 1) % ENGINE["max_seqs"]
+    with pytest.raises(BookkeepingError, match=f"request {rid} is RUNNING on row {req.row}"):
+        engine._decode()
+    req.row = real
+    engine._rows[real] = None
+    with pytest.raises(BookkeepingError, match=f"row {real}"):
+        engine.check_bookkeeping()
+    engine._rows[real] = rid
+    # a device-side failure of the engine's own retire call is a bookkeeping bug too
+    with pytest.raises(BookkeepingError, match="free 1 rows"):
+        engine._device_update(rows=[(real + 1) % ENGINE["max_seqs"]])  # a FREE row: free fails
+
+
+def test_logging_not_printing(model, capsys, caplog):
+    import logging
+
+    engine = Engine(model, **ENGINE)
+    engine.add_request([3, 4, 5, 6, 7, 8, 9, 10, 11], 2)
+    with caplog.at_level(logging.DEBUG, logger="jaxkv.serve"):
+        summary = engine.run()
+    assert capsys.readouterr().out == ""
+    messages = [r.getMessage() for r in caplog.records if r.name == "jaxkv.serve"]
+    assert any("iteration 1" in m for m in messages) and any(str(summary) in m for m in messages)

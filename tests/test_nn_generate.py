@@ -11,7 +11,8 @@ from flax import nnx
 
 from jaxkv.errors import InvalidArgument, KVCacheOOM
 from jaxkv.nn import LlamaConfig, LlamaForCausalLM
-from jaxkv.nn.generate import SamplingParams, generate, sample
+from jaxkv.nn.generate import generate
+from jaxkv.nn.sampling import RowSampling, SamplingParams, sample
 
 CONFIG = dict(
     model_type="llama", vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
@@ -116,15 +117,82 @@ def test_sampling_filters():
 
 @pytest.mark.gpu
 def test_pallas_attention_gives_the_reference_greedy_tokens(model, prompts):
-    """The compiled Pallas kernel as every layer's decode attention (set on
-    the layers, so the jitted loop is traced anew) yields the reference
-    path's greedy tokens."""
-    import functools
-
-    from kernels_pallas import paged_attention
-
+    """The compiled Pallas kernel as every layer's decode attention
+    (``implementation="pallas"`` on the model) yields the reference path's
+    greedy tokens."""
     reference = generate(model, prompts, 6, page_size=16).tokens
-    kernel_model = LlamaForCausalLM(LlamaConfig.from_hf(CONFIG), rngs=nnx.Rngs(0))
-    for layer in kernel_model.layers:
-        layer.self_attn.decode_attention_fn = functools.partial(paged_attention, implementation="pallas")
+    kernel_model = LlamaForCausalLM(LlamaConfig.from_hf(CONFIG), rngs=nnx.Rngs(0), implementation="pallas")
     assert generate(kernel_model, prompts, 6, page_size=16).tokens == reference
+
+
+# ------------------------------------------------------------ the one sampler
+
+
+def test_sampler_greedy_rows_are_argmax_and_top_k_keeps_exactly_k():
+    """Per-row parameters: greedy rows give the argmax (ties: lowest id);
+    a top-k row only ever draws among its k most likely tokens, and over
+    many keys draws every one of them."""
+    rng = np.random.default_rng(3)
+    logits = jnp.asarray(rng.normal(size=(4, 30)), jnp.float32)
+    params = RowSampling.stack([None, SamplingParams(temperature=5.0, top_k=3), SamplingParams(temperature=1.0, top_k=1),
+                                SamplingParams(temperature=5.0, top_k=7)])
+    jitted = jax.jit(sample)
+    greedy = np.argmax(np.asarray(logits), -1)
+    seen = [set() for _ in range(4)]
+    for seed in range(200):
+        drawn = np.asarray(jitted(logits, jax.random.key(seed), params))
+        for row in range(4):
+            seen[row].add(int(drawn[row]))
+    top = np.argsort(-np.asarray(logits), axis=-1)
+    assert seen[0] == {int(greedy[0])} and seen[2] == {int(greedy[2])}  # top_k=1 is greedy
+    assert seen[1] == set(top[1, :3].tolist())
+    assert seen[3] == set(top[3, :7].tolist())
+
+
+def test_sampler_scalar_params_broadcast_and_row_keys_are_independent():
+    """A SamplingParams equals the same RowSampling on every row (same key);
+    with per-row keys, row b's token depends on keys[b] alone."""
+    rng = np.random.default_rng(4)
+    logits = jnp.asarray(rng.normal(size=(3, 40)), jnp.float32)
+    params = SamplingParams(temperature=0.8, top_k=10, top_p=0.9)
+    key = jax.random.key(5)
+    np.testing.assert_array_equal(sample(logits, key, params), sample(logits, key, RowSampling.broadcast(params, 3)))
+    keys = jax.random.split(jax.random.key(6), 3)
+    together = np.asarray(sample(logits, keys, params))
+    alone = [int(sample(logits[b:b + 1], keys[b:b + 1], params)[0]) for b in range(3)]
+    assert together.tolist() == alone
+    # the nucleus rule: every draw's more likely tokens hold less than top_p of the (top-k) mass
+    probs = np.asarray(jax.nn.softmax(logits / 0.8, axis=-1))
+    for seed in range(30):
+        drawn = np.asarray(sample(logits, jax.random.key(seed), params))
+        for b in range(3):
+            kept = np.sort(probs[b])[::-1][:10]
+            kept = kept / kept.sum()
+            rank = int(np.sum(probs[b] > probs[b, drawn[b]]))
+            assert rank < 10 and kept[:rank].sum() < 0.9
+
+
+def test_sampler_refuses_raw_keys_and_bad_params():
+    with pytest.raises(InvalidArgument):
+        sample(jnp.zeros((2, 5)), jax.random.PRNGKey(0), SamplingParams(temperature=1.0))
+    with pytest.raises(InvalidArgument):
+        SamplingParams(temperature=-0.5)
+    with pytest.raises(InvalidArgument):
+        generate(LlamaForCausalLM(LlamaConfig.from_hf(CONFIG), rngs=nnx.Rngs(0)), [[1]], 2, sampling={"top_k": 2})
+
+
+def test_implementation_choice(model, prompts):
+    """``implementation=`` picks the decode kernel: the Pallas kernel run by
+    its interpreter gives the reference path's greedy tokens; a bad choice
+    is refused when the model is built."""
+    reference = generate(model, prompts[:1], 3, page_size=16).tokens
+    graphdef, params = nnx.split(model)
+    interpreted = LlamaForCausalLM(LlamaConfig.from_hf(CONFIG), rngs=nnx.Rngs(0), implementation="pallas",
+                                   interpret=True)
+    nnx.update(interpreted, params)
+    assert interpreted.layers[0].self_attn.implementation == "pallas"
+    assert generate(interpreted, prompts[:1], 3, page_size=16).tokens == reference
+    with pytest.raises(InvalidArgument):
+        LlamaForCausalLM(LlamaConfig.from_hf(CONFIG), rngs=nnx.Rngs(0), implementation="triton")
+    with pytest.raises(InvalidArgument):
+        LlamaForCausalLM(LlamaConfig.from_hf(CONFIG), rngs=nnx.Rngs(0), implementation="reference", interpret=True)

@@ -34,7 +34,6 @@ from jaxkv.nn import (
     LlamaForCausalLM,
     PagedAttention,
     paged_prefill_attention,
-    set_attention_fns,
 )
 
 VOCAB, HIDDEN, INTER, LAYERS, HEADS, KV_HEADS, HEAD_DIM = 128, 64, 96, 2, 4, 2, 16
@@ -670,8 +669,9 @@ def test_paged_prefill_attention_vs_dense(window, pool_dtype):
             _check_close(out[r, :n], ref, 1e-5, f"row {r}")
 
 
-def test_attention_hook_replaces_decode():
-    """A kernel set with set_attention_fns is what decode mode calls."""
+def test_attention_function_override_replaces_decode():
+    """A layer's ``decode_attention_fn`` is what decode mode calls (with the
+    layer's window), in place of the ``implementation`` choice."""
     calls = []
 
     def spy(*args, **kwargs):
@@ -680,15 +680,12 @@ def test_attention_hook_replaces_decode():
 
         return paged_decode_attention(*args, **kwargs)
 
-    layer = PagedAttention(HIDDEN, HEADS, KV_HEADS, HEAD_DIM, sliding_window=7, rngs=nnx.Rngs(0))
+    layer = PagedAttention(HIDDEN, HEADS, KV_HEADS, HEAD_DIM, sliding_window=7, decode_attention_fn=spy,
+                           rngs=nnx.Rngs(0))
     pool = KVPool.create(num_pages=4, page_size=PAGE, num_layers=1, k_heads=KV_HEADS, k_dim=HEAD_DIM,
                          dtype=jnp.float32)
     x = jnp.asarray(np.random.default_rng(13).normal(size=(1, 1, HIDDEN)), jnp.float32)
     one = jnp.ones((1, 1), jnp.int32)
-    previous = set_attention_fns(decode=spy)
-    try:
-        out, _ = nnx.jit(lambda m, *a: m(*a, mode="decode"), static_argnums=4)(
-            layer, x, 0 * one, pool, 0, PAGE * one, one, jnp.zeros(1, jnp.int32), jnp.ones(1, jnp.int32))
-    finally:
-        set_attention_fns(decode=previous[0])
+    out, _ = nnx.jit(lambda m, *a: m(*a, mode="decode"), static_argnums=4)(
+        layer, x, 0 * one, pool, 0, PAGE * one, one, jnp.zeros(1, jnp.int32), jnp.ones(1, jnp.int32))
     assert calls == [7] and np.isfinite(np.asarray(out)).all()

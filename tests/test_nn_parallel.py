@@ -13,16 +13,17 @@ from flax import nnx
 
 from jaxkv.manager.block_space import BlockSpaceManager
 from jaxkv.nn import LlamaConfig, LlamaForCausalLM
-from jaxkv.nn.generate import SamplingParams, generate, sample
+from jaxkv.nn.generate import generate
 from jaxkv.nn.parallel import (
-    _setup,
     beam_search,
     beam_search_output,
     parallel_sample,
     prefill_fork,
     sample_n,
     sequence_keys,
+    setup_prompt,
 )
+from jaxkv.nn.sampling import SamplingParams, sample
 
 CONFIG = dict(
     model_type="llama", vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
@@ -139,10 +140,10 @@ def test_each_sample_pages_hold_its_own_kv(dense_kv, sampled):
 
 def test_fork_shares_prompt_blocks_then_copy_on_write(model, sampled):
     # the same arguments as parallel_sample's, so prefill_fork is not compiled again
-    padded, length, manager, pool, _ = _setup(model, PROMPT, N, STEPS, PAGE, None)
+    setup = setup_prompt(model, PROMPT, N, STEPS, PAGE)
     graphdef, params = nnx.split(model)
-    state = prefill_fork(graphdef, params, manager, pool, padded, length, sequence_keys(11, N), np.int32(-1),
-                         sampling=SAMPLING, max_new=STEPS)
+    state = prefill_fork(graphdef, params, setup.manager, setup.pool, setup.padded, setup.length,
+                         sequence_keys(11, N), np.int32(-1), SAMPLING, max_new=STEPS)
     assert bool(state.ok)
     manager = state.manager
     tables = np.asarray(manager.block_tables)

@@ -30,6 +30,7 @@ under 64 pages, so the scheduler's jitted step compiles once per process.
 
 from __future__ import annotations
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -39,7 +40,7 @@ from jaxkv.alloc.block import BlockAllocator
 from jaxkv.errors import InvalidArgument
 from jaxkv.pool.host import create_host_pool
 from jaxkv.pool.kv_pool import KVPool
-from jaxkv.prefix.paged import (
+from jaxkv.prefix.block_cache import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
@@ -48,7 +49,7 @@ from jaxkv.prefix.paged import (
 )
 from jaxkv.prefix.radix import HOST
 from jaxkv.prefix.scheduler import PrefixScheduler
-from tests.util import assert_tree_equal
+from jaxkv.prefix.slot_cache import SlotPrefixCacheManager
 
 NUM_BLOCKS = 32  # one allocator shape for every scheduler test: 31 usable blocks
 CAPACITY = NUM_BLOCKS - 1
@@ -571,7 +572,7 @@ def test_request_that_does_not_fit_is_refused_and_nothing_changes():
     assert stats_after.protected_tokens == stats_before.protected_tokens
     assert stats_after.evictable_tokens == stats_before.evictable_tokens
     assert stats_after.evictions == 0
-    assert_tree_equal(allocator_before, snapshot(sched.allocator))  # free stack and counts
+    chex.assert_trees_all_equal(allocator_before, snapshot(sched.allocator), strict=True)  # free stack and counts
     assert num_free(sched) == free_before
     check(cache, sched)
     # The first fits, the second does not, the third would but comes after it.
@@ -914,3 +915,80 @@ def test_event_replay_matches_the_tree_with_a_host_tier():
     assert cache.cached_length(b) == 0 and cache.cached_length(a) == 4 * ps
     replay()
     check(cache)
+
+
+# ---------------------------------------------------------------------- one pin contract, both caches
+
+
+class _PagedPins:
+    """``PrefixCacheManager``'s pins, named by token ids (``pin_prefix``)."""
+
+    def __init__(self):
+        self.cache = PrefixCacheManager(page_size=1)
+        self.nodes: dict = {}
+
+    def insert(self, tokens):
+        self.cache.insert(tokens, list(range(1 + 10 * len(self.nodes), 1 + 10 * len(self.nodes) + len(tokens))))
+        self.nodes[tuple(tokens)] = self.cache.match(tokens).node
+
+    def pin(self, tokens):
+        self.nodes[tuple(tokens)] = self.cache.pin_prefix(tokens)
+
+    def release(self, tokens):
+        self.cache.release(self.nodes[tuple(tokens)])
+
+    def protected(self) -> int:
+        return self.cache.stats().protected_tokens
+
+    def reset(self):
+        self.cache.reset()
+
+
+class _SlotPins:
+    def __init__(self):
+        self.cache = SlotPrefixCacheManager()
+
+    def insert(self, tokens):
+        self.cache.insert(tokens, 1, 0)
+
+    def pin(self, tokens):
+        assert self.cache.pin(tokens) is True
+
+    def release(self, tokens):
+        assert self.cache.release(tokens) is True
+
+    def protected(self) -> int:
+        return sum(node.num_tokens for node in self.cache.tree.nodes() if node.lock)
+
+    def reset(self):
+        self.cache.reset()
+
+
+@pytest.mark.parametrize("make", [_PagedPins, _SlotPins], ids=["paged", "slot"])
+def test_pin_release_contract_is_the_same_on_both_caches(make):
+    """What is pinned (the node where the prefix ends, split there, and its
+    path), what ``release`` undoes (one pin of that node; pins are counted)
+    and what a release with nothing to undo does (``InvalidArgument``,
+    nothing changes) -- the contract in ``jaxkv.prefix.radix``."""
+    pins = make()
+    pins.insert([1, 2, 3, 4])
+    pins.pin([1, 2])  # ends inside the inserted node: split at 2
+    assert pins.protected() == 2  # the prefix's path, not the whole node
+    pins.pin([1, 2])  # counted
+    pins.release([1, 2])
+    assert pins.protected() == 2
+    with pytest.raises(CacheLocked):
+        pins.reset()
+    pins.release([1, 2])
+    assert pins.protected() == 0
+    pins.cache.check_invariants()
+    with pytest.raises(InvalidArgument, match="not pinned"):
+        pins.release([1, 2])  # double release
+    pins.pin([1, 2, 3, 4])
+    with pytest.raises(InvalidArgument, match="not pinned"):
+        pins.release([1, 2])  # a pin held below does not count at the ancestor
+    assert pins.protected() == 4
+    pins.release([1, 2, 3, 4])
+    assert pins.protected() == 0
+    pins.cache.check_invariants()
+    pins.reset()

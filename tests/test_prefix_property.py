@@ -53,7 +53,7 @@ from hypothesis.stateful import (
 from jaxkv.alloc.block import BlockAllocator
 from jaxkv.pool.host import create_host_pool
 from jaxkv.pool.kv_pool import KVPool
-from jaxkv.prefix.paged import BlockRemoved, BlockStored, PrefixCacheManager
+from jaxkv.prefix.block_cache import BlockRemoved, BlockStored, PrefixCacheManager
 from jaxkv.prefix.radix import DEVICE, token_bytes
 from jaxkv.prefix.scheduler import PrefixScheduler
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import re
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -18,7 +19,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from jaxkv import DoubleFree, InvalidArgument, InvalidId, KVCacheOOM, ReqToTokenPool, make_req_to_token_pool
-from tests.util import assert_all_or_nothing, assert_tree_equal
+from tests.util import assert_all_or_nothing
 
 CONFIGS = ((5, 12), (7, 33), (1, 3))  # (max_reqs, max_context_len)
 MAX_N = 8  # static max_n of every alloc call (> every max_reqs above)
@@ -135,7 +136,7 @@ class ReqToTokenMachine(RuleBasedStateMachine):
         after, ok = FREE(before, ids)
         assert bool(ok) == expected, f"free {ids.tolist()}: ok={bool(ok)} model={expected}"
         if not expected:
-            assert_tree_equal(before, after)
+            chex.assert_trees_all_equal(before, after, strict=True)
         self.pool = after
 
     def _valid_write(self, data, min_rows: int = 0):
@@ -163,7 +164,7 @@ class ReqToTokenMachine(RuleBasedStateMachine):
             f"ok={bool(ok)} model={expected}"
         )
         if not expected:
-            assert_tree_equal(before, after)
+            chex.assert_trees_all_equal(before, after, strict=True)
         self.pool = after
 
     # -- alloc
@@ -192,7 +193,7 @@ class ReqToTokenMachine(RuleBasedStateMachine):
         after, ids, ok = ALLOC(before, n, max_n=MAX_N)
         assert bool(ok) == (extra == 0)
         if extra:
-            assert_tree_equal(before, after)
+            chex.assert_trees_all_equal(before, after, strict=True)
         else:
             np.testing.assert_array_equal(np.asarray(ids)[:n], expected)
         self.pool = after
@@ -273,7 +274,7 @@ class ReqToTokenMachine(RuleBasedStateMachine):
         after, ok = WRITE(before, rows, starts, values)
         assert bool(ok) == expected
         if not expected:
-            assert_tree_equal(before, after)
+            chex.assert_trees_all_equal(before, after, strict=True)
         self.pool = after
 
     @rule()
@@ -302,7 +303,7 @@ def test_machine_uses_loaded_profile():
 
 def test_create_and_factory():
     pool = make_req_to_token_pool(4, 10)
-    assert_tree_equal(ReqToTokenPool.create(4, 10), pool)
+    chex.assert_trees_all_equal(ReqToTokenPool.create(4, 10), pool, strict=True)
     check_pool(pool, ReqModel(4, 10))
     assert pool.size == 4 and pool.max_context_len == 10
     for bad in ((0, 5), (3, 0), (-1, 4)):
@@ -315,7 +316,7 @@ def test_clear_frees_and_zeroes_every_row():
     pool, rows = pool.alloc_or_raise(3)
     pool = pool.write_or_raise(2, 1, [5, 6, 7])
     cleared = pool.clear()
-    assert_tree_equal(ReqToTokenPool.create(3, 6), cleared)
+    chex.assert_trees_all_equal(ReqToTokenPool.create(3, 6), cleared, strict=True)
 
 
 def test_write_scalar_row_and_1d_values():
@@ -348,7 +349,7 @@ def test_alloc_or_raise_oom_numbers():
     e = info.value
     assert str(e) == "KV cache OOM: requested 4 rows, 2 available (of 3 total)"
     assert (e.requested, e.available, e.total, e.unit) == (4, 2, 3, "rows")
-    assert_tree_equal(before, pool)
+    chex.assert_trees_all_equal(before, pool, strict=True)
     with pytest.raises(KVCacheOOM, match=re.escape("requested 3 rows, 2 available (of 3 total)")):
         pool.alloc_or_raise(3)
     pool2, rows = pool.alloc_or_raise(2)  # exactly the free count
@@ -359,7 +360,7 @@ def test_alloc_or_raise_oom_numbers():
         pool.alloc_or_raise(-2)
     pool3, rows = pool.alloc_or_raise(0)
     assert rows.shape == (0,)
-    assert_tree_equal(before, pool3)
+    chex.assert_trees_all_equal(before, pool3, strict=True)
 
 
 def test_alloc_or_raise_far_above_capacity_is_cheap():
@@ -386,8 +387,8 @@ def test_free_or_raise_invalid_id(ids, bad):
         pool.free_or_raise(ids)
     assert info.value.ids == bad
     msg = str(info.value)
-    assert "release of row ids outside [1, 6)" in msg and f"[{', '.join(map(str, bad))}]" in msg
-    assert_tree_equal(before, pool)
+    assert "release: row ids" in msg and "outside [1, 6)" in msg and f"[{', '.join(map(str, bad))}]" in msg
+    chex.assert_trees_all_equal(before, pool, strict=True)
 
 
 def _ints(e: Exception) -> list[int]:
@@ -401,12 +402,12 @@ def test_free_or_raise_double_free():
         pool.free_or_raise([3, 2, -1])  # row 2 is free
     assert info.value.ids == [2]
     # The message names the row, how often it was released and its owners.
-    assert str(info.value).startswith("double free") and _ints(info.value) == [2, 1, 0]
+    assert str(info.value).startswith("release: double free") and _ints(info.value) == [2, 1, 0]
     with pytest.raises(DoubleFree) as info:
         pool.free_or_raise([3, 1, 3])  # row 3 named twice
     assert info.value.ids == [3]
-    assert str(info.value).startswith("double free") and _ints(info.value) == [3, 2, 1]
-    assert_tree_equal(before, pool)
+    assert str(info.value).startswith("release: double free") and _ints(info.value) == [3, 2, 1]
+    chex.assert_trees_all_equal(before, pool, strict=True)
     # Row 3's contents survived the failed frees; a good free zeroes them.
     np.testing.assert_array_equal(np.asarray(pool.req_to_token)[3, 2:4], [30, 31])
     pool = pool.free_or_raise(np.array([[3], [-1]]))
@@ -421,7 +422,7 @@ def test_write_or_raise_row_not_held(row):
         pool.write_or_raise(row, 0, [1, 2])
     assert info.value.ids == [row]
     assert str(info.value) == f"write to row {row}, which is not held (rows 1..5)"
-    assert_tree_equal(before, pool)
+    chex.assert_trees_all_equal(before, pool, strict=True)
 
 
 @pytest.mark.parametrize(
@@ -436,7 +437,7 @@ def test_write_or_raise_out_of_bounds(start, n):
     assert str(info.value) == (
         f"write of {n} positions at start {start} to row 5: positions must lie in [0, 8)"
     )
-    assert_tree_equal(before, pool)
+    chex.assert_trees_all_equal(before, pool, strict=True)
 
 
 # ------------------------------------------------------------- lax.scan run
@@ -517,7 +518,7 @@ def test_free_or_raise_id_beyond_int32_is_rejected():
         with pytest.raises(InvalidId) as info:
             pool.free_or_raise([row])
         assert info.value.ids == [row] and str(row) in str(info.value)
-    assert_tree_equal(before, pool)
+    chex.assert_trees_all_equal(before, pool, strict=True)
 
 
 @pytest.mark.parametrize("row, start, error", [(2**32 + 1, 0, InvalidId), (1, 2**40, InvalidArgument), (1, -(2**40), InvalidArgument)])
@@ -529,7 +530,7 @@ def test_write_or_raise_beyond_int32(row, start, error):
     with pytest.raises(error) as info:
         pool.write_or_raise(row, start, [7])
     assert str(row if error is InvalidId else start) in str(info.value)
-    assert_tree_equal(before, pool)
+    chex.assert_trees_all_equal(before, pool, strict=True)
 
 
 def test_write_or_raise_rejects_token_index_outside_int32():
@@ -540,4 +541,4 @@ def test_write_or_raise_rejects_token_index_outside_int32():
         with pytest.raises(InvalidArgument) as info:
             pool.write_or_raise(1, 0, values)
         assert str(values[-1]) in str(info.value)
-    assert_tree_equal(before, pool)
+    chex.assert_trees_all_equal(before, pool, strict=True)

@@ -9,14 +9,16 @@ from __future__ import annotations
 
 import re
 
+import chex
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from jaxkv import DoubleFree, InvalidArgument, InvalidId, KVCacheError, KVCacheOOM, SlotAllocator
-from tests.util import assert_all_or_nothing, assert_tree_equal
+from tests.util import assert_all_or_nothing
 
 SIZES = (5, 70, 100)  # tiny; > 64 and not a multiple of 32 (3 and 4 words)
 IDS_LEN = 16  # every free / occupy id array is padded with -1 to this length
@@ -157,7 +159,7 @@ class SlotMachine(RuleBasedStateMachine):
         if expected:
             np.testing.assert_array_equal(np.asarray(after.versions), np.asarray(before.versions))
         else:
-            assert_tree_equal(before, after)
+            chex.assert_trees_all_equal(before, after, strict=True)
         self.state = after
 
     # -- alloc
@@ -170,7 +172,7 @@ class SlotMachine(RuleBasedStateMachine):
         assert int(slot) == expected
         assert bool(ok) == (expected != -1)
         if expected == -1:
-            assert_tree_equal(before, after)
+            chex.assert_trees_all_equal(before, after, strict=True)
         self.state = after
 
     @rule(k=st.one_of(st.integers(0, 6), st.integers(-3, MAX_K + 3)))
@@ -198,7 +200,7 @@ class SlotMachine(RuleBasedStateMachine):
         after, slots, ok = ALLOC_MANY(before, k, max_k=MAX_K)
         assert not bool(ok)
         assert (np.asarray(slots) == -1).all()
-        assert_tree_equal(before, after)
+        chex.assert_trees_all_equal(before, after, strict=True)
 
     # -- free
 
@@ -306,7 +308,7 @@ def test_alloc_order_fills_every_slot_then_fails(n):
     before = snapshot(s)
     s2, slot, ok = ALLOC(s)
     assert not bool(ok) and int(slot) == -1
-    assert_tree_equal(before, s2)
+    chex.assert_trees_all_equal(before, s2, strict=True)
     assert int(FREE_COUNT(s2)) == 0
 
 
@@ -350,7 +352,7 @@ def test_alloc_many_or_raise_oom_numbers():
     assert str(e) == "KV cache OOM: requested 5 slots, 3 available (of 69 total)"
     assert (e.requested, e.available, e.total, e.unit) == (5, 3, 69, "slots")
     assert isinstance(e, KVCacheError)
-    assert_tree_equal(before, s)
+    chex.assert_trees_all_equal(before, s, strict=True)
     # Three is exactly enough, and leaves the allocator full.
     s2, slots = s.alloc_many_or_raise(3)
     np.testing.assert_array_equal(slots, [67, 68, 69])
@@ -363,7 +365,7 @@ def test_alloc_many_or_raise_above_capacity_and_zero():
         s.alloc_many_or_raise(200)
     s2, slots = s.alloc_many_or_raise(0)
     assert slots.shape == (0,)
-    assert_tree_equal(s, s2)
+    chex.assert_trees_all_equal(s, s2, strict=True)
     s3, slots = s.alloc_many_or_raise(99)
     np.testing.assert_array_equal(slots, np.arange(1, 100))
 
@@ -392,7 +394,7 @@ def test_alloc_or_raise_when_full():
         s.alloc_or_raise()
     assert str(info.value) == "KV cache OOM: requested 1 slots, 0 available (of 4 total)"
     assert (info.value.requested, info.value.available, info.value.total) == (1, 0, 4)
-    assert_tree_equal(before, s)
+    chex.assert_trees_all_equal(before, s, strict=True)
 
 
 @pytest.mark.parametrize(
@@ -406,10 +408,10 @@ def test_free_or_raise_invalid_id(ids, bad):
         s.free_or_raise(ids)
     assert info.value.ids == sorted(bad)
     msg = str(info.value)
-    assert "free of slots outside [1, 70)" in msg
+    assert "free: slots" in msg and "outside [1, 70)" in msg
     assert f"[{', '.join(map(str, sorted(bad)))}]" in msg
     assert isinstance(info.value, IndexError)
-    assert_tree_equal(before, s)
+    chex.assert_trees_all_equal(before, s, strict=True)
 
 
 def test_free_or_raise_double_free():
@@ -421,7 +423,7 @@ def test_free_or_raise_double_free():
         s.free_or_raise([3, 45, 10, -1])  # 10 and 45 are already free
     assert info.value.ids == [10, 45]
     assert "[10, 45]" in str(info.value) and "already free" in str(info.value)
-    assert_tree_equal(before, s)
+    chex.assert_trees_all_equal(before, s, strict=True)
     with pytest.raises(DoubleFree) as info:
         s.free_or_raise([60])  # never allocated
     assert info.value.ids == [60]
@@ -429,12 +431,12 @@ def test_free_or_raise_double_free():
         s.free_or_raise([33, 7, 33])  # both held, 33 named twice
     assert info.value.ids == [33]
     assert "[33]" in str(info.value) and "more than once" in str(info.value)
-    assert_tree_equal(before, s)
+    chex.assert_trees_all_equal(before, s, strict=True)
     # Bit 31 + bit 31 overflows the word in the device duplicate check.
     with pytest.raises(DoubleFree) as info:
         s.free_or_raise([31, 31])
     assert info.value.ids == [31]
-    assert_tree_equal(before, s)
+    chex.assert_trees_all_equal(before, s, strict=True)
 
 
 def test_occupy_or_raise_errors():
@@ -444,7 +446,7 @@ def test_occupy_or_raise_errors():
     with pytest.raises(InvalidId) as info:
         s.occupy_or_raise([50, 12, 7])  # 12 and 7 are taken
     assert info.value.ids == [7, 12]
-    assert "occupy of taken slots [7, 12]" in str(info.value)
+    assert "occupy: taken slots [7, 12]" in str(info.value)
     with pytest.raises(InvalidId) as info:
         s.occupy_or_raise([64, 64])
     assert info.value.ids == [64]
@@ -452,8 +454,8 @@ def test_occupy_or_raise_errors():
     with pytest.raises(InvalidId) as info:
         s.occupy_or_raise([0, 100, 50])
     assert info.value.ids == [0, 100]
-    assert "occupy of slots outside [1, 100)" in str(info.value)
-    assert_tree_equal(before, s)
+    assert "outside [1, 100)" in str(info.value) and str(info.value).startswith("occupy: slots")
+    chex.assert_trees_all_equal(before, s, strict=True)
 
 
 def test_error_preview_is_truncated():
@@ -548,4 +550,33 @@ def test_or_raise_id_beyond_int32_is_rejected(op):
         with pytest.raises(InvalidId) as info:
             getattr(s, f"{op}_or_raise")([bad])
         assert info.value.ids == [bad] and str(bad) in str(info.value)
-    assert_tree_equal(before, s)
+    chex.assert_trees_all_equal(before, s, strict=True)
+
+
+# ---------------------------------------------------------------------- jit and eager agree
+
+
+class SlotAllocatorVariantsTest(chex.TestCase):
+    """``alloc`` / ``alloc_many`` / ``free`` give the same results under
+    ``jax.jit`` and eagerly (``chex.variants``), with the documented shapes."""
+
+    @chex.variants(with_jit=True, without_jit=True)
+    def test_alloc_free_versions(self):
+        alloc = self.variant(lambda s: s.alloc())
+        alloc_many = self.variant(lambda s, k: s.alloc_many(k, max_k=4))
+        free = self.variant(lambda s, slots: s.free(slots))
+        state = SlotAllocator.create(8)
+        state, slot, ok = alloc(state)
+        chex.assert_shape((slot, ok), ())
+        assert bool(ok) and int(slot) == 1
+        state, slots, ok = alloc_many(state, jnp.int32(2))
+        chex.assert_shape(slots, (4,))
+        assert bool(ok) and np.asarray(slots).tolist() == [2, 3, -1, -1]
+        state, ok = free(state, jnp.array([1, 3, -1], jnp.int32))
+        assert bool(ok) and np.asarray(state.is_free(jnp.array([1, 2, 3]))).tolist() == [True, False, True]
+        state, slot, ok = alloc(state)
+        assert bool(ok) and int(slot) == 1 and int(state.version(1)) == 2  # handed out again: version bumped
+        before = state
+        state, ok = free(state, jnp.array([3, 3], jnp.int32))  # double free: nothing changes
+        assert not bool(ok)
+        chex.assert_trees_all_equal(before, state, strict=True)

@@ -1,5 +1,6 @@
 """Swap to host and back: bit-exact data, conserved ref counts, admission, errors."""
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -9,7 +10,6 @@ import jaxkv
 from jaxkv.manager.block_space import ALLOC_LATER, ALLOC_NEVER, ALLOC_OK, ON_DEVICE, SWAPPED, BlockSpaceManager
 from jaxkv.pool import KVPool
 from jaxkv.pool import host
-from tests.util import assert_tree_equal
 
 BS, LAYERS = 4, 2
 APPEND = jax.jit(BlockSpaceManager.append_slots, static_argnames=("num_new_tokens",))
@@ -138,7 +138,7 @@ def test_admission_answers_and_errors_leave_state_unchanged():
     before = manager
     state, _, _, ok = BlockSpaceManager.swap_out(manager, jnp.array([1, -1]))
     assert not bool(ok)
-    assert_tree_equal(before, state)
+    chex.assert_trees_all_equal(before, state, strict=True)
 
     out, host_pool2 = manager.swap_out_or_raise(pool, host.create_host_pool(pool, 6), [0])
     assert int(out.can_swap_in(jnp.array([0]))) == ALLOC_OK

@@ -1,20 +1,15 @@
 """Assertions shared by the tests."""
 
-import jax
+import chex
 import numpy as np
 import pytest
 
 
 def assert_tree_equal(expected, actual):
-    """Two pytrees have the same structure (static fields included) and
-    bit-identical leaves. Used to show that a failed op changed nothing."""
-    exp_leaves, exp_def = jax.tree_util.tree_flatten(expected)
-    act_leaves, act_def = jax.tree_util.tree_flatten(actual)
-    assert exp_def == act_def, f"tree structure changed: {exp_def} -> {act_def}"
-    for i, (e, a) in enumerate(zip(exp_leaves, act_leaves)):
-        e, a = np.asarray(e), np.asarray(a)
-        assert e.dtype == a.dtype and e.shape == a.shape, f"leaf {i}: {e.dtype}{e.shape} -> {a.dtype}{a.shape}"
-        np.testing.assert_array_equal(a, e, err_msg=f"leaf {i} changed")
+    """Kept for the tests that still import it: ``chex.assert_trees_all_equal``
+    with ``strict=True`` (same structure, static fields included, and
+    bit-identical leaves of the same dtype and shape)."""
+    chex.assert_trees_all_equal(expected, actual, strict=True)
 
 
 def assert_all_or_nothing(before, after, ids, ok, expected, lanes):
@@ -29,7 +24,7 @@ def assert_all_or_nothing(before, after, ids, ok, expected, lanes):
     assert ids.shape == (lanes,) and ids.dtype == np.int32, (ids.shape, ids.dtype)
     assert bool(ok) == (expected is not None), (bool(ok), expected)
     if expected is None:
-        assert_tree_equal(before, after)
+        chex.assert_trees_all_equal(before, after, strict=True)
         assert (ids == -1).all(), ids
     else:
         n = len(expected)

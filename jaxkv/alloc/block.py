@@ -29,10 +29,12 @@ import numpy as np
 from flax import struct
 
 from jaxkv import _host
-from jaxkv._ops import first_true_indices
+from jaxkv._ops import INT32_MAX, first_true_indices
 from jaxkv.checks import first_where, require
-from jaxkv.errors import DoubleFree, InvalidArgument, InvalidId, KVCacheOOM
+from jaxkv.errors import DoubleFree, InvalidArgument, InvalidId, KVCacheError, KVCacheOOM
 from jaxkv.types import Array, Bool, Count, Ids, Int, Ok
+
+__all__ = ["BlockAllocator"]
 
 
 @struct.dataclass
@@ -323,58 +325,54 @@ class BlockAllocator:
         """Host path of :meth:`release`; raises ``InvalidId`` or ``DoubleFree``."""
         state, ok = _release(self, _host.padded_ids(ids))
         if not bool(ok):
-            raise self.release_error(ids)
+            raise self.release_error(ids) or _host.unexplained("release", ids)
         return state
 
     def incref_or_raise(self, ids) -> "BlockAllocator":
         """Host path of :meth:`incref`; raises ``InvalidId``."""
         state, ok = _incref(self, _host.padded_ids(ids))
         if not bool(ok):
-            raise self.incref_error(ids)
+            raise self.incref_error(ids) or _host.unexplained("incref", ids)
         return state
 
-    def release_error(self, ids, unit: str = "block") -> Exception:
-        """The exception explaining why ``release(ids)`` fails on this state."""
+    def release_error(self, ids, unit: str = "block") -> KVCacheError | None:
+        """Why ``release(ids)`` fails on this state (``InvalidId``,
+        ``DoubleFree``), or None when it succeeds (the explainer style of
+        ``jaxkv._host``). ``unit`` names the ids in the message."""
         given = _host.given_ids(ids)
-        bad = given[(given < 1) | (given >= self.num_blocks)]
+        bad = np.unique(given[(given < 1) | (given >= self.num_blocks)])
         if bad.size:
             return InvalidId(
-                f"release of {unit} ids outside [1, {self.num_blocks}): "
-                f"{_host.preview(np.unique(bad))} ({unit} 0 is the null {unit}, never held)",
-                np.unique(bad),
-            )
+                f"release: {unit} ids {_host.preview(bad)} outside [1, {self.num_blocks}) "
+                f"({unit} 0 is the null {unit}, never held)", bad)
         unique, times = np.unique(given, return_counts=True)
         owners = np.asarray(self.ref_counts)[unique]
         over = times > owners
         if not over.any():
-            return InvalidArgument(f"release of {_host.preview(given)} did not fail on this state")
+            return None
         details = "; ".join(
             f"{unit} {i} released {t}x with {o} owner(s)"
             for i, t, o in list(zip(unique[over], times[over], owners[over]))[:8]
         )
         more = f"; ... ({int(over.sum())} {unit}s in all)" if over.sum() > 8 else ""
-        return DoubleFree(f"double free: {details}{more}", unique[over])
+        return DoubleFree(f"release: double free: {details}{more}", unique[over])
 
-    def incref_error(self, ids, unit: str = "block") -> Exception:
-        """The exception explaining why ``incref(ids)`` fails on this state."""
+    def incref_error(self, ids, unit: str = "block") -> KVCacheError | None:
+        """Why ``incref(ids)`` fails on this state (``InvalidId``,
+        ``InvalidArgument`` past INT32_MAX owners), or None when it succeeds."""
         given = _host.given_ids(ids)
-        bad = given[(given < 1) | (given >= self.num_blocks)]
+        bad = np.unique(given[(given < 1) | (given >= self.num_blocks)])
         if bad.size:
-            return InvalidId(
-                f"incref of {unit} ids outside [1, {self.num_blocks}): "
-                f"{_host.preview(np.unique(bad))}",
-                np.unique(bad),
-            )
+            return InvalidId(f"incref: {unit} ids {_host.preview(bad)} outside [1, {self.num_blocks})", bad)
         unique, times = np.unique(given, return_counts=True)
         owners = np.asarray(self.ref_counts)[unique].astype(np.int64)
-        full = unique[(owners > 0) & (owners + times > np.iinfo(np.int32).max)]
+        full = unique[(owners > 0) & (owners + times > INT32_MAX)]
         if full.size:
-            return InvalidArgument(f"incref of {unit}s {_host.preview(full)} past INT32_MAX owners")
-        free = np.unique(given[np.asarray(self.ref_counts)[given] == 0])
-        return InvalidId(
-            f"incref of free {unit}s {_host.preview(free)}: only a held {unit} can be shared",
-            free,
-        )
+            return InvalidArgument(f"incref: {unit}s {_host.preview(full)} past INT32_MAX owners")
+        free = unique[owners == 0]
+        if not free.size:
+            return None
+        return InvalidId(f"incref: free {unit}s {_host.preview(free)} (only a held {unit} can be shared)", free)
 
 
 _acquire = jax.jit(BlockAllocator.acquire, static_argnames=("max_n",))

@@ -25,10 +25,12 @@ import numpy as np
 from flax import struct
 
 from jaxkv import _host
-from jaxkv._ops import first_true_indices
+from jaxkv._ops import ceil_div, first_true_indices
 from jaxkv.checks import first_where, require
-from jaxkv.errors import DoubleFree, InvalidArgument, InvalidId, KVCacheOOM
+from jaxkv.errors import DoubleFree, InvalidArgument, InvalidId, KVCacheError, KVCacheOOM
 from jaxkv.types import Array, Bool, Count, Ids, Int, Ok, UInt32
+
+__all__ = ["SlotAllocator"]
 
 _WORD_BITS = 32
 
@@ -209,42 +211,55 @@ class SlotAllocator:
         """Host path of :meth:`free`; raises ``InvalidId`` or ``DoubleFree``."""
         state, ok = _free(self, _host.padded_ids(slots))
         if not bool(ok):
-            raise self._flip_error(slots, want_free=False)
+            raise self.free_error(slots) or _host.unexplained("free", slots)
         return state
 
     def occupy_or_raise(self, slots) -> "SlotAllocator":
         """Host path of :meth:`occupy`; raises ``InvalidId``."""
         state, ok = _occupy(self, _host.padded_ids(slots))
         if not bool(ok):
-            raise self._flip_error(slots, want_free=True)
+            raise self.occupy_error(slots) or _host.unexplained("occupy", slots)
         return state
 
-    def _flip_error(self, slots, *, want_free: bool) -> Exception:
+    def free_error(self, slots) -> KVCacheError | None:
+        """Why ``free(slots)`` fails on this state (``InvalidId``,
+        ``DoubleFree``), or None when it succeeds (the explainer style of
+        ``jaxkv._host``)."""
+        return self._flip_error(slots, want_free=False)
+
+    def occupy_error(self, slots) -> KVCacheError | None:
+        """Why ``occupy(slots)`` fails on this state (``InvalidId``), or None
+        when it succeeds."""
+        return self._flip_error(slots, want_free=True)
+
+    def _flip_error(self, slots, *, want_free: bool) -> KVCacheError | None:
         op = "occupy" if want_free else "free"
         given = _host.given_ids(slots)
         bad = np.unique(given[(given < 1) | (given >= self.max_slots)])
         if bad.size:
             return InvalidId(
-                f"{op} of slots outside [1, {self.max_slots}): {_host.preview(bad)} "
-                "(slot 0 is the null slot)",
-                bad,
-            )
+                f"{op}: slots {_host.preview(bad)} outside [1, {self.max_slots}) (slot 0 is the null slot)", bad)
         unique, times = np.unique(given, return_counts=True)
         repeated = unique[times > 1]
         free = np.asarray(self.is_free(unique))
         if want_free:
             taken = unique[~free]
             if taken.size:
-                return InvalidId(f"occupy of taken slots {_host.preview(taken)}: occupy needs free slots", taken)
-            return InvalidId(f"occupy names slots {_host.preview(repeated)} more than once", repeated)
+                return InvalidId(f"occupy: taken slots {_host.preview(taken)} (occupy needs free slots)", taken)
+            if repeated.size:
+                return InvalidId(f"occupy: slots {_host.preview(repeated)} named more than once", repeated)
+            return None
         already = unique[free]
         if already.size:
-            return DoubleFree(f"double free: slots {_host.preview(already)} are already free", already)
-        return DoubleFree(f"double free: slots {_host.preview(repeated)} named more than once in one free", repeated)
+            return DoubleFree(f"free: double free: slots {_host.preview(already)} are already free", already)
+        if repeated.size:
+            return DoubleFree(
+                f"free: double free: slots {_host.preview(repeated)} named more than once in one free", repeated)
+        return None
 
 
 def _num_words(max_slots: int) -> int:
-    return -(-max_slots // _WORD_BITS)
+    return ceil_div(max_slots, _WORD_BITS)
 
 
 def _pack(free: np.ndarray) -> np.ndarray:

@@ -2,7 +2,10 @@
 
 Token mode (``page_size == 1``) hands out single indices; page mode
 (``page_size > 1``) hands out whole pages, as the ``page_size`` consecutive
-indices of each page, and frees by page. Underneath is a
+indices of each page, and frees by page. A page-mode ``alloc(n)`` with ``n``
+not a multiple of ``page_size`` takes ``ceil(n / page_size)`` pages and
+returns their first ``n`` indices (as pymllm does): the rest of the last
+page stays the caller's and is freed with the page. Underneath is a
 :class:`~jaxkv.alloc.block.BlockAllocator` over page ids, so token mode is
 simply page mode with pages of one token.
 
@@ -28,10 +31,13 @@ import numpy as np
 from flax import struct
 
 from jaxkv import _host
+from jaxkv._ops import INT32_MAX, ceil_div
 from jaxkv.checks import first_where, require
 from jaxkv.alloc.block import BlockAllocator
-from jaxkv.errors import DoubleFree, InvalidArgument, InvalidId, KVCacheOOM
+from jaxkv.errors import DoubleFree, InvalidArgument, InvalidId, KVCacheError, KVCacheOOM
 from jaxkv.types import Array, Count, Ids, Int, Ok
+
+__all__ = ["FreeGroup", "TokenToKVPoolAllocator"]
 
 
 @struct.dataclass
@@ -92,23 +98,24 @@ class TokenToKVPoolAllocator:
     def alloc(self, n: Count, *, max_n: int) -> tuple["TokenToKVPoolAllocator", Int[Array, "max_n"], Ok]:
         """Take ``n`` token indices (traced ``n``, static ``max_n``).
 
-        In page mode ``n`` must be a multiple of ``page_size`` and the indices
-        are whole pages, each page's indices consecutive. Returns
-        ``(state, indices, ok)`` with ``indices[n:] == -1``. Fails (all -1,
-        state unchanged) when ``n`` is negative, above ``max_n``, not a whole
-        number of pages, or more than ``available_size()``.
+        In page mode the indices are whole pages, each page's indices
+        consecutive: ``ceil(n / page_size)`` pages are taken and their first
+        ``n`` indices returned, so when ``n`` is not a multiple of
+        ``page_size`` the rest of the last page is held too (the caller's,
+        freed with the page). Returns ``(state, indices, ok)`` with
+        ``indices[n:] == -1``. Fails (all -1, state unchanged) when ``n`` is
+        negative, above ``max_n``, or needs more pages than are free.
         """
         n = jnp.asarray(n, jnp.int32)
         ps = self.page_size
-        max_pages = max_n // ps
-        whole = (n % ps == 0) & (n >= 0)
-        require(whole & (n <= max_n), InvalidArgument,
-                f"alloc of {{}} tokens: need a multiple of page_size={ps} and at most max_n={max_n}", n)
+        max_pages = ceil_div(max_n, ps)
+        fits = (n >= 0) & (n <= max_n)
+        require(fits, InvalidArgument, f"alloc of {{}} tokens: need 0 <= n <= max_n={max_n}", n)
         # An impossible page count makes the page allocator fail, state unchanged.
-        pages, page_ids, ok = self.pages.acquire(jnp.where(whole, n // ps, max_pages + 1), max_n=max_pages)
+        pages, page_ids, ok = self.pages.acquire(jnp.where(fits, ceil_div(n, ps), max_pages + 1), max_n=max_pages)
         offsets = jnp.arange(ps, dtype=jnp.int32)
-        indices = jnp.where(page_ids[:, None] >= 0, page_ids[:, None] * ps + offsets, -1).reshape(-1)
-        indices = jnp.pad(indices, (0, max_n - indices.shape[0]), constant_values=-1)
+        indices = jnp.where(page_ids[:, None] >= 0, page_ids[:, None] * ps + offsets, -1).reshape(-1)[:max_n]
+        indices = jnp.where(jnp.arange(max_n) < n, indices, -1)
         return self.replace(pages=pages), indices, ok
 
     def free(self, indices: Ids) -> tuple["TokenToKVPoolAllocator", Ok]:
@@ -133,8 +140,9 @@ class TokenToKVPoolAllocator:
             return self.replace(pages=pages), ok
         # Page mode: a repeated token index is a double free even though its page
         # is named legitimately by many indices; sorting finds repeats and the
-        # first index of each page.
-        big = jnp.iinfo(jnp.int32).max
+        # first index of each page (one sort serves both, so this is not
+        # ``_ops.ids_distinct``, which would sort a second time).
+        big = INT32_MAX
         ordered = jnp.sort(jnp.where(given, indices, big))
         present = ordered != big
         repeated = jnp.any(present[1:] & (ordered[1:] == ordered[:-1]))
@@ -155,15 +163,14 @@ class TokenToKVPoolAllocator:
     # -------------------------------------------------------------- host paths
 
     def alloc_or_raise(self, n: int) -> tuple["TokenToKVPoolAllocator", np.ndarray]:
-        """Host path of :meth:`alloc`: ``n`` indices as numpy, or raises
-        ``KVCacheOOM`` (tokens requested / available / total) or ``InvalidArgument``."""
+        """Host path of :meth:`alloc`: ``n`` indices as numpy (whole pages,
+        the last one possibly in part), or raises ``KVCacheOOM`` (tokens
+        requested / available / total) or ``InvalidArgument``."""
         n = _host.int_scalar(n, "number of tokens")
-        if n < 0 or n % self.page_size:
-            raise InvalidArgument(
-                f"alloc({n}): need a non-negative multiple of page_size={self.page_size}"
-            )
+        if n < 0:
+            raise InvalidArgument(f"alloc({n}): need a non-negative number of tokens")
         _host.count_or_raise(n, self.size, self.available_size, "tokens")
-        max_n = _host.pow2_at_least(n // self.page_size) * self.page_size
+        max_n = _host.pow2_at_least(ceil_div(n, self.page_size)) * self.page_size
         state, indices, ok = _alloc(self, n, max_n=max_n)
         if not bool(ok):
             raise KVCacheOOM(n, int(self.available_size()), self.size, unit="tokens")
@@ -173,7 +180,7 @@ class TokenToKVPoolAllocator:
         """Host path of :meth:`free`; raises ``InvalidId`` or ``DoubleFree``."""
         state, ok = _free(self, _host.padded_ids(indices))
         if not bool(ok):
-            raise self.free_error(indices)
+            raise self.free_error(indices) or _host.unexplained("free", indices)
         return state
 
     def free_group_begin(self) -> "FreeGroup":
@@ -185,30 +192,29 @@ class TokenToKVPoolAllocator:
         """Apply every free collected in ``group`` with one device call."""
         return self.free_or_raise(group.indices())
 
-    def free_error(self, indices) -> Exception:
-        """The exception explaining why ``free(indices)`` fails on this state."""
+    def free_error(self, indices) -> KVCacheError | None:
+        """Why ``free(indices)`` fails on this state (``InvalidId``,
+        ``DoubleFree``), or None when it succeeds (the explainer style of
+        ``jaxkv._host``)."""
         given = _host.given_ids(indices)
         ps = self.page_size
         bad = np.unique(given[(given < ps) | (given >= self.buffer_size)])
         if bad.size:
             return InvalidId(
-                f"free of token indices outside [{ps}, {self.buffer_size}): {_host.preview(bad)} "
-                f"(indices 0..{ps - 1} are the null page)",
-                bad,
-            )
+                f"free: token indices {_host.preview(bad)} outside [{ps}, {self.buffer_size}) "
+                f"(indices 0..{ps - 1} are the null page)", bad)
         unique, times = np.unique(given, return_counts=True)
         if (times > 1).any():
             return DoubleFree(
-                f"double free: token indices {_host.preview(unique[times > 1])} named more than once",
-                unique[times > 1],
-            )
+                f"free: double free: token indices {_host.preview(unique[times > 1])} named more than once",
+                unique[times > 1])
         pages = np.unique(unique // ps)
         free_pages = pages[np.asarray(self.pages.ref_counts)[pages] == 0]
+        if not free_pages.size:
+            return None
         return DoubleFree(
-            f"double free: token indices in free pages {_host.preview(free_pages)} "
-            f"(page_size={ps})",
-            free_pages,
-        )
+            f"free: double free: token indices in free pages {_host.preview(free_pages)} (page_size={ps})",
+            free_pages)
 
 
 class FreeGroup:

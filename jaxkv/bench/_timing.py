@@ -67,14 +67,57 @@ def _fmt(value: object) -> str:
     return str(value)
 
 
+def _read_backends_started() -> bool:
+    """Whether JAX has started a backend. JAX has no public API for this, so it
+    reads ``jax._src.xla_bridge._backends``; a JAX that moved it raises
+    ``ImportError`` / ``AttributeError`` here (see :func:`backend_started`)."""
+    from jax._src import xla_bridge
+
+    return bool(xla_bridge._backends)
+
+
+def backend_started() -> bool | None:
+    """Whether JAX has started a backend; None when this JAX does not say
+    (its internals changed): callers then leave the config alone."""
+    try:
+        return _read_backends_started()
+    except (ImportError, AttributeError):
+        return None
+
+
+def _config_value(name: str):
+    """A JAX config option's value through public API, None if unknown."""
+    try:
+        return jax.config.read(name)
+    except (AttributeError, KeyError):
+        return getattr(jax.config, name, None)
+
+
 def inline_cpu_dispatch() -> str:
     """Run CPU calls inline unless ``JAXKV_ASYNC_DISPATCH=1`` (possible only
     before JAX starts its backend): a host loop of small jitted calls that
     waits for each result is faster that way on a small CPU. Returns the
-    dispatch mode, for the table title."""
-    from jax._src import xla_bridge  # the only way to know whether the backend started
+    dispatch mode, for the table title.
 
-    if os.environ.get("JAXKV_ASYNC_DISPATCH") != "1" and not xla_bridge._backends:
+    Guarded against JAX upgrades: when this JAX cannot say whether its
+    backend started (:func:`backend_started` is None), the config is left
+    alone and the title says the mode is unknown, never wrong."""
+    started = backend_started()
+    if os.environ.get("JAXKV_ASYNC_DISPATCH") != "1" and started is False:
         jax.config.update("jax_cpu_enable_async_dispatch", False)
-    inline = not xla_bridge._CPU_ENABLE_ASYNC_DISPATCH.value and jax.default_backend() == "cpu"
+    enabled = _config_value("jax_cpu_enable_async_dispatch")
+    if started is None or enabled is None:
+        return "dispatch mode unknown (JAX internals changed)"
+    inline = not enabled and jax.default_backend() == "cpu"
     return "inline CPU dispatch" if inline else "async dispatch"
+
+
+__all__ = [
+    "backend_started",
+    "best_seconds",
+    "best_seconds_interleaved",
+    "inline_cpu_dispatch",
+    "machine_description",
+    "print_json",
+    "print_table",
+]

@@ -30,6 +30,8 @@ import numpy as np
 from jaxkv.alloc.block import BlockAllocator
 from jaxkv.bench._timing import best_seconds, best_seconds_interleaved, machine_description, print_json, print_table
 
+__all__ = ["main", "measure", "run_numpy"]
+
 BLOCK_SIZE = 16
 MAX_BLOCKS = 16  # sequences of up to 256 tokens
 BATCHES = (1, 64, 256)

@@ -47,18 +47,22 @@ from flax import nnx
 
 from kernels_pallas.reference import dense_decode_attention
 from jaxkv.bench._timing import inline_cpu_dispatch, machine_description, print_json, print_table
+from jaxkv._ops import ceil_div
 from jaxkv.manager.block_space import BlockSpaceManager
 from jaxkv.nn.attention import causal_attention
 from jaxkv.nn.config import LlamaConfig
-from jaxkv.nn.generate import SamplingParams, decode_loop, decode_step, prefill
+from jaxkv.nn.generate import prefill
+from jaxkv.nn.sampling import GREEDY
+from jaxkv.nn.steps import decode_loop, decode_step
 from jaxkv.nn.llama import LlamaForCausalLM
+
+__all__ = ["CONFIG", "QUICK_CONFIG", "contiguous_decode", "contiguous_prefill", "main", "measure", "per_step_loop"]
 
 CONFIG = LlamaConfig(
     vocab_size=1024, hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=8,
     num_key_value_heads=2, head_dim=32, max_position_embeddings=4096,
 )
 PAGE_SIZE = 16
-GREEDY = SamplingParams()
 NO_EOS = np.int32(-1)
 
 
@@ -149,7 +153,7 @@ def per_step_loop(graphdef, params, state):
     """``generate(per_step=True)``'s loop: one jitted ``decode_step`` per
     token, the host checking whether any row still runs after each."""
     while bool(jnp.any(~state.finished)) and bool(state.ok):
-        state = decode_step(graphdef, params, state, sampling=GREEDY)
+        state = decode_step(graphdef, params, state, GREEDY)
     return state
 
 
@@ -177,7 +181,7 @@ def _first_mismatch(a: np.ndarray, b: np.ndarray) -> str:
 def measure(model: LlamaForCausalLM, batch: int, prompt_len: int, steps: int, repeats: int, rng) -> dict:
     graphdef, params = nnx.split(model)
     max_new = steps + 1  # prefill samples token 0, then ``steps`` decode steps
-    max_blocks = -(-(prompt_len + max_new) // PAGE_SIZE)  # as generate sizes it
+    max_blocks = ceil_div(prompt_len + max_new, PAGE_SIZE)  # as generate sizes it
     num_pages = batch * max_blocks + 1
     prompts = jnp.asarray(rng.integers(1, model.config.vocab_size, size=(batch, prompt_len)), jnp.int32)
     lengths = jnp.full((batch,), prompt_len, jnp.int32)
@@ -186,7 +190,7 @@ def measure(model: LlamaForCausalLM, batch: int, prompt_len: int, steps: int, re
     manager = BlockSpaceManager.create(num_device_blocks=num_pages, num_host_blocks=1, block_size=PAGE_SIZE,
                                        max_seqs=batch, max_blocks_per_seq=max_blocks)
     state = prefill(graphdef, params, manager, model.make_pool(num_pages, PAGE_SIZE), prompts, lengths,
-                    jax.random.key(0), NO_EOS, sampling=GREEDY, max_new=max_new)
+                    jax.random.key(0), NO_EOS, GREEDY, max_new=max_new)
     if not bool(state.ok):
         raise RuntimeError("prefill could not allocate the prompts' blocks")
     state = _copy(state)
@@ -197,7 +201,7 @@ def measure(model: LlamaForCausalLM, batch: int, prompt_len: int, steps: int, re
 
     cases = {
         "paged": {"setup": lambda: _copy(state),
-                  "run": lambda s: decode_loop(graphdef, params, s, sampling=GREEDY)},
+                  "run": lambda s: decode_loop(graphdef, params, s, GREEDY)},
         "contiguous": {"setup": lambda: _copy(caches),
                        "run": lambda c: contiguous_decode(graphdef, params, c, first, lengths, steps=steps)},
         "per-step": {"setup": lambda: _copy(state),

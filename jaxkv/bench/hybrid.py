@@ -8,7 +8,7 @@ plain full-attention cache of the same model size (the same 43 layers, each
 keeping its 512-dim K (= V, one shared head) for every token in bf16, as
 without compression): KV bytes per token (paged storage, amortized per token),
 fixed per-request state (SWA rings, compressor rings), and how many
-128k-token requests fit in a KV budget (default 64 GiB, ``--budget-gib``).
+128k-token requests fit in a KV budget (64 GiB).
 
 **Step cost**: one jitted ``lax.scan`` of decode steps at batch 8, per step
 ``reserve`` (block allocation in every group) then, for every layer,
@@ -37,6 +37,8 @@ from jaxkv.manager.block_space import BlockSpaceManager
 from jaxkv.manager.hybrid import KVCacheManager
 from jaxkv.manager.hybrid_schema import HybridConfig, deepseek_v4_schedule, v4_flash_like_ratios
 from jaxkv.pool.kv_pool import KVPool
+
+__all__ = ["main", "memory_rows", "step_rows"]
 
 CONTEXT = 131072
 GIB = 2**30
@@ -174,7 +176,7 @@ def main(args) -> int:
     rng = np.random.default_rng(0)
     print(machine_description())
     memory = memory_rows(43, 64.0)
-    print_table(f"KV memory, V4-Flash-like schedule (43 layers) vs full attention; 128k-token requests in 64 GiB",
+    print_table("KV memory, V4-Flash-like schedule (43 layers) vs full attention; 128k-token requests in 64 GiB",
                 ["cache", "KV bytes/token", "state bytes/request", "GiB per 128k request", "max 128k requests"],
                 [[r["cache"], r["kv_bytes_per_token"], r["state_bytes_per_request"],
                   r["bytes_per_128k_request"] / GIB, r["max_128k_requests"]] for r in memory])

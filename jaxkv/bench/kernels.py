@@ -41,6 +41,8 @@ from jaxkv.manager.kernel_tables import pallas_gpu_block_tables
 from kernels_pallas import DSV4_FP8, CompressedEntries, gather_all_compressed_kv, gather_compressed_kv, gather_swa_kv
 from kernels_pallas.paged_attention import paged_attention
 
+__all__ = ["main"]
+
 FMT = DSV4_FP8
 ENTRIES_PER_PAGE = {"csa": 32, "hca": 1}  # per 128-token block: 128/4 and 128/128
 TOPK, WINDOW = 512, 128

@@ -28,6 +28,8 @@ from jaxkv.bench._timing import best_seconds_interleaved, machine_description, p
 from jaxkv.pool import KVPool
 from jaxkv.pool.kv_pool import dequantize, is_fp8, quantize_fp8
 
+__all__ = ["main", "measure"]
+
 PAGE_SIZE, KV_HEADS, HEADS, HEAD_DIM = 16, 8, 32, 128
 DECODE_STEPS = 64
 

@@ -31,6 +31,8 @@ slot); -1 entries in any id argument are padding and ignored.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -39,7 +41,7 @@ from flax import struct
 from jaxkv import _host
 from jaxkv._ops import INT32_MAX, ceil_div, ids_distinct, where_ok
 from jaxkv.alloc.block import BlockAllocator
-from jaxkv.errors import InvalidArgument, InvalidId, KVCacheOOM
+from jaxkv.errors import InvalidArgument, InvalidId, KVCacheError, KVCacheOOM
 from jaxkv.pool.host import swap_in_pages, swap_out_pages
 from jaxkv.pool.kv_pool import KVPool
 from jaxkv.types import Array, Bool, Count, Ids, Int, Ok
@@ -200,6 +202,48 @@ class BlockSpaceManager:
 
     # ------------------------------------------------------------------ decode
 
+    def can_append(self, seq_ids: Ids, num_new_tokens: int = 1) -> Bool[Array, ""]:
+        """Whether ``append_slots(pool, seq_ids, num_new_tokens)`` would succeed
+        now: every given row ON_DEVICE, distinct, within ``max_blocks_per_seq``
+        and enough free blocks for the step, copy-on-write copies included
+        (the same count ``append_slots`` acquires). Jittable;
+        ``num_new_tokens`` is a static non-negative Python integer."""
+        n = _host.int_scalar(num_new_tokens, "num_new_tokens")
+        if n < 0:
+            raise InvalidArgument(f"can_append of num_new_tokens={n}: a sequence cannot shrink")
+        plan = self._append_plan(seq_ids, n)
+        return plan.valid & (plan.total <= self.device.num_free)
+
+    def _append_plan(self, seq_ids: Ids, n: int) -> "_AppendPlan":
+        """What appending ``n`` tokens to each of ``seq_ids`` needs: shared by
+        :meth:`append_slots` and :meth:`can_append` so both count alike."""
+        bs = self.block_size
+        seqs, given = _ids(seq_ids)
+        rows = jnp.where(given, seqs, 0)
+        lens = jnp.where(given, self.seq_lens.at[rows].get(mode="fill", fill_value=0), 0)
+        have = self.blocks_for(lens)
+        needed = self.blocks_for(lens + n)
+        last_block = _table_at(self.block_tables, rows, have - 1)
+        # The first new token lands in the partly filled last block, if any; a
+        # shared one is copied, except that when every owner of a block appends
+        # in this step the first of them keeps it (as vLLM's sequential appends
+        # would): the others copy away and leave it to that one.
+        owners = self.device.ref_count(last_block)
+        shared = given & (lens % bs != 0) & (owners > 1)
+        same_block = (last_block[:, None] == last_block[None, :]) & shared[:, None] & shared[None, :]
+        batch_lane = jnp.arange(seqs.shape[0])
+        earlier_sharers = jnp.sum(same_block & (batch_lane[None, :] < batch_lane[:, None]), axis=1)
+        keeps = shared & (earlier_sharers == 0) & (jnp.sum(same_block, axis=1) == owners)
+        cow = shared & ~keeps
+        fresh = jnp.where(given, needed - have, 0)
+        takes = fresh + cow
+        on_device = self._rows_in_state(seqs, given, ON_DEVICE, per_row=True)
+        fits = needed <= self.max_blocks_per_seq
+        bad_row = given & ~(on_device & fits)
+        valid = ~jnp.any(bad_row) & ids_distinct(seqs, given)
+        total = jnp.sum(jnp.where(given, takes, 0), dtype=jnp.int32)
+        return _AppendPlan(seqs, given, rows, lens, have, last_block, cow, fresh, takes, bad_row, valid, total)
+
     def append_slots(
         self, pool: KVPool, seq_ids: Ids, num_new_tokens: int = 1
     ) -> tuple["BlockSpaceManager", KVPool, Int[Array, "batch num_new_tokens"], Bool[Array, "batch"], Ok]:
@@ -227,31 +271,11 @@ class BlockSpaceManager:
         if n < 0:
             raise InvalidArgument(f"append_slots of num_new_tokens={n}: a sequence cannot shrink")
         bs = self.block_size
-        seqs, given = _ids(seq_ids)
-        rows = jnp.where(given, seqs, 0)
-        lens = jnp.where(given, self.seq_lens.at[rows].get(mode="fill", fill_value=0), 0)
-        have = self.blocks_for(lens)
-        needed = self.blocks_for(lens + n)
-        last_block = _table_at(self.block_tables, rows, have - 1)
-        # The first new token lands in the partly filled last block, if any; a
-        # shared one is copied, except that when every owner of a block appends
-        # in this step the first of them keeps it (as vLLM's sequential appends
-        # would): the others copy away and leave it to that one.
-        owners = self.device.ref_count(last_block)
-        shared = given & (lens % bs != 0) & (owners > 1)
-        same_block = (last_block[:, None] == last_block[None, :]) & shared[:, None] & shared[None, :]
-        batch_lane = jnp.arange(seqs.shape[0])
-        earlier_sharers = jnp.sum(same_block & (batch_lane[None, :] < batch_lane[:, None]), axis=1)
-        keeps = shared & (earlier_sharers == 0) & (jnp.sum(same_block, axis=1) == owners)
-        cow = shared & ~keeps
-        fresh = jnp.where(given, needed - have, 0)
-        takes = fresh + cow
-        on_device = self._rows_in_state(seqs, given, ON_DEVICE, per_row=True)
-        fits = needed <= self.max_blocks_per_seq
-        bad_row = given & ~(on_device & fits)
-        valid = ~jnp.any(bad_row) & ids_distinct(seqs, given)
+        plan = self._append_plan(seq_ids, n)
+        seqs, given, rows, lens, have = plan.seqs, plan.given, plan.rows, plan.lens, plan.have
+        last_block, cow, fresh, takes = plan.last_block, plan.cow, plan.fresh, plan.takes
+        bad_row, valid, total = plan.bad_row, plan.valid, plan.total
         lanes = ceil_div(n, bs) + 1  # most blocks one sequence can take in a step
-        total = jnp.sum(jnp.where(given, takes, 0), dtype=jnp.int32)
         device, ids, acquired = self.device.acquire(
             jnp.where(valid, total, seqs.shape[0] * lanes + 1), max_n=seqs.shape[0] * lanes
         )
@@ -280,6 +304,9 @@ class BlockSpaceManager:
         position = lens[:, None] + jnp.arange(n, dtype=jnp.int32)
         page = _table_at(tables, rows[:, None], position // bs)
         slots = jnp.where((ok & given)[:, None], page * bs + position % bs, -1)
+        # Which lanes repeat a sequence (per lane, for ``blocked``; the scalar
+        # ``ids_distinct`` in ``valid`` cannot say which): a scatter over
+        # ``max_seqs`` rows, small next to the block tables it sits beside.
         in_range = (seqs >= 0) & (seqs < self.max_seqs)
         times = jnp.zeros((self.max_seqs,), jnp.int32).at[jnp.where(given & in_range, seqs, self.max_seqs)].add(
             1, mode="drop")
@@ -527,15 +554,25 @@ class BlockSpaceManager:
                               min(max(num_tokens, -1), INT32_MAX))
         if bool(ok):
             return state
+        raise self.allocate_error(seq_ids, num_tokens) or _host.unexplained("allocate", seq_ids)
+
+    def allocate_error(self, seq_ids, num_tokens: int) -> KVCacheError | None:
+        """Why ``allocate(seq_ids, num_tokens)`` fails on this state
+        (``InvalidId``, ``InvalidArgument``, ``KVCacheOOM``), or None when it
+        succeeds (the explainer style of ``jaxkv._host``)."""
         error = self.row_error("allocate", seq_ids, FREE)
+        num_tokens = _host.int_scalar(num_tokens, "num_tokens")
         blocks = ceil_div(num_tokens, self.block_size)
-        if error is None and (num_tokens < 1 or blocks > self.max_blocks_per_seq or not _host.given_ids(seq_ids).size):
+        count = _host.given_ids(seq_ids).size
+        if error is None and (num_tokens < 1 or blocks > self.max_blocks_per_seq or not count):
             error = InvalidArgument(
-                f"allocate of {num_tokens} tokens ({blocks} blocks of {self.block_size}) for "
-                f"{_host.given_ids(seq_ids).size} sequences: need >= 1 token, >= 1 sequence and at most "
-                f"{self.max_blocks_per_seq} blocks per sequence"
+                f"allocate: {num_tokens} tokens ({blocks} blocks of {self.block_size}) for "
+                f"{count} sequences (need >= 1 token, >= 1 sequence and at most "
+                f"{self.max_blocks_per_seq} blocks per sequence)"
             )
-        raise error or KVCacheOOM(blocks, int(self.device.num_free), self.device.capacity, unit="blocks")
+        if error is None and blocks > int(self.device.num_free):  # one shared block per group
+            error = KVCacheOOM(blocks, int(self.device.num_free), self.device.capacity, unit="blocks")
+        return error
 
     def fork_or_raise(self, src_ids, dst_ids) -> "BlockSpaceManager":
         """Host path of :meth:`fork`; raises ``InvalidId`` naming the bad row,
@@ -546,9 +583,16 @@ class BlockSpaceManager:
         state, ok = _fork(self, _host.padded_ids(src), _host.padded_ids(dst))
         if bool(ok):
             return state
-        raise self.row_error("fork source", src_ids, ON_DEVICE) or self.row_error("fork destination", dst_ids, FREE) or (
-            InvalidId(f"fork: destinations {list(dst_ids)} overlap the sources {list(src_ids)}", [])
-        )
+        raise self.fork_error(src_ids, dst_ids) or _host.unexplained("fork", dst_ids)
+
+    def fork_error(self, src_ids, dst_ids) -> KVCacheError | None:
+        """Why ``fork(src_ids, dst_ids)`` fails on this state (``InvalidId``),
+        or None when it succeeds."""
+        error = self.row_error("fork source", src_ids, ON_DEVICE) or self.row_error("fork destination", dst_ids, FREE)
+        overlap = np.intersect1d(_host.given_ids(src_ids), _host.given_ids(dst_ids))
+        if error is None and overlap.size:
+            error = InvalidId(f"fork: destinations {overlap.tolist()} are also sources", overlap)
+        return error
 
     def free_or_raise(self, seq_ids) -> "BlockSpaceManager":
         """Host path of :meth:`free`; raises ``InvalidId`` for a free,
@@ -556,7 +600,12 @@ class BlockSpaceManager:
         state, ok = _free(self, _host.padded_ids(seq_ids))
         if bool(ok):
             return state
-        raise self.row_error("free", seq_ids, (ON_DEVICE, SWAPPED)) or InvalidId(f"free of {list(seq_ids)} failed", [])
+        raise self.free_error(seq_ids) or _host.unexplained("free", seq_ids)
+
+    def free_error(self, seq_ids) -> KVCacheError | None:
+        """Why ``free(seq_ids)`` fails on this state (``InvalidId``), or None
+        when it succeeds."""
+        return self.row_error("free", seq_ids, (ON_DEVICE, SWAPPED))
 
     def swap_out_or_raise(self, pool: KVPool, host_pool: KVPool, seq_ids) -> tuple["BlockSpaceManager", KVPool]:
         """Host path: move the sequence group ``seq_ids`` to host memory (tables
@@ -568,7 +617,7 @@ class BlockSpaceManager:
         self._check_pool_sizes(pool, host_pool)
         new, device_pages, host_ids, ok = _swap_out(self, _host.padded_ids(seq_ids, "seq_ids"))
         if not bool(ok):
-            raise self._swap_error(seq_ids, ON_DEVICE, "swap out", self.host, "host blocks")
+            raise self.swap_out_error(seq_ids) or _host.unexplained("swap out", seq_ids)
         return new, swap_out_pages(pool, host_pool, device_pages, host_ids)
 
     def swap_in_or_raise(self, pool: KVPool, host_pool: KVPool, seq_ids) -> tuple["BlockSpaceManager", KVPool]:
@@ -580,7 +629,7 @@ class BlockSpaceManager:
         self._check_pool_sizes(pool, host_pool)
         new, host_ids, device_pages, ok = _swap_in(self, _host.padded_ids(seq_ids, "seq_ids"))
         if not bool(ok):
-            raise self._swap_error(seq_ids, SWAPPED, "swap in", self.device, "device blocks")
+            raise self.swap_in_error(seq_ids) or _host.unexplained("swap in", seq_ids)
         return new, swap_in_pages(pool, host_pool, host_ids, device_pages)
 
     def _check_pool_sizes(self, pool: KVPool, host_pool: KVPool) -> None:
@@ -591,14 +640,26 @@ class BlockSpaceManager:
                     f"{name} has {have} pages but the manager hands out block ids up to {allocator.num_blocks - 1}: "
                     f"make it with num_pages >= {allocator.num_blocks} (the manager's block count)")
 
-    def _swap_error(self, seq_ids, wanted: int, op: str, allocator: BlockAllocator, unit: str) -> Exception:
+    def swap_out_error(self, seq_ids) -> KVCacheError | None:
+        """Why ``swap_out(seq_ids)`` fails on this state (``InvalidId``,
+        ``KVCacheOOM`` in host blocks), or None when it succeeds."""
+        return self._swap_error(seq_ids, ON_DEVICE, "swap out", self.host, "host blocks")
+
+    def swap_in_error(self, seq_ids) -> KVCacheError | None:
+        """Why ``swap_in(seq_ids)`` fails on this state (``InvalidId``,
+        ``KVCacheOOM`` in device blocks), or None when it succeeds."""
+        return self._swap_error(seq_ids, SWAPPED, "swap in", self.device, "device blocks")
+
+    def _swap_error(self, seq_ids, wanted: int, op: str, allocator: BlockAllocator, unit: str) -> KVCacheError | None:
         error = self.row_error(op, seq_ids, wanted)
         if error is not None:
             return error
         needed = int(self._distinct_blocks(_host.padded_ids(seq_ids)))
+        if needed <= int(allocator.num_free):
+            return None
         return KVCacheOOM(needed, int(allocator.num_free), allocator.capacity, unit=unit)
 
-    def row_error(self, op: str, seq_ids, wanted) -> Exception | None:
+    def row_error(self, op: str, seq_ids, wanted) -> KVCacheError | None:
         """``InvalidId`` for the first row of ``seq_ids`` that is out of range,
         repeated or not in the ``wanted`` status (one or a tuple); None if all
         rows are fine."""
@@ -632,6 +693,23 @@ def _ids(ids: Ids) -> tuple[Int[Array, "m"], Bool[Array, "m"]]:
     return ids, ids != -1
 
 
+class _AppendPlan(NamedTuple):
+    """The per-sequence needs of one ``append_slots`` step (see ``_append_plan``)."""
+
+    seqs: Int[Array, "batch"]
+    given: Bool[Array, "batch"]
+    rows: Int[Array, "batch"]
+    lens: Int[Array, "batch"]
+    have: Int[Array, "batch"]  # blocks held now
+    last_block: Int[Array, "batch"]
+    cow: Bool[Array, "batch"]  # copies its shared last block
+    fresh: Int[Array, "batch"]  # new blocks past the last one
+    takes: Int[Array, "batch"]  # fresh + cow
+    bad_row: Bool[Array, "batch"]
+    valid: Bool[Array, ""]
+    total: Int[Array, ""]  # blocks the step acquires
+
+
 @struct.dataclass
 class _Runs:
     """``ids`` sorted, with the runs of equal ids described (see _block_runs)."""
@@ -648,7 +726,7 @@ def _block_runs(ids: Int[Array, "m"]) -> _Runs:
     """Sort block ids (-1 = padding, sorted last) and number the distinct ones.
     Used by swaps, which are rare and small: a sort of the group's table
     entries is cheaper than any scratch array sized by the pool."""
-    big = jnp.iinfo(jnp.int32).max
+    big = INT32_MAX
     order = jnp.argsort(jnp.where(ids == -1, big, ids), stable=True)
     ordered = ids[order]
     present = ordered != -1

@@ -44,11 +44,10 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-import math
-
 import jax.numpy as jnp
 
 from jaxkv import _host
+from jaxkv._ops import ceil_div
 from jaxkv.errors import InvalidArgument
 from kernels_pallas.formats import DSV4_FP8, EntryFormat
 
@@ -60,6 +59,7 @@ __all__ = [
     "LayerCacheSchema",
     "LayerSpec",
     "block_budget",
+    "block_bytes",
     "build_schemas",
     "deepseek_v4_schedule",
     "qwen3_next_schedule",
@@ -98,6 +98,8 @@ class HybridConfig:
     Full attention / MLA: ``num_kv_heads``, ``kv_head_dim`` (MLA: latent +
     RoPE dims, with ``mla_value_dim`` the latent), ``kv_dtype``, ``page_size``.
     Linear (Gated DeltaNet): ``linear_*``.
+    ``num_query_heads``: the attention layers' query heads (the cache does
+    not need it; handles report it, as seed 004's do). None: not given.
     """
 
     entry_format: EntryFormat = DSV4_FP8
@@ -117,6 +119,7 @@ class HybridConfig:
     linear_head_v_dim: int = 128
     linear_conv_kernel: int = 4
     linear_dtype: object = jnp.bfloat16
+    num_query_heads: int | None = None
 
     @property
     def head_dim(self) -> int:
@@ -146,6 +149,8 @@ class LayerCacheSchema:
     compressor_width: int
     index_compressor_width: int  # csa only
     index_topk: int
+    head_dim: int = 0  # per head of what the layer stores (DSV4: entry; full/MLA: K; linear: key)
+    num_query_heads: int | None = None  # HybridConfig.num_query_heads (linear: its q/k heads)
 
     @property
     def tokens_per_block(self) -> int:
@@ -160,11 +165,14 @@ def _schema(spec: LayerSpec, config: HybridConfig) -> LayerCacheSchema:
     kind = AttentionKind(spec.kind)
     common = dict(layer_idx=spec.layer_idx, kind=kind, compress_ratio=spec.compress_ratio,
                   entry_format=None, index_format=None, window=0, compressor_rows=0,
-                  compressor_width=0, index_compressor_width=0, index_topk=0)
+                  compressor_width=0, index_compressor_width=0, index_topk=0,
+                  head_dim=config.head_dim, num_query_heads=config.num_query_heads)
     if kind in (AttentionKind.FULL, AttentionKind.MLA):
+        common.update(head_dim=config.kv_head_dim)
         return LayerCacheSchema(**{**common, "group": kind.value, "entries_per_block": config.page_size,
                                    "tokens_per_entry": 1})
     if kind == AttentionKind.LINEAR:
+        common.update(head_dim=config.linear_head_k_dim, num_query_heads=config.linear_num_k_heads)
         return LayerCacheSchema(**{**common, "group": None, "entries_per_block": 0, "tokens_per_entry": 0})
     common.update(window=config.window)
     if kind == AttentionKind.SWA:
@@ -271,5 +279,5 @@ def block_budget(schemas, config: HybridConfig, *, max_context_tokens: int | Non
         return {name: tokens // g[0].tokens_per_block + 1 for name, g in groups.items()}
     if max_context_tokens is None or max_concurrent_requests is None:
         raise InvalidArgument("give kv_bytes, or both max_context_tokens and max_concurrent_requests")
-    return {name: max_concurrent_requests * math.ceil(max_context_tokens / g[0].tokens_per_block) + 1
+    return {name: max_concurrent_requests * ceil_div(max_context_tokens, g[0].tokens_per_block) + 1
             for name, g in groups.items()}

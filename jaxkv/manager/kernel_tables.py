@@ -39,6 +39,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxkv import _host
+from jaxkv._ops import INT32_MAX, ceil_div
 from jaxkv.checks import first_where, require
 from jaxkv.errors import InvalidArgument, InvalidId
 from jaxkv.types import Array, ArrayLike, Bool, Int
@@ -109,7 +110,7 @@ def _require_valid(
             f"length {{}} outside [0, {capacity}] ({max_pages} table columns of {page_size} tokens)",
             first_where(lengths, (lengths < 0) | (lengths > capacity)))
     live = _live_mask(block_tables, lengths, page_size)
-    upper = num_pages if num_pages is not None else np.iinfo(np.int32).max
+    upper = num_pages if num_pages is not None else INT32_MAX
     bad = live & ((block_tables < 1) | (block_tables >= upper))
     require(~jnp.any(bad), InvalidId,
             f"live block-table entry: page id {{}} outside [1, {upper}) (page 0 is the null page)",
@@ -134,9 +135,9 @@ def pallas_gpu_pages_per_seq(max_pages: int, *, pages_per_compute_block: int = 8
     """
     ppcb = _positive("pages_per_compute_block", pages_per_compute_block)
     splits = _positive("k_splits", k_splits)
-    ppp = max(-(-int(max_pages) // splits), 1)
+    ppp = max(ceil_div(int(max_pages), splits), 1)
     if ppp > ppcb:
-        ppp = -(-ppp // ppcb) * ppcb
+        ppp = ceil_div(ppp, ppcb) * ppcb
     return splits * ppp
 
 
@@ -331,7 +332,7 @@ def check_block_tables(block_tables, lengths, page_size: int, num_pages: int) ->
             f"sequence {b} has negative length {int(lengths[b])} "
             f"({negative.size} negative length(s) in all)"
         )
-    pages = -(-lengths // int(page_size))
+    pages = ceil_div(lengths, int(page_size))
     over = np.flatnonzero(pages > max_pages)
     if over.size:
         b = int(over[0])

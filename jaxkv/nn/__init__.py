@@ -5,35 +5,46 @@
 * :class:`LlamaForCausalLM`: the causal LM; ``model(tokens, positions, pool,
   slots, block_tables, starts, num_new, mode=...)`` runs a prefill or decode
   step over a :class:`~jaxkv.KVPool`; ``from_pretrained(dir)`` loads a local
-  Hugging Face checkpoint (``config.json`` + ``*.safetensors``).
+  Hugging Face checkpoint (``config.json`` + ``*.safetensors``);
+  ``implementation=`` picks the decode attention kernel (``None``: Pallas on
+  GPU, the ``jnp`` reference elsewhere; ``"pallas"``; ``"reference"``).
 * :class:`PagedAttention`: the attention layer (writes K/V into the pool,
   attends through block tables; GQA, RoPE incl. Llama 3 scaling, q/k norm,
   sliding window).
 * :func:`paged_prefill_attention`: pure-``jnp`` prefill attention over the
   pages (the decode counterpart is :func:`jaxkv.paged_decode_attention`).
+* :class:`SamplingParams` and :func:`sample` (:mod:`jaxkv.nn.sampling`): the
+  one per-row sampler (greedy, temperature, top-k, top-p).
+* :mod:`jaxkv.nn.steps`: the model step, prefill and decode body every decode
+  path is made of.
 * :func:`generate`: prefill, then decoding in one jitted ``lax.while_loop``
-  with block allocation on device (greedy, temperature, top-k, top-p).
-* :class:`Engine`: continuous batching (host scheduler, jitted prefill and
-  multi-step decode chunks, prefix-cache hits, preemption by swap or
-  recompute).
+  with block allocation on device.
 * :func:`sample_n`, :func:`beam_search`: one prefill, then ``fork`` and
   copy-on-write inside the jitted loop (parallel sampling, beam search).
+* :class:`Engine`, :class:`EngineSummary`: the continuous-batching engine,
+  which lives in :mod:`jaxkv.serve` (above the models); the two names here
+  resolve to it on first use, so importing ``jaxkv.nn`` does not import the
+  serving layer.
 """
 
-from jaxkv.nn.attention import PagedAttention, RMSNorm, paged_prefill_attention, set_attention_fns
+from jaxkv.nn.attention import PagedAttention, RMSNorm, paged_prefill_attention
 from jaxkv.nn.config import LlamaConfig, RopeScaling
-from jaxkv.nn.engine import Engine, EngineSummary
-from jaxkv.nn.generate import GenerateOutput, SamplingParams, generate
+from jaxkv.nn.generate import GenerateOutput, generate
 from jaxkv.nn.llama import LlamaForCausalLM
 from jaxkv.nn.parallel import beam_search, sample_n
 from jaxkv.nn.rope import apply_rope, rope_inv_freq
+from jaxkv.nn.sampling import RowSampling, SamplingParams, sample
+from jaxkv.nn.steps import DecodeState
 
 __all__ = [
+    "DecodeState",
     "Engine",
     "EngineSummary",
     "GenerateOutput",
+    "RowSampling",
     "SamplingParams",
     "generate",
+    "sample",
     "sample_n",
     "beam_search",
     "LlamaConfig",
@@ -44,5 +55,19 @@ __all__ = [
     "apply_rope",
     "paged_prefill_attention",
     "rope_inv_freq",
-    "set_attention_fns",
 ]
+
+# Served from jaxkv.serve (a higher layer) on first attribute access (PEP 562).
+_FROM_SERVE = ("Engine", "EngineSummary")
+
+
+def __getattr__(name: str):
+    if name in _FROM_SERVE:
+        import jaxkv.serve
+
+        return getattr(jaxkv.serve, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_FROM_SERVE))

@@ -8,12 +8,17 @@ e.g. a prefix-cache hit, is attended like the tokens of this call).
 
 :class:`PagedAttention` is the Flax NNX attention layer of the Llama family:
 it projects q/k/v, applies the optional q/k RMSNorm and RoPE, writes this
-step's K/V into the pool at the given slots, then attends with
-:data:`decode_attention_fn` (one token per sequence) or
-:data:`prefill_attention_fn`. Those two module-level hooks default to the
-pure-``jnp`` references; a Pallas kernel with the same signature replaces
-them (for every layer) with :func:`set_attention_fns`, or per layer with the
-constructor's ``decode_attention_fn`` / ``prefill_attention_fn``.
+step's K/V into the pool at the given slots, then attends.
+
+Kernel selection follows the one rule of :mod:`kernels_pallas`: the layer's
+``implementation`` (``None``: the Pallas kernel on GPU, the ``jnp``
+reference elsewhere; ``"pallas"``; ``"reference"``) and ``interpret`` are
+passed to :func:`kernels_pallas.paged_attention` for decode steps. Prefill
+always runs :func:`paged_prefill_attention` (there is no prefill kernel).
+The model (:class:`~jaxkv.nn.LlamaForCausalLM`) takes the same two
+arguments and hands them to every layer; a layer's ``decode_attention_fn``
+/ ``prefill_attention_fn`` constructor arguments replace the function
+outright (custom kernels and tests).
 """
 
 from __future__ import annotations
@@ -28,24 +33,25 @@ import numpy as np
 from flax import nnx
 from jaxtyping import Array, Float, Int
 
-from kernels_pallas.reference import gather_pages, paged_decode_attention
+from kernels_pallas import paged_attention
+from kernels_pallas.reference import gather_pages
+from jaxkv._ops import INT32_MAX, is_fp8
 from jaxkv.errors import InvalidArgument
 from jaxkv.nn.config import LlamaConfig, RopeScaling
 from jaxkv.nn.rope import apply_rope, rope_inv_freq
-from jaxkv.pool.kv_pool import KVPool, dequantize, is_fp8, quantize_fp8
+from jaxkv.pool.kv_pool import KVPool, dequantize, quantize_fp8
 
 __all__ = [
+    "IMPLEMENTATIONS",
     "PagedAttention",
     "RMSNorm",
     "causal_attention",
-    "decode_attention_fn",
+    "check_implementation",
     "paged_prefill_attention",
-    "prefill_attention_fn",
-    "set_attention_fns",
 ]
 
-_INT32_MAX = int(np.iinfo(np.int32).max)
-_FP8 = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
+#: The ``implementation`` choices besides None (those of kernels_pallas).
+IMPLEMENTATIONS = ("pallas", "reference")
 _HIGHEST = jax.lax.Precision.HIGHEST
 
 
@@ -79,7 +85,7 @@ def causal_attention(
     t, h = q.shape[1], q.shape[2]
     g = h // kvh
     f32 = jnp.float32
-    window = _INT32_MAX if sliding_window is None else sliding_window
+    window = INT32_MAX if sliding_window is None else sliding_window
     key_pos = jnp.arange(s, dtype=jnp.int32)
     kv_ok = key_pos[None, :] < kv_lengths.astype(jnp.int32)[:, None]  # [B, S]
     k = jnp.where(kv_ok[:, :, None, None], k.astype(f32), 0.0)
@@ -181,7 +187,7 @@ def paged_prefill_attention(
         raise InvalidArgument(f"q head dim {dq} != K head dim {dk}")
     for name, pages, scales in (("k", k_pages, k_scales), ("v", v_pages, v_scales)):
         if scales is None:
-            if jnp.dtype(pages.dtype) in _FP8:
+            if is_fp8(pages.dtype):
                 raise InvalidArgument(f"{name}_pages are {pages.dtype} but {name}_scales is None")
         elif tuple(scales.shape) != (kvh, num_pages, ps):
             raise InvalidArgument(f"{name}_scales must have shape {(kvh, num_pages, ps)}, got {tuple(scales.shape)}")
@@ -190,35 +196,20 @@ def paged_prefill_attention(
     use_window = sliding_window is not None
     if use_window and not isinstance(sliding_window, jax.core.Tracer) and int(np.asarray(sliding_window)) < 1:
         raise InvalidArgument(f"sliding_window must be >= 1, got {sliding_window}")
-    window = jnp.asarray(sliding_window if use_window else _INT32_MAX, jnp.int32)
+    window = jnp.asarray(sliding_window if use_window else INT32_MAX, jnp.int32)
     return _prefill_impl(q, k_pages, v_pages, block_tables, jnp.asarray(starts), jnp.asarray(num_new),
                          k_scales, v_scales, jnp.asarray(sm_scale, jnp.float32), window, use_window=use_window)
 
 
-#: Decode attention used by :class:`PagedAttention` when the layer has no
-#: override: ``fn(q [B,H,D], k_pages, v_pages, block_tables, lengths,
-#: k_scales, v_scales, *, layer, sm_scale, sliding_window) -> [B,H,D]``
-#: where pages and scales are the pool's whole stacked ``[L, ...]`` arrays
-#: and ``layer`` (a static int) the one to attend: a kernel reads it in
-#: place (slicing it out first would copy the layer before every call).
-decode_attention_fn: Callable[..., Array] = paged_decode_attention
-#: Prefill attention used by :class:`PagedAttention` when the layer has no
-#: override; the signature of :func:`paged_prefill_attention`.
-prefill_attention_fn: Callable[..., Array] = paged_prefill_attention
-
-
-def set_attention_fns(*, decode: Callable | None = None, prefill: Callable | None = None) -> tuple[Callable, Callable]:
-    """Replace the module-level attention hooks (e.g. with Pallas kernels);
-    None keeps one. Returns the previous ``(decode, prefill)`` so a caller can
-    restore them. Takes effect at the next trace (already-jitted steps keep the
-    function they were traced with)."""
-    global decode_attention_fn, prefill_attention_fn
-    previous = (decode_attention_fn, prefill_attention_fn)
-    if decode is not None:
-        decode_attention_fn = decode
-    if prefill is not None:
-        prefill_attention_fn = prefill
-    return previous
+def check_implementation(implementation: str | None, interpret: bool = False) -> None:
+    """``InvalidArgument`` unless ``implementation`` is None, ``"pallas"`` or
+    ``"reference"`` and ``interpret`` is not combined with ``"reference"``
+    (checked when the model is built, not at the first trace)."""
+    if implementation is not None and implementation not in IMPLEMENTATIONS:
+        raise InvalidArgument(f"implementation must be one of {IMPLEMENTATIONS} or None, got {implementation!r}")
+    if interpret and implementation == "reference":
+        raise InvalidArgument("interpret=True runs the Pallas kernel; it cannot be combined with "
+                              "implementation='reference'")
 
 
 # --------------------------------------------------------------------------
@@ -270,6 +261,8 @@ class PagedAttention(nnx.Module):
         dtype=jnp.float32,
         param_dtype=jnp.float32,
         precision=None,
+        implementation: str | None = None,
+        interpret: bool = False,
         decode_attention_fn: Callable | None = None,
         prefill_attention_fn: Callable | None = None,
         rngs: nnx.Rngs,
@@ -278,6 +271,7 @@ class PagedAttention(nnx.Module):
             raise InvalidArgument(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
         if sliding_window is not None and sliding_window < 1:
             raise InvalidArgument(f"sliding_window must be >= 1 or None, got {sliding_window}")
+        check_implementation(implementation, interpret)
         linear = functools.partial(nnx.Linear, dtype=dtype, param_dtype=param_dtype, precision=precision, rngs=rngs)
         self.q_proj = linear(hidden_size, num_heads * head_dim, use_bias=qkv_bias)
         self.k_proj = linear(hidden_size, num_kv_heads * head_dim, use_bias=qkv_bias)
@@ -295,19 +289,22 @@ class PagedAttention(nnx.Module):
         self.sliding_window = None if sliding_window is None else int(sliding_window)
         self.sm_scale = 1.0 / math.sqrt(head_dim)
         self.dtype = dtype
+        self.implementation = implementation
+        self.interpret = bool(interpret)
         self.decode_attention_fn = decode_attention_fn
         self.prefill_attention_fn = prefill_attention_fn
 
     @classmethod
     def from_config(cls, config: LlamaConfig, layer: int = 0, *, rngs: nnx.Rngs, dtype=jnp.float32,
-                    param_dtype=jnp.float32, precision=None) -> PagedAttention:
+                    param_dtype=jnp.float32, precision=None, implementation: str | None = None,
+                    interpret: bool = False) -> PagedAttention:
         """The attention of decoder layer ``layer`` of ``config``."""
         return cls(
             config.hidden_size, config.num_attention_heads, config.num_key_value_heads, config.head_dim,
             rope_theta=config.rope_theta, rope_scaling=config.rope_scaling, qkv_bias=config.attention_bias,
             out_bias=config.attention_out_bias, qk_norm=config.qk_norm, norm_eps=config.rms_norm_eps,
             sliding_window=config.layer_sliding_window(layer), dtype=dtype, param_dtype=param_dtype,
-            precision=precision, rngs=rngs)
+            precision=precision, implementation=implementation, interpret=interpret, rngs=rngs)
 
     # ------------------------------------------------------------- pieces
 
@@ -360,9 +357,10 @@ class PagedAttention(nnx.Module):
             position of token 0 of this step).
           num_new: ``[B]`` real tokens of this step per row (``<= T``; 0 for
             an idle row).
-          mode: ``"prefill"`` (any ``T``; :data:`prefill_attention_fn`) or
-            ``"decode"`` (``T == 1``; :data:`decode_attention_fn` with
-            ``lengths = starts + 1``, 0 for rows with ``num_new == 0``).
+          mode: ``"prefill"`` (any ``T``; :func:`paged_prefill_attention`) or
+            ``"decode"`` (``T == 1``; :func:`kernels_pallas.paged_attention`
+            with the layer's ``implementation``, ``lengths = starts + 1``, 0
+            for rows with ``num_new == 0``).
 
         Returns:
           ``(out [B, T, hidden], pool)``; outputs of padding tokens are those
@@ -384,13 +382,14 @@ class PagedAttention(nnx.Module):
         pool = pool.set_kv(layer, slots.reshape(-1), k.reshape(b * t, self.num_kv_heads, self.head_dim),
                            v.reshape(b * t, self.num_kv_heads, self.head_dim))
         if mode == "decode":
-            fn = self.decode_attention_fn or decode_attention_fn
+            fn = self.decode_attention_fn or functools.partial(
+                paged_attention, implementation=self.implementation, interpret=self.interpret)
             lengths = jnp.where(num_new > 0, starts + 1, 0)
             attn = fn(q[:, 0], pool.k_pages, pool.v_pages, block_tables, lengths, pool.k_scales, pool.v_scales,
                       layer=layer, sm_scale=self.sm_scale, sliding_window=self.sliding_window)[:, None]
         else:
             k_pages, v_pages, k_scales, v_scales = pool.layer_arrays(layer)
-            fn = self.prefill_attention_fn or prefill_attention_fn
+            fn = self.prefill_attention_fn or paged_prefill_attention
             attn = fn(q, k_pages, v_pages, block_tables, starts, num_new, k_scales, v_scales,
                       sm_scale=self.sm_scale, sliding_window=self.sliding_window)
         return self.out(attn), pool

@@ -37,7 +37,7 @@ from flax import nnx, traverse_util
 from jaxtyping import Array, Float, Int
 
 from jaxkv.errors import InvalidArgument
-from jaxkv.nn.attention import PagedAttention, RMSNorm
+from jaxkv.nn.attention import PagedAttention, RMSNorm, check_implementation
 from jaxkv.nn.config import LlamaConfig
 from jaxkv.pool.kv_pool import KVPool
 
@@ -67,12 +67,13 @@ class LlamaDecoderLayer(nnx.Module):
     """Pre-norm block: ``x + attn(norm(x))``, then ``x + mlp(norm(x))``."""
 
     def __init__(self, config: LlamaConfig, layer: int, *, dtype=jnp.float32, param_dtype=jnp.float32,
-                 precision=None, rngs: nnx.Rngs):
+                 precision=None, implementation: str | None = None, interpret: bool = False, rngs: nnx.Rngs):
         norm = functools.partial(RMSNorm, config.hidden_size, eps=config.rms_norm_eps, dtype=dtype,
                                  param_dtype=param_dtype)
         self.input_layernorm = norm()
         self.self_attn = PagedAttention.from_config(config, layer, rngs=rngs, dtype=dtype, param_dtype=param_dtype,
-                                                    precision=precision)
+                                                    precision=precision, implementation=implementation,
+                                                    interpret=interpret)
         self.post_attention_layernorm = norm()
         self.mlp = LlamaMLP(config.hidden_size, config.intermediate_size, bias=config.mlp_bias, dtype=dtype,
                             param_dtype=param_dtype, precision=precision, rngs=rngs)
@@ -97,18 +98,28 @@ class LlamaForCausalLM(nnx.Module):
     ``dtype`` is the compute dtype of activations and matmuls,
     ``param_dtype`` the dtype parameters are stored in. Attention softmax,
     RMSNorm statistics and RoPE run in float32; logits are returned float32.
+
+    ``implementation`` (None | ``"pallas"`` | ``"reference"``) and
+    ``interpret`` choose every layer's decode attention kernel by the rule
+    of :mod:`kernels_pallas` (None: the Pallas kernel on GPU, the ``jnp``
+    reference elsewhere); ``InvalidArgument`` for any other value. They are
+    static: each choice traces its own program.
     """
 
     def __init__(self, config: LlamaConfig, *, rngs: nnx.Rngs, dtype=jnp.float32, param_dtype=jnp.float32,
-                 precision=None):
+                 precision=None, implementation: str | None = None, interpret: bool = False):
+        check_implementation(implementation, interpret)
         self.config = config
+        self.implementation = implementation
+        self.interpret = bool(interpret)
         self.dtype = jnp.dtype(dtype)
         self.param_dtype = jnp.dtype(param_dtype)
         self.precision = precision
         self.embed_tokens = nnx.Embed(config.vocab_size, config.hidden_size, dtype=dtype, param_dtype=param_dtype,
                                       rngs=rngs)
         self.layers = nnx.List([
-            LlamaDecoderLayer(config, i, dtype=dtype, param_dtype=param_dtype, precision=precision, rngs=rngs)
+            LlamaDecoderLayer(config, i, dtype=dtype, param_dtype=param_dtype, precision=precision,
+                              implementation=implementation, interpret=interpret, rngs=rngs)
             for i in range(config.num_hidden_layers)
         ])
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, dtype=dtype, param_dtype=param_dtype)
@@ -205,7 +216,8 @@ class LlamaForCausalLM(nnx.Module):
 
     @classmethod
     def from_hf_state_dict(cls, config: LlamaConfig, tensors: dict[str, np.ndarray], *, dtype=None,
-                           param_dtype=None, precision=None, source: str = "state dict") -> LlamaForCausalLM:
+                           param_dtype=None, precision=None, source: str = "state dict",
+                           implementation: str | None = None, interpret: bool = False) -> LlamaForCausalLM:
         """Build the model from transformers-named arrays (no random init).
         ``param_dtype`` default: ``config.torch_dtype`` (float32 if unset);
         ``dtype`` default: ``param_dtype``. Raises ``InvalidArgument`` naming a
@@ -215,7 +227,8 @@ class LlamaForCausalLM(nnx.Module):
         if dtype is None:
             dtype = param_dtype
         abstract = nnx.eval_shape(lambda: cls(config, rngs=nnx.Rngs(0), dtype=dtype, param_dtype=param_dtype,
-                                              precision=precision))
+                                              precision=precision, implementation=implementation,
+                                              interpret=interpret))
         graphdef, state = nnx.split(abstract)
         flat = traverse_util.flatten_dict(nnx.to_pure_dict(state))
         used = set()
@@ -245,8 +258,8 @@ class LlamaForCausalLM(nnx.Module):
         return nnx.merge(graphdef, state)
 
     @classmethod
-    def from_pretrained(cls, path: str | os.PathLike, *, dtype=None, param_dtype=None,
-                        precision=None) -> LlamaForCausalLM:
+    def from_pretrained(cls, path: str | os.PathLike, *, dtype=None, param_dtype=None, precision=None,
+                        implementation: str | None = None, interpret: bool = False) -> LlamaForCausalLM:
         """Load a local Hugging Face checkpoint directory: ``config.json`` and
         every ``*.safetensors`` file in it (sharded or not). Dtype defaults as
         in :meth:`from_hf_state_dict`. Raises ``InvalidArgument`` for an
@@ -266,7 +279,7 @@ class LlamaForCausalLM(nnx.Module):
                     raise InvalidArgument(f"tensor {name!r} appears in more than one file of {path}")
                 tensors[name] = arr
         return cls.from_hf_state_dict(config, tensors, dtype=dtype, param_dtype=param_dtype, precision=precision,
-                                      source=path)
+                                      source=path, implementation=implementation, interpret=interpret)
 
     def save_pretrained(self, path: str | os.PathLike, *, num_shards: int = 1) -> None:
         """Write ``config.json`` and the weights in transformers' layout:

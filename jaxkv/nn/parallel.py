@@ -6,13 +6,15 @@ inside one jitted ``lax.while_loop``. Each step grows every running row by
 one token with :meth:`BlockSpaceManager.append_slots`, which copies a shared,
 partly filled last block into a fresh page before the row writes into it
 (copy-on-write), so rows never see each other's tokens while the full
-blocks of the prompt stay shared.
+blocks of the prompt stay shared. The prefill and the model's decode step
+are those of :mod:`jaxkv.nn.steps`.
 
 * :func:`sample_n` / :func:`parallel_sample`: ``n`` independent samples of
   one prompt (vLLM's ``n > 1``). Row ``i`` draws from its own PRNG stream,
   ``fold_in(key(seed), i)`` split once per token, so a row's tokens do not
   depend on ``n`` or on the other rows. Finished rows free their blocks in
-  the loop.
+  the loop. The loop is :func:`jaxkv.nn.steps.decode_loop` (``generate``'s)
+  with per-row keys.
 * :func:`beam_search`: standard beam search over summed log-probabilities:
   each step keeps the best ``num_beams`` of the ``num_beams * vocab``
   continuations. A beam that continues another beam's parent gets that
@@ -37,11 +39,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx, struct
+from jaxtyping import Array, Bool, Float, Int
 
-from jaxkv import _host
+from jaxkv._ops import ceil_div, pow2_at_least
 from jaxkv.errors import InvalidArgument, KVCacheOOM
 from jaxkv.manager.block_space import BlockSpaceManager
-from jaxkv.nn.generate import SamplingParams, _model_step, sample
+from jaxkv.nn.sampling import GREEDY, SamplingParams
+from jaxkv.nn.steps import DecodeState, decode_logits, decode_loop, decode_step, prefill_chunk, start_decoding
 from jaxkv.pool.kv_pool import KVPool
 
 __all__ = [
@@ -49,6 +53,7 @@ __all__ = [
     "BeamState",
     "ParallelOutput",
     "ParallelState",
+    "PromptSetup",
     "beam_loop",
     "beam_prefill",
     "beam_search",
@@ -57,14 +62,14 @@ __all__ = [
     "parallel_sample",
     "parallel_step",
     "prefill_fork",
+    "prefill_one",
     "sample_n",
     "sequence_keys",
+    "setup_prompt",
 ]
 
 
 # ------------------------------------------------------------------ helpers
-
-_GREEDY = SamplingParams()
 
 
 def sequence_keys(seed: int, n: int) -> jax.Array:
@@ -75,168 +80,116 @@ def sequence_keys(seed: int, n: int) -> jax.Array:
     return jax.vmap(lambda i: jax.random.fold_in(base, i))(jnp.arange(n, dtype=jnp.uint32))
 
 
-def _split_rows(keys):
-    pairs = jax.vmap(jax.random.split)(keys)
-    return pairs[:, 0], pairs[:, 1]
-
-
-def _sample_rows(logits, subs, sampling: SamplingParams):
-    """Row ``b`` of ``logits [n, V]`` sampled with its own key ``subs[b]``
-    (exactly ``sample(logits[b:b+1], subs[b], sampling)``)."""
-    return jax.vmap(lambda row, key: sample(row[None], key, sampling)[0])(logits, subs)
-
-
-def _prefill_row0(graphdef, params, manager, pool, prompt, length):
-    """Allocate row 0 for the prompt, run it through the model; returns the
+def prefill_one(graphdef, params, manager: BlockSpaceManager, pool: KVPool, prompt: Int[Array, "1 W"],
+                length: Int[Array, ""]) -> tuple[BlockSpaceManager, KVPool, Float[Array, " V"], Bool[Array, ""]]:
+    """Admit row 0 for the prompt and run it through the model; returns the
     manager, pool, the last prompt position's logits ``[V]`` and ``ok``."""
-    width = prompt.shape[1]
-    seq0 = jnp.zeros((1,), jnp.int32)
-    manager, ok = manager.allocate(seq0, length)
-    positions = jnp.arange(width, dtype=jnp.int32)[None]
-    slots = jnp.where(positions < length, manager.token_slots(seq0, positions), -1)
-    tables, _ = manager.batch_tables(seq0)
-    logits, pool = _model_step(graphdef, params, prompt, positions, pool, slots, tables,
-                               jnp.zeros((1,), jnp.int32), length[None], "prefill")
-    last = jax.lax.dynamic_index_in_dim(logits[0], length - 1, axis=0, keepdims=False)
-    return manager, pool, last, ok
+    row0 = jnp.zeros((1,), jnp.int32)
+    lengths = jnp.reshape(length, (1,)).astype(jnp.int32)
+    no_prefix = jnp.full((1, manager.max_blocks_per_seq), -1, jnp.int32)
+    manager, ok = manager.admit_with_prefix(row0, no_prefix, lengths)
+    pool, last = prefill_chunk(graphdef, params, manager, pool, row0, prompt, jnp.zeros((1,), jnp.int32), lengths)
+    return manager, pool, last[0], ok
 
 
-def _setup(model, prompt, rows: int, max_new_tokens: int, page_size: int, num_pages):
+@dataclasses.dataclass(frozen=True)
+class PromptSetup:
+    """One prompt ready for :func:`prefill_fork` / :func:`beam_prefill`:
+    ``padded [1, W]`` (``W`` a power of two), ``length`` (real tokens), a
+    fresh ``manager`` with ``rows`` sequence rows and its ``pool`` of
+    ``num_pages`` pages."""
+
+    padded: jax.Array
+    length: jax.Array
+    manager: BlockSpaceManager
+    pool: KVPool
+    num_pages: int
+
+
+def setup_prompt(model, prompt, rows: int, max_new_tokens: int, page_size: int,
+                 num_pages: int | None = None) -> PromptSetup:
+    """Check ``prompt`` and ``max_new_tokens`` (``InvalidArgument``) and build
+    the :class:`PromptSetup` (default ``num_pages``: every row at full length,
+    nothing shared)."""
     prompt = [int(t) for t in prompt]
     if not prompt:
         raise InvalidArgument("the prompt must not be empty")
     if max_new_tokens < 1:
         raise InvalidArgument(f"max_new_tokens={max_new_tokens}: must be >= 1")
-    width = _host.pow2_at_least(len(prompt))
+    width = pow2_at_least(len(prompt))
     padded = np.zeros((1, width), np.int32)
     padded[0, : len(prompt)] = prompt
-    max_blocks = -(-(len(prompt) + max_new_tokens) // page_size)
+    max_blocks = ceil_div(len(prompt) + max_new_tokens, page_size)
     if num_pages is None:
-        num_pages = rows * max_blocks + 1  # every row at full length, nothing shared
+        num_pages = rows * max_blocks + 1
     manager = BlockSpaceManager.create(num_device_blocks=num_pages, num_host_blocks=1, block_size=page_size,
                                        max_seqs=rows, max_blocks_per_seq=max_blocks)
     pool = model.make_pool(num_pages, page_size)
-    return jnp.asarray(padded), jnp.asarray(len(prompt), jnp.int32), manager, pool, num_pages
+    return PromptSetup(jnp.asarray(padded), jnp.asarray(len(prompt), jnp.int32), manager, pool, num_pages)
 
 
 # --------------------------------------------------------- parallel sampling
 
-
-@struct.dataclass
-class ParallelState:
-    """The carry of the parallel-sampling loop (a pytree).
-
-    As :class:`jaxkv.nn.generate.DecodeState`, with one PRNG key per row
-    (``keys [n]``) and, for inspection, each row's block table and length
-    at the moment it finished (``final_tables [n, max_blocks]``,
-    ``final_lens [n]``; the pages stay valid until reused, i.e. always when
-    every row runs to ``max_new``).
-    """
-
-    manager: BlockSpaceManager
-    pool: KVPool
-    tokens: jax.Array
-    num_generated: jax.Array
-    last: jax.Array
-    finished: jax.Array
-    keys: jax.Array
-    eos_id: jax.Array
-    ok: jax.Array
-    final_tables: jax.Array
-    final_lens: jax.Array
+#: The parallel-sampling loop carries :class:`jaxkv.nn.steps.DecodeState` with
+#: one PRNG key per row; ``final_tables``/``final_lens`` keep each row's block
+#: table and length as it finished (its blocks are freed then).
+ParallelState = DecodeState
 
 
-@partial(jax.jit, static_argnames=("graphdef", "sampling", "max_new"), donate_argnums=(2, 3))
-def prefill_fork(graphdef, params, manager: BlockSpaceManager, pool: KVPool, prompt, length, keys, eos_id, *,
-                 sampling: SamplingParams, max_new: int) -> ParallelState:
+@partial(jax.jit, static_argnames=("graphdef", "max_new"), donate_argnums=(2, 3))
+def prefill_fork(graphdef, params, manager: BlockSpaceManager, pool: KVPool, prompt, length, keys, eos_id,
+                 sampling: SamplingParams = GREEDY, *, max_new: int) -> DecodeState:
     """Prefill ``prompt [1, W]`` (``length`` real tokens) once in row 0, fork
     row 0 into rows ``1..n-1`` (``n = len(keys)``) and sample each row's first
     token from the prompt's last logits with that row's key."""
     n = keys.shape[0]
-    manager, pool, last_logits, ok = _prefill_row0(graphdef, params, manager, pool, prompt, length)
+    manager, pool, last_logits, ok = prefill_one(graphdef, params, manager, pool, prompt, length)
     if n > 1:
         manager, forked = manager.fork(jnp.zeros((n - 1,), jnp.int32), jnp.arange(1, n, dtype=jnp.int32))
         ok &= forked
-    keys, subs = _split_rows(keys)
-    first = _sample_rows(jnp.broadcast_to(last_logits, (n, last_logits.shape[-1])), subs, sampling)
-    seqs = jnp.arange(n, dtype=jnp.int32)
-    finished = (first == eos_id) | (max_new <= 1)
-    final_tables = jnp.where(finished[:, None], manager.block_tables, -1)
-    final_lens = jnp.where(finished, manager.seq_lens, 0)
-    manager, _ = manager.free(jnp.where(finished, seqs, -1))
-    tokens = jnp.full((n, max_new), -1, jnp.int32).at[:, 0].set(first)
-    return ParallelState(manager, pool, tokens, jnp.ones((n,), jnp.int32), first, finished, keys,
-                         jnp.asarray(eos_id, jnp.int32), ok, final_tables, final_lens)
+    logits = jnp.broadcast_to(last_logits, (n, last_logits.shape[-1]))
+    return start_decoding(manager, pool, logits, keys, sampling, eos_id, max_new=max_new, ok=ok)
 
 
-def _parallel_body(graphdef, params, state: ParallelState, sampling: SamplingParams) -> ParallelState:
-    n, max_new = state.tokens.shape
-    seqs = jnp.where(state.finished, -1, jnp.arange(n, dtype=jnp.int32))
-    manager, pool, slots, _, ok = state.manager.append_slots(state.pool, seqs, 1)  # CoW of shared last blocks
-    tables, lengths = manager.batch_tables(seqs)
-    starts = jnp.maximum(lengths - 1, 0)
-    logits, pool = _model_step(graphdef, params, state.last[:, None], starts[:, None], pool, slots, tables,
-                               starts, (~state.finished).astype(jnp.int32), "decode")
-    keys, subs = _split_rows(state.keys)
-    new = _sample_rows(logits[:, 0], subs, sampling)
-    running = ~state.finished & ok
-    keys = jax.tree_util.tree_map(lambda a, b: jnp.where(running, a, b), keys, state.keys)
-    column = jnp.where(running, state.num_generated, max_new)  # out of range: dropped
-    tokens = state.tokens.at[jnp.arange(n), column].set(new, mode="drop")
-    num_generated = state.num_generated + running
-    done = running & ((new == state.eos_id) | (num_generated >= max_new))
-    final_tables = jnp.where(done[:, None], manager.block_tables, state.final_tables)
-    final_lens = jnp.where(done, manager.seq_lens, state.final_lens)
-    manager, _ = manager.free(jnp.where(done, seqs, -1))
-    return ParallelState(manager, pool, tokens, num_generated, jnp.where(running, new, state.last),
-                         state.finished | done, keys, state.eos_id, state.ok & ok, final_tables, final_lens)
-
-
-@partial(jax.jit, static_argnames=("graphdef", "sampling"), donate_argnums=(2,))
-def parallel_step(graphdef, params, state: ParallelState, *, sampling: SamplingParams) -> ParallelState:
-    """One decode step of every running row (one jitted call)."""
-    return _parallel_body(graphdef, params, state, sampling)
-
-
-@partial(jax.jit, static_argnames=("graphdef", "sampling"), donate_argnums=(2,))
-def parallel_loop(graphdef, params, state: ParallelState, *, sampling: SamplingParams) -> ParallelState:
-    """Decode until every row finished (or an allocation failed), in one
-    ``lax.while_loop``."""
-    return jax.lax.while_loop(lambda s: jnp.any(~s.finished) & s.ok,
-                              lambda s: _parallel_body(graphdef, params, s, sampling), state)
+#: One decode step of every running row (:func:`jaxkv.nn.steps.decode_step`).
+parallel_step = decode_step
+#: Decode until every row finished (:func:`jaxkv.nn.steps.decode_loop`).
+parallel_loop = decode_loop
 
 
 @dataclasses.dataclass
 class ParallelOutput:
     """``tokens[i]``: the new tokens of sample ``i`` (EOS included when
-    produced); ``state``: the final :class:`ParallelState`."""
+    produced); ``state``: the final :class:`~jaxkv.nn.steps.DecodeState`."""
 
     tokens: list
-    state: ParallelState
+    state: DecodeState
 
 
-def parallel_sample(model, prompt, n: int, max_new_tokens: int, *, sampling: SamplingParams = _GREEDY,
+def parallel_sample(model, prompt, n: int, max_new_tokens: int, *, sampling: SamplingParams = GREEDY,
                     seed: int = 0, eos_token_id: int | None = None, page_size: int = 16,
                     num_pages: int | None = None) -> ParallelOutput:
     """:func:`sample_n` returning the final loop state as well."""
     if n < 1:
         raise InvalidArgument(f"n={n}: must be >= 1")
-    padded, length, manager, pool, num_pages = _setup(model, prompt, n, max_new_tokens, page_size, num_pages)
+    if not isinstance(sampling, SamplingParams):
+        raise InvalidArgument(f"sampling must be a SamplingParams, got {sampling!r}")
+    setup = setup_prompt(model, prompt, n, max_new_tokens, page_size, num_pages)
     graphdef, params = nnx.split(model)
     eos_id = np.int32(-1 if eos_token_id is None else int(eos_token_id))
-    state = prefill_fork(graphdef, params, manager, pool, padded, length, sequence_keys(seed, n), eos_id,
-                         sampling=sampling, max_new=max_new_tokens)
+    state = prefill_fork(graphdef, params, setup.manager, setup.pool, setup.padded, setup.length,
+                         sequence_keys(seed, n), eos_id, sampling, max_new=max_new_tokens)
     if not bool(state.ok):
-        need = -(-int(length) // page_size)
-        raise KVCacheOOM(need, num_pages - 1, num_pages - 1, unit="blocks")
-    state = parallel_loop(graphdef, params, state, sampling=sampling)
+        raise KVCacheOOM(ceil_div(int(setup.length), page_size), setup.num_pages - 1, setup.num_pages - 1,
+                         unit="blocks")
+    state = decode_loop(graphdef, params, state, sampling)
     if not bool(state.ok):
-        raise KVCacheOOM(1, 0, num_pages - 1, unit="blocks (decode ran out of KV blocks)")
+        raise KVCacheOOM(1, 0, setup.num_pages - 1, unit="blocks (decode ran out of KV blocks)")
     tokens, counts = jax.device_get((state.tokens, state.num_generated))
     return ParallelOutput([tokens[i, : counts[i]].tolist() for i in range(n)], state)
 
 
-def sample_n(model, prompt, n: int, max_new_tokens: int, *, sampling: SamplingParams = _GREEDY,
+def sample_n(model, prompt, n: int, max_new_tokens: int, *, sampling: SamplingParams = GREEDY,
              seed: int = 0, eos_token_id: int | None = None, page_size: int = 16,
              num_pages: int | None = None) -> list[list[int]]:
     """``n`` independent samples of up to ``max_new_tokens`` tokens after
@@ -263,24 +216,24 @@ class BeamState:
 
     manager: BlockSpaceManager
     pool: KVPool
-    logits: jax.Array
-    scores: jax.Array
-    tokens: jax.Array
-    active: jax.Array
-    step: jax.Array
-    eos_id: jax.Array
-    length_penalty: jax.Array
-    ok: jax.Array
-    hyp_tokens: jax.Array
-    hyp_lens: jax.Array
-    hyp_scores: jax.Array
+    logits: Float[Array, "beams vocab"]
+    scores: Float[Array, " beams"]
+    tokens: Int[Array, "beams max_new"]
+    active: Bool[Array, " beams"]
+    step: Int[Array, ""]
+    eos_id: Int[Array, ""]
+    length_penalty: Float[Array, ""]
+    ok: Bool[Array, ""]
+    hyp_tokens: Int[Array, "beams max_new"]
+    hyp_lens: Int[Array, " beams"]
+    hyp_scores: Float[Array, " beams"]
 
 
 @partial(jax.jit, static_argnames=("graphdef", "num_beams", "max_new"), donate_argnums=(2, 3))
 def beam_prefill(graphdef, params, manager: BlockSpaceManager, pool: KVPool, prompt, length, eos_id,
                  length_penalty, *, num_beams: int, max_new: int) -> BeamState:
     """Prefill the prompt once in row 0; row 0 holds the only live beam."""
-    manager, pool, last_logits, ok = _prefill_row0(graphdef, params, manager, pool, prompt, length)
+    manager, pool, last_logits, ok = prefill_one(graphdef, params, manager, pool, prompt, length)
     b = num_beams
     return BeamState(
         manager, pool, jnp.broadcast_to(last_logits, (b, last_logits.shape[-1])),
@@ -340,15 +293,11 @@ def _beam_body(graphdef, params, state: BeamState) -> BeamState:
     rows, dropped, fork_src, fork_dst = _beam_rows(parents, state.active)
     manager, freed = state.manager.free(dropped)
     manager, forked = manager.fork(fork_src, fork_dst)  # shares the parents' blocks
-    seqs = jnp.arange(b, dtype=jnp.int32)
     last = jnp.zeros((b,), jnp.int32).at[rows].set(tokens)
-    manager, pool, slots, _, appended = manager.append_slots(state.pool, seqs, 1)  # CoW of shared last pages
-    tables, lengths = manager.batch_tables(seqs)
-    starts = jnp.maximum(lengths - 1, 0)
-    logits, pool = _model_step(graphdef, params, last[:, None], starts[:, None], pool, slots, tables, starts,
-                               jnp.ones((b,), jnp.int32), "decode")
+    manager, pool, logits, _, appended = decode_logits(graphdef, params, manager, state.pool, last,
+                                                       jnp.ones((b,), bool))  # CoW of shared last pages
     return state.replace(
-        manager=manager, pool=pool, logits=logits[:, 0],
+        manager=manager, pool=pool, logits=logits,
         scores=jnp.zeros((b,), jnp.float32).at[rows].set(scores),
         tokens=jnp.zeros_like(state.tokens).at[rows].set(histories),
         active=jnp.ones((b,), bool), step=state.step + 1, ok=state.ok & freed & forked & appended)
@@ -385,17 +334,17 @@ def beam_search_output(model, prompt, num_beams: int, max_new_tokens: int, *, le
         raise InvalidArgument(f"num_beams={num_beams}: must be >= 1")
     if 2 * num_beams > model.config.vocab_size:
         raise InvalidArgument(f"num_beams={num_beams}: needs 2 * num_beams <= vocab_size")
-    padded, length, manager, pool, num_pages = _setup(model, prompt, num_beams, max_new_tokens, page_size,
-                                                      num_pages)
+    setup = setup_prompt(model, prompt, num_beams, max_new_tokens, page_size, num_pages)
     graphdef, params = nnx.split(model)
     eos_id = np.int32(-1 if eos_token_id is None else int(eos_token_id))
-    state = beam_prefill(graphdef, params, manager, pool, padded, length, eos_id, np.float32(length_penalty),
-                         num_beams=num_beams, max_new=max_new_tokens)
+    state = beam_prefill(graphdef, params, setup.manager, setup.pool, setup.padded, setup.length, eos_id,
+                         np.float32(length_penalty), num_beams=num_beams, max_new=max_new_tokens)
     if not bool(state.ok):
-        raise KVCacheOOM(-(-int(length) // page_size), num_pages - 1, num_pages - 1, unit="blocks")
+        raise KVCacheOOM(ceil_div(int(setup.length), page_size), setup.num_pages - 1, setup.num_pages - 1,
+                         unit="blocks")
     state, (scores, histories) = beam_loop(graphdef, params, state)
     if not bool(state.ok):
-        raise KVCacheOOM(1, 0, num_pages - 1, unit="blocks (beam search ran out of KV blocks)")
+        raise KVCacheOOM(1, 0, setup.num_pages - 1, unit="blocks (beam search ran out of KV blocks)")
     scores, histories, hyp_scores, hyp_tokens, hyp_lens = jax.device_get(
         (scores, histories, state.hyp_scores, state.hyp_tokens, state.hyp_lens))
     final = [(hyp_tokens[i, : hyp_lens[i]].tolist(), float(hyp_scores[i]))

@@ -22,6 +22,8 @@ from jax.sharding import PartitionSpec as P
 from jaxkv.errors import InvalidArgument
 from jaxkv.pool.kv_pool import KVPool
 
+__all__ = ["batch_spec", "param_spec", "pool_sharding", "replicate", "shard_model", "shard_pool"]
+
 _COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
 _ROW = ("o_proj", "down_proj")
 

@@ -53,7 +53,7 @@ from jaxtyping import Float
 
 from jaxkv import _host
 from jaxkv.checks import first_where, require
-from jaxkv.errors import DoubleFree, InvalidArgument, InvalidId, KVCacheOOM
+from jaxkv.errors import DoubleFree, InvalidArgument, InvalidId, KVCacheError, KVCacheOOM
 from jaxkv.types import Array, ArrayLike, Bool, Ids, Int, Ok
 
 RecurrentState = Float[Array, "... v_heads v_dim k_dim"]
@@ -190,6 +190,10 @@ class GDNPool:
         return np.arange(self.first_track_slot, self.pool_size, dtype=np.int32)
 
     def mem_bytes(self) -> int:
+        """Deprecated alias of :meth:`memory_bytes` (the library's one name for sizes)."""
+        return self.memory_bytes()
+
+    def memory_bytes(self) -> int:
         """Exact bytes of the arrays the pool owns (both states and the track
         flags), from static shapes: also works on ``jax.eval_shape`` output."""
         return sum(
@@ -371,28 +375,41 @@ class GDNPool:
         state, ok = _free_track_slot(self, _host.padded_ids(slot))
         if bool(ok):
             return state
+        raise self.free_track_slot_error(slot) or _host.unexplained("free_track_slot", slot)
+
+    def free_track_slot_error(self, slot) -> KVCacheError | None:
+        """Why ``free_track_slot(slot)`` fails on this state (``InvalidId``,
+        ``DoubleFree``), or None when it succeeds (the explainer style of
+        ``jaxkv._host``)."""
         given = _host.given_ids(slot)
         lo, hi = self.first_track_slot, self.pool_size - 1
         bad = np.unique(given[(given < lo) | (given > hi)])
         if bad.size:
             span = f"{lo}..{hi}" if hi >= lo else "none"
-            raise InvalidId(
+            return InvalidId(
                 f"free of track slot ids {_host.preview(bad)}: track slots are {span} "
                 f"(request slots 1..{self.max_reqs} and padding slot 0 are not freed here)", bad)
         held = np.asarray(self.track_held)
         unique, times = np.unique(given, return_counts=True)
         owners = held[unique - lo].astype(int)
         over = times > owners
+        if not over.any():
+            return None
         details = "; ".join(f"track slot {i} freed {t}x while held {o}x"
                             for i, t, o in list(zip(unique[over], times[over], owners[over]))[:8])
-        raise DoubleFree(f"double free: {details}", unique[over])
+        return DoubleFree(f"double free: {details}", unique[over])
 
     def reset_states_or_raise(self, ids) -> "GDNPool":
         """Host path of :meth:`reset_states`; raises ``InvalidId``."""
         state, ok = _reset_states(self, _host.padded_ids(ids))
         if not bool(ok):
-            raise self._slot_error(ids, "reset")
+            raise self.reset_states_error(ids) or _host.unexplained("reset_states", ids)
         return state
+
+    def reset_states_error(self, ids) -> KVCacheError | None:
+        """Why ``reset_states(ids)`` fails on this state (``InvalidId``), or
+        None when it succeeds."""
+        return self._slot_error(ids, "reset")
 
     def copy_states_or_raise(self, src, dst) -> "GDNPool":
         """Host path of :meth:`copy_states`; raises ``InvalidId`` (an id
@@ -409,13 +426,23 @@ class GDNPool:
         state, ok = _copy_states(self, _host.padded_ids(src_flat), _host.padded_ids(dst_flat))
         if bool(ok):
             return state
+        raise self.copy_states_error(src_flat, dst_flat) or _host.unexplained("copy_states", dst_flat)
+
+    def copy_states_error(self, src, dst) -> KVCacheError | None:
+        """Why ``copy_states(src, dst)`` (same-shape id arrays) fails on this
+        state (``InvalidId``, ``InvalidArgument`` for a repeated
+        destination), or None when it succeeds."""
+        src_flat = _host.int_array(src, "src").reshape(-1)
+        dst_flat = _host.int_array(dst, "dst").reshape(-1)
         pair = (src_flat != -1) & (dst_flat != -1)
         for ids, what in ((src_flat, "copy from"), (dst_flat, "copy to")):
             bad = ids[pair & ((ids < 1) | (ids >= self.pool_size))]
             if bad.size:
-                raise self._slot_error(bad, what)
+                return self._slot_error(bad, what)
         unique, times = np.unique(dst_flat[pair], return_counts=True)
-        raise InvalidArgument(
+        if not (times > 1).any():
+            return None
+        return InvalidArgument(
             f"copy_states to repeated destination slots {_host.preview(unique[times > 1])}: "
             "which copy would win is undefined")
 
@@ -429,9 +456,11 @@ class GDNPool:
                 f"{op} slot id {{}} outside [1, {self.pool_size}) (slot 0 is the padding slot)",
                 first_where(ids, bad))
 
-    def _slot_error(self, ids, op: str) -> InvalidId:
+    def _slot_error(self, ids, op: str) -> InvalidId | None:
         given = _host.given_ids(ids)
         bad = np.unique(given[(given < 1) | (given >= self.pool_size)])
+        if not bad.size:
+            return None
         return InvalidId(
             f"{op} slot ids {_host.preview(bad)} outside [1, {self.pool_size}) "
             f"(slot 0 is the padding slot; request slots 1..{self.max_reqs}, "

@@ -45,19 +45,13 @@ import numpy as np
 from flax import struct
 
 from jaxkv import _host
+from jaxkv._ops import FP8_DTYPES, is_fp8  # noqa: F401 - is_fp8 re-exported (jaxkv.pool.kv_pool.is_fp8)
 from jaxkv.alloc.token import TokenToKVPoolAllocator
 from jaxkv.errors import InvalidArgument, InvalidId
-from jaxkv.types import Array, Ids, Int, Ok
+from jaxkv.types import Array, Float32, Ids, Int, Ok, Shaped
 
 #: Storage dtypes a pool can hold.
-STORAGE_DTYPES = tuple(
-    jnp.dtype(d) for d in (jnp.bfloat16, jnp.float16, jnp.float32, jnp.float8_e4m3fn, jnp.float8_e5m2)
-)
-_FP8 = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
-
-
-def is_fp8(dtype) -> bool:
-    return jnp.dtype(dtype) in _FP8
+STORAGE_DTYPES = tuple(jnp.dtype(d) for d in (jnp.bfloat16, jnp.float16, jnp.float32)) + FP8_DTYPES
 
 
 def quantize_fp8(x: Array, dtype) -> tuple[Array, Array]:
@@ -82,12 +76,22 @@ def dequantize(stored: Array, scale: Array | None, dtype=jnp.float32) -> Array:
 
 @struct.dataclass
 class KVPool:
-    """Paged K/V pages of every layer; see the module docstring for layout."""
+    """Paged K/V pages of every layer; see the module docstring for layout.
 
-    k_pages: Array
-    v_pages: Array | None
-    k_scales: Array | None
-    v_scales: Array | None
+    Fields:
+        k_pages: ``dtype`` ``[num_layers, k_heads, num_pages, page_size, k_dim]``.
+        v_pages: ``dtype`` ``[num_layers, v_heads, num_pages, page_size, v_dim]``;
+            None in MLA mode.
+        k_scales / v_scales: float32 ``[num_layers, heads, num_pages,
+            page_size]``, one scale per token per head; None unless ``dtype``
+            is fp8.
+        kv_lora_rank: static; MLA latent width (0: not MLA).
+    """
+
+    k_pages: Shaped[Array, "layers k_heads pages page_size k_dim"]
+    v_pages: Shaped[Array, "layers v_heads pages page_size v_dim"] | None
+    k_scales: Float32[Array, "layers k_heads pages page_size"] | None
+    v_scales: Float32[Array, "layers v_heads pages page_size"] | None
     kv_lora_rank: int = struct.field(pytree_node=False, default=0)
 
     # ------------------------------------------------------------------ creation
@@ -178,9 +182,13 @@ class KVPool:
         """Usable token rows (``buffer_size`` minus the null page)."""
         return (self.num_pages - 1) * self.page_size
 
-    def mem_bytes(self) -> int:
+    def memory_bytes(self) -> int:
         """Bytes of every array the pool owns (pages and scales)."""
         return sum(int(leaf.nbytes) for leaf in jax.tree_util.tree_leaves(self))
+
+    def mem_bytes(self) -> int:
+        """Deprecated alias of :meth:`memory_bytes` (the library's one name for sizes)."""
+        return self.memory_bytes()
 
     # ------------------------------------------------------------------ writes
 

@@ -22,10 +22,13 @@ import numpy as np
 from flax import struct
 
 from jaxkv import _host
+from jaxkv._ops import INT32_MAX
 from jaxkv.checks import first_where, require
 from jaxkv.alloc.block import BlockAllocator
-from jaxkv.errors import InvalidArgument, InvalidId, KVCacheOOM
+from jaxkv.errors import InvalidArgument, InvalidId, KVCacheError, KVCacheOOM
 from jaxkv.types import Array, ArrayLike, Count, Ids, Int, Ok
+
+__all__ = ["ReqToTokenPool", "make_req_to_token_pool"]
 
 
 @struct.dataclass
@@ -140,8 +143,14 @@ class ReqToTokenPool:
         """Host path of :meth:`free`; raises ``InvalidId`` or ``DoubleFree``."""
         state, ok = _free(self, _host.padded_ids(rows))
         if not bool(ok):
-            raise self.rows.release_error(rows, unit="row")
+            raise self.free_error(rows) or _host.unexplained("free", rows)
         return state
+
+    def free_error(self, rows) -> KVCacheError | None:
+        """Why ``free(rows)`` fails on this state (``InvalidId``,
+        ``DoubleFree``), or None when it succeeds (the explainer style of
+        ``jaxkv._host``)."""
+        return self.rows.release_error(rows, unit="row")
 
     def write_or_raise(self, row: int, start: int, values) -> "ReqToTokenPool":
         """Host path of :meth:`write` for one row; raises ``InvalidId`` (row
@@ -152,7 +161,7 @@ class ReqToTokenPool:
         row, start = _host.int_scalar(row, "row"), _host.int_scalar(start, "start")
         if not (1 <= row <= self.size) or int(self.rows.ref_count(row)) == 0:
             raise InvalidId(f"write to row {row}, which is not held (rows 1..{self.size})", [row])
-        if values.size and (values.min() < 0 or values.max() > np.iinfo(np.int32).max):
+        if values.size and (values.min() < 0 or values.max() > INT32_MAX):
             raise InvalidArgument(
                 f"write of token indices {_host.preview(values)}: indices must lie in [0, 2**31)"
             )

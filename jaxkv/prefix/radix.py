@@ -24,7 +24,28 @@ Invariants (checked by ``check_invariants`` in the tests):
 * tiers are monotone along a path: a device-tier node never has a host-tier
   ancestor (eviction takes the tail of a chain first);
 * ``evictable_units + protected_units`` is the number of device-tier units
-  in the tree; ``protected_units`` counts those of locked nodes.
+  in the tree; ``protected_units`` counts those of locked nodes. These
+  counters (and ``host_units``, ``num_nodes``) are written only by this
+  module: the caches move nodes between tiers with ``to_host`` /
+  ``to_device``, add and drop them with ``add_child`` / ``remove_leaf`` and
+  protect them with ``lock`` / ``unlock``.
+
+Pins (one contract for both prefix caches, ``PrefixCacheManager`` and
+``SlotPrefixCacheManager``):
+
+* ``pin`` protects one node -- the node where the pinned prefix ends (a node
+  is split so that the prefix ends exactly at one) -- and, through it, every
+  ancestor, from eviction. Pins are counted: pinning twice needs two
+  releases.
+* ``release`` undoes exactly one pin *of that same node*; a pin held on a
+  longer or shorter prefix does not count.
+* A ``release`` with no pin left to undo there (a double release, a prefix
+  never pinned, or one no longer in the cache) raises ``InvalidArgument``
+  and changes nothing.
+* ``reset`` refuses (``CacheLocked``) while any pin is held.
+
+Tokens are stored as int32 bytes: ``TOKEN_BYTES`` bytes per token;
+``RadixTree.num_tokens`` / ``token_prefix`` convert between the two.
 """
 
 from __future__ import annotations
@@ -36,11 +57,15 @@ from typing import Any
 import numpy as np
 
 from jaxkv import _host
+from jaxkv._ops import INT32_MAX
 from jaxkv.errors import InvalidArgument
+
+__all__ = ["DEVICE", "HOST", "TOKEN_BYTES", "Node", "RadixTree", "namespace_key", "token_bytes"]
 
 DEVICE = 0
 HOST = 1
-_INT32_MAX = 2**31 - 1
+#: Bytes per token in a tree key (tokens are int32).
+TOKEN_BYTES = 4
 
 
 def token_bytes(tokens) -> bytes:
@@ -52,13 +77,13 @@ def token_bytes(tokens) -> bytes:
     (a nested list is refused like a 2-D array, not flattened).
     """
     if isinstance(tokens, bytes):
-        if len(tokens) % 4:
+        if len(tokens) % TOKEN_BYTES:
             raise InvalidArgument(f"token bytes of length {len(tokens)}: not a whole number of int32 ids")
         return tokens
     if isinstance(tokens, np.ndarray) and tokens.dtype == np.int32 and tokens.ndim == 1:
         return tokens.tobytes()  # the common case, no copy through int64
     ids = _host.int_array(tokens, "tokens", ndim=1)
-    if ids.size and (ids.min() < -_INT32_MAX - 1 or ids.max() > _INT32_MAX):
+    if ids.size and (ids.min() < -INT32_MAX - 1 or ids.max() > INT32_MAX):
         raise InvalidArgument(f"token ids must fit in int32, got range [{ids.min()}, {ids.max()}]")
     return ids.astype(np.int32).tobytes()
 
@@ -92,6 +117,11 @@ class Node:
         self.tier = tier
         self.namespace = namespace
 
+    @property
+    def num_tokens(self) -> int:
+        """Length of the node's own token run."""
+        return len(self.key) // TOKEN_BYTES
+
     def tokens(self) -> np.ndarray:
         """The node's own token run as an int32 array."""
         return np.frombuffer(self.key, np.int32).copy()
@@ -106,7 +136,7 @@ class Node:
         return np.frombuffer(b"".join(reversed(parts)), np.int32).copy()
 
     def __repr__(self) -> str:
-        return f"Node(tokens={len(self.key) // 4}, lock={self.lock}, tier={'host' if self.tier else 'device'})"
+        return f"Node(tokens={self.num_tokens}, lock={self.lock}, tier={'host' if self.tier else 'device'})"
 
 
 class RadixTree:
@@ -120,7 +150,7 @@ class RadixTree:
         if page_size < 1:
             raise InvalidArgument(f"page_size={page_size}: must be at least 1")
         self.page_size = page_size
-        self.unit_bytes = 4 * page_size
+        self.unit_bytes = TOKEN_BYTES * page_size
         self.split_value = split_value
         self.roots: dict[tuple, Node] = {}  # by namespace_key
         self.clock = 0  # logical time: deterministic LRU order, cheaper than time.time()
@@ -142,6 +172,25 @@ class RadixTree:
 
     def units(self, node: Node) -> int:
         return len(node.key) // self.unit_bytes
+
+    @staticmethod
+    def num_tokens(data: bytes | Node) -> int:
+        """Tokens in a key (``bytes``) or in a node's own run."""
+        return len(data.key if isinstance(data, Node) else data) // TOKEN_BYTES
+
+    @staticmethod
+    def token_prefix(query: bytes, max_tokens: int) -> bytes:
+        """The first ``max(max_tokens, 0)`` tokens of a key."""
+        return query[: TOKEN_BYTES * max(max_tokens, 0)]
+
+    @staticmethod
+    def depth_tokens(node: Node) -> int:
+        """Tokens from the root to the end of ``node``."""
+        depth = 0
+        while node.parent is not None:
+            depth += len(node.key)
+            node = node.parent
+        return depth // TOKEN_BYTES
 
     def tick(self) -> int:
         self.clock += 1
@@ -238,6 +287,38 @@ class RadixTree:
         else:
             self.host_units -= units
         self.push_if_leaf(parent)
+
+    # ------------------------------------------------------------------ tiers
+
+    def to_host(self, node: Node, host_value: Any) -> None:
+        """Move an unlocked device-tier ``node`` to the host tier, now holding
+        ``host_value`` (its evictable units become host units); it and its
+        parent may become eviction candidates."""
+        if node.tier != DEVICE or node.lock:
+            raise InvalidArgument(f"to_host of {node!r}: only an unlocked device-tier node moves to host")
+        units = self.units(node)
+        node.value = host_value
+        node.tier = HOST
+        self.evictable_units -= units
+        self.host_units += units
+        self.push_if_leaf(node)
+        self.push_if_leaf(node.parent)
+
+    def to_device(self, node: Node, device_value: Any) -> None:
+        """Move a host-tier ``node`` back to the device tier, now holding
+        ``device_value``; its units count as protected when it is locked,
+        evictable otherwise."""
+        if node.tier != HOST:
+            raise InvalidArgument(f"to_device of {node!r}: not a host-tier node")
+        units = self.units(node)
+        node.value = device_value
+        node.tier = DEVICE
+        self.host_units -= units
+        if node.lock:
+            self.protected_units += units
+        else:
+            self.evictable_units += units
+            self.push_if_leaf(node)
 
     def owns(self, node: Node) -> bool:
         """Whether ``node`` is in this tree now: not evicted (removed nodes

@@ -42,10 +42,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxkv import _host
+from jaxkv._ops import ceil_div
 from jaxkv.alloc.block import BlockAllocator
-from jaxkv.errors import InvalidArgument, KVCacheError
-from jaxkv.prefix.paged import CacheLocked, MatchResult, PrefixCacheManager
-from jaxkv.prefix.radix import DEVICE, HOST, Node, token_bytes
+from jaxkv.errors import CacheLocked, InvalidArgument, KVCacheError
+from jaxkv.prefix.block_cache import MatchResult, PrefixCacheManager
+from jaxkv.prefix.radix import DEVICE, HOST, Node, RadixTree, token_bytes
+
+__all__ = ["Admission", "PrefixScheduler"]
 
 _MIN_BUCKET = 64  # smallest padded id array: fewer shapes, fewer compiles
 
@@ -70,7 +73,7 @@ class Admission:
 
     @property
     def num_tokens(self) -> int:
-        return len(self.tokens) // 4
+        return RadixTree.num_tokens(self.tokens)
 
 
 def _bucket(n: int) -> int:
@@ -134,7 +137,7 @@ class PrefixScheduler:
             raise InvalidArgument("an empty prompt cannot be admitted")
         matches = []
         for key, namespace in zip(keys, namespaces):
-            match = cache.match(key, namespace, max_tokens=len(key) // 4 - 1)
+            match = cache.match(key, namespace, max_tokens=cache.tree.num_tokens(key) - 1)
             cache.pin(match.node)
             matches.append(match)
         if any(match.host_nodes for match in matches):
@@ -148,7 +151,7 @@ class PrefixScheduler:
         fresh_counts = []
         need_total = 0
         for key, match in zip(keys, matches):
-            fresh = -(-len(key) // page_bytes) - match.num_tokens // self.page_size
+            fresh = ceil_div(len(key), page_bytes) - match.num_tokens // self.page_size
             new_loads = [n for n in match.host_nodes if id(n) not in loads]
             need = fresh + sum(tree.units(n) for n in new_loads)
             if need_total + need > budget:
@@ -270,7 +273,7 @@ class PrefixScheduler:
     def _relisted(self, key: bytes, namespace: Hashable, match: MatchResult) -> MatchResult:
         """``match`` with its blocks and host nodes read again from the tree
         (same pinned node: a split keeps the lower part's identity)."""
-        path, _ = self.cache.tree.walk(key[: 4 * match.num_tokens], namespace, split=False)
+        path, _ = self.cache.tree.walk(RadixTree.token_prefix(key, match.num_tokens), namespace, split=False)
         blocks = [b for node in path if node.tier == DEVICE for b in node.value]
         return MatchResult(match.num_tokens, blocks, match.node, [node for node in path if node.tier == HOST])
 

@@ -64,12 +64,11 @@ import jax
 import jax.numpy as jnp
 
 from jaxkv import _host
+from jaxkv._ops import INT32_MAX, where_ok
 from jaxkv.alloc.slot import SlotAllocator
-from jaxkv.errors import InvalidArgument
-from jaxkv.prefix.paged import AllBlocksCleared, BlockRemoved, BlockStored, CacheLocked
+from jaxkv.errors import CacheLocked, InvalidArgument
+from jaxkv.prefix.block_cache import AllBlocksCleared, BlockRemoved, BlockStored
 from jaxkv.prefix.radix import DEVICE, Node, RadixTree, token_bytes
-
-_INT32_MAX = 2**31 - 1
 
 __all__ = ["SlotPrefixCacheManager", "SlotPrefixCacheStats", "claim", "copy_kv"]
 
@@ -77,32 +76,40 @@ __all__ = ["SlotPrefixCacheManager", "SlotPrefixCacheStats", "claim", "copy_kv"]
 # ---------------------------------------------------------------------- device
 
 
-def _copy_rows(kv_cache, src, dst, prefix_len):
-    """``kv[dst, :prefix_len] = kv[src, :prefix_len]`` for every leaf (static
-    shapes: a masked row write). Invalid ``src`` / ``dst`` (outside ``[1,
-    slots)``) copy nothing."""
+def _copy_rows(kv_cache, src, dst, prefix_len, n_layers=None):
+    """``kv[dst, :prefix_len, :n_layers] = kv[src, :prefix_len, :n_layers]``
+    for every leaf (static shapes: a masked row write; ``n_layers`` None: all
+    layers, i.e. the whole row past the position axis). Invalid ``src`` /
+    ``dst`` (outside ``[1, slots)``) copy nothing."""
 
     def one(cache):
         slots, max_len = cache.shape[0], cache.shape[1]
         valid = (src >= 1) & (src < slots) & (dst >= 1) & (dst < slots)
         pos = jnp.arange(max_len, dtype=jnp.int32).reshape((max_len,) + (1,) * (cache.ndim - 2))
-        row = jnp.where(pos < prefix_len, cache[jnp.clip(src, 0, slots - 1)], cache[jnp.clip(dst, 0, slots - 1)])
+        copied = pos < prefix_len
+        if n_layers is not None:
+            layers = cache.shape[2]
+            layer = jnp.arange(layers, dtype=jnp.int32).reshape((1, layers) + (1,) * (cache.ndim - 3))
+            copied = copied & (layer < n_layers)
+        row = jnp.where(copied, cache[jnp.clip(src, 0, slots - 1)], cache[jnp.clip(dst, 0, slots - 1)])
         return cache.at[jnp.where(valid, dst, slots)].set(row, mode="drop")
 
     return jax.tree.map(one, kv_cache)
 
 
-def _copy_kv(kv_cache, src_slot, dst_slot, prefix_len):
+def _copy_kv(kv_cache, src_slot, dst_slot, prefix_len, n_layers=None):
     src = jnp.asarray(src_slot, jnp.int32)
     dst = jnp.asarray(dst_slot, jnp.int32)
-    return _copy_rows(kv_cache, src, dst, jnp.asarray(prefix_len, jnp.int32))
+    return _copy_rows(kv_cache, src, dst, jnp.asarray(prefix_len, jnp.int32), n_layers)
 
 
-copy_kv = jax.jit(_copy_kv, donate_argnums=0)
+copy_kv = jax.jit(_copy_kv, donate_argnums=0, static_argnames="n_layers")
 copy_kv.__doc__ = """Copy positions ``[:prefix_len]`` of row ``src_slot`` into row ``dst_slot``
-of every array of ``kv_cache`` (a pytree of ``[slots, max_len, ...]`` arrays,
-so all layers at once); positions ``>= prefix_len`` of the target are kept.
-Jitted; ``kv_cache`` is donated (the write is in place). A slot outside ``[1,
+of every array of ``kv_cache`` (a pytree of ``[slots, max_len, ...]`` arrays);
+positions ``>= prefix_len`` of the target are kept. ``n_layers`` (static;
+None = all) copies only layers ``[:n_layers]`` of arrays laid out ``[slots,
+max_len, layers, ...]`` (the seed's ``n_layers`` argument). Jitted;
+``kv_cache`` is donated (the write is in place). A slot outside ``[1,
 slots)`` makes it a no-op."""
 
 
@@ -116,7 +123,7 @@ def _claim(slot_alloc: SlotAllocator, kv_cache, slot, slot_ver, prefix_len):
     occupied, _ = slot_alloc.occupy(jnp.where(direct, slot, -1)[None])  # -1: a no-op
     allocated, fresh, alloc_ok = slot_alloc.alloc()
     ok = direct | alloc_ok
-    new_alloc = jax.tree.map(lambda a, b: jnp.where(direct, a, b), occupied, allocated)
+    new_alloc = where_ok(direct, occupied, allocated)
     copy = ~direct & current & alloc_ok
     kv_cache = jax.lax.cond(
         copy, lambda kv: _copy_rows(kv, slot, fresh, prefix_len), lambda kv: kv, kv_cache
@@ -147,17 +154,20 @@ reused_directly, ok)``:
 allocator and the cache are unchanged and ``target_slot == -1``."""
 
 
-def _copy_if_current(kv_cache, versions, src, src_ver, dst, prefix_len):
+def _copy_if_current(kv_cache, versions, src, src_ver, dst, prefix_len, n_layers=None):
     src = jnp.asarray(src, jnp.int32)
     slots = versions.shape[0]
     current = (src >= 1) & (src < slots) & (versions[jnp.clip(src, 0, slots - 1)] == src_ver) & (prefix_len > 0)
     kv_cache = jax.lax.cond(
-        current, lambda kv: _copy_rows(kv, src, jnp.asarray(dst, jnp.int32), prefix_len), lambda kv: kv, kv_cache
+        current,
+        lambda kv: _copy_rows(kv, src, jnp.asarray(dst, jnp.int32), prefix_len, n_layers),
+        lambda kv: kv,
+        kv_cache,
     )
     return kv_cache, jnp.where(current, prefix_len, 0)
 
 
-_copy_if_current_jit = jax.jit(_copy_if_current, donate_argnums=0)
+_copy_if_current_jit = jax.jit(_copy_if_current, donate_argnums=0, static_argnames="n_layers")
 
 
 # ---------------------------------------------------------------------- host
@@ -258,7 +268,7 @@ class SlotPrefixCacheManager:
         """
         query = token_bytes(token_ids)
         path, index, prefix_len = self._match(query, namespace, max_tokens)  # validates max_tokens
-        self._query_tokens += len(query) // 4
+        self._query_tokens += self.tree.num_tokens(query)
         if index < 0:
             return 0, -1, 0
         self.tree.touch(path[: index + 1])
@@ -268,23 +278,20 @@ class SlotPrefixCacheManager:
 
     def _match(self, query: bytes, namespace: Hashable, max_tokens: int | None) -> tuple[list, int, int]:
         """(path, index of the deepest valued node or -1, prefix_len); changes nothing."""
+        tree = self.tree
         if max_tokens is not None:
-            query = query[: 4 * max(_int(max_tokens, "max_tokens"), 0)]
-        path, matched = self.tree.walk(query, namespace, split=False)
+            query = tree.token_prefix(query, _int(max_tokens, "max_tokens"))
+        path, matched = tree.walk(query, namespace, split=False)
         ends, total = [], 0
         for node in path:
-            total += len(node.key) // 4
+            total += node.num_tokens
             ends.append(total)
         if ends:
-            ends[-1] = matched // 4  # the match may end inside the last node
+            ends[-1] = tree.num_tokens(query[:matched])  # the match may end inside the last node
         for index in range(len(path) - 1, -1, -1):
             if path[index].value is not None:
                 return path, index, ends[index]
         return path, -1, 0
-
-    @staticmethod
-    def _end(path: list, index: int) -> int:
-        return sum(len(node.key) for node in path[: index + 1]) // 4
 
     # ------------------------------------------------------------------ insert
 
@@ -305,7 +312,7 @@ class SlotPrefixCacheManager:
             raise InvalidArgument(f"insert with slot {slot}: slots start at 1 (0 is the null slot)")
         if slot_ver < 0:
             raise InvalidArgument(f"insert with slot version {slot_ver}: versions are >= 0")
-        if max(slot, slot_ver) > _INT32_MAX:
+        if max(slot, slot_ver) > INT32_MAX:
             raise InvalidArgument(f"insert with slot {slot}, version {slot_ver}: the device keeps int32")
         query = token_bytes(token_ids)
         if not query:
@@ -337,10 +344,12 @@ class SlotPrefixCacheManager:
     # ------------------------------------------------------------------ locks
 
     def pin(self, token_ids, namespace: Hashable = None) -> bool:
-        """Protect the node where ``token_ids`` ends, and its whole path, from
-        eviction (a node is split when the sequence ends inside it). False,
-        and nothing changes, when the sequence is not wholly in the tree (the
-        seed ignored a missing path)."""
+        """Pin the prefix ``token_ids``: protect the node where it ends (split
+        so that it ends exactly there) and its whole path from eviction. The
+        pin contract is the same on both prefix caches (``jaxkv.prefix.radix``
+        module doc, "Pins"). Returns True; False, and nothing changes, when
+        the sequence is empty or not wholly in the tree (the seed ignored a
+        missing path)."""
         query = token_bytes(token_ids)
         if not query or self.tree.walk(query, namespace, split=False)[1] < len(query):
             return False
@@ -351,20 +360,20 @@ class SlotPrefixCacheManager:
         return True
 
     def release(self, token_ids, namespace: Hashable = None) -> bool:
-        """Undo one ``pin`` of ``token_ids``. False, and nothing changes, when
-        the sequence is not in the tree; ``InvalidArgument`` (nothing changes)
-        when it is but was not pinned there."""
+        """Undo one ``pin(token_ids)`` (the pin contract of
+        ``jaxkv.prefix.radix``): True once done. ``InvalidArgument``, and
+        nothing changes, when there is no pin of exactly this prefix left to
+        undo (released twice, never pinned, or not in the tree). An empty
+        sequence is a no-op returning False (like ``pin([])``)."""
         query = token_bytes(token_ids)
         if not query:
             return False
-        path, matched = self.tree.walk(query, namespace, split=False)
-        if matched < len(query):
-            return False
-        node = path[-1]
-        held = sum(child.lock for child in node.children.values())
-        if self._end(path, len(path) - 1) != matched // 4 or node.lock <= held:
-            raise InvalidArgument(f"release of a prefix that is not pinned ({len(query) // 4} tokens)")
-        self.tree.unlock(node)
+        tree = self.tree
+        path, matched = tree.walk(query, namespace, split=False)
+        node = path[-1] if path else None
+        if matched < len(query) or tree.depth_tokens(node) != tree.num_tokens(query) or node.pins <= 0:
+            raise InvalidArgument(f"release of a prefix that is not pinned ({tree.num_tokens(query)} tokens)")
+        tree.unlock(node)
         self._prune(node)
         return True
 
@@ -398,7 +407,7 @@ class SlotPrefixCacheManager:
         target, reused, direct, ok = (x.item() for x in jax.device_get((target, reused, direct, ok)))
         if not ok:
             return slot_alloc, kv_cache, -1, 0, False
-        self._query_tokens += len(query) // 4
+        self._query_tokens += self.tree.num_tokens(query)
         self._hit_tokens += reused
         if index >= 0:
             self.tree.touch(path[: index + 1])
@@ -415,12 +424,23 @@ class SlotPrefixCacheManager:
         return slot_alloc, kv_cache, int(target), int(reused), bool(direct)
 
     def copy_kv(
-        self, token_ids, target_slot: int, kv_cache, slot_alloc: SlotAllocator, namespace: Hashable = None
+        self,
+        token_ids,
+        target_slot: int,
+        kv_cache,
+        slot_alloc: SlotAllocator,
+        namespace: Hashable = None,
+        *,
+        n_layers: int | None = None,
     ) -> tuple[object, int]:
         """The seed's ``copy_kv``: copy the K/V of the longest cached prefix of
-        ``token_ids`` from its slot into ``target_slot`` (all arrays, all
-        layers; ``kv_cache`` donated), only if the source slot's current
-        version is the recorded one. Returns ``(kv_cache, copied_len)``
+        ``token_ids`` from its slot into ``target_slot`` (all arrays;
+        ``kv_cache`` donated), only if the source slot's current version is
+        the recorded one. ``n_layers`` (the seed's argument) copies only
+        layers ``[:n_layers]`` of arrays laid out ``[slots, max_len, layers,
+        ...]``; None copies every layer. The target's other layers keep
+        their contents, so a partial copy is for a caller that recomputes
+        the rest (the target's nodes are dropped either way). Returns ``(kv_cache, copied_len)``
         (0 when nothing was cached or the source was stale). Every node that
         names ``target_slot`` is dropped (its rows are overwritten).
         ``InvalidArgument`` (nothing donated) for a target outside ``[1,
@@ -431,6 +451,13 @@ class SlotPrefixCacheManager:
         if not 1 <= target_slot < slot_alloc.max_slots:
             raise InvalidArgument(f"target slot {target_slot} outside [1, {slot_alloc.max_slots})")
         max_len = _rows_len(slot_alloc, kv_cache)
+        if n_layers is not None:
+            n_layers = _int(n_layers, "n_layers")
+            layers = min((leaf.shape[2] for leaf in jax.tree.leaves(kv_cache) if leaf.ndim >= 3), default=0)
+            if any(leaf.ndim < 3 for leaf in jax.tree.leaves(kv_cache)) or not 0 <= n_layers <= layers:
+                raise InvalidArgument(
+                    f"copy_kv(n_layers={n_layers}): arrays must be [slots, max_len, layers, ...] "
+                    f"with at least n_layers >= 0 layers (have {layers})")
         query = token_bytes(token_ids)
         path, index, prefix_len = self._match(query, namespace, None)
         if index < 0:
@@ -441,7 +468,8 @@ class SlotPrefixCacheManager:
             # A stale record of the target (it was handed out again since: the
             # seed's alloc-then-copy_kv) is an ordinary stale miss below.
             raise InvalidArgument(f"copy_kv from slot {slot} (version {version}) into itself")
-        kv_cache, copied = _copy_if_current_jit(kv_cache, slot_alloc.versions, slot, version, target_slot, prefix_len)
+        kv_cache, copied = _copy_if_current_jit(
+            kv_cache, slot_alloc.versions, slot, version, target_slot, prefix_len, n_layers=n_layers)
         copied = int(copied)
         if not copied:
             self.forget(slot, version)
@@ -458,7 +486,7 @@ class SlotPrefixCacheManager:
         values dropped. ``InvalidArgument`` for a slot outside ``[1, 2**31)``
         (no such slot can be recorded: it is a caller's bug, not a miss)."""
         slot = _int(slot, "slot")
-        if not 1 <= slot <= _INT32_MAX:
+        if not 1 <= slot <= INT32_MAX:
             raise InvalidArgument(f"forget of slot {slot}: slots are in [1, 2**31) (0 is the null slot)")
         if slot_ver is not None:
             slot_ver = _int(slot_ver, "slot_ver")
@@ -469,10 +497,10 @@ class SlotPrefixCacheManager:
                 continue
             if slot_ver is not None and node.value[1] != slot_ver:
                 continue
-            end = self._depth(node)
+            end = self.tree.depth_tokens(node)
             if end <= keep_len:
                 continue
-            start = end - len(node.key) // 4
+            start = end - node.num_tokens
             if start < keep_len:
                 upper = self.tree.split(node, keep_len - start)
                 self._adopt(upper)
@@ -481,14 +509,6 @@ class SlotPrefixCacheManager:
             dropped += 1
         self._invalidated += dropped
         return dropped
-
-    @staticmethod
-    def _depth(node: Node) -> int:
-        depth = 0
-        while node.parent is not None:
-            depth += len(node.key) // 4
-            node = node.parent
-        return depth
 
     # ------------------------------------------------------------------ whole cache
 

@@ -4,7 +4,7 @@ One layer of one of DeepSeek-V4's three kinds (see
 :mod:`jaxkv.manager.hybrid_schema`): ``swa`` (sliding window only), ``csa``
 (window + the top-k compressed entries an indexer picks) or ``hca`` (window
 + every compressed entry). Tiny and float32, for tests: the cached decode
-(:func:`decode_step`, through a :class:`~jaxkv.manager.hybrid.LayerCacheHandle`)
+(:func:`decode_step`, through a :class:`~jaxkv.manager.layer_handle.LayerCacheHandle`)
 is checked against the recomputation of the whole sequence from scratch
 (:func:`forward_full`, no cache).
 
@@ -21,7 +21,7 @@ dims then RoPE dims; one shared KV head, K == V):
    ``overlap * D`` wide. Entry ``i`` pools positions ``[(i + 1) r -
    overlap r, (i + 1) r)``: the row of window ``k`` uses channel block
    ``k``; per channel, softmax over rows of the score, weighted sum of the
-   kv; positions < 0 excluded (the rule of ``hybrid._compress``). A token
+   kv; positions < 0 excluded (the rule of :func:`jaxkv.manager.dsv4_compressor.compress_step`). A token
    at ``t`` sees entries ``i < (t + 1) // r``.
 3. CSA: the indexer, the same with ``index_dim`` (keys ``x @ w_ikv`` pooled
    with ``x @ w_iscore + i_ape[p % r]``, RoPE on the last
@@ -55,7 +55,7 @@ projections and RoPE are made exact, whatever the program:
   FMA (a slightly non-orthogonal rotation, which changes nothing here).
 
 What stays inexact is the compressor's softmax pooling (computed by the
-cache in ``hybrid._compress``, by :func:`forward_full` here), so a pooled
+cache in :func:`jaxkv.manager.dsv4_compressor.compress_step`, by :func:`forward_full` here), so a pooled
 entry value can still differ in its last bit between the two and, rarely,
 round to the neighbouring fp8 or bf16 value (see the tolerance of
 ``tests/test_hybrid_equivalence.py``).
@@ -358,7 +358,7 @@ def prefill(p: DSV4Params, handle, x: Array, *, return_aux: bool = False):
 
 def _pool(kv, score, ratio: int, overlap: int, num_entries: int):
     """Entries ``0 .. num_entries - 1`` from per-token compressor rows
-    ``[T, overlap * d]`` (the rule of ``hybrid._compress``)."""
+    ``[T, overlap * d]`` (the rule of :func:`jaxkv.manager.dsv4_compressor.compress_step`)."""
     t, width = kv.shape
     d, rows = width // overlap, overlap * ratio
     i = jnp.arange(num_entries, dtype=jnp.int32)[:, None]

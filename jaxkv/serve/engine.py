@@ -33,16 +33,32 @@ which a request may be admitted). Each scheduler iteration:
    first, so recomputation usually hits; its generated tokens are kept and
    appended to its prompt when it is re-admitted).
 
+
 Ownership (device allocator ref counts): the tree owns one reference to each
 block it holds; a running sequence owns one reference per table entry (fresh
 or cached). So after :meth:`Engine.run`, every device block is free or held by
 the prefix cache alone (ref count 1).
 
+Request life cycle (:class:`RequestState`)::
+
+    WAITING --admit--> RUNNING --EOS / max_new_tokens--> FINISHED
+                 ^         |  ^
+    recompute    |         |  | swap in
+    preemption   +---------+  |
+                           v  |
+                          SWAPPED
+
+Progress is reported, never printed: ``run(on_progress=fn)`` calls ``fn``
+with an :class:`EngineProgress` after every scheduler iteration, and the
+logger ``"jaxkv.serve"`` gets a DEBUG record per iteration and an INFO
+record with the summary (``logging.basicConfig(level=logging.INFO)`` shows
+them). ``python -m jaxkv.demo`` draws a progress bar from the callback.
+
 Example::
 
     engine = Engine(model, num_pages=256, page_size=16, max_seqs=8, max_blocks_per_seq=32)
     rid = engine.add_request([1, 2, 3], max_new_tokens=16)
-    summary = engine.run(progress=True)
+    summary = engine.run(on_progress=lambda p: print(p.finished, "/", p.total))
     print(summary)
     engine.outputs[rid]   # the generated token ids
 """
@@ -51,9 +67,10 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import sys
+import enum
+import logging
 import time
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from functools import partial
 
 import jax
@@ -62,115 +79,56 @@ import numpy as np
 from flax import nnx
 
 from jaxkv import _host
+from jaxkv._ops import ceil_div, pow2_at_least
 from jaxkv.alloc.block import BlockAllocator
-from jaxkv.errors import InvalidArgument, KVCacheOOM
-from jaxkv.manager.block_space import BlockSpaceManager
-from jaxkv.nn.generate import SamplingParams, _model_step
+from jaxkv.errors import BookkeepingError, InvalidArgument, KVCacheOOM
+from jaxkv.manager.block_space import ON_DEVICE, STATUS_NAMES, SWAPPED, BlockSpaceManager
+from jaxkv.nn.sampling import GREEDY, RowSampling, SamplingParams, sample
+from jaxkv.nn.steps import DecodeState, prefill_chunk, run_decode
 from jaxkv.pool import host as host_swap
 from jaxkv.pool.kv_pool import KVPool
-from jaxkv.prefix.paged import PrefixCacheManager
+from jaxkv.prefix import PrefixCacheManager
 
-__all__ = ["Engine", "EngineSummary", "sample_rows"]
+__all__ = ["Engine", "EngineProgress", "EngineSummary", "RequestState"]
 
-_GREEDY = SamplingParams()
-
-
-# ----------------------------------------------------------------- sampling
-
-
-def sample_rows(logits, key, temperature, top_k, top_p):
-    """One token per row of ``logits [B, V]`` with per-row parameters
-    (traced ``[B]`` arrays, so mixing requests does not recompile): greedy
-    where ``temperature == 0``, else softmax sampling at ``temperature`` over
-    the ``top_k`` most likely tokens (0 = all) and the smallest set reaching
-    ``top_p`` (the rule of :func:`jaxkv.nn.generate.sample`)."""
-    logits = logits.astype(jnp.float32)
-    vocab = logits.shape[-1]
-    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    scaled = logits / jnp.where(temperature > 0, temperature, 1.0)[:, None]
-    ordered = jnp.sort(scaled, axis=-1)[:, ::-1]
-    k = jnp.where(top_k > 0, jnp.minimum(top_k, vocab), vocab)
-    kth = jnp.take_along_axis(ordered, (k - 1)[:, None], axis=-1)
-    scaled = jnp.where(scaled < kth, -jnp.inf, scaled)
-    ordered = jnp.where(jnp.arange(vocab)[None, :] < k[:, None], ordered, -jnp.inf)
-    probs = jax.nn.softmax(ordered, axis=-1)
-    before = jnp.cumsum(probs, axis=-1) - probs  # mass of strictly more likely tokens
-    cutoff = jnp.min(jnp.where(before < top_p[:, None], ordered, jnp.inf), axis=-1, keepdims=True)
-    scaled = jnp.where(scaled < cutoff, -jnp.inf, scaled)
-    sampled = jax.random.categorical(key, scaled, axis=-1).astype(jnp.int32)
-    return jnp.where(temperature > 0, sampled, greedy)
+logger = logging.getLogger("jaxkv.serve")
 
 
 # ------------------------------------------------------------ jitted steps
 
 
 @partial(jax.jit, static_argnames=("graphdef",), donate_argnums=(2, 3))
-def _prefill(graphdef, params, manager: BlockSpaceManager, pool: KVPool, admit_rows, prefix_blocks, lengths, rows,
-             starts, num_new, tokens, temperature, top_k, top_p, key):
+def _admit_and_prefill(graphdef, params, manager: BlockSpaceManager, pool: KVPool, admit_rows, prefix_blocks,
+                       lengths, rows, starts, num_new, tokens, sampling: RowSampling, key):
     """Admit ``admit_rows`` (-1 padding: nothing to admit) with their cached
-    prefixes, then prefill one chunk: ``tokens [B, W]`` of sequence ``rows``
-    at positions ``starts + t`` for ``t < num_new``, and sample a token from
-    each row's last chunk position (the host keeps it from the final chunk)."""
+    prefixes, then prefill one chunk (:func:`jaxkv.nn.steps.prefill_chunk`)
+    and sample a token from each row's last chunk position (the host keeps it
+    from the final chunk). Returns ``(manager, pool, sampled, ok, used)``."""
     manager, ok = manager.admit_with_prefix(admit_rows, prefix_blocks, lengths)
-    width = tokens.shape[1]
-    lane = jnp.arange(width, dtype=jnp.int32)[None, :]
-    positions = starts[:, None] + lane
-    slots = jnp.where(lane < num_new[:, None], manager.token_slots(rows, positions), -1)
-    tables, _ = manager.batch_tables(rows)
-    logits, pool = _model_step(graphdef, params, tokens, positions, pool, slots, tables, starts, num_new, "prefill")
-    last_logits = jnp.take_along_axis(logits, jnp.maximum(num_new - 1, 0)[:, None, None], axis=1)[:, 0]
-    first = sample_rows(last_logits, key, temperature, top_k, top_p)
-    return manager, pool, first, ok, manager.device.num_used
+    pool, last_logits = prefill_chunk(graphdef, params, manager, pool, rows, tokens, starts, num_new)
+    return manager, pool, sample(last_logits, key, sampling), ok, manager.device.num_used
 
 
 @partial(jax.jit, static_argnames=("graphdef", "num_steps"), donate_argnums=(2, 3))
 def _decode_chunk(graphdef, params, manager: BlockSpaceManager, pool: KVPool, last, active, num_generated,
-                  max_new, eos_id, temperature, top_k, top_p, key, *, num_steps: int):
+                  max_new, eos_id, sampling: RowSampling, key, *, num_steps: int) -> DecodeState:
     """Up to ``num_steps`` decode steps of the rows ``active`` in one
-    ``lax.while_loop``; stops early when no row runs or an ``append_slots``
-    fails (``stalled``; ``blocked`` marks the rows that needed blocks)."""
-    batch = last.shape[0]
-    lanes = jnp.arange(batch, dtype=jnp.int32)
-
-    def cond(carry):
-        step, stalled, active = carry[0], carry[1], carry[5]
-        return (step < num_steps) & ~stalled & jnp.any(active)
-
-    def body(carry):
-        step, _, blocked, manager, pool, active, last, num_generated, out, count, key, peak = carry
-        seqs = jnp.where(active, lanes, -1)
-        manager, pool, slots, now_blocked, ok = manager.append_slots(pool, seqs, 1)
-        tables, lengths = manager.batch_tables(seqs)
-        starts = jnp.maximum(lengths - 1, 0)
-        running = active & ok
-        # A failed append changed nothing and gave every row slot -1: the model
-        # writes nothing and its output is dropped below.
-        logits, pool = _model_step(graphdef, params, last[:, None], starts[:, None], pool, slots, tables, starts,
-                                   running.astype(jnp.int32), "decode")
-        key, sub = jax.random.split(key)
-        new = sample_rows(logits[:, 0], sub, temperature, top_k, top_p)
-        out = out.at[lanes, jnp.where(running, count, num_steps)].set(new, mode="drop")
-        count = count + running
-        num_generated = num_generated + running
-        done = running & ((new == eos_id) | (num_generated >= max_new))
-        return (step + 1, ~ok, jnp.where(ok, blocked, now_blocked), manager, pool, active & ~done,
-                jnp.where(running, new, last), num_generated, out, count, key,
-                jnp.maximum(peak, manager.device.num_used))
-
-    carry = (jnp.asarray(0, jnp.int32), jnp.asarray(False), jnp.zeros((batch,), bool), manager, pool, active, last,
-             num_generated, jnp.full((batch, num_steps), -1, jnp.int32), jnp.zeros((batch,), jnp.int32), key,
-             manager.device.num_used)
-    (_, stalled, blocked, manager, pool, active, _, _, out, count, _, peak) = jax.lax.while_loop(cond, body, carry)
-    return manager, pool, out, count, active, stalled, blocked, peak
+    ``lax.while_loop`` (:func:`jaxkv.nn.steps.run_decode`); rows stay
+    allocated when they finish (the host inserts their pages into the prefix
+    cache first). Stops early when no row runs or an ``append_slots`` fails
+    (``ok`` False; ``blocked`` marks the rows that needed blocks)."""
+    state = DecodeState.create(manager, pool, last=last, finished=~active, num_generated=num_generated,
+                               max_new=max_new, eos_id=eos_id, keys=key, width=num_steps)
+    return run_decode(graphdef, params, state, sampling, num_steps=num_steps, free_finished=False)
 
 
 _retire_jit = jax.jit(BlockSpaceManager.retire)
 
 # The jitted steps never touch host blocks (they free only ON_DEVICE rows; swaps
-# go through jaxkv.pool.host). They get the manager with this placeholder host
-# allocator, so engines that differ only in ``num_host_pages`` share compiled
-# programs; the real host allocator is put back afterwards. A fresh placeholder
-# each call: the manager is donated.
+# go through the manager's swap_*_or_raise). They get the manager with this
+# placeholder host allocator, so engines that differ only in ``num_host_pages``
+# share compiled programs; the real host allocator is put back afterwards. A
+# fresh placeholder each call: the manager is donated.
 def _device_view(manager: BlockSpaceManager) -> BlockSpaceManager:
     return manager.replace(host=BlockAllocator.create(2))
 
@@ -187,6 +145,15 @@ def _int_at_least(value, name: str, minimum: int) -> int:
     return value
 
 
+class RequestState(enum.Enum):
+    """Where a request is in its life cycle (see the module docstring)."""
+
+    WAITING = "waiting"  # queued: not arrived, not admitted yet, or preempted for recomputation
+    RUNNING = "running"  # holds a sequence row and device blocks
+    SWAPPED = "swapped"  # holds a sequence row whose blocks are in host memory
+    FINISHED = "finished"  # done; its tokens are in Engine.outputs
+
+
 @dataclasses.dataclass
 class _Request:
     id: int
@@ -197,8 +164,8 @@ class _Request:
     arrival: int
     namespace: Hashable
     generated: list = dataclasses.field(default_factory=list)
-    state: str = "waiting"  # waiting | running | swapped | done
-    row: int = -1
+    state: RequestState = RequestState.WAITING
+    row: int = -1  # sequence row while RUNNING or SWAPPED, else -1
     node: object = None  # pinned prefix-cache node while running
     order: int = -1  # admission order (preemption picks the largest)
 
@@ -210,6 +177,33 @@ class _Request:
     def kv_len(self) -> int:
         """Tokens whose K/V are in the cache: all but the last sampled one."""
         return len(self.prompt) + len(self.generated) - 1
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineProgress:
+    """Where :meth:`Engine.run` stands, passed to its ``on_progress``
+    callback after every scheduler iteration (and once at the end).
+
+    ``finished``/``total``: requests of this run done / to serve;
+    ``running``, ``waiting``, ``swapped``: requests in those states now;
+    ``generated_tokens``: tokens generated in this run; ``elapsed_seconds``:
+    wall time since ``run`` started; ``preemptions``: swap and recompute
+    preemptions so far; ``iteration``: scheduler iterations so far.
+    """
+
+    finished: int
+    total: int
+    running: int
+    waiting: int
+    swapped: int
+    generated_tokens: int
+    elapsed_seconds: float
+    preemptions: int
+    iteration: int
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.generated_tokens / self.elapsed_seconds if self.elapsed_seconds > 0 else 0.0
 
 
 @dataclasses.dataclass
@@ -297,7 +291,7 @@ class Engine:
         self.max_blocks_per_seq = max_blocks_per_seq
         self.decode_chunk = decode_chunk
         # Prefill runs in chunks of one fixed width: one compiled program.
-        self.prefill_width = min(_host.pow2_at_least(prefill_chunk), _host.pow2_at_least(max_blocks_per_seq * page_size))
+        self.prefill_width = min(pow2_at_least(prefill_chunk), pow2_at_least(max_blocks_per_seq * page_size))
         self.num_host_pages = num_host_pages
         self.graphdef, self.params = nnx.split(model)
         self.manager = BlockSpaceManager.create(
@@ -331,7 +325,7 @@ class Engine:
     # -------------------------------------------------------------- requests
 
     def add_request(self, prompt_tokens: Sequence[int], max_new_tokens: int, *,
-                    sampling: SamplingParams = _GREEDY, eos_token_id: int | None = None,
+                    sampling: SamplingParams = GREEDY, eos_token_id: int | None = None,
                     arrival_step: int = 0, namespace: Hashable = None) -> int:
         """Queue a request; returns its id (its key in :attr:`outputs`).
 
@@ -362,7 +356,7 @@ class Engine:
             hash(namespace)
         except TypeError:
             raise InvalidArgument(f"namespace must be hashable, got {namespace!r}") from None
-        blocks = -(-(len(prompt) + max_new_tokens) // self.page_size)
+        blocks = ceil_div(len(prompt) + max_new_tokens, self.page_size)
         if blocks > min(self.max_blocks_per_seq, self.capacity):
             raise InvalidArgument(
                 f"add_request: {len(prompt)} + {max_new_tokens} tokens need {blocks} blocks of {self.page_size}; "
@@ -388,22 +382,45 @@ class Engine:
 
     # ------------------------------------------------------------------- run
 
-    def run(self, progress: bool = False) -> EngineSummary:
+    def run(self, on_progress: Callable[[EngineProgress], None] | None = None) -> EngineSummary:
         """Serve every queued request to completion; returns the summary
-        (``outputs`` holds the tokens)."""
+        (``outputs`` holds the tokens). ``on_progress`` is called with an
+        :class:`EngineProgress` after every scheduler iteration and once at
+        the end (its counts never decrease; the last has ``finished ==
+        total``). Nothing is printed: see the module docstring for logging.
+
+        Raises ``KVCacheOOM`` when nothing can run (a request cannot get its
+        blocks even with every other request preempted and the prefix cache
+        evicted), and ``BookkeepingError`` if the engine's records disagree
+        with the block manager's (a bug)."""
         self._reset_counters()
         start = time.perf_counter()
-        pending = [r for r in self._requests.values() if r.state != "done"]
+        pending = [r for r in self._requests.values() if r.state is not RequestState.FINISHED]
         total = len(pending)
         generated_before = sum(len(r.generated) for r in pending)
         self._update_peak()
-        while any(r.state != "done" for r in pending):
+        logger.info("engine run: %d requests, %d KV blocks of %d tokens, %d sequence rows", total, self.capacity,
+                    self.page_size, self.max_seqs)
+
+        def unfinished():
+            return any(r.state is not RequestState.FINISHED for r in pending)
+
+        def report():
+            progress = self._progress(pending, total, start, generated_before)
+            logger.debug("iteration %d: %d/%d finished, running %d, waiting %d, swapped %d, %d tokens, "
+                         "%d preemptions", progress.iteration, progress.finished, total, progress.running,
+                         progress.waiting, progress.swapped, progress.generated_tokens, progress.preemptions)
+            if on_progress is not None:
+                on_progress(progress)
+
+        while unfinished():
             self._iterations += 1
             progressed = self._resume_swapped()
             if not self._swapped:
                 progressed += self._admit()
-            if not any(r.state == "running" for r in pending):
-                if progressed or not any(r.state != "done" for r in pending):
+            if not any(r.state is RequestState.RUNNING for r in pending):
+                if progressed or not unfinished():
+                    report()
                     continue  # e.g. requests that finished at their first token
                 future = [self._requests[i].arrival for i in self._waiting if self._requests[i].arrival > self._step]
                 if future and len(future) == len(self._waiting) and not self._swapped:
@@ -413,34 +430,28 @@ class Engine:
                                  unit="blocks (nothing can run)")
             self._decode()
             self._step += 1
-            if progress:
-                self._print_progress(pending, total, start)
-        if progress:
-            self._print_progress(pending, total, start)
-            sys.stdout.write("\n")
-            sys.stdout.flush()
+            report()
+        report()
         wall = time.perf_counter() - start
         generated = sum(len(r.generated) for r in pending) - generated_before
-        return EngineSummary(
+        summary = EngineSummary(
             requests=total, generated_tokens=generated, wall_seconds=wall,
             tokens_per_second=generated / wall if wall > 0 else 0.0, prompt_tokens=self._prompt_tokens,
             prefix_hit_tokens=self._hit_tokens,
             prefix_hit_rate=self._hit_tokens / self._prompt_tokens if self._prompt_tokens else 0.0,
             peak_kv_blocks=self._peak, kv_blocks=self.capacity, swap_preemptions=self._swaps,
             recompute_preemptions=self._recomputes, iterations=self._iterations)
+        logger.info("engine run done: %s", summary)
+        return summary
 
-    def _print_progress(self, pending, total, start):
-        done = sum(r.state == "done" for r in pending)
-        running = sum(r.state == "running" for r in pending)
-        tokens = sum(len(r.generated) for r in pending)
-        elapsed = time.perf_counter() - start
-        width = 24
-        filled = int(width * done / max(total, 1))
-        sys.stdout.write(
-            f"\r[{'#' * filled}{'.' * (width - filled)}] {done}/{total} done | running {running} "
-            f"waiting {len(self._waiting)} swapped {len(self._swapped)} | {tokens} tokens "
-            f"{tokens / elapsed if elapsed > 0 else 0.0:.1f} tok/s | preempted {self._swaps + self._recomputes}  ")
-        sys.stdout.flush()
+    def _progress(self, pending, total, start, generated_before) -> EngineProgress:
+        states = collections.Counter(r.state for r in pending)
+        return EngineProgress(
+            finished=states[RequestState.FINISHED], total=total, running=states[RequestState.RUNNING],
+            waiting=states[RequestState.WAITING], swapped=states[RequestState.SWAPPED],
+            generated_tokens=sum(len(r.generated) for r in pending) - generated_before,
+            elapsed_seconds=time.perf_counter() - start, preemptions=self._swaps + self._recomputes,
+            iteration=self._iterations)
 
     # ------------------------------------------------------------- helpers
 
@@ -455,12 +466,12 @@ class Engine:
         """Blocks kept free for the running sequences to grow into when
         admitting or resuming (one each), so that a request is not brought in
         only to force an immediate preemption (swap in / swap out thrash)."""
-        return sum(req.state == "running" for req in self._requests.values())
+        return sum(req.state is RequestState.RUNNING for req in self._requests.values())
 
     def _blocks_wanted(self) -> int:
         for rid in list(self._swapped) + list(self._waiting):
             req = self._requests[rid]
-            return -(-len(req.tokens) // self.page_size)
+            return ceil_div(len(req.tokens), self.page_size)
         return 0
 
     def _evict(self, num_blocks: int) -> None:
@@ -494,18 +505,40 @@ class Engine:
             fixed(release, self.capacity + 1))
         self.manager = manager.replace(host=host)
         if not bool(ok):
-            raise AssertionError(f"engine bookkeeping failed: incref {list(incref)}, free rows {list(rows)}, "
-                                 f"release {list(release)}")
+            raise BookkeepingError(
+                f"engine bookkeeping failed: incref {len(incref)} blocks {_host.preview(list(incref))}, "
+                f"free {len(rows)} rows {list(rows)}, release {len(release)} blocks {_host.preview(list(release))} "
+                f"({self._num_free()} of {self.capacity} blocks free)")
 
-    def _sampling_arrays(self, reqs_by_row):
-        temperature = np.zeros((self.max_seqs,), np.float32)
-        top_k = np.zeros((self.max_seqs,), np.int32)
-        top_p = np.ones((self.max_seqs,), np.float32)
-        for row, req in reqs_by_row.items():
-            temperature[row] = req.sampling.temperature
-            top_k[row] = req.sampling.top_k
-            top_p[row] = req.sampling.top_p
-        return temperature, top_k, top_p
+    def _sampling(self, reqs_by_lane: dict) -> RowSampling:
+        """Per-lane sampling parameters (idle lanes: greedy)."""
+        return RowSampling.stack([reqs_by_lane[lane].sampling if lane in reqs_by_lane else None
+                                  for lane in range(self.max_seqs)])
+
+    def check_bookkeeping(self) -> None:
+        """Raise ``BookkeepingError`` (with the numbers) when the engine's
+        records disagree with each other or with the block manager: a
+        RUNNING request must own its row in the row map and the row must be
+        ON_DEVICE; a SWAPPED one likewise with the row SWAPPED; the row map
+        names no request that is neither. Called before every decode."""
+        status = np.asarray(jax.device_get(self.manager.status))
+        for req in self._requests.values():
+            if req.state not in (RequestState.RUNNING, RequestState.SWAPPED):
+                continue
+            want = ON_DEVICE if req.state is RequestState.RUNNING else SWAPPED
+            if not 0 <= req.row < self.max_seqs:
+                raise BookkeepingError(f"request {req.id} is {req.state.name} on row {req.row}, outside "
+                                       f"[0, {self.max_seqs})")
+            if self._rows[req.row] != req.id:
+                raise BookkeepingError(f"request {req.id} is {req.state.name} on row {req.row}, but the row map "
+                                       f"gives that row to request {self._rows[req.row]}")
+            if status[req.row] != want:
+                raise BookkeepingError(f"request {req.id} is {req.state.name} on row {req.row}, but the block "
+                                       f"manager has that row {STATUS_NAMES[int(status[req.row])]}")
+        for row, rid in enumerate(self._rows):
+            if rid is not None and self._requests[rid].row != row:
+                raise BookkeepingError(f"row {row} is mapped to request {rid}, which is "
+                                       f"{self._requests[rid].state.name} on row {self._requests[rid].row}")
 
     def _next_key(self):
         self.key, sub = jax.random.split(self.key)
@@ -523,14 +556,15 @@ class Engine:
             # this it would be swapped straight back out, forever), and the
             # running requests' reserve.
             growth = min(self.decode_chunk, max(req.max_new - len(req.generated), 0))
-            if not self._make_room(-(-(req.kv_len + growth) // self.page_size) + self._growth_reserve()):
+            if not self._make_room(ceil_div(req.kv_len + growth, self.page_size) + self._growth_reserve()):
                 break
             try:
                 self.manager, self.pool = self.manager.swap_in_or_raise(self.pool, self.host_pool, [req.row])
             except KVCacheOOM:
                 break
             self._swapped.pop(0)
-            req.state = "running"
+            req.state = RequestState.RUNNING
+            logger.debug("request %d swapped in to row %d", req.id, req.row)
             resumed += 1
             self._update_peak()
         return resumed
@@ -549,7 +583,7 @@ class Engine:
             match = self.prefix_cache.match(tokens, req.namespace, max_tokens=len(tokens) - 1)
             self.prefix_cache.pin(match.node)
             cached = list(match.blocks)  # no host tier: every matched page is on the device
-            need = -(-len(tokens) // self.page_size) - len(cached)
+            need = ceil_div(len(tokens), self.page_size) - len(cached)
             if not self._make_room(reserved + need + self._growth_reserve() + len(admitted)):
                 self.prefix_cache.release(match.node)
                 break
@@ -557,7 +591,7 @@ class Engine:
             self._waiting.popleft()
             req.row = free_rows.pop(0)
             req.node = match.node
-            req.state = "running"
+            req.state = RequestState.RUNNING
             self._rows[req.row] = req.id
             if req.order < 0:
                 req.order = self._order
@@ -583,7 +617,7 @@ class Engine:
             lengths[lane] = len(tokens)
             cached[lane] = len(blocks) * self.page_size
         tails = lengths - cached
-        temperature, top_k, top_p = self._sampling_arrays({lane: req for lane, (req, _, _) in enumerate(admitted)})
+        sampling = self._sampling({lane: req for lane, (req, _, _) in enumerate(admitted)})
         first = np.zeros((batch,), np.int32)
         admit_rows = rows
         for offset in range(0, int(tails.max()), chunk):
@@ -594,14 +628,16 @@ class Engine:
                 piece = request_tokens[cached[lane] + offset: cached[lane] + offset + num_new[lane]]
                 tokens[lane, : len(piece)] = piece
             host = self.manager.host
-            manager, self.pool, sampled, ok, used = _prefill(
+            manager, self.pool, sampled, ok, used = _admit_and_prefill(
                 self.graphdef, self.params, _device_view(self.manager), self.pool, admit_rows, prefix, lengths, chunk_rows,
-                (cached + offset).astype(np.int32), num_new, tokens, temperature, top_k, top_p, self._next_key())
+                (cached + offset).astype(np.int32), num_new, tokens, sampling, self._next_key())
             self.manager = manager.replace(host=host)
             sampled, ok, used = jax.device_get((sampled, ok, used))
             if not ok:  # the host checked rows and blocks: this is a bug, not memory pressure
-                raise KVCacheOOM(int(sum(-(-n // self.page_size) for n in lengths)), self._num_free(), self.capacity,
-                                 unit="blocks (engine admission failed)")
+                raise BookkeepingError(
+                    f"engine admission failed: rows {rows[rows >= 0].tolist()} with "
+                    f"{int(sum(ceil_div(int(n), self.page_size) for n in lengths))} blocks "
+                    f"({int((prefix >= 0).sum())} cached), {self._num_free()} of {self.capacity} blocks free")
             self._update_peak(used)
             ends_here = (num_new > 0) & (offset + num_new == tails)
             first = np.where(ends_here, sampled, first)
@@ -617,9 +653,10 @@ class Engine:
         return len(req.generated) >= req.max_new or req.generated[-1] == req.eos_id
 
     def _decode(self) -> None:
-        running = {req.row: req for req in self._requests.values() if req.state == "running"}
+        running = {req.row: req for req in self._requests.values() if req.state is RequestState.RUNNING}
         if not running:
             return
+        self.check_bookkeeping()
         batch = self.max_seqs
         last = np.zeros((batch,), np.int32)
         active = np.zeros((batch,), bool)
@@ -632,13 +669,14 @@ class Engine:
             num_generated[row] = len(req.generated)
             max_new[row] = req.max_new
             eos[row] = req.eos_id
-        temperature, top_k, top_p = self._sampling_arrays(running)
         host = self.manager.host
-        manager, self.pool, out, count, still, stalled, blocked, peak = _decode_chunk(
+        state = _decode_chunk(
             self.graphdef, self.params, _device_view(self.manager), self.pool, last, active, num_generated, max_new, eos,
-            temperature, top_k, top_p, self._next_key(), num_steps=self.decode_chunk)
-        self.manager = manager.replace(host=host)
-        out, count, still, stalled, blocked, peak = jax.device_get((out, count, still, stalled, blocked, peak))
+            self._sampling(running), self._next_key(), num_steps=self.decode_chunk)
+        self.manager, self.pool = state.manager.replace(host=host), state.pool
+        out, count, finished, ok, blocked, peak = jax.device_get(
+            (state.tokens, state.written, state.finished, state.ok, state.blocked, state.peak_used))
+        still, stalled = ~finished, not ok
         self._update_peak(peak)
         finished = []
         for row, req in running.items():
@@ -647,17 +685,18 @@ class Engine:
                 finished.append(req)
         self._retire(finished, final=True)
         if stalled:
-            self._relieve([req for row, req in running.items() if blocked[row] and req.state == "running"])
+            logger.debug("decode stalled for blocks: rows %s", np.flatnonzero(blocked).tolist())
+            self._relieve([req for row, req in running.items() if blocked[row] and req.state is RequestState.RUNNING])
 
     def _relieve(self, blocked: list) -> None:
         """Free blocks for the rows that could not grow: evict the prefix
         cache, then preempt the most recently admitted running requests."""
         if not blocked:
             return
-        running = sum(req.state == "running" for req in self._requests.values())
-        self._make_room(running * -(-self.decode_chunk // self.page_size))  # eviction only: room for a chunk
+        running = sum(req.state is RequestState.RUNNING for req in self._requests.values())
+        self._make_room(running * ceil_div(self.decode_chunk, self.page_size))  # eviction only: room for a chunk
         while blocked and not self._make_room(len(blocked)):
-            running = [req for req in self._requests.values() if req.state == "running"]
+            running = [req for req in self._requests.values() if req.state is RequestState.RUNNING]
             if not running:
                 return
             victim = max(running, key=lambda r: r.order)
@@ -673,10 +712,12 @@ class Engine:
             else:
                 self.prefix_cache.release(req.node)
                 req.node = None
-                req.state = "swapped"
+                req.state = RequestState.SWAPPED
                 self._swapped.append(req.id)
                 self._swaps += 1
+                logger.debug("request %d swapped out from row %d", req.id, req.row)
                 return
+        logger.debug("request %d preempted for recomputation (row %d, %d tokens)", req.id, req.row, len(req.tokens))
         self._retire([req], final=False)
         self._recomputes += 1
 
@@ -701,10 +742,10 @@ class Engine:
             self._rows[req.row] = None
             req.node, req.row = None, -1
             if final:
-                req.state = "done"
+                req.state = RequestState.FINISHED
                 self.outputs[req.id] = list(req.generated)
             else:
-                req.state = "waiting"
+                req.state = RequestState.WAITING
         if not final:
             for req in reversed(reqs):
                 self._waiting.appendleft(req.id)

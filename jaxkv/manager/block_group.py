@@ -1,0 +1,128 @@
+"""BlockGroup: the blocks and block table shared by a group of hybrid layers.
+
+Layers of the same kind and compression ratio allocate at exactly the same
+times (a CSA layer with ratio 4 gets a block every 128 original tokens, a
+full-attention layer every ``page_size`` tokens), so they share one
+allocator and one block table, each layer with its own pool arrays indexed
+by the shared block ids (vLLM's KV cache groups). The
+:class:`~jaxkv.manager.hybrid.KVCacheManager` holds one group per
+``LayerCacheSchema.group`` name.
+
+Invariants (checked by the hybrid manager's tests after every operation):
+
+* ``tables[s, :lens[s]]`` are the blocks slot ``s`` holds, in order, each
+  once; ``tables[s, lens[s]:]`` are -1;
+* every held block has exactly one owner (its slot): allocated + free =
+  ``num_blocks - 1`` (block 0 is the null block, never handed out);
+* a failed operation returns the group it was given, unchanged.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+from flax import struct
+from jaxtyping import Array, Int
+
+from jaxkv._ops import ceil_div
+from jaxkv.alloc.block import BlockAllocator
+from jaxkv.types import Ids, Ok
+
+__all__ = ["BlockGroup"]
+
+
+@struct.dataclass
+class BlockGroup:
+    """Blocks of one group of layers (same kind and ratio) and their table.
+
+    Fields:
+      allocator: the group's blocks, ``1 .. num_blocks - 1`` (0 = null).
+      tables: int32 ``[num_slots, max_blocks]``; ``tables[s, :lens[s]]`` are
+        slot ``s``'s blocks in order, -1 after.
+      lens: int32 ``[num_slots]``, blocks held per slot.
+      tokens_per_entry, entries_per_block: static (compressed: ratio and
+        128 / ratio; full/MLA: 1 and page_size).
+    """
+
+    allocator: BlockAllocator
+    tables: Int[Array, "slots max_blocks"]
+    lens: Int[Array, " slots"]
+    tokens_per_entry: int = struct.field(pytree_node=False)
+    entries_per_block: int = struct.field(pytree_node=False)
+
+    @classmethod
+    def create(cls, num_blocks: int, num_slots: int, max_blocks: int, tokens_per_entry: int,
+               entries_per_block: int) -> "BlockGroup":
+        """Every block free (``num_blocks`` with the null block), every table empty."""
+        return cls(allocator=BlockAllocator.create(num_blocks),
+                   tables=jnp.full((num_slots, max_blocks), -1, jnp.int32),
+                   lens=jnp.zeros((num_slots,), jnp.int32),
+                   tokens_per_entry=tokens_per_entry, entries_per_block=entries_per_block)
+
+    @property
+    def tokens_per_block(self) -> int:
+        return self.tokens_per_entry * self.entries_per_block
+
+    @property
+    def max_blocks(self) -> int:
+        """Blocks a slot's table holds (static)."""
+        return self.tables.shape[1]
+
+    def blocks_for(self, seq_lens: Int[Array, "..."]) -> Int[Array, "..."]:
+        """Blocks needed once ``seq_lens`` tokens are processed: enough for
+        every *completed* entry (``seq_len // tokens_per_entry``)."""
+        return ceil_div(seq_lens // self.tokens_per_entry, self.entries_per_block)
+
+    def grow(self, slots: Int[Array, " B"], new_lens: Int[Array, " B"], max_new: int) -> tuple["BlockGroup", Ok]:
+        """Give each row of ``slots`` (-1 = padding) the blocks ``new_lens``
+        needs. Returns ``(group, ok)``; fails (unchanged) when a row needs more
+        than ``max_new`` blocks, more than the table holds, or more than are free."""
+        num_slots = self.lens.shape[0]
+        rows = jnp.clip(slots, 0, num_slots - 1)
+        active = slots >= 0
+        have = self.lens[rows]
+        need = jnp.where(active, jnp.maximum(self.blocks_for(new_lens) - have, 0), 0)
+        fits = jnp.all((need <= max_new) & (have + need <= self.max_blocks))
+        total = jnp.sum(need)
+        batch = slots.shape[0]
+        allocator, ids, ok = self.allocator.acquire(jnp.where(fits, total, 0), max_n=batch * max_new)
+        ok = ok & fits
+        # Row b takes ids[offset_b : offset_b + need_b] into columns have_b + j.
+        offset = jnp.cumsum(need) - need
+        j = jnp.arange(max_new, dtype=jnp.int32)[None, :]
+        take = ok & (j < need[:, None])
+        new_ids = ids[jnp.clip(offset[:, None] + j, 0, batch * max_new - 1)]
+        # Row index num_slots is out of range: the scatters drop those writes.
+        target_rows = jnp.where(take, rows[:, None], num_slots)
+        tables = self.tables.at[target_rows, have[:, None] + j].set(new_ids, mode="drop")
+        lens = self.lens.at[jnp.where(ok & active, rows, num_slots)].add(need, mode="drop")
+        return self.replace(allocator=allocator, tables=tables, lens=lens), ok
+
+    def append_block(self, slot: Int[Array, ""]) -> tuple["BlockGroup", Int[Array, ""], Ok]:
+        """One more block at the end of ``slot``'s table (seed 004's
+        ``allocate_block``). Returns ``(group, block_id, ok)``; fails
+        (unchanged, -1) when the slot is out of range, its table is full or
+        no block is free. The caller checks that the slot is held."""
+        num_slots = self.lens.shape[0]
+        slot = jnp.asarray(slot, jnp.int32)
+        row = jnp.clip(slot, 0, num_slots - 1)
+        have = self.lens[row]
+        fits = (slot >= 0) & (slot < num_slots) & (have < self.max_blocks)
+        allocator, ids, ok = self.allocator.acquire(jnp.where(fits, 1, 0), max_n=1)
+        ok = ok & fits
+        block = jnp.where(ok, ids[0], -1)
+        target = jnp.where(ok, row, num_slots)  # out of range: dropped
+        tables = self.tables.at[target, have].set(block, mode="drop")
+        lens = self.lens.at[target].add(1, mode="drop")
+        return self.replace(allocator=allocator, tables=tables, lens=lens), block, ok
+
+    def release_rows(self, slots: Ids) -> tuple["BlockGroup", Ok]:
+        """Return every block of ``slots`` (-1 ignored; distinct, held slots)."""
+        num_slots = self.lens.shape[0]
+        rows = jnp.clip(slots, 0, num_slots - 1)
+        col = jnp.arange(self.max_blocks, dtype=jnp.int32)[None, :]
+        held = (slots[:, None] >= 0) & (col < self.lens[rows][:, None])
+        blocks = jnp.where(held, self.tables[rows], -1)
+        allocator, ok = self.allocator.release(blocks, distinct=True)
+        cleared = jnp.where(slots >= 0, rows, num_slots)  # out of range: dropped
+        return self.replace(allocator=allocator, tables=self.tables.at[cleared].set(-1, mode="drop"),
+                            lens=self.lens.at[cleared].set(0, mode="drop")), ok

@@ -1,0 +1,99 @@
+"""DeepSeek-V4's KV compressor: the pooling arithmetic of CSA and HCA layers.
+
+This is model arithmetic, owned by the DeepSeek-V4 model (its CSA layers
+compress every 4 tokens with overlapping windows, its HCA layers every 128):
+it sits here, beside the manager, because the cache applies it while
+writing, in :meth:`jaxkv.manager.layer_handle.LayerCacheHandle.compress`, and
+layers run alloc -> pool -> manager -> nn: the manager may not import
+``jaxkv.nn``. A DeepSeek-V4 model under ``jaxkv/nn`` imports it from here (as
+the reference layer in ``tests/reference/dsv4_reference.py`` recomputes the
+same rule without the cache, to check it).
+
+The rule (a layer with ratio ``r`` and overlap ``o``; rows ``o * r``):
+token ``t`` at position ``pos`` brings ``kv[t]`` and ``score[t]``
+(``[o * d]``). When ``(pos + 1) % r == 0`` it completes entry
+``e = (pos + 1) // r - 1``, which pools the rows of positions
+``q in [(e + 1) * r - o * r, (e + 1) * r)``: row ``q`` of window
+``k = (q - start) // r`` contributes channel block ``k``; per channel,
+``entry = sum_q softmax_q(score) * kv``. Rows before position 0 have score
+-inf (they weigh nothing).
+
+Invariants (checked against the no-cache reference in
+``tests/test_hybrid_equivalence.py``):
+
+* a row comes from this step when the same request has a token at that
+  position in the step, else from the ring (``q % rows``), so a step of any
+  length (decode, chunked prefill) pools exactly what one long step would;
+* the ring keeps each request's newest ``rows`` positions; padding tokens
+  (slot or position -1) write nothing, and an entry whose block is not in
+  the table (not reserved) is dropped, never stored elsewhere.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float, Int
+
+from jaxkv.pool.compressed import store_entries
+from kernels_pallas.formats import CompressedEntries
+
+__all__ = ["compress_step", "last_position"]
+
+
+def last_position(positions: Int[Array, " T"], request_ids: Int[Array, " T"], num_requests: int) -> Int[Array, " T"]:
+    """Each token's request's newest position in this step."""
+    newest = jax.ops.segment_max(positions, request_ids, num_segments=num_requests)
+    return newest[request_ids]
+
+
+def compress_step(ring_kv: Float[Array, "slots rows width"], ring_score: Float[Array, "slots rows width"],
+                  pool: CompressedEntries, table: Int[Array, "slots M"], slots: Int[Array, " T"],
+                  positions: Int[Array, " T"], request_ids: Int[Array, " T"], newest: Int[Array, " T"],
+                  kv: Float[Array, "T width"], score: Float[Array, "T width"], *, ratio: int, overlap: int
+                  ) -> tuple[Float[Array, "slots rows width"], Float[Array, "slots rows width"], CompressedEntries]:
+    """Advance a compressor by this step's tokens and store completed entries.
+
+    ``slots[t]`` is token ``t``'s request slot (-1 = padding), ``newest`` its
+    request's newest position in the step (:func:`last_position`), ``table``
+    the layer group's block table. Returns ``(ring_kv, ring_score, pool)``.
+    """
+    num_tokens, width = kv.shape
+    rows = overlap * ratio
+    d = width // overlap
+    t = jnp.arange(num_tokens, dtype=jnp.int32)[:, None]
+    j = jnp.arange(rows, dtype=jnp.int32)[None, :]
+    pos = positions[:, None]
+    q = pos + 1 - rows + j  # [T, rows] source positions (only meaningful for completing tokens)
+    src = t - (pos - q)
+    src_c = jnp.clip(src, 0, num_tokens - 1)
+    here = (src >= 0) & (request_ids[src_c] == request_ids[:, None]) & (positions[src_c] == q)
+    slot = jnp.clip(slots, 0, ring_kv.shape[0] - 1)[:, None]
+    block = jnp.broadcast_to(j // ratio, q.shape)  # channel block of each source row
+
+    def pick(from_step, from_ring):
+        step_rows = from_step[src_c].reshape(num_tokens, rows, overlap, d)
+        ring_rows = from_ring[slot, q % rows].reshape(num_tokens, rows, overlap, d)
+        both = jnp.where(here[..., None, None], step_rows, ring_rows)
+        return jnp.take_along_axis(both, block[..., None, None], axis=2)[:, :, 0]  # [T, rows, d]
+
+    src_kv = pick(kv, ring_kv)
+    src_score = jnp.where((q >= 0)[..., None], pick(score, ring_score), -jnp.inf)
+    weights = jax.nn.softmax(src_score, axis=1)
+    entry = jnp.sum(weights * src_kv, axis=1)  # [T, d]
+
+    active = (slots >= 0) & (positions >= 0)
+    completes = active & ((positions + 1) % ratio == 0)
+    e = (positions + 1) // ratio - 1
+    epb = pool.shape[1]
+    page = table[slot[:, 0], jnp.clip(e // epb, 0, table.shape[1] - 1)]
+    store = completes & (page >= 0) & (e // epb < table.shape[1])
+    # Rows past the pool (pool.shape[0] * epb) are dropped by the scatter.
+    pool = store_entries(pool, jnp.where(store, page * epb + e % epb, pool.shape[0] * epb), entry)
+
+    # The ring keeps each request's newest `rows` positions of this step.
+    keep = active & (positions > newest - rows)
+    ring_slot = jnp.where(keep, slots, ring_kv.shape[0])  # out of range: dropped
+    ring_kv = ring_kv.at[ring_slot, positions % rows].set(kv, mode="drop")
+    ring_score = ring_score.at[ring_slot, positions % rows].set(score, mode="drop")
+    return ring_kv, ring_score, pool

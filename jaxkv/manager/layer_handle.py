@@ -1,0 +1,291 @@
+"""LayerCacheHandle: one layer's view of the hybrid cache for one forward step.
+
+Built by :meth:`KVCacheManager.acquire <jaxkv.manager.hybrid.KVCacheManager.acquire>`
+with no allocation and no host sync (seed 004's "inside the captured graph"
+contract). Reads return data; writes return a new handle, which
+:meth:`KVCacheManager.update <jaxkv.manager.hybrid.KVCacheManager.update>`
+puts back. Each kind of layer reads and writes through its own methods:
+
+* SWA / CSA / HCA (DeepSeek-V4): :meth:`~LayerCacheHandle.write_swa`,
+  :meth:`~LayerCacheHandle.gather_swa`, :meth:`~LayerCacheHandle.compress`
+  (the pooling of :mod:`jaxkv.manager.dsv4_compressor`),
+  :meth:`~LayerCacheHandle.gather_compressed`,
+  :meth:`~LayerCacheHandle.gather_all_compressed`,
+  :meth:`~LayerCacheHandle.index_keys`;
+* full attention / MLA: :meth:`~LayerCacheHandle.write_kv`,
+  :meth:`~LayerCacheHandle.attend`;
+* linear (Gated DeltaNet): the :class:`~jaxkv.GDNPool` in ``gdn`` at layer
+  ``gdn_layer``, replaced with ``handle.replace(gdn=...)``.
+
+The write-back rule. A DeepSeek-V4 layer's handle carries only that layer's
+arrays, so handles of different such layers are independent. Full/MLA
+layers share one stacked :class:`~jaxkv.KVPool` and linear layers one
+:class:`~jaxkv.GDNPool` (so a kernel reads a layer in place), and a handle
+carries the whole shared pool: writing back a handle whose pool is older
+than the manager's would undo another layer's writes, and writing back only
+the handle's layer would copy the pool. So, per store (one per DeepSeek-V4
+layer, one per shared pool): **acquire, write and update one handle at a
+time**; handles that are only read need no update. ``epoch`` records the
+store's write-back count at acquire; ``update`` refuses a stale handle
+(another handle of the same store was written back since) with
+``InvalidArgument`` when called eagerly, and under :func:`jaxkv.checked`.
+
+Invariants:
+
+* a handle touches held slots at reserved positions only: a row naming any
+  other slot, and a token at a position outside ``[0, seq_lens[slot])``,
+  are padding (-1) and write and read nothing;
+* nothing is allocated: blocks come from ``KVCacheManager.reserve`` (or
+  ``allocate_block``) before the step.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+from jaxtyping import Array, Bool, Float, Int
+
+from jaxkv._ops import INT32_MAX
+from jaxkv.errors import InvalidArgument
+from jaxkv.manager.dsv4_compressor import compress_step, last_position
+from jaxkv.manager.hybrid_schema import LayerCacheSchema
+from jaxkv.pool.compressed import CompressedLayerCache, store_entries
+from jaxkv.pool.gdn_pool import GDNPool
+from jaxkv.pool.kv_pool import KVPool
+# Submodules, not the package: ``kernels_pallas/__init__`` loads every kernel.
+from kernels_pallas.formats import CompressedEntries
+from kernels_pallas.gather import gather_all_compressed_kv, gather_compressed_kv, gather_swa_kv
+from kernels_pallas.paged_attention import paged_attention
+
+__all__ = ["LayerCacheHandle"]
+
+
+@struct.dataclass
+class LayerCacheHandle:
+    """One layer's view of the cache for one forward step (a pytree).
+
+    Built by :meth:`KVCacheManager.acquire`; nothing is allocated. Reads
+    return data; writes return a new handle, which
+    :meth:`KVCacheManager.update` puts back into the manager (one handle per
+    store at a time: see the module docstring).
+
+    Fields:
+      request_slots: int32 ``[B]`` slot of each request of the batch (-1 =
+        padding).
+      positions: int32 ``[T]`` position of each token of the step.
+      request_ids: int32 ``[T]`` batch row of each token; a request's tokens
+        are consecutive positions (one per request when decoding).
+      cache: the layer's :class:`CompressedLayerCache` (SWA/CSA/HCA layers).
+      kv_pool: the :class:`~jaxkv.KVPool` of the full or MLA layers, used at
+        layer ``kv_layer`` (full/MLA layers).
+      gdn: the :class:`~jaxkv.GDNPool`, used at layer ``gdn_layer`` (linear).
+      block_table, block_lens: the layer's group (``[num_slots, M]``, ``[num_slots]``).
+      epoch: int32 scalar, write-backs of the layer's store when acquired
+        (``update`` refuses a stale handle).
+      schema: the layer's :class:`LayerCacheSchema` (static).
+      implementation: kernel choice passed to the gathers and attention (static).
+    """
+
+    request_slots: Int[Array, " B"]
+    positions: Int[Array, " T"]
+    request_ids: Int[Array, " T"]
+    cache: CompressedLayerCache | None
+    kv_pool: KVPool | None
+    gdn: GDNPool | None
+    block_table: Int[Array, "slots M"] | None
+    block_lens: Int[Array, " slots"] | None
+    epoch: Int[Array, ""]
+    schema: LayerCacheSchema = struct.field(pytree_node=False)
+    kv_layer: int = struct.field(pytree_node=False, default=-1)
+    gdn_layer: int = struct.field(pytree_node=False, default=-1)
+    implementation: str | None = struct.field(pytree_node=False, default=None)
+
+    # ---------------------------------------------------------------- facts
+
+    @property
+    def head_dim(self) -> int:
+        """Dims per head of what the layer stores (DeepSeek-V4 kinds: the
+        entry, ``nope + rope``; full: K; MLA: latent + RoPE; linear: key)."""
+        return self.schema.head_dim
+
+    @property
+    def num_query_heads(self) -> int:
+        """Query heads of the layer: ``HybridConfig.num_query_heads``
+        (linear layers: ``linear_num_k_heads``). Raises ``InvalidArgument``
+        when the config does not give it."""
+        if self.schema.num_query_heads is None:
+            raise InvalidArgument(f"layer {self.schema.layer_idx}: HybridConfig.num_query_heads is not set")
+        return self.schema.num_query_heads
+
+    # ---------------------------------------------------------------- tokens
+
+    @property
+    def token_slots(self) -> Int[Array, " T"]:
+        """Slot of each token (-1 for padding rows)."""
+        return self.request_slots[self.request_ids]
+
+    def num_entries(self) -> Int[Array, " T"]:
+        """Compressed entries each token may see: ``(pos + 1) // ratio`` (the
+        causal rule; entries completed by later tokens are excluded)."""
+        return jnp.maximum(self.positions + 1, 0) // self.schema.compress_ratio
+
+    def _newest(self):
+        return last_position(self.positions, self.request_ids, self.request_slots.shape[0])
+
+    def _need(self, what: str, ok: bool):
+        if not ok:
+            raise InvalidArgument(f"layer {self.schema.layer_idx} ({self.schema.kind.value}) has no {what}")
+
+    def _check_rows(self, name: str, x, width: int):
+        if x.shape != (self.positions.shape[0], width):
+            raise InvalidArgument(f"layer {self.schema.layer_idx}: {name} must be [{self.positions.shape[0]} tokens, "
+                                  f"{width}], got {list(x.shape)}")
+
+    # ---------------------------------------------------------------- SWA
+
+    def write_swa(self, kv: Float[Array, "T D"]) -> "LayerCacheHandle":
+        """Store each token's entry (quantized) in its request's SWA ring.
+        Of a request's tokens in this step only the newest ``window`` are
+        kept (older ones would be overwritten anyway)."""
+        self._need("SWA ring", self.cache is not None)
+        ring = self.cache.swa
+        self._check_rows("kv", kv, ring.fmt.head_dim)
+        num_slots, window = ring.shape
+        active = (self.token_slots >= 0) & (self.positions >= 0) & (self.positions > self._newest() - window)
+        rows = jnp.where(active, self.token_slots * window + self.positions % window,
+                         num_slots * window)  # past the ring: dropped
+        return self.replace(cache=self.cache.replace(swa=store_entries(ring, rows, kv)))
+
+    def gather_swa(self, kv: Float[Array, "T D"] | None = None
+                   ) -> tuple[Float[Array, "T W D"], Bool[Array, "T W"]]:
+        """Each token's window ``(pos - W, pos]``, oldest first, dequantized
+        to bf16, with its validity mask (rows before position 0 are invalid).
+
+        Two ways to call it:
+
+        * ``gather_swa(kv)`` with this step's entries ``kv [T, D]``, *before*
+          :meth:`write_swa`: exact for any step, also one with many tokens
+          per request (chunked prefill): rows of earlier steps come from the
+          ring (:func:`kernels_pallas.gather_swa_kv`), rows of this step from
+          ``kv`` rounded through the entry format exactly as the ring stores
+          them.
+        * ``gather_swa()`` *after* :meth:`write_swa`: the decode fast path,
+          exact for one token per request. With several tokens of a request
+          in the step, ring rows that a later token of the step overwrote
+          come back invalid.
+        """
+        self._need("SWA ring", self.cache is not None)
+        ring = self.cache.swa
+        window = ring.shape[1]
+        i = jnp.arange(window, dtype=jnp.int32)[None, :]
+        count = jnp.clip(self.positions + 1, 0, window)[:, None]
+        row_pos = self.positions[:, None] - count + 1 + i  # position of output row i
+        if kv is None:
+            out, valid = gather_swa_kv(ring, self.token_slots, self.positions, implementation=self.implementation)
+            fresh = row_pos > (self._newest() - window)[:, None]
+            return jnp.where(fresh[..., None], out, 0).astype(out.dtype), valid & fresh
+        self._check_rows("kv", kv, ring.fmt.head_dim)
+        # First position of each token's request in this step: the ring holds
+        # everything before it (still unwritten by this step). Padding tokens
+        # (-1) in the request's row are not among its tokens.
+        real = (self.token_slots >= 0) & (self.positions >= 0)
+        first = -jax.ops.segment_max(jnp.where(real, -self.positions, -INT32_MAX),
+                                     self.request_ids, num_segments=self.request_slots.shape[0])[self.request_ids]
+        old, old_valid = gather_swa_kv(ring, self.token_slots, first - 1, implementation=self.implementation)
+        old_count = jnp.clip(first, 0, window)[:, None]  # old row j holds position first - old_count + j
+        j = jnp.clip(row_pos - (first[:, None] - old_count), 0, window - 1)
+        from_ring = jnp.take_along_axis(old, j[..., None], axis=1)
+        ring_ok = jnp.take_along_axis(old_valid, j, axis=1)
+        step_rows = CompressedEntries.quantize(kv, ring.fmt).dequantize()  # the ring's rounding
+        t = jnp.arange(self.positions.shape[0], dtype=jnp.int32)[:, None]
+        src = jnp.clip(t - (self.positions[:, None] - row_pos), 0, self.positions.shape[0] - 1)
+        in_step = row_pos >= first[:, None]
+        out = jnp.where(in_step[..., None], step_rows[src], from_ring)
+        valid = (i < count) & (self.token_slots >= 0)[:, None] & jnp.where(in_step, True, ring_ok)
+        return jnp.where(valid[..., None], out, 0).astype(out.dtype), valid
+
+    # ---------------------------------------------------------------- compressed
+
+    def _token_tables(self):
+        rows = jnp.clip(self.token_slots, 0, self.block_table.shape[0] - 1)
+        return jnp.where((self.token_slots >= 0)[:, None], self.block_table[rows], -1)
+
+    def compress(self, kv: Float[Array, "T W"], score: Float[Array, "T W"]) -> "LayerCacheHandle":
+        """Advance the layer's compressor by this step's tokens (``kv`` and
+        ``score`` ``[T, overlap * head_dim]``, float32) and store every entry
+        they complete, quantized, through the block table (see
+        :mod:`jaxkv.manager.dsv4_compressor` for the pooling rule). :meth:`KVCacheManager.reserve` must have
+        allocated the blocks."""
+        self._need("compressor", self.cache is not None and self.cache.comp_kv is not None)
+        return self._advance(kv, score, self.schema.compressor_width, "comp_kv", "comp_score", "entries")
+
+    def compress_index(self, kv: Float[Array, "T Wi"], score: Float[Array, "T Wi"]) -> "LayerCacheHandle":
+        """The same for the CSA indexer's keys (``[T, overlap * index_dim]``)."""
+        self._need("indexer", self.cache is not None and self.cache.index_kv is not None)
+        return self._advance(kv, score, self.schema.index_compressor_width, "index_kv", "index_score", "index_keys")
+
+    def _advance(self, kv, score, width, ring_kv, ring_score, pool):
+        for name, x in (("kv", kv), ("score", score)):
+            self._check_rows(name, x, width)
+        c = self.cache
+        new_kv, new_score, new_pool = compress_step(
+            getattr(c, ring_kv), getattr(c, ring_score), getattr(c, pool), self.block_table, self.token_slots,
+            self.positions, self.request_ids, self._newest(), kv.astype(jnp.float32), score.astype(jnp.float32),
+            ratio=self.schema.compress_ratio, overlap=self.schema.overlap)
+        return self.replace(cache=c.replace(**{ring_kv: new_kv, ring_score: new_score, pool: new_pool}))
+
+    def gather_compressed(self, indices: Int[Array, "T K"]) -> tuple[Float[Array, "T K D"], Bool[Array, "T K"]]:
+        """CSA: each token's selected entries (-1 = none), causally limited
+        (:func:`kernels_pallas.gather_compressed_kv`)."""
+        self._need("compressed entries", self.cache is not None and self.cache.entries is not None)
+        return gather_compressed_kv(self.cache.entries, self.block_table, indices,
+                                    jnp.clip(self.token_slots, 0, None),
+                                    num_entries=jnp.where(self.token_slots >= 0, self.num_entries(), 0),
+                                    implementation=self.implementation)
+
+    def gather_all_compressed(self, max_entries: int) -> tuple[Float[Array, "T N D"], Bool[Array, "T N"]]:
+        """HCA: every entry each token may see, in order, padded to ``max_entries``."""
+        self._need("compressed entries", self.cache is not None and self.cache.entries is not None)
+        return gather_all_compressed_kv(self.cache.entries, self._token_tables(), self.num_entries(),
+                                        max_entries=max_entries, implementation=self.implementation)
+
+    def index_keys(self, max_entries: int) -> tuple[Float[Array, "T N Di"], Bool[Array, "T N"]]:
+        """CSA: every indexer key each token may see (for top-k scoring)."""
+        self._need("indexer", self.cache is not None and self.cache.index_keys is not None)
+        # The reference gather: indexer keys have no RoPE part, which the
+        # Pallas gather (built for 64 RoPE values) does not take.
+        return gather_all_compressed_kv(self.cache.index_keys, self._token_tables(), self.num_entries(),
+                                        max_entries=max_entries, implementation="reference")
+
+    # ---------------------------------------------------------------- full / MLA
+
+    def token_kv_slots(self) -> Int[Array, " T"]:
+        """Flat ``KVPool`` row of each token (``page * page_size + offset``);
+        -1 for padding tokens."""
+        ps = self.kv_pool.page_size
+        table = self._token_tables()
+        page = jnp.take_along_axis(table, jnp.clip(self.positions // ps, 0, table.shape[1] - 1)[:, None], 1)[:, 0]
+        ok = (self.token_slots >= 0) & (self.positions >= 0) & (page >= 0)
+        return jnp.where(ok, page * ps + self.positions % ps, -1)
+
+    def write_kv(self, k: Float[Array, "T KVH D"], v: Float[Array, "T KVH Dv"] | None = None) -> "LayerCacheHandle":
+        """Store this step's K/V (MLA: the latent, ``v=None``) in the pages."""
+        self._need("paged K/V", self.kv_pool is not None)
+        slots = self.token_kv_slots()
+        return self.replace(kv_pool=self.kv_pool.set_kv(self.kv_layer, slots, k, v))
+
+    def attend(self, q: Float[Array, "T H Dk"], **kwargs) -> Float[Array, "T H Dv"]:
+        """Each token attends positions ``[0, pos]`` of its request through
+        the pages (:func:`kernels_pallas.paged_attention`; keyword arguments
+        such as ``sm_scale`` or ``sliding_window`` are passed on)."""
+        self._need("paged K/V", self.kv_pool is not None)
+        pool = self.kv_pool
+        if pool.v_pages is None:
+            kwargs.setdefault("mla_value_dim", pool.kv_lora_rank)
+        lengths = jnp.where(self.token_slots >= 0, self.positions + 1, 0)
+        # The whole stacked pool and the layer index: the kernel reads the
+        # layer in place (pool[layer] would be copied before the call).
+        return paged_attention(q, pool.k_pages, pool.v_pages, jnp.clip(self._token_tables(), 0, None), lengths,
+                               pool.k_scales, pool.v_scales, layer=self.kv_layer,
+                               implementation=self.implementation, **kwargs)

@@ -1,0 +1,249 @@
+"""The jitted building blocks every decode path of jaxkv is made of.
+
+* :func:`model_step`: one model call (prefill or decode) over the paged pool
+  from a split NNX model (``graphdef`` static, ``params`` traced).
+* :func:`prefill_chunk`: run ``tokens [B, W]`` of admitted sequence rows at
+  positions ``starts + t`` and return each row's last logits. ``generate``
+  runs whole prompts through it, ``sample_n``/``beam_search`` one prompt in
+  row 0, the engine the uncached tails of a batch, chunk by chunk.
+* :func:`decode_logits`: one decode step of the model for the rows
+  ``active``: ``append_slots`` (a new block at block boundaries,
+  copy-on-write of a shared last block), block tables, model step.
+* :class:`DecodeState` and :func:`decode_body`: the decode step of
+  ``generate``, ``sample_n`` and the engine: :func:`decode_logits`, then
+  sample, record, stop on EOS or ``max_new`` and (optionally) free the
+  finished rows. :func:`run_decode` runs it in one ``lax.while_loop``;
+  :func:`decode_step` and :func:`decode_loop` are those two jitted.
+
+Beam search uses :func:`prefill_chunk` and :func:`decode_logits` but keeps its
+own selection step (:mod:`jaxkv.nn.parallel`).
+
+Invariants of :class:`DecodeState` (kept by every function here):
+
+* ``finished[b]`` rows take no slot and write nothing; a row with
+  ``free_finished`` was freed in the step it finished, after its block table
+  and length were copied to ``final_tables[b]`` / ``final_lens[b]``;
+* ``tokens[b, :written[b]]`` are the tokens recorded by this state (``-1``
+  past them); ``num_generated[b] <= max_new[b]``;
+* ``ok`` is False once an ``append_slots`` failed; the failing step changed
+  nothing (all or nothing), ``blocked`` marks the rows that needed blocks,
+  and every loop here stops.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+from flax import nnx, struct
+from jaxtyping import Array, Bool, Float, Int
+
+from jaxkv.manager.block_space import BlockSpaceManager
+from jaxkv.nn.sampling import RowSampling, SamplingParams, sample, split_keys
+from jaxkv.pool.kv_pool import KVPool
+
+__all__ = [
+    "DecodeState",
+    "decode_body",
+    "decode_logits",
+    "decode_loop",
+    "decode_step",
+    "model_step",
+    "prefill_chunk",
+    "run_decode",
+    "start_decoding",
+]
+
+
+def model_step(graphdef, params, tokens: Int[Array, "B T"], positions: Int[Array, "B T"], pool: KVPool,
+               slots: Int[Array, "B T"], tables: Int[Array, "B M"], starts: Int[Array, " B"],
+               num_new: Int[Array, " B"], mode: str) -> tuple[Float[Array, "B T V"], KVPool]:
+    """``model(tokens, positions, pool, slots, tables, starts, num_new, mode=mode)``
+    of the model ``nnx.merge(graphdef, params)``: ``(logits, pool)``."""
+    model = nnx.merge(graphdef, params)
+    return model(tokens, positions, pool, slots, tables, starts, num_new, mode=mode)
+
+
+def prefill_chunk(graphdef, params, manager: BlockSpaceManager, pool: KVPool, rows: Int[Array, " B"],
+                  tokens: Int[Array, "B W"], starts: Int[Array, " B"],
+                  num_new: Int[Array, " B"]) -> tuple[KVPool, Float[Array, "B V"]]:
+    """Write the K/V of ``tokens[b, :num_new[b]]`` of sequence ``rows[b]`` (an
+    admitted row holding at least ``starts[b] + num_new[b]`` tokens' blocks;
+    -1: an idle lane) at positions ``starts[b] + t``, attending everything
+    the row holds up to each token. Returns ``(pool, logits)`` with
+    ``logits[b]`` those of the row's last new token (garbage for idle lanes)."""
+    width = tokens.shape[1]
+    lane = jnp.arange(width, dtype=jnp.int32)[None, :]
+    positions = starts[:, None] + lane
+    slots = jnp.where(lane < num_new[:, None], manager.token_slots(rows, positions), -1)
+    tables, _ = manager.batch_tables(rows)
+    logits, pool = model_step(graphdef, params, tokens, positions, pool, slots, tables, starts, num_new, "prefill")
+    last = jnp.take_along_axis(logits, jnp.maximum(num_new - 1, 0)[:, None, None], axis=1)[:, 0]
+    return pool, last
+
+
+def decode_logits(graphdef, params, manager: BlockSpaceManager, pool: KVPool, last: Int[Array, " B"],
+                  active: Bool[Array, " B"]):
+    """One decode step of the model: sequence row ``b`` (for ``active[b]``)
+    grows by the token ``last[b]`` (``append_slots``: a new block at a block
+    boundary, copy-on-write of a shared last block), whose K/V are written
+    and whose next-token logits are computed.
+
+    Returns ``(manager, pool, logits [B, V], blocked [B], ok)``. When the
+    append fails (``ok`` False) nothing changed, every slot is -1 and the
+    model ran with no real token: the caller drops the logits.
+    """
+    batch = last.shape[0]
+    seqs = jnp.where(active, jnp.arange(batch, dtype=jnp.int32), -1)
+    manager, pool, slots, blocked, ok = manager.append_slots(pool, seqs, 1)
+    tables, lengths = manager.batch_tables(seqs)
+    starts = jnp.maximum(lengths - 1, 0)
+    running = active & ok
+    logits, pool = model_step(graphdef, params, last[:, None], starts[:, None], pool, slots, tables, starts,
+                              running.astype(jnp.int32), "decode")
+    return manager, pool, logits[:, 0], blocked, ok
+
+
+@struct.dataclass
+class DecodeState:
+    """Everything a decode loop carries (a pytree; see the module invariants).
+
+    Fields:
+        manager, pool: the block manager (row ``b`` is sequence ``b``) and the KV pool.
+        tokens: ``[B, W]`` int32, the tokens recorded so far (-1 past ``written``).
+        written: ``[B]`` int32, tokens recorded in ``tokens``.
+        num_generated: ``[B]`` int32, tokens generated in all (the stop rule's count).
+        max_new: ``[B]`` int32, a row finishes when ``num_generated`` reaches it.
+        last: ``[B]`` int32, the token to feed next.
+        finished: ``[B]`` bool, rows that take no further step (idle rows too).
+        keys: PRNG keys: one key ``[]`` for the whole batch, or one per row
+            ``[B]`` (a row's key advances only on the steps it runs).
+        eos_id: ``[B]`` int32, the stop token per row (-1: none; traced, so it
+            does not recompile).
+        step: ``[]`` int32, loop counter.
+        blocked: ``[B]`` bool, the rows the last failed append could not grow.
+        final_tables: ``[B, M]`` int32, a row's block table when it was freed
+            (-1 until then); final_lens: ``[B]`` int32, its length then.
+        peak_used: ``[]`` int32, most device blocks in use after any step.
+        ok: ``[]`` bool, False once an allocation failed.
+    """
+
+    manager: BlockSpaceManager
+    pool: KVPool
+    tokens: Int[Array, "batch width"]
+    written: Int[Array, " batch"]
+    num_generated: Int[Array, " batch"]
+    max_new: Int[Array, " batch"]
+    last: Int[Array, " batch"]
+    finished: Bool[Array, " batch"]
+    keys: jax.Array
+    eos_id: Int[Array, " batch"]
+    step: Int[Array, ""]
+    blocked: Bool[Array, " batch"]
+    final_tables: Int[Array, "batch max_blocks"]
+    final_lens: Int[Array, " batch"]
+    peak_used: Int[Array, ""]
+    ok: Bool[Array, ""]
+
+    @classmethod
+    def create(cls, manager: BlockSpaceManager, pool: KVPool, *, last, finished, num_generated, max_new, eos_id,
+               keys, width: int, step=0, ok=True) -> DecodeState:
+        """A state with nothing recorded yet (``tokens`` all -1, ``written``
+        0); ``max_new`` and ``eos_id`` broadcast to the batch."""
+        last = jnp.asarray(last, jnp.int32)
+        batch = last.shape[0]
+        return cls(
+            manager=manager, pool=pool, tokens=jnp.full((batch, width), -1, jnp.int32),
+            written=jnp.zeros((batch,), jnp.int32), num_generated=jnp.asarray(num_generated, jnp.int32),
+            max_new=jnp.broadcast_to(jnp.asarray(max_new, jnp.int32), (batch,)), last=last,
+            finished=jnp.asarray(finished, bool), keys=keys,
+            eos_id=jnp.broadcast_to(jnp.asarray(eos_id, jnp.int32), (batch,)), step=jnp.asarray(step, jnp.int32),
+            blocked=jnp.zeros((batch,), bool),
+            final_tables=jnp.full((batch, manager.max_blocks_per_seq), -1, jnp.int32),
+            final_lens=jnp.zeros((batch,), jnp.int32), peak_used=manager.device.num_used,
+            ok=jnp.asarray(ok, bool))
+
+
+def _finish(state: DecodeState, done: Bool[Array, " B"], free_finished: bool) -> DecodeState:
+    """Mark ``done`` rows finished; with ``free_finished`` keep their tables
+    and lengths in ``final_*`` and free them."""
+    state = state.replace(finished=state.finished | done)
+    if not free_finished:
+        return state
+    manager = state.manager
+    lanes = jnp.arange(done.shape[0], dtype=jnp.int32)
+    final_tables = jnp.where(done[:, None], manager.block_tables, state.final_tables)
+    final_lens = jnp.where(done, manager.seq_lens, state.final_lens)
+    manager, _ = manager.free(jnp.where(done, lanes, -1))  # done rows are ON_DEVICE: cannot fail
+    return state.replace(manager=manager, final_tables=final_tables, final_lens=final_lens)
+
+
+def start_decoding(manager: BlockSpaceManager, pool: KVPool, last_logits: Float[Array, "B V"], keys: jax.Array,
+                   sampling: SamplingParams | RowSampling, eos_id, *, max_new: int, ok) -> DecodeState:
+    """Sample each row's first new token from ``last_logits`` (the prompt's
+    last logits; row ``b`` is sequence ``b``) and start the decode state:
+    ``tokens[:, 0]`` holds it, rows that finished at once (EOS, or
+    ``max_new <= 1``) are freed."""
+    batch = last_logits.shape[0]
+    keys, subs = split_keys(keys)
+    first = sample(last_logits, subs, sampling)
+    state = DecodeState.create(manager, pool, last=first, finished=jnp.zeros((batch,), bool),
+                               num_generated=jnp.ones((batch,), jnp.int32), max_new=max_new, eos_id=eos_id,
+                               keys=keys, width=max_new, step=1, ok=ok)
+    state = state.replace(tokens=state.tokens.at[:, 0].set(first), written=jnp.ones((batch,), jnp.int32))
+    return _finish(state, (first == state.eos_id) | (max_new <= 1), True)
+
+
+def decode_body(graphdef, params, state: DecodeState, sampling: SamplingParams | RowSampling, *,
+                free_finished: bool = True) -> DecodeState:
+    """One decode step of every unfinished row: :func:`decode_logits`,
+    :func:`~jaxkv.nn.sampling.sample`, record the token, finish rows on EOS or
+    ``max_new`` (freeing them with ``free_finished``). A failed append
+    records nothing and sets ``ok`` False and ``blocked``."""
+    batch, width = state.tokens.shape
+    active = ~state.finished
+    manager, pool, logits, now_blocked, ok = decode_logits(graphdef, params, state.manager, state.pool,
+                                                           state.last, active)
+    keys, subs = split_keys(state.keys)
+    new = sample(logits, subs, sampling)
+    running = active & ok
+    if keys.ndim:  # per-row streams advance only with their row
+        keys = jnp.where(running, keys, state.keys)
+    column = jnp.where(running, state.written, width)  # out of range: dropped
+    num_generated = state.num_generated + running
+    state = state.replace(
+        manager=manager, pool=pool, tokens=state.tokens.at[jnp.arange(batch), column].set(new, mode="drop"),
+        written=state.written + running, num_generated=num_generated, last=jnp.where(running, new, state.last),
+        keys=keys, step=state.step + 1, blocked=jnp.where(ok, state.blocked, now_blocked),
+        peak_used=jnp.maximum(state.peak_used, manager.device.num_used), ok=state.ok & ok)
+    done = running & ((new == state.eos_id) | (num_generated >= state.max_new))
+    return _finish(state, done, free_finished)
+
+
+def run_decode(graphdef, params, state: DecodeState, sampling: SamplingParams | RowSampling, *,
+               num_steps: int | None = None, free_finished: bool = True) -> DecodeState:
+    """:func:`decode_body` in one ``lax.while_loop`` until every row finished,
+    an allocation failed, or (given ``num_steps``) that many steps ran."""
+    stop_at = None if num_steps is None else state.step + num_steps
+
+    def running(s):
+        go = jnp.any(~s.finished) & s.ok
+        return go if stop_at is None else go & (s.step < stop_at)
+
+    return jax.lax.while_loop(running, lambda s: decode_body(graphdef, params, s, sampling,
+                                                             free_finished=free_finished), state)
+
+
+@partial(jax.jit, static_argnames=("graphdef", "free_finished"), donate_argnums=(2,))
+def decode_step(graphdef, params, state: DecodeState, sampling: SamplingParams | RowSampling = SamplingParams(), *,
+                free_finished: bool = True) -> DecodeState:
+    """:func:`decode_body` as one jitted call (the state is donated)."""
+    return decode_body(graphdef, params, state, sampling, free_finished=free_finished)
+
+
+@partial(jax.jit, static_argnames=("graphdef", "num_steps", "free_finished"), donate_argnums=(2,))
+def decode_loop(graphdef, params, state: DecodeState, sampling: SamplingParams | RowSampling = SamplingParams(), *,
+                num_steps: int | None = None, free_finished: bool = True) -> DecodeState:
+    """:func:`run_decode` as one jitted call (the state is donated)."""
+    return run_decode(graphdef, params, state, sampling, num_steps=num_steps, free_finished=free_finished)

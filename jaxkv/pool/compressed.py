@@ -1,0 +1,124 @@
+"""CompressedLayerCache: the arrays of one DeepSeek-V4 SWA / CSA / HCA layer.
+
+A DeepSeek-V4 layer keeps, per request slot, a sliding-window ring of its
+last ``window`` tokens and (CSA/HCA) a compressor ring; its compressed
+entries (and a CSA layer's indexer keys) live in blocks shared with the other
+layers of its group, indexed by the group's block table (the manager owns the
+tables: :class:`jaxkv.manager.block_group.BlockGroup`). Entries are stored in
+an fp8 :class:`~kernels_pallas.formats.CompressedEntries` format::
+
+    swa         [num_slots, window]                        ring, position p at p % window
+    entries     [num_blocks, entries_per_block]            entry i at [table[i // E], i % E]
+    index_keys  [num_blocks, entries_per_block]            CSA indexer keys, same layout
+    comp_kv     [num_slots, compressor_rows, width]        float32, initial 0
+    comp_score  [num_slots, compressor_rows, width]        float32, initial -inf
+    index_kv, index_score                                  the indexer's ring (CSA)
+
+What a layer stores is decided by its schema
+(:mod:`jaxkv.manager.hybrid_schema`); this module takes the sizes as plain
+numbers so the pool layer does not import the manager.
+
+Invariants (checked by the hybrid manager's tests after every operation):
+
+* after ``reset(targets)`` the SWA rows of those slots dequantize to zero and
+  their compressor rings hold kv 0 / score -inf (rows before position 0
+  weigh nothing in the pooling); no other slot changes;
+* block 0 of ``entries`` / ``index_keys`` is the null block: padded writes go
+  out of range and are dropped by :func:`store_entries`, never into a block
+  some request holds;
+* every array is updated by ``.at[...]`` scatters in ``mode="drop"``, so a
+  caller that donates the cache into its jitted step updates it in place.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax.numpy as jnp
+from flax import struct
+from jaxtyping import Array, Float, Int
+
+from jaxkv.errors import InvalidArgument
+from kernels_pallas.formats import CompressedEntries, EntryFormat
+
+__all__ = ["CompressedLayerCache", "store_entries"]
+
+
+def store_entries(pool: CompressedEntries, rows: Int[Array, " n"], values: Float[Array, "n D"]) -> CompressedEntries:
+    """Quantize ``values [n, D]`` into ``pool``'s format and store them at flat
+    rows of the pool (``rows`` index ``pool`` flattened over its leading
+    dims; rows past the pool are dropped, which is how callers skip a
+    padded or refused write)."""
+    q = CompressedEntries.quantize(values, pool.fmt)
+    lead = pool.shape
+
+    def put(arr, new):
+        flat = arr.reshape(math.prod(lead), arr.shape[-1]).at[rows].set(new, mode="drop")
+        return flat.reshape(*lead, arr.shape[-1])
+
+    return pool.replace(nope=put(pool.nope, q.nope), scales=put(pool.scales, q.scales),
+                        rope=put(pool.rope, q.rope))
+
+
+@struct.dataclass
+class CompressedLayerCache:
+    """The arrays of one SWA / CSA / HCA layer (None where the kind has none).
+
+    Fields:
+      swa: the SWA ring, ``[num_slots, window]`` entries (position ``p`` of
+        slot ``s`` at ``[s, p % window]``).
+      entries: compressed entries, ``[num_blocks, entries_per_block]``
+        (entry ``i`` of slot ``s`` at ``[tables[s, i // E], i % E]``).
+      index_keys: CSA indexer keys, same layout as ``entries``.
+      comp_kv, comp_score: float32 ``[num_slots, rows, width]`` compressor
+        ring (initial 0 and -inf).
+      index_kv, index_score: the indexer's compressor ring (CSA).
+    """
+
+    swa: CompressedEntries
+    entries: CompressedEntries | None = None
+    index_keys: CompressedEntries | None = None
+    comp_kv: Float[Array, "slots rows width"] | None = None
+    comp_score: Float[Array, "slots rows width"] | None = None
+    index_kv: Float[Array, "slots rows iwidth"] | None = None
+    index_score: Float[Array, "slots rows iwidth"] | None = None
+
+    @classmethod
+    def create(cls, entry_format: EntryFormat, num_slots: int, window: int, *, num_blocks: int = 0,
+               entries_per_block: int = 0, compressor_rows: int = 0, compressor_width: int = 0,
+               index_format: EntryFormat | None = None, index_compressor_width: int = 0
+               ) -> "CompressedLayerCache":
+        """Initial arrays: an SWA-only layer when ``entries_per_block`` is 0,
+        else compressed entries in ``num_blocks`` blocks plus a compressor
+        ring of ``compressor_rows x compressor_width``; ``index_format``
+        adds the CSA indexer's keys and ring."""
+        swa = CompressedEntries.zeros(entry_format, (num_slots, window))
+        if not entries_per_block:
+            return cls(swa=swa)
+        if num_blocks < 1 or compressor_rows < 1 or compressor_width < 1:
+            raise InvalidArgument(f"a compressed layer needs num_blocks, compressor_rows and compressor_width "
+                                  f">= 1, got {num_blocks}, {compressor_rows}, {compressor_width}")
+        paged = (num_blocks, entries_per_block)
+        ring = (num_slots, compressor_rows)
+        fields = dict(entries=CompressedEntries.zeros(entry_format, paged),
+                      comp_kv=jnp.zeros(ring + (compressor_width,), jnp.float32),
+                      comp_score=jnp.full(ring + (compressor_width,), -jnp.inf, jnp.float32))
+        if index_format is not None:
+            fields.update(index_keys=CompressedEntries.zeros(index_format, paged),
+                          index_kv=jnp.zeros(ring + (index_compressor_width,), jnp.float32),
+                          index_score=jnp.full(ring + (index_compressor_width,), -jnp.inf, jnp.float32))
+        return cls(swa=swa, **fields)
+
+    def reset(self, targets: Int[Array, " n"]) -> "CompressedLayerCache":
+        """Initial state for slots ``targets`` (out-of-range entries dropped)."""
+        def zero_rows(entries):
+            return entries.replace(nope=entries.nope.at[targets].set(0, mode="drop"),
+                                   scales=entries.scales.at[targets].set(entries.fmt.unit_scale, mode="drop"),
+                                   rope=entries.rope.at[targets].set(0, mode="drop"))
+
+        out = self.replace(swa=zero_rows(self.swa))
+        for kv, score in (("comp_kv", "comp_score"), ("index_kv", "index_score")):
+            if getattr(self, kv) is not None:
+                out = out.replace(**{kv: getattr(self, kv).at[targets].set(0.0, mode="drop"),
+                                     score: getattr(self, score).at[targets].set(-jnp.inf, mode="drop")})
+        return out
