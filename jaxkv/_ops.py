@@ -31,6 +31,9 @@ INT32_MAX = int(np.iinfo(np.int32).max)
 #: The float8 storage dtypes jaxkv's pools and kernels accept.
 FP8_DTYPES = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
 
+#: Largest id range :func:`ids_distinct` counts in a scratch array.
+_SCATTER_BOUND = 4096
+
 #: Row length of the two-level search in :func:`first_true_indices`.
 _ROW = 128
 
@@ -58,10 +61,19 @@ def where_ok(ok: Bool[Array, ""], new, old):
     return jax.tree_util.tree_map(lambda n, o: jnp.where(ok, n, o), new, old)
 
 
-def ids_distinct(ids: Int[Array, "m"], given: Bool[Array, "m"]) -> Bool[Array, ""]:
+def ids_distinct(ids: Int[Array, "m"], given: Bool[Array, "m"], bound: int | None = None) -> Bool[Array, ""]:
     """No given id appears twice among ``ids`` (entries where ``given`` is
-    False are ignored). Cost O(m log m): a sort, not a scratch array sized by
-    the id range, so it does not grow with the pool."""
+    False are ignored).
+
+    With a small static ``bound`` (ids known to lie in ``[0, bound)``, e.g.
+    sequence rows) the ids are counted in a scratch array of ``bound``
+    entries: one scatter, the cheapest form on XLA CPU. Otherwise (no bound,
+    or one too large to pay for, such as a pool's block count) a sort:
+    O(m log m), nothing sized by the id range.
+    """
+    if bound is not None and bound <= _SCATTER_BOUND:
+        counts = jnp.zeros((bound,), jnp.int32).at[jnp.where(given, ids, bound)].add(1, mode="drop")
+        return jnp.all(counts <= 1)
     big = jnp.iinfo(jnp.int32).max
     ordered = jnp.sort(jnp.where(given, ids, big))
     repeated = (ordered[1:] == ordered[:-1]) & (ordered[1:] != big)

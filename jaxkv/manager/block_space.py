@@ -179,7 +179,7 @@ class BlockSpaceManager:
         blocks = self.blocks_for(num_tokens)
         valid = (
             self._rows_in_state(seqs, given, FREE)
-            & ids_distinct(seqs, given)
+            & ids_distinct(seqs, given, self.max_seqs)
             & (group >= 1)
             & (num_tokens >= 1)
             & (blocks <= self.max_blocks_per_seq)
@@ -240,7 +240,7 @@ class BlockSpaceManager:
         on_device = self._rows_in_state(seqs, given, ON_DEVICE, per_row=True)
         fits = needed <= self.max_blocks_per_seq
         bad_row = given & ~(on_device & fits)
-        valid = ~jnp.any(bad_row) & ids_distinct(seqs, given)
+        valid = ~jnp.any(bad_row) & ids_distinct(seqs, given, self.max_seqs)
         total = jnp.sum(jnp.where(given, takes, 0), dtype=jnp.int32)
         return _AppendPlan(seqs, given, rows, lens, have, last_block, cow, fresh, takes, bad_row, valid, total)
 
@@ -334,7 +334,7 @@ class BlockSpaceManager:
         valid = (
             self._rows_in_state(src, pair, ON_DEVICE)
             & self._rows_in_state(dst, pair, FREE)
-            & ids_distinct(dst, pair)
+            & ids_distinct(dst, pair, self.max_seqs)
         )
         src_rows = jnp.where(pair, src, 0)
         shared = jnp.where(pair[:, None], self.block_tables[src_rows], -1)
@@ -360,7 +360,7 @@ class BlockSpaceManager:
         rows = jnp.where(given, seqs, 0)
         status = jnp.where(given, self.status.at[rows].get(mode="fill", fill_value=FREE), FREE)
         in_range = (seqs >= 0) & (seqs < self.max_seqs)
-        valid = jnp.all(~given | (in_range & (status != FREE))) & ids_distinct(seqs, given)
+        valid = jnp.all(~given | (in_range & (status != FREE))) & ids_distinct(seqs, given, self.max_seqs)
         tables = jnp.where(given[:, None], self.block_tables.at[rows].get(mode="fill", fill_value=-1), -1)
         device, device_ok = self.device.release(jnp.where(valid & (status == ON_DEVICE)[:, None], tables, -1))
         host, host_ok = self.host.release(jnp.where(valid & (status == SWAPPED)[:, None], tables, -1))
@@ -408,7 +408,8 @@ class BlockSpaceManager:
         num_prefix = jnp.sum(prefix_blocks != -1, axis=1, dtype=jnp.int32)
         blocks = self.blocks_for(num_tokens)
         row_ok = (num_tokens >= 1) & (blocks <= width) & (num_prefix <= blocks)
-        valid = self._rows_in_state(rows, given, FREE) & ids_distinct(rows, given) & jnp.all(~given | row_ok)
+        valid = (self._rows_in_state(rows, given, FREE) & ids_distinct(rows, given, self.max_seqs)
+                 & jnp.all(~given | row_ok))
         rest = jnp.where(given, blocks - num_prefix, 0)
         total = jnp.sum(rest, dtype=jnp.int32)
         max_n = batch * width
@@ -488,7 +489,7 @@ class BlockSpaceManager:
     def _move_group(self, seq_ids, from_status: int, to_status: int):
         seqs, given = _ids(seq_ids)
         source, target = (self.device, self.host) if from_status == ON_DEVICE else (self.host, self.device)
-        valid = self._rows_in_state(seqs, given, from_status) & ids_distinct(seqs, given)
+        valid = self._rows_in_state(seqs, given, from_status) & ids_distinct(seqs, given, self.max_seqs)
         rows = jnp.where(given, seqs, 0)
         tables = jnp.where((given & valid)[:, None], self.block_tables[rows], -1)
         flat = tables.reshape(-1)

@@ -271,7 +271,7 @@ class KVCacheManager:
         rows = jnp.clip(slots, 0, self.num_slots - 1)
         held = self.slots.ref_count(jnp.where(active, slots, 0)) > 0
         ok = (jnp.all(~active | (held & (num_new >= 0) & (num_new <= max_new_tokens)))
-              & ids_distinct(slots, active))
+              & ids_distinct(slots, active, self.num_slots))
         starts = self.seq_lens[rows]
         new_lens = starts + jnp.where(active, num_new, 0)
         groups: dict[str, BlockGroup] = {}

@@ -148,7 +148,8 @@ def prefill_fork(graphdef, params, manager: BlockSpaceManager, pool: KVPool, pro
         manager, forked = manager.fork(jnp.zeros((n - 1,), jnp.int32), jnp.arange(1, n, dtype=jnp.int32))
         ok &= forked
     logits = jnp.broadcast_to(last_logits, (n, last_logits.shape[-1]))
-    return start_decoding(manager, pool, logits, keys, sampling, eos_id, max_new=max_new, ok=ok)
+    return start_decoding(manager, pool, logits, keys, sampling, eos_id, max_new=max_new, ok=ok,
+                          keep_final_tables=True)
 
 
 #: One decode step of every running row (:func:`jaxkv.nn.steps.decode_step`).

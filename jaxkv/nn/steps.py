@@ -124,7 +124,9 @@ class DecodeState:
         step: ``[]`` int32, loop counter.
         blocked: ``[B]`` bool, the rows the last failed append could not grow.
         final_tables: ``[B, M]`` int32, a row's block table when it was freed
-            (-1 until then); final_lens: ``[B]`` int32, its length then.
+            (-1 until then); final_lens: ``[B]`` int32, its length then. Both
+            None unless asked for (``keep_final_tables``): ``sample_n`` reads
+            them, and ``generate`` would only pay a table copy per step.
         peak_used: ``[]`` int32, most device blocks in use after any step.
         ok: ``[]`` bool, False once an allocation failed.
     """
@@ -141,14 +143,14 @@ class DecodeState:
     eos_id: Int[Array, " batch"]
     step: Int[Array, ""]
     blocked: Bool[Array, " batch"]
-    final_tables: Int[Array, "batch max_blocks"]
-    final_lens: Int[Array, " batch"]
+    final_tables: Int[Array, "batch max_blocks"] | None
+    final_lens: Int[Array, " batch"] | None
     peak_used: Int[Array, ""]
     ok: Bool[Array, ""]
 
     @classmethod
     def create(cls, manager: BlockSpaceManager, pool: KVPool, *, last, finished, num_generated, max_new, eos_id,
-               keys, width: int, step=0, ok=True) -> DecodeState:
+               keys, width: int, step=0, ok=True, keep_final_tables: bool = False) -> DecodeState:
         """A state with nothing recorded yet (``tokens`` all -1, ``written``
         0); ``max_new`` and ``eos_id`` broadcast to the batch."""
         last = jnp.asarray(last, jnp.int32)
@@ -160,27 +162,30 @@ class DecodeState:
             finished=jnp.asarray(finished, bool), keys=keys,
             eos_id=jnp.broadcast_to(jnp.asarray(eos_id, jnp.int32), (batch,)), step=jnp.asarray(step, jnp.int32),
             blocked=jnp.zeros((batch,), bool),
-            final_tables=jnp.full((batch, manager.max_blocks_per_seq), -1, jnp.int32),
-            final_lens=jnp.zeros((batch,), jnp.int32), peak_used=manager.device.num_used,
+            final_tables=jnp.full((batch, manager.max_blocks_per_seq), -1, jnp.int32) if keep_final_tables else None,
+            final_lens=jnp.zeros((batch,), jnp.int32) if keep_final_tables else None,
+            peak_used=manager.device.num_used,
             ok=jnp.asarray(ok, bool))
 
 
 def _finish(state: DecodeState, done: Bool[Array, " B"], free_finished: bool) -> DecodeState:
-    """Mark ``done`` rows finished; with ``free_finished`` keep their tables
-    and lengths in ``final_*`` and free them."""
+    """Mark ``done`` rows finished; with ``free_finished`` free them, first
+    keeping their tables and lengths in ``final_*`` when the state has them."""
     state = state.replace(finished=state.finished | done)
     if not free_finished:
         return state
     manager = state.manager
+    if state.final_tables is not None:
+        state = state.replace(final_tables=jnp.where(done[:, None], manager.block_tables, state.final_tables),
+                              final_lens=jnp.where(done, manager.seq_lens, state.final_lens))
     lanes = jnp.arange(done.shape[0], dtype=jnp.int32)
-    final_tables = jnp.where(done[:, None], manager.block_tables, state.final_tables)
-    final_lens = jnp.where(done, manager.seq_lens, state.final_lens)
     manager, _ = manager.free(jnp.where(done, lanes, -1))  # done rows are ON_DEVICE: cannot fail
-    return state.replace(manager=manager, final_tables=final_tables, final_lens=final_lens)
+    return state.replace(manager=manager)
 
 
 def start_decoding(manager: BlockSpaceManager, pool: KVPool, last_logits: Float[Array, "B V"], keys: jax.Array,
-                   sampling: SamplingParams | RowSampling, eos_id, *, max_new: int, ok) -> DecodeState:
+                   sampling: SamplingParams | RowSampling, eos_id, *, max_new: int, ok,
+                   keep_final_tables: bool = False) -> DecodeState:
     """Sample each row's first new token from ``last_logits`` (the prompt's
     last logits; row ``b`` is sequence ``b``) and start the decode state:
     ``tokens[:, 0]`` holds it, rows that finished at once (EOS, or
@@ -190,7 +195,7 @@ def start_decoding(manager: BlockSpaceManager, pool: KVPool, last_logits: Float[
     first = sample(last_logits, subs, sampling)
     state = DecodeState.create(manager, pool, last=first, finished=jnp.zeros((batch,), bool),
                                num_generated=jnp.ones((batch,), jnp.int32), max_new=max_new, eos_id=eos_id,
-                               keys=keys, width=max_new, step=1, ok=ok)
+                               keys=keys, width=max_new, step=1, ok=ok, keep_final_tables=keep_final_tables)
     state = state.replace(tokens=state.tokens.at[:, 0].set(first), written=jnp.ones((batch,), jnp.int32))
     return _finish(state, (first == state.eos_id) | (max_new <= 1), True)
 
