@@ -31,17 +31,19 @@ class KVCacheOOM(KVCacheError):
     """An allocation asked for more units (blocks, pages, tokens, slots, rows)
     than are free. Nothing was allocated.
 
-    Attributes: ``requested``, ``available``, ``total`` and ``unit``.
+    Attributes: ``requested``, ``available``, ``total``, ``unit`` and
+    ``detail`` (what was being done, or "").
     """
 
-    def __init__(self, requested: int, available: int, total: int, unit: str = "blocks"):
+    def __init__(self, requested: int, available: int, total: int, unit: str = "blocks", detail: str = ""):
         self.requested = int(requested)
         self.available = int(available)
         self.total = int(total)
         self.unit = unit
+        self.detail = detail
         super().__init__(
             f"KV cache OOM: requested {self.requested} {unit}, {self.available} available "
-            f"(of {self.total} total)"
+            f"(of {self.total} total)" + (f": {detail}" if detail else "")
         )
 
 

@@ -85,6 +85,14 @@ def test_pool_too_small_raises_oom(model, prompts):
         generate(model, prompts, 6, page_size=4, num_pages=3)
 
 
+def test_decode_out_of_blocks_names_the_rows_waiting(model):
+    # The 4-token prompt fills its one block; the first decode token needs a
+    # second block and the pool (null block + 1) has none.
+    with pytest.raises(KVCacheOOM, match=r"requested 1 blocks, 0 available \(of 1 total\): decode ran out") as info:
+        generate(model, [[5, 6, 7, 8]], 4, page_size=4, num_pages=2)
+    assert (info.value.requested, info.value.available, info.value.detail) == (1, 0, "decode ran out of KV blocks")
+
+
 def test_bad_arguments(model):
     with pytest.raises(InvalidArgument):
         generate(model, [[]], 4)

@@ -124,6 +124,7 @@ def generate(model, input_ids, max_new_tokens: int, *, eos_token_id: int | None 
     else:
         state = decode_loop(graphdef, params, state, sampling)
     if not bool(state.ok):
-        raise KVCacheOOM(1, 0, num_pages - 1, unit="blocks (decode ran out of KV blocks)")
+        raise KVCacheOOM(int(jnp.sum(state.blocked)), int(state.manager.device.num_free), num_pages - 1,
+                         detail="decode ran out of KV blocks")
     tokens, counts = jax.device_get((state.tokens, state.num_generated))
     return GenerateOutput([tokens[b, : counts[b]].tolist() for b in range(batch)], state)

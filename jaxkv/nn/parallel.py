@@ -185,7 +185,8 @@ def parallel_sample(model, prompt, n: int, max_new_tokens: int, *, sampling: Sam
                          unit="blocks")
     state = decode_loop(graphdef, params, state, sampling)
     if not bool(state.ok):
-        raise KVCacheOOM(1, 0, setup.num_pages - 1, unit="blocks (decode ran out of KV blocks)")
+        raise KVCacheOOM(int(jnp.sum(state.blocked)), int(state.manager.device.num_free), setup.num_pages - 1,
+                         detail="decode ran out of KV blocks")
     tokens, counts = jax.device_get((state.tokens, state.num_generated))
     return ParallelOutput([tokens[i, : counts[i]].tolist() for i in range(n)], state)
 
@@ -345,7 +346,8 @@ def beam_search_output(model, prompt, num_beams: int, max_new_tokens: int, *, le
                          unit="blocks")
     state, (scores, histories) = beam_loop(graphdef, params, state)
     if not bool(state.ok):
-        raise KVCacheOOM(1, 0, setup.num_pages - 1, unit="blocks (beam search ran out of KV blocks)")
+        raise KVCacheOOM(1, int(state.manager.device.num_free), setup.num_pages - 1,
+                         detail="beam search ran out of KV blocks")
     scores, histories, hyp_scores, hyp_tokens, hyp_lens = jax.device_get(
         (scores, histories, state.hyp_scores, state.hyp_tokens, state.hyp_lens))
     final = [(hyp_tokens[i, : hyp_lens[i]].tolist(), float(hyp_scores[i]))

@@ -427,7 +427,7 @@ class Engine:
                     self._step = min(future)  # idle until the next arrival
                     continue
                 raise KVCacheOOM(self._blocks_wanted(), int(self.manager.device.num_free), self.capacity,
-                                 unit="blocks (nothing can run)")
+                                 detail="nothing can run")
             self._decode()
             self._step += 1
             report()
