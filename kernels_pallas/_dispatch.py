@@ -37,6 +37,7 @@ import jax.numpy as jnp
 
 from kernels_pallas.errors import KernelArgumentError
 from kernels_pallas import _gpu
+from kernels_pallas._util import ceil_div  # noqa: F401 - the kernels call it as _dispatch.ceil_div
 
 IMPLEMENTATIONS = ("pallas", "reference")
 #: The float8 storage dtypes (jaxkv keeps its own copy: this package imports nothing from it).

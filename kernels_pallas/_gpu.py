@@ -20,6 +20,8 @@ import dataclasses
 
 import jax
 
+from kernels_pallas._util import ceil_div
+
 __all__ = ["A100", "H100", "GpuSpec", "building_ahead", "building_for", "occupancy", "target"]
 
 
@@ -98,7 +100,7 @@ def occupancy(spec: GpuSpec, *, smem_bytes: int, num_warps: int, registers: int 
     per warp in units of 256.
     """
     by_smem = spec.smem_per_sm // (smem_bytes + 1024)
-    per_warp = -(-registers * 32 // 256) * 256
+    per_warp = ceil_div(registers * 32, 256) * 256
     by_regs = (spec.registers_per_sm // per_warp) // num_warps
     by_threads = spec.max_threads_per_sm // (32 * num_warps)
     return max(0, min(by_smem, by_regs, by_threads, spec.max_blocks_per_sm))

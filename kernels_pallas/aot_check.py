@@ -51,6 +51,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 from kernels_pallas import _gpu  # noqa: E402
+from kernels_pallas._util import ceil_div  # noqa: E402
 
 __all__ = ["Case", "Result", "cases", "compile_case", "cuda_available", "main", "topology_device"]
 
@@ -155,7 +156,7 @@ def _gather_case(kind: str, fmt_name: str, *, tokens=64, topk=512, batch=64, max
                                     scales=_sds(lead + (fmt.num_groups,), fmt.scale_dtype),
                                     rope=_sds(lead + (fmt.rope_dim,), jnp.bfloat16), fmt=fmt)
 
-    width = -(-max_entries // _ENTRIES_PER_PAGE)
+    width = ceil_div(max_entries, _ENTRIES_PER_PAGE)
     if kind == "csa":
         def build():
             return (lambda p, t, i, r, n: kp.gather_compressed_kv(p, t, i, r, num_entries=n),
@@ -182,7 +183,7 @@ def _attention_case(*, dtype, head_dim, page_size, batch, context, kv_heads=8, h
 
     dtype = jnp.dtype(dtype)
     fp8 = dtype.itemsize == 1
-    width = -(-context // page_size)
+    width = ceil_div(context, page_size)
     num_pages = batch * width + 1
     lead = () if layers is None else (layers,)
     dv = None if mla_value_dim is not None else head_dim

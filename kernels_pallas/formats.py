@@ -41,6 +41,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float
 
+from kernels_pallas._util import ceil_div
 from kernels_pallas.errors import KernelArgumentError
 
 __all__ = ["DSV32_FP8", "DSV4_FP8", "CompressedEntries", "EntryFormat", "ue8m0_to_float32"]
@@ -97,7 +98,7 @@ class EntryFormat:
         """Packed size of one entry, as the peers count it (ue8m0 exponents are
         padded to a multiple of 8 bytes: 7 exponents + 1 pad in DSV4)."""
         if self.scale_kind == "ue8m0":
-            scale_bytes = -(-self.num_groups // 8) * 8
+            scale_bytes = ceil_div(self.num_groups, 8) * 8
         else:
             scale_bytes = 4 * self.num_groups
         return self.nope_dim + 2 * self.rope_dim + scale_bytes

@@ -188,7 +188,7 @@ def _flat(entries: CompressedEntries):
 
 
 def _padded(width):
-    return max(TILE, -(-width // TILE) * TILE)
+    return max(TILE, _dispatch.ceil_div(width, TILE) * TILE)
 
 
 @functools.partial(jax.jit, static_argnames=("interpret",))

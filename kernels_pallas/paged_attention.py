@@ -219,7 +219,7 @@ def _pallas_impl(q, k_pages, v_pages, block_tables, lengths, k_scales, v_scales,
     g_pad = max(_MIN_DOT, _dispatch.next_pow2(g))
     block_h, k_splits, ppcb = shape.block_h, shape.k_splits, shape.pages_per_compute_block
     n_hb = g_pad // block_h  # head blocks per KV head (both powers of two)
-    pages_per_split = max(1, -(-width // (ppcb * k_splits))) * ppcb  # M = 0: one empty block
+    pages_per_split = max(1, _dispatch.ceil_div(width, ppcb * k_splits)) * ppcb  # M = 0: one empty block
     i32, f32 = jnp.int32, jnp.float32
 
     # Pad the table to whole splits and clamp every entry into [0, P) here,
@@ -395,7 +395,7 @@ def _default_k_splits(base_programs: int, blocks: int, slots: int) -> int:
     batch alone fills the GPU. Then as few splits as give the same blocks
     per split."""
     splits = max(1, min(blocks, slots // max(1, base_programs)))
-    return -(-blocks // -(-blocks // splits))
+    return _dispatch.ceil_div(blocks, _dispatch.ceil_div(blocks, splits))
 
 
 def plan(q, k_pages, v_pages, block_tables, *, mla_value_dim=None, layer=None, pages_per_compute_block=None,
@@ -440,7 +440,7 @@ def plan(q, k_pages, v_pages, block_tables, *, mla_value_dim=None, layer=None, p
     # hold far more registers: one stage (no cp.async staging) keeps them
     # from spilling.
     stage_options = (1,) if f32 else (2, 1)
-    min_ppcb = _dispatch.next_pow2(-(-_MIN_DOT // ps))
+    min_ppcb = _dispatch.next_pow2(_dispatch.ceil_div(_MIN_DOT, ps))
     if pages_per_compute_block is None:
         ppcb = min(max(1, _target_block_tokens(dk, f32) // ps), _dispatch.next_pow2(width))
         ppcb = max(ppcb, min_ppcb)
@@ -472,7 +472,7 @@ def plan(q, k_pages, v_pages, block_tables, *, mla_value_dim=None, layer=None, p
         occ = _gpu.occupancy(spec, smem_bytes=smem, num_warps=num_warps)
     occ = max(1, occ)
     base = b * kvh * (g_pad // block_h)
-    blocks = max(1, -(-width // ppcb))
+    blocks = max(1, _dispatch.ceil_div(width, ppcb))
     if k_splits is None:
         k_splits = _default_k_splits(base, blocks, spec.sm_count * occ)
     elif int(k_splits) < 1:
