@@ -82,7 +82,7 @@ from jaxkv import _host
 from jaxkv._ops import ceil_div, pow2_at_least
 from jaxkv.alloc.block import BlockAllocator
 from jaxkv.errors import BookkeepingError, InvalidArgument, KVCacheOOM
-from jaxkv.manager.block_space import ON_DEVICE, STATUS_NAMES, SWAPPED, BlockSpaceManager
+from jaxkv.manager.block_space import FREE, ON_DEVICE, STATUS_NAMES, SWAPPED, BlockSpaceManager
 from jaxkv.nn.sampling import GREEDY, RowSampling, SamplingParams, sample
 from jaxkv.nn.steps import DecodeState, prefill_chunk, run_decode
 from jaxkv.pool import host as host_swap
@@ -466,7 +466,8 @@ class Engine:
         """Blocks kept free for the running sequences to grow into when
         admitting or resuming (one each), so that a request is not brought in
         only to force an immediate preemption (swap in / swap out thrash)."""
-        return sum(req.state is RequestState.RUNNING for req in self._requests.values())
+        # The row map, not every request ever added: O(max_seqs) per call.
+        return sum(rid is not None and self._requests[rid].state is RequestState.RUNNING for rid in self._rows)
 
     def _blocks_wanted(self) -> int:
         for rid in list(self._swapped) + list(self._waiting):
@@ -522,9 +523,13 @@ class Engine:
         ON_DEVICE; a SWAPPED one likewise with the row SWAPPED; the row map
         names no request that is neither. Called before every decode."""
         status = np.asarray(jax.device_get(self.manager.status))
-        for req in self._requests.values():
+        # Every request holding a row is in the row map or the swapped list
+        # (the second loop checks the map's side), so this stays O(max_seqs)
+        # however many requests the engine has served.
+        holders = {rid for rid in self._rows if rid is not None} | set(self._swapped)
+        for req in (self._requests[rid] for rid in sorted(holders)):
             if req.state not in (RequestState.RUNNING, RequestState.SWAPPED):
-                continue
+                raise BookkeepingError(f"request {req.id} holds row {req.row} but is {req.state.name}")
             want = ON_DEVICE if req.state is RequestState.RUNNING else SWAPPED
             if not 0 <= req.row < self.max_seqs:
                 raise BookkeepingError(f"request {req.id} is {req.state.name} on row {req.row}, outside "
@@ -536,6 +541,9 @@ class Engine:
                 raise BookkeepingError(f"request {req.id} is {req.state.name} on row {req.row}, but the block "
                                        f"manager has that row {STATUS_NAMES[int(status[req.row])]}")
         for row, rid in enumerate(self._rows):
+            if rid is None and status[row] != FREE:
+                raise BookkeepingError(f"row {row} is {STATUS_NAMES[int(status[row])]} in the block manager "
+                                       "but no request holds it in the row map")
             if rid is not None and self._requests[rid].row != row:
                 raise BookkeepingError(f"row {row} is mapped to request {rid}, which is "
                                        f"{self._requests[rid].state.name} on row {self._requests[rid].row}")
