@@ -1,7 +1,9 @@
 """``python -m jaxkv.demo``: the continuous-batching engine serving a
 synthetic workload with shared prefixes, on a small random-weight Llama by
-default, or ``--model DIR`` for a local Hugging Face checkpoint (prints the
-generated text with the checkpoint's tokenizer).
+default, or ``--model DIR`` for a local Hugging Face checkpoint of any family
+jaxkv serves (prints the generated text with the checkpoint's tokenizer;
+DeepSeek-V4 runs through ``generate``, as the engine serves the Llama family
+only for now).
 
 The workload: requests arrive over time, each a shared "system prompt" (one
 of four) followed by its own question; the pool is sized so the engine must
@@ -21,7 +23,7 @@ import numpy as np
 from flax import nnx
 
 import jaxkv
-from jaxkv.nn import LlamaConfig, LlamaForCausalLM, SamplingParams
+from jaxkv.nn import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, SamplingParams, generate
 from jaxkv.serve import Engine, EngineProgress
 
 __all__ = ["DEMO_CONFIG", "main", "progress_bar", "run_checkpoint", "run_random_model", "synthetic_workload"]
@@ -78,17 +80,39 @@ def run_random_model(num_requests: int) -> None:
 
 
 def run_checkpoint(path: str, prompts: list[str], max_new: int) -> None:
-    from tokenizers import Tokenizer
+    """Serve ``prompts`` with the checkpoint at ``path`` (any family of
+    :class:`jaxkv.nn.AutoModelForCausalLM`). Llama-family models run on the
+    engine; a hybrid-cache model (DeepSeek-V4) runs through
+    :func:`jaxkv.nn.generate` (the engine serves the Llama family only, for
+    now), and the demo says so. Without a ``tokenizer.json`` the prompts
+    are read as comma-separated token ids and the output is printed as ids."""
+    model = AutoModelForCausalLM.from_pretrained(path)
+    tokenizer_file = os.path.join(path, "tokenizer.json")
+    if os.path.exists(tokenizer_file):
+        from tokenizers import Tokenizer
 
-    model = LlamaForCausalLM.from_pretrained(path)
-    tokenizer = Tokenizer.from_file(os.path.join(path, "tokenizer.json"))
+        tokenizer = Tokenizer.from_file(tokenizer_file)
+        encode, decode = (lambda text: tokenizer.encode(text).ids), tokenizer.decode
+    else:
+        print(f"{path} has no tokenizer.json: prompts are token ids (e.g. --prompt 3,17,42), output is ids")
+        encode, decode = (lambda text: [int(t) for t in text.split(",")]), (lambda ids: ids)
     eos = model.config.eos_token_id[0] if model.config.eos_token_id else None
+    if hasattr(model, "make_cache"):
+        print(f"{type(model).__name__}: the engine serves the Llama family only for now; decoding with "
+              f"jaxkv.nn.generate over its KVCacheManager (prefill, then one jitted loop)")
+        out = generate(model, [encode(text) for text in prompts], max_new, eos_token_id=eos)
+        for text, tokens in zip(prompts, out.tokens):
+            print(f"{text!r} -> {decode(tokens)!r}")
+        state = out.state
+        print(f"{len(prompts)} requests, {sum(map(len, out.tokens))} tokens, peak blocks in use "
+              f"{int(state.peak_used)}, blocks held after the loop {int(state.manager.blocks_in_use)}")
+        return
     engine = Engine(model, num_pages=512, page_size=16, max_seqs=8, max_blocks_per_seq=64)
-    ids = [engine.add_request(tokenizer.encode(text).ids, max_new, eos_token_id=eos) for text in prompts]
+    ids = [engine.add_request(encode(text), max_new, eos_token_id=eos) for text in prompts]
     with progress_bar(len(ids)) as on_progress:
         summary = engine.run(on_progress=on_progress)
     for text, rid in zip(prompts, ids):
-        print(f"{text!r} -> {tokenizer.decode(engine.outputs[rid])!r}")
+        print(f"{text!r} -> {decode(engine.outputs[rid])!r}")
     print(summary)
 
 
@@ -101,7 +125,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--requests", type=int, default=48, help="synthetic requests (random model)")
     args = parser.parse_args(argv)
     if args.model:
-        run_checkpoint(args.model, args.prompt or ["The KV cache", "Paged attention is"], args.max_new_tokens)
+        default = ["The KV cache", "Paged attention is"]
+        if not os.path.exists(os.path.join(args.model, "tokenizer.json")):
+            default = ["3,17,42,5,9", "7,7,1,30,2,11,4,8"]
+        run_checkpoint(args.model, args.prompt or default, args.max_new_tokens)
     else:
         run_random_model(args.requests)
 

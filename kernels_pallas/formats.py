@@ -19,7 +19,13 @@ format            nope+rope  group scale  scale storage              bytes
 ================  =========  ====  =====  =========================  =======
 
 (584 = 448 fp8 + 128 RoPE bytes + 7 exponents + 1 pad byte; 656 = 512 + 16 +
-128.) Both quantize with a power-of-two scale ``2 ** ceil(log2(max(amax,
+128.)
+
+A *lossless* format (:meth:`EntryFormat.lossless`) stores both parts in a
+float dtype (float32 or bfloat16) with one unit scale per entry: nothing is
+rounded beyond that dtype, so a model whose cache uses it computes what the
+same model computes without a cache, bit for bit (the parity format). It
+keeps the three-array layout, so every gather kernel reads it unchanged. Both quantize with a power-of-two scale ``2 ** ceil(log2(max(amax,
 1e-4) / 448))`` per group, so ``value / scale`` fits e4m3's range (448) and
 dequantization ``fp8 * scale`` is exact. The fp32 encoding dequantizes any
 float32 scale, not only powers of two.
@@ -57,7 +63,10 @@ class EntryFormat:
 
     ``scale_kind`` is ``"ue8m0"`` (one uint8 biased exponent per group) or
     ``"fp32"`` (one float32 per group). ``nope_dim`` must be a multiple of
-    ``group_size``.
+    ``group_size``. ``storage`` is the dtype of the stored NoPE values:
+    ``"float8_e4m3fn"`` (quantized; RoPE in bfloat16, dequantized rows in
+    bfloat16) or, for a lossless format, ``"float32"`` / ``"bfloat16"``
+    (both parts and the dequantized rows in that dtype, scales always 1).
     """
 
     name: str
@@ -65,6 +74,7 @@ class EntryFormat:
     rope_dim: int
     group_size: int
     scale_kind: str
+    storage: str = "float8_e4m3fn"
 
     def __post_init__(self):
         if self.scale_kind not in ("ue8m0", "fp32"):
@@ -74,6 +84,29 @@ class EntryFormat:
                 f"nope_dim ({self.nope_dim}) must be a positive multiple of group_size ({self.group_size})")
         if self.rope_dim < 0:
             raise KernelArgumentError(f"rope_dim must be >= 0, got {self.rope_dim}")
+        if self.storage not in _STORAGES:
+            raise KernelArgumentError(f"storage must be one of {_STORAGES}, got {self.storage!r}")
+
+    @classmethod
+    def lossless(cls, nope_dim: int, rope_dim: int, dtype="float32") -> "EntryFormat":
+        """Entries stored unrounded in ``dtype`` (float32 or bfloat16): one
+        group, unit fp32 scale."""
+        name = jnp.dtype(dtype).name
+        return cls(f"lossless_{name}", nope_dim=nope_dim, rope_dim=rope_dim, group_size=nope_dim,
+                   scale_kind="fp32", storage=name)
+
+    @property
+    def is_lossless(self) -> bool:
+        return self.storage != "float8_e4m3fn"
+
+    @property
+    def nope_dtype(self):
+        return jnp.dtype(self.storage)
+
+    @property
+    def out_dtype(self):
+        """Dtype of stored RoPE values and of dequantized rows."""
+        return jnp.dtype(self.storage) if self.is_lossless else jnp.dtype(jnp.bfloat16)
 
     @property
     def num_groups(self) -> int:
@@ -101,9 +134,10 @@ class EntryFormat:
             scale_bytes = ceil_div(self.num_groups, 8) * 8
         else:
             scale_bytes = 4 * self.num_groups
-        return self.nope_dim + 2 * self.rope_dim + scale_bytes
+        return self.nope_dim * self.nope_dtype.itemsize + self.rope_dim * self.out_dtype.itemsize + scale_bytes
 
 
+_STORAGES = ("float8_e4m3fn", "float32", "bfloat16")
 DSV4_FP8 = EntryFormat("dsv4_fp8", nope_dim=448, rope_dim=64, group_size=64, scale_kind="ue8m0")
 DSV32_FP8 = EntryFormat("dsv32_fp8", nope_dim=512, rope_dim=64, group_size=128, scale_kind="fp32")
 
@@ -130,12 +164,13 @@ class CompressedEntries:
 
     Fields (``...`` is any leading shape, e.g. ``[num_pages, entries_per_page]``
     for a paged pool or ``[num_slots, window]`` for a ring buffer):
-      nope: ``[..., nope_dim]`` float8_e4m3fn.
+      nope: ``[..., nope_dim]`` float8_e4m3fn (lossless formats: their dtype).
       scales: ``[..., num_groups]`` uint8 exponents (ue8m0) or float32 (fp32).
-      rope: ``[..., rope_dim]`` bfloat16.
+      rope: ``[..., rope_dim]`` bfloat16 (lossless formats: their dtype).
       fmt: the :class:`EntryFormat` (static).
 
-    Dequantized entry = ``concat(nope * scale per group, rope)`` in bfloat16.
+    Dequantized entry = ``concat(nope * scale per group, rope)`` in
+    ``fmt.out_dtype`` (bfloat16 for the fp8 formats).
     """
 
     nope: Array
@@ -147,20 +182,25 @@ class CompressedEntries:
     def zeros(cls, fmt: EntryFormat, shape: tuple[int, ...]) -> "CompressedEntries":
         """Entries that all dequantize to 0.0 (scale 1.0), with leading ``shape``."""
         shape = tuple(int(s) for s in shape)
-        return cls(nope=jnp.zeros(shape + (fmt.nope_dim,), FP8),
+        return cls(nope=jnp.zeros(shape + (fmt.nope_dim,), fmt.nope_dtype),
                    scales=jnp.full(shape + (fmt.num_groups,), fmt.unit_scale, fmt.scale_dtype),
-                   rope=jnp.zeros(shape + (fmt.rope_dim,), jnp.bfloat16), fmt=fmt)
+                   rope=jnp.zeros(shape + (fmt.rope_dim,), fmt.out_dtype), fmt=fmt)
 
     @classmethod
     def quantize(cls, x: Float[Array, "... D"], fmt: EntryFormat) -> "CompressedEntries":
         """Quantize ``x`` (``[..., nope_dim + rope_dim]``, any float dtype) the
         way DeepSeek/FlashMLA do: per group, scale = ``2 ** ceil(log2(max(amax,
-        1e-4) / 448))``, value = ``x / scale`` cast to e4m3; RoPE cast to bf16."""
+        1e-4) / 448))``, value = ``x / scale`` cast to e4m3; RoPE cast to bf16.
+        A lossless format only casts both parts to its dtype (scales 1)."""
         if x.shape[-1] != fmt.head_dim:
             raise KernelArgumentError(
                 f"{fmt.name} entries have {fmt.nope_dim} + {fmt.rope_dim} = {fmt.head_dim} dims, "
                 f"got last dim {x.shape[-1]}")
         lead = x.shape[:-1]
+        if fmt.is_lossless:
+            return cls(nope=x[..., : fmt.nope_dim].astype(fmt.nope_dtype),
+                       scales=jnp.ones(lead + (fmt.num_groups,), jnp.float32),
+                       rope=x[..., fmt.nope_dim:].astype(fmt.out_dtype), fmt=fmt)
         groups = x[..., : fmt.nope_dim].astype(jnp.float32).reshape(*lead, fmt.num_groups, fmt.group_size)
         scale, exponent = _pow2_scale(jnp.max(jnp.abs(groups), axis=-1))
         values = jnp.clip(groups / scale[..., None], -FP8_MAX, FP8_MAX).astype(FP8)
@@ -178,10 +218,13 @@ class CompressedEntries:
         return self.scales.astype(jnp.float32)
 
     def dequantize(self) -> Float[Array, "... D"]:
-        """bfloat16 ``[..., nope_dim + rope_dim]``: NoPE values times their
-        group's scale (in float32, then rounded once to bf16), then RoPE."""
+        """``fmt.out_dtype`` ``[..., nope_dim + rope_dim]``: NoPE values times
+        their group's scale (in float32, then rounded once to bf16), then
+        RoPE. A lossless format returns its stored values."""
         fmt = self.fmt
         lead = self.nope.shape[:-1]
+        if fmt.is_lossless:
+            return jnp.concatenate([self.nope, self.rope], axis=-1).astype(fmt.out_dtype)
         groups = self.nope.astype(jnp.float32).reshape(*lead, fmt.num_groups, fmt.group_size)
         nope = (groups * self.scale_values()[..., None]).reshape(*lead, fmt.nope_dim)
         return jnp.concatenate([nope.astype(jnp.bfloat16), self.rope.astype(jnp.bfloat16)], axis=-1)
@@ -199,9 +242,9 @@ class CompressedEntries:
         """Raise :class:`KernelArgumentError` unless the three arrays agree with
         the format and with each other (static shapes and dtypes only)."""
         fmt, lead = self.fmt, self.shape
-        expected = {"nope": (lead + (fmt.nope_dim,), jnp.dtype(FP8)),
+        expected = {"nope": (lead + (fmt.nope_dim,), fmt.nope_dtype),
                     "scales": (lead + (fmt.num_groups,), fmt.scale_dtype),
-                    "rope": (lead + (fmt.rope_dim,), jnp.dtype(jnp.bfloat16))}
+                    "rope": (lead + (fmt.rope_dim,), fmt.out_dtype)}
         for name, (shape, dtype) in expected.items():
             arr = getattr(self, name)
             if tuple(arr.shape) != shape or jnp.dtype(arr.dtype) != dtype:

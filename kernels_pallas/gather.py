@@ -1,4 +1,7 @@
-"""Gather compressed KV entries into dense bf16, dequantizing in the same pass.
+"""Gather compressed KV entries into dense rows, dequantizing in the same pass.
+
+Rows come out in the format's ``out_dtype``: bf16 for the fp8 formats (what
+the text below says), the stored dtype for a lossless format.
 
 Three entry points, one per attention kind of a DeepSeek-V4-style model (seed
 004's ``LayerCacheHandle.gather_*``). Each reads :class:`CompressedEntries`
@@ -157,10 +160,11 @@ def _swa_kernel(slots_ref, positions_ref, nope_ref, scales_ref, rope_ref, *outs,
 def _launch(kernel, inputs, num_out_rows, padded_width, fmt, interpret):
     """Run ``kernel`` on a ``(num_out_rows, padded_width / TILE)`` grid.
 
-    Outputs: bf16 ``[rows, padded_width, head_dim]`` and int8 validity. In
+    Outputs: ``fmt.out_dtype`` (bf16 for fp8 formats)
+    ``[rows, padded_width, head_dim]`` and int8 validity. In
     interpret mode both start poisoned (NaN / int8 min) through
     ``input_output_aliases``, so unwritten elements show."""
-    out_shapes = [jax.ShapeDtypeStruct((num_out_rows, padded_width, fmt.head_dim), jnp.bfloat16),
+    out_shapes = [jax.ShapeDtypeStruct((num_out_rows, padded_width, fmt.head_dim), fmt.out_dtype),
                   jax.ShapeDtypeStruct((num_out_rows, padded_width), jnp.int8)]
     aliases, extra = {}, []
     if interpret:
@@ -230,7 +234,7 @@ def _swa_pallas(ring, slots, positions, *, interpret):
 def _dequantized_rows(entries: CompressedEntries, rows, valid):
     nope, scales, rope = _flat(entries)
     picked = CompressedEntries(nope=nope[rows], scales=scales[rows], rope=rope[rows], fmt=entries.fmt)
-    return jnp.where(valid[..., None], picked.dequantize(), jnp.zeros((), jnp.bfloat16))
+    return jnp.where(valid[..., None], picked.dequantize(), jnp.zeros((), entries.fmt.out_dtype))
 
 
 def _table_lookup(tables):

@@ -16,7 +16,9 @@ token ``t`` at position ``pos`` brings ``kv[t]`` and ``score[t]``
 ``q in [(e + 1) * r - o * r, (e + 1) * r)``: row ``q`` of window
 ``k = (q - start) // r`` contributes channel block ``k``; per channel,
 ``entry = sum_q softmax_q(score) * kv``. Rows before position 0 have score
--inf (they weigh nothing).
+-inf (they weigh nothing). A model may transform the pooled vector before it
+is stored (DeepSeek-V4 applies its RMSNorm, then RoPE at position ``e * r``):
+``finish(pooled [T, d], e [T]) -> [T, d]``.
 
 Invariants (checked against the no-cache reference in
 ``tests/test_hybrid_equivalence.py``):
@@ -33,12 +35,14 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from collections.abc import Callable
+
 from jaxtyping import Array, Float, Int
 
 from jaxkv.pool.compressed import store_entries
 from kernels_pallas.formats import CompressedEntries
 
-__all__ = ["compress_step", "last_position"]
+__all__ = ["compress_step", "last_position", "pool_entries"]
 
 
 def last_position(positions: Int[Array, " T"], request_ids: Int[Array, " T"], num_requests: int) -> Int[Array, " T"]:
@@ -50,13 +54,16 @@ def last_position(positions: Int[Array, " T"], request_ids: Int[Array, " T"], nu
 def compress_step(ring_kv: Float[Array, "slots rows width"], ring_score: Float[Array, "slots rows width"],
                   pool: CompressedEntries, table: Int[Array, "slots M"], slots: Int[Array, " T"],
                   positions: Int[Array, " T"], request_ids: Int[Array, " T"], newest: Int[Array, " T"],
-                  kv: Float[Array, "T width"], score: Float[Array, "T width"], *, ratio: int, overlap: int
+                  kv: Float[Array, "T width"], score: Float[Array, "T width"], *, ratio: int, overlap: int,
+                  finish: Callable | None = None
                   ) -> tuple[Float[Array, "slots rows width"], Float[Array, "slots rows width"], CompressedEntries]:
     """Advance a compressor by this step's tokens and store completed entries.
 
     ``slots[t]`` is token ``t``'s request slot (-1 = padding), ``newest`` its
     request's newest position in the step (:func:`last_position`), ``table``
-    the layer group's block table. Returns ``(ring_kv, ring_score, pool)``.
+    the layer group's block table. ``finish(pooled, entry_index)`` (static)
+    turns each pooled vector into the stored entry (default: stored as
+    pooled). Returns ``(ring_kv, ring_score, pool)``.
     """
     num_tokens, width = kv.shape
     rows = overlap * ratio
@@ -85,6 +92,8 @@ def compress_step(ring_kv: Float[Array, "slots rows width"], ring_score: Float[A
     active = (slots >= 0) & (positions >= 0)
     completes = active & ((positions + 1) % ratio == 0)
     e = (positions + 1) // ratio - 1
+    if finish is not None:
+        entry = finish(entry, jnp.maximum(e, 0))
     epb = pool.shape[1]
     page = table[slot[:, 0], jnp.clip(e // epb, 0, table.shape[1] - 1)]
     store = completes & (page >= 0) & (e // epb < table.shape[1])
@@ -97,3 +106,23 @@ def compress_step(ring_kv: Float[Array, "slots rows width"], ring_score: Float[A
     ring_kv = ring_kv.at[ring_slot, positions % rows].set(kv, mode="drop")
     ring_score = ring_score.at[ring_slot, positions % rows].set(score, mode="drop")
     return ring_kv, ring_score, pool
+
+
+def pool_entries(kv: Float[Array, "T width"], score: Float[Array, "T width"], *, ratio: int, overlap: int,
+                 num_entries: int) -> Float[Array, "E d"]:
+    """The same rule without a cache: entries ``0 .. num_entries - 1`` of one
+    sequence from its per-token rows (positions ``0 .. T - 1``). The
+    no-cache forward of a model uses it; :func:`compress_step` must store
+    what this returns (the tests check both against an independent
+    reference)."""
+    num_tokens, width = kv.shape
+    d, rows = width // overlap, overlap * ratio
+    i = jnp.arange(num_entries, dtype=jnp.int32)[:, None]
+    j = jnp.arange(rows, dtype=jnp.int32)[None, :]
+    q = (i + 1) * ratio - rows + j  # [E, rows] source positions
+    block = jnp.broadcast_to(j // ratio, q.shape)  # window k of the overlap -> channel block k
+    qc = jnp.clip(q, 0, num_tokens - 1)
+    kv_rows = kv.astype(jnp.float32).reshape(num_tokens, overlap, d)[qc, block]
+    score_rows = jnp.where((q >= 0)[..., None],
+                           score.astype(jnp.float32).reshape(num_tokens, overlap, d)[qc, block], -jnp.inf)
+    return jnp.sum(jax.nn.softmax(score_rows, axis=1) * kv_rows, axis=1)

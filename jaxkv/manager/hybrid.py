@@ -188,6 +188,11 @@ class KVCacheManager:
     def num_slots(self) -> int:
         return self.slots.num_blocks
 
+    @property
+    def blocks_in_use(self) -> Int[Array, ""]:
+        """Blocks held by requests, summed over every group."""
+        return sum((g.allocator.num_used for g in self.groups.values()), jnp.int32(0))
+
     def memory_bytes(self) -> int:
         """Bytes of every array the manager owns (pools, states, tables,
         allocators), from static shapes."""

@@ -94,7 +94,10 @@ class HybridConfig:
 
     DeepSeek-V4 (``swa``/``csa``/``hca``): ``entry_format`` (its
     ``head_dim = nope_dim + rope_dim``, one shared KV head), ``window``,
-    ``index_head_dim``, ``index_topk``, ``csa_overlap`` / ``hca_overlap``.
+    ``index_head_dim``, ``index_topk``, ``csa_overlap`` / ``hca_overlap``,
+    ``index_format`` (CSA indexer keys; None: :data:`INDEXER_FP8` at
+    ``index_head_dim``; a model that wants exact parity gives lossless
+    formats for both, :meth:`~kernels_pallas.formats.EntryFormat.lossless`).
     Full attention / MLA: ``num_kv_heads``, ``kv_head_dim`` (MLA: latent +
     RoPE dims, with ``mla_value_dim`` the latent), ``kv_dtype``, ``page_size``.
     Linear (Gated DeltaNet): ``linear_*``.
@@ -120,6 +123,7 @@ class HybridConfig:
     linear_conv_kernel: int = 4
     linear_dtype: object = jnp.bfloat16
     num_query_heads: int | None = None
+    index_format: EntryFormat | None = None
 
     @property
     def head_dim(self) -> int:
@@ -187,8 +191,12 @@ def _schema(spec: LayerSpec, config: HybridConfig) -> LayerCacheSchema:
                   entry_format=config.entry_format, compressor_rows=overlap * r,
                   compressor_width=overlap * config.head_dim)
     if kind == AttentionKind.CSA:
-        common.update(index_format=dataclasses.replace(INDEXER_FP8, nope_dim=config.index_head_dim,
-                                                       group_size=config.index_head_dim),
+        index_format = config.index_format or dataclasses.replace(INDEXER_FP8, nope_dim=config.index_head_dim,
+                                                                   group_size=config.index_head_dim)
+        if index_format.head_dim != config.index_head_dim:
+            raise InvalidArgument(f"index_format {index_format.name} has {index_format.head_dim} dims but "
+                                  f"index_head_dim is {config.index_head_dim}")
+        common.update(index_format=index_format,
                       index_compressor_width=overlap * config.index_head_dim, index_topk=config.index_topk)
     return LayerCacheSchema(**common)
 
@@ -256,7 +264,8 @@ def block_bytes(schema: LayerCacheSchema, config: HybridConfig) -> int:
 
 def _array_entry_bytes(fmt: EntryFormat) -> int:
     """Bytes of one entry as jaxkv stores it (arrays, no padding)."""
-    return fmt.nope_dim + 2 * fmt.rope_dim + fmt.num_groups * fmt.scale_dtype.itemsize
+    return (fmt.nope_dim * fmt.nope_dtype.itemsize + fmt.rope_dim * fmt.out_dtype.itemsize
+            + fmt.num_groups * fmt.scale_dtype.itemsize)
 
 
 def block_budget(schemas, config: HybridConfig, *, max_context_tokens: int | None = None,

@@ -211,28 +211,31 @@ class LayerCacheHandle:
         rows = jnp.clip(self.token_slots, 0, self.block_table.shape[0] - 1)
         return jnp.where((self.token_slots >= 0)[:, None], self.block_table[rows], -1)
 
-    def compress(self, kv: Float[Array, "T W"], score: Float[Array, "T W"]) -> "LayerCacheHandle":
+    def compress(self, kv: Float[Array, "T W"], score: Float[Array, "T W"], finish=None) -> "LayerCacheHandle":
         """Advance the layer's compressor by this step's tokens (``kv`` and
         ``score`` ``[T, overlap * head_dim]``, float32) and store every entry
         they complete, quantized, through the block table (see
-        :mod:`jaxkv.manager.dsv4_compressor` for the pooling rule). :meth:`KVCacheManager.reserve` must have
-        allocated the blocks."""
+        :mod:`jaxkv.manager.dsv4_compressor` for the pooling rule and
+        ``finish``, the model's transform of a pooled vector before it is
+        stored). :meth:`KVCacheManager.reserve` must have allocated the blocks."""
         self._need("compressor", self.cache is not None and self.cache.comp_kv is not None)
-        return self._advance(kv, score, self.schema.compressor_width, "comp_kv", "comp_score", "entries")
+        return self._advance(kv, score, self.schema.compressor_width, "comp_kv", "comp_score", "entries", finish)
 
-    def compress_index(self, kv: Float[Array, "T Wi"], score: Float[Array, "T Wi"]) -> "LayerCacheHandle":
+    def compress_index(self, kv: Float[Array, "T Wi"], score: Float[Array, "T Wi"], finish=None
+                       ) -> "LayerCacheHandle":
         """The same for the CSA indexer's keys (``[T, overlap * index_dim]``)."""
         self._need("indexer", self.cache is not None and self.cache.index_kv is not None)
-        return self._advance(kv, score, self.schema.index_compressor_width, "index_kv", "index_score", "index_keys")
+        return self._advance(kv, score, self.schema.index_compressor_width, "index_kv", "index_score", "index_keys",
+                             finish)
 
-    def _advance(self, kv, score, width, ring_kv, ring_score, pool):
+    def _advance(self, kv, score, width, ring_kv, ring_score, pool, finish):
         for name, x in (("kv", kv), ("score", score)):
             self._check_rows(name, x, width)
         c = self.cache
         new_kv, new_score, new_pool = compress_step(
             getattr(c, ring_kv), getattr(c, ring_score), getattr(c, pool), self.block_table, self.token_slots,
             self.positions, self.request_ids, self._newest(), kv.astype(jnp.float32), score.astype(jnp.float32),
-            ratio=self.schema.compress_ratio, overlap=self.schema.overlap)
+            ratio=self.schema.compress_ratio, overlap=self.schema.overlap, finish=finish)
         return self.replace(cache=c.replace(**{ring_kv: new_kv, ring_score: new_score, pool: new_pool}))
 
     def gather_compressed(self, indices: Int[Array, "T K"]) -> tuple[Float[Array, "T K D"], Bool[Array, "T K"]]:

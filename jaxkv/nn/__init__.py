@@ -8,6 +8,15 @@
   Hugging Face checkpoint (``config.json`` + ``*.safetensors``);
   ``implementation=`` picks the decode attention kernel (``None``: Pallas on
   GPU, the ``jnp`` reference elsewhere; ``"pallas"``; ``"reference"``).
+* :class:`DeepseekV4Config`, :class:`DeepseekV4ForCausalLM`: DeepSeek-V4
+  (hyper-connections, CSA/HCA compressed attention with the lightning
+  indexer, sliding window, attention sinks, hash and top-k MoE) over the
+  hybrid :class:`~jaxkv.KVCacheManager`; ``make_cache(...)`` builds its cache
+  (``entry_format="lossless"`` or ``"fp8"``), ``from_pretrained(dir)`` loads
+  a transformers checkpoint (sharded, bf16/fp32, FP8 block-quantized).
+* :class:`AutoModelForCausalLM`: ``from_pretrained(dir)`` picks the family
+  from ``config.json``'s ``model_type``.
+* :mod:`jaxkv.nn.checkpoint`: reading safetensors checkpoints without torch.
 * :class:`PagedAttention`: the attention layer (writes K/V into the pool,
   attends through block tables; GQA, RoPE incl. Llama 3 scaling, q/k norm,
   sliding window).
@@ -28,6 +37,9 @@
 """
 
 from jaxkv.nn.attention import PagedAttention, RMSNorm, paged_prefill_attention
+from jaxkv.nn.auto import AutoModelForCausalLM
+from jaxkv.nn.deepseek_v4 import DeepseekV4ForCausalLM
+from jaxkv.nn.deepseek_v4_config import DeepseekV4Config
 from jaxkv.nn.config import LlamaConfig, RopeScaling
 from jaxkv.nn.generate import GenerateOutput, generate
 from jaxkv.nn.llama import LlamaForCausalLM
@@ -37,7 +49,10 @@ from jaxkv.nn.sampling import RowSampling, SamplingParams, sample
 from jaxkv.nn.steps import DecodeState
 
 __all__ = [
+    "AutoModelForCausalLM",
     "DecodeState",
+    "DeepseekV4Config",
+    "DeepseekV4ForCausalLM",
     "Engine",
     "EngineSummary",
     "GenerateOutput",

@@ -26,7 +26,8 @@ from jaxkv._ops import ceil_div, pow2_at_least
 from jaxkv.errors import InvalidArgument, KVCacheOOM
 from jaxkv.manager.block_space import BlockSpaceManager
 from jaxkv.nn.sampling import GREEDY, SamplingParams, sample
-from jaxkv.nn.steps import DecodeState, decode_loop, decode_step, prefill_chunk, start_decoding
+from jaxkv.nn.steps import (DecodeState, decode_loop, decode_step, hybrid_prefill_chunk, prefill_chunk,
+                            start_decoding)
 from jaxkv.pool.kv_pool import KVPool
 
 __all__ = ["DecodeState", "GenerateOutput", "SamplingParams", "decode_loop", "decode_step", "generate", "prefill",
@@ -58,10 +59,20 @@ class GenerateOutput:
     state: DecodeState
 
 
+_hybrid_chunk = jax.jit(hybrid_prefill_chunk, static_argnames=("graphdef",), donate_argnums=(2,))
+_admit = jax.jit(lambda manager, n: manager.admit(n, max_n=n), static_argnums=(1,))
+
+
+@partial(jax.jit, static_argnames=("max_new",))
+def _start(manager, last_logits, key, eos_id, sampling, *, max_new):
+    return start_decoding(manager, None, last_logits, key, sampling, eos_id, max_new=max_new, ok=True)
+
+
 def generate(model, input_ids, max_new_tokens: int, *, eos_token_id: int | None = None,
              sampling: SamplingParams = GREEDY, seed: int = 0, page_size: int = 16,
              num_pages: int | None = None, kv_dtype=None, per_step: bool = False,
-             mesh=None) -> GenerateOutput:
+             mesh=None, entry_format: str = "lossless", prefill_chunk_size: int | None = None,
+             num_blocks: dict[str, int] | None = None) -> GenerateOutput:
     """Generate up to ``max_new_tokens`` tokens for each prompt of ``input_ids``
     (a list of token lists, lengths may differ).
 
@@ -81,6 +92,14 @@ def generate(model, input_ids, max_new_tokens: int, *, eos_token_id: int | None 
     ``data`` and the block tables replicated; the same jitted steps then run
     across the mesh.
 
+    A hybrid-cache model (DeepSeek-V4, which has ``make_cache``) decodes
+    over its :class:`~jaxkv.KVCacheManager` instead: ``entry_format``
+    (``"lossless"`` or ``"fp8"``) and ``num_blocks`` (blocks per group;
+    default every request at full length) shape it, ``prefill_chunk_size``
+    prefills the prompts that many tokens per request per call (default:
+    whole prompts in one call); ``page_size``, ``num_pages``, ``kv_dtype``
+    and ``mesh`` are for the paged pool and refused here.
+
     Raises ``KVCacheOOM`` when the pool is too small for the prompts, and
     ``InvalidArgument`` for empty prompts, ``max_new_tokens < 1`` or a
     ``sampling`` that is not a ``SamplingParams``.
@@ -92,6 +111,13 @@ def generate(model, input_ids, max_new_tokens: int, *, eos_token_id: int | None 
         raise InvalidArgument(f"max_new_tokens={max_new_tokens}: must be >= 1")
     if not isinstance(sampling, SamplingParams):
         raise InvalidArgument(f"sampling must be a SamplingParams, got {sampling!r}")
+    if hasattr(model, "make_cache"):
+        if mesh is not None or kv_dtype is not None or num_pages is not None:
+            raise InvalidArgument("mesh, kv_dtype and num_pages are for the paged pool; a hybrid-cache model takes "
+                                  "entry_format and num_blocks")
+        return _generate_hybrid(model, prompts, max_new_tokens, eos_token_id=eos_token_id, sampling=sampling,
+                                seed=seed, per_step=per_step, entry_format=entry_format,
+                                chunk=prefill_chunk_size, num_blocks=num_blocks)
     batch = len(prompts)
     width = pow2_at_least(max(len(p) for p in prompts))  # fewer distinct shapes to compile
     padded = np.zeros((batch, width), np.int32)
@@ -128,3 +154,59 @@ def generate(model, input_ids, max_new_tokens: int, *, eos_token_id: int | None 
                          detail="decode ran out of KV blocks")
     tokens, counts = jax.device_get((state.tokens, state.num_generated))
     return GenerateOutput([tokens[b, : counts[b]].tolist() for b in range(batch)], state)
+
+
+def _generate_hybrid(model, prompts, max_new_tokens, *, eos_token_id, sampling, seed, per_step, entry_format,
+                     chunk, num_blocks) -> GenerateOutput:
+    """:func:`generate` over a hybrid model's :class:`~jaxkv.KVCacheManager`:
+    admit every prompt (row ``b`` = slot ``b + 1``), prefill in chunks of
+    ``chunk`` tokens per row, then the same decode loop as the paged path."""
+    batch = len(prompts)
+    lengths = np.asarray([len(p) for p in prompts], np.int32)
+    context = pow2_at_least(int(lengths.max()) + max_new_tokens)  # fewer distinct shapes to compile
+    if chunk is not None and (isinstance(chunk, bool) or int(chunk) < 1):
+        raise InvalidArgument(f"prefill_chunk_size must be an integer >= 1, got {chunk!r}")
+    width = pow2_at_least(int(lengths.max())) if chunk is None else int(chunk)
+    manager = model.make_cache(batch, context, entry_format=entry_format, num_blocks=num_blocks)
+    manager, slots, ok = _admit(manager, batch)
+    if not bool(ok) or np.asarray(slots).tolist() != list(range(1, batch + 1)):
+        raise KVCacheOOM(batch, manager.max_requests, manager.max_requests, unit="request slots")
+    graphdef, params = nnx.split(model)
+    last_logits = None
+    for start in range(0, int(lengths.max()), width):
+        counts = np.clip(lengths - start, 0, width).astype(np.int32)
+        tokens = np.zeros((batch, width), np.int32)
+        for row, prompt in enumerate(prompts):
+            tokens[row, : counts[row]] = prompt[start:start + counts[row]]
+        manager, logits, ok = _hybrid_chunk(graphdef, params, manager, slots, jnp.asarray(tokens),
+                                            jnp.asarray(counts))
+        if not bool(ok):
+            raise _hybrid_oom(manager, lengths, f"prefill of tokens {start} .. {start + width - 1}")
+        ends_here = (counts > 0) & (start + counts == lengths)
+        last_logits = logits if last_logits is None else jnp.where(jnp.asarray(ends_here)[:, None], logits,
+                                                                    last_logits)
+    eos_id = -1 if eos_token_id is None else int(eos_token_id)
+    state = _start(manager, last_logits, jax.random.key(seed), np.int32(eos_id), sampling, max_new=max_new_tokens)
+    if per_step:
+        while bool(jnp.any(~state.finished)) and bool(state.ok):
+            state = decode_step(graphdef, params, state, sampling)
+    else:
+        state = decode_loop(graphdef, params, state, sampling)
+    if not bool(state.ok):
+        seq_lens = np.asarray(state.manager.seq_lens)[1:] + np.asarray(state.blocked)
+        raise _hybrid_oom(state.manager, seq_lens, "decode")
+    tokens, counts = jax.device_get((state.tokens, state.num_generated))
+    return GenerateOutput([tokens[b, : counts[b]].tolist() for b in range(batch)], state)
+
+
+def _hybrid_oom(manager, lengths, what: str) -> KVCacheOOM:
+    """``KVCacheOOM`` naming the group that cannot hold ``lengths`` tokens per row."""
+    worst = None
+    for name, group in manager.groups.items():
+        need = int(sum(int(group.blocks_for(jnp.int32(int(n)))) for n in lengths))
+        short = need - group.allocator.capacity
+        if worst is None or short > worst[0]:
+            worst = (short, name, need, group.allocator.capacity)
+    _, name, need, capacity = worst
+    return KVCacheOOM(need, capacity, capacity, unit=f"{name} blocks",
+                      detail=f"{what} needs more blocks than group {name!r} has (give num_blocks)")

@@ -26,7 +26,6 @@ one with a :class:`~jaxkv.BlockSpaceManager`)::
 from __future__ import annotations
 
 import functools
-import glob
 import json
 import os
 
@@ -38,6 +37,7 @@ from jaxtyping import Array, Float, Int
 
 from jaxkv.errors import InvalidArgument
 from jaxkv.nn.attention import PagedAttention, RMSNorm, check_implementation
+from jaxkv.nn.checkpoint import dequantize_checkpoint, load_tensors, read_config
 from jaxkv.nn.config import LlamaConfig
 from jaxkv.pool.kv_pool import KVPool
 
@@ -261,23 +261,18 @@ class LlamaForCausalLM(nnx.Module):
     def from_pretrained(cls, path: str | os.PathLike, *, dtype=None, param_dtype=None, precision=None,
                         implementation: str | None = None, interpret: bool = False) -> LlamaForCausalLM:
         """Load a local Hugging Face checkpoint directory: ``config.json`` and
-        every ``*.safetensors`` file in it (sharded or not). Dtype defaults as
+        its safetensors files (:func:`jaxkv.nn.checkpoint.load_tensors`: the
+        shards ``model.safetensors.index.json`` names, else every
+        ``*.safetensors`` file); fine-grained fp8 weights are dequantized
+        (:func:`~jaxkv.nn.checkpoint.dequantize_checkpoint`). Dtype defaults as
         in :meth:`from_hf_state_dict`. Raises ``InvalidArgument`` for an
-        unsupported config, no weight files, a tensor in two files, or a
-        missing/misshapen/unexpected tensor (named in the message)."""
-        from safetensors.numpy import load_file
-
+        unsupported config, no weight files, a tensor in two files, an index
+        that does not match its shards, or a missing/misshapen/unexpected
+        tensor (named in the message)."""
         path = os.fspath(path)
-        config = LlamaConfig.from_json(os.path.join(path, "config.json"))
-        files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
-        if not files:
-            raise InvalidArgument(f"no *.safetensors files in {path}")
-        tensors: dict[str, np.ndarray] = {}
-        for f in files:
-            for name, arr in load_file(f).items():
-                if name in tensors:
-                    raise InvalidArgument(f"tensor {name!r} appears in more than one file of {path}")
-                tensors[name] = arr
+        raw_config = read_config(os.path.join(path, "config.json"))
+        config = LlamaConfig.from_hf(raw_config)
+        tensors = dequantize_checkpoint(load_tensors(path), raw_config.get("quantization_config"))
         return cls.from_hf_state_dict(config, tensors, dtype=dtype, param_dtype=param_dtype, precision=precision,
                                       source=path, implementation=implementation, interpret=interpret)
 

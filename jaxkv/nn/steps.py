@@ -18,6 +18,16 @@
 Beam search uses :func:`prefill_chunk` and :func:`decode_logits` but keeps its
 own selection step (:mod:`jaxkv.nn.parallel`).
 
+Two caches run through the same decode state. A Llama-family model keeps
+K/V in a :class:`~jaxkv.KVPool` whose blocks a
+:class:`~jaxkv.BlockSpaceManager` hands out (row ``b`` is sequence ``b``). A
+hybrid-cache model (DeepSeek-V4: it has ``make_cache``) keeps everything in
+a :class:`~jaxkv.KVCacheManager` (``pool`` is None): row ``b`` is request
+slot ``b + 1`` (a fresh manager admits slots lowest first), each decode step
+reserves one token per running row (``KVCacheManager.reserve``, all or
+nothing) and a finished row's slot and blocks are released in the step it
+finishes. :func:`hybrid_prefill_chunk` is its prefill.
+
 Invariants of :class:`DecodeState` (kept by every function here):
 
 * ``finished[b]`` rows take no slot and write nothing; a row with
@@ -40,6 +50,8 @@ from flax import nnx, struct
 from jaxtyping import Array, Bool, Float, Int
 
 from jaxkv.manager.block_space import BlockSpaceManager
+from jaxkv.manager.hybrid import KVCacheManager
+from jaxkv.errors import InvalidArgument
 from jaxkv.nn.sampling import RowSampling, SamplingParams, sample, split_keys
 from jaxkv.pool.kv_pool import KVPool
 
@@ -49,6 +61,7 @@ __all__ = [
     "decode_logits",
     "decode_loop",
     "decode_step",
+    "hybrid_prefill_chunk",
     "model_step",
     "prefill_chunk",
     "run_decode",
@@ -83,6 +96,38 @@ def prefill_chunk(graphdef, params, manager: BlockSpaceManager, pool: KVPool, ro
     return pool, last
 
 
+def hybrid_prefill_chunk(graphdef, params, manager: KVCacheManager, slots: Int[Array, " B"],
+                         tokens: Int[Array, "B W"], num_new: Int[Array, " B"]
+                         ) -> tuple[KVCacheManager, Float[Array, "B V"], Bool[Array, ""]]:
+    """Reserve ``num_new[b]`` tokens for request slot ``slots[b]`` (-1: idle
+    lane) and run ``tokens[b, :num_new[b]]`` through the hybrid model at the
+    slot's next positions. Returns ``(manager, logits, ok)``: ``logits[b]``
+    of row ``b``'s last new token; all or nothing (``ok`` False: nothing
+    reserved or written)."""
+    manager, starts, ok = manager.reserve(slots, num_new, max_new_tokens=tokens.shape[1])
+    model = nnx.merge(graphdef, params)
+    logits, manager = model(tokens, manager, jnp.where(ok, slots, -1), jnp.maximum(starts, 0),
+                            jnp.where(ok, num_new, 0))
+    last = jnp.take_along_axis(logits, jnp.maximum(num_new - 1, 0)[:, None, None], axis=1)[:, 0]
+    return manager, last, ok
+
+
+def _hybrid_decode_logits(graphdef, params, manager: KVCacheManager, last, active):
+    """:func:`decode_logits` for a hybrid-cache model (row ``b`` = slot ``b + 1``).
+    ``blocked`` marks every row that was to run when the reserve failed (the
+    manager's reserve is all or nothing and does not say which row was short)."""
+    slots = jnp.where(active, jnp.arange(1, last.shape[0] + 1, dtype=jnp.int32), -1)
+    manager, last_logits, ok = hybrid_prefill_chunk(graphdef, params, manager, slots, last[:, None],
+                                                    active.astype(jnp.int32))
+    return manager, None, last_logits, active & ~ok, ok
+
+
+def _blocks_in_use(manager) -> Int[Array, ""]:
+    if isinstance(manager, KVCacheManager):
+        return manager.blocks_in_use
+    return manager.device.num_used
+
+
 def decode_logits(graphdef, params, manager: BlockSpaceManager, pool: KVPool, last: Int[Array, " B"],
                   active: Bool[Array, " B"]):
     """One decode step of the model: sequence row ``b`` (for ``active[b]``)
@@ -93,7 +138,10 @@ def decode_logits(graphdef, params, manager: BlockSpaceManager, pool: KVPool, la
     Returns ``(manager, pool, logits [B, V], blocked [B], ok)``. When the
     append fails (``ok`` False) nothing changed, every slot is -1 and the
     model ran with no real token: the caller drops the logits.
+    A hybrid-cache manager (``pool`` None) takes :func:`_hybrid_decode_logits`.
     """
+    if isinstance(manager, KVCacheManager):
+        return _hybrid_decode_logits(graphdef, params, manager, last, active)
     batch = last.shape[0]
     seqs = jnp.where(active, jnp.arange(batch, dtype=jnp.int32), -1)
     manager, pool, slots, blocked, ok = manager.append_slots(pool, seqs, 1)
@@ -110,7 +158,9 @@ class DecodeState:
     """Everything a decode loop carries (a pytree; see the module invariants).
 
     Fields:
-        manager, pool: the block manager (row ``b`` is sequence ``b``) and the KV pool.
+        manager, pool: the block manager (row ``b`` is sequence ``b``) and the
+            KV pool; or a hybrid :class:`~jaxkv.KVCacheManager` (row ``b`` is
+            slot ``b + 1``) and None.
         tokens: ``[B, W]`` int32, the tokens recorded so far (-1 past ``written``).
         written: ``[B]`` int32, tokens recorded in ``tokens``.
         num_generated: ``[B]`` int32, tokens generated in all (the stop rule's count).
@@ -155,6 +205,8 @@ class DecodeState:
         0); ``max_new`` and ``eos_id`` broadcast to the batch."""
         last = jnp.asarray(last, jnp.int32)
         batch = last.shape[0]
+        if keep_final_tables and isinstance(manager, KVCacheManager):
+            raise InvalidArgument("keep_final_tables needs a BlockSpaceManager (a hybrid cache has a table per group)")
         return cls(
             manager=manager, pool=pool, tokens=jnp.full((batch, width), -1, jnp.int32),
             written=jnp.zeros((batch,), jnp.int32), num_generated=jnp.asarray(num_generated, jnp.int32),
@@ -164,7 +216,7 @@ class DecodeState:
             blocked=jnp.zeros((batch,), bool),
             final_tables=jnp.full((batch, manager.max_blocks_per_seq), -1, jnp.int32) if keep_final_tables else None,
             final_lens=jnp.zeros((batch,), jnp.int32) if keep_final_tables else None,
-            peak_used=manager.device.num_used,
+            peak_used=_blocks_in_use(manager),
             ok=jnp.asarray(ok, bool))
 
 
@@ -179,7 +231,10 @@ def _finish(state: DecodeState, done: Bool[Array, " B"], free_finished: bool) ->
         state = state.replace(final_tables=jnp.where(done[:, None], manager.block_tables, state.final_tables),
                               final_lens=jnp.where(done, manager.seq_lens, state.final_lens))
     lanes = jnp.arange(done.shape[0], dtype=jnp.int32)
-    manager, _ = manager.free(jnp.where(done, lanes, -1))  # done rows are ON_DEVICE: cannot fail
+    if isinstance(manager, KVCacheManager):
+        manager, _ = manager.release(jnp.where(done, lanes + 1, -1))  # done rows hold their slot: cannot fail
+    else:
+        manager, _ = manager.free(jnp.where(done, lanes, -1))  # done rows are ON_DEVICE: cannot fail
     return state.replace(manager=manager)
 
 
@@ -221,7 +276,7 @@ def decode_body(graphdef, params, state: DecodeState, sampling: SamplingParams |
         manager=manager, pool=pool, tokens=state.tokens.at[jnp.arange(batch), column].set(new, mode="drop"),
         written=state.written + running, num_generated=num_generated, last=jnp.where(running, new, state.last),
         keys=keys, step=state.step + 1, blocked=jnp.where(ok, state.blocked, now_blocked),
-        peak_used=jnp.maximum(state.peak_used, manager.device.num_used), ok=state.ok & ok)
+        peak_used=jnp.maximum(state.peak_used, _blocks_in_use(manager)), ok=state.ok & ok)
     done = running & ((new == state.eos_id) | (num_generated >= state.max_new))
     return _finish(state, done, free_finished)
 
