@@ -17,6 +17,7 @@ EXPECTED = {  # a line each example must print
     "continuous_batching.py": "prefix hit rate",
     "swap_under_pressure.py": "recompute: 0 swaps",
     "hybrid_cache.py": "KV bytes per token of a 128k-token request",
+    "deepseek_v4_checkpoint.py": "greedy tokens equal transformers': True",
 }
 
 

@@ -22,6 +22,16 @@ hybrid / full-attention. On CPU: 1k-token tables and a float32
 baseline pool, because XLA's CPU backend copies a whole bf16/fp8 array for
 every scatter into it (the hybrid side's fp8/bf16 stores pay that on CPU,
 per layer array); ``--quick``: 4 layers, 4 steps.
+
+**The DeepSeek-V4 model** (:class:`jaxkv.nn.DeepseekV4ForCausalLM`, random
+weights, 4 layers ``[SWA, CSA, HCA, CSA]`` at the real head layout: one
+512-dim K=V head with 64 RoPE dims, window 128, rates 4/128) beside a Llama
+of the same width (hidden size, layers, query heads): cache bytes per token
+(paged storage amortized per token, plus the per-request state) and decode
+time per step at batch 8 after a 512-token prompt, split into the cache's
+operations (allocation, writes, compressor, gathers: the same calls the
+model makes, on random vectors) and the rest (``total - cache``). Both
+models decode in one jitted loop of ``steps`` steps (``decode_loop``).
 """
 
 from __future__ import annotations
@@ -38,7 +48,7 @@ from jaxkv.manager.hybrid import KVCacheManager
 from jaxkv.manager.hybrid_schema import HybridConfig, deepseek_v4_schedule, v4_flash_like_ratios
 from jaxkv.pool.kv_pool import KVPool
 
-__all__ = ["main", "memory_rows", "step_rows"]
+__all__ = ["main", "memory_rows", "model_rows", "step_rows"]
 
 CONTEXT = 131072
 GIB = 2**30
@@ -170,6 +180,141 @@ def step_rows(num_layers: int, steps: int, batch: int, repeats: int, rng, contex
              "ratio": per_step["hybrid"] / max(per_step["full"], 1e-9)}]
 
 
+# --------------------------------------------------------------------------
+# The DeepSeek-V4 model beside a Llama of the same width.
+# --------------------------------------------------------------------------
+
+_WIDTH = dict(vocab_size=4096, hidden_size=512, num_hidden_layers=4, num_attention_heads=8)
+
+
+def _dsv4_config():
+    from jaxkv.nn.deepseek_v4_config import DeepseekV4Config
+
+    return DeepseekV4Config(
+        **_WIDTH, moe_intermediate_size=256, head_dim=512, partial_rotary_factor=64 / 512, q_lora_rank=256,
+        n_routed_experts=8, num_experts_per_tok=2, o_groups=4, o_lora_rank=256, index_n_heads=8,
+        index_head_dim=128, index_topk=64, sliding_window=128, compress_rates=(4, 128),
+        layer_types=("sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention",
+                     "compressed_sparse_attention"), mlp_layer_types=("hash_moe", "moe", "moe", "moe"))
+
+
+def _llama_config():
+    from jaxkv.nn.config import LlamaConfig
+
+    return LlamaConfig(**_WIDTH, intermediate_size=1024, num_key_value_heads=2, head_dim=64)
+
+
+def _dsv4_cache_step(manager, slots, values):
+    """The cache calls of one DeepSeek-V4 decode step, on random vectors.
+    Returns ``(manager, (ok, checksum))``: every gather feeds the checksum,
+    so none is dead code the compiler may drop."""
+    manager, starts, ok = manager.reserve(slots, jnp.ones(slots.shape, jnp.int32))
+    checksum = jnp.float32(0)
+    for layer, schema in enumerate(manager.schemas):
+        h = manager.acquire(layer, slots, starts)
+        kv = values[:, : schema.head_dim]
+        checksum += jnp.sum(h.gather_swa(kv)[0].astype(jnp.float32))
+        h = h.write_swa(kv)
+        if schema.group is not None:
+            w = schema.compressor_width
+            h = h.compress(values[:, :w], values[:, w: 2 * w])
+            max_entries = h.block_table.shape[1] * schema.entries_per_block
+            if schema.index_format is not None:
+                wi = schema.index_compressor_width
+                h = h.compress_index(values[:, :wi], values[:, wi: 2 * wi])
+                keys, valid = h.index_keys(max_entries)
+                scores = jnp.where(valid, jnp.sum(keys.astype(jnp.float32), axis=-1), -jnp.inf)
+                chosen = jax.lax.top_k(scores, min(schema.index_topk, max_entries))[1]
+                entries = h.gather_compressed(chosen)[0]
+            else:
+                entries = h.gather_all_compressed(max_entries)[0]
+            checksum += jnp.sum(entries.astype(jnp.float32))
+        manager = manager.update(h)
+    return manager, (ok, checksum)
+
+
+def _llama_cache_step(state, seq_ids, values):
+    """The cache calls of one Llama decode step: append a slot, write K and
+    V in every layer, read every layer's pages back (dense; into a checksum)."""
+    from kernels_pallas.reference import gather_pages
+
+    manager, pool = state
+    manager, pool, token_slots, _, ok = manager.append_slots(pool, seq_ids)
+    kv = values[:, : pool.k_heads * pool.k_dim].reshape(-1, pool.k_heads, pool.k_dim).astype(pool.k_pages.dtype)
+    tables = jnp.clip(manager.batch_tables(seq_ids)[0], 0, None)
+    checksum = jnp.float32(0)
+    for layer in range(pool.num_layers):
+        pool = pool.set_kv(layer, token_slots.reshape(-1), kv, kv)
+        checksum += jnp.sum(gather_pages(pool.k_pages[layer], None, tables))
+        checksum += jnp.sum(gather_pages(pool.v_pages[layer], None, tables))
+    return (manager, pool), (ok, checksum)
+
+
+def model_rows(steps: int, repeats: int, rng, batch: int = 8, prompt_len: int = 512):
+    """Cache bytes per token and per-step decode time, cache vs the rest,
+    for DeepSeek-V4 (fp8 entries) and a Llama of the same width (bf16 pool
+    on GPU, float32 on CPU as above)."""
+    from flax import nnx
+
+    from jaxkv.manager.hybrid_schema import block_bytes
+    from jaxkv.nn import DeepseekV4ForCausalLM, LlamaForCausalLM, SamplingParams
+    from jaxkv.nn.generate import decode_loop, prefill, start_hybrid
+
+    greedy = SamplingParams()
+    prompts = rng.integers(0, _WIDTH["vocab_size"], (batch, prompt_len)).tolist()
+    max_new = steps + 2
+    # DeepSeek-V4: fp8 entries, as served.
+    dsv4 = DeepseekV4ForCausalLM(_dsv4_config(), rngs=nnx.Rngs(0))
+    graphdef, params, state = start_hybrid(dsv4, prompts, max_new, entry_format="fp8")
+    manager = state.manager
+    paged = sum(block_bytes(s, manager.config) / s.tokens_per_block for s in manager.schemas if s.group)
+    ring = sum(_bytes([c.swa, c.comp_kv, c.comp_score, c.index_kv, c.index_score]) for c in manager.layers)
+    dsv4_state_bytes = ring // manager.num_slots
+    values = jnp.asarray(rng.normal(size=(steps, batch, 4 * 512)), jnp.float32)
+    slots = jnp.arange(1, batch + 1, dtype=jnp.int32)
+
+    # Llama of the same width over the paged pool.
+    dtype = jnp.bfloat16 if jax.default_backend() == "gpu" else jnp.float32
+    llama = LlamaForCausalLM(_llama_config(), rngs=nnx.Rngs(0))
+    page_size = 16
+    pages = batch * ((prompt_len + max_new) // page_size + 1) + 1
+    bsm = BlockSpaceManager.create(num_device_blocks=pages, num_host_blocks=1, block_size=page_size, max_seqs=batch,
+                                   max_blocks_per_seq=(prompt_len + max_new) // page_size + 1)
+    pool = llama.make_pool(pages, page_size, dtype=dtype)
+    lgraph, lparams = nnx.split(llama)
+    lstate = prefill(lgraph, lparams, bsm, pool, jnp.asarray(prompts, jnp.int32),
+                     jnp.full((batch,), prompt_len, jnp.int32), jax.random.key(0), np.int32(-1), greedy,
+                     max_new=max_new)
+    llama_bytes_per_token = 2 * llama.config.num_hidden_layers * llama.config.num_key_value_heads * \
+        llama.config.head_dim * jnp.dtype(dtype).itemsize
+
+    copy = lambda tree: jax.tree.map(jnp.copy, tree)  # noqa: E731 - the loops donate their input
+    fns = {
+        "dsv4_total": lambda: decode_loop(graphdef, params, copy(state), greedy, num_steps=steps,
+                                          free_finished=False),
+        "dsv4_cache": lambda: _scan(_dsv4_cache_step, copy(manager), slots, values),
+        "dsv4_copy": lambda: copy(state),
+        "llama_total": lambda: decode_loop(lgraph, lparams, copy(lstate), greedy, num_steps=steps,
+                                           free_finished=False),
+        "llama_cache": lambda: _scan(_llama_cache_step, copy((lstate.manager, lstate.pool)),
+                                     jnp.arange(batch, dtype=jnp.int32), values),
+        "llama_copy": lambda: copy(lstate),
+    }
+    for name in ("dsv4_total", "dsv4_cache", "llama_total", "llama_cache"):
+        jax.block_until_ready(fns[name]())  # compile
+    times = best_seconds_interleaved(fns, repeats)
+    rows = []
+    for name, bytes_per_token, state_bytes in (("DeepSeek-V4 (fp8 entries)", paged, dsv4_state_bytes),
+                                               (f"Llama, same width ({jnp.dtype(dtype).name} pool)",
+                                                llama_bytes_per_token, 0)):
+        key = "dsv4" if name.startswith("DeepSeek") else "llama"
+        total = max(times[f"{key}_total"] - times[f"{key}_copy"], 0.0) / steps * 1e6
+        cache = max(times[f"{key}_cache"] - times[f"{key}_copy"], 0.0) / steps * 1e6
+        rows.append({"model": name, "cache_bytes_per_token": bytes_per_token, "state_bytes_per_request": state_bytes,
+                     "us_per_step": total, "cache_us_per_step": cache, "rest_us_per_step": max(total - cache, 0.0)})
+    return rows
+
+
 def main(args) -> int:
     quick = args.quick
     layers = 4 if quick else 43
@@ -195,7 +340,12 @@ def main(args) -> int:
                  "hybrid / full"],
                 [[r["layers"], r["batch"], r["steps"], r["hybrid_us_per_step"], r["reserve_only_us_per_step"],
                   r["full_attention_us_per_step"], r["ratio"]] for r in steps])
+    models = model_rows(4 if quick else 16, 1 if quick else 3, rng, prompt_len=64 if quick else 512)
+    print_table(f"decode step of a model, batch 8 ({jax.default_backend()}): cache operations vs the rest",
+                ["model", "cache bytes/token", "state bytes/request", "us/step", "cache us/step", "rest us/step"],
+                [[r["model"], r["cache_bytes_per_token"], r["state_bytes_per_request"], r["us_per_step"],
+                  r["cache_us_per_step"], r["rest_us_per_step"]] for r in models])
     if args.json:
         print_json({"benchmark": "hybrid", "machine": machine_description(),
-                    "results": {"memory": memory, "step": steps}})
+                    "results": {"memory": memory, "step": steps, "models": models}})
     return 0

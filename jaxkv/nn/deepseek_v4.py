@@ -303,23 +303,26 @@ class DeepseekV4Attention(nnx.Module):
         return finish
 
     def _index_scores(self, x, q_residual, positions, keys):
-        """``sum_h w_h relu(q_h . key)`` of each token against ``keys [N, E, Di]``."""
+        """``sum_h w_h relu(q_h . key)`` of each token against ``keys [N, E, Di]`` or ``[E, Di]``."""
         c, ix = self.config, self.compressor.indexer
         q = ix.q_b_proj(q_residual).reshape(x.shape[0], c.index_n_heads, c.index_head_dim)
         q = _rope(c, "compress", q, positions).astype(_F32)
-        scores = jax.nn.relu(jnp.einsum("nhd,ned->nhe", q, keys.astype(_F32))) * c.index_head_dim ** -0.5
+        spec = "ned" if keys.ndim == 3 else "ed"  # per token, or shared by every token
+        scores = jax.nn.relu(jnp.einsum(f"nhd,{spec}->nhe", q, keys.astype(_F32))) * c.index_head_dim ** -0.5
         weights = ix.scorer["weights_proj"](x).astype(_F32) * c.index_n_heads ** -0.5
         return jnp.einsum("nhe,nh->ne", scores, weights)
 
     def _attend(self, q, keys, mask, positions):
-        """Attention with the per-head sink over ``keys [N, K, D]`` (K == V),
-        the output's RoPE undone, the grouped output projection."""
+        """Attention with the per-head sink over each token's ``keys [N, K, D]``
+        (or ``[K, D]`` shared by every token; K == V), the output's RoPE
+        undone, the grouped output projection."""
         c = self.config
-        logits = jnp.einsum("nhd,nkd->nhk", q.astype(_F32), keys.astype(_F32)) * c.head_dim ** -0.5
+        spec = "nkd" if keys.ndim == 3 else "kd"
+        logits = jnp.einsum(f"nhd,{spec}->nhk", q.astype(_F32), keys.astype(_F32)) * c.head_dim ** -0.5
         logits = jnp.where(mask[:, None, :], logits, -jnp.inf)
         sinks = jnp.broadcast_to(self.sinks[...].astype(_F32)[None, :, None], logits.shape[:2] + (1,))
         probs = jax.nn.softmax(jnp.concatenate([logits, sinks], axis=-1), axis=-1)[..., :-1]
-        out = jnp.einsum("nhk,nkd->nhd", probs, keys.astype(_F32)).astype(q.dtype)
+        out = jnp.einsum(f"nhk,{spec}->nhd", probs, keys.astype(_F32)).astype(q.dtype)
         out = _rope(c, self.rope_kind, out, positions, inverse=True)
         groups = out.reshape(out.shape[0], c.o_groups, -1)
         w = self.o_a_proj.weight[...].astype(groups.dtype).reshape(c.o_groups, c.o_lora_rank, -1)
@@ -366,8 +369,9 @@ class DeepseekV4Attention(nnx.Module):
         positions = jnp.arange(t, dtype=jnp.int32)
         q, kv, q_residual = self._project(x, positions)
         rounded = lambda v, fmt: CompressedEntries.quantize(v, fmt).dequantize().astype(_F32)  # noqa: E731
-        keys = [jnp.broadcast_to(rounded(kv, entry_format)[None], (t, t, c.head_dim))]
-        masks = [(positions[None, :] <= positions[:, None]) & (positions[None, :] > positions[:, None] - c.sliding_window)]
+        keys = [rounded(kv, entry_format)]  # [T, D], shared by every query (masks say who sees what)
+        earlier = positions[None, :] <= positions[:, None]
+        masks = [earlier & (positions[None, :] > positions[:, None] - c.sliding_window)]
         if self.compressor is not None:
             comp, num = self.compressor, t // self.rate
             overlap = 1 if comp.indexer is None else 2
@@ -381,13 +385,12 @@ class DeepseekV4Attention(nnx.Module):
                                       num_entries=num)
                 index_keys = rounded(self._finish(ix.kv_norm)(pooled, jnp.arange(num, dtype=jnp.int32)),
                                      index_format)
-                scores = self._index_scores(x, q_residual, positions,
-                                            jnp.broadcast_to(index_keys[None], (t,) + index_keys.shape))
+                scores = self._index_scores(x, q_residual, positions, index_keys)
                 chosen = _top_k_valid(scores, visible, min(c.index_topk, num))
                 visible = visible & jnp.any(chosen[:, :, None] == jnp.arange(num)[None, None, :], axis=1)
-            keys.append(jnp.broadcast_to(entries[None], (t, num, c.head_dim)))
+            keys.append(entries)
             masks.append(visible)
-        keys = jnp.concatenate(keys, axis=1)
+        keys = jnp.concatenate(keys, axis=0)
         return self._attend(q, keys, jnp.concatenate(masks, axis=1), positions)
 
 
@@ -527,10 +530,17 @@ class DeepseekV4DecoderLayer(nnx.Module):
         self.attn_hc = HyperConnection(config, rngs=rngs, param_dtype=param_dtype)
         self.ffn_hc = HyperConnection(config, rngs=rngs, param_dtype=param_dtype)
 
-    def __call__(self, streams, tokens, attend):
-        """``attend(normed [N, D]) -> [N, D]`` is the attention (cached or not)."""
+    # A layer is split around its attention, which runs through the cache
+    # (``self_attn(x, handle)``) or without it (``self_attn.forward_dense``).
+
+    def attention_input(self, streams):
+        """``(mix, x)``: the hyper-connection weights and the attention's input."""
         post, comb, collapsed = self.attn_hc(streams)
-        streams = _mix(post, comb, attend(self.input_layernorm(collapsed)), streams)
+        return (post, comb), self.input_layernorm(collapsed)
+
+    def after_attention(self, streams, mix, attention_out, tokens):
+        """Mix the attention output into the streams, then the MoE block."""
+        streams = _mix(*mix, attention_out, streams)
         post, comb, collapsed = self.ffn_hc(streams)
         return _mix(post, comb, self.mlp(self.post_attention_layernorm(collapsed), tokens), streams)
 
@@ -626,14 +636,10 @@ class DeepseekV4ForCausalLM(nnx.Module):
         streams = self._embed(flat_tokens)
         for i, layer in enumerate(self.layers):
             handle = manager.acquire(i, slots, positions, request_ids, implementation=self.implementation)
-
-            def attend(h, layer=layer):
-                nonlocal handle
-                y, handle = layer.self_attn(h, handle)
-                return y
-
-            streams = layer(streams, flat_tokens, attend)
+            mix, x = layer.attention_input(streams)
+            y, handle = layer.self_attn(x, handle)
             manager = manager.update(handle)
+            streams = layer.after_attention(streams, mix, y, flat_tokens)
         return self._logits(streams).reshape(batch, width, -1), manager
 
     def forward_dense(self, tokens: Int[Array, " T"], *, entry_format: str = "lossless") -> Float[Array, "T V"]:
@@ -646,7 +652,8 @@ class DeepseekV4ForCausalLM(nnx.Module):
         fmt, index_fmt = entry_formats(self.config, entry_format, self.dtype)
         streams = self._embed(tokens)
         for layer in self.layers:
-            streams = layer(streams, tokens, lambda h, layer=layer: layer.self_attn.forward_dense(h, fmt, index_fmt))
+            mix, x = layer.attention_input(streams)
+            streams = layer.after_attention(streams, mix, layer.self_attn.forward_dense(x, fmt, index_fmt), tokens)
         return self._logits(streams)
 
     # ---------------------------------------------------- HF checkpoints

@@ -31,7 +31,7 @@ from jaxkv.nn.steps import (DecodeState, decode_loop, decode_step, hybrid_prefil
 from jaxkv.pool.kv_pool import KVPool
 
 __all__ = ["DecodeState", "GenerateOutput", "SamplingParams", "decode_loop", "decode_step", "generate", "prefill",
-           "sample"]
+           "sample", "start_hybrid"]
 
 
 @partial(jax.jit, static_argnames=("graphdef", "max_new"), donate_argnums=(2, 3))
@@ -144,23 +144,46 @@ def generate(model, input_ids, max_new_tokens: int, *, eos_token_id: int | None 
     if not bool(state.ok):
         need = int(sum(ceil_div(int(n), page_size) for n in lengths))
         raise KVCacheOOM(need, num_pages - 1, num_pages - 1, unit="blocks")
+    return _decode_to_end(graphdef, params, state, sampling, per_step, lambda s: KVCacheOOM(
+        int(jnp.sum(s.blocked)), int(s.manager.device.num_free), num_pages - 1, detail="decode ran out of KV blocks"))
+
+
+def _decode_to_end(graphdef, params, state: DecodeState, sampling, per_step: bool, oom) -> GenerateOutput:
+    """Decode every row to its end (one jitted loop, or one call per step
+    with ``per_step``); ``oom(state)`` is raised when an allocation failed."""
     if per_step:
         while bool(jnp.any(~state.finished)) and bool(state.ok):
             state = decode_step(graphdef, params, state, sampling)
     else:
         state = decode_loop(graphdef, params, state, sampling)
     if not bool(state.ok):
-        raise KVCacheOOM(int(jnp.sum(state.blocked)), int(state.manager.device.num_free), num_pages - 1,
-                         detail="decode ran out of KV blocks")
+        raise oom(state)
     tokens, counts = jax.device_get((state.tokens, state.num_generated))
-    return GenerateOutput([tokens[b, : counts[b]].tolist() for b in range(batch)], state)
+    return GenerateOutput([tokens[b, : counts[b]].tolist() for b in range(tokens.shape[0])], state)
 
 
 def _generate_hybrid(model, prompts, max_new_tokens, *, eos_token_id, sampling, seed, per_step, entry_format,
                      chunk, num_blocks) -> GenerateOutput:
-    """:func:`generate` over a hybrid model's :class:`~jaxkv.KVCacheManager`:
-    admit every prompt (row ``b`` = slot ``b + 1``), prefill in chunks of
-    ``chunk`` tokens per row, then the same decode loop as the paged path."""
+    """:func:`generate` over a hybrid model's cache: :func:`start_hybrid`,
+    then the same decode loop as the paged path."""
+    graphdef, params, state = start_hybrid(model, prompts, max_new_tokens, eos_token_id=eos_token_id,
+                                           sampling=sampling, seed=seed, entry_format=entry_format,
+                                           prefill_chunk_size=chunk, num_blocks=num_blocks)
+    return _decode_to_end(graphdef, params, state, sampling, per_step, lambda s: _hybrid_oom(
+        s.manager, np.asarray(s.manager.seq_lens)[1:] + np.asarray(s.blocked), "decode"))
+
+
+def start_hybrid(model, prompts, max_new_tokens: int, *, eos_token_id: int | None = None,
+                 sampling: SamplingParams = GREEDY, seed: int = 0, entry_format: str = "lossless",
+                 prefill_chunk_size: int | None = None, num_blocks: dict[str, int] | None = None):
+    """The prefill half of :func:`generate` for a hybrid-cache model: a cache
+    from ``model.make_cache`` (``entry_format``, ``num_blocks``), every prompt
+    admitted (row ``b`` = slot ``b + 1``), prefilled ``prefill_chunk_size``
+    tokens per row per call (default: whole prompts), first tokens sampled.
+    Returns ``(graphdef, params, state)`` for :func:`decode_loop` /
+    :func:`decode_step`. Raises ``KVCacheOOM`` naming the short group."""
+    prompts = [list(map(int, p)) for p in prompts]
+    chunk = prefill_chunk_size
     batch = len(prompts)
     lengths = np.asarray([len(p) for p in prompts], np.int32)
     context = pow2_at_least(int(lengths.max()) + max_new_tokens)  # fewer distinct shapes to compile
@@ -187,16 +210,7 @@ def _generate_hybrid(model, prompts, max_new_tokens, *, eos_token_id, sampling, 
                                                                     last_logits)
     eos_id = -1 if eos_token_id is None else int(eos_token_id)
     state = _start(manager, last_logits, jax.random.key(seed), np.int32(eos_id), sampling, max_new=max_new_tokens)
-    if per_step:
-        while bool(jnp.any(~state.finished)) and bool(state.ok):
-            state = decode_step(graphdef, params, state, sampling)
-    else:
-        state = decode_loop(graphdef, params, state, sampling)
-    if not bool(state.ok):
-        seq_lens = np.asarray(state.manager.seq_lens)[1:] + np.asarray(state.blocked)
-        raise _hybrid_oom(state.manager, seq_lens, "decode")
-    tokens, counts = jax.device_get((state.tokens, state.num_generated))
-    return GenerateOutput([tokens[b, : counts[b]].tolist() for b in range(batch)], state)
+    return graphdef, params, state
 
 
 def _hybrid_oom(manager, lengths, what: str) -> KVCacheOOM:

@@ -49,9 +49,9 @@ import jax.numpy as jnp
 from flax import nnx, struct
 from jaxtyping import Array, Bool, Float, Int
 
+from jaxkv.errors import InvalidArgument
 from jaxkv.manager.block_space import BlockSpaceManager
 from jaxkv.manager.hybrid import KVCacheManager
-from jaxkv.errors import InvalidArgument
 from jaxkv.nn.sampling import RowSampling, SamplingParams, sample, split_keys
 from jaxkv.pool.kv_pool import KVPool
 
