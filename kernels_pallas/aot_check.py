@@ -149,12 +149,13 @@ def _gather_case(kind: str, fmt_name: str, *, tokens=64, topk=512, batch=64, max
                  pages=_DSV4_PAGES):
     import kernels_pallas as kp
 
-    fmt = {"dsv4": kp.DSV4_FP8, "dsv32": kp.DSV32_FP8}[fmt_name]
+    fmt = {"dsv4": kp.DSV4_FP8, "dsv32": kp.DSV32_FP8,
+           "lossless": kp.EntryFormat.lossless(448, 64, "float32")}[fmt_name]
 
     def pool(lead):
-        return kp.CompressedEntries(nope=_sds(lead + (fmt.nope_dim,), jnp.float8_e4m3fn),
+        return kp.CompressedEntries(nope=_sds(lead + (fmt.nope_dim,), fmt.nope_dtype),
                                     scales=_sds(lead + (fmt.num_groups,), fmt.scale_dtype),
-                                    rope=_sds(lead + (fmt.rope_dim,), jnp.bfloat16), fmt=fmt)
+                                    rope=_sds(lead + (fmt.rope_dim,), fmt.out_dtype), fmt=fmt)
 
     width = ceil_div(max_entries, _ENTRIES_PER_PAGE)
     if kind == "csa":
@@ -219,7 +220,7 @@ def _attention_case(*, dtype, head_dim, page_size, batch, context, kv_heads=8, h
 
 def cases(full: bool = False) -> list[Case]:
     """The configuration matrix (see the module docstring)."""
-    out = [_gather_case(kind, fmt) for fmt in ("dsv4", "dsv32") for kind in ("csa", "hca", "swa")]
+    out = [_gather_case(kind, fmt) for fmt in ("dsv4", "dsv32", "lossless") for kind in ("csa", "hca", "swa")]
     # 32-bit offsets: a DSV4 NoPE pool of 2.6 GB (refused: would wrap) and one above 4 GiB (64-bit offsets).
     out.append(_gather_case("hca", "dsv4", pages=180_000))
     out.append(_gather_case("hca", "dsv4", pages=320_000))

@@ -89,10 +89,13 @@ class EntryFormat:
 
     @classmethod
     def lossless(cls, nope_dim: int, rope_dim: int, dtype="float32") -> "EntryFormat":
-        """Entries stored unrounded in ``dtype`` (float32 or bfloat16): one
-        group, unit fp32 scale."""
+        """Entries stored unrounded in ``dtype`` (float32 or bfloat16), with
+        unit fp32 scales. The groups are the largest power of two (at most
+        128) dividing ``nope_dim``: the scales mean nothing, but the GPU
+        kernels move one group per load and Triton loads power-of-two widths."""
         name = jnp.dtype(dtype).name
-        return cls(f"lossless_{name}", nope_dim=nope_dim, rope_dim=rope_dim, group_size=nope_dim,
+        group = math.gcd(nope_dim, 128)
+        return cls(f"lossless_{name}", nope_dim=nope_dim, rope_dim=rope_dim, group_size=group,
                    scale_kind="fp32", storage=name)
 
     @property
