@@ -18,12 +18,12 @@ qwen3        attention_bias  attention_bias   yes       if ``use_sliding_window`
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 from collections.abc import Mapping
 from typing import Any
 
 from jaxkv.errors import InvalidArgument
+from jaxkv.nn.checkpoint import read_config
 
 __all__ = ["SUPPORTED_MODEL_TYPES", "LlamaConfig", "RopeScaling"]
 
@@ -284,15 +284,7 @@ class LlamaConfig:
     def from_json(cls, path: str | os.PathLike) -> LlamaConfig:
         """:meth:`from_hf` of a ``config.json`` file, or of the ``config.json``
         inside a directory."""
-        path = os.fspath(path)
-        if os.path.isdir(path):
-            path = os.path.join(path, "config.json")
-        try:
-            with open(path, encoding="utf-8") as f:
-                d = json.load(f)
-        except FileNotFoundError:
-            raise InvalidArgument(f"no config.json at {path}") from None
-        return cls.from_hf(d)
+        return cls.from_hf(read_config(path))
 
     def to_hf(self) -> dict:
         """A transformers-style ``config.json`` dict that :meth:`from_hf` reads
