@@ -21,11 +21,7 @@ format            nope+rope  group scale  scale storage              bytes
 (584 = 448 fp8 + 128 RoPE bytes + 7 exponents + 1 pad byte; 656 = 512 + 16 +
 128.)
 
-A *lossless* format (:meth:`EntryFormat.lossless`) stores both parts in a
-float dtype (float32 or bfloat16) with one unit scale per entry: nothing is
-rounded beyond that dtype, so a model whose cache uses it computes what the
-same model computes without a cache, bit for bit (the parity format). It
-keeps the three-array layout, so every gather kernel reads it unchanged. Both quantize with a power-of-two scale ``2 ** ceil(log2(max(amax,
+Both quantize with a power-of-two scale ``2 ** ceil(log2(max(amax,
 1e-4) / 448))`` per group, so ``value / scale`` fits e4m3's range (448) and
 dequantization ``fp8 * scale`` is exact. The fp32 encoding dequantizes any
 float32 scale, not only powers of two.
@@ -35,6 +31,12 @@ FlashMLA's packed bytes: the same information and bytes per entry, but every
 part is naturally typed and aligned for JAX and for the Pallas kernels, and
 :meth:`CompressedEntries.nbytes` counts the packed size so memory budgets
 match the peers'.
+
+A *lossless* format (:meth:`EntryFormat.lossless`) stores both parts in a
+float dtype (float32 or bfloat16) with unit scales: nothing is rounded
+beyond that dtype, so a model whose cache uses it computes what the same
+model computes without a cache, bit for bit (the parity format). It keeps
+the three-array layout, so every gather kernel reads it unchanged.
 """
 
 from __future__ import annotations
