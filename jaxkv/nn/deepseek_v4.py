@@ -69,6 +69,7 @@ from jaxkv.manager.hybrid_schema import INDEXER_FP8, AttentionKind, HybridConfig
 from jaxkv.nn.attention import check_implementation
 from jaxkv.nn.checkpoint import dequantize_checkpoint, load_tensors, read_config
 from jaxkv.nn.deepseek_v4_config import DeepseekV4Config
+from jaxkv.nn.layers import Experts, Linear, RMSNorm, SwiGLU, fuse_experts, load_state, param, unit_rms
 from kernels_pallas.formats import CompressedEntries, EntryFormat
 
 __all__ = ["DeepseekV4ForCausalLM", "ENTRY_FORMATS", "entry_formats", "module_tensors"]
@@ -101,39 +102,6 @@ def entry_formats(config: DeepseekV4Config, name: str, dtype=jnp.float32) -> tup
 # --------------------------------------------------------------------------
 # Small pieces.
 # --------------------------------------------------------------------------
-
-
-def _param(shape, rngs: nnx.Rngs | None, dtype, std=None, fill=0.0):
-    if std is None:
-        return nnx.Param(jnp.full(shape, fill, dtype))
-    return nnx.Param((jax.random.normal(rngs.params(), shape, _F32) * std).astype(dtype))
-
-
-class Linear(nnx.Module):
-    """``y = x @ weight.T`` with ``weight`` ``[out, in]`` (transformers' layout)."""
-
-    def __init__(self, in_features: int, out_features: int, *, rngs: nnx.Rngs, param_dtype=_F32, precision=None):
-        self.weight = _param((out_features, in_features), rngs, param_dtype, std=in_features ** -0.5)
-        self.precision = precision
-
-    def __call__(self, x):
-        return jnp.einsum("...i,oi->...o", x, self.weight[...].astype(x.dtype), precision=self.precision)
-
-
-class RMSNorm(nnx.Module):
-    """``weight * x / rms(x)`` in float32, cast back to ``x.dtype``."""
-
-    def __init__(self, dim: int, eps: float, *, param_dtype=_F32):
-        self.weight = _param((dim,), None, param_dtype, fill=1.0)
-        self.eps = eps
-
-    def __call__(self, x):
-        return (self.weight[...].astype(_F32) * _unit_rms(x.astype(_F32), self.eps)).astype(x.dtype)
-
-
-def _unit_rms(x, eps):
-    """``x / rms(x)`` over the last axis (transformers' unweighted RMSNorm)."""
-    return x * jax.lax.rsqrt(jnp.mean(jnp.square(x.astype(_F32)), axis=-1, keepdims=True) + eps).astype(x.dtype)
 
 
 @functools.lru_cache(maxsize=32)
@@ -176,7 +144,6 @@ _RENAMES = [(re.compile(a), b) for a, b in (
     (r"\.q_norm\.", ".q_a_norm."), (r"\.gate\.bias", ".gate.e_score_correction_bias"),
     (r"\.shared_experts\.w1\.", ".shared_experts.gate_proj."), (r"\.shared_experts\.w2\.", ".shared_experts.down_proj."),
     (r"\.shared_experts\.w3\.", ".shared_experts.up_proj."))]
-_EXPERT = re.compile(r"^(layers\.\d+\.mlp\.experts)\.(\d+)\.(w[123])\.weight$")
 
 
 def module_tensors(tensors: dict[str, np.ndarray], num_experts: int, source: str = "state dict"
@@ -186,31 +153,15 @@ def module_tensors(tensors: dict[str, np.ndarray], num_experts: int, source: str
     ... as DeepSeek ships them and transformers' ``save_pretrained``
     writes them, with or without a ``model.`` prefix) renamed as
     transformers' loader renames them; per-expert ``w1``/``w3`` (gate/up)
-    merged into ``experts.gate_up_proj [E, 2I, D]`` and ``w2`` into
-    ``experts.down_proj [E, D, I]``. Names already in module form pass
-    through. Raises ``InvalidArgument`` naming an incomplete expert set."""
-    out: dict[str, np.ndarray] = {}
-    experts: dict[str, dict[str, dict[int, np.ndarray]]] = {}
+    and ``w2`` fused (:func:`~jaxkv.nn.layers.fuse_experts`). Names already
+    in module form pass through."""
+    renamed = {}
     for name, arr in tensors.items():
         new = name[len("model."):] if name.startswith("model.") else name
         for pattern, repl in _RENAMES:
             new = pattern.sub(repl, new)
-        match = _EXPERT.match(new)
-        if match:
-            experts.setdefault(match[1], {}).setdefault(match[3], {})[int(match[2])] = arr
-        else:
-            out[new] = arr
-    for prefix, parts in experts.items():
-        for w in ("w1", "w2", "w3"):
-            got = sorted(parts.get(w, {}))
-            if got != list(range(num_experts)):
-                missing = sorted(set(range(num_experts)) - set(got))
-                raise InvalidArgument(f"checkpoint ({source}) has an incomplete expert set under {prefix!r}: "
-                                      f"{w} missing for experts {missing[:8]} of {num_experts}")
-        out[prefix + ".gate_up_proj"] = np.stack([np.concatenate([parts["w1"][e], parts["w3"][e]], axis=0)
-                                                  for e in range(num_experts)])
-        out[prefix + ".down_proj"] = np.stack([parts["w2"][e] for e in range(num_experts)])
-    return out
+        renamed[new] = arr
+    return fuse_experts(renamed, num_experts, ("w1", "w3", "w2"), source)
 
 
 def _top_k_valid(scores, valid, k: int):
@@ -233,7 +184,7 @@ class Indexer(nnx.Module):
         lin = functools.partial(Linear, rngs=rngs, param_dtype=param_dtype, precision=precision)
         self.kv_proj = lin(config.hidden_size, 2 * di)
         self.gate_proj = lin(config.hidden_size, 2 * di)
-        self.position_bias = _param((r, 2 * di), rngs, param_dtype, fill=0.0)
+        self.position_bias = param((r, 2 * di), rngs, param_dtype, fill=0.0)
         self.kv_norm = RMSNorm(di, config.rms_norm_eps, param_dtype=param_dtype)
         self.q_b_proj = lin(config.q_lora_rank, hi * di)
         self.scorer = nnx.Dict(weights_proj=lin(config.hidden_size, hi))
@@ -249,7 +200,7 @@ class Compressor(nnx.Module):
         lin = functools.partial(Linear, rngs=rngs, param_dtype=param_dtype, precision=precision)
         self.kv_proj = lin(config.hidden_size, width)
         self.gate_proj = lin(config.hidden_size, width)
-        self.position_bias = _param((r, width), rngs, param_dtype, fill=0.0)
+        self.position_bias = param((r, width), rngs, param_dtype, fill=0.0)
         self.kv_norm = RMSNorm(config.head_dim, config.rms_norm_eps, param_dtype=param_dtype)
         self.indexer = Indexer(config, rngs=rngs, param_dtype=param_dtype, precision=precision) if csa else None
 
@@ -272,7 +223,7 @@ class DeepseekV4Attention(nnx.Module):
         self.kv_norm = RMSNorm(c.head_dim, c.rms_norm_eps, param_dtype=param_dtype)
         self.o_a_proj = lin(c.num_attention_heads * c.head_dim // c.o_groups, c.o_groups * c.o_lora_rank)
         self.o_b_proj = lin(c.o_groups * c.o_lora_rank, c.hidden_size)
-        self.sinks = _param((c.num_attention_heads,), rngs, param_dtype, fill=0.0)
+        self.sinks = param((c.num_attention_heads,), rngs, param_dtype, fill=0.0)
         self.compressor = None if self.kind == "sliding_attention" else Compressor(
             c, self.kind, rngs=rngs, param_dtype=param_dtype, precision=precision)
 
@@ -286,7 +237,7 @@ class DeepseekV4Attention(nnx.Module):
         c = self.config
         q_residual = self.q_a_norm(self.q_a_proj(x))
         q = self.q_b_proj(q_residual).reshape(x.shape[0], c.num_attention_heads, c.head_dim)
-        q = _rope(c, self.rope_kind, _unit_rms(q, c.rms_norm_eps), positions)
+        q = _rope(c, self.rope_kind, unit_rms(q, c.rms_norm_eps), positions)
         kv = _rope(c, self.rope_kind, self.kv_norm(self.kv_proj(x)), positions)
         return q, kv, q_residual
 
@@ -408,13 +359,13 @@ class HyperConnection(nnx.Module):
     def __init__(self, config: DeepseekV4Config, *, rngs, param_dtype):
         n, d = config.hc_mult, config.hidden_size
         self.config = config
-        self.fn = _param(((2 + n) * n, n * d), rngs, param_dtype, std=0.02)
-        self.base = _param(((2 + n) * n,), rngs, param_dtype, fill=0.0)
-        self.scale = _param((3,), rngs, param_dtype, fill=1.0)
+        self.fn = param(((2 + n) * n, n * d), rngs, param_dtype, std=0.02)
+        self.base = param(((2 + n) * n,), rngs, param_dtype, fill=0.0)
+        self.scale = param((3,), rngs, param_dtype, fill=1.0)
 
     def __call__(self, streams):
         c, n = self.config, self.config.hc_mult
-        flat = _unit_rms(streams.reshape(streams.shape[0], -1).astype(_F32), c.rms_norm_eps)
+        flat = unit_rms(streams.reshape(streams.shape[0], -1).astype(_F32), c.rms_norm_eps)
         mixed = flat @ self.fn[...].astype(_F32).T
         base, scale = self.base[...].astype(_F32), self.scale[...].astype(_F32)
         pre = jax.nn.sigmoid(mixed[:, :n] * scale[0] + base[:n]) + c.hc_eps
@@ -436,60 +387,17 @@ def _mix(post, comb, block_out, streams):
             + jnp.einsum("nji,njd->nid", comb.astype(dtype), streams))
 
 
-class Experts(nnx.Module):
-    """Routed experts as fused tensors: ``gate_up_proj [E, 2I, D]``,
-    ``down_proj [E, D, I]``."""
-
-    def __init__(self, config: DeepseekV4Config, *, rngs, param_dtype, precision):
-        e, d, i = config.n_routed_experts, config.hidden_size, config.moe_intermediate_size
-        self.gate_up_proj = _param((e, 2 * i, d), rngs, param_dtype, std=d ** -0.5)
-        self.down_proj = _param((e, d, i), rngs, param_dtype, std=i ** -0.5)
-        self.limit = config.swiglu_limit
-        self.precision = precision
-
-    def __call__(self, x, experts, weights):
-        """``sum_k weights[:, k] * expert[experts[:, k]](x)`` as grouped
-        matmuls: token copies sorted by expert, one ``ragged_dot`` per
-        projection."""
-        n, k = experts.shape
-        num_experts = self.gate_up_proj.shape[0]
-        flat = experts.reshape(-1)
-        order = jnp.argsort(flat, stable=True)
-        token = order // k
-        sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)
-        gate_up = jax.lax.ragged_dot(x[token], jnp.swapaxes(self.gate_up_proj[...], 1, 2).astype(x.dtype), sizes,
-                                     precision=self.precision)
-        gate, up = jnp.split(gate_up, 2, axis=-1)
-        act = jax.nn.silu(jnp.minimum(gate, self.limit)) * jnp.clip(up, -self.limit, self.limit)
-        out = jax.lax.ragged_dot(act, jnp.swapaxes(self.down_proj[...], 1, 2).astype(x.dtype), sizes,
-                                 precision=self.precision)
-        out = out * weights.reshape(-1)[order][:, None].astype(out.dtype)
-        return jnp.zeros_like(x).at[token].add(out)
-
-
-class SharedExpert(nnx.Module):
-    def __init__(self, config: DeepseekV4Config, *, rngs, param_dtype, precision):
-        d, i = config.hidden_size, config.moe_intermediate_size * config.n_shared_experts
-        lin = functools.partial(Linear, rngs=rngs, param_dtype=param_dtype, precision=precision)
-        self.gate_proj, self.up_proj, self.down_proj = lin(d, i), lin(d, i), lin(i, d)
-        self.limit = config.swiglu_limit
-
-    def __call__(self, x):
-        gate = jnp.minimum(self.gate_proj(x), self.limit)
-        return self.down_proj(jax.nn.silu(gate) * jnp.clip(self.up_proj(x), -self.limit, self.limit))
-
-
 class Router(nnx.Module):
     """``weight [E, D]``; top-k routers add ``e_score_correction_bias`` for
     the choice, hash routers read ``tid2eid [vocab, k]``."""
 
     def __init__(self, config: DeepseekV4Config, hashed: bool, *, rngs, param_dtype):
         self.config = config
-        self.weight = _param((config.n_routed_experts, config.hidden_size), rngs, param_dtype, std=0.02)
+        self.weight = param((config.n_routed_experts, config.hidden_size), rngs, param_dtype, std=0.02)
         if hashed:
             self.tid2eid = nnx.Variable(jnp.zeros((config.vocab_size, config.num_experts_per_tok), jnp.int32))
         else:
-            self.e_score_correction_bias = _param((config.n_routed_experts,), rngs, _F32, fill=0.0)
+            self.e_score_correction_bias = param((config.n_routed_experts,), rngs, _F32, fill=0.0)
 
     def __call__(self, x, tokens):
         c = self.config
@@ -513,8 +421,11 @@ class Router(nnx.Module):
 class MoE(nnx.Module):
     def __init__(self, config: DeepseekV4Config, layer: int, *, rngs, param_dtype, precision):
         self.gate = Router(config, config.mlp_layer_types[layer] == "hash_moe", rngs=rngs, param_dtype=param_dtype)
-        self.experts = Experts(config, rngs=rngs, param_dtype=param_dtype, precision=precision)
-        self.shared_experts = SharedExpert(config, rngs=rngs, param_dtype=param_dtype, precision=precision)
+        c = config
+        self.experts = Experts(c.n_routed_experts, c.hidden_size, c.moe_intermediate_size, rngs=rngs,
+                               param_dtype=param_dtype, precision=precision, limit=c.swiglu_limit)
+        self.shared_experts = SwiGLU(c.hidden_size, c.moe_intermediate_size * c.n_shared_experts, rngs=rngs,
+                                     param_dtype=param_dtype, precision=precision, limit=c.swiglu_limit)
 
     def __call__(self, x, tokens):
         experts, weights = self.gate(x, tokens)
@@ -568,13 +479,13 @@ class DeepseekV4ForCausalLM(nnx.Module):
         self.dtype = jnp.dtype(dtype)
         self.param_dtype = jnp.dtype(param_dtype)
         self.implementation = implementation
-        self.embed_tokens = nnx.Dict(weight=_param((c.vocab_size, c.hidden_size), rngs, param_dtype, std=1.0))
+        self.embed_tokens = nnx.Dict(weight=param((c.vocab_size, c.hidden_size), rngs, param_dtype, std=1.0))
         self.layers = nnx.List([DeepseekV4DecoderLayer(c, i, rngs=rngs, param_dtype=param_dtype, precision=precision)
                                 for i in range(c.num_hidden_layers)])
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, param_dtype=param_dtype)
-        self.hc_head = nnx.Dict(hc_fn=_param((c.hc_mult, c.hc_mult * c.hidden_size), rngs, param_dtype, std=0.02),
-                                hc_base=_param((c.hc_mult,), rngs, param_dtype, fill=0.0),
-                                hc_scale=_param((1,), rngs, param_dtype, fill=1.0))
+        self.hc_head = nnx.Dict(hc_fn=param((c.hc_mult, c.hc_mult * c.hidden_size), rngs, param_dtype, std=0.02),
+                                hc_base=param((c.hc_mult,), rngs, param_dtype, fill=0.0),
+                                hc_scale=param((1,), rngs, param_dtype, fill=1.0))
         self.lm_head = Linear(c.hidden_size, c.vocab_size, rngs=rngs, param_dtype=param_dtype, precision=precision)
 
     # ---------------------------------------------------------------- cache
@@ -613,7 +524,7 @@ class DeepseekV4ForCausalLM(nnx.Module):
     def _logits(self, streams):
         c = self.config
         head = self.hc_head
-        flat = _unit_rms(streams.reshape(streams.shape[0], -1).astype(_F32), c.rms_norm_eps)
+        flat = unit_rms(streams.reshape(streams.shape[0], -1).astype(_F32), c.rms_norm_eps)
         mixes = flat @ head["hc_fn"][...].astype(_F32).T
         pre = jax.nn.sigmoid(mixes * head["hc_scale"][...].astype(_F32) + head["hc_base"][...].astype(_F32)) + c.hc_eps
         x = jnp.sum(pre[..., None] * streams, axis=1).astype(streams.dtype)
@@ -670,30 +581,15 @@ class DeepseekV4ForCausalLM(nnx.Module):
         dtype = jnp.dtype(dtype or param_dtype)
         abstract = nnx.eval_shape(lambda: cls(config, rngs=nnx.Rngs(0), dtype=dtype, param_dtype=param_dtype,
                                               precision=precision, implementation=implementation))
-        graphdef, state = nnx.split(abstract)
-        flat = traverse_util.flatten_dict(nnx.to_pure_dict(state))
         tensors = module_tensors(tensors, config.n_routed_experts, source)
-        loaded, used = {}, set()
-        for path, spec in flat.items():
-            name = ".".join(str(p) for p in path)
-            if name not in tensors:
-                raise InvalidArgument(f"checkpoint ({source}) is missing tensor {name!r} (shape {tuple(spec.shape)})")
-            arr = np.asarray(tensors[name])
-            if tuple(arr.shape) != tuple(spec.shape):
-                raise InvalidArgument(f"checkpoint tensor {name!r} has shape {tuple(arr.shape)}, expected "
-                                      f"{tuple(spec.shape)} ({source})")
+
+        def check(name, arr):
             if name.endswith(".tid2eid") and (arr.min(initial=0) < 0 or arr.max(initial=0) >= config.n_routed_experts):
                 raise InvalidArgument(f"checkpoint tensor {name!r} has expert ids outside [0, "
                                       f"{config.n_routed_experts}) ({source})")
-            used.add(name)
-            loaded[path] = jnp.asarray(arr.astype(np.float32) if arr.dtype.kind == "f" else arr, dtype=spec.dtype)
-        extra = sorted(n for n in tensors if n not in used and not n.startswith("mtp.") and not n.endswith("inv_freq"))
-        if extra:
-            more = f" and {len(extra) - 5} more" if len(extra) > 5 else ""
-            raise InvalidArgument(f"checkpoint ({source}) has tensors this deepseek_v4 config does not use: "
-                                  f"{', '.join(map(repr, extra[:5]))}{more}")
-        nnx.replace_by_pure_dict(state, traverse_util.unflatten_dict(loaded))
-        return nnx.merge(graphdef, state)
+
+        return load_state(abstract, tensors, lambda path: path, family="deepseek_v4", source=source, check=check,
+                          ignored=lambda n: n.startswith("mtp.") or n.endswith("inv_freq"))
 
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike, *, dtype=None, param_dtype=None, precision=None,

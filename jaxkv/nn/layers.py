@@ -1,0 +1,182 @@
+"""Building blocks in transformers' parameter layout, shared by the MoE models.
+
+Every weight is stored exactly as the checkpoint stores it (``Linear.weight``
+``[out, in]``, fused experts ``gate_up_proj [E, 2I, D]`` / ``down_proj [E,
+D, I]``), so loading a checkpoint is a name-for-name copy
+(:func:`load_state`). Norms and routing run in float32.
+
+* :class:`Linear`, :class:`RMSNorm`, :func:`unit_rms`;
+* :class:`SwiGLU` (``down(silu(gate(x)) * up(x))``, optionally with
+  DeepSeek-V4's clamped pre-activations) and :class:`Experts` (the routed
+  experts as grouped matmuls, ``lax.ragged_dot``);
+* :func:`fuse_experts`: per-expert checkpoint tensors
+  (``experts.{e}.gate_proj.weight``, ...) into the fused tensors, as
+  transformers' loader does;
+* :func:`load_state`: fill an abstract model from named arrays, with errors
+  that name the tensor.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx, traverse_util
+
+from jaxkv.errors import InvalidArgument
+
+__all__ = ["Experts", "Linear", "RMSNorm", "SwiGLU", "fuse_experts", "load_state", "param", "unit_rms"]
+
+_F32 = jnp.float32
+
+
+def param(shape, rngs: nnx.Rngs | None, dtype, std=None, fill=0.0) -> nnx.Param:
+    """A parameter: normal(0, ``std``) from ``rngs``, or filled with ``fill``."""
+    if std is None:
+        return nnx.Param(jnp.full(shape, fill, dtype))
+    return nnx.Param((jax.random.normal(rngs.params(), shape, _F32) * std).astype(dtype))
+
+
+class Linear(nnx.Module):
+    """``y = x @ weight.T (+ bias)`` with ``weight`` ``[out, in]`` (transformers' layout)."""
+
+    def __init__(self, in_features: int, out_features: int, *, rngs: nnx.Rngs, param_dtype=_F32, precision=None,
+                 bias: bool = False):
+        self.weight = param((out_features, in_features), rngs, param_dtype, std=in_features ** -0.5)
+        self.bias = param((out_features,), rngs, param_dtype, fill=0.0) if bias else None
+        self.precision = precision
+
+    def __call__(self, x):
+        y = jnp.einsum("...i,oi->...o", x, self.weight[...].astype(x.dtype), precision=self.precision)
+        return y if self.bias is None else y + self.bias[...].astype(y.dtype)
+
+
+def unit_rms(x, eps):
+    """``x / rms(x)`` over the last axis (transformers' unweighted RMSNorm)."""
+    return x * jax.lax.rsqrt(jnp.mean(jnp.square(x.astype(_F32)), axis=-1, keepdims=True) + eps).astype(x.dtype)
+
+
+class RMSNorm(nnx.Module):
+    """``weight * x / rms(x)`` in float32, cast back to ``x.dtype``."""
+
+    def __init__(self, dim: int, eps: float, *, param_dtype=_F32):
+        self.weight = param((dim,), None, param_dtype, fill=1.0)
+        self.eps = eps
+
+    def __call__(self, x):
+        return (self.weight[...].astype(_F32) * unit_rms(x.astype(_F32), self.eps)).astype(x.dtype)
+
+
+def _swiglu(gate, up, limit):
+    if limit is not None:  # DeepSeek-V4 clamps the pre-activations
+        gate, up = jnp.minimum(gate, limit), jnp.clip(up, -limit, limit)
+    return jax.nn.silu(gate) * up
+
+
+class SwiGLU(nnx.Module):
+    """``down(silu(gate(x)) * up(x))`` (``limit``: clamp gate above and up
+    both ways first)."""
+
+    def __init__(self, hidden: int, intermediate: int, *, rngs, param_dtype=_F32, precision=None,
+                 limit: float | None = None):
+        lin = functools.partial(Linear, rngs=rngs, param_dtype=param_dtype, precision=precision)
+        self.gate_proj, self.up_proj, self.down_proj = lin(hidden, intermediate), lin(hidden, intermediate), \
+            lin(intermediate, hidden)
+        self.limit = limit
+
+    def __call__(self, x):
+        return self.down_proj(_swiglu(self.gate_proj(x), self.up_proj(x), self.limit))
+
+
+class Experts(nnx.Module):
+    """Routed SwiGLU experts as fused tensors: ``gate_up_proj [E, 2I, D]``
+    (gate rows first), ``down_proj [E, D, I]``."""
+
+    def __init__(self, num_experts: int, hidden: int, intermediate: int, *, rngs, param_dtype=_F32, precision=None,
+                 limit: float | None = None):
+        self.gate_up_proj = param((num_experts, 2 * intermediate, hidden), rngs, param_dtype, std=hidden ** -0.5)
+        self.down_proj = param((num_experts, hidden, intermediate), rngs, param_dtype, std=intermediate ** -0.5)
+        self.limit = limit
+        self.precision = precision
+
+    def __call__(self, x, experts, weights):
+        """``sum_k weights[:, k] * expert[experts[:, k]](x)`` (``x [N, D]``,
+        ``experts``/``weights`` ``[N, k]``) as grouped matmuls: the token
+        copies sorted by expert, one ``ragged_dot`` per projection."""
+        k = experts.shape[1]
+        num_experts = self.gate_up_proj.shape[0]
+        flat = experts.reshape(-1)
+        order = jnp.argsort(flat, stable=True)
+        token = order // k
+        sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)
+        gate_up = jax.lax.ragged_dot(x[token], jnp.swapaxes(self.gate_up_proj[...], 1, 2).astype(x.dtype), sizes,
+                                     precision=self.precision)
+        gate, up = jnp.split(gate_up, 2, axis=-1)
+        out = jax.lax.ragged_dot(_swiglu(gate, up, self.limit), jnp.swapaxes(self.down_proj[...], 1, 2).astype(x.dtype),
+                                 sizes, precision=self.precision)
+        out = out * weights.reshape(-1)[order][:, None].astype(out.dtype)
+        return jnp.zeros_like(x).at[token].add(out)
+
+
+def fuse_experts(tensors: dict[str, np.ndarray], num_experts: int, names=("gate_proj", "up_proj", "down_proj"),
+                 source: str = "state dict") -> dict[str, np.ndarray]:
+    """Per-expert tensors ``<prefix>.experts.{e}.{gate,up,down}.weight`` (the
+    three ``names``) fused into ``<prefix>.experts.gate_up_proj [E, 2I, D]``
+    (gate rows, then up rows) and ``<prefix>.experts.down_proj [E, D, I]``;
+    other tensors pass through. Raises ``InvalidArgument`` naming an
+    incomplete expert set."""
+    gate, up, down = names
+    pattern = re.compile(rf"^(.*\.experts)\.(\d+)\.({gate}|{up}|{down})\.weight$")
+    out: dict[str, np.ndarray] = {}
+    experts: dict[str, dict[str, dict[int, np.ndarray]]] = {}
+    for name, arr in tensors.items():
+        match = pattern.match(name)
+        if match:
+            experts.setdefault(match[1], {}).setdefault(match[3], {})[int(match[2])] = arr
+        else:
+            out[name] = arr
+    for prefix, parts in experts.items():
+        for part in names:
+            got = sorted(parts.get(part, {}))
+            if got != list(range(num_experts)):
+                missing = sorted(set(range(num_experts)) - set(got))
+                raise InvalidArgument(f"checkpoint ({source}) has an incomplete expert set under {prefix!r}: "
+                                      f"{part} missing for experts {missing[:8]} of {num_experts}")
+        out[prefix + ".gate_up_proj"] = np.stack([np.concatenate([parts[gate][e], parts[up][e]], axis=0)
+                                                  for e in range(num_experts)])
+        out[prefix + ".down_proj"] = np.stack([parts[down][e] for e in range(num_experts)])
+    return out
+
+
+def load_state(abstract: nnx.Module, tensors: dict[str, np.ndarray], name_of, *, family: str,
+               source: str = "state dict", ignored=lambda name: False, check=None) -> nnx.Module:
+    """``abstract`` (from ``nnx.eval_shape``) with every variable taken from
+    ``tensors[name_of(path)]`` (``path``: the dotted module path), cast to
+    the variable's dtype. ``check(name, array)`` may refuse a value. Raises
+    ``InvalidArgument`` naming a missing or misshapen tensor, or tensors
+    nothing uses (other than those ``ignored`` says)."""
+    graphdef, state = nnx.split(abstract)
+    flat = traverse_util.flatten_dict(nnx.to_pure_dict(state))
+    loaded, used = {}, set()
+    for path, spec in flat.items():
+        name = name_of(".".join(str(p) for p in path))
+        if name not in tensors:
+            raise InvalidArgument(f"checkpoint ({source}) is missing tensor {name!r} (shape {tuple(spec.shape)})")
+        arr = np.asarray(tensors[name])
+        if tuple(arr.shape) != tuple(spec.shape):
+            raise InvalidArgument(f"checkpoint tensor {name!r} has shape {tuple(arr.shape)}, expected "
+                                  f"{tuple(spec.shape)} ({source})")
+        if check is not None:
+            check(name, arr)
+        used.add(name)
+        loaded[path] = jnp.asarray(arr.astype(np.float32) if arr.dtype.kind == "f" else arr, dtype=spec.dtype)
+    extra = sorted(n for n in tensors if n not in used and not ignored(n))
+    if extra:
+        more = f" and {len(extra) - 5} more" if len(extra) > 5 else ""
+        raise InvalidArgument(f"checkpoint ({source}) has tensors this {family} config does not use: "
+                              f"{', '.join(map(repr, extra[:5]))}{more}")
+    nnx.replace_by_pure_dict(state, traverse_util.unflatten_dict(loaded))
+    return nnx.merge(graphdef, state)
