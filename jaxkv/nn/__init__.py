@@ -14,6 +14,9 @@
   hybrid :class:`~jaxkv.KVCacheManager`; ``make_cache(...)`` builds its cache
   (``entry_format="lossless"`` or ``"fp8"``), ``from_pretrained(dir)`` loads
   a transformers checkpoint (sharded, bf16/fp32, FP8 block-quantized).
+* :class:`DeepseekV3Config`, :class:`DeepseekV3ForCausalLM`: DeepSeek-V3
+  (multi-head latent attention over the MLA pool, absorbed at decode;
+  group-limited sigmoid MoE; YaRN) on the paged path of the Llama family.
 * :class:`AutoModelForCausalLM`: ``from_pretrained(dir)`` picks the family
   from ``config.json``'s ``model_type``.
 * :mod:`jaxkv.nn.checkpoint`: reading safetensors checkpoints without torch.
@@ -38,6 +41,8 @@
 
 from jaxkv.nn.attention import PagedAttention, RMSNorm, paged_prefill_attention
 from jaxkv.nn.auto import AutoModelForCausalLM
+from jaxkv.nn.deepseek_v3 import DeepseekV3ForCausalLM
+from jaxkv.nn.deepseek_v3_config import DeepseekV3Config
 from jaxkv.nn.deepseek_v4 import DeepseekV4ForCausalLM
 from jaxkv.nn.deepseek_v4_config import DeepseekV4Config
 from jaxkv.nn.config import LlamaConfig, RopeScaling
@@ -51,6 +56,8 @@ from jaxkv.nn.steps import DecodeState
 __all__ = [
     "AutoModelForCausalLM",
     "DecodeState",
+    "DeepseekV3Config",
+    "DeepseekV3ForCausalLM",
     "DeepseekV4Config",
     "DeepseekV4ForCausalLM",
     "Engine",

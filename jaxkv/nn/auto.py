@@ -6,6 +6,7 @@ The family comes from ``config.json``'s ``model_type``, as in transformers:
 model_type                                      class
 ==============================================  ==========================================
 ``llama``, ``mistral``, ``qwen2``, ``qwen3``    :class:`~jaxkv.nn.LlamaForCausalLM`
+``deepseek_v3``                                 :class:`~jaxkv.nn.DeepseekV3ForCausalLM`
 ``deepseek_v4``                                 :class:`~jaxkv.nn.DeepseekV4ForCausalLM`
 ==============================================  ==========================================
 """
@@ -17,13 +18,15 @@ import os
 from jaxkv.errors import InvalidArgument
 from jaxkv.nn.checkpoint import read_config
 from jaxkv.nn.config import SUPPORTED_MODEL_TYPES
+from jaxkv.nn.deepseek_v3 import DeepseekV3ForCausalLM
 from jaxkv.nn.deepseek_v4 import DeepseekV4ForCausalLM
 from jaxkv.nn.llama import LlamaForCausalLM
 
 __all__ = ["AutoModelForCausalLM", "MODEL_CLASSES"]
 
 #: ``model_type`` -> model class.
-MODEL_CLASSES = {**{t: LlamaForCausalLM for t in SUPPORTED_MODEL_TYPES}, "deepseek_v4": DeepseekV4ForCausalLM}
+MODEL_CLASSES = {**{t: LlamaForCausalLM for t in SUPPORTED_MODEL_TYPES}, "deepseek_v3": DeepseekV3ForCausalLM,
+                 "deepseek_v4": DeepseekV4ForCausalLM}
 
 
 class AutoModelForCausalLM:
