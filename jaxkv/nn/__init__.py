@@ -17,6 +17,10 @@
 * :class:`DeepseekV3Config`, :class:`DeepseekV3ForCausalLM`: DeepSeek-V3
   (multi-head latent attention over the MLA pool, absorbed at decode;
   group-limited sigmoid MoE; YaRN) on the paged path of the Llama family.
+* :class:`Qwen3NextConfig`, :class:`Qwen3NextForCausalLM`: Qwen3-Next
+  (Gated DeltaNet in its chunked and recurrent forms, gated attention, MoE
+  with a gated shared expert) over the hybrid :class:`~jaxkv.KVCacheManager`
+  (paged ``full`` group + ``GDNPool``).
 * :class:`AutoModelForCausalLM`: ``from_pretrained(dir)`` picks the family
   from ``config.json``'s ``model_type``.
 * :mod:`jaxkv.nn.checkpoint`: reading safetensors checkpoints without torch.
@@ -49,6 +53,8 @@ from jaxkv.nn.config import LlamaConfig, RopeScaling
 from jaxkv.nn.generate import GenerateOutput, generate
 from jaxkv.nn.llama import LlamaForCausalLM
 from jaxkv.nn.parallel import beam_search, sample_n
+from jaxkv.nn.qwen3_next import Qwen3NextForCausalLM
+from jaxkv.nn.qwen3_next_config import Qwen3NextConfig
 from jaxkv.nn.rope import apply_rope, rope_inv_freq
 from jaxkv.nn.sampling import RowSampling, SamplingParams, sample
 from jaxkv.nn.steps import DecodeState
@@ -72,6 +78,8 @@ __all__ = [
     "LlamaConfig",
     "LlamaForCausalLM",
     "PagedAttention",
+    "Qwen3NextConfig",
+    "Qwen3NextForCausalLM",
     "RMSNorm",
     "RopeScaling",
     "apply_rope",

@@ -8,6 +8,7 @@ model_type                                      class
 ``llama``, ``mistral``, ``qwen2``, ``qwen3``    :class:`~jaxkv.nn.LlamaForCausalLM`
 ``deepseek_v3``                                 :class:`~jaxkv.nn.DeepseekV3ForCausalLM`
 ``deepseek_v4``                                 :class:`~jaxkv.nn.DeepseekV4ForCausalLM`
+``qwen3_next``                                  :class:`~jaxkv.nn.Qwen3NextForCausalLM`
 ==============================================  ==========================================
 """
 
@@ -21,12 +22,13 @@ from jaxkv.nn.config import SUPPORTED_MODEL_TYPES
 from jaxkv.nn.deepseek_v3 import DeepseekV3ForCausalLM
 from jaxkv.nn.deepseek_v4 import DeepseekV4ForCausalLM
 from jaxkv.nn.llama import LlamaForCausalLM
+from jaxkv.nn.qwen3_next import Qwen3NextForCausalLM
 
 __all__ = ["AutoModelForCausalLM", "MODEL_CLASSES"]
 
 #: ``model_type`` -> model class.
 MODEL_CLASSES = {**{t: LlamaForCausalLM for t in SUPPORTED_MODEL_TYPES}, "deepseek_v3": DeepseekV3ForCausalLM,
-                 "deepseek_v4": DeepseekV4ForCausalLM}
+                 "deepseek_v4": DeepseekV4ForCausalLM, "qwen3_next": Qwen3NextForCausalLM}
 
 
 class AutoModelForCausalLM:
