@@ -48,7 +48,7 @@ from jaxkv.manager.hybrid import KVCacheManager
 from jaxkv.manager.hybrid_schema import HybridConfig, deepseek_v4_schedule, v4_flash_like_ratios
 from jaxkv.pool.kv_pool import KVPool
 
-__all__ = ["main", "memory_rows", "model_rows", "step_rows"]
+__all__ = ["family_rows", "main", "memory_rows", "model_rows", "step_rows"]
 
 CONTEXT = 131072
 GIB = 2**30
@@ -315,6 +315,49 @@ def model_rows(steps: int, repeats: int, rng, batch: int = 8, prompt_len: int = 
     return rows
 
 
+def _abstract(cls, config):
+    from flax import nnx
+
+    return nnx.eval_shape(lambda: cls(config, rngs=nnx.Rngs(0), dtype=jnp.bfloat16, param_dtype=jnp.bfloat16))
+
+
+def family_rows(budget_gib: float = 64.0):
+    """KV memory of Qwen3-Next (80B-A3B shape) and DeepSeek-V3 (671B shape) at
+    real sizes, from ``jax.eval_shape`` of the caches their models build
+    (bf16), each beside full attention of the same width (every layer
+    keeping K and V of all its KV heads for every token, bf16)."""
+    from jaxkv.nn import DeepseekV3Config, DeepseekV3ForCausalLM, Qwen3NextConfig, Qwen3NextForCausalLM
+
+    budget = budget_gib * GIB
+    rows = []
+    qwen = Qwen3NextConfig(num_hidden_layers=48, hidden_size=2048, num_attention_heads=16, num_key_value_heads=2,
+                           head_dim=256, linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128,
+                           linear_value_head_dim=128, num_experts=512, num_experts_per_tok=10)
+    model = _abstract(Qwen3NextForCausalLM, qwen)
+    one, two = (jax.eval_shape(lambda n=n: model.make_cache(n, CONTEXT)) for n in (1, 2))
+    per_request = _bytes(two) - _bytes(one)
+    state = _bytes(two.gdn.recurrent_state) // two.gdn.pool_size + _bytes(two.gdn.conv_state) // two.gdn.pool_size
+    full = 2 * qwen.num_hidden_layers * qwen.num_key_value_heads * qwen.head_dim * 2
+    rows += [{"model": "Qwen3-Next (36 GDN + 12 gated attention)", "kv_bytes_per_token": (per_request - state) / CONTEXT,
+              "state_bytes_per_request": state, "bytes_per_128k_request": per_request,
+              "max_128k_requests": int(budget // per_request)},
+             {"model": "full attention, same width (48 layers, 2 KV heads x 256)", "kv_bytes_per_token": full,
+              "state_bytes_per_request": 0, "bytes_per_128k_request": full * CONTEXT,
+              "max_128k_requests": int(budget // (full * CONTEXT))}]
+    v3 = DeepseekV3Config()
+    model = _abstract(DeepseekV3ForCausalLM, v3)
+    pool = jax.eval_shape(lambda: model.make_pool(CONTEXT // 16 + 1, 16))
+    mla = _bytes(pool) / (CONTEXT + 16)
+    full = v3.num_hidden_layers * v3.num_attention_heads * (v3.qk_head_dim + v3.v_head_dim) * 2
+    rows += [{"model": "DeepSeek-V3 (MLA: latent 512 + RoPE 64)", "kv_bytes_per_token": mla,
+              "state_bytes_per_request": 0, "bytes_per_128k_request": mla * CONTEXT,
+              "max_128k_requests": int(budget // (mla * CONTEXT))},
+             {"model": "full attention, same width (61 layers, 128 heads x 192/128)", "kv_bytes_per_token": full,
+              "state_bytes_per_request": 0, "bytes_per_128k_request": full * CONTEXT,
+              "max_128k_requests": int(budget // (full * CONTEXT))}]
+    return rows
+
+
 def main(args) -> int:
     quick = args.quick
     layers = 4 if quick else 43
@@ -325,6 +368,12 @@ def main(args) -> int:
                 ["cache", "KV bytes/token", "state bytes/request", "GiB per 128k request", "max 128k requests"],
                 [[r["cache"], r["kv_bytes_per_token"], r["state_bytes_per_request"],
                   r["bytes_per_128k_request"] / GIB, r["max_128k_requests"]] for r in memory])
+    families = family_rows(64.0)
+    print_table("KV memory at real sizes (bf16), Qwen3-Next and DeepSeek-V3 vs full attention of the same width; "
+                "128k-token requests in 64 GiB",
+                ["model", "KV bytes/token", "state bytes/request", "GiB per 128k request", "max 128k requests"],
+                [[r["model"], r["kv_bytes_per_token"], r["state_bytes_per_request"],
+                  r["bytes_per_128k_request"] / GIB, r["max_128k_requests"]] for r in families])
     on_gpu = jax.default_backend() == "gpu"
     if quick:
         shape = dict(steps=4, repeats=1, context=1024)
@@ -347,5 +396,5 @@ def main(args) -> int:
                   r["cache_us_per_step"], r["rest_us_per_step"]] for r in models])
     if args.json:
         print_json({"benchmark": "hybrid", "machine": machine_description(),
-                    "results": {"memory": memory, "step": steps, "models": models}})
+                    "results": {"memory": memory, "families": families, "step": steps, "models": models}})
     return 0

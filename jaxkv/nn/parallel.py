@@ -28,6 +28,13 @@ are those of :mod:`jaxkv.nn.steps`.
   (EOS counted), the best ``num_beams`` non-EOS candidates continue. It runs
   exactly ``max_new_tokens`` steps (no early stop), then the running beams
   join the finished hypotheses and the best ``num_beams`` are returned.
+
+Models on the paged pool fork (Llama family, DeepSeek-V3: its MLA rows are
+blocks like any K/V). Models whose cache holds per-request state
+(DeepSeek-V4's rings, Qwen3-Next's Gated DeltaNet states) are refused: a
+recurrent state summarizes the whole prefix in one tensor per slot, so a fork
+must *copy* it into the child's slot (``GDNPool.copy_states``) rather than
+share it, and beam re-mapping must copy it on every step; not built yet.
 """
 
 from __future__ import annotations
@@ -111,6 +118,11 @@ def setup_prompt(model, prompt, rows: int, max_new_tokens: int, page_size: int,
     """Check ``prompt`` and ``max_new_tokens`` (``InvalidArgument``) and build
     the :class:`PromptSetup` (default ``num_pages``: every row at full length,
     nothing shared)."""
+    if hasattr(model, "make_cache"):
+        raise InvalidArgument(
+            f"{type(model).__name__} keeps per-request state in a KVCacheManager, which cannot fork yet: forking "
+            f"a recurrent (Gated DeltaNet) or compressor state means copying it (GDNPool.copy_states), not sharing "
+            f"blocks by reference; use generate with one row per sample (the same prompt repeated)")
     prompt = [int(t) for t in prompt]
     if not prompt:
         raise InvalidArgument("the prompt must not be empty")
