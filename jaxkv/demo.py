@@ -2,8 +2,8 @@
 synthetic workload with shared prefixes, on a small random-weight Llama by
 default, or ``--model DIR`` for a local Hugging Face checkpoint of any family
 jaxkv serves (prints the generated text with the checkpoint's tokenizer;
-DeepSeek-V4 runs through ``generate``, as the engine serves the Llama family
-only for now).
+DeepSeek-V4 and Qwen3-Next run through ``generate``, as the engine serves
+paged-pool models, the Llama family and DeepSeek-V3, only for now).
 
 The workload: requests arrive over time, each a shared "system prompt" (one
 of four) followed by its own question; the pool is sized so the engine must
@@ -81,10 +81,10 @@ def run_random_model(num_requests: int) -> None:
 
 def run_checkpoint(path: str, prompts: list[str], max_new: int) -> None:
     """Serve ``prompts`` with the checkpoint at ``path`` (any family of
-    :class:`jaxkv.nn.AutoModelForCausalLM`). Llama-family models run on the
-    engine; a hybrid-cache model (DeepSeek-V4) runs through
-    :func:`jaxkv.nn.generate` (the engine serves the Llama family only, for
-    now), and the demo says so. Without a ``tokenizer.json`` the prompts
+    :class:`jaxkv.nn.AutoModelForCausalLM`). Models on the paged pool (Llama
+    family, DeepSeek-V3) run on the engine; a hybrid-cache model
+    (DeepSeek-V4, Qwen3-Next) runs through :func:`jaxkv.nn.generate` (the
+    engine serves paged-pool models only, for now), and the demo says so. Without a ``tokenizer.json`` the prompts
     are read as comma-separated token ids and the output is printed as ids."""
     model = AutoModelForCausalLM.from_pretrained(path)
     tokenizer_file = os.path.join(path, "tokenizer.json")
@@ -98,8 +98,8 @@ def run_checkpoint(path: str, prompts: list[str], max_new: int) -> None:
         encode, decode = (lambda text: [int(t) for t in text.split(",")]), (lambda ids: ids)
     eos = model.config.eos_token_id[0] if model.config.eos_token_id else None
     if hasattr(model, "make_cache"):
-        print(f"{type(model).__name__}: the engine serves the Llama family only for now; decoding with "
-              f"jaxkv.nn.generate over its KVCacheManager (prefill, then one jitted loop)")
+        print(f"{type(model).__name__}: the engine serves paged-pool models (Llama family, DeepSeek-V3) only for "
+              f"now; decoding with jaxkv.nn.generate over its KVCacheManager (prefill, then one jitted loop)")
         out = generate(model, [encode(text) for text in prompts], max_new, eos_token_id=eos)
         for text, tokens in zip(prompts, out.tokens):
             print(f"{text!r} -> {decode(tokens)!r}")
