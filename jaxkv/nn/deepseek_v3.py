@@ -41,21 +41,20 @@ family (:class:`~jaxkv.BlockSpaceManager` block tables over the MLA pool):
 from __future__ import annotations
 
 import functools
-import json
 import os
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx, traverse_util
+from flax import nnx
 from jaxtyping import Array, Float, Int
 
 from jaxkv._ops import is_fp8
 from jaxkv.errors import InvalidArgument
 from jaxkv.nn.attention import check_implementation, paged_prefill_attention
-from jaxkv.nn.checkpoint import dequantize_checkpoint, load_tensors, read_config
 from jaxkv.nn.deepseek_v3_config import DeepseekV3Config
-from jaxkv.nn.layers import Experts, Linear, RMSNorm, SwiGLU, fuse_experts, load_state, param
+from jaxkv.nn.layers import (Experts, Linear, RMSNorm, SwiGLU, fuse_experts, load_state, named_state, param,
+                             read_checkpoint, save_checkpoint)
 from jaxkv.pool.kv_pool import KVPool, dequantize, quantize_fp8
 from kernels_pallas import paged_attention
 
@@ -352,26 +351,14 @@ class DeepseekV3ForCausalLM(nnx.Module):
                         implementation: str | None = None, interpret: bool = False) -> DeepseekV3ForCausalLM:
         """Load a local transformers checkpoint directory (sharded or not;
         FP8 block-quantized weights dequantized at load)."""
-        path = os.fspath(path)
-        raw = read_config(path)
-        config = DeepseekV3Config.from_hf(raw)
-        tensors = dequantize_checkpoint(load_tensors(path), raw.get("quantization_config"))
-        return cls.from_hf_state_dict(config, tensors, dtype=dtype, param_dtype=param_dtype, precision=precision,
-                                      implementation=implementation, interpret=interpret, source=path)
+        raw, tensors = read_checkpoint(path)
+        return cls.from_hf_state_dict(DeepseekV3Config.from_hf(raw), tensors, dtype=dtype, param_dtype=param_dtype, precision=precision,
+                                      implementation=implementation, interpret=interpret, source=os.fspath(path))
 
     def hf_state_dict(self) -> dict[str, np.ndarray]:
-        flat = traverse_util.flatten_dict(nnx.to_pure_dict(nnx.state(self, nnx.Param)))
-        out = {}
-        for path, value in flat.items():
-            name = ".".join(str(p) for p in path)
-            out[name if name.startswith("lm_head.") else "model." + name] = np.asarray(jax.device_get(value))
-        return out
+        """Parameters under transformers' names (fused experts)."""
+        return named_state(self, lambda p: p if p.startswith("lm_head.") else "model." + p)
 
     def save_pretrained(self, path: str | os.PathLike) -> None:
-        from safetensors.numpy import save_file
-
-        path = os.fspath(path)
-        os.makedirs(path, exist_ok=True)
-        with open(os.path.join(path, "config.json"), "w", encoding="utf-8") as f:
-            json.dump({**self.config.to_hf(), "torch_dtype": self.param_dtype.name}, f, indent=2)
-        save_file(self.hf_state_dict(), os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+        """``config.json`` + ``model.safetensors`` in transformers' layout."""
+        save_checkpoint(path, {**self.config.to_hf(), "torch_dtype": self.param_dtype.name}, self.hf_state_dict())

@@ -52,14 +52,13 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
 import os
 import re
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx, traverse_util
+from flax import nnx
 from jaxtyping import Array, Float, Int
 
 from jaxkv.errors import InvalidArgument
@@ -67,9 +66,9 @@ from jaxkv.manager.dsv4_compressor import pool_entries
 from jaxkv.manager.hybrid import KVCacheManager
 from jaxkv.manager.hybrid_schema import INDEXER_FP8, AttentionKind, HybridConfig, LayerSpec
 from jaxkv.nn.attention import check_implementation
-from jaxkv.nn.checkpoint import dequantize_checkpoint, load_tensors, read_config
 from jaxkv.nn.deepseek_v4_config import DeepseekV4Config
-from jaxkv.nn.layers import Experts, Linear, RMSNorm, SwiGLU, fuse_experts, load_state, param, unit_rms
+from jaxkv.nn.layers import (Experts, Linear, RMSNorm, SwiGLU, fuse_experts, load_state, named_state, param,
+                             read_checkpoint, save_checkpoint, unit_rms)
 from kernels_pallas.formats import CompressedEntries, EntryFormat
 
 __all__ = ["DeepseekV4ForCausalLM", "ENTRY_FORMATS", "entry_formats", "module_tensors"]
@@ -597,27 +596,15 @@ class DeepseekV4ForCausalLM(nnx.Module):
         """Load a local transformers checkpoint directory (``config.json`` and
         its safetensors, sharded or not; FP8 block-quantized weights with
         ``weight_scale_inv`` are dequantized at load)."""
-        path = os.fspath(path)
-        raw = read_config(path)
-        config = DeepseekV4Config.from_hf(raw)
-        tensors = dequantize_checkpoint(load_tensors(path), raw.get("quantization_config"))
-        return cls.from_hf_state_dict(config, tensors, dtype=dtype, param_dtype=param_dtype, precision=precision,
-                                      implementation=implementation, source=path)
+        raw, tensors = read_checkpoint(path)
+        return cls.from_hf_state_dict(DeepseekV4Config.from_hf(raw), tensors, dtype=dtype, param_dtype=param_dtype, precision=precision,
+                                      implementation=implementation, source=os.fspath(path))
 
     def hf_state_dict(self) -> dict[str, np.ndarray]:
         """Parameters under the module names of transformers' model (fused
         experts; what ``from_hf_state_dict`` and transformers both read)."""
-        flat = traverse_util.flatten_dict(nnx.to_pure_dict(nnx.state(self)))
-        return {".".join(str(p) for p in path): np.asarray(jax.device_get(value)) for path, value in flat.items()}
+        return named_state(self)
 
     def save_pretrained(self, path: str | os.PathLike) -> None:
         """``config.json`` + ``model.safetensors`` in transformers' layout."""
-        from safetensors.numpy import save_file
-
-        path = os.fspath(path)
-        os.makedirs(path, exist_ok=True)
-        with open(os.path.join(path, "config.json"), "w", encoding="utf-8") as f:
-            json.dump({**self.config.to_hf(), "torch_dtype": self.param_dtype.name}, f, indent=2)
-        tensors = {k: (v.astype(np.int64) if v.dtype.kind == "i" else v) for k, v in self.hf_state_dict().items()}
-        save_file(tensors, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
-
+        save_checkpoint(path, {**self.config.to_hf(), "torch_dtype": self.param_dtype.name}, self.hf_state_dict())

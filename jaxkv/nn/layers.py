@@ -19,6 +19,8 @@ D, I]``), so loading a checkpoint is a name-for-name copy
 from __future__ import annotations
 
 import functools
+import json
+import os
 import re
 
 import jax
@@ -28,7 +30,8 @@ from flax import nnx, traverse_util
 
 from jaxkv.errors import InvalidArgument
 
-__all__ = ["Experts", "Linear", "RMSNorm", "SwiGLU", "fuse_experts", "load_state", "param", "unit_rms"]
+__all__ = ["Experts", "Linear", "RMSNorm", "SwiGLU", "fuse_experts", "load_state", "named_state", "param",
+           "read_checkpoint", "save_checkpoint", "unit_rms"]
 
 _F32 = jnp.float32
 
@@ -180,3 +183,31 @@ def load_state(abstract: nnx.Module, tensors: dict[str, np.ndarray], name_of, *,
                               f"{', '.join(map(repr, extra[:5]))}{more}")
     nnx.replace_by_pure_dict(state, traverse_util.unflatten_dict(loaded))
     return nnx.merge(graphdef, state)
+
+
+def named_state(model: nnx.Module, name_of=lambda path: path) -> dict[str, np.ndarray]:
+    """Every variable of ``model`` as numpy, under ``name_of(dotted path)``."""
+    flat = traverse_util.flatten_dict(nnx.to_pure_dict(nnx.state(model)))
+    return {name_of(".".join(str(p) for p in path)): np.asarray(jax.device_get(v)) for path, v in flat.items()}
+
+
+def save_checkpoint(path, config: dict, tensors: dict[str, np.ndarray]) -> None:
+    """``config.json`` + ``model.safetensors`` (integer tensors as int64, as
+    torch writes them) in directory ``path``."""
+    from safetensors.numpy import save_file
+
+    path = os.fspath(path)
+    os.makedirs(path, exist_ok=True)
+    with open(os.path.join(path, "config.json"), "w", encoding="utf-8") as f:
+        json.dump(config, f, indent=2)
+    tensors = {k: (v.astype(np.int64) if v.dtype.kind == "i" else v) for k, v in tensors.items()}
+    save_file(tensors, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+
+
+def read_checkpoint(path) -> tuple[dict, dict[str, np.ndarray]]:
+    """``(config dict, tensors)`` of a checkpoint directory, FP8
+    block-quantized weights dequantized (:mod:`jaxkv.nn.checkpoint`)."""
+    from jaxkv.nn.checkpoint import dequantize_checkpoint, load_tensors, read_config
+
+    raw = read_config(path)
+    return raw, dequantize_checkpoint(load_tensors(path), raw.get("quantization_config"))

@@ -46,21 +46,20 @@ The whole step (every layer, both kinds) is one jittable call:
 from __future__ import annotations
 
 import functools
-import json
 import os
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx, traverse_util
+from flax import nnx
 from jaxtyping import Array, Float, Int
 
 from jaxkv.errors import InvalidArgument
 from jaxkv.manager.hybrid import KVCacheManager
 from jaxkv.manager.hybrid_schema import AttentionKind, HybridConfig, LayerSpec
 from jaxkv.nn.attention import check_implementation
-from jaxkv.nn.checkpoint import dequantize_checkpoint, load_tensors, read_config
-from jaxkv.nn.layers import Experts, Linear, SwiGLU, fuse_experts, load_state, param
+from jaxkv.nn.layers import (Experts, Linear, SwiGLU, fuse_experts, load_state, named_state, param,
+                             read_checkpoint, save_checkpoint)
 from jaxkv.nn.qwen3_next_config import Qwen3NextConfig
 from jaxkv.nn.rope import apply_rope, rope_inv_freq
 
@@ -458,24 +457,11 @@ class Qwen3NextForCausalLM(nnx.Module):
     def from_pretrained(cls, path: str | os.PathLike, *, dtype=None, param_dtype=None, precision=None,
                         implementation: str | None = None) -> Qwen3NextForCausalLM:
         """Load a local transformers checkpoint directory (sharded or not)."""
-        path = os.fspath(path)
-        raw = read_config(path)
-        config = Qwen3NextConfig.from_hf(raw)
-        tensors = dequantize_checkpoint(load_tensors(path), raw.get("quantization_config"))
-        return cls.from_hf_state_dict(config, tensors, dtype=dtype, param_dtype=param_dtype, precision=precision,
-                                      implementation=implementation, source=path)
+        raw, tensors = read_checkpoint(path)
+        return cls.from_hf_state_dict(Qwen3NextConfig.from_hf(raw), tensors, dtype=dtype, param_dtype=param_dtype, precision=precision,
+                                      implementation=implementation, source=os.fspath(path))
 
     def save_pretrained(self, path: str | os.PathLike) -> None:
-        """``config.json`` + ``model.safetensors`` under the module names."""
-        from safetensors.numpy import save_file
-
-        path = os.fspath(path)
-        os.makedirs(path, exist_ok=True)
-        with open(os.path.join(path, "config.json"), "w", encoding="utf-8") as f:
-            json.dump({**self.config.to_hf(), "torch_dtype": self.param_dtype.name}, f, indent=2)
-        flat = traverse_util.flatten_dict(nnx.to_pure_dict(nnx.state(self, nnx.Param)))
-        tensors = {}
-        for p, value in flat.items():
-            name = ".".join(str(s) for s in p)
-            tensors[name if name.startswith("lm_head.") else "model." + name] = np.asarray(jax.device_get(value))
-        save_file(tensors, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+        """``config.json`` + ``model.safetensors`` under transformers' names (fused experts)."""
+        save_checkpoint(path, {**self.config.to_hf(), "torch_dtype": self.param_dtype.name},
+                        named_state(self, lambda p: p if p.startswith("lm_head.") else "model." + p))
