@@ -18,6 +18,8 @@ EXPECTED = {  # a line each example must print
     "swap_under_pressure.py": "recompute: 0 swaps",
     "hybrid_cache.py": "KV bytes per token of a 128k-token request",
     "deepseek_v4_checkpoint.py": "greedy tokens equal transformers': True",
+    "qwen3_next_checkpoint.py": "greedy tokens equal transformers': True",
+    "deepseek_v3_checkpoint.py": "greedy tokens equal transformers': True",
 }
 
 
