@@ -25,7 +25,8 @@ from jaxkv.nn.qwen3_next import chunk_gated_delta_rule, recurrent_gated_delta_ru
 from jaxkv.serve import Engine
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures")
-SCHEDULES = (("qwen3_next", "small"), ("qwen3_next", "defaults"), ("dsv3", "small"), ("dsv3", "small_fp8"))
+SCHEDULES = (("qwen3_next", "small"), ("qwen3_next", "defaults"), ("dsv3", "small"), ("dsv3", "small_fp8"),
+             ("dsv3", "defaults"))
 #: Measured (see test_dsv3_pool_dtype_bounds): an MLA pool in bf16 / fp8 against float32.
 DSV3_POOL_BOUNDS = {"bfloat16": (0.93, 40.0), "float8_e4m3fn": (0.55, 60.0)}  # (min top-1 agreement, max |dlogit|)
 
@@ -141,7 +142,7 @@ def test_dsv3_cached_absorbed_equals_expanded_no_cache():
         assert logits.argmax(-1).tolist() == tokens
 
 
-@pytest.mark.parametrize("kv_dtype", ("bfloat16", "float8_e4m3fn"))
+@pytest.mark.parametrize("kv_dtype", ("float8_e4m3fn",))  # bf16 measured too (docstring), not run in CI
 def test_dsv3_pool_dtype_bounds(kv_dtype):
     """An MLA pool stored in bf16 or fp8 (per-token scales) against a
     float32 one, teacher-forced along transformers' greedy path (no-cache

@@ -184,24 +184,29 @@ def step_rows(num_layers: int, steps: int, batch: int, repeats: int, rng, contex
 # The DeepSeek-V4 model beside a Llama of the same width.
 # --------------------------------------------------------------------------
 
-_WIDTH = dict(vocab_size=4096, hidden_size=512, num_hidden_layers=4, num_attention_heads=8)
+def _width(quick: bool) -> dict:
+    # --quick (the CI smoke run): the same code at a quarter of the width.
+    return dict(vocab_size=1024 if quick else 4096, hidden_size=128 if quick else 512, num_hidden_layers=4,
+                num_attention_heads=2 if quick else 8)
 
 
-def _dsv4_config():
+def _dsv4_config(quick: bool):
     from jaxkv.nn.deepseek_v4_config import DeepseekV4Config
 
+    head = 128 if quick else 512
     return DeepseekV4Config(
-        **_WIDTH, moe_intermediate_size=256, head_dim=512, partial_rotary_factor=64 / 512, q_lora_rank=256,
-        n_routed_experts=8, num_experts_per_tok=2, o_groups=4, o_lora_rank=256, index_n_heads=8,
-        index_head_dim=128, index_topk=64, sliding_window=128, compress_rates=(4, 128),
+        **_width(quick), moe_intermediate_size=64 if quick else 256, head_dim=head, partial_rotary_factor=64 / head,
+        q_lora_rank=64 if quick else 256, n_routed_experts=4 if quick else 8, num_experts_per_tok=2, o_groups=2,
+        o_lora_rank=64 if quick else 256, index_n_heads=2 if quick else 8, index_head_dim=128, index_topk=64,
+        sliding_window=128, compress_rates=(4, 128),
         layer_types=("sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention",
                      "compressed_sparse_attention"), mlp_layer_types=("hash_moe", "moe", "moe", "moe"))
 
 
-def _llama_config():
+def _llama_config(quick: bool):
     from jaxkv.nn.config import LlamaConfig
 
-    return LlamaConfig(**_WIDTH, intermediate_size=1024, num_key_value_heads=2, head_dim=64)
+    return LlamaConfig(**_width(quick), intermediate_size=256 if quick else 1024, num_key_value_heads=2, head_dim=64)
 
 
 def _dsv4_cache_step(manager, slots, values):
@@ -250,7 +255,7 @@ def _llama_cache_step(state, seq_ids, values):
     return (manager, pool), (ok, checksum)
 
 
-def model_rows(steps: int, repeats: int, rng, batch: int = 8, prompt_len: int = 512):
+def model_rows(steps: int, repeats: int, rng, batch: int = 8, prompt_len: int = 512, quick: bool = False):
     """Cache bytes per token and per-step decode time, cache vs the rest,
     for DeepSeek-V4 (fp8 entries) and a Llama of the same width (bf16 pool
     on GPU, float32 on CPU as above)."""
@@ -261,21 +266,21 @@ def model_rows(steps: int, repeats: int, rng, batch: int = 8, prompt_len: int = 
     from jaxkv.nn.generate import decode_loop, prefill, start_hybrid
 
     greedy = SamplingParams()
-    prompts = rng.integers(0, _WIDTH["vocab_size"], (batch, prompt_len)).tolist()
+    prompts = rng.integers(0, _width(quick)["vocab_size"], (batch, prompt_len)).tolist()
     max_new = steps + 2
     # DeepSeek-V4: fp8 entries, as served.
-    dsv4 = DeepseekV4ForCausalLM(_dsv4_config(), rngs=nnx.Rngs(0))
+    dsv4 = DeepseekV4ForCausalLM(_dsv4_config(quick), rngs=nnx.Rngs(0))
     graphdef, params, state = start_hybrid(dsv4, prompts, max_new, entry_format="fp8")
     manager = state.manager
     paged = sum(block_bytes(s, manager.config) / s.tokens_per_block for s in manager.schemas if s.group)
     ring = sum(_bytes([c.swa, c.comp_kv, c.comp_score, c.index_kv, c.index_score]) for c in manager.layers)
     dsv4_state_bytes = ring // manager.num_slots
-    values = jnp.asarray(rng.normal(size=(steps, batch, 4 * 512)), jnp.float32)
+    values = jnp.asarray(rng.normal(size=(steps, batch, 4 * dsv4.config.head_dim)), jnp.float32)
     slots = jnp.arange(1, batch + 1, dtype=jnp.int32)
 
     # Llama of the same width over the paged pool.
     dtype = jnp.bfloat16 if jax.default_backend() == "gpu" else jnp.float32
-    llama = LlamaForCausalLM(_llama_config(), rngs=nnx.Rngs(0))
+    llama = LlamaForCausalLM(_llama_config(quick), rngs=nnx.Rngs(0))
     page_size = 16
     pages = batch * ((prompt_len + max_new) // page_size + 1) + 1
     bsm = BlockSpaceManager.create(num_device_blocks=pages, num_host_blocks=1, block_size=page_size, max_seqs=batch,
@@ -315,26 +320,21 @@ def model_rows(steps: int, repeats: int, rng, batch: int = 8, prompt_len: int = 
     return rows
 
 
-def _abstract(cls, config):
-    from flax import nnx
-
-    return nnx.eval_shape(lambda: cls(config, rngs=nnx.Rngs(0), dtype=jnp.bfloat16, param_dtype=jnp.bfloat16))
-
-
 def family_rows(budget_gib: float = 64.0):
     """KV memory of Qwen3-Next (80B-A3B shape) and DeepSeek-V3 (671B shape) at
     real sizes, from ``jax.eval_shape`` of the caches their models build
-    (bf16), each beside full attention of the same width (every layer
+    (bf16; DeepSeek-V3's is exactly what ``make_pool`` builds), each beside
+    full attention of the same width (every layer
     keeping K and V of all its KV heads for every token, bf16)."""
-    from jaxkv.nn import DeepseekV3Config, DeepseekV3ForCausalLM, Qwen3NextConfig, Qwen3NextForCausalLM
+    from jaxkv.nn import DeepseekV3Config, Qwen3NextConfig
+    from jaxkv.nn.qwen3_next import cache_for as qwen3_next_cache
 
     budget = budget_gib * GIB
     rows = []
     qwen = Qwen3NextConfig(num_hidden_layers=48, hidden_size=2048, num_attention_heads=16, num_key_value_heads=2,
                            head_dim=256, linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128,
                            linear_value_head_dim=128, num_experts=512, num_experts_per_tok=10)
-    model = _abstract(Qwen3NextForCausalLM, qwen)
-    one, two = (jax.eval_shape(lambda n=n: model.make_cache(n, CONTEXT)) for n in (1, 2))
+    one, two = (jax.eval_shape(lambda n=n: qwen3_next_cache(qwen, n, CONTEXT, dtype=jnp.bfloat16)) for n in (1, 2))
     per_request = _bytes(two) - _bytes(one)
     state = _bytes(two.gdn.recurrent_state) // two.gdn.pool_size + _bytes(two.gdn.conv_state) // two.gdn.pool_size
     full = 2 * qwen.num_hidden_layers * qwen.num_key_value_heads * qwen.head_dim * 2
@@ -345,8 +345,9 @@ def family_rows(budget_gib: float = 64.0):
               "state_bytes_per_request": 0, "bytes_per_128k_request": full * CONTEXT,
               "max_128k_requests": int(budget // (full * CONTEXT))}]
     v3 = DeepseekV3Config()
-    model = _abstract(DeepseekV3ForCausalLM, v3)
-    pool = jax.eval_shape(lambda: model.make_pool(CONTEXT // 16 + 1, 16))
+    pool = jax.eval_shape(lambda: KVPool.create_mla(num_pages=CONTEXT // 16 + 1, page_size=16,
+                                                    num_layers=v3.num_hidden_layers, kv_lora_rank=v3.kv_lora_rank,
+                                                    rope_dim=v3.qk_rope_head_dim, dtype=jnp.bfloat16))
     mla = _bytes(pool) / (CONTEXT + 16)
     full = v3.num_hidden_layers * v3.num_attention_heads * (v3.qk_head_dim + v3.v_head_dim) * 2
     rows += [{"model": "DeepSeek-V3 (MLA: latent 512 + RoPE 64)", "kv_bytes_per_token": mla,
@@ -389,7 +390,7 @@ def main(args) -> int:
                  "hybrid / full"],
                 [[r["layers"], r["batch"], r["steps"], r["hybrid_us_per_step"], r["reserve_only_us_per_step"],
                   r["full_attention_us_per_step"], r["ratio"]] for r in steps])
-    models = model_rows(4 if quick else 16, 1 if quick else 3, rng, prompt_len=64 if quick else 512)
+    models = model_rows(2 if quick else 16, 1 if quick else 3, rng, prompt_len=16 if quick else 512, quick=quick)
     print_table(f"decode step of a model, batch 8 ({jax.default_backend()}): cache operations vs the rest",
                 ["model", "cache bytes/token", "state bytes/request", "us/step", "cache us/step", "rest us/step"],
                 [[r["model"], r["cache_bytes_per_token"], r["state_bytes_per_request"], r["us_per_step"],

@@ -63,7 +63,7 @@ from jaxkv.nn.layers import (Experts, Linear, SwiGLU, fuse_experts, load_state, 
 from jaxkv.nn.qwen3_next_config import Qwen3NextConfig
 from jaxkv.nn.rope import apply_rope, rope_inv_freq
 
-__all__ = ["Qwen3NextForCausalLM", "chunk_gated_delta_rule", "recurrent_gated_delta_rule"]
+__all__ = ["Qwen3NextForCausalLM", "cache_for", "chunk_gated_delta_rule", "recurrent_gated_delta_rule"]
 
 _F32 = jnp.float32
 CHUNK = 64  # transformers' chunk of the chunked form
@@ -333,19 +333,9 @@ class Qwen3NextForCausalLM(nnx.Module):
         compute dtype; ``"fp8"``: float8_e4m3fn with per-token scales), GDN
         states per request slot (conv state in the compute dtype, recurrent
         state float32), ``max_track_slots`` snapshot slots."""
-        if entry_format not in ("lossless", "fp8"):
-            raise InvalidArgument(f"entry format {entry_format!r} is not one of ('lossless', 'fp8')")
-        c = self.config
-        kinds = {"full_attention": AttentionKind.FULL, "linear_attention": AttentionKind.LINEAR}
-        schedule = [LayerSpec(i, kinds[t]) for i, t in enumerate(c.layer_types)]
-        hybrid = HybridConfig(num_kv_heads=c.num_key_value_heads, kv_head_dim=c.head_dim, page_size=page_size,
-                              kv_dtype=self.dtype if entry_format == "lossless" else jnp.float8_e4m3fn,
-                              linear_num_k_heads=c.linear_num_key_heads, linear_num_v_heads=c.linear_num_value_heads,
-                              linear_head_k_dim=c.linear_key_head_dim, linear_head_v_dim=c.linear_value_head_dim,
-                              linear_conv_kernel=c.linear_conv_kernel_dim, linear_dtype=self.dtype,
-                              num_query_heads=c.num_attention_heads)
-        return KVCacheManager.create(hybrid, schedule, max_requests, max_context_tokens=max_context_tokens,
-                                     num_blocks=num_blocks, kv_bytes=kv_bytes, max_track_slots=max_track_slots)
+        return cache_for(self.config, max_requests, max_context_tokens, dtype=self.dtype, entry_format=entry_format,
+                         num_blocks=num_blocks, kv_bytes=kv_bytes, page_size=page_size,
+                         max_track_slots=max_track_slots)
 
     def _check_cache(self, manager: KVCacheManager) -> None:
         c = self.config
@@ -465,3 +455,23 @@ class Qwen3NextForCausalLM(nnx.Module):
         """``config.json`` + ``model.safetensors`` under transformers' names (fused experts)."""
         save_checkpoint(path, {**self.config.to_hf(), "torch_dtype": self.param_dtype.name},
                         named_state(self, lambda p: p if p.startswith("lm_head.") else "model." + p))
+
+
+def cache_for(config: Qwen3NextConfig, max_requests: int, max_context_tokens: int, *, dtype=_F32,
+              entry_format: str = "lossless", num_blocks: dict[str, int] | None = None, kv_bytes: int | None = None,
+              page_size: int = 16, max_track_slots: int = 0) -> KVCacheManager:
+    """The cache of :meth:`Qwen3NextForCausalLM.make_cache` from the config
+    alone (no weights: sizing a real model costs nothing)."""
+    if entry_format not in ("lossless", "fp8"):
+        raise InvalidArgument(f"entry format {entry_format!r} is not one of ('lossless', 'fp8')")
+    c = config
+    kinds = {"full_attention": AttentionKind.FULL, "linear_attention": AttentionKind.LINEAR}
+    schedule = [LayerSpec(i, kinds[t]) for i, t in enumerate(c.layer_types)]
+    hybrid = HybridConfig(num_kv_heads=c.num_key_value_heads, kv_head_dim=c.head_dim, page_size=page_size,
+                          kv_dtype=dtype if entry_format == "lossless" else jnp.float8_e4m3fn,
+                          linear_num_k_heads=c.linear_num_key_heads, linear_num_v_heads=c.linear_num_value_heads,
+                          linear_head_k_dim=c.linear_key_head_dim, linear_head_v_dim=c.linear_value_head_dim,
+                          linear_conv_kernel=c.linear_conv_kernel_dim, linear_dtype=dtype,
+                          num_query_heads=c.num_attention_heads)
+    return KVCacheManager.create(hybrid, schedule, max_requests, max_context_tokens=max_context_tokens,
+                                 num_blocks=num_blocks, kv_bytes=kv_bytes, max_track_slots=max_track_slots)
