@@ -102,9 +102,9 @@ def test_qwen3_next_prefill_in_chunks_leaves_the_state_of_token_by_token_decode(
         logits, manager = _run_chunks(model, tokens, chunk)
         states.append((logits, np.asarray(manager.gdn.recurrent_state[:, 1]), np.asarray(manager.gdn.conv_state[:, 1])))
     for logits, recurrent, conv in states[1:]:
-        np.testing.assert_allclose(recurrent, states[0][1], rtol=1e-4, atol=1e-5)
-        np.testing.assert_allclose(conv, states[0][2], rtol=1e-4, atol=1e-5)
-        np.testing.assert_allclose(logits, states[0][0], rtol=1e-4, atol=1e-4)
+        np.testing.assert_allclose(recurrent, states[0][1], rtol=1e-4, atol=1e-4)
+        np.testing.assert_allclose(conv, states[0][2], rtol=1e-4, atol=1e-4)
+        np.testing.assert_allclose(logits, states[0][0], rtol=1e-4, atol=1e-3)
 
 
 def test_gated_delta_rule_forms_agree_on_random_inputs():
@@ -127,7 +127,7 @@ def test_qwen3_next_cached_equals_no_cache_recompute():
     tokens = np.random.default_rng().integers(0, model.config.vocab_size, 45)
     cached, _ = _run_chunks(model, tokens, 9)
     dense = np.asarray(jax.jit(lambda m, t: m.forward_dense(t))(model, jnp.asarray(tokens)))
-    np.testing.assert_allclose(cached, dense, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(cached, dense, rtol=1e-4, atol=1e-3)
 
 
 def test_dsv3_cached_absorbed_equals_expanded_no_cache():
