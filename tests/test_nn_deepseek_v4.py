@@ -157,7 +157,7 @@ def test_fp8_cached_logits_equal_fp8_recompute():
     assert np.max(np.abs(cached - dense)) < 1.0
 
 
-@pytest.mark.parametrize("name", ("small", "real_rates"))
+@pytest.mark.parametrize("name", ("small",))  # real_rates measured too (below); not run in CI, for time
 def test_fp8_entries_bound(name):
     """The fp8 format's cost, teacher-forced through the cache along
     transformers' greedy path: top-1 agreement with the lossless cache
