@@ -33,7 +33,11 @@ def test_every_configuration_compiles_for_h100_without_spills():
             continue
         assert r.status == "ok", (name, r.detail)
         assert r.spill_bytes == 0 and r.registers is not None, (name, r.registers, r.spill_bytes)
-        assert 0 < r.smem_bytes <= 232448 and r.occupancy >= 1, (name, r.smem_bytes)
+        assert r.smem_bytes <= 232448 and r.occupancy >= 1, (name, r.smem_bytes)
+        # Attention kernels stage tiles for their dots in shared memory; a
+        # lossless gather is a plain load/store copy and may use none.
+        lossless_gather = case.kernel.startswith("gather") and "lossless" in name
+        assert r.smem_bytes > 0 or lossless_gather, (name, r.smem_bytes)
     assert sum(r.status == "reference" for _, r in results.values()) == 1
 
 
