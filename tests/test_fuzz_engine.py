@@ -254,6 +254,8 @@ BAD_REQUESTS = [
     ("max_blocks_per_seq", dict(prompt_tokens=[5] * 30, max_new_tokens=3)),
     # the prompt alone fits; with its new tokens it does not
     ("max_blocks_per_seq", dict(prompt_tokens=[5] * 20, max_new_tokens=13)),
+    ("seed", dict(seed=1.5)),
+    ("seed", dict(seed="7")),
     ("eos_token_id", dict(eos_token_id=2.0)),
     ("eos_token_id", dict(eos_token_id=True)),
     ("eos_token_id", dict(eos_token_id="6")),

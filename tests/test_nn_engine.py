@@ -114,6 +114,31 @@ def test_shared_prefixes_hit_the_cache(model, reference, capsys):
 
 
 @pytest.mark.parametrize("num_host_pages", [32, 0], ids=["swap", "recompute"])
+def test_seeded_requests_sample_what_generate_samples(model, num_host_pages):
+    """A seeded request draws from its own key stream, split as ``generate``
+    splits its key for one prompt: the same tokens whatever runs beside it,
+    through swap or recompute preemption (nine blocks for five requests that
+    grow to six blocks each), with unseeded and greedy requests mixed in."""
+    rng = np.random.default_rng()
+    sampling = jaxkv.nn.SamplingParams(temperature=1.0, top_k=8)
+    engine = Engine(model, num_host_pages=num_host_pages, host_memory_kind="numpy", **ENGINE)
+    seeded = {}
+    for i, length in enumerate((9, 10, 11, 12, 9)):
+        prompt, seed = tokens(rng, length), int(rng.integers(2**31))
+        if i == 2:  # unseeded: the engine's stream; greedy: no draw at all
+            engine.add_request(prompt, REF_NEW, sampling=sampling)
+        else:
+            rid = engine.add_request(prompt, REF_NEW, sampling=sampling if i != 4 else jaxkv.nn.SamplingParams(), seed=seed)
+            seeded[rid] = (prompt, seed, sampling if i != 4 else jaxkv.nn.SamplingParams())
+    summary = engine.run()
+    assert summary.preemptions > 0
+    for rid, (prompt, seed, params) in seeded.items():
+        alone = generate(model, [prompt], REF_NEW, page_size=PAGE, seed=seed, sampling=params).tokens[0]
+        assert engine.outputs[rid] == alone, f"request {rid}"
+    check_blocks(engine)
+
+
+@pytest.mark.parametrize("num_host_pages", [32, 0], ids=["swap", "recompute"])
 def test_preemption_under_memory_pressure(model, reference, num_host_pages):
     rng = np.random.default_rng(3)
     # numpy host pages: the same swap bookkeeping with fewer programs to compile

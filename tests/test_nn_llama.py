@@ -33,6 +33,7 @@ from jaxkv.nn import (
     LlamaConfig,
     LlamaForCausalLM,
     PagedAttention,
+    generate,
     paged_prefill_attention,
 )
 
@@ -689,3 +690,21 @@ def test_attention_function_override_replaces_decode():
     out, _ = nnx.jit(lambda m, *a: m(*a, mode="decode"), static_argnums=4)(
         layer, x, 0 * one, pool, 0, PAGE * one, one, jnp.zeros(1, jnp.int32), jnp.ones(1, jnp.int32))
     assert calls == [7] and np.isfinite(np.asarray(out)).all()
+
+
+def test_sliding_window_decode_holds_window_blocks_and_matches_dense(models):
+    """Mistral (window 5 on every layer, pages of 4): blocks that fall out of
+    the window go back during decode, so 2 prompts of 7 tokens generating 30
+    each run in a 7-block pool (20 blocks without trimming), the tokens are
+    the no-cache windowed forward's argmax at every step, and no more than
+    a window's worth of blocks is ever held per row."""
+    _, _, model = models["mistral"]
+    prompts = [_tokens(np.random.default_rng(), 1, 7)[0] for _ in range(2)]
+    out = generate(model, [p.tolist() for p in prompts], 30, page_size=PAGE, num_pages=8)
+    generated = [np.asarray(t) for t in out.tokens]
+    assert [len(g) for g in generated] == [30, 30]
+    dense = _dense_over(model, prompts, generated)
+    for r, (p, g) in enumerate(zip(prompts, generated)):
+        np.testing.assert_array_equal(g, dense[r, len(p) - 1: len(p) + 30].argmax(-1), err_msg=f"row {r}")
+    # per row: the prompt's 2 blocks, then at most ceil((5 - 1) / 4) + 2 = 3 during a step
+    assert int(out.state.peak_used) <= 6 and int(out.state.manager.device.num_used) == 0

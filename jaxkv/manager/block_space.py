@@ -21,7 +21,10 @@ Invariants (checked by the property tests after every operation):
   rows that name it (likewise for host blocks and SWAPPED rows), plus any
   references held outside the manager (none unless the caller adds them);
 * no block is both free and named by a table; block 0 is never named;
-* a row names exactly ``ceil(seq_lens / bs)`` blocks, FREE rows none;
+* a row names exactly ``ceil(seq_lens / bs)`` blocks, FREE rows none,
+  except that :meth:`BlockSpaceManager.trim_window` turns the leading
+  entries no later query can see into -1 (released): a windowed row names
+  its blocks from the first one still in the window;
 * every operation is all-or-nothing: when it cannot complete it returns the
   state unchanged, ``ok`` False, and marks which sequences could not proceed.
 
@@ -376,6 +379,26 @@ class BlockSpaceManager:
             ),
             ok,
         )
+
+    def trim_window(self, seq_ids: Ids, window: int) -> tuple["BlockSpaceManager", Int[Array, ""]]:
+        """Release the blocks of ON_DEVICE ``seq_ids`` that no later query can
+        see under a sliding window of ``window`` tokens (a query at ``p``
+        attends ``[p - window + 1, p]``; the next one is at ``seq_lens``),
+        turning their table entries into -1, so that a long sequence holds
+        ``O(window / bs)`` blocks. Shared blocks lose one owner (a block
+        returns to the free stack at zero). Attention reads the -1 entries as
+        the null block and masks them by position. Returns ``(manager,
+        blocks released)``; other rows and -1 padding are left alone."""
+        seqs, given = _ids(seq_ids)
+        rows = jnp.where(given, seqs, 0)
+        on_device = self._rows_in_state(seqs, given, ON_DEVICE, per_row=True) & given
+        dead = jnp.maximum(self.seq_lens[rows] - window + 1, 0) // self.block_size
+        column = jnp.arange(self.max_blocks_per_seq, dtype=jnp.int32)[None, :]
+        trim = on_device[:, None] & (column < dead[:, None]) & (self.block_tables[rows] >= 0)
+        device, _ = self.device.release(jnp.where(trim, self.block_tables[rows], -1))  # held by these rows
+        target = jnp.where(trim, rows[:, None], self.max_seqs)  # out of range: dropped
+        tables = self.block_tables.at[target, column].set(-1, mode="drop")
+        return self.replace(block_tables=tables, device=device), jnp.sum(trim).astype(jnp.int32)
 
     # ------------------------------------------------------------ prefix cache
 

@@ -8,7 +8,9 @@
   row 0, the engine the uncached tails of a batch, chunk by chunk.
 * :func:`decode_logits`: one decode step of the model for the rows
   ``active``: ``append_slots`` (a new block at block boundaries,
-  copy-on-write of a shared last block), block tables, model step.
+  copy-on-write of a shared last block), block tables, model step, and for
+  a model whose every layer has a sliding window, the blocks that fell out
+  of the window released (:meth:`~jaxkv.BlockSpaceManager.trim_window`).
 * :class:`DecodeState` and :func:`decode_body`: the decode step of
   ``generate``, ``sample_n`` and the engine: :func:`decode_logits`, then
   sample, record, stop on EOS or ``max_new`` and (optionally) free the
@@ -63,6 +65,7 @@ __all__ = [
     "decode_step",
     "hybrid_prefill_chunk",
     "model_step",
+    "paged_window",
     "prefill_chunk",
     "run_decode",
     "start_decoding",
@@ -150,7 +153,22 @@ def decode_logits(graphdef, params, manager: BlockSpaceManager, pool: KVPool, la
     running = active & ok
     logits, pool = model_step(graphdef, params, last[:, None], starts[:, None], pool, slots, tables, starts,
                               running.astype(jnp.int32), "decode")
+    window = paged_window(nnx.merge(graphdef, params))
+    if window is not None:  # blocks out of every layer's window go back: O(window) blocks per row
+        manager, _ = manager.trim_window(jnp.where(running, seqs, -1), window)
     return manager, pool, logits[:, 0], blocked, ok
+
+
+def paged_window(model) -> int | None:
+    """The sliding window of ``model`` when EVERY layer has it (Mistral;
+    Qwen2/3 with ``use_sliding_window`` on all layers), else None: a paged
+    pool's block table serves all layers, so a block can be released only
+    when no layer can see it."""
+    config = getattr(model, "config", None)
+    window = getattr(config, "sliding_window", None)
+    if window is None or getattr(config, "sliding_window_layers", None) is not None:
+        return None
+    return int(window)
 
 
 @struct.dataclass

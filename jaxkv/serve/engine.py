@@ -71,66 +71,20 @@ import enum
 import logging
 import time
 from collections.abc import Callable, Hashable, Sequence
-from functools import partial
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
 from jaxkv import _host
-from jaxkv._ops import ceil_div, pow2_at_least
-from jaxkv.alloc.block import BlockAllocator
-from jaxkv.errors import BookkeepingError, InvalidArgument, KVCacheOOM
-from jaxkv.manager.block_space import FREE, ON_DEVICE, STATUS_NAMES, SWAPPED, BlockSpaceManager
-from jaxkv.nn.sampling import GREEDY, RowSampling, SamplingParams, sample
-from jaxkv.nn.steps import DecodeState, prefill_chunk, run_decode
-from jaxkv.pool import host as host_swap
-from jaxkv.pool.kv_pool import KVPool
-from jaxkv.prefix import PrefixCacheManager
+from jaxkv.errors import BookkeepingError, InvalidArgument
+from jaxkv.manager.block_space import FREE, ON_DEVICE, STATUS_NAMES, SWAPPED
+from jaxkv.nn.sampling import GREEDY, RowSampling, SamplingParams
+from jaxkv.serve.caches import HybridCache, PagedCache, PrefillLane
 
 __all__ = ["Engine", "EngineProgress", "EngineSummary", "RequestState"]
 
 logger = logging.getLogger("jaxkv.serve")
-
-
-# ------------------------------------------------------------ jitted steps
-
-
-@partial(jax.jit, static_argnames=("graphdef",), donate_argnums=(2, 3))
-def _admit_and_prefill(graphdef, params, manager: BlockSpaceManager, pool: KVPool, admit_rows, prefix_blocks,
-                       lengths, rows, starts, num_new, tokens, sampling: RowSampling, key):
-    """Admit ``admit_rows`` (-1 padding: nothing to admit) with their cached
-    prefixes, then prefill one chunk (:func:`jaxkv.nn.steps.prefill_chunk`)
-    and sample a token from each row's last chunk position (the host keeps it
-    from the final chunk). Returns ``(manager, pool, sampled, ok, used)``."""
-    manager, ok = manager.admit_with_prefix(admit_rows, prefix_blocks, lengths)
-    pool, last_logits = prefill_chunk(graphdef, params, manager, pool, rows, tokens, starts, num_new)
-    return manager, pool, sample(last_logits, key, sampling), ok, manager.device.num_used
-
-
-@partial(jax.jit, static_argnames=("graphdef", "num_steps"), donate_argnums=(2, 3))
-def _decode_chunk(graphdef, params, manager: BlockSpaceManager, pool: KVPool, last, active, num_generated,
-                  max_new, eos_id, sampling: RowSampling, key, *, num_steps: int) -> DecodeState:
-    """Up to ``num_steps`` decode steps of the rows ``active`` in one
-    ``lax.while_loop`` (:func:`jaxkv.nn.steps.run_decode`); rows stay
-    allocated when they finish (the host inserts their pages into the prefix
-    cache first). Stops early when no row runs or an ``append_slots`` fails
-    (``ok`` False; ``blocked`` marks the rows that needed blocks)."""
-    state = DecodeState.create(manager, pool, last=last, finished=~active, num_generated=num_generated,
-                               max_new=max_new, eos_id=eos_id, keys=key, width=num_steps)
-    return run_decode(graphdef, params, state, sampling, num_steps=num_steps, free_finished=False)
-
-
-_retire_jit = jax.jit(BlockSpaceManager.retire)
-
-# The jitted steps never touch host blocks (they free only ON_DEVICE rows; swaps
-# go through the manager's swap_*_or_raise). They get the manager with this
-# placeholder host allocator, so engines that differ only in ``num_host_pages``
-# share compiled programs; the real host allocator is put back afterwards. A
-# fresh placeholder each call: the manager is donated.
-def _device_view(manager: BlockSpaceManager) -> BlockSpaceManager:
-    return manager.replace(host=BlockAllocator.create(2))
 
 
 # ---------------------------------------------------------------- host side
@@ -163,10 +117,11 @@ class _Request:
     eos_id: int
     arrival: int
     namespace: Hashable
+    key: np.ndarray  # PRNG key data of the request's own stream (advanced as it samples)
     generated: list = dataclasses.field(default_factory=list)
     state: RequestState = RequestState.WAITING
     row: int = -1  # sequence row while RUNNING or SWAPPED, else -1
-    node: object = None  # pinned prefix-cache node while running
+    hit: object = None  # its pinned prefix hit (PrefixHit) while running
     order: int = -1  # admission order (preemption picks the largest)
 
     @property
@@ -245,62 +200,90 @@ class EngineSummary:
 
 
 class Engine:
-    """Continuous batching over a paged KV cache (see the module docstring).
+    """Continuous batching over a model's cache (see the module docstring).
+
+    The model picks the cache (:mod:`jaxkv.serve.caches`): a model with
+    ``make_pool`` (Llama, Mistral, Qwen2/3, DeepSeek-V3) runs over a paged
+    pool with the prefix cache and swapping; a model with ``make_cache``
+    (DeepSeek-V4, Qwen3-Next) over its hybrid :class:`~jaxkv.KVCacheManager`,
+    preempted by recomputation.
 
     Args:
-        model: a :class:`~jaxkv.nn.LlamaForCausalLM` (anything with the same
-            call signature and ``make_pool``).
-        num_pages: device KV pages (blocks) including the null page 0.
-        page_size: tokens per page.
+        model: a model of :class:`jaxkv.nn.AutoModelForCausalLM`'s families.
         max_seqs: sequence rows (running plus swapped-out requests).
-        max_blocks_per_seq: block-table width; a request needs
+        num_pages: (paged pool) device KV pages (blocks) including the null page 0.
+        page_size: (paged pool) tokens per page.
+        max_blocks_per_seq: (paged pool) block-table width; a request needs
             ``ceil((len(prompt) + max_new_tokens) / page_size)`` blocks.
-        num_host_pages: host pages for swapping (0: preempt by recompute).
+        num_host_pages: (paged pool) host pages for swapping (0: preempt by
+            recompute).
+        kv_dtype: (paged pool) pool dtype (default: the model's).
+        host_memory_kind: (paged pool) the swap pool's memory
+            (``create_host_pool``: ``"auto"``, ``"pinned_host"`` or ``"numpy"``).
+        max_context_tokens: (hybrid cache) most tokens one request holds.
+        num_blocks: (hybrid cache) blocks per group (null block included;
+            default: every row at ``max_context_tokens``).
+        entry_format: (hybrid cache) DeepSeek-V4's ``"lossless"`` or ``"fp8"``.
+        prefix_cache: use the radix prefix cache (default: on for a paged
+            pool; a hybrid cache has none yet and refuses True).
         decode_chunk: decode steps per jitted call.
-        prefix_cache: use the radix prefix cache.
-        kv_dtype: pool dtype (default: the model's).
         prefill_chunk: most prompt tokens per row in one prefill call (longer
             uncached tails are prefilled in several calls).
-        host_memory_kind: the swap pool's memory (``create_host_pool``:
-            ``"auto"``, ``"pinned_host"`` or ``"numpy"``).
-        seed: PRNG seed for sampling.
+        seed: the engine's PRNG seed; a request without its own ``seed``
+            samples from the stream ``fold_in(key(seed), request id)``.
 
     Raises ``InvalidArgument``, naming the argument, for a size or count
     that is not an integer or is too small (``num_pages < 2``, others
-    ``< 1``, ``num_host_pages < 0``), a non-integer ``seed`` or an unknown
-    ``host_memory_kind``.
+    ``< 1``, ``num_host_pages < 0``), a non-integer ``seed``, an unknown
+    ``host_memory_kind``, or an option of the other kind of cache.
     """
 
-    def __init__(self, model, *, num_pages: int, page_size: int = 16, max_seqs: int = 8, max_blocks_per_seq: int,
-                 num_host_pages: int = 0, decode_chunk: int = 8, prefix_cache: bool = True, kv_dtype=None,
-                 prefill_chunk: int = 256, host_memory_kind: str = "auto", seed: int = 0):
-        num_pages = _int_at_least(num_pages, "num_pages", 2)  # page 0 is the null page
-        page_size = _int_at_least(page_size, "page_size", 1)
+    def __init__(self, model, *, max_seqs: int = 8, num_pages: int | None = None, page_size: int = 16,
+                 max_blocks_per_seq: int | None = None, num_host_pages: int = 0, kv_dtype=None,
+                 host_memory_kind: str = "auto", max_context_tokens: int | None = None,
+                 num_blocks: dict[str, int] | None = None, entry_format: str = "lossless",
+                 prefix_cache: bool | None = None, decode_chunk: int = 8, prefill_chunk: int = 256, seed: int = 0):
         max_seqs = _int_at_least(max_seqs, "max_seqs", 1)
-        max_blocks_per_seq = _int_at_least(max_blocks_per_seq, "max_blocks_per_seq", 1)
-        num_host_pages = _int_at_least(num_host_pages, "num_host_pages", 0)
         decode_chunk = _int_at_least(decode_chunk, "decode_chunk", 1)
         prefill_chunk = _int_at_least(prefill_chunk, "prefill_chunk", 1)
         seed = _host.int_scalar(seed, "seed")
         if host_memory_kind not in ("auto", "pinned_host", "numpy"):  # checked even when nothing is swapped
             raise InvalidArgument(f"host_memory_kind={host_memory_kind!r}: choose 'auto', 'pinned_host' or 'numpy'")
+        if hasattr(model, "make_cache"):
+            given = [name for name, value in (("num_pages", num_pages), ("max_blocks_per_seq", max_blocks_per_seq),
+                                              ("kv_dtype", kv_dtype)) if value is not None]
+            if num_host_pages:
+                given.append("num_host_pages")
+            if given:
+                raise InvalidArgument(f"{', '.join(given)}: options of the paged pool; {type(model).__name__} "
+                                      "keeps its cache in a KVCacheManager (give max_context_tokens, num_blocks, "
+                                      "entry_format)")
+            if prefix_cache:
+                raise InvalidArgument(f"prefix_cache=True: the engine has no prefix cache for hybrid-cache models "
+                                      f"such as {type(model).__name__} yet; leave it unset")
+            max_context_tokens = _int_at_least(max_context_tokens, "max_context_tokens", 1)
+            self.cache = HybridCache(model, max_seqs=max_seqs, max_context_tokens=max_context_tokens,
+                                     num_blocks=num_blocks, entry_format=entry_format, prefill_chunk=prefill_chunk)
+        else:
+            if max_context_tokens is not None or num_blocks is not None:
+                raise InvalidArgument("max_context_tokens, num_blocks: options of a hybrid cache; "
+                                      f"{type(model).__name__} runs over a paged pool (give num_pages, "
+                                      "max_blocks_per_seq)")
+            if num_pages is None or max_blocks_per_seq is None:
+                raise InvalidArgument(f"{type(model).__name__} runs over a paged pool: give num_pages and "
+                                      "max_blocks_per_seq")
+            self.cache = PagedCache(
+                model, num_pages=_int_at_least(num_pages, "num_pages", 2),  # page 0 is the null page
+                page_size=_int_at_least(page_size, "page_size", 1), max_seqs=max_seqs,
+                max_blocks_per_seq=_int_at_least(max_blocks_per_seq, "max_blocks_per_seq", 1),
+                num_host_pages=_int_at_least(num_host_pages, "num_host_pages", 0),
+                prefix_cache=prefix_cache is not False, kv_dtype=kv_dtype, prefill_chunk=prefill_chunk,
+                host_memory_kind=host_memory_kind)
         # Token ids are checked against it (None: a model without ``config.vocab_size``).
         self.vocab_size = getattr(getattr(model, "config", None), "vocab_size", None)
-        self.page_size = page_size
         self.max_seqs = max_seqs
-        self.max_blocks_per_seq = max_blocks_per_seq
         self.decode_chunk = decode_chunk
-        # Prefill runs in chunks of one fixed width: one compiled program.
-        self.prefill_width = min(pow2_at_least(prefill_chunk), pow2_at_least(max_blocks_per_seq * page_size))
-        self.num_host_pages = num_host_pages
         self.graphdef, self.params = nnx.split(model)
-        self.manager = BlockSpaceManager.create(
-            num_device_blocks=num_pages, num_host_blocks=max(num_host_pages, 2), block_size=page_size,
-            max_seqs=max_seqs, max_blocks_per_seq=max_blocks_per_seq, watermark=0.0)
-        self.pool = model.make_pool(num_pages, page_size, dtype=kv_dtype)
-        self.host_pool = (host_swap.create_host_pool(self.pool, max(num_host_pages, 2), memory_kind=host_memory_kind)
-                          if num_host_pages else None)
-        self.prefix_cache = PrefixCacheManager(page_size, disable=not prefix_cache)
         self.key = jax.random.key(seed)
         self.outputs: dict[int, list] = {}
         self._requests: dict[int, _Request] = {}
@@ -311,6 +294,11 @@ class Engine:
         self._order = 0
         self._reset_counters()
 
+    # The paged cache's structures, for callers that inspect them (tests, tools).
+    manager = property(lambda self: self.cache.manager)
+    pool = property(lambda self: self.cache.pool)
+    prefix_cache = property(lambda self: self.cache.prefix_cache)
+
     def _reset_counters(self):
         self._prompt_tokens = self._hit_tokens = 0
         self._swaps = self._recomputes = 0
@@ -319,24 +307,31 @@ class Engine:
 
     @property
     def capacity(self) -> int:
-        """Allocatable device blocks (``num_pages - 1``)."""
-        return self.manager.device.capacity
+        """Allocatable device blocks, summed over the cache's groups."""
+        return int(self.cache.capacity.sum())
 
     # -------------------------------------------------------------- requests
 
     def add_request(self, prompt_tokens: Sequence[int], max_new_tokens: int, *,
                     sampling: SamplingParams = GREEDY, eos_token_id: int | None = None,
-                    arrival_step: int = 0, namespace: Hashable = None) -> int:
+                    arrival_step: int = 0, namespace: Hashable = None, seed: int | None = None) -> int:
         """Queue a request; returns its id (its key in :attr:`outputs`).
+
+        ``seed``: the request samples from its own stream ``key(seed)``,
+        split exactly as :func:`jaxkv.nn.generate` splits its key for one
+        prompt, so ``generate(model, [prompt], seed=seed, sampling=...)``
+        gives the same tokens, whatever runs beside it and whether or not it
+        is preempted (without a seed the stream is the engine's, folded with
+        the request id: reproducible run to run, but not ``generate``'s).
 
         Raises ``InvalidArgument``, naming the argument, and queues nothing
         for: a prompt that is empty or not a 1-D sequence of integer token
         ids in the vocabulary (floats, bools, strings and ``None`` included);
         ``max_new_tokens`` that is not an integer ``>= 1``; an
         ``eos_token_id`` outside the vocabulary; a negative or non-integer
-        ``arrival_step``; ``sampling`` that is not a ``SamplingParams``; an
-        unhashable ``namespace``; a request that could never fit (more than
-        ``max_blocks_per_seq`` blocks, or more blocks than the whole pool).
+        ``arrival_step``; a non-integer ``seed``; ``sampling`` that is not a
+        ``SamplingParams``; an unhashable ``namespace``; a request that could
+        never fit (longer than a row holds, or more blocks than a group has).
 
         Requests are queued in arrival order (ties: in the order added), so
         they need not be added in that order."""
@@ -356,13 +351,18 @@ class Engine:
             hash(namespace)
         except TypeError:
             raise InvalidArgument(f"namespace must be hashable, got {namespace!r}") from None
-        blocks = ceil_div(len(prompt) + max_new_tokens, self.page_size)
-        if blocks > min(self.max_blocks_per_seq, self.capacity):
-            raise InvalidArgument(
-                f"add_request: {len(prompt)} + {max_new_tokens} tokens need {blocks} blocks of {self.page_size}; "
-                f"max_blocks_per_seq={self.max_blocks_per_seq}, pool has {self.capacity}")
+        total = len(prompt) + max_new_tokens
+        blocks = self.cache.peak_blocks(len(prompt), total)
+        if total > self.cache.max_context_tokens or np.any(blocks > self.cache.capacity):
+            raise InvalidArgument(f"add_request: {len(prompt)} + {max_new_tokens} tokens need blocks "
+                                  f"{blocks.tolist()} of groups {list(self.cache.groups)}; {self.cache.limits()}")
         rid = len(self._requests)
-        self._requests[rid] = _Request(rid, prompt, max_new_tokens, sampling, eos_id, arrival, namespace)
+        if seed is None:
+            key = jax.random.fold_in(self.key, rid)
+        else:
+            key = jax.random.key(_host.int_scalar(seed, "seed"))
+        self._requests[rid] = _Request(rid, prompt, max_new_tokens, sampling, eos_id, arrival, namespace,
+                                       np.asarray(jax.random.key_data(key)))
         # After every request that arrives no later: admission stops at the
         # first waiting request that has not arrived, so none that has may
         # queue behind it.
@@ -392,15 +392,15 @@ class Engine:
         Raises ``KVCacheOOM`` when nothing can run (a request cannot get its
         blocks even with every other request preempted and the prefix cache
         evicted), and ``BookkeepingError`` if the engine's records disagree
-        with the block manager's (a bug)."""
+        with the cache's (a bug)."""
         self._reset_counters()
         start = time.perf_counter()
         pending = [r for r in self._requests.values() if r.state is not RequestState.FINISHED]
         total = len(pending)
         generated_before = sum(len(r.generated) for r in pending)
         self._update_peak()
-        logger.info("engine run: %d requests, %d KV blocks of %d tokens, %d sequence rows", total, self.capacity,
-                    self.page_size, self.max_seqs)
+        logger.info("engine run: %d requests, %d KV blocks (groups %s), %d sequence rows", total, self.capacity,
+                    list(self.cache.groups), self.max_seqs)
 
         def unfinished():
             return any(r.state is not RequestState.FINISHED for r in pending)
@@ -426,8 +426,7 @@ class Engine:
                 if future and len(future) == len(self._waiting) and not self._swapped:
                     self._step = min(future)  # idle until the next arrival
                     continue
-                raise KVCacheOOM(self._blocks_wanted(), int(self.manager.device.num_free), self.capacity,
-                                 detail="nothing can run")
+                raise self.cache.oom(self._blocks_wanted(), "nothing can run")
             self._decode()
             self._step += 1
             report()
@@ -455,61 +454,45 @@ class Engine:
 
     # ------------------------------------------------------------- helpers
 
-    def _num_free(self) -> int:
-        return int(self.manager.device.num_free)
-
     def _update_peak(self, used=None):
-        used = self.capacity - self._num_free() if used is None else int(used)
+        used = self.cache.blocks_in_use() if used is None else int(used)
         self._peak = max(self._peak, used)
 
-    def _growth_reserve(self) -> int:
-        """Blocks kept free for the running sequences to grow into when
-        admitting or resuming (one each), so that a request is not brought in
-        only to force an immediate preemption (swap in / swap out thrash)."""
+    def _growth(self, req: _Request) -> np.ndarray:
+        """Blocks ``req`` may take in its next decode chunk."""
+        kv_len = req.kv_len
+        steps = min(self.decode_chunk, max(req.max_new - len(req.generated), 0))
+        return self.cache.blocks_for(kv_len + steps) - self.cache.blocks_for(kv_len)
+
+    def _growth_reserve(self) -> np.ndarray:
+        """Blocks kept free for the running sequences to grow into during
+        their next decode chunk when admitting or resuming, so that a request
+        is not brought in only to force an immediate preemption (swap in /
+        swap out thrash)."""
         # The row map, not every request ever added: O(max_seqs) per call.
-        return sum(rid is not None and self._requests[rid].state is RequestState.RUNNING for rid in self._rows)
+        reserve = np.zeros(len(self.cache.groups), np.int64)
+        for rid in self._rows:
+            if rid is not None and self._requests[rid].state is RequestState.RUNNING:
+                reserve += self._growth(self._requests[rid])
+        return reserve
 
-    def _blocks_wanted(self) -> int:
+    def _blocks_wanted(self) -> np.ndarray:
         for rid in list(self._swapped) + list(self._waiting):
-            req = self._requests[rid]
-            return ceil_div(len(req.tokens), self.page_size)
-        return 0
+            return self.cache.blocks_for(len(self._requests[rid].tokens))
+        return np.zeros(len(self.cache.groups), np.int64)
 
-    def _evict(self, num_blocks: int) -> None:
-        """Evict at least ``num_blocks`` blocks from the prefix cache (fewer if
-        not enough are evictable) and drop the tree's references to them."""
-        if num_blocks <= 0 or self.prefix_cache.evictable_blocks == 0:
-            return
-        evicted = self.prefix_cache.evict(num_blocks)
-        if evicted.blocks:
-            self._device_update(release=evicted.blocks)
-
-    def _make_room(self, num_blocks: int) -> bool:
-        """Evict until ``num_blocks`` blocks are free; whether they are."""
-        free = self._num_free()
-        if free < num_blocks:
-            self._evict(num_blocks - free)
-            free = self._num_free()
-        return free >= num_blocks
+    def _make_room(self, blocks: np.ndarray) -> bool:
+        """Evict cached prefixes until ``blocks`` (per group) are free;
+        whether they are."""
+        free = self.cache.free_blocks()
+        if np.any(free < blocks):
+            self.cache.evict(np.maximum(blocks - free, 0))
+            free = self.cache.free_blocks()
+        return bool(np.all(free >= blocks))
 
     def _device_update(self, *, incref=(), rows=(), release=()) -> None:
-        """One jitted call: incref ``incref``, free sequence ``rows``, release
-        ``release``; fixed-size id arrays so it compiles once."""
-        def fixed(ids, size):
-            out = np.full((size,), -1, np.int32)
-            out[: len(ids)] = ids
-            return out
-
-        host = self.manager.host
-        manager, ok = _retire_jit(
-            _device_view(self.manager), fixed(incref, self.max_seqs * self.max_blocks_per_seq), fixed(rows, self.max_seqs),
-            fixed(release, self.capacity + 1))
-        self.manager = manager.replace(host=host)
-        if not bool(ok):
-            raise BookkeepingError(
-                f"engine bookkeeping failed: incref {len(incref)} blocks {_host.preview(list(incref))}, "
-                f"free {len(rows)} rows {list(rows)}, release {len(release)} blocks {_host.preview(list(release))} "
-                f"({self._num_free()} of {self.capacity} blocks free)")
+        """The paged cache's bookkeeping call (incref, free rows, release)."""
+        self.cache.update(incref=incref, rows=rows, release=release)
 
     def _sampling(self, reqs_by_lane: dict) -> RowSampling:
         """Per-lane sampling parameters (idle lanes: greedy)."""
@@ -518,11 +501,11 @@ class Engine:
 
     def check_bookkeeping(self) -> None:
         """Raise ``BookkeepingError`` (with the numbers) when the engine's
-        records disagree with each other or with the block manager: a
-        RUNNING request must own its row in the row map and the row must be
+        records disagree with each other or with the cache: a RUNNING
+        request must own its row in the row map and the row must be
         ON_DEVICE; a SWAPPED one likewise with the row SWAPPED; the row map
         names no request that is neither. Called before every decode."""
-        status = np.asarray(jax.device_get(self.manager.status))
+        status = self.cache.row_status()
         # Every request holding a row is in the row map or the swapped list
         # (the second loop checks the map's side), so this stays O(max_seqs)
         # however many requests the engine has served.
@@ -538,19 +521,15 @@ class Engine:
                 raise BookkeepingError(f"request {req.id} is {req.state.name} on row {req.row}, but the row map "
                                        f"gives that row to request {self._rows[req.row]}")
             if status[req.row] != want:
-                raise BookkeepingError(f"request {req.id} is {req.state.name} on row {req.row}, but the block "
-                                       f"manager has that row {STATUS_NAMES[int(status[req.row])]}")
+                raise BookkeepingError(f"request {req.id} is {req.state.name} on row {req.row}, but the cache "
+                                       f"has that row {STATUS_NAMES[int(status[req.row])]}")
         for row, rid in enumerate(self._rows):
             if rid is None and status[row] != FREE:
-                raise BookkeepingError(f"row {row} is {STATUS_NAMES[int(status[row])]} in the block manager "
+                raise BookkeepingError(f"row {row} is {STATUS_NAMES[int(status[row])]} in the cache "
                                        "but no request holds it in the row map")
             if rid is not None and self._requests[rid].row != row:
                 raise BookkeepingError(f"row {row} is mapped to request {rid}, which is "
                                        f"{self._requests[rid].state.name} on row {self._requests[rid].row}")
-
-    def _next_key(self):
-        self.key, sub = jax.random.split(self.key)
-        return sub
 
     # ---------------------------------------------------------- scheduling
 
@@ -564,11 +543,9 @@ class Engine:
             # this it would be swapped straight back out, forever), and the
             # running requests' reserve.
             growth = min(self.decode_chunk, max(req.max_new - len(req.generated), 0))
-            if not self._make_room(ceil_div(req.kv_len + growth, self.page_size) + self._growth_reserve()):
+            if not self._make_room(self.cache.blocks_for(req.kv_len + growth) + self._growth_reserve()):
                 break
-            try:
-                self.manager, self.pool = self.manager.swap_in_or_raise(self.pool, self.host_pool, [req.row])
-            except KVCacheOOM:
+            if not self.cache.swap_in(req.row):
                 break
             self._swapped.pop(0)
             req.state = RequestState.RUNNING
@@ -581,78 +558,46 @@ class Engine:
         """Admit and prefill arrived requests in order while rows and blocks
         allow; returns how many."""
         free_rows = [row for row in range(self.max_seqs) if self._rows[row] is None]
-        admitted = []  # (req, cached_blocks, effective tokens)
-        reserved = 0  # blocks the batch will take
+        admitted = []  # PrefillLane per admitted request, in lane order
+        reserved = np.zeros(len(self.cache.groups), np.int64)  # blocks the batch will take
         while self._waiting and free_rows:
             req = self._requests[self._waiting[0]]
             if req.arrival > self._step:
                 break
             tokens = req.tokens
-            match = self.prefix_cache.match(tokens, req.namespace, max_tokens=len(tokens) - 1)
-            self.prefix_cache.pin(match.node)
-            cached = list(match.blocks)  # no host tier: every matched page is on the device
-            need = ceil_div(len(tokens), self.page_size) - len(cached)
-            if not self._make_room(reserved + need + self._growth_reserve() + len(admitted)):
-                self.prefix_cache.release(match.node)
+            hit = self.cache.match(tokens, req.namespace)
+            need = self.cache.blocks_for(len(tokens)) - hit.block_counts()
+            growth = self.cache.blocks_for(len(tokens) + self.decode_chunk) - self.cache.blocks_for(len(tokens))
+            if not self._make_room(reserved + need + growth + self._growth_reserve()):
+                self.cache.unpin(hit)
                 break
-            reserved += need
+            reserved += need + growth
             self._waiting.popleft()
             req.row = free_rows.pop(0)
-            req.node = match.node
+            req.hit = hit
             req.state = RequestState.RUNNING
             self._rows[req.row] = req.id
             if req.order < 0:
                 req.order = self._order
                 self._order += 1
             self._prompt_tokens += len(tokens)
-            self._hit_tokens += len(cached) * self.page_size
-            admitted.append((req, cached, tokens))
+            self._hit_tokens += hit.tokens
+            admitted.append(PrefillLane(req.row, hit, tokens, req.key))
         if admitted:
             self._prefill(admitted)
         return len(admitted)
 
-    def _prefill(self, admitted) -> None:
-        """Admit the batch and prefill the uncached tails in fixed-width
-        chunks (one compiled program): the first call also admits."""
-        batch, width, chunk = self.max_seqs, self.max_blocks_per_seq, self.prefill_width
-        rows = np.full((batch,), -1, np.int32)
-        prefix = np.full((batch, width), -1, np.int32)
-        lengths = np.zeros((batch,), np.int32)
-        cached = np.zeros((batch,), np.int32)
-        for lane, (req, blocks, tokens) in enumerate(admitted):
-            rows[lane] = req.row
-            prefix[lane, : len(blocks)] = blocks
-            lengths[lane] = len(tokens)
-            cached[lane] = len(blocks) * self.page_size
-        tails = lengths - cached
-        sampling = self._sampling({lane: req for lane, (req, _, _) in enumerate(admitted)})
-        first = np.zeros((batch,), np.int32)
-        admit_rows = rows
-        for offset in range(0, int(tails.max()), chunk):
-            num_new = np.clip(tails - offset, 0, chunk).astype(np.int32)
-            chunk_rows = np.where(num_new > 0, rows, -1).astype(np.int32)
-            tokens = np.zeros((batch, chunk), np.int32)
-            for lane, (_, _, request_tokens) in enumerate(admitted):
-                piece = request_tokens[cached[lane] + offset: cached[lane] + offset + num_new[lane]]
-                tokens[lane, : len(piece)] = piece
-            host = self.manager.host
-            manager, self.pool, sampled, ok, used = _admit_and_prefill(
-                self.graphdef, self.params, _device_view(self.manager), self.pool, admit_rows, prefix, lengths, chunk_rows,
-                (cached + offset).astype(np.int32), num_new, tokens, sampling, self._next_key())
-            self.manager = manager.replace(host=host)
-            sampled, ok, used = jax.device_get((sampled, ok, used))
-            if not ok:  # the host checked rows and blocks: this is a bug, not memory pressure
-                raise BookkeepingError(
-                    f"engine admission failed: rows {rows[rows >= 0].tolist()} with "
-                    f"{int(sum(ceil_div(int(n), self.page_size) for n in lengths))} blocks "
-                    f"({int((prefix >= 0).sum())} cached), {self._num_free()} of {self.capacity} blocks free")
-            self._update_peak(used)
-            ends_here = (num_new > 0) & (offset + num_new == tails)
-            first = np.where(ends_here, sampled, first)
-            admit_rows = np.full((batch,), -1, np.int32)
+    def _prefill(self, admitted: list[PrefillLane]) -> None:
+        """Admit the batch, prefill it (:meth:`PagedCache.prefill`) and
+        record each request's first token."""
+        reqs = [self._requests[self._rows[lane.row]] for lane in admitted]
+        first, keys, peak = self.cache.prefill(self.graphdef, self.params, admitted,
+                                               self._sampling(dict(enumerate(reqs))))
+        self._update_peak(peak)
         finished = []
-        for lane, (req, _, _) in enumerate(admitted):
+        for lane, req in enumerate(reqs):
             req.generated.append(int(first[lane]))
+            req.key = keys[lane]
             if self._is_done(req):
                 finished.append(req)
         self._retire(finished, final=True)
@@ -671,39 +616,42 @@ class Engine:
         num_generated = np.zeros((batch,), np.int32)
         max_new = np.zeros((batch,), np.int32)
         eos = np.full((batch,), -1, np.int32)
+        keys = [None] * batch
         for row, req in running.items():
             last[row] = req.generated[-1]
             active[row] = True
             num_generated[row] = len(req.generated)
             max_new[row] = req.max_new
             eos[row] = req.eos_id
-        host = self.manager.host
-        state = _decode_chunk(
-            self.graphdef, self.params, _device_view(self.manager), self.pool, last, active, num_generated, max_new, eos,
-            self._sampling(running), self._next_key(), num_steps=self.decode_chunk)
-        self.manager, self.pool = state.manager.replace(host=host), state.pool
-        out, count, finished, ok, blocked, peak = jax.device_get(
-            (state.tokens, state.written, state.finished, state.ok, state.blocked, state.peak_used))
-        still, stalled = ~finished, not ok
-        self._update_peak(peak)
+            keys[row] = req.key
+        result = self.cache.decode(self.graphdef, self.params, last, active, num_generated, max_new, eos,
+                                   self._sampling(running), keys, self.decode_chunk)
+        self._update_peak(result.peak)
         finished = []
         for row, req in running.items():
-            req.generated += out[row, : count[row]].tolist()
-            if not still[row]:
+            req.generated += result.tokens[row, : result.count[row]].tolist()
+            req.key = result.keys[row]
+            if result.finished[row]:
                 finished.append(req)
         self._retire(finished, final=True)
-        if stalled:
-            logger.debug("decode stalled for blocks: rows %s", np.flatnonzero(blocked).tolist())
-            self._relieve([req for row, req in running.items() if blocked[row] and req.state is RequestState.RUNNING])
+        if not result.ok:
+            logger.debug("decode stalled for blocks: rows %s", np.flatnonzero(result.blocked).tolist())
+            self._relieve([req for row, req in running.items()
+                           if result.blocked[row] and req.state is RequestState.RUNNING])
 
     def _relieve(self, blocked: list) -> None:
         """Free blocks for the rows that could not grow: evict the prefix
         cache, then preempt the most recently admitted running requests."""
         if not blocked:
             return
-        running = sum(req.state is RequestState.RUNNING for req in self._requests.values())
-        self._make_room(running * ceil_div(self.decode_chunk, self.page_size))  # eviction only: room for a chunk
-        while blocked and not self._make_room(len(blocked)):
+        # Eviction only: room for every running request's next chunk.
+        self._make_room(self._growth_reserve())
+
+        def need():  # the next token of each blocked row
+            return sum((self.cache.blocks_for(r.kv_len + 1) - self.cache.blocks_for(r.kv_len) for r in blocked),
+                       np.zeros(len(self.cache.groups), np.int64))
+
+        while blocked and not self._make_room(need()):
             running = [req for req in self._requests.values() if req.state is RequestState.RUNNING]
             if not running:
                 return
@@ -712,43 +660,29 @@ class Engine:
             blocked = [req for req in blocked if req is not victim]
 
     def _preempt(self, req: _Request) -> None:
-        if self.host_pool is not None:
-            try:
-                self.manager, self.host_pool = self.manager.swap_out_or_raise(self.pool, self.host_pool, [req.row])
-            except KVCacheOOM:
-                pass
-            else:
-                self.prefix_cache.release(req.node)
-                req.node = None
-                req.state = RequestState.SWAPPED
-                self._swapped.append(req.id)
-                self._swaps += 1
-                logger.debug("request %d swapped out from row %d", req.id, req.row)
-                return
+        if self.cache.can_swap and self.cache.swap_out(req.row):
+            self.cache.unpin(req.hit)
+            req.hit = None
+            req.state = RequestState.SWAPPED
+            self._swapped.append(req.id)
+            self._swaps += 1
+            logger.debug("request %d swapped out from row %d", req.id, req.row)
+            return
         logger.debug("request %d preempted for recomputation (row %d, %d tokens)", req.id, req.row, len(req.tokens))
         self._retire([req], final=False)
         self._recomputes += 1
 
     def _retire(self, reqs: list, *, final: bool) -> None:
-        """Insert the requests' full pages into the prefix cache (the tree
-        increfs the pages it keeps), free their sequences and unpin. ``final``:
-        they are done, else they go back to the front of the queue."""
+        """Give the requests' rows back to the cache (a paged cache first
+        inserts their full pages into the prefix cache) and unpin their
+        prefixes. ``final``: they are done, else they go back to the front
+        of the queue."""
         if not reqs:
             return
-        tables = np.asarray(jax.device_get(self.manager.block_tables))
-        incref = []
+        self.cache.retire([(req.row, req.tokens[: req.kv_len], req.namespace, req.hit) for req in reqs])
         for req in reqs:
-            kv_len = req.kv_len
-            full_pages = kv_len // self.page_size
-            if full_pages:
-                result = self.prefix_cache.insert(req.tokens[:kv_len], tables[req.row, :full_pages].tolist(),
-                                                  req.namespace)
-                incref += result.new_blocks
-        self._device_update(incref=incref, rows=[req.row for req in reqs])
-        for req in reqs:
-            self.prefix_cache.release(req.node)
             self._rows[req.row] = None
-            req.node, req.row = None, -1
+            req.hit, req.row = None, -1
             if final:
                 req.state = RequestState.FINISHED
                 self.outputs[req.id] = list(req.generated)
