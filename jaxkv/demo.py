@@ -1,9 +1,8 @@
 """``python -m jaxkv.demo``: the continuous-batching engine serving a
 synthetic workload with shared prefixes, on a small random-weight Llama by
 default, or ``--model DIR`` for a local Hugging Face checkpoint of any family
-jaxkv serves (prints the generated text with the checkpoint's tokenizer;
-DeepSeek-V4 and Qwen3-Next run through ``generate``, as the engine serves
-paged-pool models, the Llama family and DeepSeek-V3, only for now).
+jaxkv serves, on the same engine (prints the generated text with the
+checkpoint's tokenizer).
 
 The workload: requests arrive over time, each a shared "system prompt" (one
 of four) followed by its own question; the pool is sized so the engine must
@@ -23,7 +22,8 @@ import numpy as np
 from flax import nnx
 
 import jaxkv
-from jaxkv.nn import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, SamplingParams, generate
+from jaxkv._ops import pow2_at_least
+from jaxkv.nn import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, SamplingParams
 from jaxkv.serve import Engine, EngineProgress
 
 __all__ = ["DEMO_CONFIG", "main", "progress_bar", "run_checkpoint", "run_random_model", "synthetic_workload"]
@@ -80,11 +80,10 @@ def run_random_model(num_requests: int) -> None:
 
 
 def run_checkpoint(path: str, prompts: list[str], max_new: int) -> None:
-    """Serve ``prompts`` with the checkpoint at ``path`` (any family of
-    :class:`jaxkv.nn.AutoModelForCausalLM`). Models on the paged pool (Llama
-    family, DeepSeek-V3) run on the engine; a hybrid-cache model
-    (DeepSeek-V4, Qwen3-Next) runs through :func:`jaxkv.nn.generate` (the
-    engine serves paged-pool models only, for now), and the demo says so. Without a ``tokenizer.json`` the prompts
+    """Serve ``prompts`` on the engine with the checkpoint at ``path`` (any
+    family of :class:`jaxkv.nn.AutoModelForCausalLM`: the Llama family and
+    DeepSeek-V3 over the paged pool, DeepSeek-V4 and Qwen3-Next over their
+    hybrid ``KVCacheManager``). Without a ``tokenizer.json`` the prompts
     are read as comma-separated token ids and the output is printed as ids."""
     model = AutoModelForCausalLM.from_pretrained(path)
     tokenizer_file = os.path.join(path, "tokenizer.json")
@@ -97,18 +96,15 @@ def run_checkpoint(path: str, prompts: list[str], max_new: int) -> None:
         print(f"{path} has no tokenizer.json: prompts are token ids (e.g. --prompt 3,17,42), output is ids")
         encode, decode = (lambda text: [int(t) for t in text.split(",")]), (lambda ids: ids)
     eos = model.config.eos_token_id[0] if model.config.eos_token_id else None
-    if hasattr(model, "make_cache"):
-        print(f"{type(model).__name__}: the engine serves paged-pool models (Llama family, DeepSeek-V3) only for "
-              f"now; decoding with jaxkv.nn.generate over its KVCacheManager (prefill, then one jitted loop)")
-        out = generate(model, [encode(text) for text in prompts], max_new, eos_token_id=eos)
-        for text, tokens in zip(prompts, out.tokens):
-            print(f"{text!r} -> {decode(tokens)!r}")
-        state = out.state
-        print(f"{len(prompts)} requests, {sum(map(len, out.tokens))} tokens, peak blocks in use "
-              f"{int(state.peak_used)}, blocks held after the loop {int(state.manager.blocks_in_use)}")
-        return
-    engine = Engine(model, num_pages=512, page_size=16, max_seqs=8, max_blocks_per_seq=64)
-    ids = [engine.add_request(encode(text), max_new, eos_token_id=eos) for text in prompts]
+    encoded = [encode(text) for text in prompts]
+    if hasattr(model, "make_cache"):  # DeepSeek-V4, Qwen3-Next: the hybrid KVCacheManager
+        context = pow2_at_least(max(map(len, encoded)) + max_new)
+        engine = Engine(model, max_seqs=8, max_context_tokens=context)
+    else:  # the paged pool: Llama family, DeepSeek-V3
+        engine = Engine(model, num_pages=512, page_size=16, max_seqs=8, max_blocks_per_seq=64)
+    print(f"{type(model).__name__} on the engine: {list(engine.cache.groups)} block groups, "
+          f"{engine.cache.bytes_per_token:.0f} KV bytes per token")
+    ids = [engine.add_request(tokens, max_new, eos_token_id=eos) for tokens in encoded]
     with progress_bar(len(ids)) as on_progress:
         summary = engine.run(on_progress=on_progress)
     for text, rid in zip(prompts, ids):

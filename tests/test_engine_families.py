@@ -91,3 +91,12 @@ def test_windowed_requests_longer_than_the_pool_run_in_window_memory():
         assert engine.outputs[rid] == generate(model, [prompt], 30, page_size=4).tokens[0]
     assert summary.peak_kv_blocks <= 5 and engine.cache.blocks_in_use() == 0
     assert engine.prefix_cache.device_blocks() == []  # trimmed rows have no prefix left to cache
+
+
+def test_demo_serves_a_hybrid_checkpoint_on_the_engine(capsys):
+    from jaxkv import demo
+
+    demo.main(["--model", os.path.join(FIXTURES, "qwen3_next/small"), "--prompt", "3,17,42", "--max-new-tokens", "2"])
+    out = capsys.readouterr().out
+    assert "Qwen3NextForCausalLM on the engine: ['full'] block groups" in out
+    assert "requests 1 | generated tokens 2" in out
