@@ -85,6 +85,9 @@ def test_arrivals_over_time(model, reference):
     assert summary.generated_tokens == sum(m for _, m in requests.values())
     assert 0 < summary.peak_kv_blocks <= summary.kv_blocks
     assert summary.iterations >= 8  # the last request arrives at step 8
+    for mean, p50, p99 in (summary.ttft, summary.itl):  # latencies: measured, ordered, in the printout
+        assert 0 < p50 <= p99 and 0 < mean <= p99
+    assert "TTFT mean/p50/p99" in str(summary) and "ITL" in str(summary)
     check_blocks(engine)
 
 

@@ -123,6 +123,10 @@ class _Request:
     row: int = -1  # sequence row while RUNNING or SWAPPED, else -1
     hit: object = None  # its pinned prefix hit (PrefixHit) while running
     order: int = -1  # admission order (preemption picks the largest)
+    arrived_at: float | None = None  # wall time when the scheduler first saw it arrived
+    first_token_at: float | None = None
+    last_token_at: float | None = None
+    gaps: list = dataclasses.field(default_factory=list)  # seconds between consecutive tokens
 
     @property
     def tokens(self) -> list:
@@ -170,6 +174,11 @@ class EngineSummary:
     preemption included, with their generated tokens as part of the prompt).
     ``peak_kv_blocks``: most device blocks in use at once (sequences and
     prefix cache together), of ``kv_blocks`` allocatable ones.
+    ``ttft``: time to first token per request (from the iteration in which
+    the scheduler saw it arrive to the end of the call that sampled its
+    first token) and ``itl``: inter-token latency (a decode call's wall time
+    spread evenly over the tokens it gave a request, and the wait across a
+    preemption), each as ``(mean, p50, p99)`` seconds over the run.
     """
 
     requests: int
@@ -184,6 +193,8 @@ class EngineSummary:
     swap_preemptions: int
     recompute_preemptions: int
     iterations: int
+    ttft: tuple[float, float, float] = (0.0, 0.0, 0.0)
+    itl: tuple[float, float, float] = (0.0, 0.0, 0.0)
 
     @property
     def preemptions(self) -> int:
@@ -195,8 +206,21 @@ class EngineSummary:
             f"{self.wall_seconds:.2f} s | {self.tokens_per_second:.1f} tokens/s | "
             f"prefix hit rate {100 * self.prefix_hit_rate:.1f}% ({self.prefix_hit_tokens}/{self.prompt_tokens} tokens) | "
             f"peak KV blocks {self.peak_kv_blocks}/{self.kv_blocks} | "
-            f"preemptions {self.preemptions} (swap {self.swap_preemptions}, recompute {self.recompute_preemptions})"
+            f"preemptions {self.preemptions} (swap {self.swap_preemptions}, recompute {self.recompute_preemptions}) | "
+            f"TTFT mean/p50/p99 {_ms(self.ttft)} ms | ITL mean/p50/p99 {_ms(self.itl)} ms"
         )
+
+
+def _ms(stats) -> str:
+    return "/".join(f"{1000 * x:.1f}" for x in stats)
+
+
+def _latency_stats(values: list) -> tuple[float, float, float]:
+    """``(mean, p50, p99)`` of ``values`` (zeros when empty)."""
+    if not values:
+        return (0.0, 0.0, 0.0)
+    arr = np.asarray(values, np.float64)
+    return (float(arr.mean()), float(np.percentile(arr, 50)), float(np.percentile(arr, 99)))
 
 
 class Engine:
@@ -415,6 +439,7 @@ class Engine:
 
         while unfinished():
             self._iterations += 1
+            self._mark_arrivals()
             progressed = self._resume_swapped()
             if not self._swapped:
                 progressed += self._admit()
@@ -439,7 +464,10 @@ class Engine:
             prefix_hit_tokens=self._hit_tokens,
             prefix_hit_rate=self._hit_tokens / self._prompt_tokens if self._prompt_tokens else 0.0,
             peak_kv_blocks=self._peak, kv_blocks=self.capacity, swap_preemptions=self._swaps,
-            recompute_preemptions=self._recomputes, iterations=self._iterations)
+            recompute_preemptions=self._recomputes, iterations=self._iterations,
+            ttft=_latency_stats([r.first_token_at - r.arrived_at for r in pending if r.arrived_at is not None
+                                 and r.first_token_at is not None and r.first_token_at >= start]),
+            itl=_latency_stats([gap for r in pending for gap in r.gaps]))
         logger.info("engine run done: %s", summary)
         return summary
 
@@ -453,6 +481,28 @@ class Engine:
             iteration=self._iterations)
 
     # ------------------------------------------------------------- helpers
+
+    def _mark_arrivals(self) -> None:
+        """Stamp the wall time at which waiting requests are first seen
+        arrived (the start of their time to first token)."""
+        now = time.perf_counter()
+        for rid in self._waiting:
+            req = self._requests[rid]
+            if req.arrival > self._step:
+                break  # queued in arrival order
+            if req.arrived_at is None:
+                req.arrived_at = now
+
+    def _record_tokens(self, req: _Request, count: int, now: float) -> None:
+        """Latency bookkeeping for ``count`` tokens ``req`` got by ``now``."""
+        if count <= 0:
+            return
+        if req.first_token_at is None:
+            req.first_token_at = req.last_token_at = now
+            count -= 1
+        if count:
+            req.gaps += [(now - req.last_token_at) / count] * count
+            req.last_token_at = now
 
     def _update_peak(self, used=None):
         used = self.cache.blocks_in_use() if used is None else int(used)
@@ -593,10 +643,12 @@ class Engine:
         reqs = [self._requests[self._rows[lane.row]] for lane in admitted]
         first, keys, peak = self.cache.prefill(self.graphdef, self.params, admitted,
                                                self._sampling(dict(enumerate(reqs))))
+        now = time.perf_counter()
         self._update_peak(peak)
         finished = []
         for lane, req in enumerate(reqs):
             req.generated.append(int(first[lane]))
+            self._record_tokens(req, 1, now)
             req.key = keys[lane]
             if self._is_done(req):
                 finished.append(req)
@@ -626,10 +678,12 @@ class Engine:
             keys[row] = req.key
         result = self.cache.decode(self.graphdef, self.params, last, active, num_generated, max_new, eos,
                                    self._sampling(running), keys, self.decode_chunk)
+        now = time.perf_counter()
         self._update_peak(result.peak)
         finished = []
         for row, req in running.items():
             req.generated += result.tokens[row, : result.count[row]].tolist()
+            self._record_tokens(req, int(result.count[row]), now)
             req.key = result.keys[row]
             if result.finished[row]:
                 finished.append(req)
