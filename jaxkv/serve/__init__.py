@@ -3,6 +3,9 @@
 * :class:`Engine`: a host scheduler (admission with prefix-cache hits,
   preemption by swap or recompute) around jitted prefill and multi-step
   decode chunks built from :mod:`jaxkv.nn.steps`.
+* :mod:`jaxkv.serve.caches`: what the engine needs from a model's cache,
+  for the paged pool (:class:`~jaxkv.serve.caches.PagedCache`) and the
+  hybrid ``KVCacheManager`` (:class:`~jaxkv.serve.caches.HybridCache`).
 * :class:`EngineSummary`: what :meth:`Engine.run` did;
   :class:`EngineProgress`: what its ``on_progress`` callback receives;
   :class:`RequestState`: a request's place in its life cycle.

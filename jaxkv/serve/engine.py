@@ -1,5 +1,13 @@
 """A continuous-batching engine: a host scheduler around jitted steps.
 
+The engine schedules; the model's cache (:mod:`jaxkv.serve.caches`) owns the
+device state and the jitted steps: a :class:`~jaxkv.serve.caches.PagedCache`
+(paged pool, prefix cache, swap) for models with ``make_pool``, a
+:class:`~jaxkv.serve.caches.HybridCache` (the model's ``KVCacheManager``;
+recompute preemption, no prefix cache yet) for models with ``make_cache``.
+Blocks are counted per group of the cache (one group for a paged pool);
+what follows says "blocks" for each group's count.
+
 Requests arrive over time (``arrival_step``: the scheduler iteration from
 which a request may be admitted). Each scheduler iteration:
 
