@@ -10,6 +10,7 @@ family: ``test_nn_qwen3_next_dsv3.test_dsv3_runs_on_the_engine``,
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 
@@ -53,14 +54,19 @@ def test_engine_tokens_equal_transformers_under_preemption(name):
     assert summary.recompute_preemptions > 0 and summary.swap_preemptions == 0
     assert summary.generated_tokens == sum(map(len, expected["greedy"]))
     assert 0 < summary.peak_kv_blocks <= summary.kv_blocks == int(engine.cache.capacity.sum())
-    assert engine.cache.blocks_in_use() == 0 and (engine.cache.row_status() == FREE).all()
+    assert engine.cache.blocks_in_use() == _tree_blocks(engine) and (engine.cache.row_status() == FREE).all()
     assert int(engine.manager.slots.num_free) == engine.manager.max_requests
+
+
+def _tree_blocks(engine):
+    """Blocks the prefix cache holds: one reference per cached page per group."""
+    return sum(len(ids) for page in engine.cache._pages.values() for ids in page)
 
 
 def test_hybrid_engine_refuses_what_it_cannot_do():
     model, _ = _fixture("qwen3_next/small")
     for bad, word in [(dict(num_pages=64, max_blocks_per_seq=8), "num_pages"), (dict(kv_dtype="bfloat16"), "kv_dtype"),
-                      (dict(num_host_pages=8), "num_host_pages"), (dict(prefix_cache=True), "prefix_cache")]:
+                      (dict(num_host_pages=8), "num_host_pages")]:
         with pytest.raises(InvalidArgument, match=word):
             Engine(model, max_context_tokens=64, **bad)
     with pytest.raises(InvalidArgument, match="max_context_tokens"):
@@ -100,3 +106,53 @@ def test_demo_serves_a_hybrid_checkpoint_on_the_engine(capsys):
     out = capsys.readouterr().out
     assert "Qwen3NextForCausalLM on the engine: ['full'] block groups" in out
     assert "requests 1 | generated tokens 2" in out
+
+
+# ------------------------------------------------------------------ prefix cache
+
+PREFIX_CASES = {  # fixture -> (shared prompt length, new tokens, blocks per group: room for every cached page)
+    "dsv4/small": (300, 6, {"csa4": 24, "hca16": 24}),  # 128-token blocks: the prompt's boundaries 128, 256
+    "qwen3_next/small": (70, 12, None),  # 16-token pages; its decode crosses 80: the second turn hits there
+}
+
+
+@pytest.mark.parametrize("name", sorted(PREFIX_CASES))
+def test_hybrid_prefix_hits_give_the_cold_tokens(name):
+    """Repeat a prompt, extend it inside its last block, diverge in the
+    middle of a cached node, and a second turn appending to the first turn:
+    every hit gives exactly the tokens of a cold run of the same prompt (the
+    same engine, in a namespace of its own, so nothing is shared), and the
+    hit lengths are the cached boundaries with a snapshot, rounded down."""
+    model, _ = _fixture(name)
+    length, new, num_blocks = PREFIX_CASES[name]
+    engine = Engine(model, max_seqs=2, max_context_tokens=512, decode_chunk=4, prefill_chunk=64, num_snapshots=16,
+                    num_blocks=num_blocks)
+    unit = engine.cache.unit
+    rng = np.random.default_rng()
+    base = rng.integers(1, model.config.vocab_size, length).tolist()
+    fresh = itertools.count()
+
+    def serve(prompts):
+        ids = [engine.add_request(p, new, namespace="shared") for p in prompts]
+        summary = engine.run()
+        cold = [engine.add_request(p, new, namespace=("cold", next(fresh))) for p in prompts]
+        assert engine.run().prefix_hit_tokens == 0
+        for rid, cold_id, p in zip(ids, cold, prompts):
+            assert engine.outputs[rid] == engine.outputs[cold_id], f"{len(p)}-token prompt"
+        return summary, [engine.outputs[rid] for rid in ids]
+
+    first = unit * (length // unit // 2 or 1) + 3  # a shorter prompt: a snapshot inside the later node
+    summary, _ = serve([base[:first]])
+    assert summary.prefix_hit_tokens == 0
+    summary, outputs = serve([base])  # hits the shorter prompt's boundary, caches its own
+    assert summary.prefix_hit_tokens == (first - 1) // unit * unit
+    boundary = (length - 1) // unit * unit
+    diverged = base[: boundary - 1] + rng.integers(1, model.config.vocab_size, 9).tolist()
+    summary, _ = serve([base, base + base[:3], diverged])  # repeat, extend, diverge mid-node
+    assert summary.prefix_hit_tokens == 2 * boundary + (first - 1) // unit * unit
+    turn = base + outputs[0] + rng.integers(1, model.config.vocab_size, 5).tolist()
+    summary, _ = serve([turn])  # the first turn's decode staged a later boundary
+    assert summary.prefix_hit_tokens == (length + new - 1) // unit * unit
+    stats = engine.cache.prefix_stats()
+    assert stats["unit_tokens"] == unit and 0 < stats["cached_snapshots"] <= 16
+    assert engine.cache.blocks_in_use() == _tree_blocks(engine) and (engine.cache.row_status() == FREE).all()

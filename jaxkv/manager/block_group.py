@@ -12,13 +12,16 @@ Invariants (checked by the hybrid manager's tests after every operation):
 
 * ``tables[s, :lens[s]]`` are the blocks slot ``s`` holds, in order, each
   once; ``tables[s, lens[s]:]`` are -1;
-* every held block has exactly one owner (its slot): allocated + free =
-  ``num_blocks - 1`` (block 0 is the null block, never handed out);
+* a held block's ref count is the number of tables naming it plus the
+  references a prefix cache holds (:meth:`BlockGroup.adopt` shares a cached
+  prefix by reference); allocated + free = ``num_blocks - 1`` (block 0 is
+  the null block, never handed out);
 * a failed operation returns the group it was given, unchanged.
 """
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 from flax import struct
 from jaxtyping import Array, Int
@@ -115,14 +118,36 @@ class BlockGroup:
         lens = self.lens.at[target].add(1, mode="drop")
         return self.replace(allocator=allocator, tables=tables, lens=lens), block, ok
 
+    def adopt(self, slots: Ids, blocks: Int[Array, "B M"]) -> tuple["BlockGroup", Ok]:
+        """Put ``blocks[b]`` (-1 padded, leading) at the start of the empty
+        table of ``slots[b]`` (-1: skipped), one more owner each (a cached
+        prefix shared by reference). Fails (unchanged) when a block is not
+        held or the caller's slot is not empty."""
+        num_slots = self.lens.shape[0]
+        slots = jnp.asarray(slots, jnp.int32).reshape(-1)
+        active = slots >= 0
+        rows = jnp.clip(slots, 0, num_slots - 1)
+        width = blocks.shape[1]
+        given = active[:, None] & (blocks >= 0)
+        allocator, ok = self.allocator.incref(jnp.where(given, blocks, -1))
+        ok = ok & jnp.all(~active | (self.lens[rows] == 0)) & (width <= self.max_blocks)
+        target = jnp.where(ok & given, rows[:, None], num_slots)  # out of range: dropped
+        column = jnp.arange(width, dtype=jnp.int32)[None, :]
+        tables = self.tables.at[target, column].set(blocks, mode="drop")
+        lens = self.lens.at[jnp.where(ok & active, rows, num_slots)].set(jnp.sum(given, axis=1), mode="drop")
+        new = self.replace(allocator=allocator, tables=tables, lens=lens)
+        return jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, self), ok
+
     def release_rows(self, slots: Ids) -> tuple["BlockGroup", Ok]:
-        """Return every block of ``slots`` (-1 ignored; distinct, held slots)."""
+        """Drop the owner of every block of ``slots`` (-1 ignored; distinct,
+        held slots) and empty their tables; a block shared with a prefix
+        cache or another slot keeps its other owners."""
         num_slots = self.lens.shape[0]
         rows = jnp.clip(slots, 0, num_slots - 1)
         col = jnp.arange(self.max_blocks, dtype=jnp.int32)[None, :]
         held = (slots[:, None] >= 0) & (col < self.lens[rows][:, None])
         blocks = jnp.where(held, self.tables[rows], -1)
-        allocator, ok = self.allocator.release(blocks, distinct=True)
+        allocator, ok = self.allocator.release(blocks)  # repeats: blocks shared by two released slots
         cleared = jnp.where(slots >= 0, rows, num_slots)  # out of range: dropped
         return self.replace(allocator=allocator, tables=self.tables.at[cleared].set(-1, mode="drop"),
                             lens=self.lens.at[cleared].set(0, mode="drop")), ok

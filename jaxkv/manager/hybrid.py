@@ -102,6 +102,14 @@ class KVCacheManager:
         DeepSeek-V4 layer, then the full, MLA and GDN pools): ``update``
         refuses a handle acquired before the last write-back of its store.
       schemas, config: static.
+      num_snapshots: static; per-request state (SWA and compressor rings,
+        GDN states) has this many extra rows after the slots: snapshot ``i``
+        is state row ``num_slots + i`` (a GDN track slot). See
+        :meth:`copy_state`.
+      capture_every: static; when > 0, every step that leaves slot ``s`` at
+        a multiple of this many tokens copies its state into snapshot
+        ``s - 1`` (its staging snapshot; :meth:`capture`), so a prefix cache
+        can keep the state at the last such boundary.
     """
 
     slots: BlockAllocator
@@ -114,11 +122,14 @@ class KVCacheManager:
     write_epochs: Int[Array, " stores"]
     schemas: tuple[LayerCacheSchema, ...] = struct.field(pytree_node=False)
     config: HybridConfig = struct.field(pytree_node=False)
+    num_snapshots: int = struct.field(pytree_node=False, default=0)
+    capture_every: int = struct.field(pytree_node=False, default=0)
 
     @classmethod
     def create(cls, config: HybridConfig, schedule: list[LayerSpec], max_concurrent_requests: int, *,
                max_context_tokens: int = 131072, num_blocks: dict[str, int] | None = None,
-               kv_bytes: int | None = None, max_track_slots: int = 0) -> "KVCacheManager":
+               kv_bytes: int | None = None, max_track_slots: int = 0, num_snapshots: int = 0,
+               capture_every: int = 0) -> "KVCacheManager":
         """A manager with every slot free and every state initial.
 
         Blocks per group (null block included): ``num_blocks[name]`` for the
@@ -127,12 +138,18 @@ class KVCacheManager:
         :func:`~jaxkv.manager.hybrid_schema.block_budget` from ``kv_bytes``
         or from ``max_context_tokens`` x ``max_concurrent_requests``, as if
         none were given. Block tables hold ``max_context_tokens`` per
-        request. Raises ``InvalidArgument`` for a group name the schedule
-        does not have.
+        request. ``num_snapshots`` extra state rows (see the fields; the GDN
+        pool gets at least that many track slots) and ``capture_every``
+        (needs a staging snapshot per slot: ``num_snapshots >=
+        max_concurrent_requests``). Raises ``InvalidArgument`` for a group
+        name the schedule does not have.
         """
         if max_concurrent_requests < 1 or max_context_tokens < 1:
             raise InvalidArgument(f"max_concurrent_requests={max_concurrent_requests} and "
                                   f"max_context_tokens={max_context_tokens} must be >= 1")
+        if num_snapshots < 0 or capture_every < 0 or (capture_every and num_snapshots < max_concurrent_requests):
+            raise InvalidArgument(f"num_snapshots={num_snapshots}, capture_every={capture_every}: both >= 0, and "
+                                  f"capturing needs a staging snapshot per slot ({max_concurrent_requests})")
         schemas = build_schemas(schedule, config)
         names = list(dict.fromkeys(s.group for s in schemas if s.group is not None))
         given = dict(num_blocks or {})
@@ -155,7 +172,7 @@ class KVCacheManager:
                 max_blocks = ceil_div(max_context_tokens, s.tokens_per_block)
                 groups[s.group] = BlockGroup.create(num_blocks[s.group], num_slots, max_blocks,
                                                     s.tokens_per_entry, s.entries_per_block)
-        layers = tuple(_layer_cache(s, num_slots, num_blocks.get(s.group, 0)) for s in schemas)
+        layers = tuple(_layer_cache(s, num_slots + num_snapshots, num_blocks.get(s.group, 0)) for s in schemas)
         count = {k: sum(s.kind == k for s in schemas) for k in AttentionKind}
         full_pool = mla_pool = gdn = None
         if count[AttentionKind.FULL]:
@@ -171,12 +188,12 @@ class KVCacheManager:
                                  config.linear_head_k_dim, config.linear_head_v_dim,
                                  conv_kernel_size=config.linear_conv_kernel,
                                  num_k_heads=config.linear_num_k_heads, dtype=config.linear_dtype,
-                                 max_track_slots=max_track_slots)
+                                 max_track_slots=max(max_track_slots, num_snapshots))
         return cls(slots=BlockAllocator.create(num_slots, lowest_first=True),
                    seq_lens=jnp.zeros((num_slots,), jnp.int32), groups=groups, layers=layers,
                    full_pool=full_pool, mla_pool=mla_pool, gdn=gdn,
                    write_epochs=jnp.zeros((len(schemas) + len(_SHARED_STORES),), jnp.int32),
-                   schemas=schemas, config=config)
+                   schemas=schemas, config=config, num_snapshots=num_snapshots, capture_every=capture_every)
 
     # ---------------------------------------------------------------- facts
 
@@ -250,12 +267,93 @@ class KVCacheManager:
 
     def _reset(self, ids) -> "KVCacheManager":
         """Initial per-request state for ``ids`` (-1 entries skipped)."""
-        targets = jnp.where(ids >= 0, ids, self.num_slots)  # out of range: dropped
+        targets = jnp.where(ids >= 0, ids, self.num_slots + self.num_snapshots)  # out of range: dropped
         layers = tuple(None if c is None else c.reset(targets) for c in self.layers)
         gdn = self.gdn
         if gdn is not None:
             gdn, _ = gdn.reset_states(jnp.where(ids >= 0, ids, -1))
         return self.replace(seq_lens=self.seq_lens.at[targets].set(0, mode="drop"), layers=layers, gdn=gdn)
+
+    # ---------------------------------------------------------------- prefix sharing
+
+    def copy_state(self, src, dst) -> "KVCacheManager":
+        """State row ``dst[i] <- src[i]`` in every layer (SWA and compressor
+        rings, GDN conv and recurrent states): a slot into a snapshot row
+        (``num_slots + i``) or back. Pairs with -1 on either side are
+        skipped; rows are ``1 .. num_slots + num_snapshots - 1`` (checked by
+        the caller: an out-of-range row is dropped); destinations distinct.
+        Blocks and ``seq_lens`` are not state rows: see :meth:`attach_prefix`."""
+        src = jnp.asarray(src, jnp.int32).reshape(-1)
+        dst = jnp.asarray(dst, jnp.int32).reshape(-1)
+        rows = self.num_slots + self.num_snapshots
+        pair = (src >= 1) & (src < rows) & (dst >= 1) & (dst < rows)
+        source = jnp.where(pair, src, 0)
+        target = jnp.where(pair, dst, rows)  # out of range: dropped
+        layers = tuple(None if c is None else c.copy_rows(source, target) for c in self.layers)
+        gdn = self.gdn
+        if gdn is not None:
+            gdn, _ = gdn.copy_states(jnp.where(pair, src, -1), jnp.where(pair, dst, -1))
+        return self.replace(layers=layers, gdn=gdn)
+
+    def capture(self, slots, advanced) -> "KVCacheManager":
+        """With ``capture_every`` > 0: copy the state of every slot of
+        ``slots`` that ``advanced`` this step and now holds a multiple of
+        ``capture_every`` tokens into its staging snapshot ``slot - 1``
+        (skipped entirely when no row is on a boundary). A no-op otherwise."""
+        if not self.capture_every:
+            return self
+        slots = jnp.asarray(slots, jnp.int32).reshape(-1)
+        lens = self.seq_lens[jnp.clip(slots, 0, self.num_slots - 1)]
+        on_boundary = (slots >= 1) & advanced & (lens > 0) & (lens % self.capture_every == 0)
+        src = jnp.where(on_boundary, slots, -1)
+        dst = jnp.where(on_boundary, self.num_slots + slots - 1, -1)
+        return jax.lax.cond(jnp.any(on_boundary), lambda m: m.copy_state(src, dst), lambda m: m, self)
+
+    def attach_prefix(self, slots, blocks: dict, num_tokens, snapshots) -> tuple["KVCacheManager", Ok]:
+        """Start admitted, empty slots from a cached prefix: ``blocks[g]``
+        ``[B, M]`` (-1 padded) become the first entries of slot ``slots[b]``'s
+        table in group ``g`` (one more owner each: the cache keeps its own),
+        ``seq_lens`` becomes ``num_tokens[b]`` and the state rows of snapshot
+        ``snapshots[b]`` are copied into the slot. ``slots`` -1: skipped.
+        All or nothing: fails (unchanged) when a slot is not held or not
+        empty, or a block is not held."""
+        slots = jnp.asarray(slots, jnp.int32).reshape(-1)
+        active = slots >= 1
+        rows = jnp.clip(slots, 0, self.num_slots - 1)
+        held = self.slots.ref_count(jnp.where(active, slots, 0)) > 0
+        ok = jnp.all(~active | (held & (self.seq_lens[rows] == 0))) & ids_distinct(slots, active, self.num_slots)
+        groups = {}
+        for name, group in self.groups.items():
+            groups[name], group_ok = group.adopt(jnp.where(ok & active, slots, -1), blocks[name])
+            ok = ok & group_ok
+        groups = where_ok(ok, groups, self.groups)
+        seq_lens = self.seq_lens.at[jnp.where(ok & active, rows, self.num_slots)].set(num_tokens, mode="drop")
+        out = self.replace(groups=groups, seq_lens=seq_lens)
+        snapshots = jnp.asarray(snapshots, jnp.int32).reshape(-1)
+        src = jnp.where(ok & active & (snapshots >= 0), self.num_slots + snapshots, -1)
+        return out.copy_state(src, jnp.where(src >= 0, slots, -1)), ok
+
+    def incref_blocks(self, blocks: dict) -> tuple["KVCacheManager", Ok]:
+        """One more owner of each id of ``blocks[g]`` (any shape, -1 ignored)
+        in group ``g``: a prefix cache taking its own reference."""
+        ok = jnp.bool_(True)
+        groups = dict(self.groups)
+        for name, ids in blocks.items():
+            allocator, group_ok = groups[name].allocator.incref(ids)
+            groups[name] = groups[name].replace(allocator=allocator)
+            ok = ok & group_ok
+        return self.replace(groups=where_ok(ok, groups, self.groups)), ok
+
+    def release_blocks(self, blocks: dict) -> tuple["KVCacheManager", Ok]:
+        """Drop one owner of each id of ``blocks[g]`` (-1 ignored): a
+        block with no owner left returns to its group's free blocks."""
+        ok = jnp.bool_(True)
+        groups = dict(self.groups)
+        for name, ids in blocks.items():
+            allocator, group_ok = groups[name].allocator.release(ids)
+            groups[name] = groups[name].replace(allocator=allocator)
+            ok = ok & group_ok
+        return self.replace(groups=where_ok(ok, groups, self.groups)), ok
 
     def reserve(self, slots, num_new, *, max_new_tokens: int = 1
                 ) -> tuple["KVCacheManager", Int[Array, " B"], Ok]:

@@ -490,12 +490,14 @@ class DeepseekV4ForCausalLM(nnx.Module):
     # ---------------------------------------------------------------- cache
 
     def make_cache(self, max_requests: int, max_context_tokens: int, *, entry_format: str = "lossless",
-                   num_blocks: dict[str, int] | None = None, kv_bytes: int | None = None) -> KVCacheManager:
+                   num_blocks: dict[str, int] | None = None, kv_bytes: int | None = None, num_snapshots: int = 0,
+                   capture_every: int = 0) -> KVCacheManager:
         """A :class:`~jaxkv.KVCacheManager` for this model: ``max_requests``
         slots, block tables of ``max_context_tokens`` tokens, entries in
         ``entry_format`` (``"lossless"``: the compute dtype, exact;
-        ``"fp8"``: DeepSeek-V4's). Blocks per group as in
-        ``KVCacheManager.create`` (default: every request at full length)."""
+        ``"fp8"``: DeepSeek-V4's). Blocks per group, ``num_snapshots`` and
+        ``capture_every`` as in ``KVCacheManager.create`` (default: every
+        request at full length, no snapshots)."""
         c = self.config
         fmt, index_fmt = entry_formats(c, entry_format, self.dtype)
         schedule = [LayerSpec(i, _KINDS[t], c.compress_rate(i)) for i, t in enumerate(c.layer_types)]
@@ -503,7 +505,8 @@ class DeepseekV4ForCausalLM(nnx.Module):
                               index_topk=c.index_topk, csa_overlap=2, hca_overlap=1, index_format=index_fmt,
                               num_query_heads=c.num_attention_heads)
         return KVCacheManager.create(hybrid, schedule, max_requests, max_context_tokens=max_context_tokens,
-                                     num_blocks=num_blocks, kv_bytes=kv_bytes)
+                                     num_blocks=num_blocks, kv_bytes=kv_bytes, num_snapshots=num_snapshots,
+                                     capture_every=capture_every)
 
     def _check_cache(self, manager: KVCacheManager) -> None:
         c = self.config

@@ -327,15 +327,17 @@ class Qwen3NextForCausalLM(nnx.Module):
 
     def make_cache(self, max_requests: int, max_context_tokens: int, *, entry_format: str = "lossless",
                    num_blocks: dict[str, int] | None = None, kv_bytes: int | None = None,
-                   page_size: int = 16, max_track_slots: int = 0) -> KVCacheManager:
+                   page_size: int = 16, max_track_slots: int = 0, num_snapshots: int = 0,
+                   capture_every: int = 0) -> KVCacheManager:
         """A :class:`~jaxkv.KVCacheManager` for this model: full-attention K/V
         in pages of ``page_size`` (``entry_format`` ``"lossless"``: the
         compute dtype; ``"fp8"``: float8_e4m3fn with per-token scales), GDN
         states per request slot (conv state in the compute dtype, recurrent
-        state float32), ``max_track_slots`` snapshot slots."""
+        state float32), ``max_track_slots`` snapshot slots; ``num_snapshots``
+        and ``capture_every`` as in ``KVCacheManager.create``."""
         return cache_for(self.config, max_requests, max_context_tokens, dtype=self.dtype, entry_format=entry_format,
                          num_blocks=num_blocks, kv_bytes=kv_bytes, page_size=page_size,
-                         max_track_slots=max_track_slots)
+                         max_track_slots=max_track_slots, num_snapshots=num_snapshots, capture_every=capture_every)
 
     def _check_cache(self, manager: KVCacheManager) -> None:
         c = self.config
@@ -459,7 +461,8 @@ class Qwen3NextForCausalLM(nnx.Module):
 
 def cache_for(config: Qwen3NextConfig, max_requests: int, max_context_tokens: int, *, dtype=_F32,
               entry_format: str = "lossless", num_blocks: dict[str, int] | None = None, kv_bytes: int | None = None,
-              page_size: int = 16, max_track_slots: int = 0) -> KVCacheManager:
+              page_size: int = 16, max_track_slots: int = 0, num_snapshots: int = 0,
+              capture_every: int = 0) -> KVCacheManager:
     """The cache of :meth:`Qwen3NextForCausalLM.make_cache` from the config
     alone (no weights: sizing a real model costs nothing)."""
     if entry_format not in ("lossless", "fp8"):
@@ -474,4 +477,5 @@ def cache_for(config: Qwen3NextConfig, max_requests: int, max_context_tokens: in
                           linear_conv_kernel=c.linear_conv_kernel_dim, linear_dtype=dtype,
                           num_query_heads=c.num_attention_heads)
     return KVCacheManager.create(hybrid, schedule, max_requests, max_context_tokens=max_context_tokens,
-                                 num_blocks=num_blocks, kv_bytes=kv_bytes, max_track_slots=max_track_slots)
+                                 num_blocks=num_blocks, kv_bytes=kv_bytes, max_track_slots=max_track_slots,
+                                 num_snapshots=num_snapshots, capture_every=capture_every)

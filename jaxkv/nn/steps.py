@@ -111,6 +111,7 @@ def hybrid_prefill_chunk(graphdef, params, manager: KVCacheManager, slots: Int[A
     model = nnx.merge(graphdef, params)
     logits, manager = model(tokens, manager, jnp.where(ok, slots, -1), jnp.maximum(starts, 0),
                             jnp.where(ok, num_new, 0))
+    manager = manager.capture(slots, ok & (num_new > 0))  # a boundary snapshot, if the manager keeps them
     last = jnp.take_along_axis(logits, jnp.maximum(num_new - 1, 0)[:, None, None], axis=1)[:, 0]
     return manager, last, ok
 

@@ -109,6 +109,22 @@ class CompressedLayerCache:
                           index_score=jnp.full(ring + (index_compressor_width,), -jnp.inf, jnp.float32))
         return cls(swa=swa, **fields)
 
+    def copy_rows(self, source: Int[Array, " n"], target: Int[Array, " n"]) -> "CompressedLayerCache":
+        """Per-request rows ``target[i] <- source[i]`` (SWA ring and
+        compressor rings; out-of-range targets dropped). All sources are read
+        before any target is written."""
+        def copy(arr):
+            return arr.at[target].set(arr[source], mode="drop")
+
+        def copy_entries(entries):
+            return entries.replace(nope=copy(entries.nope), scales=copy(entries.scales), rope=copy(entries.rope))
+
+        out = self.replace(swa=copy_entries(self.swa))
+        for name in ("comp_kv", "comp_score", "index_kv", "index_score"):
+            if getattr(self, name) is not None:
+                out = out.replace(**{name: copy(getattr(self, name))})
+        return out
+
     def reset(self, targets: Int[Array, " n"]) -> "CompressedLayerCache":
         """Initial state for slots ``targets`` (out-of-range entries dropped)."""
         def zero_rows(entries):

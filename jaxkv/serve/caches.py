@@ -39,6 +39,7 @@ on its own key alone (see :meth:`jaxkv.serve.Engine.add_request`'s ``seed``).
 from __future__ import annotations
 
 import dataclasses
+import math
 from functools import partial
 
 import jax
@@ -64,11 +65,13 @@ __all__ = ["DecodeResult", "HybridCache", "PagedCache", "PrefixHit", "PrefillLan
 class PrefixHit:
     """What a cached prefix is made of: ``tokens`` served from the cache,
     ``blocks`` (one list per group) that go at the start of the request's
-    tables, and the pinned tree ``node`` (None: no prefix cache)."""
+    tables, the pinned tree ``node`` (None: no prefix cache) and, for a
+    hybrid cache, the ``snapshot`` of the per-request state at ``tokens``."""
 
     tokens: int
     blocks: tuple[list, ...]
     node: object = None
+    snapshot: int = -1  # hybrid cache: the cached snapshot holding the state at ``tokens``
 
     def block_counts(self) -> np.ndarray:
         return np.asarray([len(b) for b in self.blocks], np.int64)
@@ -78,12 +81,14 @@ class PrefixHit:
 class PrefillLane:
     """One admitted request in a prefill batch: its sequence ``row``, its
     prefix ``hit``, every token it holds (``tokens``: prompt, plus the tokens
-    generated before a recompute preemption) and its PRNG key data."""
+    generated before a recompute preemption), its PRNG key data and its
+    prefix-cache namespace."""
 
     row: int
     hit: PrefixHit
     tokens: list
     key: np.ndarray
+    namespace: object = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -157,6 +162,10 @@ _retire_paged = jax.jit(BlockSpaceManager.retire)
 _admit_hybrid = jax.jit(lambda manager, n, max_n: manager.admit(n, max_n=max_n), static_argnums=(2,),
                         donate_argnums=(0,))
 _release_hybrid = jax.jit(KVCacheManager.release, donate_argnums=(0,))
+_attach_prefix = jax.jit(KVCacheManager.attach_prefix, donate_argnums=(0,))
+_copy_state = jax.jit(KVCacheManager.copy_state, donate_argnums=(0,))
+_incref_blocks = jax.jit(KVCacheManager.incref_blocks, donate_argnums=(0,))
+_release_blocks = jax.jit(KVCacheManager.release_blocks, donate_argnums=(0,))
 
 
 # The jitted steps never touch host blocks (they free only ON_DEVICE rows; swaps
@@ -192,32 +201,51 @@ class _Cache:
 
     def prefill(self, graphdef, params, lanes: list[PrefillLane], sampling: RowSampling):
         """Admit ``lanes`` (lane ``i`` of the batch) and prefill their
-        uncached tails in fixed-width chunks (one compiled program per
-        width). Returns ``(first tokens [n], key data [n, ...], peak blocks
-        in use)``; raises ``BookkeepingError`` when the device refuses what
-        the engine checked (a bug, not memory pressure)."""
+        uncached tails in chunks of at most ``prefill_width`` tokens (one
+        compiled program), cut also where :meth:`_cuts` asks. Returns
+        ``(first tokens [n], key data [n, ...], peak blocks in use)``; raises
+        ``BookkeepingError`` when the device refuses what the engine checked
+        (a bug, not memory pressure)."""
         batch, width = self.max_seqs, self.prefill_width
-        lengths = np.asarray([len(lane.tokens) for lane in lanes] + [0] * (batch - len(lanes)), np.int32)
-        cached = np.asarray([lane.hit.tokens for lane in lanes] + [0] * (batch - len(lanes)), np.int32)
-        tails = lengths - cached
+        pieces = [self._pieces(lane) for lane in lanes]
         keys = self._keys([lane.key for lane in lanes])
         first = np.zeros((batch,), np.int32)
         new_keys = np.asarray(jax.random.key_data(keys))
         peak = 0
         self._begin_prefill(lanes)
-        for offset in range(0, int(tails.max()), width):
-            num_new = np.clip(tails - offset, 0, width).astype(np.int32)
+        for k in range(max(map(len, pieces))):
+            starts = np.zeros((batch,), np.int32)
+            num_new = np.zeros((batch,), np.int32)
             tokens = np.zeros((batch, width), np.int32)
             for i, lane in enumerate(lanes):
-                piece = lane.tokens[cached[i] + offset: cached[i] + offset + num_new[i]]
-                tokens[i, : len(piece)] = piece
-            sampled, chunk_keys, used = self._prefill_call(graphdef, params, lanes, offset == 0, cached + offset,
-                                                           num_new, tokens, sampling, keys)
+                if k < len(pieces[i]):
+                    starts[i], end = pieces[i][k]
+                    num_new[i] = end - starts[i]
+                    tokens[i, : num_new[i]] = lane.tokens[starts[i]:end]
+            sampled, chunk_keys, used = self._prefill_call(graphdef, params, lanes, k == 0, starts, num_new, tokens,
+                                                           sampling, keys)
             peak = max(peak, used)
-            ends_here = (num_new > 0) & (offset + num_new == tails)
+            ends_here = np.asarray([k == len(p) - 1 for p in pieces] + [False] * (batch - len(lanes)))
             first = np.where(ends_here, sampled, first)
             new_keys = np.where(ends_here.reshape(-1, *([1] * len(self._key_shape))), chunk_keys, new_keys)
         return first[: len(lanes)], new_keys[: len(lanes)], peak
+
+    def _pieces(self, lane: PrefillLane) -> list[tuple[int, int]]:
+        """``(start, end)`` token ranges prefilled in order: from the hit to
+        the end, at most ``prefill_width`` each, also cut at :meth:`_cuts`."""
+        ends = sorted({*range(lane.hit.tokens + self.prefill_width, len(lane.tokens), self.prefill_width),
+                       *(c for c in self._cuts(lane) if lane.hit.tokens < c < len(lane.tokens)), len(lane.tokens)})
+        pieces, start = [], lane.hit.tokens
+        for end in ends:
+            while end - start > self.prefill_width:  # a cut shifted the grid: keep every piece within the width
+                pieces.append((start, start + self.prefill_width))
+                start += self.prefill_width
+            pieces.append((start, end))
+            start = end
+        return pieces
+
+    def _cuts(self, lane: PrefillLane) -> list[int]:
+        return []
 
     def decode(self, graphdef, params, last, active, num_generated, max_new, eos_id, sampling: RowSampling,
                key_data: list, num_steps: int) -> DecodeResult:
@@ -414,30 +442,78 @@ class HybridCache(_Cache):
     SWA/CSA/HCA layers, Qwen3-Next's full-attention group and Gated DeltaNet
     state): one group per block group of the manager. Preemption is by
     recomputation (``can_swap`` False: the per-request rings and recurrent
-    state have no host copy yet); no prefix cache."""
+    state have no host copy yet).
+
+    **Prefix cache.** A cached prefix ends on a boundary where every layer's
+    state is known: a multiple of ``unit`` tokens (the least common multiple
+    of the groups' block sizes: one 128-token compression block for
+    DeepSeek-V4, one page for Qwen3-Next), where every group's blocks before
+    it are complete and shareable by reference. What cannot be shared by
+    reference (SWA window, compressor and indexer rings, GDN states) is a
+    *snapshot*: a copy of the request's state rows taken at that boundary.
+
+    * Capture: every step that leaves a row on a multiple of ``unit`` copies
+      its state into the row's staging snapshot (on device, inside the
+      jitted prefill and decode; ``KVCacheManager.capture``); the host knows
+      which boundary that was (``_staged[row]``).
+    * Insert (when a request retires, finished or preempted): its pages up
+      to the staged boundary go into a radix tree of ``unit``-token pages
+      (:class:`~jaxkv.prefix.PrefixCacheManager`; a tree page is a handle
+      naming each group's blocks for those tokens, which the tree holds one
+      reference to), and the staging snapshot is copied into a free cached
+      snapshot keyed by the handle of the boundary's page.
+    * Hit: the longest cached prefix (at most ``len - 1`` tokens) rounded
+      down to the last page that has a snapshot; its blocks go at the start
+      of the new request's tables by reference, the snapshot is copied into
+      its slot, and prefill starts there.
+    * Eviction: least recently used tree pages first (pins respected); a
+      page's blocks lose the tree's reference and its snapshot is freed with
+      it. Cached snapshots are a pool of their own (``num_snapshots``), so
+      running requests' blocks never push cached prefixes out and snapshot
+      retention is separate from block allocation: when a retiring request
+      finds no free snapshot, the least recently used cached page that holds
+      one is evicted for it.
+    """
 
     can_swap = False
-    prefix_cache = None
 
     def __init__(self, model, *, max_seqs: int, max_context_tokens: int, num_blocks: dict | None,
-                 entry_format: str, prefill_chunk: int):
+                 entry_format: str, prefill_chunk: int, prefix_cache: bool = True, num_snapshots: int | None = None):
         self.max_seqs = max_seqs
         self.max_context_tokens = max_context_tokens
         self.prefill_width = min(pow2_at_least(prefill_chunk), pow2_at_least(max_context_tokens))
+        probe = jax.eval_shape(lambda: model.make_cache(1, max_context_tokens, entry_format=entry_format,
+                                                        num_blocks=num_blocks))  # static sizes only
+        block_sizes = [g.tokens_per_block for g in probe.groups.values()]
+        self.unit = math.lcm(*block_sizes) if block_sizes else 1
+        cached = (2 * max_seqs if num_snapshots is None else num_snapshots) if prefix_cache else 0
+        self.num_cached_snapshots = cached
         self.manager = model.make_cache(max_seqs, max_context_tokens, entry_format=entry_format,
-                                        num_blocks=num_blocks)
+                                        num_blocks=num_blocks, num_snapshots=max_seqs + cached if cached else 0,
+                                        capture_every=self.unit if cached else 0)
         self.pool = None
         groups = self.manager.groups
         self.groups = tuple(groups)
         self.capacity = np.asarray([g.allocator.capacity for g in groups.values()], np.int64)
         self._per_block = [(g.tokens_per_entry, g.entries_per_block) for g in groups.values()]
+        self._blocks_per_page = [self.unit // g.tokens_per_block for g in groups.values()]
         config = self.manager.config
         self.bytes_per_token = sum(block_bytes(s, config) / s.tokens_per_block
                                    for s in self.manager.schemas if s.group is not None)
-        # What cannot be shared per token: rings, windows, recurrent state.
+        # What cannot be shared per token: rings, windows, recurrent state (and tables), per state row.
         self.state_bytes_per_request = (self.manager.memory_bytes() - sum(
             block_bytes(s, config) * int(self.capacity[self.groups.index(s.group)] + 1)
-            for s in self.manager.schemas if s.group is not None)) / (max_seqs + 1)
+            for s in self.manager.schemas if s.group is not None)) / (max_seqs + 1 + self.manager.num_snapshots)
+        self.prefix_cache = PrefixCacheManager(self.unit, disable=not cached)
+        self._pages: dict[int, tuple] = {}  # tree page handle -> (blocks of each group)
+        self._snapshot_of: dict[int, int] = {}  # tree page handle -> cached snapshot index
+        self._free_snapshots = list(range(max_seqs, max_seqs + cached))
+        self._next_handle = 1
+        self._staged = [0] * max_seqs  # per row: the boundary its staging snapshot holds (0: none)
+        self._lens = [0] * max_seqs  # per row: tokens in the cache (for the host's capture bookkeeping)
+        self.snapshots_taken = self.snapshots_evicted = 0
+
+    # ---------------------------------------------------------------- blocks
 
     def free_blocks(self) -> np.ndarray:
         return np.asarray(jax.device_get([g.allocator.num_free for g in self.manager.groups.values()]), np.int64)
@@ -458,24 +534,116 @@ class HybridCache(_Cache):
         return (f"max_context_tokens={self.max_context_tokens} per row; the groups have "
                 f"{self.capacity.tolist()} blocks")
 
+    # ---------------------------------------------------------------- prefix
+
+    def prefix_stats(self) -> dict:
+        """Metrics of the prefix cache: the hit unit (tokens), pages and
+        snapshots held, snapshots taken / evicted, the tree's counters."""
+        return dict(unit_tokens=self.unit, cached_pages=len(self._pages), cached_snapshots=len(self._snapshot_of),
+                    snapshot_capacity=self.num_cached_snapshots, snapshot_bytes=self.state_bytes_per_request,
+                    snapshots_taken=self.snapshots_taken, snapshots_evicted=self.snapshots_evicted,
+                    tree=self.prefix_cache.stats())
+
     def match(self, tokens: list, namespace) -> PrefixHit:
-        return PrefixHit(0, tuple([] for _ in self.groups))
+        """The cached prefix of ``tokens`` (at most ``len - 1`` tokens) rounded
+        down to its last page with a snapshot; its node pinned until
+        :meth:`unpin`. ``blocks[g]``: group ``g``'s blocks of the hit."""
+        empty = PrefixHit(0, tuple([] for _ in self.groups))
+        if self.prefix_cache.disable:
+            return empty
+        match = self.prefix_cache.match(tokens, namespace, max_tokens=len(tokens) - 1)
+        handles = list(match.blocks)
+        while handles and handles[-1] not in self._snapshot_of:
+            handles.pop()
+        if not handles:
+            return empty
+        self.prefix_cache.pin(match.node)
+        blocks = tuple([b for h in handles for b in self._pages[h][g]] for g in range(len(self.groups)))
+        return PrefixHit(len(handles) * self.unit, blocks, match.node, snapshot=self._snapshot_of[handles[-1]])
 
     def unpin(self, hit) -> None:
-        pass
+        if hit is not None and hit.node is not None:
+            self.prefix_cache.release(hit.node)
 
     def evict(self, shortfall: np.ndarray) -> None:
-        pass
+        """Evict least recently used tree pages until each group has gained
+        ``shortfall`` blocks of references back (or nothing is evictable)."""
+        pages = max((ceil_div(int(n), per) for n, per in zip(shortfall, self._blocks_per_page) if n > 0), default=0)
+        if pages and self.prefix_cache.evictable_blocks:
+            self._drop_pages(self.prefix_cache.evict(pages).blocks)
+
+    def _drop_pages(self, handles: list) -> None:
+        """Release the tree's reference to the blocks of ``handles`` and free
+        their snapshots (one device call)."""
+        if not handles:
+            return
+        release = {name: [] for name in self.groups}
+        for h in handles:
+            for name, ids in zip(self.groups, self._pages.pop(h)):
+                release[name] += ids
+            if h in self._snapshot_of:
+                self._free_snapshots.append(self._snapshot_of.pop(h))
+                self.snapshots_evicted += 1
+        self._block_call(_release_blocks, release, "releasing evicted prefix blocks")
+
+    def _block_call(self, fn, blocks: dict, what: str) -> None:
+        width = pow2_at_least(max(len(ids) for ids in blocks.values()))
+        padded = {name: _fixed(ids, width) for name, ids in blocks.items()}
+        self.manager, ok = fn(self.manager, padded)
+        if not bool(ok):
+            raise BookkeepingError(f"{what} was refused: {blocks}")
+
+    def _snapshot_for(self) -> int | None:
+        """A free cached snapshot, evicting the least recently used cached
+        pages until one frees (None: every snapshot is pinned)."""
+        while not self._free_snapshots and self.prefix_cache.evictable_blocks:
+            self._drop_pages(self.prefix_cache.evict(1).blocks)
+        return self._free_snapshots.pop() if self._free_snapshots else None
+
+    # ---------------------------------------------------------------- steps
 
     def _begin_prefill(self, lanes: list[PrefillLane]) -> None:
-        """Take the lanes' request slots: the lowest free ones, which must be
-        their rows + 1 (the engine gives out the lowest free rows)."""
+        """Take the lanes' request slots (the lowest free ones, which must be
+        their rows + 1: the engine gives out the lowest free rows) and start
+        the hits from their cached prefixes."""
         self.manager, slots, ok = _admit_hybrid(self.manager, len(lanes), self.max_seqs)
         slots, ok = jax.device_get((slots, ok))
         want = [lane.row + 1 for lane in lanes]
         if not ok or slots[: len(lanes)].tolist() != want:
             raise BookkeepingError(f"hybrid admission gave slots {slots[: len(lanes)].tolist()} (ok={bool(ok)}) "
                                    f"for rows {[lane.row for lane in lanes]}, which need slots {want}")
+        for lane in lanes:
+            self._lens[lane.row] = lane.hit.tokens
+            self._staged[lane.row] = 0
+        hits = [lane for lane in lanes if lane.hit.tokens]
+        if not hits:
+            return
+        batch = self.max_seqs
+        width = max(1, max(len(lane.hit.blocks[g]) for lane in hits for g in range(len(self.groups))))
+        blocks = {name: np.full((batch, width), -1, np.int32) for name in self.groups}
+        slots, tokens, snapshots = np.full(batch, -1, np.int32), np.zeros(batch, np.int32), np.full(batch, -1, np.int32)
+        for i, lane in enumerate(hits):
+            slots[i], tokens[i], snapshots[i] = lane.row + 1, lane.hit.tokens, lane.hit.snapshot
+            for g, name in enumerate(self.groups):
+                blocks[name][i, : len(lane.hit.blocks[g])] = lane.hit.blocks[g]
+        self.manager, ok = _attach_prefix(self.manager, slots, blocks, tokens, snapshots)
+        if not bool(ok):
+            raise BookkeepingError(f"attaching cached prefixes to rows {[lane.row for lane in hits]} was refused")
+
+    def _cuts(self, lane: PrefillLane) -> list[int]:
+        """The last boundary before the prompt's last token: a chunk ends
+        there, so its snapshot is staged and a repeat of the prompt hits."""
+        return [(len(lane.tokens) - 1) // self.unit * self.unit] if self.num_cached_snapshots else []
+
+    def prefill(self, graphdef, params, lanes: list[PrefillLane], sampling: RowSampling):
+        """:meth:`_Cache.prefill`, then each prompt's prefix up to its staged
+        boundary goes into the prefix cache at once (running requests that
+        share it hit it; decode will stage later boundaries)."""
+        out = super().prefill(graphdef, params, lanes, sampling)
+        if self.num_cached_snapshots:
+            self._insert([(lane.row, lane.tokens, lane.namespace, None) for lane in lanes
+                          if self._staged[lane.row] > lane.hit.tokens])
+        return out
 
     def _prefill_call(self, graphdef, params, lanes, first_call, starts, num_new, tokens, sampling, keys):
         slots = _fixed([lane.row + 1 for lane in lanes], self.max_seqs)
@@ -487,7 +655,19 @@ class HybridCache(_Cache):
             need = sum(self.blocks_for(len(lane.tokens)) for lane in lanes)
             raise BookkeepingError(f"engine prefill failed: rows {[lane.row for lane in lanes]} need {need.tolist()} "
                                    f"blocks of groups {list(self.groups)}, {self.free_blocks().tolist()} free")
+        for i, lane in enumerate(lanes):  # the chunk's end: a capture when it is on a boundary
+            self._advance(lane.row, self._lens[lane.row], self._lens[lane.row] + int(num_new[i]), every_step=False)
         return sampled, np.asarray(new_keys), int(used)
+
+    def _advance(self, row: int, start: int, end: int, *, every_step: bool) -> None:
+        """Host mirror of ``KVCacheManager.capture``: row ``row`` went from
+        ``start`` to ``end`` tokens, in one step or (``every_step``) one
+        token per step; the last boundary a step ended on is staged."""
+        if end > start and self.num_cached_snapshots:
+            last = end // self.unit * self.unit if every_step else (end if end % self.unit == 0 else 0)
+            if last > start:
+                self._staged[row] = last
+        self._lens[row] = end
 
     def _decode_view(self):
         return self.manager, None
@@ -495,15 +675,71 @@ class HybridCache(_Cache):
     def _decode_done(self, manager, pool) -> None:
         self.manager = manager
 
+    def decode(self, graphdef, params, last, active, num_generated, max_new, eos_id, sampling, key_data,
+               num_steps) -> DecodeResult:
+        result = super().decode(graphdef, params, last, active, num_generated, max_new, eos_id, sampling, key_data,
+                                num_steps)
+        for row in np.flatnonzero(active):  # each token written is one step
+            self._advance(int(row), self._lens[row], self._lens[row] + int(result.count[row]), every_step=True)
+        return result
+
     def retire(self, finished: list) -> None:
-        """Release the rows' slots and every block they hold."""
+        """``finished``: ``(row, tokens whose K/V are cached, namespace, hit)``
+        per request. Cache each row's prefix up to its staged boundary, then
+        release the rows' slots and blocks and unpin their hits."""
         if not finished:
             return
+        if self.num_cached_snapshots:
+            self._insert(finished)
         rows = [row for row, *_ in finished]
         self.manager, ok = _release_hybrid(self.manager, _fixed([r + 1 for r in rows], self.max_seqs))
         if not bool(ok):
             raise BookkeepingError(f"engine bookkeeping failed: releasing rows {rows} (slots "
                                    f"{[r + 1 for r in rows]}) was refused")
+        for row, *_, hit in finished:
+            self.unpin(hit)
+            self._staged[row] = self._lens[row] = 0
+
+    def _insert(self, finished: list) -> None:
+        tables = {name: np.asarray(t) for name, t in
+                  jax.device_get({name: g.tables for name, g in self.manager.groups.items()}).items()}
+        copies = []  # (staging row, cached snapshot)
+        for row, tokens, namespace, _ in finished:
+            boundary = self._staged[row]
+            if boundary < self.unit or boundary > len(tokens):
+                continue
+            pages = boundary // self.unit
+            handles = []
+            for p in range(pages):
+                handles.append(self._next_handle + p)
+                self._pages[handles[-1]] = tuple(
+                    tables[name][row + 1, p * per: (p + 1) * per].tolist()
+                    for name, per in zip(self.groups, self._blocks_per_page))
+            self._next_handle += pages
+            result = self.prefix_cache.insert(tokens[:boundary], handles, namespace)
+            adopted = set(result.new_blocks)
+            incref = {name: [] for name in self.groups}
+            for h in handles:
+                if h in adopted:  # the tree's own reference to the page's blocks
+                    for name, ids in zip(self.groups, self._pages[h]):
+                        incref[name] += ids
+                else:
+                    del self._pages[h]  # the tree already had this page
+            if any(incref.values()):  # before any eviction below can release them
+                self._block_call(_incref_blocks, incref, "the prefix cache's reference to inserted blocks")
+            last = result.blocks[pages - 1]  # the tree's handle of the boundary page
+            if last not in self._snapshot_of:
+                self.prefix_cache.pin(result.node)  # making room must not evict the page being keyed
+                snapshot = self._snapshot_for()
+                self.prefix_cache.release(result.node)
+                if snapshot is not None:
+                    self._snapshot_of[last] = snapshot
+                    copies.append((self.manager.num_slots + row, self.manager.num_slots + snapshot))
+                    self.snapshots_taken += 1
+            self._staged[row] = 0  # cached (or already there): nothing new staged
+        if copies:
+            src, dst = zip(*copies)
+            self.manager = _copy_state(self.manager, _fixed(src, self.max_seqs), _fixed(dst, self.max_seqs))
 
     def swap_out(self, row: int) -> bool:
         return False

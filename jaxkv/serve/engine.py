@@ -256,8 +256,10 @@ class Engine:
         num_blocks: (hybrid cache) blocks per group (null block included;
             default: every row at ``max_context_tokens``).
         entry_format: (hybrid cache) DeepSeek-V4's ``"lossless"`` or ``"fp8"``.
-        prefix_cache: use the radix prefix cache (default: on for a paged
-            pool; a hybrid cache has none yet and refuses True).
+        num_snapshots: (hybrid cache) cached prefix snapshots of per-request
+            state (default ``2 * max_seqs``; see
+            :class:`~jaxkv.serve.caches.HybridCache`).
+        prefix_cache: use the radix prefix cache.
         decode_chunk: decode steps per jitted call.
         prefill_chunk: most prompt tokens per row in one prefill call (longer
             uncached tails are prefilled in several calls).
@@ -274,7 +276,7 @@ class Engine:
                  max_blocks_per_seq: int | None = None, num_host_pages: int = 0, kv_dtype=None,
                  host_memory_kind: str = "auto", max_context_tokens: int | None = None,
                  num_blocks: dict[str, int] | None = None, entry_format: str = "lossless",
-                 prefix_cache: bool | None = None, decode_chunk: int = 8, prefill_chunk: int = 256, seed: int = 0):
+                 num_snapshots: int | None = None, prefix_cache: bool = True, decode_chunk: int = 8, prefill_chunk: int = 256, seed: int = 0):
         max_seqs = _int_at_least(max_seqs, "max_seqs", 1)
         decode_chunk = _int_at_least(decode_chunk, "decode_chunk", 1)
         prefill_chunk = _int_at_least(prefill_chunk, "prefill_chunk", 1)
@@ -290,15 +292,15 @@ class Engine:
                 raise InvalidArgument(f"{', '.join(given)}: options of the paged pool; {type(model).__name__} "
                                       "keeps its cache in a KVCacheManager (give max_context_tokens, num_blocks, "
                                       "entry_format)")
-            if prefix_cache:
-                raise InvalidArgument(f"prefix_cache=True: the engine has no prefix cache for hybrid-cache models "
-                                      f"such as {type(model).__name__} yet; leave it unset")
             max_context_tokens = _int_at_least(max_context_tokens, "max_context_tokens", 1)
+            if num_snapshots is not None:
+                num_snapshots = _int_at_least(num_snapshots, "num_snapshots", 1)
             self.cache = HybridCache(model, max_seqs=max_seqs, max_context_tokens=max_context_tokens,
-                                     num_blocks=num_blocks, entry_format=entry_format, prefill_chunk=prefill_chunk)
+                                     num_blocks=num_blocks, entry_format=entry_format, prefill_chunk=prefill_chunk,
+                                     prefix_cache=bool(prefix_cache), num_snapshots=num_snapshots)
         else:
-            if max_context_tokens is not None or num_blocks is not None:
-                raise InvalidArgument("max_context_tokens, num_blocks: options of a hybrid cache; "
+            if max_context_tokens is not None or num_blocks is not None or num_snapshots is not None:
+                raise InvalidArgument("max_context_tokens, num_blocks, num_snapshots: options of a hybrid cache; "
                                       f"{type(model).__name__} runs over a paged pool (give num_pages, "
                                       "max_blocks_per_seq)")
             if num_pages is None or max_blocks_per_seq is None:
@@ -309,7 +311,7 @@ class Engine:
                 page_size=_int_at_least(page_size, "page_size", 1), max_seqs=max_seqs,
                 max_blocks_per_seq=_int_at_least(max_blocks_per_seq, "max_blocks_per_seq", 1),
                 num_host_pages=_int_at_least(num_host_pages, "num_host_pages", 0),
-                prefix_cache=prefix_cache is not False, kv_dtype=kv_dtype, prefill_chunk=prefill_chunk,
+                prefix_cache=bool(prefix_cache), kv_dtype=kv_dtype, prefill_chunk=prefill_chunk,
                 host_memory_kind=host_memory_kind)
         # Token ids are checked against it (None: a model without ``config.vocab_size``).
         self.vocab_size = getattr(getattr(model, "config", None), "vocab_size", None)
@@ -640,7 +642,7 @@ class Engine:
                 self._order += 1
             self._prompt_tokens += len(tokens)
             self._hit_tokens += hit.tokens
-            admitted.append(PrefillLane(req.row, hit, tokens, req.key))
+            admitted.append(PrefillLane(req.row, hit, tokens, req.key, req.namespace))
         if admitted:
             self._prefill(admitted)
         return len(admitted)
