@@ -52,8 +52,20 @@ def test_engine_tokens_equal_transformers_under_preemption(name):
     for i, rid in ids.items():
         assert engine.outputs[rid] == expected["greedy"][i], f"prompt {i}"
     assert summary.recompute_preemptions > 0 and summary.swap_preemptions == 0
+    # Again: the prompts long enough to hold a cached boundary hit, under the
+    # same block pressure (cached pages evicted for running requests).
+    again = {int(i): engine.add_request(expected["prompts"][i], expected["max_new_tokens"]) for i in order}
+    second = engine.run()
+    for i, rid in again.items():
+        assert engine.outputs[rid] == expected["greedy"][i], f"prompt {i}, second time"
+    unit = engine.cache.unit
+    if max(map(len, expected["prompts"])) > unit:
+        assert second.prefix_hit_tokens >= unit and second.prefix_unit_tokens == unit
+        assert set(second.hit_blocks.values()) == {second.prefix_hit_tokens // unit}  # one block per page here
+        assert engine.cache.prefix_stats()["tree"].evictions > 0
+        assert any(event[0] == "snapshot_stored" for event in engine.cache.take_events())
     assert summary.generated_tokens == sum(map(len, expected["greedy"]))
-    assert 0 < summary.peak_kv_blocks <= summary.kv_blocks == int(engine.cache.capacity.sum())
+    assert 0 < second.peak_kv_blocks <= summary.kv_blocks == int(engine.cache.capacity.sum())
     assert engine.cache.blocks_in_use() == _tree_blocks(engine) and (engine.cache.row_status() == FREE).all()
     assert int(engine.manager.slots.num_free) == engine.manager.max_requests
 

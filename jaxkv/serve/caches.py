@@ -39,6 +39,7 @@ on its own key alone (see :meth:`jaxkv.serve.Engine.add_request`'s ``seed``).
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 from functools import partial
 
@@ -59,6 +60,8 @@ from jaxkv.pool.kv_pool import KVPool
 from jaxkv.prefix import PrefixCacheManager
 
 __all__ = ["DecodeResult", "HybridCache", "PagedCache", "PrefixHit", "PrefillLane"]
+
+logger = logging.getLogger("jaxkv.serve")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -293,6 +296,7 @@ class PagedCache(_Cache):
                           if num_host_pages else None)
         self.can_swap = self.host_pool is not None
         self.prefix_cache = PrefixCacheManager(page_size, disable=not prefix_cache)
+        self.unit = page_size
         self.window = paged_window(model)  # every layer windowed: decode trims blocks out of it
         self.groups = ("pages",)
         self.capacity = np.asarray([self.manager.device.capacity], np.int64)
@@ -512,6 +516,9 @@ class HybridCache(_Cache):
         self._staged = [0] * max_seqs  # per row: the boundary its staging snapshot holds (0: none)
         self._lens = [0] * max_seqs  # per row: tokens in the cache (for the host's capture bookkeeping)
         self.snapshots_taken = self.snapshots_evicted = 0
+        #: ``("snapshot_stored", snapshot, page, tokens)``, ``("snapshot_evicted", snapshot, page)``,
+        #: ``("snapshot_dropped", -1, page, tokens)`` (no snapshot could be freed), in order.
+        self.events: list = []
 
     # ---------------------------------------------------------------- blocks
 
@@ -543,6 +550,11 @@ class HybridCache(_Cache):
                     snapshot_capacity=self.num_cached_snapshots, snapshot_bytes=self.state_bytes_per_request,
                     snapshots_taken=self.snapshots_taken, snapshots_evicted=self.snapshots_evicted,
                     tree=self.prefix_cache.stats())
+
+    def take_events(self) -> list:
+        """The snapshot events since the last call (see ``events``)."""
+        events, self.events = self.events, []
+        return events
 
     def match(self, tokens: list, namespace) -> PrefixHit:
         """The cached prefix of ``tokens`` (at most ``len - 1`` tokens) rounded
@@ -582,8 +594,11 @@ class HybridCache(_Cache):
             for name, ids in zip(self.groups, self._pages.pop(h)):
                 release[name] += ids
             if h in self._snapshot_of:
-                self._free_snapshots.append(self._snapshot_of.pop(h))
+                snapshot = self._snapshot_of.pop(h)
+                self._free_snapshots.append(snapshot)
                 self.snapshots_evicted += 1
+                self.events.append(("snapshot_evicted", snapshot, h))
+                logger.debug("prefix cache: snapshot %d of page %d evicted", snapshot, h)
         self._block_call(_release_blocks, release, "releasing evicted prefix blocks")
 
     def _block_call(self, fn, blocks: dict, what: str) -> None:
@@ -736,6 +751,11 @@ class HybridCache(_Cache):
                     self._snapshot_of[last] = snapshot
                     copies.append((self.manager.num_slots + row, self.manager.num_slots + snapshot))
                     self.snapshots_taken += 1
+                    self.events.append(("snapshot_stored", snapshot, last, boundary))
+                    logger.debug("prefix cache: snapshot %d holds the state at %d tokens (page %d)", snapshot,
+                                 boundary, last)
+                else:
+                    self.events.append(("snapshot_dropped", -1, last, boundary))
             self._staged[row] = 0  # cached (or already there): nothing new staged
         if copies:
             src, dst = zip(*copies)

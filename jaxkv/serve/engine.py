@@ -187,6 +187,10 @@ class EngineSummary:
     first token) and ``itl``: inter-token latency (a decode call's wall time
     spread evenly over the tokens it gave a request, and the wait across a
     preemption), each as ``(mean, p50, p99)`` seconds over the run.
+    ``prefix_unit_tokens``: the smallest prefix the cache shares (a page;
+    one compression block for DeepSeek-V4) and ``hit_blocks``: blocks
+    served from the prefix cache per block group (every group's hit covers
+    the same tokens: a hit ends where every layer's state is known).
     """
 
     requests: int
@@ -203,6 +207,8 @@ class EngineSummary:
     iterations: int
     ttft: tuple[float, float, float] = (0.0, 0.0, 0.0)
     itl: tuple[float, float, float] = (0.0, 0.0, 0.0)
+    prefix_unit_tokens: int = 0
+    hit_blocks: dict = dataclasses.field(default_factory=dict)
 
     @property
     def preemptions(self) -> int:
@@ -335,6 +341,7 @@ class Engine:
 
     def _reset_counters(self):
         self._prompt_tokens = self._hit_tokens = 0
+        self._hit_blocks = np.zeros(len(self.cache.groups), np.int64)
         self._swaps = self._recomputes = 0
         self._peak = 0
         self._iterations = 0
@@ -471,7 +478,8 @@ class Engine:
         summary = EngineSummary(
             requests=total, generated_tokens=generated, wall_seconds=wall,
             tokens_per_second=generated / wall if wall > 0 else 0.0, prompt_tokens=self._prompt_tokens,
-            prefix_hit_tokens=self._hit_tokens,
+            prefix_hit_tokens=self._hit_tokens, prefix_unit_tokens=self.cache.unit,
+            hit_blocks=dict(zip(self.cache.groups, self._hit_blocks.tolist())),
             prefix_hit_rate=self._hit_tokens / self._prompt_tokens if self._prompt_tokens else 0.0,
             peak_kv_blocks=self._peak, kv_blocks=self.capacity, swap_preemptions=self._swaps,
             recompute_preemptions=self._recomputes, iterations=self._iterations,
@@ -642,6 +650,7 @@ class Engine:
                 self._order += 1
             self._prompt_tokens += len(tokens)
             self._hit_tokens += hit.tokens
+            self._hit_blocks += hit.block_counts()
             admitted.append(PrefillLane(req.row, hit, tokens, req.key, req.namespace))
         if admitted:
             self._prefill(admitted)
