@@ -19,3 +19,12 @@ def test_benchmark_runs_and_prints_json(name, capsys):
 def test_unbuilt_benchmark_says_so(capsys):
     assert main(["memory"]) == 2
     assert "not built yet" in capsys.readouterr().out
+
+
+def test_ideal_prefix_hits_count_the_longest_earlier_prefix():
+    """The per-family hit-rate table's ideal: for each request, the longest
+    prefix (at most ``len - 1``) shared with an earlier prompt + output."""
+    from jaxkv.bench.prefix_families import ideal_hits
+
+    served = [([1, 2, 3, 4], [5, 6]), ([1, 2, 3, 4, 5, 9], [7]), ([1, 2, 8], [1]), ([4], []), ([1, 2, 3, 4, 5, 9], [])]
+    assert ideal_hits(served) == 0 + 5 + 2 + 0 + 5

@@ -1,5 +1,7 @@
 """``python -m jaxkv.bench prefix``: the radix prefix cache on a shared-prefix
-trace, device allocator calls included.
+trace, device allocator calls included; then (not with ``--quick``) hit rate
+against the ideal per model family on the engine
+(:mod:`jaxkv.bench.prefix_families`).
 
 The trace (issue 4): ``numpy.random.default_rng(0)``; 10 system prompts of
 800 tokens (``integers(1, 32000, size=800)``, one after another); then 2,000
@@ -249,6 +251,19 @@ def main(args) -> int:
           "BlockSpaceManager table (see the module docstring for which to pick).")
     print("\nTargets (issue 4, 2-core CPU): 8 per step <= 60 us/request; 1 per step no slower than "
           "SGLang's RadixCache on the same loop (about 136-160 us/request).")
+    families = []
+    if args.quick:  # CI's smoke run: three models' engines cost ~40 s of compiles (tests cover the hits)
+        print("\nPer-family hit rates on the engine: run without --quick.")
+    else:
+        from jaxkv.bench.prefix_families import family_hit_rows
+
+        family_rows, families = family_hit_rows()
+        print()
+        print_table("prefix-cache hits per family on the engine, under block and snapshot pressure "
+                    "(jaxkv.bench.prefix_families)",
+                    ["family", "workload", "unit (tokens)", "hit tokens", "hit rate", "ideal rate", "hit / ideal",
+                     "evicted tokens"], family_rows)
     if args.json:
-        print_json({"benchmark": "prefix", "machine": machine_description(), "dispatch": dispatch, "results": payload})
+        print_json({"benchmark": "prefix", "machine": machine_description(), "dispatch": dispatch, "results": payload,
+                    "families": families})
     return 0

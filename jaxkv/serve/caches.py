@@ -75,6 +75,7 @@ class PrefixHit:
     blocks: tuple[list, ...]
     node: object = None
     snapshot: int = -1  # hybrid cache: the cached snapshot holding the state at ``tokens``
+    matched: int = 0  # hybrid cache: tokens the tree matched before rounding down to a snapshot
 
     def block_counts(self) -> np.ndarray:
         return np.asarray([len(b) for b in self.blocks], np.int64)
@@ -560,18 +561,18 @@ class HybridCache(_Cache):
         """The cached prefix of ``tokens`` (at most ``len - 1`` tokens) rounded
         down to its last page with a snapshot; its node pinned until
         :meth:`unpin`. ``blocks[g]``: group ``g``'s blocks of the hit."""
-        empty = PrefixHit(0, tuple([] for _ in self.groups))
         if self.prefix_cache.disable:
-            return empty
+            return PrefixHit(0, tuple([] for _ in self.groups))
         match = self.prefix_cache.match(tokens, namespace, max_tokens=len(tokens) - 1)
         handles = list(match.blocks)
         while handles and handles[-1] not in self._snapshot_of:
             handles.pop()
         if not handles:
-            return empty
+            return PrefixHit(0, tuple([] for _ in self.groups), matched=len(match.blocks) * self.unit)
         self.prefix_cache.pin(match.node)
         blocks = tuple([b for h in handles for b in self._pages[h][g]] for g in range(len(self.groups)))
-        return PrefixHit(len(handles) * self.unit, blocks, match.node, snapshot=self._snapshot_of[handles[-1]])
+        return PrefixHit(len(handles) * self.unit, blocks, match.node, snapshot=self._snapshot_of[handles[-1]],
+                         matched=len(match.blocks) * self.unit)
 
     def unpin(self, hit) -> None:
         if hit is not None and hit.node is not None:
@@ -646,19 +647,14 @@ class HybridCache(_Cache):
             raise BookkeepingError(f"attaching cached prefixes to rows {[lane.row for lane in hits]} was refused")
 
     def _cuts(self, lane: PrefillLane) -> list[int]:
-        """The last boundary before the prompt's last token: a chunk ends
-        there, so its snapshot is staged and a repeat of the prompt hits."""
-        return [(len(lane.tokens) - 1) // self.unit * self.unit] if self.num_cached_snapshots else []
-
-    def prefill(self, graphdef, params, lanes: list[PrefillLane], sampling: RowSampling):
-        """:meth:`_Cache.prefill`, then each prompt's prefix up to its staged
-        boundary goes into the prefix cache at once (running requests that
-        share it hit it; decode will stage later boundaries)."""
-        out = super().prefill(graphdef, params, lanes, sampling)
-        if self.num_cached_snapshots:
-            self._insert([(lane.row, lane.tokens, lane.namespace, None) for lane in lanes
-                          if self._staged[lane.row] > lane.hit.tokens])
-        return out
+        """Where a prefill chunk must end so that the state there is
+        snapshotted and cached: the last boundary before the prompt's last
+        token (a repeat of the prompt hits it) and the boundary where the
+        prompt leaves the cached tree (the branch point: later requests
+        sharing the same prefix, e.g. a system prompt, hit it)."""
+        if not self.num_cached_snapshots:
+            return []
+        return [(len(lane.tokens) - 1) // self.unit * self.unit, lane.hit.matched]
 
     def _prefill_call(self, graphdef, params, lanes, first_call, starts, num_new, tokens, sampling, keys):
         slots = _fixed([lane.row + 1 for lane in lanes], self.max_seqs)
@@ -672,6 +668,10 @@ class HybridCache(_Cache):
                                    f"blocks of groups {list(self.groups)}, {self.free_blocks().tolist()} free")
         for i, lane in enumerate(lanes):  # the chunk's end: a capture when it is on a boundary
             self._advance(lane.row, self._lens[lane.row], self._lens[lane.row] + int(num_new[i]), every_step=False)
+        # A chunk that ended on a cut: cache that prefix now, before a later chunk overwrites the staged state.
+        self._insert([(lane.row, lane.tokens, lane.namespace, None) for i, lane in enumerate(lanes)
+                      if num_new[i] and self._staged[lane.row] == starts[i] + num_new[i]
+                      and self._staged[lane.row] in self._cuts(lane)])
         return sampled, np.asarray(new_keys), int(used)
 
     def _advance(self, row: int, start: int, end: int, *, every_step: bool) -> None:
@@ -704,8 +704,7 @@ class HybridCache(_Cache):
         release the rows' slots and blocks and unpin their hits."""
         if not finished:
             return
-        if self.num_cached_snapshots:
-            self._insert(finished)
+        self._insert(finished)
         rows = [row for row, *_ in finished]
         self.manager, ok = _release_hybrid(self.manager, _fixed([r + 1 for r in rows], self.max_seqs))
         if not bool(ok):
@@ -716,6 +715,12 @@ class HybridCache(_Cache):
             self._staged[row] = self._lens[row] = 0
 
     def _insert(self, finished: list) -> None:
+        """Cache ``(row, tokens, namespace, _)``'s prefix up to the row's
+        staged boundary: its pages into the tree (new ones with the tree's
+        reference to their blocks) and the staged snapshot into a cached
+        one keyed by the boundary page (unless that page has one)."""
+        if not finished or not self.num_cached_snapshots:
+            return
         tables = {name: np.asarray(t) for name, t in
                   jax.device_get({name: g.tables for name, g in self.manager.groups.items()}).items()}
         copies = []  # (staging row, cached snapshot)
