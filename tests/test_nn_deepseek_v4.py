@@ -93,7 +93,9 @@ def _dense_logits(model, tokens, entry_format):
 # ----------------------------------------------------------------------------- parity
 
 
-@pytest.mark.parametrize("name", SCHEDULES)
+# ``small`` is left out here: test_chunked_prefill_crosses_ring_compression_and_block_boundaries
+# runs it through generate and test_engine_families through the engine (CI time).
+@pytest.mark.parametrize("name", [name for name in SCHEDULES if name != "small"])
 def test_greedy_tokens_equal_transformers(name):
     """Every prompt of the schedule in ONE batch (mixed lengths), prefill
     then the jitted decode loop through the lossless cache: transformers'
@@ -110,6 +112,7 @@ def test_chunked_prefill_crosses_ring_compression_and_block_boundaries():
     expected = _expected("small")
     out = generate(_model("small"), expected["prompts"], expected["max_new_tokens"], prefill_chunk_size=5)
     assert out.tokens == expected["greedy"]
+    assert int(out.state.manager.blocks_in_use) == 0  # every finished row released its blocks
 
 
 def test_cached_equals_no_cache_recompute_lossless_chunks():
