@@ -236,17 +236,11 @@ class _Cache:
 
     def _pieces(self, lane: PrefillLane) -> list[tuple[int, int]]:
         """``(start, end)`` token ranges prefilled in order: from the hit to
-        the end, at most ``prefill_width`` each, also cut at :meth:`_cuts`."""
+        the end on a grid of ``prefill_width`` tokens (so none is wider),
+        also cut at :meth:`_cuts`."""
         ends = sorted({*range(lane.hit.tokens + self.prefill_width, len(lane.tokens), self.prefill_width),
                        *(c for c in self._cuts(lane) if lane.hit.tokens < c < len(lane.tokens)), len(lane.tokens)})
-        pieces, start = [], lane.hit.tokens
-        for end in ends:
-            while end - start > self.prefill_width:  # a cut shifted the grid: keep every piece within the width
-                pieces.append((start, start + self.prefill_width))
-                start += self.prefill_width
-            pieces.append((start, end))
-            start = end
-        return pieces
+        return list(zip([lane.hit.tokens, *ends[:-1]], ends))
 
     def _cuts(self, lane: PrefillLane) -> list[int]:
         return []
@@ -461,23 +455,27 @@ class HybridCache(_Cache):
       its state into the row's staging snapshot (on device, inside the
       jitted prefill and decode; ``KVCacheManager.capture``); the host knows
       which boundary that was (``_staged[row]``).
-    * Insert (when a request retires, finished or preempted): its pages up
-      to the staged boundary go into a radix tree of ``unit``-token pages
-      (:class:`~jaxkv.prefix.PrefixCacheManager`; a tree page is a handle
-      naming each group's blocks for those tokens, which the tree holds one
-      reference to), and the staging snapshot is copied into a free cached
-      snapshot keyed by the handle of the boundary's page.
+    * Insert: a request's pages up to the staged boundary go into a radix
+      tree of ``unit``-token pages (:class:`~jaxkv.prefix.PrefixCacheManager`;
+      a tree page is a handle naming each group's blocks for those tokens,
+      which the tree holds one reference to), and the staging snapshot is
+      copied into a free cached snapshot keyed by the handle of the
+      boundary's page. This happens as a prefill chunk ends on a cut (the
+      prompt's last boundary, and where the prompt leaves the cached tree:
+      :meth:`_cuts`) and when a request retires, finished or preempted (the
+      last boundary its decode crossed: multi-turn conversations).
     * Hit: the longest cached prefix (at most ``len - 1`` tokens) rounded
       down to the last page that has a snapshot; its blocks go at the start
       of the new request's tables by reference, the snapshot is copied into
       its slot, and prefill starts there.
     * Eviction: least recently used tree pages first (pins respected); a
       page's blocks lose the tree's reference and its snapshot is freed with
-      it. Cached snapshots are a pool of their own (``num_snapshots``), so
-      running requests' blocks never push cached prefixes out and snapshot
-      retention is separate from block allocation: when a retiring request
-      finds no free snapshot, the least recently used cached page that holds
-      one is evicted for it.
+      it. Cached snapshots are a pool of their own (``num_snapshots``),
+      so snapshot retention is separate from block allocation: a request's
+      state never takes blocks, tree pages give their blocks back only when
+      the engine is short of blocks, and when a new snapshot is to be
+      cached and none is free, the least recently used cached pages are
+      evicted until one holding a snapshot has gone.
     """
 
     can_swap = False
