@@ -52,8 +52,10 @@ def test_engine_tokens_equal_transformers_under_preemption(name):
     for i, rid in ids.items():
         assert engine.outputs[rid] == expected["greedy"][i], f"prompt {i}"
     assert summary.recompute_preemptions > 0 and summary.swap_preemptions == 0
-    # Again: the prompts long enough to hold a cached boundary hit, under the
-    # same block pressure (cached pages evicted for running requests).
+    # Again, prefilled in pieces of at most 24 tokens between decode chunks (a
+    # token budget): the prompts long enough to hold a cached boundary hit,
+    # under the same block pressure (cached pages evicted for running requests).
+    engine.max_num_batched_tokens = 24
     again = {int(i): engine.add_request(expected["prompts"][i], expected["max_new_tokens"]) for i in order}
     second = engine.run()
     for i, rid in again.items():

@@ -209,6 +209,7 @@ def test_corrupted_bookkeeping_raises_bookkeeping_error(model):
     engine = Engine(model, **ENGINE)
     rid = engine.add_request([3, 4, 5, 6, 7, 8, 9, 10, 11], 8)
     engine._admit()
+    engine._prefill()
     req = engine._requests[rid]
     assert req.state is RequestState.RUNNING
     engine.check_bookkeeping()  # consistent so far
@@ -236,3 +237,23 @@ def test_logging_not_printing(model, capsys, caplog):
     assert capsys.readouterr().out == ""
     messages = [r.getMessage() for r in caplog.records if r.name == "jaxkv.serve"]
     assert any("iteration 1" in m for m in messages) and any(str(summary) in m for m in messages)
+
+
+@pytest.mark.parametrize("budget", [None, 6])
+def test_token_budget_prefills_in_pieces_between_decode_chunks(model, reference, budget):
+    """With ``max_num_batched_tokens`` a long prompt is prefilled a piece
+    per iteration while the running request keeps decoding (it finishes
+    before the long prompt's first token); without, the long prompt is
+    prefilled whole at admission (its first token comes before the short
+    request is done). Either way the tokens are ``generate``'s."""
+    rng = np.random.default_rng()
+    engine = Engine(model, **{**ENGINE, "num_pages": 16}, max_num_batched_tokens=budget)
+    short, long_ = tokens(rng, 9), tokens(rng, 12) + tokens(rng, 12)
+    a = engine.add_request(short, REF_NEW)
+    b = engine.add_request(long_, 4, arrival_step=1)
+    engine.run()
+    assert engine.outputs[a] == reference(short, REF_NEW)
+    assert engine.outputs[b] == generate(model, [long_], 4, page_size=PAGE).tokens[0]
+    short_done, long_first = engine._requests[a].last_token_at, engine._requests[b].first_token_at
+    assert (short_done < long_first) == (budget is not None)
+    check_blocks(engine)

@@ -386,6 +386,24 @@ class KVCacheManager:
         seq_lens = self.seq_lens.at[jnp.where(ok & active, rows, self.num_slots)].set(new_lens, mode="drop")
         return self.replace(groups=groups, seq_lens=seq_lens), jnp.where(active, starts, -1), ok
 
+    def preallocate(self, slots, num_tokens) -> tuple["KVCacheManager", Ok]:
+        """Give each held slot of ``slots`` (-1: padding) the blocks
+        ``num_tokens`` tokens need in every group now, without reserving the
+        tokens (:meth:`reserve` later counts the blocks already held): a
+        scheduler that admits a prompt takes all its blocks at once, so no
+        later prefill chunk can find the groups empty. All or nothing
+        (fails, unchanged, when a group is short or a slot not held)."""
+        slots = jnp.asarray(slots, jnp.int32).reshape(-1)
+        num_tokens = jnp.broadcast_to(jnp.asarray(num_tokens, jnp.int32).reshape(-1), slots.shape)
+        active = slots != -1
+        held = self.slots.ref_count(jnp.where(active, slots, 0)) > 0
+        ok = jnp.all(~active | held) & ids_distinct(slots, active, self.num_slots)
+        groups: dict[str, BlockGroup] = {}
+        for name, group in self.groups.items():
+            groups[name], group_ok = group.grow(jnp.where(ok, slots, -1), num_tokens, group.max_blocks)
+            ok = ok & group_ok
+        return self.replace(groups=where_ok(ok, groups, self.groups)), ok
+
     def allocate_block(self, layer: int, slot) -> tuple["KVCacheManager", Int[Array, ""], Ok]:
         """One more block for ``slot`` in ``layer``'s group, appended to its
         block table (seed 004's ``allocate_block``, for a caller that

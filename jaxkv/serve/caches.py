@@ -128,16 +128,14 @@ def _sample_first(last_logits, keys, sampling: RowSampling):
     return sample(last_logits, subs, sampling), keys
 
 
-@partial(jax.jit, static_argnames=("graphdef",), donate_argnums=(2, 3))
-def _paged_prefill(graphdef, params, manager: BlockSpaceManager, pool: KVPool, admit_rows, prefix_blocks,
-                   lengths, rows, starts, num_new, tokens, sampling: RowSampling, keys):
-    """Admit ``admit_rows`` (-1: nothing to admit) with their cached prefixes,
-    prefill one chunk and sample from each lane's last chunk position.
-    Returns ``(manager, pool, sampled, keys, ok, used)``."""
-    manager, ok = manager.admit_with_prefix(admit_rows, prefix_blocks, lengths)
+@partial(jax.jit, static_argnames=("graphdef",), donate_argnums=(3,))
+def _paged_prefill(graphdef, params, manager: BlockSpaceManager, pool: KVPool, rows, starts, num_new, tokens,
+                   sampling: RowSampling, keys):
+    """Prefill one chunk of admitted rows and sample from each lane's last
+    chunk position. Returns ``(pool, sampled, keys)``."""
     pool, last_logits = prefill_chunk(graphdef, params, manager, pool, rows, tokens, starts, num_new)
     sampled, keys = _sample_first(last_logits, keys, sampling)
-    return manager, pool, sampled, keys, ok, manager.device.num_used
+    return pool, sampled, keys
 
 
 @partial(jax.jit, static_argnames=("graphdef",), donate_argnums=(2,))
@@ -163,6 +161,8 @@ def _decode_chunk(graphdef, params, manager, pool, last, active, num_generated, 
 
 
 _retire_paged = jax.jit(BlockSpaceManager.retire)
+_admit_paged = jax.jit(BlockSpaceManager.admit_with_prefix, donate_argnums=(0,))
+_preallocate_hybrid = jax.jit(KVCacheManager.preallocate, donate_argnums=(0,))
 _admit_hybrid = jax.jit(lambda manager, n, max_n: manager.admit(n, max_n=max_n), static_argnums=(2,),
                         donate_argnums=(0,))
 _release_hybrid = jax.jit(KVCacheManager.release, donate_argnums=(0,))
@@ -203,44 +203,40 @@ class _Cache:
 
     _key_shape = jax.random.key_data(jax.random.key(0)).shape
 
-    def prefill(self, graphdef, params, lanes: list[PrefillLane], sampling: RowSampling):
-        """Admit ``lanes`` (lane ``i`` of the batch) and prefill their
-        uncached tails in chunks of at most ``prefill_width`` tokens (one
-        compiled program), cut also where :meth:`_cuts` asks. Returns
-        ``(first tokens [n], key data [n, ...], peak blocks in use)``; raises
-        ``BookkeepingError`` when the device refuses what the engine checked
-        (a bug, not memory pressure)."""
-        batch, width = self.max_seqs, self.prefill_width
-        pieces = [self._pieces(lane) for lane in lanes]
-        keys = self._keys([lane.key for lane in lanes])
-        first = np.zeros((batch,), np.int32)
-        new_keys = np.asarray(jax.random.key_data(keys))
-        peak = 0
+    def begin_prefill(self, lanes: list[PrefillLane]) -> None:
+        """Admit ``lanes``: take their rows, start hits from their cached
+        prefixes and give every row the blocks its whole prompt needs, so
+        no prefill step can run out of blocks (all or nothing; the engine
+        checked the blocks: ``BookkeepingError`` otherwise)."""
         self._begin_prefill(lanes)
-        for k in range(max(map(len, pieces))):
-            starts = np.zeros((batch,), np.int32)
-            num_new = np.zeros((batch,), np.int32)
-            tokens = np.zeros((batch, width), np.int32)
-            for i, lane in enumerate(lanes):
-                if k < len(pieces[i]):
-                    starts[i], end = pieces[i][k]
-                    num_new[i] = end - starts[i]
-                    tokens[i, : num_new[i]] = lane.tokens[starts[i]:end]
-            sampled, chunk_keys, used = self._prefill_call(graphdef, params, lanes, k == 0, starts, num_new, tokens,
-                                                           sampling, keys)
-            peak = max(peak, used)
-            ends_here = np.asarray([k == len(p) - 1 for p in pieces] + [False] * (batch - len(lanes)))
-            first = np.where(ends_here, sampled, first)
-            new_keys = np.where(ends_here.reshape(-1, *([1] * len(self._key_shape))), chunk_keys, new_keys)
-        return first[: len(lanes)], new_keys[: len(lanes)], peak
 
-    def _pieces(self, lane: PrefillLane) -> list[tuple[int, int]]:
-        """``(start, end)`` token ranges prefilled in order: from the hit to
-        the end on a grid of ``prefill_width`` tokens (so none is wider),
-        also cut at :meth:`_cuts`."""
-        ends = sorted({*range(lane.hit.tokens + self.prefill_width, len(lane.tokens), self.prefill_width),
+    def pieces(self, lane: PrefillLane, width: int | None = None) -> list[tuple[int, int]]:
+        """``(start, end)`` token ranges that prefill ``lane`` in order: from
+        its hit to its end on a grid of ``width`` tokens (at most
+        ``prefill_width``), also cut at :meth:`_cuts`."""
+        width = min(width or self.prefill_width, self.prefill_width)
+        ends = sorted({*range(lane.hit.tokens + width, len(lane.tokens), width),
                        *(c for c in self._cuts(lane) if lane.hit.tokens < c < len(lane.tokens)), len(lane.tokens)})
         return list(zip([lane.hit.tokens, *ends[:-1]], ends))
+
+    def prefill_step(self, graphdef, params, batch: list[tuple[PrefillLane, tuple[int, int]]],
+                     sampling: RowSampling):
+        """ONE jitted call prefilling lane ``i``'s piece ``batch[i][1]``
+        (pieces of one lane in order, after :meth:`begin_prefill`) and
+        sampling a token from its last position. Returns ``(sampled [n],
+        key data [n, ...] advanced by that draw, blocks in use)``: a lane's
+        first token and key are those of the call with its last piece."""
+        width = self.prefill_width
+        starts = np.zeros((self.max_seqs,), np.int32)
+        num_new = np.zeros((self.max_seqs,), np.int32)
+        tokens = np.zeros((self.max_seqs, width), np.int32)
+        for i, (lane, (start, end)) in enumerate(batch):
+            starts[i], num_new[i] = start, end - start
+            tokens[i, : end - start] = lane.tokens[start:end]
+        lanes = [lane for lane, _ in batch]
+        sampled, keys, used = self._prefill_call(graphdef, params, lanes, starts, num_new, tokens, sampling,
+                                                 self._keys([lane.key for lane in lanes]))
+        return sampled[: len(batch)], keys[: len(batch)], used
 
     def _cuts(self, lane: PrefillLane) -> list[int]:
         return []
@@ -350,31 +346,31 @@ class PagedCache(_Cache):
     # ---------------------------------------------------------------- steps
 
     def _begin_prefill(self, lanes: list[PrefillLane]) -> None:
-        pass
-
-    def _prefill_call(self, graphdef, params, lanes, first_call, starts, num_new, tokens, sampling, keys):
+        """``admit_with_prefix``: each row's cached blocks (one more owner
+        each) then fresh blocks for the rest of its prompt."""
         batch = self.max_seqs
         rows = _fixed([lane.row for lane in lanes], batch)
-        chunk_rows = np.where(num_new > 0, rows, -1).astype(np.int32)
-        admit_rows = rows if first_call else np.full((batch,), -1, np.int32)
         prefix = np.full((batch, self.max_blocks_per_seq), -1, np.int32)
         lengths = np.zeros((batch,), np.int32)
         for i, lane in enumerate(lanes):
             prefix[i, : len(lane.hit.blocks[0])] = lane.hit.blocks[0]
             lengths[i] = len(lane.tokens)
         host = self.manager.host
-        manager, self.pool, sampled, new_keys, ok, used = _paged_prefill(
-            graphdef, params, _device_view(self.manager), self.pool, admit_rows, prefix, lengths, chunk_rows,
-            starts.astype(np.int32), num_new, tokens, sampling, keys)
+        manager, ok = _admit_paged(_device_view(self.manager), rows, prefix, lengths)
         self.manager = manager.replace(host=host)
-        sampled, ok, used, new_keys = jax.device_get((sampled, ok, used, jax.random.key_data(new_keys)))
-        if not ok:
+        if not bool(ok):  # the engine checked rows and blocks: this is a bug, not memory pressure
             raise BookkeepingError(
                 f"engine admission failed: rows {[lane.row for lane in lanes]} with "
                 f"{int(sum(ceil_div(int(n), self.page_size) for n in lengths))} blocks "
                 f"({int((prefix >= 0).sum())} cached), {int(self.free_blocks()[0])} of {int(self.capacity[0])} "
                 "blocks free")
-        return sampled, np.asarray(new_keys), int(used)
+
+    def _prefill_call(self, graphdef, params, lanes, starts, num_new, tokens, sampling, keys):
+        rows = np.where(num_new > 0, _fixed([lane.row for lane in lanes], self.max_seqs), -1).astype(np.int32)
+        self.pool, sampled, new_keys = _paged_prefill(graphdef, params, _device_view(self.manager), self.pool, rows,
+                                                      starts, num_new, tokens, sampling, keys)
+        sampled, new_keys = jax.device_get((sampled, jax.random.key_data(new_keys)))
+        return sampled, np.asarray(new_keys), self.blocks_in_use()
 
     def _decode_view(self):
         self._host_allocator = self.manager.host
@@ -629,7 +625,18 @@ class HybridCache(_Cache):
         for lane in lanes:
             self._lens[lane.row] = lane.hit.tokens
             self._staged[lane.row] = 0
-        hits = [lane for lane in lanes if lane.hit.tokens]
+        self._attach_hits([lane for lane in lanes if lane.hit.tokens])
+        lengths = np.zeros((self.max_seqs,), np.int32)
+        lengths[: len(lanes)] = [len(lane.tokens) for lane in lanes]
+        self.manager, ok = _preallocate_hybrid(self.manager, _fixed(want, self.max_seqs), lengths)
+        if not bool(ok):
+            need = sum(self.blocks_for(len(lane.tokens)) for lane in lanes)
+            raise BookkeepingError(f"engine admission failed: rows {[lane.row for lane in lanes]} need "
+                                   f"{need.tolist()} blocks of groups {list(self.groups)}, "
+                                   f"{self.free_blocks().tolist()} free")
+
+    def _attach_hits(self, hits: list[PrefillLane]) -> None:
+        """Start the rows of ``hits`` from their cached prefixes."""
         if not hits:
             return
         batch = self.max_seqs
@@ -654,16 +661,15 @@ class HybridCache(_Cache):
             return []
         return [(len(lane.tokens) - 1) // self.unit * self.unit, lane.hit.matched]
 
-    def _prefill_call(self, graphdef, params, lanes, first_call, starts, num_new, tokens, sampling, keys):
+    def _prefill_call(self, graphdef, params, lanes, starts, num_new, tokens, sampling, keys):
         slots = _fixed([lane.row + 1 for lane in lanes], self.max_seqs)
         slots = np.where(num_new > 0, slots, -1).astype(np.int32)
         self.manager, sampled, new_keys, ok, used = _hybrid_prefill(graphdef, params, self.manager, slots, tokens,
                                                                     num_new, sampling, keys)
         sampled, ok, used, new_keys = jax.device_get((sampled, ok, used, jax.random.key_data(new_keys)))
-        if not ok:
-            need = sum(self.blocks_for(len(lane.tokens)) for lane in lanes)
-            raise BookkeepingError(f"engine prefill failed: rows {[lane.row for lane in lanes]} need {need.tolist()} "
-                                   f"blocks of groups {list(self.groups)}, {self.free_blocks().tolist()} free")
+        if not ok:  # every prompt's blocks were taken at admission
+            raise BookkeepingError(f"engine prefill refused rows {[lane.row for lane in lanes]} (pieces "
+                                   f"{list(zip(starts[: len(lanes)].tolist(), num_new[: len(lanes)].tolist()))})")
         for i, lane in enumerate(lanes):  # the chunk's end: a capture when it is on a boundary
             self._advance(lane.row, self._lens[lane.row], self._lens[lane.row] + int(num_new[i]), every_step=False)
         # A chunk that ended on a cut: cache that prefix now, before a later chunk overwrites the staged state.

@@ -130,6 +130,8 @@ class _Request:
     state: RequestState = RequestState.WAITING
     row: int = -1  # sequence row while RUNNING or SWAPPED, else -1
     hit: object = None  # its pinned prefix hit (PrefixHit) while running
+    lane: object = None  # its PrefillLane while its prompt is prefilled
+    pieces: list = dataclasses.field(default_factory=list)  # (start, end) prompt pieces still to prefill
     order: int = -1  # admission order (preemption picks the largest)
     arrived_at: float | None = None  # wall time when the scheduler first saw it arrived
     first_token_at: float | None = None
@@ -269,6 +271,12 @@ class Engine:
         decode_chunk: decode steps per jitted call.
         prefill_chunk: most prompt tokens per row in one prefill call (longer
             uncached tails are prefilled in several calls).
+        max_num_batched_tokens: the token budget of a scheduler iteration.
+            None: admitted prompts are prefilled whole before the next
+            decode chunk. Given: each iteration runs ONE prefill call of at
+            most this many prompt tokens less one per decoding request
+            (prompts cut into pieces of at most this many tokens), then the
+            decode chunk, so a long prompt no longer stalls decoding.
         seed: the engine's PRNG seed; a request without its own ``seed``
             samples from the stream ``fold_in(key(seed), request id)``.
 
@@ -282,10 +290,14 @@ class Engine:
                  max_blocks_per_seq: int | None = None, num_host_pages: int = 0, kv_dtype=None,
                  host_memory_kind: str = "auto", max_context_tokens: int | None = None,
                  num_blocks: dict[str, int] | None = None, entry_format: str = "lossless",
-                 num_snapshots: int | None = None, prefix_cache: bool = True, decode_chunk: int = 8, prefill_chunk: int = 256, seed: int = 0):
+                 num_snapshots: int | None = None, prefix_cache: bool = True, decode_chunk: int = 8,
+                 prefill_chunk: int = 256, max_num_batched_tokens: int | None = None, seed: int = 0):
         max_seqs = _int_at_least(max_seqs, "max_seqs", 1)
         decode_chunk = _int_at_least(decode_chunk, "decode_chunk", 1)
         prefill_chunk = _int_at_least(prefill_chunk, "prefill_chunk", 1)
+        if max_num_batched_tokens is not None:
+            max_num_batched_tokens = _int_at_least(max_num_batched_tokens, "max_num_batched_tokens", 1)
+        self.max_num_batched_tokens = max_num_batched_tokens
         seed = _host.int_scalar(seed, "seed")
         if host_memory_kind not in ("auto", "pinned_host", "numpy"):  # checked even when nothing is swapped
             raise InvalidArgument(f"host_memory_kind={host_memory_kind!r}: choose 'auto', 'pinned_host' or 'numpy'")
@@ -329,6 +341,7 @@ class Engine:
         self._requests: dict[int, _Request] = {}
         self._waiting: collections.deque = collections.deque()  # ids; recomputes go to the front
         self._swapped: list = []  # ids, oldest preemption first
+        self._prefilling: list = []  # requests admitted whose prompt is not all prefilled, oldest first
         self._rows: list = [None] * max_seqs  # row -> request id (running or swapped)
         self._step = 0
         self._order = 0
@@ -460,6 +473,7 @@ class Engine:
             progressed = self._resume_swapped()
             if not self._swapped:
                 progressed += self._admit()
+            progressed += self._prefill()
             if not any(r.state is RequestState.RUNNING for r in pending):
                 if progressed or not unfinished():
                     report()
@@ -653,31 +667,64 @@ class Engine:
             self._hit_blocks += hit.block_counts()
             admitted.append(PrefillLane(req.row, hit, tokens, req.key, req.namespace))
         if admitted:
-            self._prefill(admitted)
+            self.cache.begin_prefill(admitted)  # rows, hits and every prompt's blocks, in one go
+            for lane in admitted:
+                req = self._requests[self._rows[lane.row]]
+                req.lane, req.pieces = lane, self.cache.pieces(lane, self.max_num_batched_tokens)
+                self._prefilling.append(req)
         return len(admitted)
 
-    def _prefill(self, admitted: list[PrefillLane]) -> None:
-        """Admit the batch, prefill it (:meth:`PagedCache.prefill`) and
-        record each request's first token."""
-        reqs = [self._requests[self._rows[lane.row]] for lane in admitted]
-        first, keys, peak = self.cache.prefill(self.graphdef, self.params, admitted,
-                                               self._sampling(dict(enumerate(reqs))))
-        now = time.perf_counter()
-        self._update_peak(peak)
-        finished = []
-        for lane, req in enumerate(reqs):
-            req.generated.append(int(first[lane]))
-            self._record_tokens(req, 1, now)
-            req.key = keys[lane]
-            if self._is_done(req):
-                finished.append(req)
-        self._retire(finished, final=True)
+    def _prefill(self) -> int:
+        """Run prefill pieces of the admitted requests (oldest admission
+        first, one piece per request per call): all of them, or with
+        ``max_num_batched_tokens`` ONE call whose pieces total at most the
+        budget less one token per decoding row (at least one piece). A
+        request whose last piece ran gets its first token. Returns the
+        number of calls."""
+        calls = 0
+        while self._prefilling:
+            budget = None
+            if self.max_num_batched_tokens is not None:
+                budget = self.max_num_batched_tokens - sum(
+                    1 for rid in self._rows if rid is not None and self._decoding(self._requests[rid]))
+            batch, total = [], 0
+            for req in self._prefilling:
+                start, end = req.pieces[0]
+                if budget is not None and batch and total + end - start > budget:
+                    break
+                batch.append(req)
+                total += end - start
+            first, keys, peak = self.cache.prefill_step(self.graphdef, self.params,
+                                                        [(req.lane, req.pieces.pop(0)) for req in batch],
+                                                        self._sampling(dict(enumerate(batch))))
+            now = time.perf_counter()
+            self._update_peak(peak)
+            finished = []
+            for lane, req in enumerate(batch):
+                if req.pieces:
+                    continue
+                self._prefilling.remove(req)
+                req.generated.append(int(first[lane]))
+                self._record_tokens(req, 1, now)
+                req.key = keys[lane]
+                if self._is_done(req):
+                    finished.append(req)
+            self._retire(finished, final=True)
+            calls += 1
+            if budget is not None:
+                break
+        return calls
+
+    @staticmethod
+    def _decoding(req: _Request) -> bool:
+        """RUNNING with its whole prompt prefilled."""
+        return req.state is RequestState.RUNNING and not req.pieces
 
     def _is_done(self, req: _Request) -> bool:
         return len(req.generated) >= req.max_new or req.generated[-1] == req.eos_id
 
     def _decode(self) -> None:
-        running = {req.row: req for req in self._requests.values() if req.state is RequestState.RUNNING}
+        running = {req.row: req for req in self._requests.values() if self._decoding(req)}
         if not running:
             return
         self.check_bookkeeping()
@@ -725,7 +772,7 @@ class Engine:
                        np.zeros(len(self.cache.groups), np.int64))
 
         while blocked and not self._make_room(need()):
-            running = [req for req in self._requests.values() if req.state is RequestState.RUNNING]
+            running = [req for req in self._requests.values() if self._decoding(req)]  # never one mid-prefill
             if not running:
                 return
             victim = max(running, key=lambda r: r.order)
