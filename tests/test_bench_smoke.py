@@ -8,7 +8,7 @@ import pytest
 from jaxkv.bench.__main__ import main
 
 
-@pytest.mark.parametrize("name", ["alloc", "pool", "prefix", "decode", "kernels", "hybrid"])
+@pytest.mark.parametrize("name", ["alloc", "pool", "prefix", "decode", "kernels", "hybrid", "serve"])
 def test_benchmark_runs_and_prints_json(name, capsys):
     assert main([name, "--quick", "--json"]) == 0
     last = capsys.readouterr().out.strip().splitlines()[-1]

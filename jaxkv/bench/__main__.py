@@ -19,6 +19,7 @@ BENCHMARKS = {
     "memory": None,  # issue 18 builds it (serving simulation, KV waste, plot)
     "kernels": "jaxkv.bench.kernels",
     "hybrid": "jaxkv.bench.hybrid",
+    "serve": "jaxkv.bench.serve",
 }
 
 
