@@ -336,21 +336,19 @@ class KVCacheManager:
     def incref_blocks(self, blocks: dict) -> tuple["KVCacheManager", Ok]:
         """One more owner of each id of ``blocks[g]`` (any shape, -1 ignored)
         in group ``g``: a prefix cache taking its own reference."""
-        ok = jnp.bool_(True)
-        groups = dict(self.groups)
-        for name, ids in blocks.items():
-            allocator, group_ok = groups[name].allocator.incref(ids)
-            groups[name] = groups[name].replace(allocator=allocator)
-            ok = ok & group_ok
-        return self.replace(groups=where_ok(ok, groups, self.groups)), ok
+        return self._owners(blocks, "incref")
 
     def release_blocks(self, blocks: dict) -> tuple["KVCacheManager", Ok]:
         """Drop one owner of each id of ``blocks[g]`` (-1 ignored): a
         block with no owner left returns to its group's free blocks."""
+        return self._owners(blocks, "release")
+
+    def _owners(self, blocks: dict, op: str) -> tuple["KVCacheManager", Ok]:
+        """``BlockAllocator.<op>`` of ``blocks[g]`` in each group, all or nothing."""
         ok = jnp.bool_(True)
         groups = dict(self.groups)
         for name, ids in blocks.items():
-            allocator, group_ok = groups[name].allocator.release(ids)
+            allocator, group_ok = getattr(groups[name].allocator, op)(ids)
             groups[name] = groups[name].replace(allocator=allocator)
             ok = ok & group_ok
         return self.replace(groups=where_ok(ok, groups, self.groups)), ok
