@@ -8,16 +8,19 @@ import pytest
 from jaxkv.bench.__main__ import main
 
 
-@pytest.mark.parametrize("name", ["alloc", "pool", "prefix", "decode", "kernels", "hybrid", "serve"])
-def test_benchmark_runs_and_prints_json(name, capsys):
-    assert main([name, "--quick", "--json"]) == 0
-    last = capsys.readouterr().out.strip().splitlines()[-1]
-    payload = json.loads(last)
+@pytest.mark.parametrize("name", ["alloc", "pool", "prefix", "decode", "kernels", "hybrid", "serve", "memory"])
+def test_benchmark_runs_and_prints_json(name, capsys, tmp_path):
+    plot = tmp_path / "plot.png"
+    assert main([name, "--quick", "--json", "--plot", str(plot)]) == 0
+    out = capsys.readouterr().out
+    payload = json.loads(out.strip().splitlines()[-1])
     assert payload["benchmark"] == name and payload["results"]
+    if name == "memory":  # the PNG when matplotlib is there, else the reason
+        assert plot.exists() or "matplotlib is not installed" in out
 
 
 def test_unbuilt_benchmark_says_so(capsys):
-    assert main(["memory"]) == 2
+    assert main(["scaling"]) == 2
     assert "not built yet" in capsys.readouterr().out
 
 

@@ -16,10 +16,11 @@ BENCHMARKS = {
     "pool": "jaxkv.bench.pool",
     "prefix": "jaxkv.bench.prefix",
     "decode": "jaxkv.bench.decode",
-    "memory": None,  # issue 18 builds it (serving simulation, KV waste, plot)
+    "memory": "jaxkv.bench.memory",
     "kernels": "jaxkv.bench.kernels",
     "hybrid": "jaxkv.bench.hybrid",
     "serve": "jaxkv.bench.serve",
+    "scaling": None,  # issue 18 builds it (per-step cost at pool sizes P, 4P, 16P)
 }
 
 
@@ -28,6 +29,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("name", choices=sorted(BENCHMARKS))
     parser.add_argument("--json", action="store_true", help="end with one JSON line of the figures")
     parser.add_argument("--quick", action="store_true", help="fewer steps and repeats (smoke test)")
+    parser.add_argument("--plot", help="where a benchmark that draws saves its PNG (memory: bench_memory.png)")
     args = parser.parse_args(argv)
     module = BENCHMARKS[args.name]
     if module is None:

@@ -186,8 +186,8 @@ def step_rows(num_layers: int, steps: int, batch: int, repeats: int, rng, contex
 
 def _width(quick: bool) -> dict:
     # --quick (the CI smoke run): the same code at a quarter of the width.
-    return dict(vocab_size=1024 if quick else 4096, hidden_size=128 if quick else 512, num_hidden_layers=4,
-                num_attention_heads=2 if quick else 8)
+    return dict(vocab_size=1024 if quick else 4096, hidden_size=128 if quick else 512,
+                num_hidden_layers=3 if quick else 4, num_attention_heads=2 if quick else 8)
 
 
 def _dsv4_config(quick: bool):
@@ -199,8 +199,10 @@ def _dsv4_config(quick: bool):
         q_lora_rank=64 if quick else 256, n_routed_experts=4 if quick else 8, num_experts_per_tok=2, o_groups=2,
         o_lora_rank=64 if quick else 256, index_n_heads=2 if quick else 8, index_head_dim=128, index_topk=64,
         sliding_window=128, compress_rates=(4, 128),
+        # --quick: one layer of each kind (CI time).
         layer_types=("sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention",
-                     "compressed_sparse_attention"), mlp_layer_types=("hash_moe", "moe", "moe", "moe"))
+                     "compressed_sparse_attention")[: 3 if quick else 4],
+        mlp_layer_types=("hash_moe", "moe", "moe", "moe")[: 3 if quick else 4])
 
 
 def _llama_config(quick: bool):
