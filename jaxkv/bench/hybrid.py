@@ -21,7 +21,8 @@ timed interleaved, minimum over repeats, compilation excluded; the ratio is
 hybrid / full-attention. On CPU: 1k-token tables and a float32
 baseline pool, because XLA's CPU backend copies a whole bf16/fp8 array for
 every scatter into it (the hybrid side's fp8/bf16 stores pay that on CPU,
-per layer array); ``--quick``: 4 layers, 4 steps.
+per layer array); ``--quick``: 4 layers, 4 steps, and no model table
+(its two models' compiles cost CI ~30 s; the cache-only tables run).
 
 **The DeepSeek-V4 model** (:class:`jaxkv.nn.DeepseekV4ForCausalLM`, random
 weights, 4 layers ``[SWA, CSA, HCA, CSA]`` at the real head layout: one
@@ -184,31 +185,24 @@ def step_rows(num_layers: int, steps: int, batch: int, repeats: int, rng, contex
 # The DeepSeek-V4 model beside a Llama of the same width.
 # --------------------------------------------------------------------------
 
-def _width(quick: bool) -> dict:
-    # --quick (the CI smoke run): the same code at a quarter of the width.
-    return dict(vocab_size=1024 if quick else 4096, hidden_size=128 if quick else 512,
-                num_hidden_layers=3 if quick else 4, num_attention_heads=2 if quick else 8)
+_WIDTH = dict(vocab_size=4096, hidden_size=512, num_hidden_layers=4, num_attention_heads=8)
 
 
-def _dsv4_config(quick: bool):
+def _dsv4_config():
     from jaxkv.nn.deepseek_v4_config import DeepseekV4Config
 
-    head = 128 if quick else 512
     return DeepseekV4Config(
-        **_width(quick), moe_intermediate_size=64 if quick else 256, head_dim=head, partial_rotary_factor=64 / head,
-        q_lora_rank=64 if quick else 256, n_routed_experts=4 if quick else 8, num_experts_per_tok=2, o_groups=2,
-        o_lora_rank=64 if quick else 256, index_n_heads=2 if quick else 8, index_head_dim=128, index_topk=64,
-        sliding_window=128, compress_rates=(4, 128),
-        # --quick: one layer of each kind (CI time).
+        **_WIDTH, moe_intermediate_size=256, head_dim=512, partial_rotary_factor=64 / 512, q_lora_rank=256,
+        n_routed_experts=8, num_experts_per_tok=2, o_groups=2, o_lora_rank=256, index_n_heads=8, index_head_dim=128,
+        index_topk=64, sliding_window=128, compress_rates=(4, 128),
         layer_types=("sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention",
-                     "compressed_sparse_attention")[: 3 if quick else 4],
-        mlp_layer_types=("hash_moe", "moe", "moe", "moe")[: 3 if quick else 4])
+                     "compressed_sparse_attention"), mlp_layer_types=("hash_moe", "moe", "moe", "moe"))
 
 
-def _llama_config(quick: bool):
+def _llama_config():
     from jaxkv.nn.config import LlamaConfig
 
-    return LlamaConfig(**_width(quick), intermediate_size=256 if quick else 1024, num_key_value_heads=2, head_dim=64)
+    return LlamaConfig(**_WIDTH, intermediate_size=1024, num_key_value_heads=2, head_dim=64)
 
 
 def _dsv4_cache_step(manager, slots, values):
@@ -257,7 +251,7 @@ def _llama_cache_step(state, seq_ids, values):
     return (manager, pool), (ok, checksum)
 
 
-def model_rows(steps: int, repeats: int, rng, batch: int = 8, prompt_len: int = 512, quick: bool = False):
+def model_rows(steps: int, repeats: int, rng, batch: int = 8, prompt_len: int = 512):
     """Cache bytes per token and per-step decode time, cache vs the rest,
     for DeepSeek-V4 (fp8 entries) and a Llama of the same width (bf16 pool
     on GPU, float32 on CPU as above)."""
@@ -268,10 +262,10 @@ def model_rows(steps: int, repeats: int, rng, batch: int = 8, prompt_len: int = 
     from jaxkv.nn.generate import decode_loop, prefill, start_hybrid
 
     greedy = SamplingParams()
-    prompts = rng.integers(0, _width(quick)["vocab_size"], (batch, prompt_len)).tolist()
+    prompts = rng.integers(0, _WIDTH["vocab_size"], (batch, prompt_len)).tolist()
     max_new = steps + 2
     # DeepSeek-V4: fp8 entries, as served.
-    dsv4 = DeepseekV4ForCausalLM(_dsv4_config(quick), rngs=nnx.Rngs(0))
+    dsv4 = DeepseekV4ForCausalLM(_dsv4_config(), rngs=nnx.Rngs(0))
     graphdef, params, state = start_hybrid(dsv4, prompts, max_new, entry_format="fp8")
     manager = state.manager
     paged = sum(block_bytes(s, manager.config) / s.tokens_per_block for s in manager.schemas if s.group)
@@ -282,7 +276,7 @@ def model_rows(steps: int, repeats: int, rng, batch: int = 8, prompt_len: int = 
 
     # Llama of the same width over the paged pool.
     dtype = jnp.bfloat16 if jax.default_backend() == "gpu" else jnp.float32
-    llama = LlamaForCausalLM(_llama_config(quick), rngs=nnx.Rngs(0))
+    llama = LlamaForCausalLM(_llama_config(), rngs=nnx.Rngs(0))
     page_size = 16
     pages = batch * ((prompt_len + max_new) // page_size + 1) + 1
     bsm = BlockSpaceManager.create(num_device_blocks=pages, num_host_blocks=1, block_size=page_size, max_seqs=batch,
@@ -392,11 +386,16 @@ def main(args) -> int:
                  "hybrid / full"],
                 [[r["layers"], r["batch"], r["steps"], r["hybrid_us_per_step"], r["reserve_only_us_per_step"],
                   r["full_attention_us_per_step"], r["ratio"]] for r in steps])
-    models = model_rows(2 if quick else 16, 1 if quick else 3, rng, prompt_len=16 if quick else 512, quick=quick)
-    print_table(f"decode step of a model, batch 8 ({jax.default_backend()}): cache operations vs the rest",
-                ["model", "cache bytes/token", "state bytes/request", "us/step", "cache us/step", "rest us/step"],
-                [[r["model"], r["cache_bytes_per_token"], r["state_bytes_per_request"], r["us_per_step"],
-                  r["cache_us_per_step"], r["rest_us_per_step"]] for r in models])
+    models = []
+    if quick:  # CI's smoke run: two models' decode loops cost ~30 s of compiles on 2 cores
+        print("\nThe models' decode steps (DeepSeek-V4 vs a Llama of the same width): run without --quick.")
+    else:
+        models = model_rows(16, 3, rng, prompt_len=512)
+        print_table(f"decode step of a model, batch 8 ({jax.default_backend()}): cache operations vs the rest",
+                    ["model", "cache bytes/token", "state bytes/request", "us/step", "cache us/step",
+                     "rest us/step"],
+                    [[r["model"], r["cache_bytes_per_token"], r["state_bytes_per_request"], r["us_per_step"],
+                      r["cache_us_per_step"], r["rest_us_per_step"]] for r in models])
     if args.json:
         print_json({"benchmark": "hybrid", "machine": machine_description(),
                     "results": {"memory": memory, "families": families, "step": steps, "models": models}})
