@@ -4,7 +4,8 @@ The engine schedules; the model's cache (:mod:`jaxkv.serve.caches`) owns the
 device state and the jitted steps: a :class:`~jaxkv.serve.caches.PagedCache`
 (paged pool, prefix cache, swap) for models with ``make_pool``, a
 :class:`~jaxkv.serve.caches.HybridCache` (the model's ``KVCacheManager``;
-recompute preemption, no prefix cache yet) for models with ``make_cache``.
+prefix cache with state snapshots, recompute preemption) for models with
+``make_cache``.
 Blocks are counted per group of the cache (one group for a paged pool);
 what follows says "blocks" for each group's count.
 
@@ -19,12 +20,16 @@ which a request may be admitted). Each scheduler iteration:
    cache (hit capped at ``len - 1`` tokens, page aligned) and the matched
    node pinned; the cached blocks go at the start of the new sequence's block
    table with one ``incref`` each and the rest is acquired
-   (:meth:`BlockSpaceManager.admit_with_prefix`, all or nothing),
-   then only the uncached tail is prefilled (``starts = cached_len``), the
-   whole admitted batch in ONE jitted call that also samples each request's
-   first token. When blocks are short the prefix cache is evicted first; if
-   the request still does not fit, admission stops for this iteration (FCFS).
-3. **Decode** every running sequence for ``decode_chunk`` steps in ONE jitted
+   (:meth:`BlockSpaceManager.admit_with_prefix`, all or nothing; a hybrid
+   cache restores the hit's snapshot and preallocates). When blocks are
+   short the prefix cache is evicted first; if the request still does not
+   fit, admission stops for this iteration (FCFS).
+   **Prefill** then runs the uncached tails (``starts = cached_len``) of the
+   admitted requests in pieces, one piece per request per jitted call, each
+   call sampling the first token of the requests it finishes: every piece
+   now, or with ``max_num_batched_tokens`` one call per iteration within
+   the budget, so decoding goes on while long prompts are prefilled.
+3. **Decode** every running sequence whose prompt is prefilled for ``decode_chunk`` steps in ONE jitted
    ``lax.while_loop``: each step appends a slot per running sequence on
    device (a new block at block boundaries), runs the model, samples (per-row
    temperature / top-k / top-p), and stops rows on EOS or ``max_new_tokens``.
