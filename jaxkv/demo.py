@@ -6,8 +6,10 @@ checkpoint's tokenizer).
 
 The workload: requests arrive over time, each a shared "system prompt" (one
 of four) followed by its own question; the pool is sized so the engine must
-evict cached prefixes and preempt. At the end it prints the summary:
-requests, tokens/s, prefix hit rate, peak KV blocks used and preemptions.
+evict cached prefixes (admission keeps room for the running requests' next
+decode chunk, so it rarely has to preempt; ``examples/swap_under_pressure.py``
+shows preemption). At the end it prints the summary: requests, tokens/s,
+prefix hit rate, peak KV blocks used, preemptions, TTFT and ITL.
 (``python -m jaxkv.allocator_tour`` is the allocator tour.)
 """
 
