@@ -55,6 +55,7 @@ from jaxkv.nn.attention import check_implementation, paged_prefill_attention
 from jaxkv.nn.deepseek_v3_config import DeepseekV3Config
 from jaxkv.nn.layers import (Experts, Linear, RMSNorm, SwiGLU, fuse_experts, load_state, named_state, param,
                              read_checkpoint, save_checkpoint)
+from jaxkv.nn.llama import LlamaDecoderLayer
 from jaxkv.pool.kv_pool import KVPool, dequantize, quantize_fp8
 from kernels_pallas import paged_attention
 
@@ -223,7 +224,10 @@ class MoE(nnx.Module):
         return (self.experts(flat, experts, weights) + self.shared_experts(flat)).reshape(x.shape)
 
 
-class DeepseekV3DecoderLayer(nnx.Module):
+class DeepseekV3DecoderLayer(LlamaDecoderLayer):
+    """Llama's pre-norm block (its ``__call__`` and ``forward_dense``) with
+    MLA attention and, past ``first_k_dense_replace``, the MoE."""
+
     def __init__(self, config: DeepseekV3Config, layer: int, *, rngs, param_dtype, precision, implementation,
                  interpret):
         c = config
@@ -235,16 +239,6 @@ class DeepseekV3DecoderLayer(nnx.Module):
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, param_dtype=param_dtype)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, param_dtype=param_dtype)
         self.layer = int(layer)
-
-    def __call__(self, x, positions, pool, slots, block_tables, starts, num_new, *, mode):
-        attn, pool = self.self_attn(self.input_layernorm(x), positions, pool, self.layer, slots, block_tables,
-                                    starts, num_new, mode=mode)
-        x = x + attn
-        return x + self.mlp(self.post_attention_layernorm(x)), pool
-
-    def forward_dense(self, x, positions, *, kv_dtype=None):
-        x = x + self.self_attn.forward_dense(self.input_layernorm(x), positions, kv_dtype=kv_dtype)
-        return x + self.mlp(self.post_attention_layernorm(x))
 
 
 class DeepseekV3ForCausalLM(nnx.Module):
