@@ -91,11 +91,11 @@ def test_donated_write_reuses_the_buffer():
     rng = np.random.default_rng()
     pool = _pool(jnp.bfloat16)
     step = jax.jit(KVPool.set_kv, donate_argnums=0)
-    pointer = pool.k_pages.unsafe_buffer_pointer()
+    pointer = pool.k_bits.unsafe_buffer_pointer()
     indices = np.array([5, 9], np.int32)
     new = step(pool, 1, indices, _random_rows(rng, 2, K_HEADS, K_DIM), _random_rows(rng, 2, V_HEADS, V_DIM))
-    assert pool.k_pages.is_deleted()
-    assert new.k_pages.unsafe_buffer_pointer() == pointer
+    assert pool.k_bits.is_deleted()
+    assert new.k_bits.unsafe_buffer_pointer() == pointer
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float8_e4m3fn], ids=lambda d: jnp.dtype(d).name)

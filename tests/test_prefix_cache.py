@@ -717,7 +717,7 @@ def prefill(sched: PrefixScheduler, adm, rng) -> dict:
     shape = (LAYERS, HEADS, len(blocks), ps, DIM)
     k = rng.uniform(1.0, 2.0, shape).astype(np.float32) * rng.choice([-1, 1], shape)
     v = rng.uniform(3.0, 4.0, shape).astype(np.float32)
-    data = KVPool(k_pages=jnp.asarray(k), v_pages=jnp.asarray(v), k_scales=None, v_scales=None)
+    data = KVPool.from_arrays(jnp.asarray(k), jnp.asarray(v))
     sched.pool, ok = sched.pool.write_pages(np.asarray(blocks, np.int32), data)
     assert ok
     return {block: (k[:, :, i], v[:, :, i]) for i, block in enumerate(blocks)}

@@ -104,7 +104,7 @@ def expected_pages(namespace, tokens: tuple, start: int, stop: int) -> np.ndarra
 
 def _write_k(pool: KVPool, targets, k):
     k = k[None, None, :, :, None]
-    return pool.write_pages(targets, KVPool(k_pages=k, v_pages=-k, k_scales=None, v_scales=None))[0]
+    return pool.write_pages(targets, KVPool.from_arrays(k, -k))[0]
 
 
 WRITE_K = jax.jit(_write_k, donate_argnums=0)

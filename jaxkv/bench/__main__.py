@@ -1,7 +1,7 @@
 """``python -m jaxkv.bench NAME [--json]``: run one benchmark and print a table.
 
 With ``--json`` the last line of output is one JSON object with the same
-figures. Benchmarks of later issues are listed with the issue that brings them.
+figures.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import argparse
 import importlib
 import sys
 
-#: name -> module implementing ``main(args) -> int``; None = not built yet.
+#: name -> module implementing ``main(args) -> int``.
 BENCHMARKS = {
     "alloc": "jaxkv.bench.alloc",
     "pool": "jaxkv.bench.pool",
@@ -20,7 +20,7 @@ BENCHMARKS = {
     "kernels": "jaxkv.bench.kernels",
     "hybrid": "jaxkv.bench.hybrid",
     "serve": "jaxkv.bench.serve",
-    "scaling": None,  # issue 18 builds it (per-step cost at pool sizes P, 4P, 16P)
+    "scaling": "jaxkv.bench.scaling",
 }
 
 
@@ -31,11 +31,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="fewer steps and repeats (smoke test)")
     parser.add_argument("--plot", help="where a benchmark that draws saves its PNG (memory: bench_memory.png)")
     args = parser.parse_args(argv)
-    module = BENCHMARKS[args.name]
-    if module is None:
-        print(f"benchmark {args.name!r} is not built yet: it arrives with the issue that builds its subject")
-        return 2
-    return importlib.import_module(module).main(args)
+    return importlib.import_module(BENCHMARKS[args.name]).main(args)
 
 
 if __name__ == "__main__":

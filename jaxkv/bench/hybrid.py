@@ -241,7 +241,7 @@ def _llama_cache_step(state, seq_ids, values):
 
     manager, pool = state
     manager, pool, token_slots, _, ok = manager.append_slots(pool, seq_ids)
-    kv = values[:, : pool.k_heads * pool.k_dim].reshape(-1, pool.k_heads, pool.k_dim).astype(pool.k_pages.dtype)
+    kv = values[:, : pool.k_heads * pool.k_dim].reshape(-1, pool.k_heads, pool.k_dim).astype(pool.dtype)
     tables = jnp.clip(manager.batch_tables(seq_ids)[0], 0, None)
     checksum = jnp.float32(0)
     for layer in range(pool.num_layers):

@@ -43,7 +43,7 @@ _write_pages = jax.jit(lambda pool, pages, data: pool.write_pages(pages, data)[0
 
 
 def _pinned_sharding(pool: KVPool) -> SingleDeviceSharding | None:
-    device = next(iter(pool.k_pages.devices()))
+    device = next(iter(pool.k_bits.devices()))
     kinds = {memory.kind for memory in device.addressable_memories()}
     return SingleDeviceSharding(device, memory_kind="pinned_host") if "pinned_host" in kinds else None
 
@@ -82,7 +82,7 @@ _load_pinned_jit = jax.jit(_load_pinned, donate_argnums=0, static_argnames=("sha
 
 
 def _placement(tree: KVPool):
-    return tree.k_pages.sharding
+    return tree.k_bits.sharding
 
 
 def create_host_pool(pool: KVPool, num_pages: int, *, memory_kind: str = "auto") -> KVPool:
@@ -115,7 +115,7 @@ def create_host_pool(pool: KVPool, num_pages: int, *, memory_kind: str = "auto")
 
 def is_pinned(host_pool: KVPool) -> bool:
     """Whether ``host_pool`` lives in pinned host memory (else numpy)."""
-    return isinstance(host_pool.k_pages, jax.Array)
+    return isinstance(host_pool.k_bits, jax.Array)
 
 
 def _pairs(src_pages, src_pool: KVPool, dst_pages, dst_pool: KVPool, what: str) -> tuple[np.ndarray, np.ndarray]:

@@ -35,6 +35,12 @@ Invariants:
   is unspecified (XLA scatter order);
 * writes are in place when the pool is donated into the jitted step
   (``jax.jit(step, donate_argnums=...)``); no method copies a whole pool.
+  For that, bfloat16 / float16 / fp8 pages are stored as raw integer bits
+  of the same width (``k_bits``, ``v_bits``; :mod:`kernels_pallas.bits`):
+  XLA's CPU backend converts a whole bf16/fp8 array for every scatter into
+  it, an integer one it updates in place. ``k_pages`` / ``v_pages`` are the
+  typed views (a bitcast: fused into the gather that reads them on CPU, a
+  no-op on GPU; outside ``jit`` they make a typed copy).
 """
 
 from __future__ import annotations
@@ -49,6 +55,7 @@ from jaxkv._ops import FP8_DTYPES, is_fp8  # noqa: F401 - is_fp8 re-exported (ja
 from jaxkv.alloc.token import TokenToKVPoolAllocator
 from jaxkv.errors import InvalidArgument, InvalidId
 from jaxkv.types import Array, Float32, Ids, Int, Ok, Shaped
+from kernels_pallas.bits import bits_dtype, from_bits, to_bits
 
 #: Storage dtypes a pool can hold.
 STORAGE_DTYPES = tuple(jnp.dtype(d) for d in (jnp.bfloat16, jnp.float16, jnp.float32)) + FP8_DTYPES
@@ -79,20 +86,28 @@ class KVPool:
     """Paged K/V pages of every layer; see the module docstring for layout.
 
     Fields:
-        k_pages: ``dtype`` ``[num_layers, k_heads, num_pages, page_size, k_dim]``.
-        v_pages: ``dtype`` ``[num_layers, v_heads, num_pages, page_size, v_dim]``;
-            None in MLA mode.
+        k_bits: ``[num_layers, k_heads, num_pages, page_size, k_dim]``, the
+            K pages in ``dtype``'s storage (``bits_dtype(dtype)``: uint16 for
+            bf16/f16, uint8 for fp8, float32 as is); read them as
+            :attr:`k_pages`.
+        v_bits: ``[num_layers, v_heads, num_pages, page_size, v_dim]``,
+            likewise (:attr:`v_pages`); None in MLA mode.
         k_scales / v_scales: float32 ``[num_layers, heads, num_pages,
             page_size]``, one scale per token per head; None unless ``dtype``
             is fp8.
         kv_lora_rank: static; MLA latent width (0: not MLA).
+        storage: static; the name of the logical ``dtype`` of the pages.
+
+    Build pools with :meth:`create`, :meth:`create_mla` or, from typed
+    arrays, :meth:`from_arrays`.
     """
 
-    k_pages: Shaped[Array, "layers k_heads pages page_size k_dim"]
-    v_pages: Shaped[Array, "layers v_heads pages page_size v_dim"] | None
+    k_bits: Shaped[Array, "layers k_heads pages page_size k_dim"]
+    v_bits: Shaped[Array, "layers v_heads pages page_size v_dim"] | None
     k_scales: Float32[Array, "layers k_heads pages page_size"] | None
     v_scales: Float32[Array, "layers v_heads pages page_size"] | None
     kv_lora_rank: int = struct.field(pytree_node=False, default=0)
+    storage: str = struct.field(pytree_node=False, default="float32")
 
     # ------------------------------------------------------------------ creation
 
@@ -116,9 +131,9 @@ class KVPool:
         dtype = _storage_dtype(dtype)
         _require_positive(num_pages=num_pages - 1, page_size=page_size, num_layers=num_layers,
                           k_heads=k_heads, k_dim=k_dim, v_heads=v_heads, v_dim=v_dim)
-        k_pages, k_scales = _zeros(num_layers, k_heads, num_pages, page_size, k_dim, dtype)
-        v_pages, v_scales = _zeros(num_layers, v_heads, num_pages, page_size, v_dim, dtype)
-        return cls(k_pages=k_pages, v_pages=v_pages, k_scales=k_scales, v_scales=v_scales)
+        k_bits, k_scales = _zeros(num_layers, k_heads, num_pages, page_size, k_dim, dtype)
+        v_bits, v_scales = _zeros(num_layers, v_heads, num_pages, page_size, v_dim, dtype)
+        return cls(k_bits=k_bits, v_bits=v_bits, k_scales=k_scales, v_scales=v_scales, storage=dtype.name)
 
     @classmethod
     def create_mla(
@@ -131,46 +146,74 @@ class KVPool:
                           kv_lora_rank=kv_lora_rank)
         if rope_dim < 0:
             raise InvalidArgument(f"rope_dim={rope_dim} must be >= 0")
-        k_pages, k_scales = _zeros(num_layers, 1, num_pages, page_size, kv_lora_rank + rope_dim, dtype)
-        return cls(k_pages=k_pages, v_pages=None, k_scales=k_scales, v_scales=None, kv_lora_rank=kv_lora_rank)
+        k_bits, k_scales = _zeros(num_layers, 1, num_pages, page_size, kv_lora_rank + rope_dim, dtype)
+        return cls(k_bits=k_bits, v_bits=None, k_scales=k_scales, v_scales=None, kv_lora_rank=kv_lora_rank,
+                   storage=dtype.name)
+
+    @classmethod
+    def from_arrays(cls, k_pages: Array, v_pages: Array | None, k_scales: Array | None = None,
+                    v_scales: Array | None = None, *, kv_lora_rank: int = 0) -> "KVPool":
+        """A pool holding typed ``k_pages`` / ``v_pages`` (``[layers, heads,
+        pages, page_size, dim]``, one storage dtype; ``v_pages`` None in MLA
+        mode) and their scales (fp8 only), stored as bits."""
+        k_pages = jnp.asarray(k_pages)
+        dtype = _storage_dtype(k_pages.dtype)
+        if v_pages is not None and jnp.dtype(v_pages.dtype) != dtype:
+            raise InvalidArgument(f"k_pages are {dtype.name} but v_pages {jnp.dtype(v_pages.dtype).name}: "
+                                  "a pool has one storage dtype")
+        if is_fp8(dtype) != (k_scales is not None) or (v_pages is not None and is_fp8(dtype) != (v_scales is not None)):
+            raise InvalidArgument(f"{dtype.name} pages {'need' if is_fp8(dtype) else 'take no'} scales")
+        return cls(k_bits=to_bits(k_pages, dtype), v_bits=None if v_pages is None else to_bits(v_pages, dtype),
+                   k_scales=k_scales, v_scales=v_scales, kv_lora_rank=kv_lora_rank, storage=dtype.name)
 
     # ---------------------------------------------------------------- properties
 
     @property
+    def k_pages(self) -> Shaped[Array, "layers k_heads pages page_size k_dim"]:
+        """The K pages as ``dtype`` (a bitcast view of :attr:`k_bits`)."""
+        return from_bits(self.k_bits, self.dtype)
+
+    @property
+    def v_pages(self) -> Shaped[Array, "layers v_heads pages page_size v_dim"] | None:
+        """The V pages as ``dtype``; None in MLA mode."""
+        return None if self.v_bits is None else from_bits(self.v_bits, self.dtype)
+
+    @property
     def num_layers(self) -> int:
-        return self.k_pages.shape[0]
+        return self.k_bits.shape[0]
 
     @property
     def num_pages(self) -> int:
-        return self.k_pages.shape[2]
+        return self.k_bits.shape[2]
 
     @property
     def page_size(self) -> int:
-        return self.k_pages.shape[3]
+        return self.k_bits.shape[3]
 
     @property
     def k_heads(self) -> int:
-        return self.k_pages.shape[1]
+        return self.k_bits.shape[1]
 
     @property
     def k_dim(self) -> int:
-        return self.k_pages.shape[4]
+        return self.k_bits.shape[4]
 
     @property
     def is_mla(self) -> bool:
-        return self.v_pages is None
+        return self.v_bits is None
 
     @property
     def v_heads(self) -> int:
-        return self.k_heads if self.is_mla else self.v_pages.shape[1]
+        return self.k_heads if self.is_mla else self.v_bits.shape[1]
 
     @property
     def v_dim(self) -> int:
-        return self.kv_lora_rank if self.is_mla else self.v_pages.shape[4]
+        return self.kv_lora_rank if self.is_mla else self.v_bits.shape[4]
 
     @property
     def dtype(self) -> jnp.dtype:
-        return self.k_pages.dtype
+        """The storage dtype the pages hold (bf16, f16, f32 or fp8)."""
+        return jnp.dtype(self.storage)
 
     @property
     def buffer_size(self) -> int:
@@ -212,14 +255,14 @@ class KVPool:
         if self.is_mla:
             if v is not None:
                 raise InvalidArgument("an MLA pool stores one latent per token: pass it as k and no v")
-            k_pages, k_scales = _write(self.k_pages, self.k_scales, layer, flat, k, self.page_size)
-            return self.replace(k_pages=k_pages, k_scales=k_scales)
+            k_bits, k_scales = _write(self.k_bits, self.k_scales, self.dtype, layer, flat, k, self.page_size)
+            return self.replace(k_bits=k_bits, k_scales=k_scales)
         if v is None:
             raise InvalidArgument("set_kv needs v (only an MLA pool takes k alone)")
         v = self._rows(v, flat.shape[0], self.v_heads, self.v_dim, "v")
-        k_pages, k_scales = _write(self.k_pages, self.k_scales, layer, flat, k, self.page_size)
-        v_pages, v_scales = _write(self.v_pages, self.v_scales, layer, flat, v, self.page_size)
-        return self.replace(k_pages=k_pages, k_scales=k_scales, v_pages=v_pages, v_scales=v_scales)
+        k_bits, k_scales = _write(self.k_bits, self.k_scales, self.dtype, layer, flat, k, self.page_size)
+        v_bits, v_scales = _write(self.v_bits, self.v_scales, self.dtype, layer, flat, v, self.page_size)
+        return self.replace(k_bits=k_bits, k_scales=k_scales, v_bits=v_bits, v_scales=v_scales)
 
     # ------------------------------------------------------------------- reads
 
@@ -233,10 +276,10 @@ class KVPool:
         layer's data)."""
         layer = self._check_layer(layer)
         flat = self._check_indices(indices)
-        k = _read(self.k_pages, self.k_scales, layer, flat, self.page_size, dtype)
+        k = _read(self.k_bits, self.k_scales, self.dtype, layer, flat, self.page_size, dtype)
         if self.is_mla:
             return k, k[..., : self.kv_lora_rank]
-        return k, _read(self.v_pages, self.v_scales, layer, flat, self.page_size, dtype)
+        return k, _read(self.v_bits, self.v_scales, self.dtype, layer, flat, self.page_size, dtype)
 
     def layer_arrays(self, layer: int) -> tuple[Array, Array | None, Array | None, Array | None]:
         """``(k_pages, v_pages, k_scales, v_scales)`` of one layer, each
@@ -246,7 +289,8 @@ class KVPool:
         if not isinstance(layer, int):
             raise InvalidArgument(f"layer_arrays takes a Python int layer, got {type(layer).__name__}")
         pick = lambda a: None if a is None else a[layer]  # noqa: E731
-        return pick(self.k_pages), pick(self.v_pages), pick(self.k_scales), pick(self.v_scales)
+        typed = lambda a: None if a is None else from_bits(a[layer], self.dtype)  # noqa: E731
+        return typed(self.k_bits), typed(self.v_bits), pick(self.k_scales), pick(self.v_scales)
 
     # ------------------------------------------------------------ page copies
 
@@ -348,27 +392,34 @@ def _require_positive(**sizes: int) -> None:
 def _zeros(layers, heads, pages, page_size, dim, dtype):
     shape = (layers, heads, pages, page_size, dim)
     scales = jnp.ones(shape[:-1], jnp.float32) if is_fp8(dtype) else None
-    return jnp.zeros(shape, dtype), scales
+    return jnp.zeros(shape, bits_dtype(dtype)), scales  # 0.0 is all-zero bits in every storage dtype
 
 
-def _write(pages, scales, layer, flat, rows, page_size):
-    """Store ``rows [n, heads, dim]`` at token rows ``flat`` of ``layer``."""
+def _write(bits, scales, storage, layer, flat, rows, page_size):
+    """Store ``rows [n, heads, dim]`` at token rows ``flat`` of ``layer`` of
+    pages ``bits`` holding ``storage`` values (an integer scatter when
+    ``storage`` is narrower than 32 bits: in place on every backend)."""
     page, offset = flat // page_size, flat % page_size
     if scales is None:
-        return pages.at[layer, :, page, offset].set(rows.astype(pages.dtype)), None
-    stored, scale = quantize_fp8(rows, pages.dtype)
-    return pages.at[layer, :, page, offset].set(stored), scales.at[layer, :, page, offset].set(scale)
+        return bits.at[layer, :, page, offset].set(to_bits(rows, storage)), None
+    stored, scale = quantize_fp8(rows, storage)
+    return (bits.at[layer, :, page, offset].set(to_bits(stored, storage)),
+            scales.at[layer, :, page, offset].set(scale))
 
 
-def _read(pages, scales, layer, flat, page_size, dtype):
+def _read(bits, scales, storage, layer, flat, page_size, dtype):
     page, offset = flat // page_size, flat % page_size
     if isinstance(layer, int):  # checked on the host
-        stored = pages[layer, :, page, offset]  # [n, heads, dim]
+        stored = from_bits(bits[layer, :, page, offset], storage)  # [n, heads, dim]
         return dequantize(stored, None if scales is None else scales[layer, :, page, offset], dtype)
-    # A traced layer out of range reads NaN, not the clamped last layer.
-    fill = dict(mode="fill", fill_value=jnp.nan)
-    stored = pages.at[layer, :, page, offset].get(**fill)
-    return dequantize(stored, None if scales is None else scales.at[layer, :, page, offset].get(**fill), dtype)
+    # A traced layer out of range reads NaN, not the clamped last layer: the
+    # gather fills the layer's rows with NaN's bits, so it reads them as the
+    # storage dtype.
+    nan_bits = np.asarray(np.nan, storage).view(bits_dtype(storage)).item()
+    stored = from_bits(bits.at[layer, :, page, offset].get(mode="fill", fill_value=nan_bits), storage)
+    stored_scales = None if scales is None else scales.at[layer, :, page, offset].get(mode="fill",
+                                                                                      fill_value=jnp.nan)
+    return dequantize(stored, stored_scales, dtype)
 
 
 def make_full_attention_net_mem_pool(
