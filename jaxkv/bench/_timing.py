@@ -14,6 +14,7 @@ import time
 from typing import Callable, Sequence
 
 import jax
+import numpy as np
 
 
 def best_seconds(fn: Callable[[], object], repeats: int = 5) -> float:
@@ -36,6 +37,25 @@ def best_seconds_interleaved(fns: dict[str, Callable[[], object]], repeats: int 
             start = time.perf_counter()
             jax.block_until_ready(fn())
             best[name] = min(best[name], time.perf_counter() - start)
+    return best
+
+
+def best_seconds_threaded(runs: dict, repeats: int) -> dict[str, float]:
+    """``runs[name] = (fn, state)`` with ``fn(state) -> (state, ok)``: the
+    minimum seconds of a call of each, interleaved. Each call continues from
+    the state the previous one returned (``fn`` donates it: no copy to time
+    or subtract); a call whose ``ok`` is not all True raises."""
+    states = {name: state for name, (_, state) in runs.items()}
+    for name, (fn, _) in runs.items():  # compile and warm up
+        states[name] = jax.block_until_ready(fn(states[name]))[0]
+    best = {name: float("inf") for name in runs}
+    for _ in range(repeats):
+        for name, (fn, _) in runs.items():
+            start = time.perf_counter()
+            states[name], out = jax.block_until_ready(fn(states[name]))
+            best[name] = min(best[name], time.perf_counter() - start)
+            if not bool(np.all(np.asarray(jax.device_get(out)))):
+                raise AssertionError(f"{name}: a step failed")
     return best
 
 
@@ -116,6 +136,7 @@ __all__ = [
     "backend_started",
     "best_seconds",
     "best_seconds_interleaved",
+    "best_seconds_threaded",
     "inline_cpu_dispatch",
     "machine_description",
     "print_json",

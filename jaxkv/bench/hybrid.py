@@ -16,13 +16,13 @@ fixed per-request state (SWA rings, compressor rings), and how many
 alone, the ``reserve`` part: block allocation in every group); against
 a full-attention paged cache doing the same job in the same run: one
 ``BlockSpaceManager.append_slots`` and one ``KVPool.set_kv`` per layer
-(bf16 pool; float32 on CPU, see below). Both
-timed interleaved, minimum over repeats, compilation excluded; the ratio is
-hybrid / full-attention. On CPU: 1k-token tables and a float32
-baseline pool, because XLA's CPU backend copies a whole bf16/fp8 array for
-every scatter into it (the hybrid side's fp8/bf16 stores pay that on CPU,
-per layer array); ``--quick``: 4 layers, 4 steps, and no model table
-(its two models' compiles cost CI ~30 s; the cache-only tables run).
+(bf16 pool, as a model stores it; both sides keep their 8/16-bit arrays as
+raw bits, so every write is an in-place scatter on CPU too). Both timed
+interleaved, each run continuing from the state the last one returned
+(donated, never copied), minimum over repeats, compilation excluded; the
+ratio is hybrid / full-attention. ``--quick``: 4 layers, 4 steps, and no
+model table (its two models' compiles cost CI ~30 s; the cache-only tables
+run).
 
 **The DeepSeek-V4 model** (:class:`jaxkv.nn.DeepseekV4ForCausalLM`, random
 weights, 4 layers ``[SWA, CSA, HCA, CSA]`` at the real head layout: one
@@ -43,7 +43,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxkv.bench._timing import best_seconds_interleaved, machine_description, print_json, print_table
+from jaxkv.bench._timing import (best_seconds_interleaved, best_seconds_threaded, machine_description,
+                                 print_json, print_table)
 from jaxkv.manager.block_space import BlockSpaceManager
 from jaxkv.manager.hybrid import KVCacheManager
 from jaxkv.manager.hybrid_schema import HybridConfig, deepseek_v4_schedule, v4_flash_like_ratios
@@ -142,39 +143,15 @@ def step_rows(num_layers: int, steps: int, batch: int, repeats: int, rng, contex
     pages = batch * context // 16 + 1
     full = BlockSpaceManager.create(num_device_blocks=pages, num_host_blocks=1, block_size=16,
                                     max_seqs=batch, max_blocks_per_seq=context // 16)
-    full = full.allocate_or_raise(list(range(batch)), num_tokens=1)
-    # bf16 as a model would store it; on CPU float32, because XLA's CPU
-    # backend copies a whole bf16 array (all layers) for each scatter into it.
-    dtype = jnp.bfloat16 if jax.default_backend() == "gpu" else jnp.float32
+    for row in range(batch):  # a sequence per row (a list would be one group sharing its prompt block)
+        full = full.allocate_or_raise([row], num_tokens=1)
     pool = KVPool.create_mla(num_pages=pages, page_size=16, num_layers=num_layers, kv_lora_rank=head_dim - 64,
-                             rope_dim=64, dtype=dtype)
+                             rope_dim=64, dtype=jnp.bfloat16)
     seq_ids = jnp.arange(batch, dtype=jnp.int32)
-
-    def fresh_hybrid():
-        return jax.tree.map(jnp.copy, hybrid)
-
-    def fresh_full():
-        return jax.tree.map(jnp.copy, (full, pool))
-
-    def run_hybrid():
-        return _scan(_hybrid_step, fresh_hybrid(), slots, values)
-
-    def run_full():
-        return _scan(_full_step, fresh_full(), seq_ids, values)
-
-    def run_reserve():
-        return _scan(_reserve_step, fresh_hybrid(), slots, values)
-
-    for run in (run_hybrid, run_full, run_reserve):
-        _, oks = jax.block_until_ready(run())
-        if not bool(np.asarray(oks).all()):
-            raise AssertionError(f"{run.__name__}: a step failed")
-    # The scans donate their state, so each run starts from a fresh copy;
-    # the copies are timed alone too and subtracted.
-    times = best_seconds_interleaved({"hybrid": run_hybrid, "full": run_full, "reserve": run_reserve,
-                                      "copy_hybrid": fresh_hybrid, "copy_full": fresh_full}, repeats)
-    times["copy_reserve"] = times["copy_hybrid"]
-    per_step = {k: max(times[k] - times["copy_" + k], 0.0) / steps * 1e6 for k in ("hybrid", "full", "reserve")}
+    runs = {"hybrid": (lambda m: _scan(_hybrid_step, m, slots, values), hybrid),
+            "full": (lambda state: _scan(_full_step, state, seq_ids, values), (full, pool)),
+            "reserve": (lambda m: _scan(_reserve_step, m, slots, values), jax.tree.map(jnp.copy, hybrid))}
+    per_step = {k: seconds / steps * 1e6 for k, seconds in best_seconds_threaded(runs, repeats).items()}
     return [{"layers": num_layers, "batch": batch, "steps": steps, "hybrid_us_per_step": per_step["hybrid"],
              "reserve_only_us_per_step": per_step["reserve"],
              "full_attention_us_per_step": per_step["full"],
@@ -253,8 +230,7 @@ def _llama_cache_step(state, seq_ids, values):
 
 def model_rows(steps: int, repeats: int, rng, batch: int = 8, prompt_len: int = 512):
     """Cache bytes per token and per-step decode time, cache vs the rest,
-    for DeepSeek-V4 (fp8 entries) and a Llama of the same width (bf16 pool
-    on GPU, float32 on CPU as above)."""
+    for DeepSeek-V4 (fp8 entries) and a Llama of the same width (bf16 pool)."""
     from flax import nnx
 
     from jaxkv.manager.hybrid_schema import block_bytes
@@ -275,7 +251,7 @@ def model_rows(steps: int, repeats: int, rng, batch: int = 8, prompt_len: int = 
     slots = jnp.arange(1, batch + 1, dtype=jnp.int32)
 
     # Llama of the same width over the paged pool.
-    dtype = jnp.bfloat16 if jax.default_backend() == "gpu" else jnp.float32
+    dtype = jnp.bfloat16
     llama = LlamaForCausalLM(_llama_config(), rngs=nnx.Rngs(0))
     page_size = 16
     pages = batch * ((prompt_len + max_new) // page_size + 1) + 1
@@ -371,17 +347,10 @@ def main(args) -> int:
                 ["model", "KV bytes/token", "state bytes/request", "GiB per 128k request", "max 128k requests"],
                 [[r["model"], r["kv_bytes_per_token"], r["state_bytes_per_request"],
                   r["bytes_per_128k_request"] / GIB, r["max_128k_requests"]] for r in families])
-    on_gpu = jax.default_backend() == "gpu"
-    if quick:
-        shape = dict(steps=4, repeats=1, context=1024)
-    elif on_gpu:
-        shape = dict(steps=32, repeats=5, context=4096)
-    else:  # CPU: every bf16/fp8 scatter copies its whole array here, so keep the pools small
-        shape = dict(steps=32, repeats=3, context=1024)
+    shape = dict(steps=4, repeats=1, context=1024) if quick else dict(steps=32, repeats=5, context=4096)
     steps = step_rows(layers, shape["steps"], 8, shape["repeats"], rng, context=shape["context"])
-    baseline = "bf16" if jax.default_backend() == "gpu" else "float32 (CPU)"
-    print_table(f"per-step cache cost inside one jitted lax.scan ({jax.default_backend()}; "
-                f"full-attention pool {baseline})",
+    print_table(f"per-step cache cost inside one jitted lax.scan ({jax.default_backend()}; fp8 entries vs a "
+                f"bf16 full-attention pool, {shape['context']}-token tables)",
                 ["layers", "batch", "steps", "hybrid us/step", "of which reserve", "full-attention us/step",
                  "hybrid / full"],
                 [[r["layers"], r["batch"], r["steps"], r["hybrid_us_per_step"], r["reserve_only_us_per_step"],

@@ -36,14 +36,13 @@ interleaved.
 
 from __future__ import annotations
 
-import time
 from functools import partial
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxkv.bench._timing import machine_description, print_json, print_table
+from jaxkv.bench._timing import best_seconds_threaded, machine_description, print_json, print_table
 from jaxkv.manager.block_space import BlockSpaceManager
 from jaxkv.manager.hybrid import KVCacheManager
 from jaxkv.manager.hybrid_schema import HybridConfig, deepseek_v4_schedule, v4_flash_like_ratios
@@ -58,24 +57,6 @@ BATCH, CONTEXT, PAGE, LAYERS, KV_HEADS, HEAD_DIM = 8, 256, 16, 4, 2, 64
 @partial(jax.jit, static_argnums=(0,), donate_argnums=(1,))
 def _scan(step, state, xs):
     return jax.lax.scan(step, state, xs)
-
-
-def _time_threaded(runs: dict, repeats: int) -> dict:
-    """``runs[name] = (fn, state)``: ``fn(state) -> (state, out)``. Each call
-    continues from the state the previous one returned (donated: no copy).
-    Returns the minimum seconds per call of each, interleaved."""
-    states = {name: state for name, (_, state) in runs.items()}
-    for name, (fn, _) in runs.items():  # compile and warm up
-        states[name] = jax.block_until_ready(fn(states[name]))[0]
-    best = {name: float("inf") for name in runs}
-    for _ in range(repeats):
-        for name, (fn, _) in runs.items():
-            start = time.perf_counter()
-            states[name], out = jax.block_until_ready(fn(states[name]))
-            best[name] = min(best[name], time.perf_counter() - start)
-            if not bool(np.all(np.asarray(jax.device_get(out)))):
-                raise AssertionError(f"{name}: a step failed")
-    return best
 
 
 def _pages_needed(extra_tokens: int) -> int:
@@ -224,7 +205,7 @@ def measure(steps: int = 16, repeats: int = 5, subjects: tuple[str, ...] | None 
             continue
         base = _pages_needed(steps * (repeats + 2) + 2) - 1
         runs = {scale: build(base * scale + 1, scale) for scale in scales}
-        best = _time_threaded(runs, repeats)
+        best = best_seconds_threaded(runs, repeats)
         per_step = {scale: best[scale] / steps * 1e6 for scale in scales}
         rows.append({"subject": name, "base_blocks": base, **{f"us_{s}P": per_step[s] for s in scales},
                      **{f"ratio_{s}P": per_step[s] / per_step[scales[0]] for s in scales[1:]}})

@@ -279,29 +279,37 @@ class BlockSpaceManager:
         last_block, cow, fresh, takes = plan.last_block, plan.cow, plan.fresh, plan.takes
         bad_row, valid, total = plan.bad_row, plan.valid, plan.total
         lanes = ceil_div(n, bs) + 1  # most blocks one sequence can take in a step
-        device, ids, acquired = self.device.acquire(
-            jnp.where(valid, total, seqs.shape[0] * lanes + 1), max_n=seqs.shape[0] * lanes
-        )
-        ok = valid & acquired
-        first = jnp.cumsum(takes) - takes  # this sequence's first id in ``ids``
 
-        # Table writes: lane 0 replaces the last block (copy-on-write), lanes
-        # 1.. append fresh blocks.
-        lane = jnp.arange(lanes, dtype=jnp.int32)
-        column = jnp.where(lane == 0, have[:, None] - 1, have[:, None] + lane - 1)
-        use = jnp.where(lane == 0, cow[:, None], (lane - 1) < fresh[:, None]) & (ok & given)[:, None]
-        id_index = first[:, None] + jnp.where(lane == 0, 0, cow[:, None] + lane - 1)
-        new_ids = ids.at[id_index].get(mode="fill", fill_value=-1)
-        tables = self.block_tables.at[jnp.where(use, rows[:, None], self.max_seqs), column].set(new_ids, mode="drop")
+        def take_blocks(device, tables, pool):
+            device, ids, acquired = device.acquire(
+                jnp.where(valid, total, seqs.shape[0] * lanes + 1), max_n=seqs.shape[0] * lanes
+            )
+            ok = valid & acquired
+            first = jnp.cumsum(takes) - takes  # this sequence's first id in ``ids``
 
-        copy_src = jnp.where(cow & ok, last_block, -1)
-        copy_dst = jnp.where(cow & ok, new_ids[:, 0], -1)
-        # Only steps with a copy-on-write touch the pool: the copy reads a page
-        # of every layer per batch lane, far too much to pay on every step.
-        pool = jax.lax.cond(
-            jnp.any(cow & ok), lambda p: p.copy_pages(copy_src, copy_dst)[0], lambda p: p, pool
-        )
-        device, _ = device.release(copy_src)  # drops this sequence's share; never frees
+            # Table writes: lane 0 replaces the last block (copy-on-write),
+            # lanes 1.. append fresh blocks.
+            lane = jnp.arange(lanes, dtype=jnp.int32)
+            column = jnp.where(lane == 0, have[:, None] - 1, have[:, None] + lane - 1)
+            use = jnp.where(lane == 0, cow[:, None], (lane - 1) < fresh[:, None]) & (ok & given)[:, None]
+            id_index = first[:, None] + jnp.where(lane == 0, 0, cow[:, None] + lane - 1)
+            new_ids = ids.at[id_index].get(mode="fill", fill_value=-1)
+            tables = tables.at[jnp.where(use, rows[:, None], self.max_seqs), column].set(new_ids, mode="drop")
+
+            copy_src = jnp.where(cow & ok, last_block, -1)
+            copy_dst = jnp.where(cow & ok, new_ids[:, 0], -1)
+            # Only steps with a copy-on-write touch the pool: the copy reads a
+            # page of every layer per batch lane, far too much for every step.
+            pool = jax.lax.cond(
+                jnp.any(cow & ok), lambda p: p.copy_pages(copy_src, copy_dst)[0], lambda p: p, pool
+            )
+            device, _ = device.release(copy_src)  # drops this sequence's share; never frees
+            return device, tables, pool, ok
+
+        # Most steps take no block (page_size - 1 of every page_size decode
+        # steps): they skip the acquire, the table scatter and the release.
+        device, tables, pool, ok = jax.lax.cond(
+            valid & (total > 0), take_blocks, lambda d, t, p: (d, t, p, valid), self.device, self.block_tables, pool)
         seq_lens = self.seq_lens.at[jnp.where(ok & given, rows, self.max_seqs)].add(n, mode="drop")
 
         position = lens[:, None] + jnp.arange(n, dtype=jnp.int32)

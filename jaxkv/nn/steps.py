@@ -187,7 +187,8 @@ class DecodeState:
         last: ``[B]`` int32, the token to feed next.
         finished: ``[B]`` bool, rows that take no further step (idle rows too).
         keys: PRNG keys: one key ``[]`` for the whole batch, or one per row
-            ``[B]`` (a row's key advances only on the steps it runs).
+            ``[B]`` (a row's key advances only on the steps it runs, and not at
+            all under a static greedy ``SamplingParams``: no draw is made).
         eos_id: ``[B]`` int32, the stop token per row (-1: none; traced, so it
             does not recompile).
         step: ``[]`` int32, loop counter.
@@ -250,11 +251,15 @@ def _finish(state: DecodeState, done: Bool[Array, " B"], free_finished: bool) ->
         state = state.replace(final_tables=jnp.where(done[:, None], manager.block_tables, state.final_tables),
                               final_lens=jnp.where(done, manager.seq_lens, state.final_lens))
     lanes = jnp.arange(done.shape[0], dtype=jnp.int32)
-    if isinstance(manager, KVCacheManager):
-        manager, _ = manager.release(jnp.where(done, lanes + 1, -1))  # done rows hold their slot: cannot fail
-    else:
-        manager, _ = manager.free(jnp.where(done, lanes, -1))  # done rows are ON_DEVICE: cannot fail
-    return state.replace(manager=manager)
+
+    def free(manager):
+        if isinstance(manager, KVCacheManager):
+            return manager.release(jnp.where(done, lanes + 1, -1))[0]  # done rows hold their slot: cannot fail
+        return manager.free(jnp.where(done, lanes, -1))[0]  # done rows are ON_DEVICE: cannot fail
+
+    # Most steps finish no row: skip the free's scatters then (a decode step
+    # at batch 1 is a few hundred small kernels; these are a tenth of them).
+    return state.replace(manager=jax.lax.cond(jnp.any(done), free, lambda m: m, manager))
 
 
 def start_decoding(manager: BlockSpaceManager, pool: KVPool, last_logits: Float[Array, "B V"], keys: jax.Array,
@@ -284,8 +289,11 @@ def decode_body(graphdef, params, state: DecodeState, sampling: SamplingParams |
     active = ~state.finished
     manager, pool, logits, now_blocked, ok = decode_logits(graphdef, params, state.manager, state.pool,
                                                            state.last, active)
-    keys, subs = split_keys(state.keys)
-    new = sample(logits, subs, sampling)
+    if isinstance(sampling, SamplingParams) and sampling.is_greedy:  # static: no draw, so no key is spent
+        keys, new = state.keys, sample(logits, state.keys, sampling)
+    else:
+        keys, subs = split_keys(state.keys)
+        new = sample(logits, subs, sampling)
     running = active & ok
     if keys.ndim:  # per-row streams advance only with their row
         keys = jnp.where(running, keys, state.keys)
