@@ -153,9 +153,9 @@ def _gather_case(kind: str, fmt_name: str, *, tokens=64, topk=512, batch=64, max
            "lossless": kp.EntryFormat.lossless(448, 64, "float32")}[fmt_name]
 
     def pool(lead):
-        return kp.CompressedEntries(nope=_sds(lead + (fmt.nope_dim,), fmt.nope_dtype),
-                                    scales=_sds(lead + (fmt.num_groups,), fmt.scale_dtype),
-                                    rope=_sds(lead + (fmt.rope_dim,), fmt.out_dtype), fmt=fmt)
+        return kp.CompressedEntries.from_parts(_sds(lead + (fmt.nope_dim,), fmt.nope_dtype),
+                                               _sds(lead + (fmt.num_groups,), fmt.scale_dtype),
+                                               _sds(lead + (fmt.rope_dim,), fmt.out_dtype), fmt)
 
     width = ceil_div(max_entries, _ENTRIES_PER_PAGE)
     if kind == "csa":

@@ -22,6 +22,7 @@ place already.
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
@@ -41,13 +42,20 @@ def bits_dtype(dtype) -> np.dtype:
 
 
 def to_bits(x, dtype):
-    """``x`` rounded to ``dtype``, as that dtype's storage (:func:`bits_dtype`)."""
-    x = jnp.asarray(x).astype(dtype)
+    """``x`` rounded to ``dtype``, as that dtype's storage (:func:`bits_dtype`).
+    A ``jax.ShapeDtypeStruct`` (lowering, ``jax.eval_shape``) gives the
+    storage's."""
     storage = bits_dtype(dtype)
+    if isinstance(x, jax.ShapeDtypeStruct):
+        return jax.ShapeDtypeStruct(x.shape, storage, sharding=x.sharding)
+    x = jnp.asarray(x).astype(dtype)
     return x if storage == x.dtype else lax.bitcast_convert_type(x, storage)
 
 
 def from_bits(raw, dtype):
-    """Stored ``raw`` read as logical ``dtype`` (the inverse of :func:`to_bits`)."""
+    """Stored ``raw`` read as logical ``dtype`` (the inverse of :func:`to_bits`;
+    a ``jax.ShapeDtypeStruct`` gives one of ``dtype``)."""
     dtype = jnp.dtype(dtype)
+    if isinstance(raw, jax.ShapeDtypeStruct):
+        return jax.ShapeDtypeStruct(raw.shape, dtype, sharding=raw.sharding)
     return raw if raw.dtype == dtype else lax.bitcast_convert_type(raw, dtype)

@@ -28,9 +28,18 @@ float32 scale, not only powers of two.
 
 jaxkv keeps the three parts in three arrays (structure of arrays) rather than
 FlashMLA's packed bytes: the same information and bytes per entry, but every
-part is naturally typed and aligned for JAX and for the Pallas kernels, and
-:meth:`CompressedEntries.nbytes` counts the packed size so memory budgets
-match the peers'.
+part is aligned for JAX and for the Pallas kernels (and typed, through the
+views below), and :meth:`CompressedEntries.nbytes` counts the packed size so
+memory budgets match the peers'.
+
+The 8- and 16-bit parts (fp8 / bf16 NoPE, bf16 RoPE) are stored as raw
+integer bits of the same width (``nope_bits``, ``rope_bits``; see
+:mod:`kernels_pallas.bits`): XLA's CPU backend converts a whole bf16/fp8
+array to a wider float and back for every scatter into it, while it updates
+an integer array in place, so a cache write would otherwise cost a pass over
+the whole pool. Writers scatter bits (:func:`~kernels_pallas.bits.to_bits` of
+the new rows only); readers use the typed views ``nope`` / ``rope`` (a
+bitcast: fused into the gather on CPU, a no-op on GPU).
 
 A *lossless* format (:meth:`EntryFormat.lossless`) stores both parts in a
 float dtype (float32 or bfloat16) with unit scales: nothing is rounded
@@ -50,6 +59,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float
 
 from kernels_pallas._util import ceil_div
+from kernels_pallas.bits import bits_dtype, from_bits, to_bits
 from kernels_pallas.errors import KernelArgumentError
 
 __all__ = ["DSV32_FP8", "DSV4_FP8", "CompressedEntries", "EntryFormat", "ue8m0_to_float32"]
@@ -163,33 +173,66 @@ def _pow2_scale(amax):
     return jnp.ldexp(jnp.float32(1.0), exponent), exponent
 
 
+def _describe(dtype, shape) -> str:
+    return f"{jnp.dtype(dtype).name}{list(shape)}"
+
+
 @flax.struct.dataclass
 class CompressedEntries:
     """Compressed KV entries in a format (a pytree; any leading shape).
 
-    Fields (``...`` is any leading shape, e.g. ``[num_pages, entries_per_page]``
-    for a paged pool or ``[num_slots, window]`` for a ring buffer):
-      nope: ``[..., nope_dim]`` float8_e4m3fn (lossless formats: their dtype).
+    Stored fields (``...`` is any leading shape, e.g. ``[num_pages,
+    entries_per_page]`` for a paged pool or ``[num_slots, window]`` for a
+    ring buffer):
+      nope_bits: ``[..., nope_dim]`` float8_e4m3fn values (lossless formats:
+        their dtype) as raw bits, ``bits_dtype(fmt.nope_dtype)`` (uint8 for
+        fp8, uint16 for bf16, float32 as is).
       scales: ``[..., num_groups]`` uint8 exponents (ue8m0) or float32 (fp32).
-      rope: ``[..., rope_dim]`` bfloat16 (lossless formats: their dtype).
+      rope_bits: ``[..., rope_dim]`` bfloat16 values (lossless formats: their
+        dtype) as raw bits, ``bits_dtype(fmt.out_dtype)``.
       fmt: the :class:`EntryFormat` (static).
+
+    ``nope`` and ``rope`` are the typed views. Build entries with
+    :meth:`quantize`, :meth:`zeros` or, from typed parts, :meth:`from_parts`;
+    a writer scatters into the ``*_bits`` fields with
+    :func:`~kernels_pallas.bits.to_bits` values.
 
     Dequantized entry = ``concat(nope * scale per group, rope)`` in
     ``fmt.out_dtype`` (bfloat16 for the fp8 formats).
     """
 
-    nope: Array
+    nope_bits: Array
     scales: Array
-    rope: Array
+    rope_bits: Array
     fmt: EntryFormat = flax.struct.field(pytree_node=False)
 
     @classmethod
+    def from_parts(cls, nope: Array, scales: Array, rope: Array, fmt: EntryFormat) -> "CompressedEntries":
+        """Entries holding typed parts: ``nope`` in ``fmt.nope_dtype``,
+        ``scales`` in ``fmt.scale_dtype``, ``rope`` in ``fmt.out_dtype``
+        (arrays or ``jax.ShapeDtypeStruct``). Parts of another dtype raise
+        :class:`KernelArgumentError` (nothing is rounded silently); shapes
+        are checked as by :meth:`check`."""
+        parts = {"nope": (nope, fmt.nope_dtype), "rope": (rope, fmt.out_dtype)}
+        for name, (arr, dtype) in parts.items():
+            if jnp.dtype(arr.dtype) != dtype:
+                raise KernelArgumentError(f"{name} must be {dtype.name} for {fmt.name}, "
+                                          f"got {_describe(arr.dtype, arr.shape)}")
+        if not isinstance(scales, jax.ShapeDtypeStruct):
+            scales = jnp.asarray(scales)
+        out = cls(nope_bits=to_bits(nope, fmt.nope_dtype), scales=scales,
+                  rope_bits=to_bits(rope, fmt.out_dtype), fmt=fmt)
+        out.check()
+        return out
+
+    @classmethod
     def zeros(cls, fmt: EntryFormat, shape: tuple[int, ...]) -> "CompressedEntries":
-        """Entries that all dequantize to 0.0 (scale 1.0), with leading ``shape``."""
+        """Entries that all dequantize to 0.0 (scale 1.0), with leading ``shape``
+        (all-zero bits are 0.0 in every float format)."""
         shape = tuple(int(s) for s in shape)
-        return cls(nope=jnp.zeros(shape + (fmt.nope_dim,), fmt.nope_dtype),
+        return cls(nope_bits=jnp.zeros(shape + (fmt.nope_dim,), bits_dtype(fmt.nope_dtype)),
                    scales=jnp.full(shape + (fmt.num_groups,), fmt.unit_scale, fmt.scale_dtype),
-                   rope=jnp.zeros(shape + (fmt.rope_dim,), fmt.out_dtype), fmt=fmt)
+                   rope_bits=jnp.zeros(shape + (fmt.rope_dim,), bits_dtype(fmt.out_dtype)), fmt=fmt)
 
     @classmethod
     def quantize(cls, x: Float[Array, "... D"], fmt: EntryFormat) -> "CompressedEntries":
@@ -203,9 +246,9 @@ class CompressedEntries:
                 f"got last dim {x.shape[-1]}")
         lead = x.shape[:-1]
         if fmt.is_lossless:
-            return cls(nope=x[..., : fmt.nope_dim].astype(fmt.nope_dtype),
-                       scales=jnp.ones(lead + (fmt.num_groups,), jnp.float32),
-                       rope=x[..., fmt.nope_dim:].astype(fmt.out_dtype), fmt=fmt)
+            return cls.from_parts(x[..., : fmt.nope_dim].astype(fmt.nope_dtype),
+                                  jnp.ones(lead + (fmt.num_groups,), jnp.float32),
+                                  x[..., fmt.nope_dim:].astype(fmt.out_dtype), fmt)
         groups = x[..., : fmt.nope_dim].astype(jnp.float32).reshape(*lead, fmt.num_groups, fmt.group_size)
         scale, exponent = _pow2_scale(jnp.max(jnp.abs(groups), axis=-1))
         values = jnp.clip(groups / scale[..., None], -FP8_MAX, FP8_MAX).astype(FP8)
@@ -213,8 +256,20 @@ class CompressedEntries:
             scales = (exponent + 127).astype(jnp.uint8)
         else:
             scales = scale
-        return cls(nope=values.reshape(*lead, fmt.nope_dim), scales=scales,
-                   rope=x[..., fmt.nope_dim:].astype(jnp.bfloat16), fmt=fmt)
+        return cls.from_parts(values.reshape(*lead, fmt.nope_dim), scales,
+                              x[..., fmt.nope_dim:].astype(jnp.bfloat16), fmt)
+
+    @property
+    def nope(self) -> Array:
+        """The NoPE values as ``fmt.nope_dtype`` (a bitcast view of
+        :attr:`nope_bits`; read rows of :attr:`nope_bits` and
+        :func:`~kernels_pallas.bits.from_bits` them to convert only those)."""
+        return from_bits(self.nope_bits, self.fmt.nope_dtype)
+
+    @property
+    def rope(self) -> Array:
+        """The RoPE values as ``fmt.out_dtype`` (a bitcast view of :attr:`rope_bits`)."""
+        return from_bits(self.rope_bits, self.fmt.out_dtype)
 
     def scale_values(self) -> Float[Array, "... G"]:
         """The per-group scales as float32."""
@@ -227,7 +282,7 @@ class CompressedEntries:
         their group's scale (in float32, then rounded once to bf16), then
         RoPE. A lossless format returns its stored values."""
         fmt = self.fmt
-        lead = self.nope.shape[:-1]
+        lead = self.shape
         if fmt.is_lossless:
             return jnp.concatenate([self.nope, self.rope], axis=-1).astype(fmt.out_dtype)
         groups = self.nope.astype(jnp.float32).reshape(*lead, fmt.num_groups, fmt.group_size)
@@ -237,22 +292,24 @@ class CompressedEntries:
     @property
     def shape(self) -> tuple[int, ...]:
         """The leading shape (entries)."""
-        return tuple(self.nope.shape[:-1])
+        return tuple(self.nope_bits.shape[:-1])
 
     def nbytes(self) -> int:
         """Packed bytes of these entries (``bytes_per_entry`` each)."""
         return math.prod(self.shape) * self.fmt.bytes_per_entry
 
     def check(self, what: str = "entries") -> None:
-        """Raise :class:`KernelArgumentError` unless the three arrays agree with
-        the format and with each other (static shapes and dtypes only)."""
+        """Raise :class:`KernelArgumentError` unless the three stored arrays
+        agree with the format and with each other (static shapes and dtypes
+        only; messages name the logical dtypes, e.g. ``float8_e4m3fn[...]``)."""
         fmt, lead = self.fmt, self.shape
-        expected = {"nope": (lead + (fmt.nope_dim,), fmt.nope_dtype),
-                    "scales": (lead + (fmt.num_groups,), fmt.scale_dtype),
-                    "rope": (lead + (fmt.rope_dim,), fmt.out_dtype)}
-        for name, (shape, dtype) in expected.items():
-            arr = getattr(self, name)
-            if tuple(arr.shape) != shape or jnp.dtype(arr.dtype) != dtype:
+        expected = {"nope": (self.nope_bits, lead + (fmt.nope_dim,), fmt.nope_dtype),
+                    "scales": (self.scales, lead + (fmt.num_groups,), fmt.scale_dtype),
+                    "rope": (self.rope_bits, lead + (fmt.rope_dim,), fmt.out_dtype)}
+        for name, (arr, shape, dtype) in expected.items():
+            storage = bits_dtype(dtype)
+            if tuple(arr.shape) != shape or jnp.dtype(arr.dtype) != storage:
+                stored = "" if storage == dtype else f" (stored as {storage.name} bits)"
                 raise KernelArgumentError(
-                    f"{what}.{name} must be {dtype.name}{list(shape)} for {fmt.name}, "
-                    f"got {jnp.dtype(arr.dtype).name}{list(arr.shape)}")
+                    f"{what}.{name} must be {_describe(dtype, shape)}{stored} for {fmt.name}, "
+                    f"got {_describe(arr.dtype, arr.shape)}")

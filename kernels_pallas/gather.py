@@ -233,7 +233,7 @@ def _swa_pallas(ring, slots, positions, *, interpret):
 
 def _dequantized_rows(entries: CompressedEntries, rows, valid):
     nope, scales, rope = _flat(entries)
-    picked = CompressedEntries(nope=nope[rows], scales=scales[rows], rope=rope[rows], fmt=entries.fmt)
+    picked = CompressedEntries.from_parts(nope[rows], scales[rows], rope[rows], entries.fmt)
     return jnp.where(valid[..., None], picked.dequantize(), jnp.zeros((), entries.fmt.out_dtype))
 
 

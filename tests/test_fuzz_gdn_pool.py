@@ -46,6 +46,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from jaxkv.errors import DoubleFree, InvalidArgument, InvalidId, KVCacheOOM
 from jaxkv.pool.gdn_pool import GDNPool
+from kernels_pallas.bits import to_bits
 
 LAYERS, MAX_REQS, TRACK = 2, 3, 3  # slots: 0 padding, 1..3 requests, 4..6 track
 HK, HV, DK, DV, KERNEL = 1, 2, 3, 2, 3  # Dk != Dv: a transposed state would show
@@ -86,7 +87,7 @@ def random_pool(rng) -> GDNPool:
                           dtype=CONV_DTYPE, max_track_slots=TRACK)
     return pool.replace(
         recurrent_state=jnp.asarray(rng.standard_normal(pool.recurrent_state.shape).astype(np.float32)),
-        conv_state=jnp.asarray(rng.standard_normal(pool.conv_state.shape).astype(CONV_DTYPE)),
+        conv_bits=to_bits(rng.standard_normal(pool.conv_state.shape).astype(CONV_DTYPE), CONV_DTYPE),
     )
 
 

@@ -28,6 +28,7 @@ from jaxkv.errors import DoubleFree, InvalidArgument, InvalidId, KVCacheOOM
 from tests.reference import gated_delta_net as gdn
 from jaxkv.pool.gdn_pool import GDNPool
 from tests.util import assert_tree_equal
+from kernels_pallas.bits import to_bits
 
 HIDDEN, HK, HV, DK, DV, KERNEL = 16, 2, 4, 8, 6, 4  # Dk != Dv so a transposed state shows
 CONV_DIM = 2 * HK * DK + HV * DV  # 56
@@ -64,7 +65,7 @@ def _random_pool(rng, dtype=jnp.float32, max_reqs=MAX_REQS, track=TRACK, **dims)
     shapes = jax.eval_shape(lambda: GDNPool.create(max_reqs, dtype=dtype, max_track_slots=track, **dims))
     return shapes.replace(
         recurrent_state=jnp.asarray(rng.normal(size=shapes.recurrent_state.shape), jnp.float32),
-        conv_state=jnp.asarray(rng.normal(size=shapes.conv_state.shape).astype(jnp.dtype(dtype))),
+        conv_bits=to_bits(rng.normal(size=shapes.conv_state.shape).astype(jnp.dtype(dtype)), dtype),
         track_held=jnp.asarray(np.zeros(track, bool)),
     )
 

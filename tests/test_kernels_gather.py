@@ -49,8 +49,8 @@ def _poison_rows(entries, where):
         scales[where] = np.nan
     else:
         scales[where] = 255  # exponent 255: inf/NaN scale
-    return CompressedEntries(nope=jnp.asarray(nope), scales=jnp.asarray(scales),
-                             rope=jnp.asarray(rope, jnp.bfloat16), fmt=entries.fmt)
+    return CompressedEntries.from_parts(jnp.asarray(nope), jnp.asarray(scales),
+                                       jnp.asarray(rope, jnp.bfloat16), entries.fmt)
 
 
 def _np_dequant(entries, index):
@@ -291,7 +291,7 @@ def test_default_on_cpu_is_the_reference_and_errors_are_typed():
         gather_swa_kv(CompressedEntries.zeros(DSV4_FP8, (8,)), np.zeros(1, np.int32), np.zeros(1, np.int32))
     with pytest.raises(KernelArgumentError, match=r"ring.nope must be float8_e4m3fn\[2, 4, 448\]"):
         good = CompressedEntries.zeros(DSV4_FP8, (2, 4))
-        gather_swa_kv(good.replace(nope=good.nope.astype(jnp.bfloat16)), np.zeros(1, np.int32), np.zeros(1, np.int32))
+        gather_swa_kv(good.replace(nope_bits=good.nope.astype(jnp.bfloat16)), np.zeros(1, np.int32), np.zeros(1, np.int32))
 
 
 def test_gathers_lower_to_triton():
@@ -302,9 +302,9 @@ def test_gathers_lower_to_triton():
     i32 = jnp.int32
 
     def pool(fmt, shape):
-        return CompressedEntries(nope=sds(shape + (fmt.nope_dim,), jnp.float8_e4m3fn),
-                                 scales=sds(shape + (fmt.num_groups,), fmt.scale_dtype),
-                                 rope=sds(shape + (fmt.rope_dim,), jnp.bfloat16), fmt=fmt)
+        return CompressedEntries.from_parts(sds(shape + (fmt.nope_dim,), jnp.float8_e4m3fn),
+                                            sds(shape + (fmt.num_groups,), fmt.scale_dtype),
+                                            sds(shape + (fmt.rope_dim,), jnp.bfloat16), fmt)
 
     def lowered(fn, *args, **kw):
         jitted = jax.jit(lambda *a: fn(*a, implementation="pallas", **kw))

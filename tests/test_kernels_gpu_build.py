@@ -41,8 +41,8 @@ def _attention_args(b=2, h=4, kvh=2, d=64, ps=16, pages=64, width=8, dtype=BF16,
 
 
 def _entries(fmt, lead):
-    return CompressedEntries(nope=sds(lead + (fmt.nope_dim,), FP8), scales=sds(lead + (fmt.num_groups,),
-                             fmt.scale_dtype), rope=sds(lead + (fmt.rope_dim,), BF16), fmt=fmt)
+    return CompressedEntries.from_parts(sds(lead + (fmt.nope_dim,), FP8), sds(lead + (fmt.num_groups,),
+                                       fmt.scale_dtype), sds(lead + (fmt.rope_dim,), BF16), fmt)
 
 
 # --------------------------------------------------------------------------

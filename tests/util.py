@@ -59,41 +59,81 @@ _ITEM_BYTES = {"pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "s16": 2
                "f16": 2, "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8}
 
 
-def pool_sized_copies(hlo_text: str, min_bytes: int) -> list[str]:
-    """Instructions of compiled HLO that make a new buffer of at least
-    ``min_bytes``: anything but a view, control flow, or an in-place update
-    (a scatter, a dynamic-update-slice, or a fusion whose root is one).
-    A whole-pool ``convert`` (XLA's CPU scatter into a bf16/fp8 array), a
-    ``copy`` (a donated buffer XLA could not alias) or a fusion materialising
-    a layer of the pool are all reported. Returns the offending lines."""
+def _parse_hlo(hlo_text: str) -> dict:
+    """``{computation: [(line, opcode, [array bytes], is_root, called, [array
+    shapes])]}`` of
+    compiled HLO text (an array-typed or tuple-typed result)."""
     import re
 
-    instruction = re.compile(r"^\s*(?:ROOT\s+)?%(\S+) = (\w+)\[([\d,]*)\]\{[^}]*\} ([\w-]+)\(")
-    roots, owner, current = {}, [], None
+    header = re.compile(r"^(?:ENTRY\s+)?%([\w.\-]+)\s.*\{\s*$")
+    instruction = re.compile(r"^\s*(ROOT\s+)?%[\w.\-]+\s*=\s*(.+?)\s+([a-z][a-z0-9\-]*)\((.*)$")
+    array = re.compile(r"\b([a-z]+\d*[a-z0-9]*)\[([\d,]*)\]")
+    computations, current = {}, None
     for line in hlo_text.splitlines():
-        head = re.match(r"^(?:ENTRY\s+)?%(\S+) .*\{$", line)
+        match = instruction.match(line)
+        if match and current is not None:
+            root, type_, opcode, rest = match.groups()
+            sizes, shapes = [], []
+            for dtype, dims in array.findall(type_):
+                shape = tuple(int(dim) for dim in filter(None, dims.split(",")))
+                size = _ITEM_BYTES.get(dtype, 4)
+                for dim in shape:
+                    size *= dim
+                sizes.append(size)
+                shapes.append(shape)
+            called = re.search(r"calls=%([\w.\-]+)", rest)
+            computations[current].append((line.strip()[:200], opcode, sizes, bool(root), called and called.group(1),
+                                          shapes))
+            continue
+        head = header.match(line)
         if head:
             current = head.group(1)
-        elif current and line.strip().startswith("ROOT"):
-            match = instruction.match(line)
-            roots[current] = match.group(4) if match else "tuple"
-        owner.append(current)
-    # Instructions inside a fused computation make no buffer of their own.
-    fused = set(re.findall(r" fusion\(.*?calls=%([\w.-]+)", hlo_text))
+            computations[current] = []
+    return computations
+
+
+def _updates_in_place(computations: dict, name: str | None) -> bool:
+    """Whether fused computation ``name`` is an in-place update: its root a
+    scatter / dynamic-update-slice, or a tuple of them."""
+    insts = computations.get(name, [])
+    roots = [inst for inst in insts if inst[3]]
+    if not roots:
+        return False
+    updates = ("scatter", "dynamic-update-slice")
+    if roots[0][1] in updates:
+        return True
+    return roots[0][1] == "tuple" and all(op in updates for _, op, *_ in insts if op not in ("parameter", "tuple"))
+
+
+def pool_sized_copies(hlo_text: str, min_bytes: int = 1, shapes=None) -> list[str]:
+    """Instructions of compiled HLO that make a new buffer of at least
+    ``min_bytes`` (and, given ``shapes``, of one of those shapes: the state's
+    arrays, whatever their dtype): anything but a view, control flow, or an
+    in-place update (a scatter, a dynamic-update-slice, or a fusion of them).
+    A whole-pool ``convert`` (XLA's CPU scatter into a bf16/fp8 array), a
+    ``copy`` (a donated buffer XLA could not alias) or a fusion materialising
+    a layer of the pool are all reported. Instructions inside fused
+    computations make no buffer and are skipped. Returns the offending lines."""
+    computations = _parse_hlo(hlo_text)
+    fused = {inst[4] for insts in computations.values() for inst in insts if inst[1] == "fusion"}
+    shapes = None if shapes is None else {tuple(shape) for shape in shapes}
     found = []
-    for line, computation in zip(hlo_text.splitlines(), owner):
-        match = instruction.match(line)
-        if not match or match.group(2) not in _ITEM_BYTES or computation in fused:
+    for name, insts in computations.items():
+        if name in fused:
             continue
-        size = _ITEM_BYTES[match.group(2)]
-        for dim in filter(None, match.group(3).split(",")):
-            size *= int(dim)
-        op = match.group(4)
-        if size < min_bytes or op in _IN_PLACE_OPS:
-            continue
-        if op == "fusion":
-            called = re.search(r"calls=%([\w.-]+)", line)
-            if called and roots.get(called.group(1)) in ("scatter", "dynamic-update-slice"):
+        for line, op, sizes, _, called, array_shapes in insts:
+            if not sizes or max(sizes) < min_bytes or op in _IN_PLACE_OPS:
                 continue
-        found.append(line.strip()[:200])
+            if shapes is not None and not shapes.intersection(array_shapes):
+                continue
+            if op == "fusion" and _updates_in_place(computations, called):
+                continue
+            found.append(line)
     return found
+
+
+def pool_sized_updates(hlo_text: str, min_bytes: int) -> int:
+    """In-place updates (scatters, dynamic-update-slices) of at least
+    ``min_bytes``: a check that the parser saw the writes at all."""
+    return sum(1 for insts in _parse_hlo(hlo_text).values() for _, op, sizes, *_ in insts
+               if op in ("scatter", "dynamic-update-slice") and sizes and max(sizes) >= min_bytes)

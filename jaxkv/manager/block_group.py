@@ -83,8 +83,7 @@ class BlockGroup:
         rows = jnp.clip(slots, 0, num_slots - 1)
         active = slots >= 0
         have = self.lens[rows]
-        need = jnp.where(active, jnp.maximum(self.blocks_for(new_lens) - have, 0), 0)
-        fits = jnp.all((need <= max_new) & (have + need <= self.max_blocks))
+        need, fits = self._growth(slots, new_lens, max_new)
         total = jnp.sum(need)
         batch = slots.shape[0]
         allocator, ids, ok = self.allocator.acquire(jnp.where(fits, total, 0), max_n=batch * max_new)
@@ -99,6 +98,19 @@ class BlockGroup:
         tables = self.tables.at[target_rows, have[:, None] + j].set(new_ids, mode="drop")
         lens = self.lens.at[jnp.where(ok & active, rows, num_slots)].add(need, mode="drop")
         return self.replace(allocator=allocator, tables=tables, lens=lens), ok
+
+    def can_grow(self, slots: Int[Array, " B"], new_lens: Int[Array, " B"], max_new: int) -> Ok:
+        """Whether :meth:`grow` of the same arguments succeeds (changes nothing)."""
+        need, fits = self._growth(slots, new_lens, max_new)
+        return fits & (jnp.sum(need) <= self.allocator.num_free)
+
+    def _growth(self, slots, new_lens, max_new: int) -> tuple[Int[Array, " B"], Ok]:
+        """Blocks each row of ``slots`` takes to hold ``new_lens`` tokens, and
+        whether every row stays within ``max_new`` and its table."""
+        rows = jnp.clip(slots, 0, self.lens.shape[0] - 1)
+        have = self.lens[rows]
+        need = jnp.where(slots >= 0, jnp.maximum(self.blocks_for(new_lens) - have, 0), 0)
+        return need, jnp.all((need <= max_new) & (have + need <= self.max_blocks))
 
     def append_block(self, slot: Int[Array, ""]) -> tuple["BlockGroup", Int[Array, ""], Ok]:
         """One more block at the end of ``slot``'s table (seed 004's

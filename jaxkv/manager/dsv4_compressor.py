@@ -84,27 +84,39 @@ def compress_step(ring_kv: Float[Array, "slots rows width"], ring_score: Float[A
         both = jnp.where(here[..., None, None], step_rows, ring_rows)
         return jnp.take_along_axis(both, block[..., None, None], axis=2)[:, :, 0]  # [T, rows, d]
 
-    src_kv = pick(kv, ring_kv)
-    src_score = jnp.where((q >= 0)[..., None], pick(score, ring_score), -jnp.inf)
-    weights = jax.nn.softmax(src_score, axis=1)
-    entry = jnp.sum(weights * src_kv, axis=1)  # [T, d]
-
     active = (slots >= 0) & (positions >= 0)
     completes = active & ((positions + 1) % ratio == 0)
     e = (positions + 1) // ratio - 1
-    if finish is not None:
-        entry = finish(entry, jnp.maximum(e, 0))
     epb = pool.shape[1]
     page = table[slot[:, 0], jnp.clip(e // epb, 0, table.shape[1] - 1)]
     store = completes & (page >= 0) & (e // epb < table.shape[1])
-    # Rows past the pool (pool.shape[0] * epb) are dropped by the scatter.
-    pool = store_entries(pool, jnp.where(store, page * epb + e % epb, pool.shape[0] * epb), entry)
+
+    def pool_and_store(pool):
+        src_kv = pick(kv, ring_kv)
+        src_score = jnp.where((q >= 0)[..., None], pick(score, ring_score), -jnp.inf)
+        weights = jax.nn.softmax(src_score, axis=1)
+        entry = jnp.sum(weights * src_kv, axis=1)  # [T, d]
+        if finish is not None:
+            entry = finish(entry, jnp.maximum(e, 0))
+        # Rows past the pool (pool.shape[0] * epb) are dropped by the scatter.
+        pool = store_entries(pool, jnp.where(store, page * epb + e % epb, pool.shape[0] * epb), entry)
+        return pool, entry[:, :1].astype(kv.dtype)
+
+    # Only a step in which some token completes an entry pools its rows (a
+    # decode step of an HCA layer completes one in 128): the others skip
+    # reading the ring. ``read`` depends on every ring row read (see below).
+    pool, read = jax.lax.cond(jnp.any(completes), pool_and_store,
+                              lambda pool: (pool, jnp.zeros((num_tokens, 1), kv.dtype)), pool)
 
     # The ring keeps each request's newest `rows` positions of this step.
     keep = active & (positions > newest - rows)
     ring_slot = jnp.where(keep, slots, ring_kv.shape[0])  # out of range: dropped
-    ring_kv = ring_kv.at[ring_slot, positions % rows].set(kv, mode="drop")
-    ring_score = ring_score.at[ring_slot, positions % rows].set(score, mode="drop")
+    # The rows not kept are dropped, so their values are free: taking them
+    # from `read` makes the writes depend on the ring rows read above. XLA's
+    # CPU backend otherwise copies the whole ring (twice) to keep the old rows
+    # for reads it may not order before the scatters.
+    ring_kv = ring_kv.at[ring_slot, positions % rows].set(jnp.where(keep[:, None], kv, read), mode="drop")
+    ring_score = ring_score.at[ring_slot, positions % rows].set(jnp.where(keep[:, None], score, read), mode="drop")
     return ring_kv, ring_score, pool
 
 

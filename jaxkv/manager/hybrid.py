@@ -375,12 +375,14 @@ class KVCacheManager:
               & ids_distinct(slots, active, self.num_slots))
         starts = self.seq_lens[rows]
         new_lens = starts + jnp.where(active, num_new, 0)
-        groups: dict[str, BlockGroup] = {}
+        limits = {name: ceil_div(max_new_tokens, g.tokens_per_block) + 1 for name, g in self.groups.items()}
+        # Every group is checked before any grows, so a failed reserve grows
+        # none (no select over the groups' arrays: that would cost a pass
+        # over every block table and ref count per step).
         for name, group in self.groups.items():
-            max_new = ceil_div(max_new_tokens, group.tokens_per_block) + 1
-            groups[name], group_ok = group.grow(jnp.where(ok, slots, -1), new_lens, max_new)
-            ok = ok & group_ok
-        groups = where_ok(ok, groups, self.groups)
+            ok = ok & group.can_grow(slots, new_lens, limits[name])
+        groups = {name: group.grow(jnp.where(ok, slots, -1), new_lens, limits[name])[0]
+                  for name, group in self.groups.items()}
         seq_lens = self.seq_lens.at[jnp.where(ok & active, rows, self.num_slots)].set(new_lens, mode="drop")
         return self.replace(groups=groups, seq_lens=seq_lens), jnp.where(active, starts, -1), ok
 
@@ -396,11 +398,11 @@ class KVCacheManager:
         active = slots != -1
         held = self.slots.ref_count(jnp.where(active, slots, 0)) > 0
         ok = jnp.all(~active | held) & ids_distinct(slots, active, self.num_slots)
-        groups: dict[str, BlockGroup] = {}
-        for name, group in self.groups.items():
-            groups[name], group_ok = group.grow(jnp.where(ok, slots, -1), num_tokens, group.max_blocks)
-            ok = ok & group_ok
-        return self.replace(groups=where_ok(ok, groups, self.groups)), ok
+        for name, group in self.groups.items():  # checked before any grows, as in reserve
+            ok = ok & group.can_grow(slots, num_tokens, group.max_blocks)
+        groups = {name: group.grow(jnp.where(ok, slots, -1), num_tokens, group.max_blocks)[0]
+                  for name, group in self.groups.items()}
+        return self.replace(groups=groups), ok
 
     def allocate_block(self, layer: int, slot) -> tuple["KVCacheManager", Int[Array, ""], Ok]:
         """One more block for ``slot`` in ``layer``'s group, appended to its

@@ -28,11 +28,13 @@ Invariants (checked by the hybrid manager's tests after every operation):
   some request holds;
 * every array is updated by ``.at[...]`` scatters in ``mode="drop"``, so a
   caller that donates the cache into its jitted step updates it in place.
+  The fp8 / bf16 parts of the entries are scattered as raw bits (into
+  ``nope_bits`` / ``rope_bits``, values from :func:`~kernels_pallas.bits.to_bits`):
+  XLA's CPU backend copies a whole bf16/fp8 array for every scatter into
+  it, an integer one it updates in place (:mod:`kernels_pallas.bits`).
 """
 
 from __future__ import annotations
-
-import math
 
 import jax.numpy as jnp
 from flax import struct
@@ -49,15 +51,25 @@ def store_entries(pool: CompressedEntries, rows: Int[Array, " n"], values: Float
     rows of the pool (``rows`` index ``pool`` flattened over its leading
     dims; rows past the pool are dropped, which is how callers skip a
     padded or refused write)."""
-    q = CompressedEntries.quantize(values, pool.fmt)
+    q = CompressedEntries.quantize(values, pool.fmt)  # only the new rows, stored as bits
     lead = pool.shape
 
-    def put(arr, new):
-        flat = arr.reshape(math.prod(lead), arr.shape[-1]).at[rows].set(new, mode="drop")
-        return flat.reshape(*lead, arr.shape[-1])
+    # Flat rows -> coordinates of the leading dims (a row past the pool gets a
+    # first coordinate past lead[0]: dropped). Scattering at coordinates
+    # rather than into a flattened view keeps every array in its own layout:
+    # a reshape around the scatter made XLA copy arrays with a size-1 dim
+    # (an HCA layer's one entry per block).
+    coords, rest = [], rows
+    for size in reversed(lead[1:]):
+        coords.append(rest % size)
+        rest = rest // size
+    coords = (rest, *reversed(coords))
 
-    return pool.replace(nope=put(pool.nope, q.nope), scales=put(pool.scales, q.scales),
-                        rope=put(pool.rope, q.rope))
+    def put(arr, new):
+        return arr.at[coords].set(new, mode="drop")
+
+    return pool.replace(nope_bits=put(pool.nope_bits, q.nope_bits), scales=put(pool.scales, q.scales),
+                        rope_bits=put(pool.rope_bits, q.rope_bits))
 
 
 @struct.dataclass
@@ -117,7 +129,8 @@ class CompressedLayerCache:
             return arr.at[target].set(arr[source], mode="drop")
 
         def copy_entries(entries):
-            return entries.replace(nope=copy(entries.nope), scales=copy(entries.scales), rope=copy(entries.rope))
+            return entries.replace(nope_bits=copy(entries.nope_bits), scales=copy(entries.scales),
+                                   rope_bits=copy(entries.rope_bits))
 
         out = self.replace(swa=copy_entries(self.swa))
         for name in ("comp_kv", "comp_score", "index_kv", "index_score"):
@@ -127,10 +140,10 @@ class CompressedLayerCache:
 
     def reset(self, targets: Int[Array, " n"]) -> "CompressedLayerCache":
         """Initial state for slots ``targets`` (out-of-range entries dropped)."""
-        def zero_rows(entries):
-            return entries.replace(nope=entries.nope.at[targets].set(0, mode="drop"),
+        def zero_rows(entries):  # all-zero bits are 0.0 in every float format
+            return entries.replace(nope_bits=entries.nope_bits.at[targets].set(0, mode="drop"),
                                    scales=entries.scales.at[targets].set(entries.fmt.unit_scale, mode="drop"),
-                                   rope=entries.rope.at[targets].set(0, mode="drop"))
+                                   rope_bits=entries.rope_bits.at[targets].set(0, mode="drop"))
 
         out = self.replace(swa=zero_rows(self.swa))
         for kv, score in (("comp_kv", "comp_score"), ("index_kv", "index_score")):

@@ -7,7 +7,7 @@ inputs of its causal conv1d (the conv state). This pool holds those states for
 every request slot and every GDN layer::
 
     recurrent_state [num_gdn_layers, pool_size, num_v_heads, head_v_dim, head_k_dim]  float32
-    conv_state      [num_gdn_layers, pool_size, conv_dim, conv_kernel_size - 1]         dtype
+    conv_state      [num_gdn_layers, pool_size, conv_dim, conv_kernel_size - 1]         dtype, stored as conv_bits
 
 with ``pool_size = max_reqs + 1 + max_track_slots`` and
 ``conv_dim = 2 * num_k_heads * head_k_dim + num_v_heads * head_v_dim``
@@ -41,6 +41,13 @@ Invariants:
   big arrays are updated only by ``.at[...]`` scatters whose indices are
   redirected out of bounds (dropped) on failure, so a caller that donates the
   pool into its jitted step gets in-place updates and no whole-pool select.
+  For that, a bfloat16 / float16 / fp8 conv state is stored as raw integer
+  bits of the same width (``conv_bits``; :mod:`kernels_pallas.bits`): XLA's
+  CPU backend converts a whole bf16 array for every scatter into it, an
+  integer one it updates in place. Writes bitcast only the new rows; reads
+  gather rows of ``conv_bits`` and bitcast those. ``conv_state`` is the
+  typed view of the whole array (a bitcast: free on GPU, a typed copy
+  outside ``jit``).
 """
 
 from __future__ import annotations
@@ -49,12 +56,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import struct
-from jaxtyping import Float
+from jaxtyping import Float, Shaped
 
 from jaxkv import _host
 from jaxkv.checks import first_where, require
 from jaxkv.errors import DoubleFree, InvalidArgument, InvalidId, KVCacheError, KVCacheOOM
 from jaxkv.types import Array, ArrayLike, Bool, Ids, Int, Ok
+from kernels_pallas.bits import bits_dtype, from_bits, to_bits
 
 RecurrentState = Float[Array, "... v_heads v_dim k_dim"]
 ConvState = Float[Array, "... conv_dim conv_width"]
@@ -68,17 +76,23 @@ class GDNPool:
     Fields:
         recurrent_state: float32 ``[num_gdn_layers, pool_size, num_v_heads,
             head_v_dim, head_k_dim]``.
-        conv_state: ``dtype`` ``[num_gdn_layers, pool_size, conv_dim,
-            conv_kernel_size - 1]``.
+        conv_bits: the conv state, ``[num_gdn_layers, pool_size, conv_dim,
+            conv_kernel_size - 1]`` in ``dtype``'s storage
+            (``bits_dtype(dtype)``: uint16 for bfloat16/float16, uint8 for
+            fp8, the dtype itself for float32); :attr:`conv_state` is the
+            typed view. Write it with :func:`~kernels_pallas.bits.to_bits`
+            values (``pool.replace(conv_bits=to_bits(x, pool.dtype))``).
         track_held: bool ``[max_track_slots]``; entry ``i`` is True while track
             slot ``max_reqs + 1 + i`` is handed out.
         max_reqs: static; request slots are ``1 .. max_reqs``.
+        conv_dtype: static; the name of the conv state's logical dtype.
     """
 
     recurrent_state: Float[Array, "layers slots v_heads v_dim k_dim"]
-    conv_state: Float[Array, "layers slots conv_dim conv_width"]
+    conv_bits: Shaped[Array, "layers slots conv_dim conv_width"]
     track_held: Bool[Array, "max_track_slots"]
     max_reqs: int = struct.field(pytree_node=False)
+    conv_dtype: str = struct.field(pytree_node=False)
 
     # ------------------------------------------------------------------ creation
 
@@ -134,9 +148,10 @@ class GDNPool:
         pool_size = max_reqs + 1 + max_track_slots
         return cls(
             recurrent_state=jnp.zeros((num_gdn_layers, pool_size, num_v_heads, head_v_dim, head_k_dim), jnp.float32),
-            conv_state=jnp.zeros((num_gdn_layers, pool_size, conv_dim, conv_kernel_size - 1), dtype),
+            conv_bits=jnp.zeros((num_gdn_layers, pool_size, conv_dim, conv_kernel_size - 1), bits_dtype(dtype)),
             track_held=jnp.zeros((max_track_slots,), jnp.bool_),
             max_reqs=int(max_reqs),
+            conv_dtype=dtype.name,
         )
 
     # ---------------------------------------------------------------- properties
@@ -163,17 +178,24 @@ class GDNPool:
         return self.recurrent_state.shape[4]
 
     @property
+    def conv_state(self) -> Float[Array, "layers slots conv_dim conv_width"]:
+        """The conv state as :attr:`dtype` (a bitcast view of :attr:`conv_bits`;
+        to read a few slots, gather rows of ``conv_bits`` and bitcast those as
+        :meth:`get_states` does)."""
+        return from_bits(self.conv_bits, self.dtype)
+
+    @property
     def conv_dim(self) -> int:
-        return self.conv_state.shape[2]
+        return self.conv_bits.shape[2]
 
     @property
     def conv_kernel_size(self) -> int:
-        return self.conv_state.shape[3] + 1
+        return self.conv_bits.shape[3] + 1
 
     @property
     def dtype(self) -> jnp.dtype:
-        """Storage dtype of the conv state."""
-        return self.conv_state.dtype
+        """Logical dtype of the conv state (its storage is ``bits_dtype(dtype)``)."""
+        return jnp.dtype(self.conv_dtype)
 
     @property
     def max_track_slots(self) -> int:
@@ -261,8 +283,8 @@ class GDNPool:
         ok = ~jnp.any(bad)
         target = jnp.where(ok & given, ids, self.pool_size)
         recurrent = self.recurrent_state.at[:, target].set(0, mode="drop")
-        conv = self.conv_state.at[:, target].set(0, mode="drop")
-        return self.replace(recurrent_state=recurrent, conv_state=conv), ok
+        conv = self.conv_bits.at[:, target].set(0, mode="drop")  # zero bits are 0.0
+        return self.replace(recurrent_state=recurrent, conv_bits=conv), ok
 
     def copy_states(self, src: Ids, dst: Ids) -> tuple["GDNPool", Ok]:
         """``slot dst[i] <- slot src[i]``, both states, every layer (snapshot a
@@ -294,8 +316,8 @@ class GDNPool:
         source = jnp.where(take, src, 0)
         target = jnp.where(take, dst, self.pool_size)
         recurrent = self.recurrent_state.at[:, target].set(self.recurrent_state[:, source], mode="drop")
-        conv = self.conv_state.at[:, target].set(self.conv_state[:, source], mode="drop")
-        return self.replace(recurrent_state=recurrent, conv_state=conv), ok
+        conv = self.conv_bits.at[:, target].set(self.conv_bits[:, source], mode="drop")
+        return self.replace(recurrent_state=recurrent, conv_bits=conv), ok
 
     def get_layer_state(
         self, layer: int | Int[Array, ""]
@@ -303,7 +325,7 @@ class GDNPool:
         """``(recurrent [pool_size, Hv, Dv, Dk], conv [pool_size, conv_dim,
         kernel - 1])`` of one GDN layer (the seed's per-layer view)."""
         layer = self._check_layer(layer)
-        return self.recurrent_state[layer], self.conv_state[layer]
+        return self.recurrent_state[layer], from_bits(self.conv_bits[layer], self.dtype)
 
     def get_states(self, layer: int | Int[Array, ""], ids: Ids) -> tuple[RecurrentState, ConvState]:
         """The states of slots ``ids`` in ``layer``: ``(recurrent [*ids.shape,
@@ -313,8 +335,8 @@ class GDNPool:
         ids = jnp.asarray(ids, jnp.int32)
         index = jnp.where((ids >= 0) & (ids < self.pool_size), ids, self.pool_size)
         recurrent = self.recurrent_state.at[layer, index].get(mode="fill", fill_value=0)
-        conv = self.conv_state.at[layer, index].get(mode="fill", fill_value=0)
-        return recurrent, conv
+        conv = self.conv_bits.at[layer, index].get(mode="fill", fill_value=0)  # zero bits are 0.0
+        return recurrent, from_bits(conv, self.dtype)
 
     def set_layer_state(
         self,
@@ -344,7 +366,7 @@ class GDNPool:
                     f"[0, {self.pool_size}) (-1 is padding)", np.unique(bad))
         n = ids.shape[0]
         recurrent = _rows(recurrent, n, self.recurrent_state.shape[2:], "recurrent")
-        conv = _rows(conv, n, self.conv_state.shape[2:], "conv")
+        conv = _rows(conv, n, self.conv_bits.shape[2:], "conv")
         given = ids != -1
         in_pool = (ids >= 0) & (ids < self.pool_size)
         require(~jnp.any(given & ~in_pool), InvalidId,
@@ -354,7 +376,7 @@ class GDNPool:
         target = jnp.where(given & in_pool, ids, self.pool_size)
         return self.replace(
             recurrent_state=self.recurrent_state.at[layer, target].set(recurrent.astype(jnp.float32), mode="drop"),
-            conv_state=self.conv_state.at[layer, target].set(conv.astype(self.dtype), mode="drop"),
+            conv_bits=self.conv_bits.at[layer, target].set(to_bits(conv, self.dtype), mode="drop"),
         )
 
     # -------------------------------------------------------------- host paths
