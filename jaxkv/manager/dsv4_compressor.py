@@ -68,36 +68,41 @@ def compress_step(ring_kv: Float[Array, "slots rows width"], ring_score: Float[A
     num_tokens, width = kv.shape
     rows = overlap * ratio
     d = width // overlap
-    t = jnp.arange(num_tokens, dtype=jnp.int32)[:, None]
-    j = jnp.arange(rows, dtype=jnp.int32)[None, :]
-    pos = positions[:, None]
-    q = pos + 1 - rows + j  # [T, rows] source positions (only meaningful for completing tokens)
-    src = t - (pos - q)
-    src_c = jnp.clip(src, 0, num_tokens - 1)
-    here = (src >= 0) & (request_ids[src_c] == request_ids[:, None]) & (positions[src_c] == q)
-    slot = jnp.clip(slots, 0, ring_kv.shape[0] - 1)[:, None]
-    block = jnp.broadcast_to(j // ratio, q.shape)  # channel block of each source row
-
-    def pick(from_step, from_ring):
-        step_rows = from_step[src_c].reshape(num_tokens, rows, overlap, d)
-        ring_rows = from_ring[slot, q % rows].reshape(num_tokens, rows, overlap, d)
-        both = jnp.where(here[..., None, None], step_rows, ring_rows)
-        return jnp.take_along_axis(both, block[..., None, None], axis=2)[:, :, 0]  # [T, rows, d]
-
     active = (slots >= 0) & (positions >= 0)
     completes = active & ((positions + 1) % ratio == 0)
-    e = (positions + 1) // ratio - 1
-    epb = pool.shape[1]
-    page = table[slot[:, 0], jnp.clip(e // epb, 0, table.shape[1] - 1)]
-    store = completes & (page >= 0) & (e // epb < table.shape[1])
 
     def pool_and_store(pool):
+        """Pool the entry each completing token ends and store it; also returns
+        ``[T, 1]`` values computed from every ring row read (see below)."""
+        t = jnp.arange(num_tokens, dtype=jnp.int32)[:, None]
+        j = jnp.arange(rows, dtype=jnp.int32)[None, :]
+        pos = positions[:, None]
+        q = pos + 1 - rows + j  # [T, rows] source positions (only meaningful for completing tokens)
+        src = t - (pos - q)
+        src_c = jnp.clip(src, 0, num_tokens - 1)
+        here = (src >= 0) & (request_ids[src_c] == request_ids[:, None]) & (positions[src_c] == q)
+        slot = jnp.clip(slots, 0, ring_kv.shape[0] - 1)
+        block = jnp.arange(rows, dtype=jnp.int32) // ratio  # row j feeds channel block j // ratio
+
+        def pick(from_step, from_ring):
+            """``[T, rows, d]``: each row's channel block, from the step or the
+            ring (only that block is gathered: half the bytes with overlap 2)."""
+            step_rows = from_step.reshape(num_tokens, overlap, d)[src_c, block]
+            ring_rows = from_ring.reshape(from_ring.shape[0], rows, overlap, d)[slot[:, None], q % rows, block]
+            return jnp.where(here[..., None], step_rows, ring_rows)
+
         src_kv = pick(kv, ring_kv)
         src_score = jnp.where((q >= 0)[..., None], pick(score, ring_score), -jnp.inf)
-        weights = jax.nn.softmax(src_score, axis=1)
-        entry = jnp.sum(weights * src_kv, axis=1)  # [T, d]
+        # softmax over the rows, weighting kv: normalised once per entry
+        # ([T, d]), not per row (a pass over [T, rows, d] less).
+        weight = jnp.exp(src_score - jnp.max(src_score, axis=1, keepdims=True))
+        entry = jnp.sum(weight * src_kv, axis=1) / jnp.sum(weight, axis=1)  # [T, d]
+        e = (positions + 1) // ratio - 1
         if finish is not None:
             entry = finish(entry, jnp.maximum(e, 0))
+        epb = pool.shape[1]
+        page = table[slot, jnp.clip(e // epb, 0, table.shape[1] - 1)]
+        store = completes & (page >= 0) & (e // epb < table.shape[1])
         # Rows past the pool (pool.shape[0] * epb) are dropped by the scatter.
         pool = store_entries(pool, jnp.where(store, page * epb + e % epb, pool.shape[0] * epb), entry)
         return pool, entry[:, :1].astype(kv.dtype)
