@@ -243,9 +243,16 @@ class BlockSpaceManager:
         on_device = self._rows_in_state(seqs, given, ON_DEVICE, per_row=True)
         fits = needed <= self.max_blocks_per_seq
         bad_row = given & ~(on_device & fits)
-        valid = ~jnp.any(bad_row) & ids_distinct(seqs, given, self.max_seqs)
+        # Which lanes repeat a sequence (per lane, for ``blocked``): a scatter
+        # over ``max_seqs`` rows, small next to the block tables beside it.
+        in_range = (seqs >= 0) & (seqs < self.max_seqs)
+        times = jnp.zeros((self.max_seqs,), jnp.int32).at[jnp.where(given & in_range, seqs, self.max_seqs)].add(
+            1, mode="drop")
+        repeated = given & in_range & (times.at[rows].get(mode="fill", fill_value=0) > 1)
+        valid = ~jnp.any(bad_row | repeated)
         total = jnp.sum(jnp.where(given, takes, 0), dtype=jnp.int32)
-        return _AppendPlan(seqs, given, rows, lens, have, last_block, cow, fresh, takes, bad_row, valid, total)
+        return _AppendPlan(seqs, given, rows, lens, have, last_block, cow, fresh, takes, bad_row, repeated, valid,
+                           total)
 
     def append_slots(
         self, pool: KVPool, seq_ids: Ids, num_new_tokens: int = 1
@@ -315,14 +322,7 @@ class BlockSpaceManager:
         position = lens[:, None] + jnp.arange(n, dtype=jnp.int32)
         page = _table_at(tables, rows[:, None], position // bs)
         slots = jnp.where((ok & given)[:, None], page * bs + position % bs, -1)
-        # Which lanes repeat a sequence (per lane, for ``blocked``; the scalar
-        # ``ids_distinct`` in ``valid`` cannot say which): a scatter over
-        # ``max_seqs`` rows, small next to the block tables it sits beside.
-        in_range = (seqs >= 0) & (seqs < self.max_seqs)
-        times = jnp.zeros((self.max_seqs,), jnp.int32).at[jnp.where(given & in_range, seqs, self.max_seqs)].add(
-            1, mode="drop")
-        repeated = given & in_range & (times.at[rows].get(mode="fill", fill_value=0) > 1)
-        blocked = jnp.where(valid, given & (takes > 0), bad_row | repeated) & ~ok
+        blocked = jnp.where(valid, given & (takes > 0), bad_row | plan.repeated) & ~ok
         state = self.replace(block_tables=tables, seq_lens=seq_lens, device=device)
         return state, pool, slots, blocked, ok
 
@@ -738,6 +738,7 @@ class _AppendPlan(NamedTuple):
     fresh: Int[Array, "batch"]  # new blocks past the last one
     takes: Int[Array, "batch"]  # fresh + cow
     bad_row: Bool[Array, "batch"]
+    repeated: Bool[Array, "batch"]  # names a sequence another lane names too
     valid: Bool[Array, ""]
     total: Int[Array, ""]  # blocks the step acquires
 
