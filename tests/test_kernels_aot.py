@@ -117,3 +117,36 @@ def test_a100_runs_fp8_through_the_reference_and_compiles_the_rest():
     assert fp8 and all(r.status == "reference" and "sm_89" in r.detail for r in fp8), [r.row() for r in fp8]
     assert others and all(r.status == "ok" and r.spill_bytes == 0 for r in others), [r.row() for r in others]
     assert all(r.smem_bytes <= 166912 for r in others)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float8_e4m3fn"])
+def test_pools_stored_as_bits_reach_the_kernel_without_a_copy(dtype):
+    """KVPool keeps bf16/fp8 pages as uint16/uint8 bits (in-place scatters on
+    CPU); the model hands ``pool.k_pages``, a bitcast of the whole stacked
+    pool, to the kernel. For H100 XLA must compile that bitcast to a no-op:
+    no instruction may make a buffer of a layer's size."""
+    from jax.sharding import SingleDeviceSharding
+
+    from kernels_pallas import _gpu, aot_check
+    from kernels_pallas.bits import bits_dtype, from_bits
+    from kernels_pallas.paged_attention import paged_attention
+
+    sharding = SingleDeviceSharding(aot_check.topology_device("h100"))
+    layers, kvh, pages, page, dim, batch = 4, 8, 4097, 16, 128, 8
+    fp8 = dtype.startswith("float8")
+
+    def sds(shape, dt):
+        return jax.ShapeDtypeStruct(shape, dt, sharding=sharding)
+
+    def fn(q, k_bits, v_bits, tables, lengths, k_scales, v_scales):
+        return paged_attention(q, from_bits(k_bits, dtype), from_bits(v_bits, dtype), tables, lengths, k_scales,
+                               v_scales, layer=2)
+
+    pool = (layers, kvh, pages, page, dim)
+    scales = sds(pool[:-1], jnp.float32) if fp8 else None
+    args = (sds((batch, 32, dim), jnp.bfloat16), sds(pool, bits_dtype(dtype)), sds(pool, bits_dtype(dtype)),
+            sds((batch, 64), jnp.int32), sds((batch,), jnp.int32), scales, scales)
+    with _gpu.building_for(_gpu.H100):
+        compiled = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).compile()
+    layer_bytes = kvh * pages * page * dim * jnp.dtype(dtype).itemsize
+    assert aot_check._big_copies(compiled.as_text(), layer_bytes) == []  # noqa: SLF001  the AOT report's own check

@@ -12,8 +12,10 @@ fixed per-request state (SWA rings, compressor rings), and how many
 
 **Step cost**: one jitted ``lax.scan`` of decode steps at batch 8, per step
 ``reserve`` (block allocation in every group) then, for every layer,
-``acquire`` + SWA write + compressor (+ indexer) writes + ``update`` (and,
-alone, the ``reserve`` part: block allocation in every group); against
+``acquire`` + SWA write + compressor (+ indexer) writes + ``update``, and
+the same step with each part alone (reserve + ``acquire``/``update`` only,
+and that plus the SWA writes, the compressors or the indexer's, whose
+difference is what each part adds); against
 a full-attention paged cache doing the same job in the same run: one
 ``BlockSpaceManager.append_slots`` and one ``KVPool.set_kv`` per layer
 (bf16 pool, as a model stores it; both sides keep their 8/16-bit arrays as
@@ -93,23 +95,21 @@ def memory_rows(num_layers: int, budget_gib: float):
 # --------------------------------------------------------------------------
 
 
-def _hybrid_step(manager, slots, values):
+def _hybrid_step(manager, slots, values, parts=("swa", "compressor", "indexer")):
+    """One decode step of the hybrid cache: ``reserve``, then each layer's
+    ``parts`` (its SWA write, compressor, indexer compressor)."""
     manager, starts, ok = manager.reserve(slots, jnp.ones(slots.shape, jnp.int32))
     for layer, schema in enumerate(manager.schemas):
         h = manager.acquire(layer, slots, starts)
-        h = h.write_swa(values[:, : schema.entry_format.head_dim])
-        if schema.group is not None:
+        if "swa" in parts:
+            h = h.write_swa(values[:, : schema.entry_format.head_dim])
+        if schema.group is not None and "compressor" in parts:
             w = schema.compressor_width
             h = h.compress(values[:, :w], values[:, w: 2 * w])
-            if schema.index_format is not None:
-                wi = schema.index_compressor_width
-                h = h.compress_index(values[:, :wi], values[:, wi: 2 * wi])
+        if schema.group is not None and schema.index_format is not None and "indexer" in parts:
+            wi = schema.index_compressor_width
+            h = h.compress_index(values[:, :wi], values[:, wi: 2 * wi])
         manager = manager.update(h)
-    return manager, ok
-
-
-def _reserve_step(manager, slots, values):
-    manager, _, ok = manager.reserve(slots, jnp.ones(slots.shape, jnp.int32))
     return manager, ok
 
 
@@ -148,12 +148,17 @@ def step_rows(num_layers: int, steps: int, batch: int, repeats: int, rng, contex
     pool = KVPool.create_mla(num_pages=pages, page_size=16, num_layers=num_layers, kv_lora_rank=head_dim - 64,
                              rope_dim=64, dtype=jnp.bfloat16)
     seq_ids = jnp.arange(batch, dtype=jnp.int32)
-    runs = {"hybrid": (lambda m: _scan(_hybrid_step, m, slots, values), hybrid),
-            "full": (lambda state: _scan(_full_step, state, seq_ids, values), (full, pool)),
-            "reserve": (lambda m: _scan(_reserve_step, m, slots, values), jax.tree.map(jnp.copy, hybrid))}
+    # The hybrid step, and the same step with only some of its parts (the
+    # breakdown: what each part adds to reserve + acquire/update alone).
+    variants = {"hybrid": ("swa", "compressor", "indexer"), "reserve": (), "swa": ("swa",),
+                "compressor": ("compressor",), "indexer": ("indexer",)}
+    runs = {name: (lambda m, step=functools.partial(_hybrid_step, parts=parts): _scan(step, m, slots, values),
+                   jax.tree.map(jnp.copy, hybrid)) for name, parts in variants.items()}
+    runs["full"] = (lambda state: _scan(_full_step, state, seq_ids, values), (full, pool))
     per_step = {k: seconds / steps * 1e6 for k, seconds in best_seconds_threaded(runs, repeats).items()}
     return [{"layers": num_layers, "batch": batch, "steps": steps, "hybrid_us_per_step": per_step["hybrid"],
              "reserve_only_us_per_step": per_step["reserve"],
+             **{f"{part}_adds_us": per_step[part] - per_step["reserve"] for part in ("swa", "compressor", "indexer")},
              "full_attention_us_per_step": per_step["full"],
              "ratio": per_step["hybrid"] / max(per_step["full"], 1e-9)}]
 
@@ -351,9 +356,10 @@ def main(args) -> int:
     steps = step_rows(layers, shape["steps"], 8, shape["repeats"], rng, context=shape["context"])
     print_table(f"per-step cache cost inside one jitted lax.scan ({jax.default_backend()}; fp8 entries vs a "
                 f"bf16 full-attention pool, {shape['context']}-token tables)",
-                ["layers", "batch", "steps", "hybrid us/step", "of which reserve", "full-attention us/step",
-                 "hybrid / full"],
+                ["layers", "batch", "steps", "hybrid us/step", "reserve + handles", "SWA writes add",
+                 "compressors add", "indexer add", "full-attention us/step", "hybrid / full"],
                 [[r["layers"], r["batch"], r["steps"], r["hybrid_us_per_step"], r["reserve_only_us_per_step"],
+                  r["swa_adds_us"], r["compressor_adds_us"], r["indexer_adds_us"],
                   r["full_attention_us_per_step"], r["ratio"]] for r in steps])
     models = []
     if quick:  # CI's smoke run: two models' decode loops cost ~30 s of compiles on 2 cores
