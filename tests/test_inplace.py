@@ -14,8 +14,9 @@ from jaxkv.nn.config import LlamaConfig
 from jaxkv.nn.generate import prefill
 from jaxkv.nn.llama import LlamaForCausalLM
 from jaxkv.nn.sampling import GREEDY, RowSampling
+from jaxkv.nn.steps import decode_loop
 from jaxkv.pool.kv_pool import KVPool
-from jaxkv.serve.caches import _decode_chunk
+from jaxkv.serve.caches import decode_chunk
 from tests.util import pool_sized_copies
 
 PAGES, PAGE, LAYERS, HEADS, DIM = 512, 16, 2, 2, 32
@@ -83,19 +84,26 @@ def test_fork_append_copy_on_write_and_page_copies_are_in_place(dtype):
 def test_engine_decode_chunk_is_in_place(dtype):
     """The engine's whole decode chunk (allocation, the model's K/V writes,
     attention reading the pages through the block tables, sampling) in a
-    ``lax.while_loop``: the pool is never copied or converted whole."""
+    ``lax.while_loop``: the pool is never copied or converted whole; nor,
+    in ``generate``'s loop, any array of the manager."""
     config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=LAYERS,
                          num_attention_heads=4, num_key_value_heads=HEADS, head_dim=DIM // 2)
     model = LlamaForCausalLM(config, rngs=nnx.Rngs(0))
     graphdef, params = nnx.split(model)
     batch, prompt = 2, 5
+    # One row more than the batch: the tables' shape [3, 16] is no step temporary's.
     manager = BlockSpaceManager.create(num_device_blocks=PAGES, num_host_blocks=1, block_size=PAGE,
-                                       max_seqs=batch, max_blocks_per_seq=4)
+                                       max_seqs=batch + 1, max_blocks_per_seq=16)
     pool = model.make_pool(PAGES, PAGE, dtype=dtype)
     state = prefill(graphdef, params, manager, pool, jnp.ones((batch, prompt), jnp.int32),
                     jnp.full((batch,), prompt, jnp.int32), jax.random.key(0), np.int32(-1), GREEDY, max_new=8)
     args = (graphdef, params, state.manager, state.pool, state.last, jnp.ones((batch,), bool),
             state.num_generated, jnp.full((batch,), 8, jnp.int32), np.int32(-1), RowSampling.broadcast(GREEDY, batch),
             jax.random.split(jax.random.key(1), batch))
-    text = _decode_chunk.lower(*args, num_steps=4).compile().as_text()
+    text = decode_chunk.lower(*args, num_steps=4).compile().as_text()
     assert pool_sized_copies(text, _layer_bytes(state.pool)) == []
+    # generate's loop also frees finished rows: no copy of any pool or
+    # manager array (tables, free stack, ref counts) either.
+    text = decode_loop.lower(graphdef, params, state, GREEDY, num_steps=4, free_finished=True).compile().as_text()
+    arrays = [leaf for leaf in jax.tree.leaves((state.manager, state.pool)) if leaf.size >= 32]  # tables too
+    assert pool_sized_copies(text, shapes=[leaf.shape for leaf in arrays]) == []

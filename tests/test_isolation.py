@@ -103,9 +103,8 @@ def _poison(scenario, value):
             if lens[seq] % BS:
                 array[:, :, tables[seq, (lens[seq] - 1) // BS], lens[seq] % BS:] = value
     dtype = scenario.pool.dtype
-    return scenario.pool.replace(**{
-        name: jnp.asarray(a).astype(dtype if "pages" in name else jnp.float32) for name, a in pages.items()
-    })
+    typed = {name: jnp.asarray(a).astype(dtype if "pages" in name else jnp.float32) for name, a in pages.items()}
+    return KVPool.from_arrays(typed["k_pages"], typed["v_pages"], typed.get("k_scales"), typed.get("v_scales"))
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float8_e4m3fn], ids=lambda d: jnp.dtype(d).name)

@@ -52,7 +52,7 @@ from jaxkv.manager.hybrid import KVCacheManager
 from jaxkv.manager.hybrid_schema import HybridConfig, deepseek_v4_schedule, v4_flash_like_ratios
 from jaxkv.pool.kv_pool import KVPool
 
-__all__ = ["family_rows", "main", "memory_rows", "model_rows", "step_rows"]
+__all__ = ["family_rows", "hybrid_cache_step", "main", "memory_rows", "model_rows", "step_rows"]
 
 CONTEXT = 131072
 GIB = 2**30
@@ -95,7 +95,7 @@ def memory_rows(num_layers: int, budget_gib: float):
 # --------------------------------------------------------------------------
 
 
-def _hybrid_step(manager, slots, values, parts=("swa", "compressor", "indexer")):
+def hybrid_cache_step(manager, slots, values, parts=("swa", "compressor", "indexer")):
     """One decode step of the hybrid cache: ``reserve``, then each layer's
     ``parts`` (its SWA write, compressor, indexer compressor)."""
     manager, starts, ok = manager.reserve(slots, jnp.ones(slots.shape, jnp.int32))
@@ -152,7 +152,7 @@ def step_rows(num_layers: int, steps: int, batch: int, repeats: int, rng, contex
     # breakdown: what each part adds to reserve + acquire/update alone).
     variants = {"hybrid": ("swa", "compressor", "indexer"), "reserve": (), "swa": ("swa",),
                 "compressor": ("compressor",), "indexer": ("indexer",)}
-    runs = {name: (lambda m, step=functools.partial(_hybrid_step, parts=parts): _scan(step, m, slots, values),
+    runs = {name: (lambda m, step=functools.partial(hybrid_cache_step, parts=parts): _scan(step, m, slots, values),
                    jax.tree.map(jnp.copy, hybrid)) for name, parts in variants.items()}
     runs["full"] = (lambda state: _scan(_full_step, state, seq_ids, values), (full, pool))
     per_step = {k: seconds / steps * 1e6 for k, seconds in best_seconds_threaded(runs, repeats).items()}

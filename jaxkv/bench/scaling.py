@@ -114,7 +114,7 @@ def _append_rows(num_pages, steps, repeats, rng, dtype, cow: bool):
 
 
 def _hybrid_rows(scale, steps, repeats, rng):
-    from jaxkv.bench.hybrid import _hybrid_step
+    from jaxkv.bench.hybrid import hybrid_cache_step
 
     schedule = deepseek_v4_schedule(v4_flash_like_ratios(LAYERS))
     config = HybridConfig()
@@ -126,7 +126,7 @@ def _hybrid_rows(scale, steps, repeats, rng):
     values = jnp.asarray(rng.normal(size=(steps, BATCH, 4 * config.head_dim)), jnp.float32)
 
     def step(manager, x):
-        return _hybrid_step(manager, slots, x)
+        return hybrid_cache_step(manager, slots, x)
 
     return lambda state: _scan(step, state, values), manager
 
@@ -159,7 +159,7 @@ def _engine_rows(num_pages, steps, repeats, rng):
     from jaxkv.nn.generate import prefill
     from jaxkv.nn.llama import LlamaForCausalLM
     from jaxkv.nn.sampling import GREEDY, RowSampling
-    from jaxkv.serve.caches import _decode_chunk
+    from jaxkv.serve.caches import decode_chunk
 
     model = LlamaForCausalLM(CONFIG, rngs=nnx.Rngs(0))
     graphdef, params = nnx.split(model)
@@ -178,8 +178,8 @@ def _engine_rows(num_pages, steps, repeats, rng):
 
     def run(carry):
         manager, pool, last, generated = carry
-        out = _decode_chunk(graphdef, params, manager, pool, last, active, generated,
-                            jnp.full((BATCH,), max_new, jnp.int32), np.int32(-1), sampling, keys, num_steps=steps)
+        out = decode_chunk(graphdef, params, manager, pool, last, active, generated,
+                           jnp.full((BATCH,), max_new, jnp.int32), np.int32(-1), sampling, keys, num_steps=steps)
         return (out.manager, out.pool, out.last, out.num_generated), out.ok & jnp.all(out.written == steps)
 
     return run, carry

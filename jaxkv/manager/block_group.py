@@ -86,24 +86,20 @@ class BlockGroup:
         need, fits = self._growth(slots, new_lens, max_new)
         total = jnp.sum(need)
         batch = slots.shape[0]
-
-        def take_blocks(group):
-            allocator, ids, ok = group.allocator.acquire(jnp.where(fits, total, 0), max_n=batch * max_new)
-            ok = ok & fits
-            # Row b takes ids[offset_b : offset_b + need_b] into columns have_b + j.
-            offset = jnp.cumsum(need) - need
-            j = jnp.arange(max_new, dtype=jnp.int32)[None, :]
-            take = ok & (j < need[:, None])
-            new_ids = ids[jnp.clip(offset[:, None] + j, 0, batch * max_new - 1)]
-            # Row index num_slots is out of range: the scatters drop those writes.
-            target_rows = jnp.where(take, rows[:, None], num_slots)
-            tables = group.tables.at[target_rows, have[:, None] + j].set(new_ids, mode="drop")
-            lens = group.lens.at[jnp.where(ok & active, rows, num_slots)].add(need, mode="drop")
-            return group.replace(allocator=allocator, tables=tables, lens=lens), ok
-
-        # Most decode steps cross no block boundary in a group: skip the
-        # acquire and the scatters then.
-        return jax.lax.cond(total > 0, take_blocks, lambda group: (group, fits), self)
+        allocator, ids, ok = self.allocator.acquire(jnp.where(fits, total, 0), max_n=batch * max_new)
+        ok = ok & fits
+        # Row b takes ids[offset_b : offset_b + need_b] into columns have_b + j.
+        offset = jnp.cumsum(need) - need
+        j = jnp.arange(max_new, dtype=jnp.int32)[None, :]
+        take = ok & (j < need[:, None])
+        new_ids = ids[jnp.clip(offset[:, None] + j, 0, batch * max_new - 1)]
+        # Row index num_slots is out of range: the scatters drop those writes.
+        # (No lax.cond skips the steps that take no block: inside a decode
+        # loop XLA copied the tables and ref counts through its branches.)
+        target_rows = jnp.where(take, rows[:, None], num_slots)
+        tables = self.tables.at[target_rows, have[:, None] + j].set(new_ids, mode="drop")
+        lens = self.lens.at[jnp.where(ok & active, rows, num_slots)].add(need, mode="drop")
+        return self.replace(allocator=allocator, tables=tables, lens=lens), ok
 
     def can_grow(self, slots: Int[Array, " B"], new_lens: Int[Array, " B"], max_new: int) -> Ok:
         """Whether :meth:`grow` of the same arguments succeeds (changes nothing)."""
@@ -167,5 +163,9 @@ class BlockGroup:
         blocks = jnp.where(held, self.tables[rows], -1)
         allocator, ok = self.allocator.release(blocks)  # repeats: blocks shared by two released slots
         cleared = jnp.where(slots >= 0, rows, num_slots)  # out of range: dropped
-        return self.replace(allocator=allocator, tables=self.tables.at[cleared].set(-1, mode="drop"),
+        # Dropped rows write what was read: the write then depends on the read
+        # of the tables above, and XLA clears the rows in place instead of
+        # copying the tables to keep them for that read.
+        empty = jnp.where((slots >= 0)[:, None], -1, blocks)
+        return self.replace(allocator=allocator, tables=self.tables.at[cleared].set(empty, mode="drop"),
                             lens=self.lens.at[cleared].set(0, mode="drop")), ok

@@ -373,16 +373,24 @@ class BlockSpaceManager:
         in_range = (seqs >= 0) & (seqs < self.max_seqs)
         valid = jnp.all(~given | (in_range & (status != FREE))) & ids_distinct(seqs, given, self.max_seqs)
         tables = jnp.where(given[:, None], self.block_tables.at[rows].get(mode="fill", fill_value=-1), -1)
-        device, device_ok = self.device.release(jnp.where(valid & (status == ON_DEVICE)[:, None], tables, -1))
+        # Host first, then the device only if the host succeeded: each release
+        # is all or nothing, so only the host allocator needs undoing when the
+        # device fails (a select over the host's arrays; none over the
+        # device's, which a decode loop frees into on every step).
         host, host_ok = self.host.release(jnp.where(valid & (status == SWAPPED)[:, None], tables, -1))
+        device, device_ok = self.device.release(
+            jnp.where(valid & host_ok & (status == ON_DEVICE)[:, None], tables, -1))
         ok = valid & device_ok & host_ok
         target = jnp.where(ok & given, rows, self.max_seqs)
+        # Dropped rows write what was read: the write then depends on the read
+        # of the tables above, so XLA clears the rows in place instead of
+        # copying the tables to keep them for that read.
         return (
             self.replace(
-                block_tables=self.block_tables.at[target].set(-1, mode="drop"),
+                block_tables=self.block_tables.at[target].set(jnp.where(given[:, None], -1, tables), mode="drop"),
                 seq_lens=self.seq_lens.at[target].set(0, mode="drop"),
                 status=self.status.at[target].set(FREE, mode="drop"),
-                device=where_ok(ok, device, self.device),
+                device=device,
                 host=where_ok(ok, host, self.host),
             ),
             ok,

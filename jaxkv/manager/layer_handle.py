@@ -144,10 +144,17 @@ class LayerCacheHandle:
 
     # ---------------------------------------------------------------- SWA
 
-    def write_swa(self, kv: Float[Array, "T D"]) -> "LayerCacheHandle":
+    def write_swa(self, kv: Float[Array, "T D"], *, after: Array | None = None) -> "LayerCacheHandle":
         """Store each token's entry (quantized) in its request's SWA ring.
         Of a request's tokens in this step only the newest ``window`` are
-        kept (older ones would be overwritten anyway)."""
+        kept (older ones would be overwritten anyway).
+
+        ``after``: what an earlier read of this ring in the same step returned
+        (``gather_swa(kv)``'s window). The write is made to depend on it, so
+        XLA orders the read first and updates the ring in place; without it,
+        XLA copies the whole ring to keep the old rows for the read. (The
+        dependency costs nothing: only rows the write drops take its value.)
+        """
         self._need("SWA ring", self.cache is not None)
         ring = self.cache.swa
         self._check_rows("kv", kv, ring.fmt.head_dim)
@@ -155,6 +162,8 @@ class LayerCacheHandle:
         active = (self.token_slots >= 0) & (self.positions >= 0) & (self.positions > self._newest() - window)
         rows = jnp.where(active, self.token_slots * window + self.positions % window,
                          num_slots * window)  # past the ring: dropped
+        if after is not None:
+            kv = jnp.where(active[:, None], kv, after.reshape(-1)[:1].astype(kv.dtype))
         return self.replace(cache=self.cache.replace(swa=store_entries(ring, rows, kv)))
 
     def gather_swa(self, kv: Float[Array, "T D"] | None = None

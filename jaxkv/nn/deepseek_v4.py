@@ -287,7 +287,7 @@ class DeepseekV4Attention(nnx.Module):
         positions = handle.positions
         q, kv, q_residual = self._project(x, positions)
         window, window_ok = handle.gather_swa(kv)  # earlier steps from the ring, this step's rows from kv
-        handle = handle.write_swa(kv)
+        handle = handle.write_swa(kv, after=window)  # after the read: the ring is updated in place
         keys, masks = [window], [window_ok]
         if self.compressor is not None:
             comp = self.compressor

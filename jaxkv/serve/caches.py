@@ -59,7 +59,7 @@ from jaxkv.pool import host as host_swap
 from jaxkv.pool.kv_pool import KVPool
 from jaxkv.prefix import PrefixCacheManager
 
-__all__ = ["DecodeResult", "HybridCache", "PagedCache", "PrefixHit", "PrefillLane"]
+__all__ = ["DecodeResult", "HybridCache", "PagedCache", "PrefixHit", "PrefillLane", "decode_chunk"]
 
 logger = logging.getLogger("jaxkv.serve")
 
@@ -148,9 +148,10 @@ def _hybrid_prefill(graphdef, params, manager: KVCacheManager, slots, tokens, nu
 
 
 @partial(jax.jit, static_argnames=("graphdef", "num_steps"), donate_argnums=(2, 3))
-def _decode_chunk(graphdef, params, manager, pool, last, active, num_generated, max_new, eos_id,
-                  sampling: RowSampling, keys, *, num_steps: int) -> DecodeState:
-    """Up to ``num_steps`` decode steps of the rows ``active`` in one
+def decode_chunk(graphdef, params, manager, pool, last, active, num_generated, max_new, eos_id,
+                 sampling: RowSampling, keys, *, num_steps: int) -> DecodeState:
+    """The engine's decode chunk (a paged cache's; the benchmarks time it).
+    Up to ``num_steps`` decode steps of the rows ``active`` in one
     ``lax.while_loop`` (:func:`jaxkv.nn.steps.run_decode`); rows stay
     allocated when they finish (the engine retires them). Stops early when
     no row runs or an allocation fails (``ok`` False; ``blocked`` marks the
@@ -246,8 +247,8 @@ class _Cache:
         """``num_steps`` decode steps of the rows ``active`` in one jitted
         loop; finished rows stay allocated until :meth:`retire`."""
         manager, pool = self._decode_view()
-        state = _decode_chunk(graphdef, params, manager, pool, last, active, num_generated, max_new, eos_id,
-                              sampling, self._keys(key_data), num_steps=num_steps)
+        state = decode_chunk(graphdef, params, manager, pool, last, active, num_generated, max_new, eos_id,
+                             sampling, self._keys(key_data), num_steps=num_steps)
         self._decode_done(state.manager, state.pool)
         out, count, finished, ok, blocked, peak, keys = jax.device_get(
             (state.tokens, state.written, state.finished, state.ok, state.blocked, state.peak_used,
