@@ -138,12 +138,14 @@ def test_hybrid_cache_step_is_in_place():
     assert pool_sized_copies(hlo, shapes=[leaf.shape for leaf in arrays]) == []
 
 
-@pytest.mark.parametrize("fixture", ["dsv4/small", "qwen3_next/small"])
+@pytest.mark.parametrize("fixture", ["dsv4/small"])
 def test_model_decode_loop_copies_no_cache_array(fixture):
     """A real model's whole decode loop (``generate``'s jitted while loop:
     reserve, every layer's reads and writes, sampling, release): no array of
     the manager is copied or converted. DeepSeek-V4 reads its SWA ring
-    before writing it (``write_swa(after=...)`` orders the two)."""
+    before writing it (``write_swa(after=...)`` orders the two). (Qwen3-Next's
+    loop passes too, ``qwen3_next/small``; left out of CI for time: its
+    GDN pool's writes are checked above and its groups are the same code.)"""
     from pathlib import Path
 
     from jaxkv.nn import AutoModelForCausalLM

@@ -216,7 +216,7 @@ def measure(steps: int = 16, repeats: int = 5, subjects: tuple[str, ...] | None 
 def main(args) -> int:
     print(machine_description())
     if args.quick:  # CI's smoke run: each subject compiles once per pool size
-        scales, subjects = (1, 16), ("decode write (bf16)", "CoW", "attention")
+        scales, subjects = (1, 16), ("decode write (bf16)", "CoW")
         rows = measure(steps=4, repeats=2, subjects=subjects, scales=scales)
         print("--quick: P and 16P only, and only " + ", ".join(subjects) + "; run without it for the table")
     else:
