@@ -80,7 +80,7 @@ def test_fork_append_copy_on_write_and_page_copies_are_in_place(dtype):
     assert pool_sized_copies(text, _layer_bytes(pool)) == []
 
 
-@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float8_e4m3fn], ids=lambda d: jnp.dtype(d).name)
+@pytest.mark.parametrize("dtype", [jnp.bfloat16], ids=lambda d: jnp.dtype(d).name)  # fp8 writes: above (CI time)
 def test_engine_decode_chunk_is_in_place(dtype):
     """The engine's whole decode chunk (allocation, the model's K/V writes,
     attention reading the pages through the block tables, sampling) in a
