@@ -63,15 +63,20 @@ _HIGHEST = jax.lax.Precision.HIGHEST
 # --------------------------------------------------------------------------
 
 
-def _attend(q, k, v, lengths, sm_scale, window, cap, *, use_cap: bool):
+def _attend(q, k, v, lengths, sm_scale, window, cap, *, use_cap: bool, heads_first: bool = False):
     """Masked decode attention over contiguous float32 K/V.
 
     q [B, H, Dk]; k [B, S, KVH, Dk]; v [B, S, KVH, Dv] (any contents at masked
-    positions, NaN included); lengths int [B]; sm_scale f32 scalar; window
-    int32 scalar (>= 1; INT32_MAX means no window); cap f32 scalar, used when
-    ``use_cap``. Returns [B, H, Dv] in q.dtype.
+    positions, NaN included), or with ``heads_first`` [B, KVH, S, D] (the
+    layout gathered pages come in: no transpose before the dots); lengths
+    int [B]; sm_scale f32 scalar; window int32 scalar (>= 1; INT32_MAX means
+    no window); cap f32 scalar, used when ``use_cap``. Returns [B, H, Dv] in
+    q.dtype.
     """
-    b, s, kvh, dk = k.shape
+    if heads_first:
+        b, kvh, s, dk = k.shape
+    else:
+        b, s, kvh, dk = k.shape
     dv = v.shape[-1]
     h = q.shape[1]
     g = h // kvh
@@ -85,12 +90,13 @@ def _attend(q, k, v, lengths, sm_scale, window, cap, *, use_cap: bool):
     # Isolation: masked K/V become exact zeros before any arithmetic, so
     # NaN/inf there cannot propagate (NaN * 0 is NaN, so masking only the
     # weights would not be enough).
-    kv_mask = valid[:, :, None, None]
+    kv_mask = valid[:, None, :, None] if heads_first else valid[:, :, None, None]
     k = jnp.where(kv_mask, k.astype(f32), 0.0)
     v = jnp.where(kv_mask, v.astype(f32), 0.0)
+    kv = "bksd" if heads_first else "bskd"
 
     qf = q.astype(f32).reshape(b, kvh, g, dk) * sm_scale  # head i uses kv head i // g
-    logits = jnp.einsum("bkgd,bskd->bkgs", qf, k, precision=_HIGHEST)
+    logits = jnp.einsum(f"bkgd,{kv}->bkgs", qf, k, precision=_HIGHEST)
     if use_cap:
         logits = cap * jnp.tanh(logits / cap)
 
@@ -99,7 +105,7 @@ def _attend(q, k, v, lengths, sm_scale, window, cap, *, use_cap: bool):
     m = jnp.where(jnp.isfinite(m), m, 0.0)  # nothing attended: any finite shift
     p = jnp.where(w_mask, jnp.exp(logits - m), 0.0)
     denom = jnp.sum(p, axis=-1, keepdims=True)
-    o = jnp.einsum("bkgs,bskd->bkgd", p, v, precision=_HIGHEST)
+    o = jnp.einsum(f"bkgs,{kv}->bkgd", p, v, precision=_HIGHEST)
     o = o / jnp.where(denom > 0, denom, 1.0)  # length 0: 0 / 1 = 0
     return o.reshape(b, h, dv).astype(q.dtype)
 
@@ -109,15 +115,18 @@ def _dense_impl(q, k, v, lengths, sm_scale, window, cap, *, use_cap):
     return _attend(q, k, v, lengths, sm_scale, window, cap, use_cap=use_cap)
 
 
-def gather_pages(pages, scales, table):
+def gather_pages(pages, scales, table, *, heads_first: bool = False):
     """[KVH, P, ps, D] pages (+ [KVH, P, ps] scales, or None) and a [B, M]
     table of page ids already clamped into ``[0, P)`` -> dequantized float32
-    [B, M * ps, KVH, D], the contiguous K or V the decode core reads."""
+    [B, M * ps, KVH, D], the contiguous K or V the decode core reads (with
+    ``heads_first``: [B, KVH, M * ps, D], one transpose fewer)."""
     kvh, _, ps, d = pages.shape
     b, mp = table.shape
     x = pages[:, table].astype(jnp.float32)  # [KVH, B, M, ps, D]
     if scales is not None:
         x = x * scales[:, table].astype(jnp.float32)[..., None]
+    if heads_first:
+        return jnp.moveaxis(x, 0, 1).reshape(b, kvh, mp * ps, d)
     return jnp.moveaxis(x, 0, 3).reshape(b, mp * ps, kvh, d)
 
 
@@ -128,12 +137,12 @@ def _paged_impl(q, k_pages, v_pages, block_tables, lengths, k_scales, v_scales,
     # Clamp for the gather only: entries past a sequence's pages (-1, garbage)
     # read some page, whose values the core then masks.
     table = jnp.clip(block_tables.astype(jnp.int32), 0, num_pages - 1)
-    k = gather_pages(k_pages, k_scales, table)
+    k = gather_pages(k_pages, k_scales, table, heads_first=True)
     if v_pages is None:
         v = k[..., :mla_value_dim]  # MLA: the value is the first dims of the latent
     else:
-        v = gather_pages(v_pages, v_scales, table)
-    return _attend(q, k, v, lengths, sm_scale, window, cap, use_cap=use_cap)
+        v = gather_pages(v_pages, v_scales, table, heads_first=True)
+    return _attend(q, k, v, lengths, sm_scale, window, cap, use_cap=use_cap, heads_first=True)
 
 
 # --------------------------------------------------------------------------
