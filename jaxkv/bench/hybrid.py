@@ -97,12 +97,18 @@ def memory_rows(num_layers: int, budget_gib: float):
 
 def hybrid_cache_step(manager, slots, values, parts=("swa", "compressor", "indexer")):
     """One decode step of the hybrid cache: ``reserve``, then each layer's
-    ``parts`` (its SWA write, compressor, indexer compressor)."""
+    ``parts`` (its SWA write, compressor, indexer compressor; ``"swa_read"``
+    also reads the window before the write, as a model does)."""
     manager, starts, ok = manager.reserve(slots, jnp.ones(slots.shape, jnp.int32))
     for layer, schema in enumerate(manager.schemas):
         h = manager.acquire(layer, slots, starts)
+        kv = values[:, : schema.entry_format.head_dim]
+        window = None
+        if "swa_read" in parts:
+            window = h.gather_swa(kv)[0]
+            ok = ok & jnp.all(jnp.isfinite(window.astype(jnp.float32)))  # used, so never dead code
         if "swa" in parts:
-            h = h.write_swa(values[:, : schema.entry_format.head_dim])
+            h = h.write_swa(kv, after=window)
         if schema.group is not None and "compressor" in parts:
             w = schema.compressor_width
             h = h.compress(values[:, :w], values[:, w: 2 * w])
