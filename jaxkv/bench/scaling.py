@@ -80,7 +80,7 @@ def _write_all_layers(pool, slots, kv):
     return pool
 
 
-def _write_rows(num_pages, steps, repeats, rng, dtype):
+def _write_rows(num_pages, steps, rng, dtype):
     manager, pool = _paged_state(num_pages, 0, dtype)
     slots = manager.token_slots(jnp.arange(BATCH, dtype=jnp.int32),
                                 jnp.full((BATCH, 1), CONTEXT - 1, jnp.int32)).reshape(-1)
@@ -131,7 +131,7 @@ def _hybrid_rows(scale, steps, repeats, rng):
     return lambda state: _scan(step, state, values), manager
 
 
-def _attention_rows(num_pages, steps, repeats, rng, dtype):
+def _attention_rows(num_pages, steps, rng, dtype):
     from kernels_pallas.paged_attention import paged_attention
 
     manager, pool = _paged_state(num_pages, 0, dtype)
@@ -191,12 +191,12 @@ def measure(steps: int = 16, repeats: int = 5, subjects: tuple[str, ...] | None 
     with ratios to P; ``subjects``: substrings of the subjects to run."""
     rng = np.random.default_rng(0)
     builders = {
-        "decode write (bf16)": lambda n, s: _write_rows(n, steps, repeats, rng, jnp.bfloat16),
-        "decode write (fp8 e4m3)": lambda n, s: _write_rows(n, steps, repeats, rng, jnp.float8_e4m3fn),
+        "decode write (bf16)": lambda n, s: _write_rows(n, steps, rng, jnp.bfloat16),
+        "decode write (fp8 e4m3)": lambda n, s: _write_rows(n, steps, rng, jnp.float8_e4m3fn),
         "append_slots + write": lambda n, s: _append_rows(n, steps, repeats, rng, jnp.bfloat16, cow=False),
         "append_slots + CoW + write": lambda n, s: _append_rows(n, steps, repeats, rng, jnp.bfloat16, cow=True),
         "hybrid step (V4-Flash-like, fp8)": lambda n, s: _hybrid_rows(s, steps, repeats, rng),
-        "paged decode attention": lambda n, s: _attention_rows(n, steps, repeats, rng, jnp.bfloat16),
+        "paged decode attention": lambda n, s: _attention_rows(n, steps, rng, jnp.bfloat16),
         "engine decode chunk": lambda n, s: _engine_rows(n, steps, repeats, rng),
     }
     rows = []
