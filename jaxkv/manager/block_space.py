@@ -404,9 +404,29 @@ class BlockSpaceManager:
         ``O(window / bs)`` blocks. Shared blocks lose one owner (a block
         returns to the free stack at zero). Attention reads the -1 entries as
         the null block and masks them by position. Returns ``(manager,
-        blocks released)``; other rows and -1 padding are left alone."""
+        blocks released)``; other rows and -1 padding are left alone.
+
+        A row named more than once is trimmed once. Trimming is idempotent
+        (what a row releases depends only on its length and ``window``), so
+        a repeat means the same as one mention, and this op has no ``ok`` to
+        refuse with; the ops that would act twice (``free``, ``fork``,
+        ``append_slots``, ``allocate``, swaps) refuse repeated rows instead.
+
+        ``window`` is static: a positive Python (or numpy) integer, else
+        ``InvalidArgument`` at call time. A window of 0 or less would
+        release the block the next token goes into.
+        """
+        window = _window(window)
         seqs, given = _ids(seq_ids)
         rows = jnp.where(given, seqs, 0)
+        # Only the first lane naming a row acts: a second one would release
+        # the same blocks again, and that all-or-nothing release would then
+        # fail as a double free while the table entries were cleared anyway.
+        in_range = (seqs >= 0) & (seqs < self.max_seqs)
+        lane = jnp.arange(seqs.shape[0], dtype=jnp.int32)
+        first_lane = jnp.full((self.max_seqs,), seqs.shape[0], jnp.int32).at[
+            jnp.where(given & in_range, seqs, self.max_seqs)].min(lane, mode="drop")
+        given = given & (first_lane.at[rows].get(mode="fill", fill_value=-1) == lane)
         on_device = self._rows_in_state(seqs, given, ON_DEVICE, per_row=True) & given
         dead = jnp.maximum(self.seq_lens[rows] - window + 1, 0) // self.block_size
         column = jnp.arange(self.max_blocks_per_seq, dtype=jnp.int32)[None, :]
@@ -726,6 +746,20 @@ class BlockSpaceManager:
         status = self.status.at[jnp.where(in_range, seqs, 0)].get(mode="fill", fill_value=FREE)
         good = in_range & (status == state)
         return good if per_row else jnp.all(~given | good)
+
+
+def _window(window) -> int:
+    """``trim_window``'s static window as a Python int (``InvalidArgument``
+    unless a positive integer); a window past int32 is clipped to INT32_MAX,
+    which trims nothing a sequence can hold."""
+    if isinstance(window, jax.core.Tracer):
+        raise InvalidArgument("trim_window: window must be a static Python integer (a traced value cannot size "
+                              "what is released: mark it static)")
+    window = _host.int_scalar(window, "window")
+    if window < 1:
+        raise InvalidArgument(f"trim_window: window={window} must be >= 1 (a query always sees itself; a window "
+                              f"of {window} would release the block the next token is written to)")
+    return min(window, INT32_MAX)
 
 
 def _ids(ids: Ids) -> tuple[Int[Array, "m"], Bool[Array, "m"]]:

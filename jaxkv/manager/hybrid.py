@@ -299,12 +299,26 @@ class KVCacheManager:
         """With ``capture_every`` > 0: copy the state of every slot of
         ``slots`` that ``advanced`` this step and now holds a multiple of
         ``capture_every`` tokens into its staging snapshot ``slot - 1``
-        (skipped entirely when no row is on a boundary). A no-op otherwise."""
+        (skipped entirely when no row is on a boundary). A no-op otherwise.
+
+        Ids outside the request slots ``1 .. max_requests`` (-1 padding, the
+        null slot 0, other negatives, snapshot rows and anything past them)
+        are ignored, and a slot named twice is captured once (both copies
+        would be the same). Without the range check an id past the slots
+        read the last slot's length (clipped) and copied one snapshot row
+        over another."""
         if not self.capture_every:
             return self
         slots = jnp.asarray(slots, jnp.int32).reshape(-1)
-        lens = self.seq_lens[jnp.clip(slots, 0, self.num_slots - 1)]
-        on_boundary = (slots >= 1) & advanced & (lens > 0) & (lens % self.capture_every == 0)
+        advanced = jnp.broadcast_to(jnp.asarray(advanced, bool).reshape(-1), slots.shape)
+        is_slot = (slots >= 1) & (slots < self.num_slots)
+        rows = jnp.where(is_slot, slots, 0)
+        lane = jnp.arange(slots.shape[0], dtype=jnp.int32)
+        first_lane = jnp.full((self.num_slots,), slots.shape[0], jnp.int32).at[
+            jnp.where(is_slot, slots, self.num_slots)].min(lane, mode="drop")
+        once = is_slot & (first_lane[rows] == lane)  # a repeated destination would make copy_state refuse
+        lens = self.seq_lens[rows]
+        on_boundary = once & advanced & (lens > 0) & (lens % self.capture_every == 0)
         src = jnp.where(on_boundary, slots, -1)
         dst = jnp.where(on_boundary, self.num_slots + slots - 1, -1)
         return jax.lax.cond(jnp.any(on_boundary), lambda m: m.copy_state(src, dst), lambda m: m, self)
@@ -316,7 +330,9 @@ class KVCacheManager:
         ``seq_lens`` becomes ``num_tokens[b]`` and the state rows of snapshot
         ``snapshots[b]`` are copied into the slot. ``slots`` -1: skipped.
         All or nothing: fails (unchanged) when a slot is not held or not
-        empty, or a block is not held."""
+        empty, or a block is not held. ``blocks`` names exactly the
+        manager's groups (``InvalidArgument`` at trace time otherwise)."""
+        self._check_groups(blocks, "attach_prefix")
         slots = jnp.asarray(slots, jnp.int32).reshape(-1)
         active = slots >= 1
         rows = jnp.clip(slots, 0, self.num_slots - 1)
@@ -335,23 +351,47 @@ class KVCacheManager:
 
     def incref_blocks(self, blocks: dict) -> tuple["KVCacheManager", Ok]:
         """One more owner of each id of ``blocks[g]`` (any shape, -1 ignored)
-        in group ``g``: a prefix cache taking its own reference."""
+        in group ``g``: a prefix cache taking its own reference. ``blocks``
+        names exactly the manager's groups (``InvalidArgument`` at trace
+        time otherwise; give an empty or all -1 array for a group with no
+        ids)."""
         return self._owners(blocks, "incref")
 
     def release_blocks(self, blocks: dict) -> tuple["KVCacheManager", Ok]:
         """Drop one owner of each id of ``blocks[g]`` (-1 ignored): a
-        block with no owner left returns to its group's free blocks."""
+        block with no owner left returns to its group's free blocks.
+        ``blocks`` names exactly the manager's groups, as in
+        :meth:`incref_blocks`."""
         return self._owners(blocks, "release")
 
     def _owners(self, blocks: dict, op: str) -> tuple["KVCacheManager", Ok]:
         """``BlockAllocator.<op>`` of ``blocks[g]`` in each group, all or nothing."""
+        self._check_groups(blocks, f"{op}_blocks")
         ok = jnp.bool_(True)
         groups = dict(self.groups)
-        for name, ids in blocks.items():
+        for name in self.groups:
+            ids = blocks[name]
             allocator, group_ok = getattr(groups[name].allocator, op)(ids)
             groups[name] = groups[name].replace(allocator=allocator)
             ok = ok & group_ok
         return self.replace(groups=where_ok(ok, groups, self.groups)), ok
+
+    def _check_groups(self, blocks, op: str) -> None:
+        """``InvalidArgument`` unless ``blocks`` is a dict naming exactly this
+        manager's groups (static: raised at trace time). A missing group
+        would be a ``KeyError`` deep in the op, an unknown one silently
+        ignored."""
+        names = sorted(self.groups)
+        if not isinstance(blocks, dict):
+            raise InvalidArgument(f"{op}: blocks must be a dict of group name -> ids with the groups {names}, "
+                                  f"got {type(blocks).__name__}")
+        given = sorted(map(str, blocks))
+        if given != names:
+            missing = sorted(set(names) - set(given))
+            unknown = sorted(set(given) - set(names))
+            raise InvalidArgument(f"{op}: blocks names the groups {given}, expected exactly {names}"
+                                  + (f" (missing {missing})" if missing else "")
+                                  + (f" (unknown {unknown})" if unknown else ""))
 
     def reserve(self, slots, num_new, *, max_new_tokens: int = 1
                 ) -> tuple["KVCacheManager", Int[Array, " B"], Ok]:

@@ -154,13 +154,17 @@ def module_tensors(tensors: dict[str, np.ndarray], num_experts: int, source: str
     transformers' loader renames them; per-expert ``w1``/``w3`` (gate/up)
     and ``w2`` fused (:func:`~jaxkv.nn.layers.fuse_experts`). Names already
     in module form pass through."""
-    renamed = {}
-    for name, arr in tensors.items():
-        new = name[len("model."):] if name.startswith("model.") else name
-        for pattern, repl in _RENAMES:
-            new = pattern.sub(repl, new)
-        renamed[new] = arr
-    return fuse_experts(renamed, num_experts, ("w1", "w3", "w2"), source)
+    renamed = {module_name(name): arr for name, arr in tensors.items()}
+    origin = {module_name(name): name for name in tensors}  # errors name the checkpoint's tensors
+    return fuse_experts(renamed, num_experts, ("w1", "w3", "w2"), source, origin=origin)
+
+
+def module_name(name: str) -> str:
+    """The module name :func:`module_tensors` gives checkpoint tensor ``name``."""
+    new = name[len("model."):] if name.startswith("model.") else name
+    for pattern, repl in _RENAMES:
+        new = pattern.sub(repl, new)
+    return new
 
 
 def _top_k_valid(scores, valid, k: int):
@@ -586,7 +590,7 @@ class DeepseekV4ForCausalLM(nnx.Module):
         dtype = jnp.dtype(dtype or param_dtype)
         abstract = nnx.eval_shape(lambda: cls(config, rngs=nnx.Rngs(0), dtype=dtype, param_dtype=param_dtype,
                                               precision=precision, implementation=implementation))
-        tensors = module_tensors(tensors, config.n_routed_experts, source)
+        raw, tensors = tensors, module_tensors(tensors, config.n_routed_experts, source)
 
         def check(name, arr):
             if name.endswith(".tid2eid") and (arr.min(initial=0) < 0 or arr.max(initial=0) >= config.n_routed_experts):
@@ -594,7 +598,8 @@ class DeepseekV4ForCausalLM(nnx.Module):
                                       f"{config.n_routed_experts}) ({source})")
 
         return load_state(abstract, tensors, lambda path: path, family="deepseek_v4", source=source, check=check,
-                          ignored=lambda n: n.startswith("mtp.") or n.endswith("inv_freq"))
+                          ignored=lambda n: n.startswith("mtp.") or n.endswith("inv_freq"),
+                          origin={module_name(name): name for name in raw})
 
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike, *, dtype=None, param_dtype=None, precision=None,

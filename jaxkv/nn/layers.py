@@ -18,6 +18,7 @@ D, I]``), so loading a checkpoint is a name-for-name copy
 
 from __future__ import annotations
 
+import collections
 import functools
 import json
 import os
@@ -125,12 +126,19 @@ class Experts(nnx.Module):
 
 
 def fuse_experts(tensors: dict[str, np.ndarray], num_experts: int, names=("gate_proj", "up_proj", "down_proj"),
-                 source: str = "state dict") -> dict[str, np.ndarray]:
+                 source: str = "state dict", origin: dict[str, str] | None = None) -> dict[str, np.ndarray]:
     """Per-expert tensors ``<prefix>.experts.{e}.{gate,up,down}.weight`` (the
     three ``names``) fused into ``<prefix>.experts.gate_up_proj [E, 2I, D]``
     (gate rows, then up rows) and ``<prefix>.experts.down_proj [E, D, I]``;
-    other tensors pass through. Raises ``InvalidArgument`` naming an
-    incomplete expert set."""
+    other tensors pass through. ``origin`` maps a name of ``tensors`` to the
+    checkpoint's own name where a loader renamed it (for the messages).
+
+    Raises ``InvalidArgument`` naming an incomplete expert set, or one
+    expert's tensor whose shape differs from the other experts' (naming
+    the tensor, its shape and theirs), or gate and up tensors of different
+    shapes: numpy's stacking would raise a bare ``ValueError``. Whether the
+    common shape is the one the model needs is :func:`load_state`'s check."""
+    origin = origin or {}
     gate, up, down = names
     pattern = re.compile(rf"^(.*\.experts)\.(\d+)\.({gate}|{up}|{down})\.weight$")
     out: dict[str, np.ndarray] = {}
@@ -142,41 +150,76 @@ def fuse_experts(tensors: dict[str, np.ndarray], num_experts: int, names=("gate_
         else:
             out[name] = arr
     for prefix, parts in experts.items():
+        def label(e: int, part: str) -> str:
+            name = f"{prefix}.{e}.{part}.weight"
+            return repr(origin.get(name, name))
+
+        common = {}
         for part in names:
             got = sorted(parts.get(part, {}))
             if got != list(range(num_experts)):
                 missing = sorted(set(range(num_experts)) - set(got))
                 raise InvalidArgument(f"checkpoint ({source}) has an incomplete expert set under {prefix!r}: "
                                       f"{part} missing for experts {missing[:8]} of {num_experts}")
+            # The shape most experts have (ties: the lowest expert's) is the
+            # reference: one misshapen expert is named, not the other E - 1.
+            shapes = collections.Counter(tuple(np.shape(parts[part][e])) for e in range(num_experts))
+            common[part], count = shapes.most_common(1)[0]
+            for e in range(num_experts):
+                shape = tuple(np.shape(parts[part][e]))
+                if shape != common[part]:
+                    raise InvalidArgument(
+                        f"checkpoint tensor {label(e, part)} has shape {shape}, expected {common[part]} (the shape "
+                        f"of {count} of the {num_experts} experts' {part}) ({source})")
+        if common[gate] != common[up]:
+            raise InvalidArgument(
+                f"checkpoint tensors {label(0, gate)} and {label(0, up)} (and every expert's) have shapes "
+                f"{common[gate]} and {common[up]}: an expert's {gate} and {up} must have the same shape ({source})")
         out[prefix + ".gate_up_proj"] = np.stack([np.concatenate([parts[gate][e], parts[up][e]], axis=0)
                                                   for e in range(num_experts)])
         out[prefix + ".down_proj"] = np.stack([parts[down][e] for e in range(num_experts)])
     return out
 
 
+_FUSED = re.compile(r"^(.*\.experts)\.(gate_up_proj|down_proj)$")
+
+
 def load_state(abstract: nnx.Module, tensors: dict[str, np.ndarray], name_of, *, family: str,
-               source: str = "state dict", ignored=lambda name: False, check=None) -> nnx.Module:
+               source: str = "state dict", ignored=lambda name: False, check=None,
+               origin: dict[str, str] | None = None) -> nnx.Module:
     """``abstract`` (from ``nnx.eval_shape``) with every variable taken from
     ``tensors[name_of(path)]`` (``path``: the dotted module path), cast to
     the variable's dtype. ``check(name, array)`` may refuse a value. Raises
-    ``InvalidArgument`` naming a missing or misshapen tensor, or tensors
-    nothing uses (other than those ``ignored`` says)."""
+    ``InvalidArgument`` naming a missing or misshapen tensor (its shape and
+    the model's), or tensors nothing uses (other than those ``ignored``
+    says). ``origin`` maps a name of ``tensors`` to the checkpoint's name
+    where a loader renamed it, so messages name what is in the file."""
+    origin = origin or {}
+
+    def label(name: str) -> str:
+        if name in origin and origin[name] != name:
+            return f"{origin[name]!r} (the model's {name!r})"
+        fused = _FUSED.match(name)
+        if fused and name not in origin:
+            return f"{name!r} (fused from the checkpoint's per-expert tensors {fused[1]}.<e>.*.weight)"
+        return repr(name)
+
     graphdef, state = nnx.split(abstract)
     flat = traverse_util.flatten_dict(nnx.to_pure_dict(state))
     loaded, used = {}, set()
     for path, spec in flat.items():
         name = name_of(".".join(str(p) for p in path))
         if name not in tensors:
-            raise InvalidArgument(f"checkpoint ({source}) is missing tensor {name!r} (shape {tuple(spec.shape)})")
+            raise InvalidArgument(f"checkpoint ({source}) is missing tensor {label(name)} (shape {tuple(spec.shape)})")
         arr = np.asarray(tensors[name])
         if tuple(arr.shape) != tuple(spec.shape):
-            raise InvalidArgument(f"checkpoint tensor {name!r} has shape {tuple(arr.shape)}, expected "
+            raise InvalidArgument(f"checkpoint tensor {label(name)} has shape {tuple(arr.shape)}, expected "
                                   f"{tuple(spec.shape)} ({source})")
         if check is not None:
             check(name, arr)
         used.add(name)
         loaded[path] = jnp.asarray(arr.astype(np.float32) if arr.dtype.kind == "f" else arr, dtype=spec.dtype)
-    extra = sorted(n for n in tensors if n not in used and not ignored(n))
+    extra = sorted(origin.get(n, n) for n in tensors if n not in used and not ignored(n))
     if extra:
         more = f" and {len(extra) - 5} more" if len(extra) > 5 else ""
         raise InvalidArgument(f"checkpoint ({source}) has tensors this {family} config does not use: "

@@ -326,7 +326,10 @@ class PrefixCacheManager:
 
     def pin(self, node: Node | None) -> None:
         """Protect ``node`` and its whole path from eviction (SGLang's
-        ``inc_lock_ref``). ``None`` (a disabled cache's match) is ignored.
+        ``inc_lock_ref``). ``None`` (a disabled cache's match, or a miss in
+        a namespace with nothing cached) is ignored. A miss's node (the
+        namespace root) protects nothing but is counted: ``release`` it as
+        any other, and ``reset`` refuses until then.
         Raises ``InvalidArgument`` for a node that is not in this cache
         (evicted, dropped by ``reset``, or another cache's)."""
         if node is not None:
@@ -473,10 +476,15 @@ class PrefixCacheManager:
     def reset(self) -> list:
         """Empty the cache and return every device block id it owned (release
         them). Raises ``CacheLocked`` (nothing changes) while anything is
-        pinned."""
+        pinned, the namespace root a miss returned included (its
+        ``release`` must still find it)."""
         tree = self.tree
-        if tree.protected_units or any(node.lock for node in tree.nodes()):
-            raise CacheLocked(tree.protected_units * self.page_size)
+        root_pins = tree.root_pins()
+        if tree.protected_units or root_pins or any(node.lock for node in tree.nodes()):
+            error = CacheLocked(tree.protected_units * self.page_size)
+            if root_pins:  # no tokens to count: say what is held
+                error.args = (f"{error} ({root_pins} pin(s) of a miss, on a namespace root, not released)",)
+            raise error
         blocks = [b for node in tree.nodes() if node.tier == DEVICE for b in node.value]
         tree.clear()
         self._owned.clear()

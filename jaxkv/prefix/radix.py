@@ -17,7 +17,9 @@ Invariants (checked by ``check_invariants`` in the tests):
   never matched under another;
 * ``len(node.key) == 4 * page_size * node.num_units`` and, for the paged mode,
   ``len(node.value) == node.num_units``;
-* ``node.lock == node.pins + sum(child.lock for child in node.children)``:
+* ``node.lock == node.pins + sum(child.lock for child in node.children)``
+  for every node below a root (a root's ``lock`` is always 1 and its
+  ``pins`` count the pins of misses):
   ``pins`` counts ``lock(node)`` calls not yet undone at exactly this node,
   ``lock`` those at the node or below it (``lock`` walks to the root), so a
   locked node's whole path is locked;
@@ -42,7 +44,11 @@ Pins (one contract for both prefix caches, ``PrefixCacheManager`` and
 * A ``release`` with no pin left to undo there (a double release, a prefix
   never pinned, or one no longer in the cache) raises ``InvalidArgument``
   and changes nothing.
-* ``reset`` refuses (``CacheLocked``) while any pin is held.
+* ``reset`` refuses (``CacheLocked``) while any pin is held, a pin of a
+  namespace root included: ``PrefixCacheManager.match`` returns the root on
+  a miss and its callers pin whatever ``match`` returned, so a miss's pin
+  is counted too (it protects nothing) and its ``release`` must find the
+  root still there.
 
 Tokens are stored as int32 bytes: ``TOKEN_BYTES`` bytes per token;
 ``RadixTree.num_tokens`` / ``token_prefix`` convert between the two.
@@ -330,9 +336,14 @@ class RadixTree:
     # ------------------------------------------------------------------ locks
 
     def lock(self, node: Node) -> None:
-        """One more holder of ``node`` and of every ancestor."""
+        """One more holder of ``node`` and of every ancestor. A namespace
+        root (what a miss matches) protects nothing, but its pins are
+        counted like any node's: ``reset`` refuses while one is held, so
+        its ``unlock`` never finds the root gone."""
         if node.parent is None:
-            return  # a namespace root: nothing to protect
+            self._check_root(node, "pin")
+            node.pins += 1  # a namespace root: counted in ``pins`` only (its ``lock`` stays 1)
+            return
         node.pins += 1
         while node.parent is not None:
             if node.lock == 0 and node.tier == DEVICE:
@@ -345,12 +356,15 @@ class RadixTree:
     def unlock(self, node: Node) -> None:
         """Undo one ``lock(node)`` of this very node (a pin held below it does
         not count); nodes whose count reaches zero become evictable again.
-        Raises ``InvalidArgument``, changing nothing, when there is none."""
+        Raises ``InvalidArgument``, changing nothing, when there is none
+        (for a namespace root too)."""
         if node.parent is None:
-            return
+            self._check_root(node, "release")
         if node.pins <= 0:
             raise InvalidArgument(f"release of a prefix that is not pinned ({node!r})")
         node.pins -= 1
+        if node.parent is None:
+            return  # a namespace root: nothing was protected
         while node.parent is not None:
             node.lock -= 1
             if node.lock == 0:
@@ -360,6 +374,16 @@ class RadixTree:
                     self.evictable_units += units
                 self.push_if_leaf(node)
             node = node.parent
+
+    def _check_root(self, node: Node, op: str) -> None:
+        """A node without a parent must be one of this tree's roots (an
+        evicted node has none either)."""
+        if self.roots.get(namespace_key(node.namespace)) is not node:
+            raise InvalidArgument(f"{op} of {node!r}: not in this tree (evicted, or dropped by a reset)")
+
+    def root_pins(self) -> int:
+        """Pins held on namespace roots (misses pinned by their caller)."""
+        return sum(root.pins for root in self.roots.values())
 
     def touch(self, path: list[Node]) -> None:
         """Mark ``path`` as just used. No heap work: a leaf's stale heap entry
@@ -435,7 +459,7 @@ class RadixTree:
         """Recount everything from scratch and compare (tests call this)."""
         evictable = protected = host = count = 0
         for key, root in self.roots.items():
-            assert root.lock == 1 and root.parent is None and namespace_key(root.namespace) == key
+            assert root.lock == 1 and root.pins >= 0 and root.parent is None and namespace_key(root.namespace) == key
             for node in self.nodes(root.namespace):
                 count += 1
                 assert namespace_key(node.namespace) == key
