@@ -134,6 +134,8 @@ class DeepseekV3Config:
         theta = float(d.get("rope_theta", 10000.0))
         params = d.get("rope_parameters") or d.get("rope_scaling") or {}
         rope = RopeParameters.from_hf({**params, "rope_theta": params.get("rope_theta", theta)}, theta)
+        # transformers' YaRN reads `truncate` (default True: the correction range rounded to whole dims).
+        rope = dataclasses.replace(rope, truncate=bool(params.get("truncate", True)))
         dtype = d.get("torch_dtype", d.get("dtype"))
         quant = d.get("quantization_config")
         fields = {f.name for f in dataclasses.fields(cls) if f.init}
@@ -148,7 +150,8 @@ class DeepseekV3Config:
         d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
              if f.name not in ("rope", "eos_token_id", "quantization_config", "torch_dtype")}
         d.update(architectures=["DeepseekV3ForCausalLM"], hidden_act="silu",
-                 rope_parameters=self.rope.to_hf(1.0), rope_theta=self.rope.rope_theta,
+                 rope_parameters={**self.rope.to_hf(1.0), **({} if self.rope.truncate else {"truncate": False})},
+                 rope_theta=self.rope.rope_theta,
                  eos_token_id=(self.eos_token_id[0] if len(self.eos_token_id) == 1 else list(self.eos_token_id)) or None)
         if self.torch_dtype is not None:
             d["torch_dtype"] = self.torch_dtype
