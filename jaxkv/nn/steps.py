@@ -7,10 +7,12 @@
   runs whole prompts through it, ``sample_n``/``beam_search`` one prompt in
   row 0, the engine the uncached tails of a batch, chunk by chunk.
 * :func:`decode_logits`: one decode step of the model for the rows
-  ``active``: ``append_slots`` (a new block at block boundaries,
-  copy-on-write of a shared last block), block tables, model step, and for
-  a model whose every layer has a sliding window, the blocks that fell out
-  of the window released (:meth:`~jaxkv.BlockSpaceManager.trim_window`).
+  ``active``: for a model whose every layer has a sliding window, first the
+  blocks that no query from this one on can see released
+  (:meth:`~jaxkv.BlockSpaceManager.trim_window`), then ``append_slots`` (a
+  new block at block boundaries, copy-on-write of a shared last block),
+  block tables, model step. :func:`paged_peak_blocks` is the most blocks a
+  sequence then holds at once (the fit rule of ``generate`` and the engine).
 * :class:`DecodeState` and :func:`decode_body`: the decode step of
   ``generate``, ``sample_n`` and the engine: :func:`decode_logits`, then
   sample, record, stop on EOS or ``max_new`` and (optionally) free the
@@ -37,9 +39,11 @@ Invariants of :class:`DecodeState` (kept by every function here):
   and length were copied to ``final_tables[b]`` / ``final_lens[b]``;
 * ``tokens[b, :written[b]]`` are the tokens recorded by this state (``-1``
   past them); ``num_generated[b] <= max_new[b]``;
-* ``ok`` is False once an ``append_slots`` failed; the failing step changed
-  nothing (all or nothing), ``blocked`` marks the rows that needed blocks,
-  and every loop here stops.
+* ``ok`` is False once an ``append_slots`` failed; the failing step
+  appended, wrote and recorded nothing (all or nothing; only a windowed
+  model's dead blocks may have been released before it, which no query can
+  read and a retry would release anyway), ``blocked`` marks the rows that
+  needed blocks, and every loop here stops.
 """
 
 from __future__ import annotations
@@ -65,6 +69,9 @@ __all__ = [
     "decode_step",
     "hybrid_prefill_chunk",
     "model_step",
+    "paged_decode_peak",
+    "paged_peak_blocks",
+    "paged_row_blocks",
     "paged_window",
     "prefill_chunk",
     "run_decode",
@@ -140,24 +147,68 @@ def decode_logits(graphdef, params, manager: BlockSpaceManager, pool: KVPool, la
     and whose next-token logits are computed.
 
     Returns ``(manager, pool, logits [B, V], blocked [B], ok)``. When the
-    append fails (``ok`` False) nothing changed, every slot is -1 and the
-    model ran with no real token: the caller drops the logits.
+    append fails (``ok`` False) nothing was appended or written (a windowed
+    model's rows may have released blocks no query can see any more: the
+    trim comes first and is idempotent), every slot is -1 and the model ran
+    with no real token: the caller drops the logits.
     A hybrid-cache manager (``pool`` None) takes :func:`_hybrid_decode_logits`.
     """
     if isinstance(manager, KVCacheManager):
         return _hybrid_decode_logits(graphdef, params, manager, last, active)
     batch = last.shape[0]
     seqs = jnp.where(active, jnp.arange(batch, dtype=jnp.int32), -1)
+    window = paged_window(nnx.merge(graphdef, params))
+    if window is not None:
+        # Blocks out of every layer's window go back BEFORE the append (the
+        # query at ``seq_lens`` is the one about to run, so they are dead
+        # either way): a row holds O(window) blocks, and a prompt that filled
+        # the pool to its last page can take its first decode block from the
+        # blocks leaving the window (after the prefill nothing trimmed them).
+        manager, _ = manager.trim_window(seqs, window)
     manager, pool, slots, blocked, ok = manager.append_slots(pool, seqs, 1)
     tables, lengths = manager.batch_tables(seqs)
     starts = jnp.maximum(lengths - 1, 0)
     running = active & ok
     logits, pool = model_step(graphdef, params, last[:, None], starts[:, None], pool, slots, tables, starts,
                               running.astype(jnp.int32), "decode")
-    window = paged_window(nnx.merge(graphdef, params))
-    if window is not None:  # blocks out of every layer's window go back: O(window) blocks per row
-        manager, _ = manager.trim_window(jnp.where(running, seqs, -1), window)
     return manager, pool, logits[:, 0], blocked, ok
+
+
+def paged_row_blocks(num_tokens: int, block_size: int, window: int | None) -> int:
+    """The fewest blocks a decoding row of ``num_tokens`` tokens holds: all
+    ``ceil(num_tokens / block_size)``, or with a ``window`` on every layer
+    those from the block of position ``num_tokens - window`` on (the step
+    that appended position ``num_tokens - 1`` trimmed the rest first; a row
+    just prefilled has not been trimmed yet and holds them all)."""
+    held = -(-num_tokens // block_size)
+    if window is None or num_tokens < 1:
+        return held
+    return held - max(num_tokens - window, 0) // block_size
+
+
+def paged_decode_peak(first: int, last: int, block_size: int, window: int | None) -> int:
+    """The most blocks a row holds at once while decode steps append
+    positions ``first .. last - 1`` (0 when ``last <= first``): the step at
+    ``p`` trims to the blocks of ``[p - window + 1, p)`` (no window: nothing)
+    and appends ``p``, so it holds ``ceil((p + 1) / bs) - (p - window + 1) // bs``
+    blocks (:func:`decode_logits`). Exact: the step's count is periodic in
+    ``p`` (period ``bs``) once ``p >= window - 1``, so only the first
+    ``window + bs`` steps are looked at."""
+    if last <= first:
+        return 0
+    if window is None:
+        return -(-last // block_size)
+    stop = min(last, first + window + block_size)
+    return max(-(-(p + 1) // block_size) - max(p - window + 1, 0) // block_size for p in range(first, stop))
+
+
+def paged_peak_blocks(prompt_len: int, total: int, block_size: int, window: int | None) -> int:
+    """The most blocks one sequence holds at once: its prompt's (prefilled
+    whole, untrimmed) or a decode step's (:func:`paged_decode_peak`) on its
+    way to ``total`` tokens. The fit rule of ``generate`` and the engine
+    (``total`` = prompt + ``max_new_tokens``, one token more than the last
+    step writes: the rule the block tables are sized by)."""
+    return max(-(-prompt_len // block_size), paged_decode_peak(prompt_len, total, block_size, window))
 
 
 def paged_window(model) -> int | None:

@@ -54,7 +54,8 @@ from jaxkv.manager.block_space import FREE, ON_DEVICE, BlockSpaceManager
 from jaxkv.manager.hybrid import KVCacheManager
 from jaxkv.manager.hybrid_schema import block_bytes
 from jaxkv.nn.sampling import RowSampling, sample, split_keys
-from jaxkv.nn.steps import DecodeState, hybrid_prefill_chunk, paged_window, prefill_chunk, run_decode
+from jaxkv.nn.steps import (DecodeState, hybrid_prefill_chunk, paged_decode_peak, paged_row_blocks, paged_window,
+                            prefill_chunk, run_decode)
 from jaxkv.pool import host as host_swap
 from jaxkv.pool.kv_pool import KVPool
 from jaxkv.prefix import PrefixCacheManager
@@ -193,6 +194,41 @@ class _Cache:
     prefill_width: int
     groups: tuple[str, ...]
     capacity: np.ndarray
+    window: int | None = None  # every layer's sliding window, when decode trims blocks out of it
+
+    # ------------------------------------------------------- block arithmetic
+    # What a request costs, per group. The engine's fit rule (add_request) is
+    # ``peak_blocks``; admission and the running requests' reserve are
+    # ``growth``; both count the same steps, so a request the rule accepts is
+    # admitted on an empty engine.
+
+    def decode_peak(self, first: int, last: int) -> np.ndarray:
+        """The most blocks a row holds at once while decode steps append
+        positions ``first .. last - 1`` (zeros when ``last <= first``)."""
+        return self.blocks_for(last) if last > first else np.zeros(len(self.groups), np.int64)
+
+    def held_blocks(self, num_tokens: int) -> np.ndarray:
+        """The fewest blocks a decoding row of ``num_tokens`` tokens holds."""
+        return self.blocks_for(num_tokens)
+
+    def peak_blocks(self, prompt_len: int, total: int) -> np.ndarray:
+        """The most blocks a request of ``prompt_len`` prompt tokens holds at
+        once on its way to ``total`` tokens (the prompt's, prefilled whole,
+        or a decode step's); ``add_request`` refuses a request whose peak
+        exceeds a group's capacity."""
+        return np.maximum(self.blocks_for(prompt_len), self.decode_peak(prompt_len, total))
+
+    def can_evict(self) -> bool:
+        """Whether the prefix cache holds a page it could evict now."""
+        return self.prefix_cache.evictable_blocks > 0
+
+    def growth(self, num_tokens: int, steps: int, held: np.ndarray, shared: np.ndarray) -> np.ndarray:
+        """Free blocks a row may still take over its next ``steps`` decode
+        steps: it holds ``num_tokens`` tokens in ``held`` blocks, ``shared``
+        of them a prefix hit's (the prefix cache holds those blocks too).
+        Without trimming the hit's blocks stay in the table, so this is
+        ``blocks_for(num_tokens + steps) - held``."""
+        return np.maximum(self.blocks_for(num_tokens + steps) - held, 0)
 
     def _keys(self, key_data: list) -> jax.Array:
         """Typed keys ``[max_seqs]`` from per-lane key data (idle lanes: zeros)."""
@@ -303,15 +339,28 @@ class PagedCache(_Cache):
     def blocks_for(self, num_tokens: int) -> np.ndarray:
         return np.asarray([ceil_div(num_tokens, self.page_size)], np.int64)
 
-    def peak_blocks(self, prompt_len: int, total: int) -> np.ndarray:
-        """Most blocks a request of ``prompt_len`` + new tokens up to
-        ``total`` holds at once: all of them, or with a window on every layer
-        its prompt's (prefilled whole) or a window's worth plus the block
-        being written (decode trims the rest)."""
+    def decode_peak(self, first: int, last: int) -> np.ndarray:
+        """With a window on every layer a step holds only the blocks of the
+        window and the position it appends (:func:`jaxkv.nn.steps.paged_decode_peak`)."""
+        return np.asarray([paged_decode_peak(first, last, self.page_size, self.window)], np.int64)
+
+    def held_blocks(self, num_tokens: int) -> np.ndarray:
+        return np.asarray([paged_row_blocks(num_tokens, self.page_size, self.window)], np.int64)
+
+    def growth(self, num_tokens: int, steps: int, held: np.ndarray, shared: np.ndarray) -> np.ndarray:
+        """With a window, decode trims the hit's blocks out of the table
+        too, while the prefix cache may still hold them: any block of the
+        row's future window may have to come from the free blocks, and of
+        the blocks it holds now only those that are not the hit's give room
+        back when trimmed."""
         if self.window is None:
-            return self.blocks_for(total)
-        live = ceil_div(self.window - 1, self.page_size) + 2
-        return np.maximum(self.blocks_for(prompt_len), np.minimum(self.blocks_for(total), live))
+            return super().growth(num_tokens, steps, held, shared)
+        peak = self.decode_peak(num_tokens, num_tokens + steps)
+        return np.maximum(peak - np.maximum(held - shared, 0), 0)
+
+    def first_blocks(self) -> np.ndarray:
+        """Each row's first table entry (-1: none, or trimmed out of the window)."""
+        return np.asarray(jax.device_get(self.manager.block_tables[:, 0]))
 
     def blocks_in_use(self) -> int:
         return int(self.manager.device.num_used)
@@ -527,9 +576,6 @@ class HybridCache(_Cache):
         return np.asarray([ceil_div(num_tokens // per_entry, per_block) for per_entry, per_block in self._per_block],
                           np.int64)
 
-    def peak_blocks(self, prompt_len: int, total: int) -> np.ndarray:
-        return self.blocks_for(total)
-
     def blocks_in_use(self) -> int:
         return int(self.manager.blocks_in_use)
 
@@ -728,7 +774,14 @@ class HybridCache(_Cache):
             return
         tables = {name: np.asarray(t) for name, t in
                   jax.device_get({name: g.tables for name, g in self.manager.groups.items()}).items()}
-        copies = []  # (staging row, cached snapshot)
+        # cached snapshot -> staging row it takes. Keyed by the snapshot: when
+        # finding one for a later row evicts the page an earlier row's snapshot
+        # was just given to (its copy still pending), that snapshot comes back
+        # free and is handed out again; the later row's copy must replace the
+        # earlier one, not sit beside it (two copies into one snapshot: which
+        # lands is unspecified, and the surviving page could restore another
+        # request's state).
+        copies: dict[int, int] = {}
         for row, tokens, namespace, _ in finished:
             boundary = self._staged[row]
             if boundary < self.unit or boundary > len(tokens):
@@ -759,7 +812,7 @@ class HybridCache(_Cache):
                 self.prefix_cache.release(result.node)
                 if snapshot is not None:
                     self._snapshot_of[last] = snapshot
-                    copies.append((self.manager.num_slots + row, self.manager.num_slots + snapshot))
+                    copies[self.manager.num_slots + snapshot] = self.manager.num_slots + row
                     self.snapshots_taken += 1
                     self.events.append(("snapshot_stored", snapshot, last, boundary))
                     logger.debug("prefix cache: snapshot %d holds the state at %d tokens (page %d)", snapshot,
@@ -768,7 +821,7 @@ class HybridCache(_Cache):
                     self.events.append(("snapshot_dropped", -1, last, boundary))
             self._staged[row] = 0  # cached (or already there): nothing new staged
         if copies:
-            src, dst = zip(*copies)
+            dst, src = zip(*copies.items())
             self.manager = _copy_state(self.manager, _fixed(src, self.max_seqs), _fixed(dst, self.max_seqs))
 
     def swap_out(self, row: int) -> bool:

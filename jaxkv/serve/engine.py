@@ -21,9 +21,15 @@ which a request may be admitted). Each scheduler iteration:
    node pinned; the cached blocks go at the start of the new sequence's block
    table with one ``incref`` each and the rest is acquired
    (:meth:`BlockSpaceManager.admit_with_prefix`, all or nothing; a hybrid
-   cache restores the hit's snapshot and preallocates). When blocks are
-   short the prefix cache is evicted first; if the request still does not
-   fit, admission stops for this iteration (FCFS).
+   cache restores the hit's snapshot and preallocates). A request is
+   admitted when its prompt's blocks and its growth over the next decode
+   chunk (capped by the tokens it has left; on a model with a window on
+   every layer, its whole output, trimming counted) fit beside the running
+   requests' growth; so every request ``add_request`` accepts is admitted
+   on an empty engine. When blocks are short the prefix cache is evicted
+   first (a windowed request whose hit would not leave room for its window
+   is admitted without the hit); if the request still does not fit,
+   admission stops for this iteration (FCFS).
    **Prefill** then runs the uncached tails (``starts = cached_len``) of the
    admitted requests in pieces, one piece per request per jitted call, each
    call sampling the first token of the requests it finishes: every piece
@@ -40,7 +46,9 @@ which a request may be admitted). Each scheduler iteration:
    ``new_blocks`` are increfed; duplicates stay the sequence's and are freed
    with it), their sequences are freed and their prefixes unpinned. When the
    decode stalled for blocks: evict from the prefix cache, then **preempt** the
-   most recently admitted running request: swap it to host
+   most recently admitted running request (one its recomputation can
+   bring back: a windowed request never is, its reserve covers its whole
+   output): swap it to host
    (``num_host_pages > 0`` and it fits there), else free it and re-queue it
    at the front for recomputation (its full pages go into the prefix cache
    first, so recomputation usually hits; its generated tokens are kept and
@@ -79,6 +87,7 @@ Example::
 from __future__ import annotations
 
 import collections
+import collections.abc
 import dataclasses
 import enum
 import logging
@@ -93,7 +102,7 @@ from jaxkv import _host
 from jaxkv.errors import BookkeepingError, InvalidArgument
 from jaxkv.manager.block_space import FREE, ON_DEVICE, STATUS_NAMES, SWAPPED
 from jaxkv.nn.sampling import GREEDY, RowSampling, SamplingParams
-from jaxkv.serve.caches import HybridCache, PagedCache, PrefillLane
+from jaxkv.serve.caches import HybridCache, PagedCache, PrefillLane, PrefixHit
 
 __all__ = ["Engine", "EngineProgress", "EngineSummary", "RequestState"]
 
@@ -110,6 +119,31 @@ def _int_at_least(value, name: str, minimum: int) -> int:
     if value < minimum:
         raise InvalidArgument(f"{name}={value}: must be >= {minimum}")
     return value
+
+
+def _block_counts(value) -> dict[str, int] | None:
+    """``num_blocks`` of a hybrid cache checked: None, or a dict mapping block
+    group names (str) to integers ``>= 2`` (the null block included), else
+    ``InvalidArgument`` naming ``num_blocks``, what was given and what is
+    expected. (Group names the model does not have are refused by
+    ``KVCacheManager.create``, which knows them.)"""
+    if value is None:
+        return None
+    expected = "expected None or a dict of block group name -> integer >= 2 (null block included), e.g. {'full': 64}"
+    if not isinstance(value, collections.abc.Mapping):
+        raise InvalidArgument(f"num_blocks={_host._short(value)} ({type(value).__name__}): {expected}")
+    counts = {}
+    for name, count in value.items():
+        if not isinstance(name, str):
+            raise InvalidArgument(f"num_blocks={_host._short(value)}: group name {name!r} is not a string; {expected}")
+        try:
+            counts[name] = _host.int_scalar(count, f"num_blocks[{name!r}]")
+        except InvalidArgument as err:
+            raise InvalidArgument(f"num_blocks={_host._short(value)}: {err}; {expected}") from None
+        if counts[name] < 2:
+            raise InvalidArgument(f"num_blocks={_host._short(value)}: group {name!r} has {counts[name]} blocks; "
+                                  f"{expected}")
+    return counts
 
 
 class RequestState(enum.Enum):
@@ -134,7 +168,8 @@ class _Request:
     generated: list = dataclasses.field(default_factory=list)
     state: RequestState = RequestState.WAITING
     row: int = -1  # sequence row while RUNNING or SWAPPED, else -1
-    hit: object = None  # its pinned prefix hit (PrefixHit) while running
+    hit: object = None  # its pinned prefix hit (PrefixHit) while running (None once a window trimmed it away)
+    shared: object = None  # per group, the blocks of its admission's hit (shared with the prefix cache)
     lane: object = None  # its PrefillLane while its prompt is prefilled
     pieces: list = dataclasses.field(default_factory=list)  # (start, end) prompt pieces still to prefill
     order: int = -1  # admission order (preemption picks the largest)
@@ -287,8 +322,10 @@ class Engine:
 
     Raises ``InvalidArgument``, naming the argument, for a size or count
     that is not an integer or is too small (``num_pages < 2``, others
-    ``< 1``, ``num_host_pages < 0``), a non-integer ``seed``, an unknown
-    ``host_memory_kind``, or an option of the other kind of cache.
+    ``< 1``, ``num_host_pages < 0``), a ``num_blocks`` that is not a dict
+    of group name to integer ``>= 2`` or names a group the model lacks, a
+    non-integer ``seed``, an unknown ``host_memory_kind``, or an option of
+    the other kind of cache.
     """
 
     def __init__(self, model, *, max_seqs: int = 8, num_pages: int | None = None, page_size: int = 16,
@@ -316,6 +353,7 @@ class Engine:
                                       "keeps its cache in a KVCacheManager (give max_context_tokens, num_blocks, "
                                       "entry_format)")
             max_context_tokens = _int_at_least(max_context_tokens, "max_context_tokens", 1)
+            num_blocks = _block_counts(num_blocks)
             if num_snapshots is not None:
                 num_snapshots = _int_at_least(num_snapshots, "num_snapshots", 1)
             self.cache = HybridCache(model, max_seqs=max_seqs, max_context_tokens=max_context_tokens,
@@ -390,7 +428,12 @@ class Engine:
         ``eos_token_id`` outside the vocabulary; a negative or non-integer
         ``arrival_step``; a non-integer ``seed``; ``sampling`` that is not a
         ``SamplingParams``; an unhashable ``namespace``; a request that could
-        never fit (longer than a row holds, or more blocks than a group has).
+        never fit (longer than a row holds, or more blocks than a group has
+        at its peak: ``cache.peak_blocks``, the prompt's blocks or, with a
+        window on every layer, a decode step's window; the message gives
+        both numbers). A request accepted here is admitted once the engine
+        has room, and runs to its end: admission reserves no more than this
+        rule counts, and a windowed request is never preempted.
 
         Requests are queued in arrival order (ties: in the order added), so
         they need not be added in that order."""
@@ -545,17 +588,42 @@ class Engine:
         used = self.cache.blocks_in_use() if used is None else int(used)
         self._peak = max(self._peak, used)
 
+    def _steps_ahead(self, req: _Request) -> int:
+        """Decode steps whose blocks ``req`` reserves: its next chunk's,
+        never more than it has tokens left to generate (one more than its
+        remaining decode steps: the fit rule's count, see
+        :func:`jaxkv.nn.steps.paged_peak_blocks`). With a window on every
+        layer, all it has left: a windowed request then never has to be
+        preempted, which matters because a recomputation would prefill its
+        prompt and output whole, more blocks than its window needs and
+        possibly more than the pool has."""
+        left = max(req.max_new - len(req.generated), 0)
+        return left if self.cache.window is not None else min(self.decode_chunk, left)
+
     def _growth(self, req: _Request) -> np.ndarray:
-        """Blocks ``req`` may take in its next decode chunk."""
-        kv_len = req.kv_len
-        steps = min(self.decode_chunk, max(req.max_new - len(req.generated), 0))
-        return self.cache.blocks_for(kv_len + steps) - self.cache.blocks_for(kv_len)
+        """Free blocks ``req`` (RUNNING) may take over :meth:`_steps_ahead`."""
+        steps = self._steps_ahead(req)
+        if req.pieces or not req.generated:  # still prefilling: it holds its whole prompt's blocks, untrimmed
+            tokens = len(req.tokens)
+            return self.cache.growth(tokens, steps, self.cache.blocks_for(tokens), req.shared)
+        # Decoding: the fewest blocks it can hold at kv_len (a row not trimmed
+        # yet holds more, so this over-reserves by at most the trim).
+        return self.cache.growth(req.kv_len, steps, self.cache.held_blocks(req.kv_len), req.shared)
+
+    def _admission_blocks(self, req: _Request, hit) -> np.ndarray:
+        """Free blocks admitting ``req`` with ``hit`` takes now (its tokens'
+        blocks less the hit's) plus its growth over :meth:`_steps_ahead`.
+        On an empty engine with no hit this is at most ``peak_blocks``, the
+        rule ``add_request`` checked."""
+        tokens = len(req.tokens)
+        held, shared = self.cache.blocks_for(tokens), hit.block_counts()
+        return held - shared + self.cache.growth(tokens, self._steps_ahead(req), held, shared)
 
     def _growth_reserve(self) -> np.ndarray:
         """Blocks kept free for the running sequences to grow into during
-        their next decode chunk when admitting or resuming, so that a request
-        is not brought in only to force an immediate preemption (swap in /
-        swap out thrash)."""
+        their next decode chunk (a windowed model's: until they finish) when
+        admitting or resuming, so that a request is not brought in only to
+        force an immediate preemption (swap in / swap out thrash)."""
         # The row map, not every request ever added: O(max_seqs) per call.
         reserve = np.zeros(len(self.cache.groups), np.int64)
         for rid in self._rows:
@@ -564,15 +632,21 @@ class Engine:
         return reserve
 
     def _blocks_wanted(self) -> np.ndarray:
-        for rid in list(self._swapped) + list(self._waiting):
+        for rid in self._swapped:
             return self.cache.blocks_for(len(self._requests[rid].tokens))
+        for rid in self._waiting:
+            return self._admission_blocks(self._requests[rid], self._no_hit())
         return np.zeros(len(self.cache.groups), np.int64)
+
+    def _no_hit(self) -> PrefixHit:
+        return PrefixHit(0, tuple([] for _ in self.cache.groups))
 
     def _make_room(self, blocks: np.ndarray) -> bool:
         """Evict cached prefixes until ``blocks`` (per group) are free;
-        whether they are."""
+        whether they are. Evicts again while short: a page a running row
+        still holds (a windowed row's hit) gives no block back."""
         free = self.cache.free_blocks()
-        if np.any(free < blocks):
+        while np.any(free < blocks) and self.cache.can_evict():
             self.cache.evict(np.maximum(blocks - free, 0))
             free = self.cache.free_blocks()
         return bool(np.all(free >= blocks))
@@ -646,22 +720,31 @@ class Engine:
         allow; returns how many."""
         free_rows = [row for row in range(self.max_seqs) if self._rows[row] is None]
         admitted = []  # PrefillLane per admitted request, in lane order
-        reserved = np.zeros(len(self.cache.groups), np.int64)  # blocks the batch will take
+        reserved = np.zeros(len(self.cache.groups), np.int64)  # blocks the batch will take, growth included
+        running = self._growth_reserve()  # the requests admitted before this batch
         while self._waiting and free_rows:
             req = self._requests[self._waiting[0]]
             if req.arrival > self._step:
                 break
             tokens = req.tokens
             hit = self.cache.match(tokens, req.namespace)
-            need = self.cache.blocks_for(len(tokens)) - hit.block_counts()
-            growth = self.cache.blocks_for(len(tokens) + self.decode_chunk) - self.cache.blocks_for(len(tokens))
-            if not self._make_room(reserved + need + growth + self._growth_reserve()):
+            want = self._admission_blocks(req, hit)
+            if not self._make_room(reserved + want + running):
                 self.cache.unpin(hit)
-                break
-            reserved += need + growth
+                if not hit.tokens:
+                    break
+                # A windowed request reserves its whole window from the free
+                # blocks while its hit's blocks stay the prefix cache's
+                # (pinned): without the hit they may be evicted, and the
+                # request needs no more than the fit rule counted.
+                hit = self._no_hit()
+                want = self._admission_blocks(req, hit)
+                if not self._make_room(reserved + want + running):
+                    break
+            reserved += want
             self._waiting.popleft()
             req.row = free_rows.pop(0)
-            req.hit = hit
+            req.hit, req.shared = hit, hit.block_counts()
             req.state = RequestState.RUNNING
             self._rows[req.row] = req.id
             if req.order < 0:
@@ -759,14 +842,36 @@ class Engine:
             if result.finished[row]:
                 finished.append(req)
         self._retire(finished, final=True)
+        self._release_trimmed_hits(req for req in running.values() if req.state is RequestState.RUNNING)
         if not result.ok:
             logger.debug("decode stalled for blocks: rows %s", np.flatnonzero(result.blocked).tolist())
             self._relieve([req for row, req in running.items()
                            if result.blocked[row] and req.state is RequestState.RUNNING])
 
+    def _release_trimmed_hits(self, reqs) -> None:
+        """Unpin the prefix hits that a window trimmed out of their rows'
+        tables (the first block is gone): the row no longer reads them, so
+        the prefix cache may evict them when blocks are short (pinned, a
+        windowed request would hold its whole hit plus its window). The
+        request keeps counting the hit's blocks as shared (``shared``) in
+        its reserve: they stay allocated until evicted."""
+        if self.cache.window is None:
+            return
+        holding = [req for req in reqs if req.hit is not None and req.hit.tokens]
+        if not holding:
+            return
+        first = self.cache.first_blocks()
+        for req in holding:
+            if first[req.row] < 0:
+                self.cache.unpin(req.hit)
+                req.hit = None
+
     def _relieve(self, blocked: list) -> None:
         """Free blocks for the rows that could not grow: evict the prefix
-        cache, then preempt the most recently admitted running requests."""
+        cache, then preempt the most recently admitted running requests
+        that recomputation can bring back (re-admitting one holding its
+        prompt and output fits an empty engine). Raises ``KVCacheOOM`` when
+        none is left to preempt (the admission reserve rules it out)."""
         if not blocked:
             return
         # Eviction only: room for every running request's next chunk.
@@ -778,11 +883,24 @@ class Engine:
 
         while blocked and not self._make_room(need()):
             running = [req for req in self._requests.values() if self._decoding(req)]  # never one mid-prefill
-            if not running:
-                return
-            victim = max(running, key=lambda r: r.order)
+            victims = [req for req in running if self._readmittable(req)]
+            if not victims:
+                stuck = blocked[0]
+                raise self.cache.oom(need(), f"request {stuck.id} cannot grow and no running request can be "
+                                             f"preempted (recomputing any would need more blocks than the groups "
+                                             f"have: {self.cache.capacity.tolist()})")
+            victim = max(victims, key=lambda r: r.order)
             self._preempt(victim)
             blocked = [req for req in blocked if req is not victim]
+
+    def _readmittable(self, req: _Request) -> bool:
+        """Whether ``req``, preempted for recomputation now, fits an empty
+        engine again (its prompt and output prefilled whole). Always, without
+        a window; a windowed request is never preempted (its reserve covers
+        its whole output), so this only guards that rule. (Swapping would
+        not need it, but a swap-out the host pool cannot take falls back to
+        recomputation.)"""
+        return bool(np.all(self._admission_blocks(req, self._no_hit()) <= self.cache.capacity))
 
     def _preempt(self, req: _Request) -> None:
         if self.cache.can_swap and self.cache.swap_out(req.row):

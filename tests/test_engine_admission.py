@@ -1,0 +1,238 @@
+"""The engine's fit rule and admission (issue 26, items 3, 4, 5, 9):
+
+* a request ``add_request`` accepts is admitted on an empty engine: the
+  growth admission reserves is capped by what the request can still
+  generate (``max_new_tokens``) and, with a sliding window, by the window
+  (item 3);
+* with a window on every layer, a prompt that fills the pool to its last
+  page runs: decode releases the block leaving the window before it appends
+  (item 4), and ``generate`` runs what the engine accepts;
+* a windowed request holding a prefix hit lets go of the hit (its pin) once
+  the window trimmed it, and a windowed request is never preempted into a
+  recomputation it could not come back from (item 5);
+* ``num_blocks`` of a hybrid model that is not a dict of integers is an
+  ``InvalidArgument`` naming it (item 9).
+
+Every output is compared with ``generate`` of that request alone, and every
+block is back after ``run`` (free, or held once by the prefix cache).
+
+Compile budget: two tiny random models (test_nn_engine's Llama, the same
+with a 6-token window on every layer), pages of 4 tokens, one engine shape
+per pool size.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+from flax import nnx
+
+from jaxkv.errors import InvalidArgument, KVCacheError, KVCacheOOM
+from jaxkv.nn import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, generate
+from jaxkv.nn.steps import paged_decode_peak, paged_peak_blocks, paged_row_blocks
+from jaxkv.serve import Engine
+from tests.test_fuzz_engine import check_no_leak
+from tests.test_nn_engine import CONFIG, PAGE
+
+WINDOW = 6
+WINDOWED = dict(CONFIG, model_type="mistral", sliding_window=WINDOW)
+
+
+@pytest.fixture(scope="module")
+def llama():
+    return LlamaForCausalLM(LlamaConfig.from_hf(CONFIG), rngs=nnx.Rngs(0))
+
+
+@pytest.fixture(scope="module")
+def mistral():
+    """Every layer windowed: decode trims the blocks that left the window."""
+    return LlamaForCausalLM(LlamaConfig.from_hf(WINDOWED), rngs=nnx.Rngs(1))
+
+
+def engine(model, num_blocks, **kw):
+    """An engine of ``num_blocks`` allocatable pages of ``PAGE`` tokens."""
+    return Engine(model, num_pages=num_blocks + 1, page_size=PAGE, max_blocks_per_seq=16,
+                  **{"max_seqs": 2, "decode_chunk": 4, **kw})
+
+
+def prompt(seed, n):
+    return np.random.default_rng(seed).integers(1, CONFIG["vocab_size"], n).tolist()
+
+
+def cold(model, p, max_new):
+    return generate(model, [p], max_new, page_size=PAGE).tokens[0]
+
+
+# ------------------------------------------------------------- the arithmetic
+
+
+def test_window_peak_is_the_most_blocks_a_decoding_row_holds():
+    """``paged_decode_peak`` against a step-by-step count of what
+    ``decode_logits`` holds: at the step appending ``p`` the row keeps the
+    blocks of ``[p - window + 1, p]`` (trimmed first, then appended)."""
+    for bs in (1, 3, 4):
+        for window in (1, 2, 5, 6, 9, None):
+            for first in range(1, 14):
+                for last in range(first, 40):
+                    held = [-(-(p + 1) // bs) - (0 if window is None else max(p - window + 1, 0) // bs)
+                            for p in range(first, last)]
+                    assert paged_decode_peak(first, last, bs, window) == max(held, default=0)
+                    want = max([-(-first // bs)] + held)
+                    assert paged_peak_blocks(first, last, bs, window) == want
+                    if last > first:  # after the step that appended last - 1
+                        assert paged_row_blocks(last, bs, window) == held[-1]
+
+
+# -------------------------------------------------------------------- item 3
+
+
+def test_a_request_that_fits_the_pool_exactly_runs(llama):
+    """13 + 3 tokens need 4 blocks, all the pool has: accepted, and admitted
+    (admission asked for a whole 8-step decode chunk of growth on top, 6
+    blocks, and ``run`` raised ``KVCacheOOM: ... nothing can run``). One
+    token more is refused at ``add_request`` with the numbers."""
+    eng = engine(llama, 4, decode_chunk=8)
+    p = prompt(0, 13)
+    rid = eng.add_request(p, 3)
+    eng.run()
+    assert eng.outputs[rid] == cold(llama, p, 3)
+    check_no_leak(eng)
+    with pytest.raises(InvalidArgument, match=r"13 \+ 4 tokens need blocks \[5\].*the pool has 4 blocks"):
+        eng.add_request(p, 4)
+
+
+def test_a_windowed_request_longer_than_the_pool_is_admitted(mistral):
+    """A 13-token prompt (4 blocks, the whole pool) and 20 new tokens: the
+    window keeps it within 4 blocks, so it is accepted; admission must not
+    ask for the untrimmed growth of a decode chunk (2 blocks more)."""
+    eng = engine(mistral, 4, decode_chunk=8)
+    p = prompt(1, 13)
+    rid = eng.add_request(p, 20)
+    summary = eng.run()
+    assert eng.outputs[rid] == cold(mistral, p, 20)
+    assert summary.peak_kv_blocks <= 4 and summary.preemptions == 0
+    check_no_leak(eng)
+
+
+# -------------------------------------------------------------------- item 4
+
+
+def test_a_windowed_prompt_that_fills_the_pool_decodes(mistral):
+    """16 prompt tokens fill 4 blocks; the first decode token needs a fifth
+    block unless the block leaving the window goes back first. The engine
+    accepts it and runs it; so does ``generate`` on a pool of the same size,
+    with the tokens of an ample pool."""
+    p = prompt(2, 16)
+    want = cold(mistral, p, 6)
+    eng = engine(mistral, 4)
+    rid = eng.add_request(p, 6)
+    eng.run()
+    assert eng.outputs[rid] == want
+    check_no_leak(eng)
+    assert generate(mistral, [p], 6, page_size=PAGE, num_pages=5).tokens[0] == want
+
+
+@pytest.mark.parametrize("length, num_blocks, fits", [
+    (8, 2, False),  # the step at 8 holds blocks 0..2: nothing has left the window yet
+    (12, 3, True),  # the step at 12 released block 0 first
+    (4, 1, False),
+])
+def test_the_fit_rule_and_generate_agree(mistral, length, num_blocks, fits):
+    """What the engine's fit rule accepts, ``generate`` runs on a pool of the
+    same size; what it refuses (with the numbers), ``generate`` cannot run."""
+    p = prompt(3, length)
+    eng = engine(mistral, num_blocks)
+    if fits:
+        rid = eng.add_request(p, 5)
+        eng.run()
+        assert eng.outputs[rid] == generate(mistral, [p], 5, page_size=PAGE, num_pages=num_blocks + 1).tokens[0]
+        assert eng.outputs[rid] == cold(mistral, p, 5)
+        check_no_leak(eng)
+    else:
+        peak = paged_peak_blocks(length, length + 5, PAGE, WINDOW)
+        with pytest.raises(InvalidArgument, match=rf"need blocks \[{peak}\].*the pool has {num_blocks} blocks"):
+            eng.add_request(p, 5)
+        with pytest.raises(KVCacheOOM):
+            generate(mistral, [p], 5, page_size=PAGE, num_pages=num_blocks + 1)
+
+
+# -------------------------------------------------------------------- item 5
+
+
+def test_a_windowed_hit_is_let_go_once_trimmed(mistral):
+    """A cached 12-token prefix (3 blocks), then a request extending it by
+    one token that generates 24 more in a 5-block pool. Holding the hit
+    pinned it held 3 blocks besides its window, ran out, was preempted and
+    could never be re-admitted (13 + 20 tokens prefilled whole: 9 blocks).
+    Now it is admitted (cold, when the window would not fit beside the
+    pinned hit) and finishes without a preemption."""
+    base = prompt(4, 12)
+    eng = engine(mistral, 5)
+    first = eng.add_request(base, 1)  # no decode step: its 3 full pages are cached
+    eng.run()
+    assert len(eng.prefix_cache.device_blocks()) == 3
+    rid = eng.add_request(base + [7], 24)
+    summary = eng.run()
+    assert eng.outputs[first] == cold(mistral, base, 1)
+    assert eng.outputs[rid] == cold(mistral, base + [7], 24)
+    assert summary.preemptions == 0
+    check_no_leak(eng)
+
+
+def test_a_windowed_hit_is_unpinned_when_it_leaves_the_window(mistral):
+    """A one-page hit fits beside the window: the request is admitted on it
+    and the page stays pinned while it is in the window (the first decode
+    chunk: positions 5..8); once decode trimmed it from the row's table
+    (position 9 on), the prefix cache no longer protects it."""
+    base = prompt(5, PAGE)
+    eng = engine(mistral, 5)
+    eng.add_request(base, 1)
+    eng.run()
+    rid = eng.add_request(base + [9], 24)
+    protected = []
+    summary = eng.run(on_progress=lambda p: protected.append((p.generated_tokens, eng.prefix_cache.protected_blocks)))
+    assert summary.prefix_hit_tokens == PAGE
+    assert eng.outputs[rid] == cold(mistral, base + [9], 24)
+    assert protected[0] == (5, 1), protected  # the first token and one chunk: the hit still in the window
+    assert all(blocks == 0 for _, blocks in protected[1:]), protected
+    check_no_leak(eng)
+
+
+def test_windowed_requests_are_never_preempted_past_recovery(mistral):
+    """Several windowed requests that each outgrow the pool but not their
+    window, competing for 5 blocks with a prefix cache: each admitted one
+    reserves its whole window, so none is preempted into a recomputation
+    (its prompt and output prefilled whole) that no pool this size holds."""
+    stem = prompt(6, 8)
+    prompts = [stem + prompt(10 + i, 1 + i) for i in range(4)] + [prompt(20, 14)]
+    eng = engine(mistral, 5, decode_chunk=2)
+    ids = [eng.add_request(p, 22, arrival_step=i) for i, p in enumerate(prompts)]
+    summary = eng.run()
+    for rid, p in zip(ids, prompts):
+        assert eng.outputs[rid] == cold(mistral, p, 22), p
+    assert summary.preemptions == 0 and summary.peak_kv_blocks <= 5
+    check_no_leak(eng)
+
+
+# -------------------------------------------------------------------- item 9
+
+
+@pytest.fixture(scope="module")
+def qwen3_next():
+    return AutoModelForCausalLM.from_pretrained(os.path.join(os.path.dirname(__file__), "fixtures/qwen3_next/small"))
+
+
+@pytest.mark.parametrize("bad", [12, [12], "full", ("full", 12), {"full": 12.0}, {"full": "12"}, {"full": True},
+                                 {"full": None}, {"full": 1}, {"full": -3}, {1: 12}, {"full": 2**70}],
+                         ids=repr)
+def test_hybrid_num_blocks_must_be_a_dict_of_integers(qwen3_next, bad):
+    model = qwen3_next
+    with pytest.raises(InvalidArgument, match="num_blocks") as raised:
+        Engine(model, max_context_tokens=64, num_blocks=bad)
+    assert isinstance(raised.value, KVCacheError)
+    message = str(raised.value)
+    assert "expected" in message and "dict" in message, message
+    with pytest.raises(InvalidArgument, match=r"num_blocks names groups \['nope'\].*\['full'\]"):
+        Engine(model, max_context_tokens=64, num_blocks={"nope": 12})
