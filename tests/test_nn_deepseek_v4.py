@@ -294,3 +294,20 @@ def test_loading_errors_name_the_tensor(tmp_path):
     _rewrite(path, lambda t: {k: v for k, v in t.items() if k != expert})
     with pytest.raises(InvalidArgument, match=r"w3 missing for experts \[1\]"):
         DeepseekV4ForCausalLM.from_pretrained(path)
+
+
+def test_indexer_top_k_breaks_ties_by_the_lower_entry_at_every_row_length():
+    """Exact ties in the lightning indexer (ReLU scores of 0.0) go to the
+    lower entry index whatever the row's length, so the cached path (rows
+    as wide as the cache) and a recompute (rows as wide as the sequence)
+    choose the same entries; invalid entries are never chosen."""
+    from jaxkv.nn.deepseek_v4 import _top_k_valid
+
+    rng = np.random.default_rng()
+    for width in (6, 11, 32):
+        scores = np.where(rng.random(width) < 0.5, 0.0, rng.random(width) + 0.5).astype(np.float32)
+        valid = np.arange(width) < rng.integers(1, width + 1)
+        for k in (1, 3, 5):
+            got = np.asarray(_top_k_valid(jnp.asarray(scores)[None], jnp.asarray(valid)[None], k))[0]
+            order = sorted(np.flatnonzero(valid), key=lambda e: (-scores[e], e))[:k]
+            assert got.tolist() == order + [-1] * (k - len(order)), (width, k, scores, valid)

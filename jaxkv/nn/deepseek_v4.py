@@ -168,7 +168,13 @@ def module_name(name: str) -> str:
 
 
 def _top_k_valid(scores, valid, k: int):
-    """The ``k`` best valid entries per row (``-1`` where fewer are valid)."""
+    """The ``k`` best valid entries per row (``-1`` where fewer are valid).
+
+    Equal scores go to the lower entry index (``lax.top_k``'s rule), the
+    same choice at every row length, so cached decoding and a recompute
+    agree. The indexer's ReLU makes exact ties (scores of 0.0) common in
+    small all-RoPE indexers; ``torch.topk`` breaks them in no specified
+    order, so on such ties transformers' tokens are not a reference."""
     values, idx = jax.lax.top_k(jnp.where(valid, scores, -jnp.inf), k)
     return jnp.where(values > -jnp.inf, idx, -1).astype(jnp.int32)
 
