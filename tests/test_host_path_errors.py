@@ -30,7 +30,7 @@ import numpy as np
 import pytest
 
 from jaxkv import KVPool
-from jaxkv.errors import CacheLocked, InvalidArgument, KVCacheError
+from jaxkv.errors import CacheLocked, InvalidArgument
 from jaxkv.manager.block_space import BlockSpaceManager
 from jaxkv.manager.hybrid import KVCacheManager
 from jaxkv.manager.hybrid_schema import AttentionKind, HybridConfig, LayerSpec
@@ -372,3 +372,104 @@ def test_prefix_miss_without_a_root_pins_nothing():
     cache.pin(miss.node)
     assert cache.reset() == []
     cache.release(miss.node)
+
+
+# --------------------------------------------------------------------------
+# Found by tests/test_fuzz_host_paths.py (SnapshotMachine)
+# --------------------------------------------------------------------------
+
+
+def test_copy_state_with_a_repeated_destination_copies_nothing_in_any_layer():
+    """Two pairs into one row: the SWA and compressor rings took one of the
+    copies while the GDN pool refused the call (its rule: a repeated
+    destination fails), so the row held half of one state. Now nothing is
+    copied anywhere (the GDN pool's all-or-nothing rule for every layer)."""
+    manager = all_held()
+    after = hybrid_copy_state(manager, pad([1, 2, 3], 4), pad([NUM_SLOTS, NUM_SLOTS, NUM_SLOTS + 1], 4))
+    assert_tree_equal(manager, after)
+    # distinct destinations still copy, in every layer
+    after = hybrid_copy_state(manager, pad([1, 2], 4), pad([NUM_SLOTS, NUM_SLOTS + 1], 4))
+    for before_leaf, after_leaf in zip(state_leaves(manager), state_leaves(after)):
+        want = np.asarray(before_leaf).copy()
+        want[[NUM_SLOTS, NUM_SLOTS + 1]] = want[[1, 2]]
+        np.testing.assert_array_equal(np.asarray(after_leaf), want)
+
+
+def _with_cached_prefix():
+    """Slot 1 holds one unit (1 hca128 block, 4 full pages), taken as a
+    cached prefix (one more owner) and then released; slot 2 is admitted
+    and empty. Returns ``(manager, {group: blocks})``."""
+    manager, _, _ = hybrid_admit(new_hybrid(), 2)
+    manager, _, ok = hybrid_reserve(manager, pad([1]), pad([UNIT]))
+    blocks = {g: np.asarray(manager.groups[g].tables)[1, : int(manager.groups[g].lens[1])].tolist() for g in GROUPS}
+    manager, ok2 = hybrid_incref(manager, {g: pad(blocks[g], ROWS * GROUP_WIDTH[g]).reshape(ROWS, -1)
+                                           for g in GROUPS})
+    manager, ok3 = hybrid_release(manager, pad([1]))
+    assert bool(ok) and bool(ok2) and bool(ok3)
+    return stamp(manager, jnp.arange(1, STATE_ROWS, dtype=jnp.int32), jax.random.key(1)), blocks
+
+
+def _attach_rows(blocks: dict) -> dict:
+    out = {}
+    for g in GROUPS:
+        arr = np.full((ROWS, GROUP_WIDTH[g]), -1, np.int32)
+        arr[0, : len(blocks[g])] = blocks[g]
+        out[g] = jnp.asarray(arr)
+    return out
+
+
+@pytest.mark.parametrize("case", ["hole", "repeat", "short", "long", "negative", "snapshot", "slot0", "slot-2",
+                                  "snapshot_row"])
+def test_attach_prefix_refuses_rows_that_do_not_match_their_tokens(case):
+    """``attach_prefix`` adopted a row with a -1 among its blocks (the table
+    then had a hole inside ``lens``), a block twice (named twice by one
+    table), fewer blocks than its tokens need (the slot then read positions
+    no block of its own held: another request's leftovers once the next
+    reserve appended a block), a negative length, a snapshot past the
+    snapshot rows (silently not copied), and treated slot 0 and -2 as
+    padding. Each is refused now: ``ok`` False, nothing changed."""
+    manager, blocks = _with_cached_prefix()
+    slot, tokens, snapshot = 2, UNIT, 3
+    rows = {g: list(b) for g, b in blocks.items()}
+    if case == "hole":
+        rows["full"][1] = -1
+    elif case == "repeat":
+        rows["full"][2] = rows["full"][1]
+    elif case == "short":
+        tokens = UNIT + 32
+    elif case == "long":
+        tokens = UNIT - 1
+    elif case == "negative":
+        tokens, rows = -UNIT, {g: [] for g in GROUPS}
+    elif case == "snapshot":
+        snapshot = NUM_SNAPSHOTS
+    elif case == "slot0":
+        slot = 0
+    elif case == "slot-2":
+        slot = -2
+    elif case == "snapshot_row":
+        slot = NUM_SLOTS
+    good, ok = hybrid_attach(manager, pad([2]), _attach_rows(blocks), pad([UNIT]), pad([3]))
+    assert bool(ok)  # the same call, well formed, succeeds
+    after, ok = hybrid_attach(manager, pad([slot]), _attach_rows(rows), pad([tokens]), pad([snapshot]))
+    assert not bool(ok)
+    assert_tree_equal(manager, after)
+
+
+def test_release_blocks_never_frees_a_block_a_table_names():
+    """``release_blocks`` of a block only a slot's table holds dropped the
+    table's owner: the block went back to the free stack while the slot
+    still read and wrote it. Only references held outside the tables (a
+    prefix cache's) may be released."""
+    manager, _, _ = hybrid_admit(new_hybrid(), 1)
+    manager, _, _ = hybrid_reserve(manager, pad([1]), pad([40]))
+    page = int(manager.groups["full"].tables[1, 0])
+    ids = {"full": pad([page], ROWS * GROUP_WIDTH["full"]).reshape(ROWS, -1),
+           "hca128": jnp.full((ROWS, GROUP_WIDTH["hca128"]), -1, jnp.int32)}
+    after, ok = hybrid_release_blocks(manager, ids)
+    assert not bool(ok)
+    assert_tree_equal(manager, after)
+    increfed, ok = hybrid_incref(manager, ids)  # a cache's own reference: that one may go
+    released, ok2 = hybrid_release_blocks(increfed, ids)
+    assert bool(ok) and bool(ok2)
+    assert_tree_equal(manager, released)

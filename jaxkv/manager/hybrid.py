@@ -279,14 +279,26 @@ class KVCacheManager:
     def copy_state(self, src, dst) -> "KVCacheManager":
         """State row ``dst[i] <- src[i]`` in every layer (SWA and compressor
         rings, GDN conv and recurrent states): a slot into a snapshot row
-        (``num_slots + i``) or back. Pairs with -1 on either side are
-        skipped; rows are ``1 .. num_slots + num_snapshots - 1`` (checked by
-        the caller: an out-of-range row is dropped); destinations distinct.
-        Blocks and ``seq_lens`` are not state rows: see :meth:`attach_prefix`."""
+        (``num_slots + i``) or back. All sources are read before any
+        destination is written. Blocks and ``seq_lens`` are not state rows:
+        see :meth:`attach_prefix`.
+
+        Rows are ``1 .. num_slots + num_snapshots - 1``; a pair with any
+        other id on either side (the -1 padding, the null row 0, negatives,
+        ids past the rows) is skipped. All or nothing: when two copied pairs
+        name the same destination (which copy would win is undefined; the
+        GDN pool refuses it) nothing is copied at all, in any layer. There
+        is no ``ok``: callers give distinct destinations (:meth:`capture`
+        does). ``src`` and ``dst`` must have the same size
+        (``InvalidArgument`` at trace time)."""
         src = jnp.asarray(src, jnp.int32).reshape(-1)
         dst = jnp.asarray(dst, jnp.int32).reshape(-1)
+        if src.shape != dst.shape:
+            raise InvalidArgument(f"copy_state: {src.shape[0]} sources but {dst.shape[0]} destinations "
+                                  "(one source per destination)")
         rows = self.num_slots + self.num_snapshots
         pair = (src >= 1) & (src < rows) & (dst >= 1) & (dst < rows)
+        pair = pair & ids_distinct(dst, pair, rows)  # else none: all layers agree with the GDN pool's refusal
         source = jnp.where(pair, src, 0)
         target = jnp.where(pair, dst, rows)  # out of range: dropped
         layers = tuple(None if c is None else c.copy_rows(source, target) for c in self.layers)
@@ -325,19 +337,41 @@ class KVCacheManager:
 
     def attach_prefix(self, slots, blocks: dict, num_tokens, snapshots) -> tuple["KVCacheManager", Ok]:
         """Start admitted, empty slots from a cached prefix: ``blocks[g]``
-        ``[B, M]`` (-1 padded) become the first entries of slot ``slots[b]``'s
-        table in group ``g`` (one more owner each: the cache keeps its own),
-        ``seq_lens`` becomes ``num_tokens[b]`` and the state rows of snapshot
-        ``snapshots[b]`` are copied into the slot. ``slots`` -1: skipped.
-        All or nothing: fails (unchanged) when a slot is not held or not
-        empty, or a block is not held. ``blocks`` names exactly the
-        manager's groups (``InvalidArgument`` at trace time otherwise)."""
+        ``[B, M]`` (leading ids, then -1) become the first entries of slot
+        ``slots[b]``'s table in group ``g`` (one more owner each: the cache
+        keeps its own), ``seq_lens`` becomes ``num_tokens[b]`` and the state
+        rows of snapshot ``snapshots[b]`` (-1: none) are copied into the
+        slot. ``slots`` -1: skipped (only -1 is padding).
+
+        All or nothing: fails (``ok`` False, unchanged) when a slot is not
+        held (0, other negatives and ids past the slots are not held), not
+        empty or repeated; a row's blocks in a group are not exactly the
+        ``blocks_for(num_tokens[b])`` its tokens need (a shorter row would
+        let the slot read positions no block of its own holds: another
+        request's leftovers), have a -1 among them, repeat an id or name a
+        block that is not held; or a snapshot is outside ``-1 ..
+        num_snapshots - 1``. ``blocks`` names exactly the manager's groups
+        and each is ``[len(slots), M]`` (``InvalidArgument`` at trace time
+        otherwise)."""
         self._check_groups(blocks, "attach_prefix")
         slots = jnp.asarray(slots, jnp.int32).reshape(-1)
-        active = slots >= 1
-        rows = jnp.clip(slots, 0, self.num_slots - 1)
-        held = self.slots.ref_count(jnp.where(active, slots, 0)) > 0
-        ok = jnp.all(~active | (held & (self.seq_lens[rows] == 0))) & ids_distinct(slots, active, self.num_slots)
+        batch = slots.shape[0]
+        blocks = {name: jnp.asarray(blocks[name], jnp.int32) for name in self.groups}
+        for name, ids in blocks.items():
+            if ids.ndim != 2 or ids.shape[0] != batch:
+                raise InvalidArgument(f"attach_prefix: blocks[{name!r}] has shape {ids.shape}, expected "
+                                      f"[{batch}, M] (one row per slot)")
+        num_tokens = jnp.broadcast_to(jnp.asarray(num_tokens, jnp.int32).reshape(-1), slots.shape)
+        snapshots = jnp.broadcast_to(jnp.asarray(snapshots, jnp.int32).reshape(-1), slots.shape)
+        active = slots != -1
+        in_range = (slots >= 1) & (slots < self.num_slots)
+        rows = jnp.where(in_range, slots, 0)
+        held = in_range & (self.slots.ref_count(rows) > 0)
+        row_ok = held & (self.seq_lens[rows] == 0) & (num_tokens >= 0) & (snapshots >= -1) & (
+            snapshots < self.num_snapshots)
+        for name, group in self.groups.items():
+            row_ok = row_ok & _prefix_row_ok(blocks[name], group, num_tokens)
+        ok = jnp.all(~active | row_ok) & ids_distinct(slots, active & in_range, self.num_slots)
         groups = {}
         for name, group in self.groups.items():
             groups[name], group_ok = group.adopt(jnp.where(ok & active, slots, -1), blocks[name])
@@ -345,7 +379,6 @@ class KVCacheManager:
         groups = where_ok(ok, groups, self.groups)
         seq_lens = self.seq_lens.at[jnp.where(ok & active, rows, self.num_slots)].set(num_tokens, mode="drop")
         out = self.replace(groups=groups, seq_lens=seq_lens)
-        snapshots = jnp.asarray(snapshots, jnp.int32).reshape(-1)
         src = jnp.where(ok & active & (snapshots >= 0), self.num_slots + snapshots, -1)
         return out.copy_state(src, jnp.where(src >= 0, slots, -1)), ok
 
@@ -360,7 +393,10 @@ class KVCacheManager:
     def release_blocks(self, blocks: dict) -> tuple["KVCacheManager", Ok]:
         """Drop one owner of each id of ``blocks[g]`` (-1 ignored): a
         block with no owner left returns to its group's free blocks.
-        ``blocks`` names exactly the manager's groups, as in
+        Fails (``ok`` False, unchanged) when an id is out of range or would
+        lose more owners than it has outside the slots' tables (a
+        prefix cache's references): a block a table names is never freed
+        under it. ``blocks`` names exactly the manager's groups, as in
         :meth:`incref_blocks`."""
         return self._owners(blocks, "release")
 
@@ -370,7 +406,11 @@ class KVCacheManager:
         ok = jnp.bool_(True)
         groups = dict(self.groups)
         for name in self.groups:
-            ids = blocks[name]
+            ids = jnp.asarray(blocks[name], jnp.int32).reshape(-1)
+            if op == "release":
+                # Only the references held outside the tables may go: dropping
+                # one a table holds would free a block a slot still reads.
+                ok = ok & _outside_tables(groups[name], ids)
             allocator, group_ok = getattr(groups[name].allocator, op)(ids)
             groups[name] = groups[name].replace(allocator=allocator)
             ok = ok & group_ok
@@ -636,6 +676,35 @@ class KVCacheManager:
         repeated = sorted({s for s in ids if ids.count(s) > 1})
         if repeated:
             raise InvalidId(f"{op} of slots {slots}: {repeated} repeated", repeated)
+
+
+def _prefix_row_ok(blocks: Int[Array, "B M"], group: BlockGroup, num_tokens: Int[Array, " B"]) -> Array:
+    """Per row: ``blocks`` holds exactly the ``blocks_for(num_tokens)`` ids a
+    prefix of that many tokens needs in ``group``, leading (no -1 among
+    them), each once and in ``[1, num_blocks)`` (whether they are held is
+    ``adopt``'s check). A sort per row: attaching is once per admission, not
+    per decode step."""
+    present = blocks != -1
+    count = jnp.sum(present, axis=1, dtype=jnp.int32)
+    column = jnp.arange(blocks.shape[1], dtype=jnp.int32)[None, :]
+    leading = jnp.all(present == (column < count[:, None]), axis=1)
+    in_range = jnp.all(~present | ((blocks >= 1) & (blocks < group.allocator.num_blocks)), axis=1)
+    big = jnp.iinfo(jnp.int32).max
+    ordered = jnp.sort(jnp.where(present, blocks, big), axis=1)
+    repeated = jnp.any((ordered[:, 1:] == ordered[:, :-1]) & (ordered[:, 1:] != big), axis=1)
+    return leading & in_range & ~repeated & (count == group.blocks_for(jnp.maximum(num_tokens, 0)))
+
+
+def _outside_tables(group: BlockGroup, ids: Int[Array, " n"]) -> Array:
+    """Whether releasing ``ids`` (-1 ignored, one owner per occurrence)
+    leaves every block at least as many owners as the group's tables name
+    it (out-of-range ids are the allocator's to refuse)."""
+    num_blocks = group.allocator.num_blocks
+    in_tables = jnp.zeros((num_blocks,), jnp.int32).at[
+        jnp.where(group.tables >= 0, group.tables, num_blocks)].add(1, mode="drop")
+    dropped = jnp.zeros((num_blocks,), jnp.int32).at[
+        jnp.where((ids >= 0) & (ids < num_blocks), ids, num_blocks)].add(1, mode="drop")
+    return jnp.all(dropped <= group.allocator.ref_counts - in_tables)
 
 
 def _host_slots(slots, name: str, ndim: int | None = None) -> tuple[np.ndarray, np.ndarray]:
