@@ -1,6 +1,6 @@
 """Fuzzing the host-facing paths no state machine drove before (issue 26).
 
-Two hypothesis state machines, each against a plain-Python model of who
+Three hypothesis state machines, each against a plain-Python model of who
 holds which block, with bad ids (the -1 padding, other negatives, the null
 row 0, ids past the range, snapshot rows where a slot is expected, ids past
 int32), repeated ids, unknown or missing groups and bad windows:
@@ -25,6 +25,12 @@ int32), repeated ids, unknown or missing groups and bad windows:
   After every step: tables, lengths and ref counts (tables + cache
   references) match, the free stack holds exactly the unreferenced blocks,
   and every state row equals the mirror bit for bit.
+* :class:`PrefixPinMachine`: ``PrefixCacheManager`` used as the engine uses
+  it (``pin`` whatever ``match`` returned, misses included) with inserts,
+  evictions, ``reset`` and releases of nodes that hold no pin: ``reset``
+  refuses exactly while a pin is held, every held pin's release succeeds,
+  pinned prefixes survive eviction, protected tokens match the pinned
+  paths.
 
 Every failed operation (``ok`` False, or a typed ``KVCacheError`` from a
 host path or a trace-time check) must leave the state unchanged, compared
@@ -48,8 +54,9 @@ from hypothesis import event, note
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
-from jaxkv.errors import InvalidArgument, InvalidId, KVCacheOOM
+from jaxkv.errors import CacheLocked, InvalidArgument, InvalidId, KVCacheOOM
 from jaxkv.manager.block_space import FREE, ON_DEVICE, BlockSpaceManager
+from jaxkv.prefix.block_cache import PrefixCacheManager
 from tests.test_block_space import (
     BAD_ROWS,
     BS,
@@ -766,3 +773,102 @@ class SnapshotMachine(RuleBasedStateMachine):
 
 
 TestSnapshotMachine = pytest.mark.slow(SnapshotMachine.TestCase)
+
+
+# ==========================================================================
+# PrefixCacheManager pins, misses included, against reset and eviction
+# ==========================================================================
+
+PREFIX_BASES = ((1, 2, 1, 3, 2, 2, 1, 3), (1, 2, 3, 3, 1, 1, 2, 2))
+PREFIX_TOKENS = st.builds(lambda base, cut, tail: list(PREFIX_BASES[base][:cut]) + tail,  # shared stems: hits
+                          st.integers(0, 1), st.integers(0, 8), st.lists(st.integers(1, 3), max_size=3))
+PREFIX_NAMESPACES = (None, "a")
+
+
+class PrefixPinMachine(RuleBasedStateMachine):
+    """The engine's use of ``PrefixCacheManager``: ``match`` then ``pin``
+    whatever it returned (a miss returns the namespace root, or None when
+    the namespace has nothing cached), later ``release``; with inserts,
+    evictions and ``reset`` in between. The model is the list of pins held:
+    ``reset`` must refuse (``CacheLocked``, nothing changed) exactly while
+    one is held, each held pin's ``release`` must succeed, and a release
+    with no pin left must raise ``InvalidArgument``, changing nothing."""
+
+    def __init__(self):
+        super().__init__()
+        self.cache = PrefixCacheManager(2)
+        self.held: list = []  # one entry per pin held (nodes may repeat)
+        self.next_block = 1
+
+    def _stats(self):
+        return (self.cache.stats(), sorted(self.cache.device_blocks()),
+                sum(root.pins for root in self.cache.tree.roots.values()))
+
+    @rule(tokens=PREFIX_TOKENS, namespace=st.sampled_from(PREFIX_NAMESPACES))
+    def insert(self, tokens, namespace):
+        blocks = list(range(self.next_block, self.next_block + len(tokens) // 2))
+        self.next_block += len(blocks)
+        self.cache.insert(tokens, blocks, namespace)
+
+    @rule(tokens=PREFIX_TOKENS, namespace=st.sampled_from(PREFIX_NAMESPACES + ("fresh",)))
+    def match_and_pin(self, tokens, namespace):
+        result = self.cache.match(tokens, namespace, max_tokens=max(len(tokens) - 1, 0))
+        self.cache.pin(result.node)
+        if result.node is not None:
+            self.held.append(result.node)
+        event("pin: " + ("nothing (no root)" if result.node is None else
+                         "a miss (the root)" if result.node.parent is None else "a hit"))
+
+    @rule(data=st.data())
+    def release(self, data):
+        if not self.held:
+            return
+        node = self.held.pop(data.draw(st.integers(0, len(self.held) - 1), label="pin"))
+        self.cache.release(node)
+
+    @rule(data=st.data())
+    def release_unpinned(self, data):
+        """A node (or root) with no pin of ours left: ``InvalidArgument``."""
+        candidates = [n for n in [*self.cache.tree.nodes(), *self.cache.tree.roots.values()]
+                      if sum(h is n for h in self.held) == 0]
+        if not candidates:
+            return
+        node = data.draw(st.sampled_from(candidates), label="node")
+        before = self._stats()
+        with pytest.raises(InvalidArgument):
+            self.cache.release(node)
+        assert self._stats() == before
+        event("release without a pin: refused")
+
+    @rule(n=st.integers(0, 6))
+    def evict(self, n):
+        self.cache.evict(n)
+        for node in self.held:
+            assert self.cache.tree.owns(node), "a pinned prefix was evicted"
+
+    @rule()
+    def reset(self):
+        if self.held:
+            before = self._stats()
+            with pytest.raises(CacheLocked):
+                self.cache.reset()
+            assert self._stats() == before
+            event("reset: refused while pinned")
+        else:
+            self.cache.reset()
+            assert self.cache.stats().num_nodes == 0
+            event("reset: done")
+
+    @invariant()
+    def consistent(self):
+        self.cache.check_invariants()
+        path_nodes = {}
+        for node in self.held:
+            while node.parent is not None:
+                path_nodes[id(node)] = node
+                node = node.parent
+        assert self.cache.stats().protected_tokens == sum(n.num_tokens for n in path_nodes.values())
+        assert sum(root.pins for root in self.cache.tree.roots.values()) == sum(n.parent is None for n in self.held)
+
+
+TestPrefixPinMachine = PrefixPinMachine.TestCase
