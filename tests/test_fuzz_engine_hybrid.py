@@ -146,7 +146,10 @@ def requests(stems, lengths, max_new, page, vocab):
                      length)
         tail = draw(st.lists(st.integers(2, vocab - 1), min_size=length - shared, max_size=length - shared))
         eos = draw(st.none() | st.none() | st.integers(0, max_new - 1))
-        return Req(tuple(stem[:shared]) + tuple(tail), draw(st.integers(1, max_new) | st.just(max_new)), eos,
+        # max_new 1: done at its prefill, so even a windowed row leaves its
+        # whole prompt's pages to the prefix cache (decode trims them).
+        return Req(tuple(stem[:shared]) + tuple(tail), draw(st.integers(1, max_new) | st.sampled_from([1, max_new])),
+                   eos,
                    draw(st.just(0) | st.integers(0, 4)), draw(st.sampled_from([None, None, "tenant"])))
     return one()
 
@@ -305,8 +308,8 @@ def test_dsv4_rows_retiring_together_never_share_a_snapshot(dsv4):
         probe = [Req(c[:128] + (5, 6, 7), DSV4_NEW, None, 0, None)]
         summaries = serve(engine, reference, [first, probe], check=check_hybrid_no_leak)
         assert [s.prefix_hit_tokens for s in summaries] == [0, 128]
-        # Preemption and a token budget on the same engine: the three again
-        # (hits on a cached page of one of them) with a budget of 64 tokens.
+        # A token budget on the same engine: the three again, in pieces of at
+        # most 64 tokens (each evicts the previous one's snapshot again).
         serve(engine, reference, [[Req(p, DSV4_NEW, None, 0, None) for p in (a, b, c)]], budget=64,
               check=check_hybrid_no_leak)
     assert calls
@@ -382,7 +385,9 @@ def _window_edge():
     twice the pool, all at once."""
     stem = tuple(np.random.default_rng(4).integers(2, CONFIG["vocab_size"], 16).tolist())
     first = (Req(stem, 1, None, 0, None),)  # cached whole (no decode step trims it)
-    second = tuple(Req(stem[:n] + (3,) * (16 - n), WIN_NEW, None, 0, None) for n in (16, 12, 8))
+    # A one-page hit leaves room for the window (admitted on it); longer
+    # hits do not (admitted without them, as the fit rule counted).
+    second = tuple(Req(stem[:n] + (3,) * (16 - n), WIN_NEW, None, 0, None) for n in (4, 16, 12, 8))
     return (first, second), None
 
 
@@ -446,3 +451,34 @@ def test_an_accepted_request_finishes(paged_models, kind, sizes, shared, budget,
     for rid, max_new in accepted.items():
         assert len(engine.outputs[rid]) == max_new, (rid, engine.outputs[rid])
     check_no_leak(engine)
+
+
+@settings(max_examples=100 if LONG else 4)
+@given(sizes=st.lists(st.tuples(st.integers(1, 60), st.integers(1, 24), st.integers(0, 3)), min_size=1, max_size=5),
+       shared=st.booleans(), budget=st.sampled_from([None, 20]), seed=st.integers(0, 2**16))
+def test_an_accepted_request_finishes_on_a_hybrid_cache(qwen, sizes, shared, budget, seed):
+    """The same on Qwen3-Next's cache (7 blocks of 16 tokens, rows of 64
+    tokens, three rows): accepted requests finish, refused ones are an
+    ``InvalidArgument`` with the numbers, nothing leaks."""
+    model, _ = qwen
+    engine = Engine(model, max_num_batched_tokens=budget, **QWEN)
+    rng = np.random.default_rng(seed)
+    stem = rng.integers(2, model.config.vocab_size, 60).tolist()
+    accepted = {}
+    for length, max_new, arrival in sizes:
+        prompt = stem[:length] if shared else rng.integers(2, model.config.vocab_size, length).tolist()
+        fits = length + max_new <= QWEN["max_context_tokens"]
+        try:
+            rid = engine.add_request(prompt, max_new, arrival_step=arrival)
+        except InvalidArgument as err:
+            assert not fits, f"{length} + {max_new} tokens refused: {err}"
+            blocks = -(-(length + max_new) // 16)
+            assert f"{length} + {max_new} tokens need blocks [{blocks}]" in str(err), err
+            assert "max_context_tokens=64" in str(err), err
+            continue
+        assert fits, f"{length} + {max_new} tokens accepted"
+        accepted[rid] = max_new
+    engine.run(on_progress=no_stall())
+    for rid, max_new in accepted.items():
+        assert len(engine.outputs[rid]) == max_new, (rid, engine.outputs[rid])
+    check_hybrid_no_leak(engine)

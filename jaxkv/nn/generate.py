@@ -26,8 +26,8 @@ from jaxkv._ops import ceil_div, pow2_at_least
 from jaxkv.errors import InvalidArgument, KVCacheOOM
 from jaxkv.manager.block_space import BlockSpaceManager
 from jaxkv.nn.sampling import GREEDY, SamplingParams, sample
-from jaxkv.nn.steps import (DecodeState, decode_loop, decode_step, hybrid_prefill_chunk, prefill_chunk,
-                            start_decoding)
+from jaxkv.nn.steps import (DecodeState, decode_loop, decode_step, hybrid_prefill_chunk, paged_peak_blocks,
+                            paged_window, prefill_chunk, start_decoding)
 from jaxkv.pool.kv_pool import KVPool
 
 __all__ = ["DecodeState", "GenerateOutput", "SamplingParams", "decode_loop", "decode_step", "generate", "prefill",
@@ -100,9 +100,14 @@ def generate(model, input_ids, max_new_tokens: int, *, eos_token_id: int | None 
     whole prompts in one call); ``page_size``, ``num_pages``, ``kv_dtype``
     and ``mesh`` are for the paged pool and refused here.
 
-    Raises ``KVCacheOOM`` when the pool is too small for the prompts, and
-    ``InvalidArgument`` for empty prompts, ``max_new_tokens < 1`` or a
-    ``sampling`` that is not a ``SamplingParams``.
+    Raises ``KVCacheOOM`` when the pool is too small for the prompts or for
+    their decoding, and ``InvalidArgument`` for empty prompts,
+    ``max_new_tokens < 1`` or a ``sampling`` that is not a
+    ``SamplingParams``. One prompt whose
+    :func:`jaxkv.nn.steps.paged_peak_blocks` fits ``num_pages - 1`` pages
+    runs on them (the engine's ``add_request`` rule; with a window on every
+    layer the blocks that leave it are released before each decode step
+    takes its block).
     """
     prompts = [list(map(int, p)) for p in input_ids]
     if not prompts or any(not p for p in prompts):
@@ -144,8 +149,14 @@ def generate(model, input_ids, max_new_tokens: int, *, eos_token_id: int | None 
     if not bool(state.ok):
         need = int(sum(ceil_div(int(n), page_size) for n in lengths))
         raise KVCacheOOM(need, num_pages - 1, num_pages - 1, unit="blocks")
+    # The most blocks each row holds at once (its prompt's, or with a window
+    # on every layer a decode step's window: the engine's fit rule), for the
+    # message when decoding runs out of blocks.
+    peaks = [paged_peak_blocks(int(n), int(n) + max_new_tokens, page_size, paged_window(model)) for n in lengths]
     return _decode_to_end(graphdef, params, state, sampling, per_step, lambda s: KVCacheOOM(
-        int(jnp.sum(s.blocked)), int(s.manager.device.num_free), num_pages - 1, detail="decode ran out of KV blocks"))
+        int(jnp.sum(s.blocked)), int(s.manager.device.num_free), num_pages - 1,
+        detail=f"decode ran out of KV blocks (the rows hold at most {peaks} blocks each, {sum(peaks)} together; "
+               f"the pool has {num_pages - 1})"))
 
 
 def _decode_to_end(graphdef, params, state: DecodeState, sampling, per_step: bool, oom) -> GenerateOutput:

@@ -769,7 +769,10 @@ class HybridCache(_Cache):
         """Cache ``(row, tokens, namespace, _)``'s prefix up to the row's
         staged boundary: its pages into the tree (new ones with the tree's
         reference to their blocks) and the staged snapshot into a cached
-        one keyed by the boundary page (unless that page has one)."""
+        one keyed by the boundary page (unless that page has one). One
+        device copy for all rows, with distinct destinations: a snapshot
+        handed out twice in one call (the second search evicted the first
+        row's page) receives only the later row's state."""
         if not finished or not self.num_cached_snapshots:
             return
         tables = {name: np.asarray(t) for name, t in

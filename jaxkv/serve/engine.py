@@ -699,12 +699,11 @@ class Engine:
         resumed = 0
         while self._swapped:
             req = self._requests[self._swapped[0]]
-            # Room for its blocks plus a whole decode chunk of growth (a request
-            # swapped out at a block boundary needs a new block at once: without
-            # this it would be swapped straight back out, forever), and the
-            # running requests' reserve.
-            growth = min(self.decode_chunk, max(req.max_new - len(req.generated), 0))
-            if not self._make_room(self.cache.blocks_for(req.kv_len + growth) + self._growth_reserve()):
+            # Room for its blocks plus its growth over the next decode chunk (a
+            # request swapped out at a block boundary needs a new block at
+            # once: without this it would be swapped straight back out,
+            # forever), and the running requests' reserve.
+            if not self._make_room(self.cache.held_blocks(req.kv_len) + self._growth(req) + self._growth_reserve()):
                 break
             if not self.cache.swap_in(req.row):
                 break
@@ -731,12 +730,14 @@ class Engine:
             want = self._admission_blocks(req, hit)
             if not self._make_room(reserved + want + running):
                 self.cache.unpin(hit)
-                if not hit.tokens:
+                if not hit.tokens or self.cache.window is None:
                     break
                 # A windowed request reserves its whole window from the free
                 # blocks while its hit's blocks stay the prefix cache's
                 # (pinned): without the hit they may be evicted, and the
-                # request needs no more than the fit rule counted.
+                # request needs no more than the fit rule counted. (Without a
+                # window a hit only lowers what a request needs: waiting for
+                # room keeps the hit.)
                 hit = self._no_hit()
                 want = self._admission_blocks(req, hit)
                 if not self._make_room(reserved + want + running):
@@ -906,6 +907,7 @@ class Engine:
         if self.cache.can_swap and self.cache.swap_out(req.row):
             self.cache.unpin(req.hit)
             req.hit = None
+            req.shared = np.zeros(len(self.cache.groups), np.int64)  # swapped in, every block is its own
             req.state = RequestState.SWAPPED
             self._swapped.append(req.id)
             self._swaps += 1
