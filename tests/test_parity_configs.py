@@ -60,12 +60,15 @@ NAMES = _names()
 _MODELS: dict = {}
 
 
+def _expected(name):
+    with open(os.path.join(ROOT, name, "expected.json"), encoding="utf-8") as f:
+        return json.load(f)
+
+
 def _fixture(name):
+    """``(model, expected)``, the model loaded once per module."""
     if name not in _MODELS:
-        path = os.path.join(ROOT, name)
-        with open(os.path.join(path, "expected.json"), encoding="utf-8") as f:
-            expected = json.load(f)
-        _MODELS[name] = AutoModelForCausalLM.from_pretrained(path), expected
+        _MODELS[name] = AutoModelForCausalLM.from_pretrained(os.path.join(ROOT, name)), _expected(name)
     return _MODELS[name]
 
 
@@ -75,8 +78,7 @@ def test_every_family_has_a_default_and_long_configurations():
         assert default in names
         assert sum(n.rsplit("_", 1)[0] == family for n in names) >= 4, family
     for name in names:
-        _, expected = _fixture(name) if name in _MODELS else (None, json.load(
-            open(os.path.join(ROOT, name, "expected.json"), encoding="utf-8")))
+        expected = _expected(name)
         assert len(expected["prompts"]) >= 4 and min(expected["min_margin"]) >= 0.05, name
 
 
