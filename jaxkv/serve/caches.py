@@ -10,13 +10,16 @@ defines:
   each can hand out and how many are free now (numpy ``[G]`` vectors: the
   engine adds and compares them group by group);
 * :meth:`blocks_for` ``(num_tokens)``: the blocks a request holding that
-  many tokens needs in each group (what "admit" and "reserve for n new
-  tokens" cost), and :meth:`oom` to turn a shortfall into a ``KVCacheOOM``
-  naming the short group;
-* :meth:`match` / :meth:`unpin` / :meth:`evict`: what a cached prefix is made
-  of (a :class:`PrefixHit`: tokens, blocks per group, the pinned node) and
-  giving its blocks back under pressure (a cache without a prefix cache
-  matches nothing and evicts nothing);
+  many tokens needs in each group; :meth:`peak_blocks` (the fit rule of
+  ``add_request``) and :meth:`growth` (what admission and the running
+  requests reserve), which count the same decode steps, a sliding window's
+  trimming included (``window``, :meth:`decode_peak`, :meth:`held_blocks`);
+  and :meth:`oom` to turn a shortfall into a ``KVCacheOOM`` naming the
+  short group;
+* :meth:`match` / :meth:`unpin` / :meth:`evict` / :meth:`can_evict`: what a
+  cached prefix is made of (a :class:`PrefixHit`: tokens, blocks per group,
+  the pinned node) and giving its blocks back under pressure (a cache
+  without a prefix cache matches nothing and evicts nothing);
 * :meth:`prefill` (admit rows and run their uncached tails, sampling each
   row's first token), :meth:`decode` (``decode_chunk`` steps in one jitted
   loop), :meth:`retire` (insert finished pages into the prefix cache, free
