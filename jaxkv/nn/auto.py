@@ -10,6 +10,10 @@ model_type                                      class
 ``deepseek_v4``                                 :class:`~jaxkv.nn.DeepseekV4ForCausalLM`
 ``qwen3_next``                                  :class:`~jaxkv.nn.Qwen3NextForCausalLM`
 ==============================================  ==========================================
+
+A GGUF file (llama.cpp's format; a file starting with ``b"GGUF"``) is read
+by :mod:`jaxkv.nn.gguf` instead: architecture ``llama`` gives a
+:class:`~jaxkv.nn.LlamaForCausalLM`, any other is refused naming it.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from jaxkv.nn.checkpoint import read_config
 from jaxkv.nn.config import SUPPORTED_MODEL_TYPES
 from jaxkv.nn.deepseek_v3 import DeepseekV3ForCausalLM
 from jaxkv.nn.deepseek_v4 import DeepseekV4ForCausalLM
+from jaxkv.nn.gguf import SUPPORTED_GGUF_ARCHITECTURES, is_gguf, load_gguf_model, read_gguf
 from jaxkv.nn.llama import LlamaForCausalLM
 from jaxkv.nn.qwen3_next import Qwen3NextForCausalLM
 
@@ -40,6 +45,12 @@ class AutoModelForCausalLM:
     @staticmethod
     def model_class(path: str | os.PathLike):
         """The class :meth:`from_pretrained` would build for ``path``."""
+        if is_gguf(path):
+            architecture = read_gguf(path).architecture
+            if architecture not in SUPPORTED_GGUF_ARCHITECTURES:
+                raise InvalidArgument(f"GGUF file {os.fspath(path)} has architecture {architecture!r}; jaxkv "
+                                      f"loads GGUF architectures {', '.join(SUPPORTED_GGUF_ARCHITECTURES)}")
+            return LlamaForCausalLM
         model_type = read_config(path).get("model_type")
         if model_type not in MODEL_CLASSES:
             raise InvalidArgument(f"model_type {model_type!r} in {os.fspath(path)} is not supported; jaxkv.nn "
@@ -50,5 +61,10 @@ class AutoModelForCausalLM:
     def from_pretrained(path: str | os.PathLike, **kwargs):
         """Load ``path`` (a local transformers checkpoint directory) with its
         family's ``from_pretrained``; keyword arguments go to it (``dtype``,
-        ``param_dtype``, ``precision``, ``implementation``)."""
+        ``param_dtype``, ``precision``, ``implementation``). A GGUF file
+        goes to :func:`jaxkv.nn.gguf.load_gguf_model` (same keywords)."""
+        if is_gguf(path):
+            return load_gguf_model(path, **kwargs)
+        if os.path.isfile(path) and os.fspath(path).endswith(".gguf"):
+            read_gguf(path)  # raises the typed error: not GGUF (wrong magic), unreadable
         return AutoModelForCausalLM.model_class(path).from_pretrained(path, **kwargs)
