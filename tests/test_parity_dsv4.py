@@ -45,7 +45,7 @@ def _load(name):
 
 
 def test_the_drawn_configurations_are_there():
-    assert len(CONFIGS) >= 8, CONFIGS
+    assert len(CONFIGS) >= 10, CONFIGS
     for name in CONFIGS:
         with open(os.path.join(PARITY, name, "expected.json"), encoding="utf-8") as f:
             expected = json.load(f)

@@ -71,6 +71,9 @@ class RopeParameters:
     def from_hf(cls, d: Mapping[str, Any], theta: float) -> RopeParameters:
         kind = d.get("rope_type", d.get("type", "default")) or "default"
         opt = lambda k, f: None if d.get(k) is None else f(d[k])  # noqa: E731
+        # ``truncate`` is not read: transformers' YaRN looks for it in the TOP-LEVEL rope_parameters, which for
+        # DeepSeek-V4 holds only "main" / "compress", so it always truncates (as DeepSeek's own code does), even
+        # when the compress dict says false (tests/fixtures/parity/dsv4_8 and dsv4_9 pin this).
         return cls(rope_type=kind, rope_theta=float(d.get("rope_theta", theta)), factor=opt("factor", float),
                    original_max_position_embeddings=opt("original_max_position_embeddings", int),
                    beta_fast=opt("beta_fast", float), beta_slow=opt("beta_slow", float),
