@@ -272,6 +272,10 @@ def test_config_families():
     assert LlamaConfig.from_hf(dict(CONFIGS["llama"], rope_scaling={"rope_type": "default"})).rope_scaling is None
     q2 = LlamaConfig.from_hf(CONFIGS["qwen2"])
     assert q2.attention_bias and not q2.attention_out_bias and q2.sliding_window is None
+    # transformers' defaults where a config.json leaves a field out: Qwen2's q/k/v bias whatever
+    # attention_bias says, Qwen3's head_dim 128 (not hidden / heads).
+    assert LlamaConfig.from_hf(dict(CONFIGS["qwen2"], attention_bias=False)).attention_bias
+    assert LlamaConfig.from_hf({k: v for k, v in CONFIGS["qwen3"].items() if k != "head_dim"}).head_dim == 128
     q3 = LlamaConfig.from_hf(CONFIGS["qwen3"])
     assert q3.qk_norm and q3.head_dim == 32 and q3.tie_word_embeddings and not q3.attention_bias
     m = LlamaConfig.from_hf(CONFIGS["mistral"])

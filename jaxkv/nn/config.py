@@ -235,7 +235,8 @@ class LlamaConfig:
         rope_theta = float(d.get("rope_theta", rope.get("rope_theta", 10000.0)))
         scaling = RopeScaling.from_hf(d.get("rope_scaling") or (rope if rope else None))
 
-        bias = bool(d.get("attention_bias", model_type == "qwen2"))
+        # Qwen2's q/k/v always carry a bias in transformers (an ``attention_bias`` key is not read).
+        bias = True if model_type == "qwen2" else bool(d.get("attention_bias", False))
         out_bias = bias if model_type in ("llama", "qwen3") else False
         if model_type == "mistral":
             bias = False
@@ -261,7 +262,8 @@ class LlamaConfig:
             num_hidden_layers=num_layers,
             num_attention_heads=int(d["num_attention_heads"]),
             num_key_value_heads=None if d.get("num_key_value_heads") is None else int(d["num_key_value_heads"]),
-            head_dim=None if d.get("head_dim") is None else int(d["head_dim"]),
+            # transformers' Qwen3Config defaults head_dim to 128, not hidden / heads.
+            head_dim=int(d["head_dim"]) if d.get("head_dim") is not None else (128 if model_type == "qwen3" else None),
             rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
             rope_theta=rope_theta,
             rope_scaling=scaling,
