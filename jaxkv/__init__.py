@@ -77,3 +77,20 @@ __all__ = [
     "InvalidArgument",
     "CacheLocked",
 ]
+
+# Text in, text out (jaxkv.text: tokenizer, chat template, streaming detokenizer), imported on first use
+# (PEP 562) so `import jaxkv` does not load tokenizers and jinja2.
+_FROM_TEXT = ("ChatTemplateError", "IncrementalDetokenizer", "Tokenizer")
+__all__ += list(_FROM_TEXT)
+
+
+def __getattr__(name: str):
+    if name in _FROM_TEXT:
+        import jaxkv.text
+
+        return getattr(jaxkv.text, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_FROM_TEXT))

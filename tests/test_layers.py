@@ -28,6 +28,7 @@ LAYERS = {
     "jaxkv.manager": 4,
     "jaxkv.prefix": 4,
     "jaxkv.nn": 5,
+    "jaxkv.text": 5.5,  # tokenizer + chat template: reads GGUF through jaxkv.nn.gguf; serve uses it
     "jaxkv.serve": 6,
     "jaxkv": 7,  # the public face (jaxkv/__init__.py)
     "jaxkv.bench": 8,
