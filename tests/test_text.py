@@ -54,6 +54,8 @@ def smollm2() -> Tokenizer:
 @functools.lru_cache(maxsize=1)
 def tiny_gguf() -> str:
     """A tiny Llama GGUF with the tiny byte-level vocabulary (written once)."""
+    import atexit
+    import shutil
     import tempfile
 
     from flax import nnx
@@ -61,6 +63,7 @@ def tiny_gguf() -> str:
     from jaxkv.nn import LlamaConfig, LlamaForCausalLM
 
     folder = tempfile.mkdtemp(prefix="jaxkv-text-")
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)
     config = LlamaConfig(vocab_size=len(tiny_vocab()[0]), hidden_size=32, intermediate_size=32,
                          num_hidden_layers=1, num_attention_heads=2, head_dim=16)
     path = os.path.join(folder, "tiny.gguf")

