@@ -40,7 +40,8 @@ needs_smollm2 = pytest.mark.skipif(SMOLLM2 is None, reason=SMOLLM2_INSTALL)
 def tiny_model(tie: bool = False, seed: int = 0) -> LlamaForCausalLM:
     vocab = len(tiny_vocab()[0])
     config = LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, rms_norm_eps=float(np.float32(1e-5)),
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                         rms_norm_eps=float(np.float32(1e-5)),  # GGUF stores it as float32
                          rope_theta=10000.0, max_position_embeddings=256, tie_word_embeddings=tie)
     model = LlamaForCausalLM(config, rngs=nnx.Rngs(seed))
     # Random norms too (ones would hide a swapped norm).
