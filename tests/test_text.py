@@ -105,6 +105,23 @@ def test_smollm2_tokenizer_facts():
 
 
 @needs_smollm2
+def test_smollm2_backend_is_transformers():
+    """The backend built from the GGUF metadata serializes exactly as
+    transformers' (normalizer, pre-tokenizer, BPE vocabulary and merges, added
+    tokens, post-processor, decoder); compared only under the tokenizers
+    version that made the hash, since another may serialize differently."""
+    import hashlib
+
+    import tokenizers
+
+    ref = reference()["tokenizer"]
+    if tokenizers.__version__ != ref["tokenizers_version"]:
+        pytest.skip(f"hash made with tokenizers {ref['tokenizers_version']}, this is {tokenizers.__version__}")
+    canonical = json.dumps(json.loads(smollm2().backend.to_str()), sort_keys=True, ensure_ascii=False)
+    assert hashlib.sha256(canonical.encode("utf-8")).hexdigest() == ref["backend_json_sha256"]
+
+
+@needs_smollm2
 def test_smollm2_encode_decode():
     tok = smollm2()
     for case in reference()["encode"]:
