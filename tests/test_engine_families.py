@@ -84,8 +84,9 @@ def test_hybrid_engine_refuses_what_it_cannot_do():
                       (dict(num_host_pages=8), "num_host_pages")]:
         with pytest.raises(InvalidArgument, match=word):
             Engine(model, max_context_tokens=64, **bad)
-    with pytest.raises(InvalidArgument, match="max_context_tokens"):
-        Engine(model)
+    with pytest.raises(InvalidArgument, match="max_context_tokens=64 and max_model_len=32|max_model_len=32 and "
+                       "max_context_tokens=64"):
+        Engine(model, max_context_tokens=64, max_model_len=32)
     engine = Engine(model, max_seqs=2, max_context_tokens=64)
     with pytest.raises(InvalidArgument, match="max_context_tokens=64"):
         engine.add_request([1] * 60, 5)

@@ -2,10 +2,17 @@
 
 * :class:`Engine`: a host scheduler (admission with prefix-cache hits,
   preemption by swap or recompute) around jitted prefill and multi-step
-  decode chunks built from :mod:`jaxkv.nn.steps`.
+  decode chunks built from :mod:`jaxkv.nn.steps`. Online:
+  :meth:`Engine.add_request` at any time, :meth:`Engine.step` (one
+  scheduler iteration, a :class:`RequestOutput` per request that made
+  tokens or finished), :meth:`Engine.abort`, :meth:`Engine.stats`
+  (:class:`EngineStats`); :meth:`Engine.run` loops over ``step``.
 * :mod:`jaxkv.serve.caches`: what the engine needs from a model's cache,
   for the paged pool (:class:`~jaxkv.serve.caches.PagedCache`) and the
   hybrid ``KVCacheManager`` (:class:`~jaxkv.serve.caches.HybridCache`).
+* :mod:`jaxkv.serve.sizing`: one sizing rule for every family
+  (``max_model_len``, ``kv_cache_memory``) and the :class:`CachePlan` it
+  gives (``engine.cache_plan``).
 * :class:`EngineSummary`: what :meth:`Engine.run` did;
   :class:`EngineProgress`: what its ``on_progress`` callback receives;
   :class:`RequestState`: a request's place in its life cycle.
@@ -13,6 +20,9 @@
 ``jaxkv.nn.Engine`` and ``jaxkv.nn.EngineSummary`` name the same classes.
 """
 
-from jaxkv.serve.engine import Engine, EngineProgress, EngineSummary, RequestState
+from jaxkv.serve.engine import (Engine, EngineProgress, EngineStats, EngineSummary, RequestOutput,
+                                RequestState)
+from jaxkv.serve.sizing import CachePlan, GroupPlan
 
-__all__ = ["Engine", "EngineProgress", "EngineSummary", "RequestState"]
+__all__ = ["CachePlan", "Engine", "EngineProgress", "EngineStats", "EngineSummary", "GroupPlan", "RequestOutput",
+           "RequestState"]

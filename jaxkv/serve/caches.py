@@ -26,7 +26,11 @@ defines:
   rows), :meth:`swap_out` / :meth:`swap_in` (``can_swap`` False: the engine
   preempts by recomputation), :meth:`row_status` (FREE / ON_DEVICE /
   SWAPPED per row, for the engine's bookkeeping check);
-* ``bytes_per_token``: KV bytes one token costs (per-request state apart).
+* ``bytes_per_token``: KV bytes one token costs (per-request state apart);
+  ``plan``: the :class:`~jaxkv.serve.sizing.CachePlan` the cache was built
+  from (:meth:`PagedCache.build` / :meth:`HybridCache.build` apply the one
+  sizing rule of :mod:`jaxkv.serve.sizing`), ``device_bytes()``: the bytes
+  of every device array it holds now.
 
 Sequence row ``r`` of the engine is row ``r`` of a :class:`PagedCache`'s
 :class:`~jaxkv.BlockSpaceManager` and request slot ``r + 1`` of a
@@ -50,18 +54,21 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxkv import _host
 from jaxkv._ops import ceil_div, pow2_at_least
 from jaxkv.alloc.block import BlockAllocator
-from jaxkv.errors import BookkeepingError, KVCacheOOM
+from jaxkv.errors import BookkeepingError, InvalidArgument, KVCacheOOM
 from jaxkv.manager.block_space import FREE, ON_DEVICE, BlockSpaceManager
 from jaxkv.manager.hybrid import KVCacheManager
 from jaxkv.manager.hybrid_schema import block_bytes
 from jaxkv.nn.sampling import RowSampling, sample, split_keys
-from jaxkv.nn.steps import (DecodeState, hybrid_prefill_chunk, paged_decode_peak, paged_row_blocks, paged_window,
-                            prefill_chunk, run_decode)
+from jaxkv.nn.steps import (DecodeState, hybrid_prefill_chunk, paged_decode_peak, paged_peak_blocks,
+                            paged_row_blocks, paged_window, prefill_chunk, run_decode)
 from jaxkv.pool import host as host_swap
 from jaxkv.pool.kv_pool import KVPool
 from jaxkv.prefix import PrefixCacheManager
+from jaxkv.serve import sizing
+from jaxkv.serve.sizing import CachePlan, GroupPlan
 
 __all__ = ["DecodeResult", "HybridCache", "PagedCache", "PrefixHit", "PrefillLane", "decode_chunk"]
 
@@ -302,6 +309,32 @@ class _Cache:
         return KVCacheOOM(int(need[g]), int(free[g]), int(self.capacity[g]), unit=unit, detail=detail)
 
 
+# ------------------------------------------------------------ sizing
+
+
+def _blocks_from_budget(measure, tokens_per_block: list[int], cap: list[int], kv_cache_memory,
+                        free_bytes: int | None) -> tuple[list[int], int | None, str]:
+    """Allocatable blocks per group from the budget (:mod:`jaxkv.serve.sizing`):
+    ``kv_cache_memory`` solved whole; the default budget capped at ``cap``
+    (every row at ``max_model_len``), which is used as it is when it fits.
+    ``measure(counts)``: device bytes of the cache with ``counts`` blocks per
+    group (null block included). Returns ``(blocks, budget or None, source)``;
+    ``InvalidArgument`` with the numbers when not one block per group fits."""
+    fixed, per_block = sizing.affine_bytes(measure, len(tokens_per_block))
+    if kv_cache_memory is not None:
+        budget, source = sizing.resolve_budget(kv_cache_memory, free_bytes=free_bytes)
+    else:
+        budget, source = sizing.default_budget(free_bytes)
+        if fixed + sum(b * (n + 1) for b, n in zip(per_block, cap)) <= budget:
+            return list(cap), None, f"default: every sequence row at max_model_len, within {source}"
+    blocks = sizing.solve(budget, fixed, per_block, tokens_per_block)
+    if blocks is None:
+        raise InvalidArgument(
+            f"{source}: {budget} bytes do not hold the cache's fixed {fixed} bytes (tables, allocators, "
+            f"per-request state) plus one block per group ({per_block} bytes each, and a null block each)")
+    return blocks, budget, source
+
+
 # ------------------------------------------------------------ paged pool
 
 
@@ -313,11 +346,13 @@ class PagedCache(_Cache):
     can_swap = True
 
     def __init__(self, model, *, num_pages: int, page_size: int, max_seqs: int, max_blocks_per_seq: int,
-                 num_host_pages: int, prefix_cache: bool, kv_dtype, prefill_chunk: int, host_memory_kind: str):
+                 num_host_pages: int, prefix_cache: bool, kv_dtype, prefill_chunk: int, host_memory_kind: str,
+                 max_model_len: int | None = None):
         self.page_size = page_size
         self.max_seqs = max_seqs
         self.max_blocks_per_seq = max_blocks_per_seq
-        self.max_context_tokens = max_blocks_per_seq * page_size
+        # The longest request (prompt + output); the tables hold at least that.
+        self.max_context_tokens = max_blocks_per_seq * page_size if max_model_len is None else max_model_len
         self.prefill_width = min(pow2_at_least(prefill_chunk), pow2_at_least(self.max_context_tokens))
         self.manager = BlockSpaceManager.create(
             num_device_blocks=num_pages, num_host_blocks=max(num_host_pages, 2), block_size=page_size,
@@ -333,6 +368,109 @@ class PagedCache(_Cache):
         self.capacity = np.asarray([self.manager.device.capacity], np.int64)
         leaves = jax.tree.leaves(self.pool)
         self.bytes_per_token = sum(x.size * x.dtype.itemsize for x in leaves) / (num_pages * page_size)
+        self.bytes_per_block = self.bytes_per_token * page_size  # storage; the plan's figure adds the allocator's
+        self.plan = self._plan(budget=None, source="num_pages (expert option)")
+
+    def _plan(self, *, budget, source, per_block: int | None = None) -> CachePlan:
+        blocks = int(self.capacity[0])
+        per_block = int(self.bytes_per_block) if per_block is None else per_block
+        host_pages = self.host_pool and int(jax.tree.leaves(self.host_pool)[0].shape[2])
+        return CachePlan(
+            cache="paged", max_model_len=self.max_context_tokens, max_seqs=self.max_seqs,
+            groups=(GroupPlan("pages", blocks, self.page_size, blocks * self.page_size, self.bytes_per_token,
+                              per_block, per_block * (blocks + 1)),),
+            prefix_unit_tokens=self.unit, num_snapshots=0, snapshot_bytes=0, host_pages=host_pages or 0,
+            host_bytes=sizing.tree_bytes(self.host_pool) if self.host_pool is not None else 0,
+            device_bytes=self.device_bytes(), budget_bytes=budget, source=source)
+
+    def device_bytes(self) -> int:
+        """Bytes of every device array of the cache: the pool and the block
+        manager (tables and allocators)."""
+        return sizing.tree_bytes((self.manager, self.pool))
+
+    @classmethod
+    def build(cls, model, *, max_seqs: int, page_size: int, max_model_len: int | None, num_pages: int | None,
+              max_blocks_per_seq: int | None, kv_cache_memory, num_host_pages: int | None, host_kv_memory,
+              kv_dtype, prefix_cache: bool, prefill_chunk: int, host_memory_kind: str,
+              free_bytes: int | None = None) -> "PagedCache":
+        """The one sizing rule (:mod:`jaxkv.serve.sizing`) for a paged pool.
+
+        ``max_model_len`` (None: from ``max_blocks_per_seq * page_size`` when
+        that is given, else :func:`~jaxkv.serve.sizing.default_max_model_len`)
+        sets the table width ``ceil(max_model_len / page_size)``; giving
+        both with another width is refused. Pages: ``num_pages`` as given
+        (an expert option; ``kv_cache_memory`` beside it is refused), else
+        from the budget. Host pages: ``num_host_pages``, or
+        ``host_kv_memory`` bytes of host memory (not both; default none).
+        A ``max_model_len`` given here that the pool cannot hold is refused;
+        the default one is lowered to what the pool holds (logged)."""
+        window = paged_window(model)
+        len_given = explicit = max_model_len is not None
+        if max_blocks_per_seq is not None:
+            if len_given and ceil_div(max_model_len, page_size) != max_blocks_per_seq:
+                raise InvalidArgument(
+                    f"max_model_len={max_model_len} and max_blocks_per_seq={max_blocks_per_seq} disagree: "
+                    f"{max_model_len} tokens need {ceil_div(max_model_len, page_size)} pages of {page_size} per row "
+                    "(give one of them)")
+            if not len_given:
+                max_model_len = max_blocks_per_seq * page_size
+                len_given = True  # the table width is a limit of its own: never lowered
+        elif max_model_len is None:
+            max_model_len = sizing.default_max_model_len(model)
+        if num_pages is not None and kv_cache_memory is not None:
+            raise InvalidArgument(f"num_pages={num_pages} and kv_cache_memory={kv_cache_memory!r} both size the pool: "
+                                  "give one of them")
+        if num_host_pages is not None and host_kv_memory is not None:
+            raise InvalidArgument(f"num_host_pages={num_host_pages} and host_kv_memory={host_kv_memory!r} both size "
+                                  "the host pool: give one of them")
+        page_bytes = (sizing.tree_bytes(jax.eval_shape(lambda: model.make_pool(3, page_size, dtype=kv_dtype)))
+                      - sizing.tree_bytes(jax.eval_shape(lambda: model.make_pool(2, page_size, dtype=kv_dtype))))
+        if host_kv_memory is not None:
+            host_bytes = _host.int_scalar(host_kv_memory, "host_kv_memory")
+            if host_bytes < 0:
+                raise InvalidArgument(f"host_kv_memory={host_bytes}: bytes must be >= 0")
+            num_host_pages = host_bytes // page_bytes
+            if num_host_pages == 1:  # page 0 is the null page: one page holds nothing
+                num_host_pages = 0
+        num_host_pages = num_host_pages or 0
+
+        def need(length: int) -> int:  # blocks a request of ``length`` tokens holds at its peak
+            return max(paged_peak_blocks(max(length - 1, 1), length, page_size, window),
+                       paged_peak_blocks(1, length, page_size, window))
+
+        def measure(counts, length):
+            def make():
+                manager = BlockSpaceManager.create(
+                    num_device_blocks=counts[0], num_host_blocks=max(num_host_pages, 2), block_size=page_size,
+                    max_seqs=max_seqs, max_blocks_per_seq=ceil_div(length, page_size), watermark=0.0)
+                return manager, model.make_pool(counts[0], page_size, dtype=kv_dtype)
+            return sizing.tree_bytes(jax.eval_shape(make))
+
+        budget, source = None, f"num_pages={num_pages} (expert option)"
+        if num_pages is None:
+            blocks, budget, source = _blocks_from_budget(
+                lambda counts: measure(counts, max_model_len), [page_size], [max_seqs * need(max_model_len)],
+                kv_cache_memory, free_bytes)
+            held = blocks[0] * page_size
+            if need(max_model_len) > blocks[0] and not len_given and held >= 2:
+                logger.info("KV cache: the default max_model_len %d does not fit %d pages of %d; lowered to %d",
+                            max_model_len, blocks[0], page_size, held)
+                max_model_len = held
+                while need(max_model_len) > blocks[0]:  # a window's peak may be a block over the tokens
+                    max_model_len -= 1
+            num_pages = blocks[0] + 1
+        if explicit and need(max_model_len) > num_pages - 1 and window is None:
+            raise InvalidArgument(
+                f"max_model_len={max_model_len}: a request of {max_model_len} tokens holds {need(max_model_len)} "
+                f"pages of {page_size} at its peak; the pool has {num_pages - 1} ({source}); give a smaller "
+                "max_model_len or more memory")
+        cache = cls(model, num_pages=num_pages, page_size=page_size, max_seqs=max_seqs,
+                    max_blocks_per_seq=ceil_div(max_model_len, page_size), num_host_pages=num_host_pages,
+                    prefix_cache=prefix_cache, kv_dtype=kv_dtype, prefill_chunk=prefill_chunk,
+                    host_memory_kind=host_memory_kind, max_model_len=max_model_len)
+        _, per_block = sizing.affine_bytes(lambda counts: measure(counts, max_model_len), 1)
+        cache.plan = cache._plan(budget=budget, source=source, per_block=per_block[0])
+        return cache
 
     # ---------------------------------------------------------------- blocks
 
@@ -369,8 +507,8 @@ class PagedCache(_Cache):
         return int(self.manager.device.num_used)
 
     def limits(self) -> str:
-        return (f"max_blocks_per_seq={self.max_blocks_per_seq} pages of {self.page_size} hold "
-                f"{self.max_context_tokens} tokens per row; the pool has {int(self.capacity[0])} blocks")
+        return (f"max_model_len={self.max_context_tokens} tokens per request (max_blocks_per_seq="
+                f"{self.max_blocks_per_seq} pages of {self.page_size}); the pool has {int(self.capacity[0])} blocks")
 
     # ---------------------------------------------------------------- prefix
 
@@ -471,6 +609,10 @@ class PagedCache(_Cache):
             return False
         return True
 
+    def free_swapped(self, row: int) -> None:
+        """Free a swapped-out row and its host blocks (an aborted request)."""
+        self.manager = self.manager.free_or_raise([row])
+
     def swap_in(self, row: int) -> bool:
         try:
             self.manager, self.pool = self.manager.swap_in_or_raise(self.pool, self.host_pool, [row])
@@ -567,6 +709,105 @@ class HybridCache(_Cache):
         #: ``("snapshot_stored", snapshot, page, tokens)``, ``("snapshot_evicted", snapshot, page)``,
         #: ``("snapshot_dropped", -1, page, tokens)`` (no snapshot could be freed), in order.
         self.events: list = []
+        self.plan = self._plan(budget=None, source="num_blocks (expert option)" if num_blocks else
+                               "every sequence row at max_context_tokens")
+
+    def device_bytes(self) -> int:
+        """Bytes of every device array of the cache (the manager's pools,
+        state rows, tables and allocators)."""
+        return self.manager.memory_bytes()
+
+    def _plan(self, *, budget, source, per_block: list[int] | None = None) -> CachePlan:
+        config = self.manager.config
+        groups = []
+        for g, (name, group) in enumerate(self.manager.groups.items()):
+            storage = sum(block_bytes(s, config) for s in self.manager.schemas if s.group == name)
+            cost = storage if per_block is None else int(per_block[g])
+            blocks = int(self.capacity[g])
+            groups.append(GroupPlan(name, blocks, group.tokens_per_block, blocks * group.tokens_per_block,
+                                    storage / group.tokens_per_block, cost, cost * (blocks + 1)))
+        return CachePlan(
+            cache="hybrid", max_model_len=self.max_context_tokens, max_seqs=self.max_seqs, groups=tuple(groups),
+            prefix_unit_tokens=self.unit, num_snapshots=self.num_cached_snapshots,
+            snapshot_bytes=int(self.state_bytes_per_request), host_pages=0, host_bytes=0,
+            device_bytes=self.device_bytes(), budget_bytes=budget, source=source)
+
+    @classmethod
+    def build(cls, model, *, max_seqs: int, max_model_len: int | None, max_context_tokens: int | None,
+              num_blocks: dict | None, kv_cache_memory, num_snapshots: int | None, entry_format: str,
+              prefill_chunk: int, prefix_cache: bool, free_bytes: int | None = None) -> "HybridCache":
+        """The one sizing rule (:mod:`jaxkv.serve.sizing`) for a hybrid cache.
+
+        ``max_model_len`` and ``max_context_tokens`` name the same limit
+        (giving both with different values is refused; default
+        :func:`~jaxkv.serve.sizing.default_max_model_len`). Blocks per group:
+        ``num_blocks`` as given (an expert option; groups it leaves out get
+        every row at full length, as ``KVCacheManager.create`` does;
+        ``kv_cache_memory`` beside it is refused), else from the budget, all
+        groups holding the same tokens. Cached snapshots: ``num_snapshots``,
+        else with a budget ``min(2 * max_seqs, what a quarter of it holds
+        beside one staging snapshot per row)`` (0: no prefix cache), else
+        ``2 * max_seqs``. A ``max_model_len`` given that a group cannot hold
+        is refused; the default one is lowered to what every group holds."""
+        if max_model_len is not None and max_context_tokens is not None and max_model_len != max_context_tokens:
+            raise InvalidArgument(f"max_model_len={max_model_len} and max_context_tokens={max_context_tokens} "
+                                  "disagree (the same limit: give one of them)")
+        length = max_model_len if max_model_len is not None else max_context_tokens
+        len_given = length is not None
+        if length is None:
+            length = sizing.default_max_model_len(model)
+        if num_blocks is not None and kv_cache_memory is not None:
+            raise InvalidArgument(f"num_blocks={num_blocks} and kv_cache_memory={kv_cache_memory!r} both size the "
+                                  "cache's groups: give one of them")
+        if num_blocks is not None:
+            cache = cls(model, max_seqs=max_seqs, max_context_tokens=length, num_blocks=num_blocks,
+                        entry_format=entry_format, prefill_chunk=prefill_chunk, prefix_cache=prefix_cache,
+                        num_snapshots=num_snapshots)
+            cache.plan = cache._plan(budget=None, source=f"num_blocks={num_blocks} (expert option)")
+            return cache
+        probe = jax.eval_shape(lambda: model.make_cache(1, length, entry_format=entry_format))
+        names = list(probe.groups)
+        per_entry = [(g.tokens_per_entry, g.entries_per_block) for g in probe.groups.values()]
+        tokens_per_block = [g.tokens_per_block for g in probe.groups.values()]
+        unit = math.lcm(*tokens_per_block) if tokens_per_block else 1
+
+        def blocks_for(n: int) -> list[int]:
+            return [ceil_div(n // tpe, epb) for tpe, epb in per_entry]
+
+        def measure(counts, cached, n):
+            return sizing.tree_bytes(jax.eval_shape(lambda: model.make_cache(
+                max_seqs, n, entry_format=entry_format, num_blocks=dict(zip(names, counts)),
+                num_snapshots=max_seqs + cached if cached else 0, capture_every=unit if cached else 0)))
+
+        budget_hint = (sizing.resolve_budget(kv_cache_memory, free_bytes=free_bytes)[0] if kv_cache_memory is not None
+                       else sizing.default_budget(free_bytes)[0])
+        if not prefix_cache:
+            cached = 0
+        elif num_snapshots is not None:
+            cached = num_snapshots
+        else:  # a quarter of the budget at most, with a staging snapshot per row
+            row = measure([2] * len(names), 2, length) - measure([2] * len(names), 1, length)
+            cached = min(2 * max_seqs, budget_hint // 4 // row - max_seqs) if row > 0 else 2 * max_seqs
+            cached = max(int(cached), 0)
+        blocks, budget, source = _blocks_from_budget(
+            lambda counts: measure(counts, cached, length), tokens_per_block,
+            [max_seqs * b for b in blocks_for(length)], kv_cache_memory, free_bytes)
+        held = min(b * t for b, t in zip(blocks, tokens_per_block))  # tokens every group holds
+        fits = all(need <= have for need, have in zip(blocks_for(length), blocks))
+        if not fits and len_given:
+            raise InvalidArgument(
+                f"max_model_len={length}: a request of {length} tokens holds {blocks_for(length)} blocks of groups "
+                f"{names}; the groups have {blocks} ({source}); give a smaller max_model_len or more memory")
+        if not fits:
+            logger.info("KV cache: the default max_model_len %d does not fit blocks %s of groups %s; lowered to %d",
+                        length, blocks, names, held)
+            length = held
+        cache = cls(model, max_seqs=max_seqs, max_context_tokens=length, num_blocks=dict(
+            zip(names, (b + 1 for b in blocks))), entry_format=entry_format, prefill_chunk=prefill_chunk,
+            prefix_cache=prefix_cache and cached > 0, num_snapshots=cached if cached else None)
+        _, per_block = sizing.affine_bytes(lambda counts: measure(counts, cached, length), len(names))
+        cache.plan = cache._plan(budget=budget, source=source, per_block=per_block)
+        return cache
 
     # ---------------------------------------------------------------- blocks
 
@@ -583,7 +824,8 @@ class HybridCache(_Cache):
         return int(self.manager.blocks_in_use)
 
     def limits(self) -> str:
-        return (f"max_context_tokens={self.max_context_tokens} per row; the groups have "
+        return (f"max_model_len={self.max_context_tokens} tokens per request (max_context_tokens="
+                f"{self.max_context_tokens}); the groups have "
                 f"{self.capacity.tolist()} blocks")
 
     # ---------------------------------------------------------------- prefix
@@ -835,6 +1077,9 @@ class HybridCache(_Cache):
 
     def swap_in(self, row: int) -> bool:
         return False
+
+    def free_swapped(self, row: int) -> None:
+        raise BookkeepingError(f"row {row}: a hybrid cache never swaps a row out")
 
     def row_status(self) -> np.ndarray:
         held = np.asarray(jax.device_get(self.manager.slots.ref_count(jnp.arange(1, self.max_seqs + 1)))) > 0

@@ -103,8 +103,9 @@ from jaxkv.errors import BookkeepingError, InvalidArgument
 from jaxkv.manager.block_space import FREE, ON_DEVICE, STATUS_NAMES, SWAPPED
 from jaxkv.nn.sampling import GREEDY, RowSampling, SamplingParams
 from jaxkv.serve.caches import HybridCache, PagedCache, PrefillLane, PrefixHit
+from jaxkv.serve.sizing import CachePlan
 
-__all__ = ["Engine", "EngineProgress", "EngineSummary", "RequestState"]
+__all__ = ["Engine", "EngineProgress", "EngineStats", "EngineSummary", "RequestOutput", "RequestState"]
 
 logger = logging.getLogger("jaxkv.serve")
 
@@ -146,6 +147,26 @@ def _block_counts(value) -> dict[str, int] | None:
     return counts
 
 
+def _stop_strings(stop) -> tuple[str, ...]:
+    """``stop`` (a string or a sequence of strings) as a tuple of non-empty
+    strings, else ``InvalidArgument``."""
+    if isinstance(stop, str):
+        stop = (stop,)
+    try:
+        stop = tuple(stop)
+    except TypeError:
+        raise InvalidArgument(f"stop={stop!r}: give a string or a sequence of strings") from None
+    if not all(isinstance(x, str) and x for x in stop):
+        raise InvalidArgument(f"stop={list(stop)!r}: stop strings must be non-empty strings")
+    return stop
+
+
+def _find_stop(text: str, stops: tuple, start: int) -> int | None:
+    """Where the earliest of ``stops`` begins in ``text`` at or after ``start``."""
+    found = [i for i in (text.find(stop, start) for stop in stops) if i >= 0]
+    return min(found) if found else None
+
+
 class RequestState(enum.Enum):
     """Where a request is in its life cycle (see the module docstring)."""
 
@@ -155,16 +176,111 @@ class RequestState(enum.Enum):
     FINISHED = "finished"  # done; its tokens are in Engine.outputs
 
 
+@dataclasses.dataclass(frozen=True)
+class RequestOutput:
+    """What one request produced in one :meth:`Engine.step`.
+
+    ``new_token_ids``: the tokens it made in this step, in order (a decode
+    chunk makes several; a stop token or EOS is included, tokens a stop
+    condition cut off are not); ``finished``: whether it is done, and
+    ``finish_reason``: ``"stop"`` (EOS, a stop token id or a stop string),
+    ``"length"`` (``max_new_tokens``), ``"abort"`` (:meth:`Engine.abort`), or
+    None while it runs; ``new_text``: with a tokenizer, the text those
+    tokens complete (stop tokens and EOS add none; with stop strings, the
+    last ``len(longest stop string) - 1`` characters are held back until
+    they cannot begin one, and a stop string and what follows it are never
+    emitted), else ``""``.
+    """
+
+    request_id: int
+    new_token_ids: tuple[int, ...]
+    finished: bool
+    finish_reason: str | None
+    new_text: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineStats:
+    """A snapshot of the engine for a metrics endpoint (:meth:`Engine.stats`).
+
+    ``running`` (holding a row on the device: prefilling or decoding),
+    ``waiting`` (queued: new, not arrived yet, or preempted for
+    recomputation), ``swapped`` (preempted to host memory): requests now.
+    Per block group of the cache (``{group: number}``; ``"pages"`` for a
+    paged pool): ``blocks_used`` / ``blocks_total`` (allocatable blocks held
+    by requests or the prefix cache / all), ``tokens_used`` /
+    ``tokens_total`` (those blocks times the group's tokens per block) and
+    ``bytes_used`` / ``bytes_total`` (times the device bytes one block costs,
+    :class:`~jaxkv.serve.sizing.GroupPlan`). Cumulative since the engine was
+    built: ``prompt_tokens`` (prompt tokens admitted: the prefix cache's
+    queries, re-admissions after recompute included), ``prefix_hit_tokens``
+    (those served from the prefix cache), ``swap_preemptions``,
+    ``recompute_preemptions``, ``preemptions`` (both), ``generated_tokens``,
+    ``finished_requests``, ``aborted_requests``, ``iterations``. Since the
+    previous :meth:`Engine.stats` call (drained by each call; at most the
+    last 65536 of each are kept between calls): ``ttft`` (seconds from the
+    iteration that saw a request arrive to its first token, one per request)
+    and ``itl`` (seconds between consecutive tokens of a request, a decode
+    call's wall time spread over the tokens it gave, one per token).
+    """
+
+    running: int
+    waiting: int
+    swapped: int
+    blocks_used: dict
+    blocks_total: dict
+    tokens_used: dict
+    tokens_total: dict
+    bytes_used: dict
+    bytes_total: dict
+    prompt_tokens: int
+    prefix_hit_tokens: int
+    swap_preemptions: int
+    recompute_preemptions: int
+    preemptions: int
+    generated_tokens: int
+    finished_requests: int
+    aborted_requests: int
+    iterations: int
+    ttft: tuple[float, ...]
+    itl: tuple[float, ...]
+
+    @property
+    def prefix_query_tokens(self) -> int:
+        """The prefix cache's queries in tokens (``prompt_tokens``)."""
+        return self.prompt_tokens
+
+
+@dataclasses.dataclass
+class _Counters:
+    """The engine's cumulative counters (``run`` reports the change over it)."""
+
+    prompt_tokens: int = 0
+    hit_tokens: int = 0
+    swaps: int = 0
+    recomputes: int = 0
+    iterations: int = 0
+    generated: int = 0
+    finished: int = 0
+    aborted: int = 0
+
+
 @dataclasses.dataclass
 class _Request:
     id: int
     prompt: list
     max_new: int
     sampling: SamplingParams
-    eos_id: int
+    eos_id: int  # the stop id the device checks (-1: none)
     arrival: int
     namespace: Hashable
     key: np.ndarray  # PRNG key data of the request's own stream (advanced as it samples)
+    stop_ids: frozenset = frozenset()  # every stop token id (eos included): checked on the host
+    stop: tuple = ()  # stop strings
+    detok: object = None  # incremental detokenizer (with a tokenizer)
+    text: str = ""  # the detokenized output so far (a stop string cut off)
+    emitted: int = 0  # characters of ``text`` already given out in a RequestOutput
+    finish_reason: str | None = None
     generated: list = dataclasses.field(default_factory=list)
     state: RequestState = RequestState.WAITING
     row: int = -1  # sequence row while RUNNING or SWAPPED, else -1
@@ -288,24 +404,52 @@ class Engine:
     (DeepSeek-V4, Qwen3-Next) over its hybrid :class:`~jaxkv.KVCacheManager`,
     preempted by recomputation.
 
+    **Sizing** (one rule for every family, :mod:`jaxkv.serve.sizing`):
+    ``Engine(model)`` needs no sizing argument. ``max_model_len`` is the
+    longest request (prompt + output; default ``min(max_position_embeddings,
+    4096)``) and ``kv_cache_memory`` the device bytes of the cache (an int,
+    or a float in ``(0, 1]``: that fraction of the device's free memory, 1
+    GiB standing for it on the CPU; default 0.8 of it, capped at every
+    sequence row at ``max_model_len``). Pages / blocks per group, cached
+    snapshots and host pages follow; ``cache_plan`` says what came out and
+    the ``jaxkv.serve`` logger logs it at INFO, one line per group (tokens
+    held, bytes per token, prefix-hit unit). The expert options below still
+    size the cache directly; with them: ``kv_cache_memory`` beside
+    ``num_pages`` or ``num_blocks`` (both size the blocks), ``max_model_len``
+    beside a ``max_blocks_per_seq`` of another width or a different
+    ``max_context_tokens``, ``host_kv_memory`` beside ``num_host_pages``,
+    and a ``max_model_len`` the blocks cannot hold are refused
+    (``InvalidArgument`` with the numbers); a default ``max_model_len`` the
+    budget cannot hold is lowered to what it holds.
+
     Args:
         model: a model of :class:`jaxkv.nn.AutoModelForCausalLM`'s families.
+        tokenizer: a :class:`jaxkv.text.Tokenizer` (or anything with its
+            ``decode``): requests' text is detokenized incrementally
+            (``RequestOutput.new_text``) and ``stop`` strings work.
+        max_model_len: the longest request, prompt plus output tokens.
+        kv_cache_memory: the cache's device bytes (int), or a fraction in
+            ``(0, 1]`` of the device's free memory.
+        host_kv_memory: (paged pool) bytes of host memory for swapped-out
+            pages (default none: preemption by recomputation).
         max_seqs: sequence rows (running plus swapped-out requests).
-        num_pages: (paged pool) device KV pages (blocks) including the null page 0.
+        num_pages: (paged pool, expert) device KV pages (blocks) including
+            the null page 0.
         page_size: (paged pool) tokens per page.
-        max_blocks_per_seq: (paged pool) block-table width; a request needs
-            ``ceil((len(prompt) + max_new_tokens) / page_size)`` blocks.
-        num_host_pages: (paged pool) host pages for swapping (0: preempt by
-            recompute).
+        max_blocks_per_seq: (paged pool, expert) block-table width; a
+            request needs ``ceil((len(prompt) + max_new_tokens) / page_size)``
+            blocks (``max_model_len``'s other spelling).
+        num_host_pages: (paged pool, expert) host pages for swapping (0:
+            preempt by recompute).
         kv_dtype: (paged pool) pool dtype (default: the model's).
         host_memory_kind: (paged pool) the swap pool's memory
             (``create_host_pool``: ``"auto"``, ``"pinned_host"`` or ``"numpy"``).
-        max_context_tokens: (hybrid cache) most tokens one request holds.
-        num_blocks: (hybrid cache) blocks per group (null block included;
-            default: every row at ``max_context_tokens``).
+        max_context_tokens: (hybrid cache) ``max_model_len``'s other spelling.
+        num_blocks: (hybrid cache, expert) blocks per group (null block
+            included; groups left out: every row at ``max_model_len``).
         entry_format: (hybrid cache) DeepSeek-V4's ``"lossless"`` or ``"fp8"``.
         num_snapshots: (hybrid cache) cached prefix snapshots of per-request
-            state (default ``2 * max_seqs``; see
+            state (default: see :mod:`jaxkv.serve.sizing`; see
             :class:`~jaxkv.serve.caches.HybridCache`).
         prefix_cache: use the radix prefix cache.
         decode_chunk: decode steps per jitted call.
@@ -319,21 +463,32 @@ class Engine:
             decode chunk, so a long prompt no longer stalls decoding.
         seed: the engine's PRNG seed; a request without its own ``seed``
             samples from the stream ``fold_in(key(seed), request id)``.
+        detokenizer: ``detokenizer(tokenizer, prompt_ids)`` makes a request's
+            incremental detokenizer (``add(ids) -> new text``, optionally
+            ``finish() -> held-back text``); default
+            :class:`jaxkv.text.IncrementalDetokenizer`.
+        free_bytes: the free device bytes the sizing rule reads (default:
+            :func:`~jaxkv.serve.sizing.device_free_bytes`; for tests).
 
     Raises ``InvalidArgument``, naming the argument, for a size or count
     that is not an integer or is too small (``num_pages < 2``, others
-    ``< 1``, ``num_host_pages < 0``), a ``num_blocks`` that is not a dict
-    of group name to integer ``>= 2`` or names a group the model lacks, a
-    non-integer ``seed``, an unknown ``host_memory_kind``, or an option of
-    the other kind of cache.
+    ``< 1``, ``num_host_pages < 0``, ``max_model_len < 2``), a
+    ``kv_cache_memory`` that is neither bytes nor a fraction in ``(0, 1]``
+    or holds less than the cache's fixed bytes and a block per group, a
+    ``num_blocks`` that is not a dict of group name to integer ``>= 2`` or
+    names a group the model lacks, a non-integer ``seed``, an unknown
+    ``host_memory_kind``, contradictory sizing options (above), or an
+    option of the other kind of cache.
     """
 
-    def __init__(self, model, *, max_seqs: int = 8, num_pages: int | None = None, page_size: int = 16,
-                 max_blocks_per_seq: int | None = None, num_host_pages: int = 0, kv_dtype=None,
-                 host_memory_kind: str = "auto", max_context_tokens: int | None = None,
+    def __init__(self, model, *, tokenizer=None, max_model_len: int | None = None, kv_cache_memory=None,
+                 host_kv_memory: int | None = None, max_seqs: int = 8, num_pages: int | None = None,
+                 page_size: int = 16, max_blocks_per_seq: int | None = None, num_host_pages: int | None = None,
+                 kv_dtype=None, host_memory_kind: str = "auto", max_context_tokens: int | None = None,
                  num_blocks: dict[str, int] | None = None, entry_format: str = "lossless",
                  num_snapshots: int | None = None, prefix_cache: bool = True, decode_chunk: int = 8,
-                 prefill_chunk: int = 256, max_num_batched_tokens: int | None = None, seed: int = 0):
+                 prefill_chunk: int = 256, max_num_batched_tokens: int | None = None, seed: int = 0,
+                 detokenizer: Callable | None = None, free_bytes: int | None = None):
         max_seqs = _int_at_least(max_seqs, "max_seqs", 1)
         decode_chunk = _int_at_least(decode_chunk, "decode_chunk", 1)
         prefill_chunk = _int_at_least(prefill_chunk, "prefill_chunk", 1)
@@ -341,66 +496,80 @@ class Engine:
             max_num_batched_tokens = _int_at_least(max_num_batched_tokens, "max_num_batched_tokens", 1)
         self.max_num_batched_tokens = max_num_batched_tokens
         seed = _host.int_scalar(seed, "seed")
+        if max_model_len is not None:
+            max_model_len = _int_at_least(max_model_len, "max_model_len", 2)  # one prompt and one new token
         if host_memory_kind not in ("auto", "pinned_host", "numpy"):  # checked even when nothing is swapped
             raise InvalidArgument(f"host_memory_kind={host_memory_kind!r}: choose 'auto', 'pinned_host' or 'numpy'")
         if hasattr(model, "make_cache"):
             given = [name for name, value in (("num_pages", num_pages), ("max_blocks_per_seq", max_blocks_per_seq),
-                                              ("kv_dtype", kv_dtype)) if value is not None]
+                                              ("kv_dtype", kv_dtype), ("host_kv_memory", host_kv_memory))
+                     if value is not None]
             if num_host_pages:
                 given.append("num_host_pages")
             if given:
                 raise InvalidArgument(f"{', '.join(given)}: options of the paged pool; {type(model).__name__} "
-                                      "keeps its cache in a KVCacheManager (give max_context_tokens, num_blocks, "
-                                      "entry_format)")
-            max_context_tokens = _int_at_least(max_context_tokens, "max_context_tokens", 1)
+                                      "keeps its cache in a KVCacheManager (give max_model_len, kv_cache_memory; "
+                                      "or max_context_tokens, num_blocks, entry_format)")
+            if max_context_tokens is not None:
+                max_context_tokens = _int_at_least(max_context_tokens, "max_context_tokens", 1)
             num_blocks = _block_counts(num_blocks)
             if num_snapshots is not None:
                 num_snapshots = _int_at_least(num_snapshots, "num_snapshots", 1)
-            self.cache = HybridCache(model, max_seqs=max_seqs, max_context_tokens=max_context_tokens,
-                                     num_blocks=num_blocks, entry_format=entry_format, prefill_chunk=prefill_chunk,
-                                     prefix_cache=bool(prefix_cache), num_snapshots=num_snapshots)
+            self.cache = HybridCache.build(
+                model, max_seqs=max_seqs, max_model_len=max_model_len, max_context_tokens=max_context_tokens,
+                num_blocks=num_blocks, kv_cache_memory=kv_cache_memory, num_snapshots=num_snapshots,
+                entry_format=entry_format, prefill_chunk=prefill_chunk, prefix_cache=bool(prefix_cache),
+                free_bytes=free_bytes)
         else:
             if max_context_tokens is not None or num_blocks is not None or num_snapshots is not None:
                 raise InvalidArgument("max_context_tokens, num_blocks, num_snapshots: options of a hybrid cache; "
-                                      f"{type(model).__name__} runs over a paged pool (give num_pages, "
-                                      "max_blocks_per_seq)")
-            if num_pages is None or max_blocks_per_seq is None:
-                raise InvalidArgument(f"{type(model).__name__} runs over a paged pool: give num_pages and "
-                                      "max_blocks_per_seq")
-            self.cache = PagedCache(
-                model, num_pages=_int_at_least(num_pages, "num_pages", 2),  # page 0 is the null page
-                page_size=_int_at_least(page_size, "page_size", 1), max_seqs=max_seqs,
-                max_blocks_per_seq=_int_at_least(max_blocks_per_seq, "max_blocks_per_seq", 1),
-                num_host_pages=_int_at_least(num_host_pages, "num_host_pages", 0),
-                prefix_cache=bool(prefix_cache), kv_dtype=kv_dtype, prefill_chunk=prefill_chunk,
-                host_memory_kind=host_memory_kind)
+                                      f"{type(model).__name__} runs over a paged pool (give max_model_len, "
+                                      "kv_cache_memory; or num_pages, max_blocks_per_seq)")
+            self.cache = PagedCache.build(
+                model, max_seqs=max_seqs, page_size=_int_at_least(page_size, "page_size", 1),
+                max_model_len=max_model_len,
+                num_pages=None if num_pages is None else _int_at_least(num_pages, "num_pages", 2),  # page 0: null
+                max_blocks_per_seq=(None if max_blocks_per_seq is None
+                                    else _int_at_least(max_blocks_per_seq, "max_blocks_per_seq", 1)),
+                kv_cache_memory=kv_cache_memory,
+                num_host_pages=None if num_host_pages is None else _int_at_least(num_host_pages, "num_host_pages", 0),
+                host_kv_memory=host_kv_memory, kv_dtype=kv_dtype, prefix_cache=bool(prefix_cache),
+                prefill_chunk=prefill_chunk, host_memory_kind=host_memory_kind, free_bytes=free_bytes)
+        #: How the cache was sized (:class:`~jaxkv.serve.sizing.CachePlan`), logged at start-up.
+        self.cache_plan: CachePlan = self.cache.plan
+        for line in self.cache_plan.lines():
+            logger.info("%s", line)
+        self.max_model_len = self.cache.max_context_tokens
         # Token ids are checked against it (None: a model without ``config.vocab_size``).
         self.vocab_size = getattr(getattr(model, "config", None), "vocab_size", None)
+        self.tokenizer = tokenizer
+        self._detokenizer = detokenizer
         self.max_seqs = max_seqs
         self.decode_chunk = decode_chunk
         self.graphdef, self.params = nnx.split(model)
         self.key = jax.random.key(seed)
         self.outputs: dict[int, list] = {}
         self._requests: dict[int, _Request] = {}
+        self._next_id = 0
+        self._live: set = set()  # ids of the requests not finished
+        self._aborts: list = []  # ids to abort at the next iteration, in order
+        self._out: dict = {}  # request id -> [tokens, text, finished] of the step running now
         self._waiting: collections.deque = collections.deque()  # ids; recomputes go to the front
         self._swapped: list = []  # ids, oldest preemption first
         self._prefilling: list = []  # requests admitted whose prompt is not all prefilled, oldest first
         self._rows: list = [None] * max_seqs  # row -> request id (running or swapped)
         self._step = 0
         self._order = 0
-        self._reset_counters()
+        self._count = _Counters()
+        self._hit_blocks = np.zeros(len(self.cache.groups), np.int64)
+        self._peak = 0
+        self._ttft_samples: collections.deque = collections.deque(maxlen=65536)
+        self._itl_samples: collections.deque = collections.deque(maxlen=65536)
 
     # The paged cache's structures, for callers that inspect them (tests, tools).
     manager = property(lambda self: self.cache.manager)
     pool = property(lambda self: self.cache.pool)
     prefix_cache = property(lambda self: self.cache.prefix_cache)
-
-    def _reset_counters(self):
-        self._prompt_tokens = self._hit_tokens = 0
-        self._hit_blocks = np.zeros(len(self.cache.groups), np.int64)
-        self._swaps = self._recomputes = 0
-        self._peak = 0
-        self._iterations = 0
 
     @property
     def capacity(self) -> int:
@@ -411,8 +580,11 @@ class Engine:
 
     def add_request(self, prompt_tokens: Sequence[int], max_new_tokens: int, *,
                     sampling: SamplingParams = GREEDY, eos_token_id: int | None = None,
-                    arrival_step: int = 0, namespace: Hashable = None, seed: int | None = None) -> int:
+                    stop_token_ids: Sequence[int] = (), stop: str | Sequence[str] = (),
+                    namespace: Hashable = None, seed: int | None = None, arrival_step: int = 0) -> int:
         """Queue a request; returns its id (its key in :attr:`outputs`).
+        Works at any time, also between :meth:`step` calls while other
+        requests run: it is admitted at the next iteration that has room.
 
         ``seed``: the request samples from its own stream ``key(seed)``,
         split exactly as :func:`jaxkv.nn.generate` splits its key for one
@@ -421,19 +593,32 @@ class Engine:
         is preempted (without a seed the stream is the engine's, folded with
         the request id: reproducible run to run, but not ``generate``'s).
 
+        Stopping: at ``max_new_tokens`` (``"length"``), or ``"stop"`` at
+        ``eos_token_id`` or any of ``stop_token_ids`` (the stop token is the
+        last token given out; the device checks one of them and stops the
+        row inside the decode chunk, the host the others, cutting the chunk
+        there), or when the output text contains one of the ``stop`` strings
+        (needs the engine's ``tokenizer``; the tokens up to the one that
+        completed it are given out, the text up to the stop string).
+
+        ``arrival_step``: the scheduler iteration from which it may be
+        admitted (simulated arrivals for :meth:`run`; 0: at once).
+
         Raises ``InvalidArgument``, naming the argument, and queues nothing
         for: a prompt that is empty or not a 1-D sequence of integer token
         ids in the vocabulary (floats, bools, strings and ``None`` included);
         ``max_new_tokens`` that is not an integer ``>= 1``; an
-        ``eos_token_id`` outside the vocabulary; a negative or non-integer
+        ``eos_token_id`` or ``stop_token_ids`` outside the vocabulary;
+        ``stop`` that is not a string or a sequence of non-empty strings, or
+        is given to an engine without a tokenizer; a negative or non-integer
         ``arrival_step``; a non-integer ``seed``; ``sampling`` that is not a
         ``SamplingParams``; an unhashable ``namespace``; a request that could
-        never fit (longer than a row holds, or more blocks than a group has
-        at its peak: ``cache.peak_blocks``, the prompt's blocks or, with a
-        window on every layer, a decode step's window; the message gives
-        both numbers). A request accepted here is admitted once the engine
-        has room, and runs to its end: admission reserves no more than this
-        rule counts, and a windowed request is never preempted.
+        never fit (more than ``max_model_len`` tokens, or more blocks than a
+        group has at its peak: ``cache.peak_blocks``, the prompt's blocks or,
+        with a window on every layer, a decode step's window; the message
+        gives the numbers). A request accepted here is admitted once the
+        engine has room, and runs to its end: admission reserves no more
+        than this rule counts, and a windowed request is never preempted.
 
         Requests are queued in arrival order (ties: in the order added), so
         they need not be added in that order."""
@@ -446,6 +631,16 @@ class Engine:
         if eos_token_id is not None:
             eos_id = _host.int_scalar(eos_token_id, "eos_token_id")
             self._check_token_ids([eos_id], "eos_token_id")
+        try:
+            stop_ids = [] if stop_token_ids is None else list(stop_token_ids)
+        except TypeError:
+            raise InvalidArgument(f"stop_token_ids={stop_token_ids!r}: give a sequence of token ids") from None
+        stop_ids = _host.int_array(stop_ids, "stop_token_ids", ndim=1).tolist() if stop_ids else []
+        self._check_token_ids(stop_ids, "stop_token_ids")
+        stop = _stop_strings(stop)
+        if stop and self.tokenizer is None:
+            raise InvalidArgument(f"stop={list(stop)}: stop strings need the engine's tokenizer "
+                                  "(Engine(model, tokenizer=...)); give stop_token_ids instead")
         arrival = _int_at_least(arrival_step, "arrival_step", 0)
         if not isinstance(sampling, SamplingParams):
             raise InvalidArgument(f"sampling must be a SamplingParams, got {sampling!r}")
@@ -456,15 +651,22 @@ class Engine:
         total = len(prompt) + max_new_tokens
         blocks = self.cache.peak_blocks(len(prompt), total)
         if total > self.cache.max_context_tokens or np.any(blocks > self.cache.capacity):
-            raise InvalidArgument(f"add_request: {len(prompt)} + {max_new_tokens} tokens need blocks "
-                                  f"{blocks.tolist()} of groups {list(self.cache.groups)}; {self.cache.limits()}")
-        rid = len(self._requests)
-        if seed is None:
-            key = jax.random.fold_in(self.key, rid)
-        else:
-            key = jax.random.key(_host.int_scalar(seed, "seed"))
-        self._requests[rid] = _Request(rid, prompt, max_new_tokens, sampling, eos_id, arrival, namespace,
-                                       np.asarray(jax.random.key_data(key)))
+            raise InvalidArgument(
+                f"add_request: {len(prompt)} + {max_new_tokens} tokens need blocks {blocks.tolist()} of groups "
+                f"{list(self.cache.groups)} at their peak and can never fit: {self.cache.limits()}")
+        if seed is not None:
+            seed = _host.int_scalar(seed, "seed")
+        rid = self._next_id
+        key = jax.random.fold_in(self.key, rid) if seed is None else jax.random.key(seed)
+        device_stop = eos_id if eos_id >= 0 else (stop_ids[0] if stop_ids else -1)
+        req = _Request(rid, prompt, max_new_tokens, sampling, device_stop, arrival, namespace,
+                       np.asarray(jax.random.key_data(key)),
+                       stop_ids=frozenset(stop_ids + ([eos_id] if eos_id >= 0 else [])), stop=stop)
+        if self.tokenizer is not None:
+            req.detok = self._make_detokenizer(prompt)
+        self._next_id += 1
+        self._requests[rid] = req
+        self._live.add(rid)
         # After every request that arrives no later: admission stops at the
         # first waiting request that has not arrived, so none that has may
         # queue behind it.
@@ -472,6 +674,43 @@ class Engine:
         self._waiting.insert(next(later, len(self._waiting)), rid)
         self.outputs[rid] = []
         return rid
+
+    def _make_detokenizer(self, prompt: list):
+        factory = self._detokenizer
+        if factory is None:
+            from jaxkv.text import IncrementalDetokenizer as factory  # noqa: N813 - the default factory
+        return factory(self.tokenizer, prompt)
+
+    def abort(self, request_id: int) -> None:
+        """Stop ``request_id``: at the next iteration (:meth:`step`) it gives
+        back everything it holds (sequence row, blocks, host blocks of a
+        swapped-out request, its prefix-cache pin; what it computed may stay
+        in the prefix cache as cached pages) and its last
+        :class:`RequestOutput` says ``"abort"``. Unknown or finished ids,
+        and a second abort, do nothing."""
+        req = self._requests.get(request_id) if isinstance(request_id, (int, np.integer)) else None
+        if req is None or req.state is RequestState.FINISHED or request_id in self._aborts:
+            return
+        self._aborts.append(int(request_id))
+
+    def has_unfinished(self) -> bool:
+        """Whether any request added is not finished (:meth:`step` has work)."""
+        return bool(self._live)
+
+    def finish_reason(self, request_id: int) -> str | None:
+        """``"stop"``, ``"length"``, ``"abort"``, or None while it runs."""
+        return self._requests[request_id].finish_reason
+
+    def forget(self, request_id: int) -> list:
+        """Drop a finished request's records (a long-running server calls it
+        once it has the request's last output); returns its tokens.
+        ``InvalidArgument`` for a request that is not finished."""
+        req = self._requests.get(request_id)
+        if req is None or req.state is not RequestState.FINISHED:
+            raise InvalidArgument(f"forget({request_id}): only a finished request can be forgotten "
+                                  f"({'unknown' if req is None else req.state.name})")
+        del self._requests[request_id]
+        return self.outputs.pop(request_id)
 
     def _check_token_ids(self, ids: list, name: str) -> None:
         """``InvalidArgument`` naming ``name`` for ids outside the vocabulary
@@ -485,80 +724,151 @@ class Engine:
     # ------------------------------------------------------------------- run
 
     def run(self, on_progress: Callable[[EngineProgress], None] | None = None) -> EngineSummary:
-        """Serve every queued request to completion; returns the summary
-        (``outputs`` holds the tokens). ``on_progress`` is called with an
-        :class:`EngineProgress` after every scheduler iteration and once at
-        the end (its counts never decrease; the last has ``finished ==
-        total``). Nothing is printed: see the module docstring for logging.
+        """Serve every queued request to completion: :meth:`step` until none
+        is left; returns the summary (``outputs`` holds the tokens).
+        ``on_progress`` is called with an :class:`EngineProgress` after
+        every scheduler iteration and once at the end (its counts never
+        decrease; the last has ``finished == total``). Nothing is printed:
+        see the module docstring for logging.
 
         Raises ``KVCacheOOM`` when nothing can run (a request cannot get its
         blocks even with every other request preempted and the prefix cache
         evicted), and ``BookkeepingError`` if the engine's records disagree
         with the cache's (a bug)."""
-        self._reset_counters()
+        before = dataclasses.replace(self._count)
+        hit_blocks_before = self._hit_blocks.copy()
+        self._peak = 0
         start = time.perf_counter()
-        pending = [r for r in self._requests.values() if r.state is not RequestState.FINISHED]
+        pending = [self._requests[rid] for rid in sorted(self._live)]
         total = len(pending)
         generated_before = sum(len(r.generated) for r in pending)
         self._update_peak()
         logger.info("engine run: %d requests, %d KV blocks (groups %s), %d sequence rows", total, self.capacity,
                     list(self.cache.groups), self.max_seqs)
 
-        def unfinished():
-            return any(r.state is not RequestState.FINISHED for r in pending)
-
         def report():
-            progress = self._progress(pending, total, start, generated_before)
+            progress = self._progress(pending, total, start, generated_before, before)
             logger.debug("iteration %d: %d/%d finished, running %d, waiting %d, swapped %d, %d tokens, "
                          "%d preemptions", progress.iteration, progress.finished, total, progress.running,
                          progress.waiting, progress.swapped, progress.generated_tokens, progress.preemptions)
             if on_progress is not None:
                 on_progress(progress)
 
-        while unfinished():
-            self._iterations += 1
-            self._mark_arrivals()
-            progressed = self._resume_swapped()
-            if not self._swapped:
-                progressed += self._admit()
-            progressed += self._prefill()
-            if not any(r.state is RequestState.RUNNING for r in pending):
-                if progressed or not unfinished():
-                    report()
-                    continue  # e.g. requests that finished at their first token
-                future = [self._requests[i].arrival for i in self._waiting if self._requests[i].arrival > self._step]
-                if future and len(future) == len(self._waiting) and not self._swapped:
-                    self._step = min(future)  # idle until the next arrival
-                    continue
-                raise self.cache.oom(self._blocks_wanted(), "nothing can run")
-            self._decode()
-            self._step += 1
+        while self._live:
+            self.step()
             report()
         report()
         wall = time.perf_counter() - start
         generated = sum(len(r.generated) for r in pending) - generated_before
+        count = self._count
+        prompt_tokens, hit_tokens = count.prompt_tokens - before.prompt_tokens, count.hit_tokens - before.hit_tokens
         summary = EngineSummary(
             requests=total, generated_tokens=generated, wall_seconds=wall,
-            tokens_per_second=generated / wall if wall > 0 else 0.0, prompt_tokens=self._prompt_tokens,
-            prefix_hit_tokens=self._hit_tokens, prefix_unit_tokens=self.cache.unit,
-            hit_blocks=dict(zip(self.cache.groups, self._hit_blocks.tolist())),
-            prefix_hit_rate=self._hit_tokens / self._prompt_tokens if self._prompt_tokens else 0.0,
-            peak_kv_blocks=self._peak, kv_blocks=self.capacity, swap_preemptions=self._swaps,
-            recompute_preemptions=self._recomputes, iterations=self._iterations,
+            tokens_per_second=generated / wall if wall > 0 else 0.0, prompt_tokens=prompt_tokens,
+            prefix_hit_tokens=hit_tokens, prefix_unit_tokens=self.cache.unit,
+            hit_blocks=dict(zip(self.cache.groups, (self._hit_blocks - hit_blocks_before).tolist())),
+            prefix_hit_rate=hit_tokens / prompt_tokens if prompt_tokens else 0.0,
+            peak_kv_blocks=self._peak, kv_blocks=self.capacity, swap_preemptions=count.swaps - before.swaps,
+            recompute_preemptions=count.recomputes - before.recomputes,
+            iterations=count.iterations - before.iterations,
             ttft=_latency_stats([r.first_token_at - r.arrived_at for r in pending if r.arrived_at is not None
                                  and r.first_token_at is not None and r.first_token_at >= start]),
             itl=_latency_stats([gap for r in pending for gap in r.gaps]))
         logger.info("engine run done: %s", summary)
         return summary
 
-    def _progress(self, pending, total, start, generated_before) -> EngineProgress:
+    def step(self) -> list[RequestOutput]:
+        """One scheduler iteration (see the module docstring): aborts, then
+        resume, admit, prefill, and one decode chunk (ONE jitted call of up
+        to ``decode_chunk`` tokens per running request). Returns one
+        :class:`RequestOutput` per request that made tokens or finished in
+        it, in the order they first did; ``[]`` when there is nothing to do.
+
+        The tokens a request gets over its steps are exactly those
+        :meth:`run` gives it (``run`` is a loop over ``step``), whenever it
+        was added. Raises as :meth:`run` does."""
+        self._out = {}
+        self._process_aborts()
+        if self._live:
+            self._iterate()
+        out = [RequestOutput(rid, tuple(tokens), finished, self._requests[rid].finish_reason if finished else None,
+                             text) for rid, (tokens, text, finished) in self._out.items()]
+        self._out = {}
+        return out
+
+    def _iterate(self) -> None:
+        self._count.iterations += 1
+        self._mark_arrivals()
+        progressed = self._resume_swapped()
+        if not self._swapped:
+            progressed += self._admit()
+        progressed += self._prefill()
+        if not any(rid is not None and self._requests[rid].state is RequestState.RUNNING for rid in self._rows):
+            if progressed or not self._live:
+                return  # e.g. requests that finished at their first token
+            future = [self._requests[i].arrival for i in self._waiting if self._requests[i].arrival > self._step]
+            if future and len(future) == len(self._waiting) and not self._swapped:
+                self._step = min(future)  # idle until the next arrival
+                return
+            raise self.cache.oom(self._blocks_wanted(), "nothing can run")
+        self._decode()
+        self._step += 1
+
+    def _process_aborts(self) -> None:
+        """Free what the requests :meth:`abort` named hold, and finish them."""
+        aborts, self._aborts = self._aborts, []
+        for rid in aborts:
+            req = self._requests.get(rid)
+            if req is None or req.state is RequestState.FINISHED:
+                continue
+            if req.state is RequestState.WAITING:
+                self._waiting.remove(rid)
+            elif req.state is RequestState.SWAPPED:
+                self._swapped.remove(rid)
+                self.cache.free_swapped(req.row)
+                self._rows[req.row] = None
+                req.row = -1
+            else:  # RUNNING: prefilling or decoding
+                if req in self._prefilling:
+                    self._prefilling.remove(req)
+                self._retire([req], final=False, requeue=False)
+            logger.debug("request %d aborted", rid)
+            self._count.aborted += 1
+            self._finish(req, "abort")
+
+    def stats(self) -> EngineStats:
+        """A snapshot for a metrics endpoint (see :class:`EngineStats`); the
+        TTFT and ITL samples are those recorded since the previous call."""
+        running = sum(1 for rid in self._rows if rid is not None and self._requests[rid].state is RequestState.RUNNING)
+        used = self.cache.capacity - self.cache.free_blocks()
+        names = self.cache.groups
+        plan = {g.name: g for g in self.cache_plan.groups}
+        ttft, itl = tuple(self._ttft_samples), tuple(self._itl_samples)
+        self._ttft_samples.clear()
+        self._itl_samples.clear()
+        count = self._count
+        return EngineStats(
+            running=running, waiting=len(self._waiting), swapped=len(self._swapped),
+            blocks_used={n: int(u) for n, u in zip(names, used)},
+            blocks_total={n: int(c) for n, c in zip(names, self.cache.capacity)},
+            tokens_used={n: int(u) * plan[n].tokens_per_block for n, u in zip(names, used)},
+            tokens_total={n: plan[n].tokens for n in names},
+            bytes_used={n: int(u) * plan[n].bytes_per_block for n, u in zip(names, used)},
+            bytes_total={n: plan[n].blocks * plan[n].bytes_per_block for n in names},
+            prompt_tokens=count.prompt_tokens, prefix_hit_tokens=count.hit_tokens, swap_preemptions=count.swaps,
+            recompute_preemptions=count.recomputes, preemptions=count.swaps + count.recomputes,
+            generated_tokens=count.generated, finished_requests=count.finished, aborted_requests=count.aborted,
+            iterations=count.iterations, ttft=ttft, itl=itl)
+
+    def _progress(self, pending, total, start, generated_before, before: _Counters) -> EngineProgress:
         states = collections.Counter(r.state for r in pending)
         return EngineProgress(
             finished=states[RequestState.FINISHED], total=total, running=states[RequestState.RUNNING],
             waiting=states[RequestState.WAITING], swapped=states[RequestState.SWAPPED],
             generated_tokens=sum(len(r.generated) for r in pending) - generated_before,
-            elapsed_seconds=time.perf_counter() - start, preemptions=self._swaps + self._recomputes,
-            iteration=self._iterations)
+            elapsed_seconds=time.perf_counter() - start,
+            preemptions=self._count.swaps + self._count.recomputes - before.swaps - before.recomputes,
+            iteration=self._count.iterations - before.iterations)
 
     # ------------------------------------------------------------- helpers
 
@@ -577,12 +887,76 @@ class Engine:
         """Latency bookkeeping for ``count`` tokens ``req`` got by ``now``."""
         if count <= 0:
             return
+        self._count.generated += count
         if req.first_token_at is None:
             req.first_token_at = req.last_token_at = now
+            if req.arrived_at is not None:
+                self._ttft_samples.append(now - req.arrived_at)
             count -= 1
         if count:
-            req.gaps += [(now - req.last_token_at) / count] * count
+            gaps = [(now - req.last_token_at) / count] * count
+            req.gaps += gaps
+            self._itl_samples.extend(gaps)
             req.last_token_at = now
+
+    def _take(self, req: _Request, tokens: list, now: float, device_done: bool = False) -> bool:
+        """Give ``req`` the ``tokens`` a call made for it, in order, up to
+        the first stop: a stop token id (EOS included), a stop string in
+        its text, or ``max_new_tokens`` (the tokens after it are dropped:
+        the device may decode a few past a stop it does not check). Records
+        them for this step's :class:`RequestOutput`, with the text they
+        complete; returns whether the request is finished (its
+        ``finish_reason`` set). ``device_done``: the device stopped the row
+        (EOS or length), which the same checks find."""
+        taken, reason, cut = [], None, None
+        longest = max(map(len, req.stop), default=0)
+        for token in tokens:
+            taken.append(token)
+            if token in req.stop_ids:
+                reason = "stop"
+                break
+            if req.detok is not None:
+                before = len(req.text)
+                req.text += req.detok.add([token])
+                if req.stop:
+                    cut = _find_stop(req.text, req.stop, max(before - longest + 1, 0))
+                    if cut is not None:
+                        reason = "stop"
+                        break
+            if len(req.generated) + len(taken) >= req.max_new:
+                reason = "length"
+                break
+        if reason is None and device_done:  # the checks above find what the device found; this only guards it
+            reason = "length" if len(req.generated) + len(taken) >= req.max_new else "stop"
+        req.generated += taken
+        self._record_tokens(req, len(taken), now)
+        if req.detok is not None:
+            if cut is not None:
+                req.text = req.text[:cut]  # the stop string and what follows are never given out
+            elif reason is not None and hasattr(req.detok, "finish"):
+                req.text += req.detok.finish()  # bytes held back for a character that never completed
+            # While a stop string may still begin in the tail, that tail waits.
+            end = len(req.text) if reason is not None or not req.stop else max(len(req.text) - longest + 1,
+                                                                               req.emitted)
+            text, req.emitted = req.text[req.emitted:end], max(end, req.emitted)
+        else:
+            text = ""
+        entry = self._out.setdefault(req.id, [[], "", False])
+        entry[0] += taken
+        entry[1] += text
+        if reason is not None:
+            req.finish_reason = reason
+        return reason is not None
+
+    def _finish(self, req: _Request, reason: str) -> None:
+        """Mark ``req`` finished (no row held any more)."""
+        req.state = RequestState.FINISHED
+        req.finish_reason = req.finish_reason or reason
+        self.outputs[req.id] = list(req.generated)
+        self._live.discard(req.id)
+        self._count.finished += 1
+        entry = self._out.setdefault(req.id, [[], "", False])
+        entry[2] = True
 
     def _update_peak(self, used=None):
         used = self.cache.blocks_in_use() if used is None else int(used)
@@ -751,8 +1125,8 @@ class Engine:
             if req.order < 0:
                 req.order = self._order
                 self._order += 1
-            self._prompt_tokens += len(tokens)
-            self._hit_tokens += hit.tokens
+            self._count.prompt_tokens += len(tokens)
+            self._count.hit_tokens += hit.tokens
             self._hit_blocks += hit.block_counts()
             admitted.append(PrefillLane(req.row, hit, tokens, req.key, req.namespace))
         if admitted:
@@ -793,10 +1167,8 @@ class Engine:
                 if req.pieces:
                     continue
                 self._prefilling.remove(req)
-                req.generated.append(int(first[lane]))
-                self._record_tokens(req, 1, now)
                 req.key = keys[lane]
-                if self._is_done(req):
+                if self._take(req, [int(first[lane])], now):
                     finished.append(req)
             self._retire(finished, final=True)
             calls += 1
@@ -809,11 +1181,9 @@ class Engine:
         """RUNNING with its whole prompt prefilled."""
         return req.state is RequestState.RUNNING and not req.pieces
 
-    def _is_done(self, req: _Request) -> bool:
-        return len(req.generated) >= req.max_new or req.generated[-1] == req.eos_id
-
     def _decode(self) -> None:
-        running = {req.row: req for req in self._requests.values() if self._decoding(req)}
+        running = {row: self._requests[rid] for row, rid in enumerate(self._rows)
+                   if rid is not None and self._decoding(self._requests[rid])}
         if not running:
             return
         self.check_bookkeeping()
@@ -837,10 +1207,8 @@ class Engine:
         self._update_peak(result.peak)
         finished = []
         for row, req in running.items():
-            req.generated += result.tokens[row, : result.count[row]].tolist()
-            self._record_tokens(req, int(result.count[row]), now)
             req.key = result.keys[row]
-            if result.finished[row]:
+            if self._take(req, result.tokens[row, : result.count[row]].tolist(), now, bool(result.finished[row])):
                 finished.append(req)
         self._retire(finished, final=True)
         self._release_trimmed_hits(req for req in running.values() if req.state is RequestState.RUNNING)
@@ -883,7 +1251,8 @@ class Engine:
                        np.zeros(len(self.cache.groups), np.int64))
 
         while blocked and not self._make_room(need()):
-            running = [req for req in self._requests.values() if self._decoding(req)]  # never one mid-prefill
+            running = [self._requests[rid] for rid in self._rows  # never one mid-prefill
+                       if rid is not None and self._decoding(self._requests[rid])]
             victims = [req for req in running if self._readmittable(req)]
             if not victims:
                 stuck = blocked[0]
@@ -910,29 +1279,31 @@ class Engine:
             req.shared = np.zeros(len(self.cache.groups), np.int64)  # swapped in, every block is its own
             req.state = RequestState.SWAPPED
             self._swapped.append(req.id)
-            self._swaps += 1
+            self._count.swaps += 1
             logger.debug("request %d swapped out from row %d", req.id, req.row)
             return
         logger.debug("request %d preempted for recomputation (row %d, %d tokens)", req.id, req.row, len(req.tokens))
         self._retire([req], final=False)
-        self._recomputes += 1
+        self._count.recomputes += 1
 
-    def _retire(self, reqs: list, *, final: bool) -> None:
+    def _retire(self, reqs: list, *, final: bool, requeue: bool = True) -> None:
         """Give the requests' rows back to the cache (a paged cache first
-        inserts their full pages into the prefix cache) and unpin their
-        prefixes. ``final``: they are done, else they go back to the front
-        of the queue."""
+        inserts their full pages into the prefix cache: those whose K/V are
+        written, i.e. all but the last token, or of a request aborted
+        mid-prefill the pieces prefilled so far) and unpin their prefixes.
+        ``final``: they are done; else they go back to the front of the
+        queue (``requeue``) or nowhere (an abort finishes them)."""
         if not reqs:
             return
-        self.cache.retire([(req.row, req.tokens[: req.kv_len], req.namespace, req.hit) for req in reqs])
+        self.cache.retire([(req.row, req.tokens[: req.pieces[0][0] if req.pieces else req.kv_len], req.namespace,
+                            req.hit) for req in reqs])
         for req in reqs:
             self._rows[req.row] = None
-            req.hit, req.row = None, -1
+            req.hit, req.row, req.lane, req.pieces = None, -1, None, []
             if final:
-                req.state = RequestState.FINISHED
-                self.outputs[req.id] = list(req.generated)
+                self._finish(req, "length")
             else:
                 req.state = RequestState.WAITING
-        if not final:
+        if not final and requeue:
             for req in reversed(reqs):
                 self._waiting.appendleft(req.id)
