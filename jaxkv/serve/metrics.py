@@ -1,0 +1,231 @@
+"""Prometheus metrics of the OpenAI-compatible server (:mod:`jaxkv.serve.http`).
+
+Served at ``GET /metrics`` in the Prometheus text format by
+``prometheus_client`` (the Prometheus project's own Python client). Every
+server has its own :class:`~prometheus_client.CollectorRegistry`, so two
+servers in one process (tests) never share a series.
+
+Two kinds of series:
+
+* measured by the server, per HTTP request, on the event loop as results
+  arrive from the engine loop: ``jaxkv_time_to_first_token_seconds`` (from
+  the request's arrival at the server to its first generated token reaching
+  the event loop), ``jaxkv_inter_token_latency_seconds`` (the gap between
+  two deliveries spread evenly over the tokens they brought: one
+  observation per token after the first), ``jaxkv_e2e_request_latency_seconds``,
+  ``jaxkv_prompt_tokens_total``, ``jaxkv_generation_tokens_total``,
+  ``jaxkv_request_success_total{finish_reason}`` (``stop``, ``length``,
+  ``abort``: a client that went away), ``jaxkv_http_errors_total{status}``;
+* read from the engine's :meth:`~jaxkv.serve.Engine.stats` when scraped
+  (the engine loop takes the snapshot, so the engine is only touched by its
+  own thread): ``jaxkv_requests_running``, ``jaxkv_requests_waiting``,
+  ``jaxkv_kv_cache_used_tokens{group}`` / ``jaxkv_kv_cache_capacity_tokens{group}``
+  and ``jaxkv_kv_cache_used_bytes{group}`` / ``jaxkv_kv_cache_capacity_bytes{group}``
+  (one series per block group of the cache: ``pages`` for a paged pool),
+  ``jaxkv_kv_cache_usage_ratio{group}``, ``jaxkv_prefix_cache_queries_tokens_total``
+  and ``jaxkv_prefix_cache_hits_tokens_total`` (prompt tokens admitted and
+  those served from the prefix cache), ``jaxkv_prefix_cache_hit_rate``,
+  ``jaxkv_preemptions_total``, ``jaxkv_engine_aborted_requests_total``,
+  ``jaxkv_engine_finished_requests_total``, ``jaxkv_engine_iterations_total``,
+  and the engine's own TTFT / ITL samples (drained from each snapshot) in
+  ``jaxkv_engine_time_to_first_token_seconds`` and
+  ``jaxkv_engine_inter_token_latency_seconds``;
+* start-up: ``jaxkv_startup_seconds`` (command to ready),
+  ``jaxkv_xla_compilations_total`` / ``jaxkv_xla_compile_seconds_total``
+  (XLA backend compiles in this process, warm-up included: the count stays
+  put while serving when the engine's programs are bucketed) and
+  ``jaxkv_ready`` (1 once ``/health`` says ready).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from collections.abc import Mapping
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+__all__ = ["CONTENT_TYPE", "ServerMetrics", "engine_stats_dict"]
+
+#: The Prometheus text exposition format's content type.
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+# Seconds: CPU runs of a tiny model reach the low milliseconds, a loaded
+# server or a large model on CPU the tens of seconds.
+_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+                 40.0, 80.0)
+_ITL_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0,
+                2.5, 5.0, 10.0)
+_E2E_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0)
+
+
+def engine_stats_dict(stats) -> dict:
+    """An :class:`~jaxkv.serve.engine.EngineStats` (a dataclass) or a
+    mapping as a plain dict (None: empty)."""
+    if stats is None:
+        return {}
+    if isinstance(stats, Mapping):
+        return dict(stats)
+    if dataclasses.is_dataclass(stats):
+        return {f.name: getattr(stats, f.name) for f in dataclasses.fields(stats)}
+    return dict(vars(stats))
+
+
+def _per_group(value) -> dict[str, float]:
+    """A per-group figure as ``{group: number}`` (a mapping, or one number for
+    a single-group cache: ``pages``)."""
+    if value is None:
+        return {}
+    if isinstance(value, Mapping):
+        return {str(k): float(v) for k, v in value.items()}
+    return {"pages": float(value)}
+
+
+class _EngineCollector:
+    """Gauges and counters read from the latest engine snapshot at scrape
+    time (see the module docstring)."""
+
+    def __init__(self, metrics: ServerMetrics):
+        self.metrics = metrics
+
+    def describe(self):  # no describe-time collection (the snapshot may not exist yet)
+        return []
+
+    def collect(self):
+        stats = self.metrics.engine_stats()
+        get = stats.get
+        yield GaugeMetricFamily("jaxkv_requests_running", "Requests holding a sequence row on the device "
+                                "(prefilling or decoding).", value=float(get("running", 0)))
+        yield GaugeMetricFamily("jaxkv_requests_waiting", "Requests queued for admission (new or preempted "
+                                "for recomputation).", value=float(get("waiting", 0)))
+        yield GaugeMetricFamily("jaxkv_requests_swapped", "Requests preempted to host memory.",
+                                value=float(get("swapped", 0)))
+        for name, doc, key in (
+                ("jaxkv_kv_cache_used_tokens", "KV cache tokens in use per block group (blocks held by "
+                 "requests or the prefix cache, times tokens per block).", "tokens_used"),
+                ("jaxkv_kv_cache_capacity_tokens", "KV cache tokens per block group.", "tokens_total"),
+                ("jaxkv_kv_cache_used_bytes", "KV cache bytes in use per block group.", "bytes_used"),
+                ("jaxkv_kv_cache_capacity_bytes", "KV cache bytes per block group.", "bytes_total"),
+                ("jaxkv_kv_cache_used_blocks", "KV cache blocks in use per block group.", "blocks_used"),
+                ("jaxkv_kv_cache_capacity_blocks", "Allocatable KV cache blocks per block group.", "blocks_total")):
+            family = GaugeMetricFamily(name, doc, labels=["group"])
+            for group, value in _per_group(get(key)).items():
+                family.add_metric([group], value)
+            yield family
+        usage = GaugeMetricFamily("jaxkv_kv_cache_usage_ratio", "Fraction of each block group's tokens in use.",
+                                  labels=["group"])
+        totals = _per_group(get("tokens_total"))
+        for group, used in _per_group(get("tokens_used")).items():
+            usage.add_metric([group], used / totals[group] if totals.get(group) else 0.0)
+        yield usage
+        queries, hits = float(get("prompt_tokens", 0)), float(get("prefix_hit_tokens", 0))
+        yield CounterMetricFamily("jaxkv_prefix_cache_queries_tokens", "Prompt tokens admitted (looked up in "
+                                  "the prefix cache).", value=queries)
+        yield CounterMetricFamily("jaxkv_prefix_cache_hits_tokens", "Prompt tokens served from the prefix cache.",
+                                  value=hits)
+        yield GaugeMetricFamily("jaxkv_prefix_cache_hit_rate", "Prefix cache hits / queries in tokens, since "
+                                "start.", value=hits / queries if queries else 0.0)
+        yield CounterMetricFamily("jaxkv_preemptions", "Requests preempted (swap and recompute) since start.",
+                                  value=float(get("preemptions", 0)))
+        for name, doc, key in (("jaxkv_engine_aborted_requests", "Requests the engine aborted (clients that "
+                                "went away).", "aborted_requests"),
+                               ("jaxkv_engine_finished_requests", "Requests the engine finished.",
+                                "finished_requests"),
+                               ("jaxkv_engine_iterations", "Scheduler iterations (engine steps).", "iterations")):
+            yield CounterMetricFamily(name, doc, value=float(get(key, 0) or 0))
+        with self.metrics.lock:
+            compiles, compile_seconds = self.metrics.compiles, self.metrics.compile_seconds
+        yield CounterMetricFamily("jaxkv_xla_compilations", "XLA backend compilations in this process.",
+                                  value=float(compiles))
+        yield CounterMetricFamily("jaxkv_xla_compile_seconds", "Seconds spent in XLA backend compilations.",
+                                  value=float(compile_seconds))
+        yield GaugeMetricFamily("jaxkv_ready", "1 once the server serves (model loaded, programs warmed up).",
+                                value=1.0 if self.metrics.ready else 0.0)
+        yield GaugeMetricFamily("jaxkv_startup_seconds", "Seconds from the command to ready.",
+                                value=float(self.metrics.startup_seconds or 0.0))
+
+
+class ServerMetrics:
+    """The server's metrics (see the module docstring). ``observe_*`` are
+    called on the event loop; :meth:`set_engine_stats` by whoever got the
+    snapshot; :meth:`render` gives the exposition text."""
+
+    def __init__(self):
+        self.registry = CollectorRegistry(auto_describe=False)
+        r = self.registry
+        self.ttft = Histogram("jaxkv_time_to_first_token_seconds", "Seconds from a request's arrival to its first "
+                              "generated token.", buckets=_TTFT_BUCKETS, registry=r)
+        self.itl = Histogram("jaxkv_inter_token_latency_seconds", "Seconds between consecutive generated tokens of "
+                             "a request.", buckets=_ITL_BUCKETS, registry=r)
+        self.e2e = Histogram("jaxkv_e2e_request_latency_seconds", "Seconds from a request's arrival to its last "
+                             "token.", buckets=_E2E_BUCKETS, registry=r)
+        self.engine_ttft = Histogram("jaxkv_engine_time_to_first_token_seconds", "Seconds from the scheduler "
+                                     "iteration that saw a request to its first token (the engine's own samples, "
+                                     "taken in at each scrape).", buckets=_TTFT_BUCKETS, registry=r)
+        self.engine_itl = Histogram("jaxkv_engine_inter_token_latency_seconds", "Seconds between consecutive "
+                                    "tokens of a request as the engine measures them (a decode call's wall time "
+                                    "spread over its tokens).", buckets=_ITL_BUCKETS, registry=r)
+        self.prompt_tokens = Counter("jaxkv_prompt_tokens", "Prompt tokens of the engine requests served.",
+                                     registry=r)
+        self.generation_tokens = Counter("jaxkv_generation_tokens", "Tokens generated.", registry=r)
+        self.finished = Counter("jaxkv_request_success", "Engine requests finished, by finish reason.",
+                                ["finish_reason"], registry=r)
+        self.errors = Counter("jaxkv_http_errors", "Error responses, by HTTP status.", ["status"], registry=r)
+        self.lock = threading.Lock()
+        self.compiles = 0
+        self.compile_seconds = 0.0
+        self.ready = False
+        self.startup_seconds: float | None = None
+        self._stats: dict = {}
+        r.register(_EngineCollector(self))
+
+    # ----------------------------------------------------------- engine
+
+    def set_engine_stats(self, stats) -> None:
+        """Keep ``stats`` (an ``EngineStats`` or a dict) for the next scrape;
+        its TTFT / ITL samples (those since the previous snapshot) go into
+        the engine-side histograms."""
+        self._stats = engine_stats_dict(stats)
+        for sample in self._stats.get("ttft", ()) or ():
+            self.engine_ttft.observe(sample)
+        for sample in self._stats.get("itl", ()) or ():
+            self.engine_itl.observe(sample)
+
+    def engine_stats(self) -> dict:
+        return self._stats
+
+    def count_compile(self, seconds: float) -> None:
+        """One XLA backend compile of ``seconds`` (from a ``jax.monitoring``
+        listener: any thread)."""
+        with self.lock:
+            self.compiles += 1
+            self.compile_seconds += seconds
+
+    # -------------------------------------------------------- requests
+
+    def observe_tokens(self, arrival: float, last: float | None, now: float, count: int) -> None:
+        """``count`` tokens of a request that arrived at ``arrival`` delivered
+        at ``now``; ``last``: when its previous tokens were (None: these are
+        its first)."""
+        if count <= 0:
+            return
+        self.generation_tokens.inc(count)
+        if last is None:
+            self.ttft.observe(now - arrival)
+            count -= 1
+            last = now
+        if count:
+            gap = (now - last) / count
+            for _ in range(count):
+                self.itl.observe(gap)
+
+    def observe_finished(self, arrival: float, now: float, reason: str | None) -> None:
+        self.e2e.observe(now - arrival)
+        self.finished.labels(finish_reason=reason or "unknown").inc()
+
+    def observe_error(self, status: int) -> None:
+        self.errors.labels(status=str(status)).inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

