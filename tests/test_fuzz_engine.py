@@ -305,7 +305,17 @@ BAD_ENGINES = [
     ("num_pages", dict(num_pages=10.0)),
     ("num_pages", dict(num_pages=True)),
     ("num_pages", dict(num_pages="10")),
-    ("num_pages", dict(num_pages=None)),
+    ("kv_cache_memory", dict(num_pages=None, kv_cache_memory=0)),
+    ("kv_cache_memory", dict(num_pages=None, kv_cache_memory=1.5)),
+    ("kv_cache_memory", dict(num_pages=None, kv_cache_memory="1GB")),
+    ("kv_cache_memory", dict(num_pages=None, kv_cache_memory=True)),
+    ("kv_cache_memory", dict(num_pages=None, kv_cache_memory=100)),  # less than the tables and one block
+    ("kv_cache_memory", dict(kv_cache_memory=1 << 20)),  # beside num_pages
+    ("max_model_len", dict(max_model_len=1)),
+    ("max_model_len", dict(max_model_len=2.5)),
+    ("max_model_len", dict(max_model_len=100)),  # beside max_blocks_per_seq of another width
+    ("host_kv_memory", dict(host_kv_memory=-1)),
+    ("host_kv_memory", dict(num_host_pages=4, host_kv_memory=1 << 20)),
     ("page_size", dict(page_size=0)),
     ("page_size", dict(page_size=4.0)),
     ("max_seqs", dict(max_seqs=0)),

@@ -941,9 +941,10 @@ class Engine:
             text, req.emitted = req.text[req.emitted:end], max(end, req.emitted)
         else:
             text = ""
-        entry = self._out.setdefault(req.id, [[], "", False])
-        entry[0] += taken
-        entry[1] += text
+        if taken or text:  # a row a stalled decode gave nothing has nothing to say
+            entry = self._out.setdefault(req.id, [[], "", False])
+            entry[0] += taken
+            entry[1] += text
         if reason is not None:
             req.finish_reason = reason
         return reason is not None

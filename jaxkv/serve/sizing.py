@@ -4,9 +4,14 @@ longest request to pages, blocks per group, snapshots and host pages.
 The engine (:class:`jaxkv.serve.Engine`) sizes its cache from two numbers:
 
 * ``max_model_len``: the longest request, prompt plus output. Default:
-  ``min(config.max_position_embeddings, DEFAULT_MAX_MODEL_LEN)`` (4096; the
-  positions a checkpoint supports are often far more than a default run
-  needs, and every decode step reads a row's whole block table).
+  ``min(config.max_position_embeddings, DEFAULT_MAX_MODEL_LEN)`` (4096), on
+  a CPU backend ``min(config.max_position_embeddings,
+  CPU_DEFAULT_MAX_MODEL_LEN)`` (1024). The positions a checkpoint supports
+  are often far more than a default run needs, and the block tables are
+  that wide: the pure-JAX reference attention the CPU runs reads a row's
+  whole table for every decode step and, on a hybrid cache, for every
+  prefill token (a Qwen3-Next prefill call at 4096 took 15 s and 4 GB on
+  the CPU, at 256 well under one).
 * ``kv_cache_memory``: the bytes the cache may take on the device, as an
   int, or a float in ``(0, 1]``: that fraction of the device's free memory
   (:func:`device_free_bytes`: ``bytes_limit - bytes_in_use`` of
@@ -52,11 +57,13 @@ import numpy as np
 
 from jaxkv.errors import InvalidArgument
 
-__all__ = ["CPU_FREE_BYTES", "DEFAULT_MAX_MODEL_LEN", "DEFAULT_MEMORY_FRACTION", "CachePlan", "GroupPlan",
+__all__ = ["CPU_DEFAULT_MAX_MODEL_LEN", "CPU_FREE_BYTES", "DEFAULT_MAX_MODEL_LEN", "DEFAULT_MEMORY_FRACTION", "CachePlan", "GroupPlan",
            "default_max_model_len", "device_free_bytes", "resolve_budget", "solve", "tree_bytes"]
 
 #: ``max_model_len`` when none is given: ``min(config.max_position_embeddings, DEFAULT_MAX_MODEL_LEN)``.
 DEFAULT_MAX_MODEL_LEN = 4096
+#: The same on a CPU backend (see the module docstring).
+CPU_DEFAULT_MAX_MODEL_LEN = 1024
 #: The fraction of the device's free memory the cache takes by default (capped, see the module docstring).
 DEFAULT_MEMORY_FRACTION = 0.8
 #: What stands for "free memory" on a device whose ``memory_stats()`` says nothing (the CPU): 1 GiB.
@@ -82,11 +89,15 @@ def device_free_bytes(device=None) -> int | None:
     return max(int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0)), 0)
 
 
-def default_max_model_len(model) -> int:
-    """``min(config.max_position_embeddings, DEFAULT_MAX_MODEL_LEN)``
-    (``DEFAULT_MAX_MODEL_LEN`` for a model without the field)."""
+def default_max_model_len(model, platform: str | None = None) -> int:
+    """``min(config.max_position_embeddings, DEFAULT_MAX_MODEL_LEN)``, on a
+    CPU backend (``platform``, default ``jax.devices()[0].platform``) with
+    ``CPU_DEFAULT_MAX_MODEL_LEN``; the cap alone for a model without the
+    field."""
+    platform = jax.devices()[0].platform if platform is None else platform
+    cap = CPU_DEFAULT_MAX_MODEL_LEN if platform == "cpu" else DEFAULT_MAX_MODEL_LEN
     positions = getattr(getattr(model, "config", None), "max_position_embeddings", None)
-    return DEFAULT_MAX_MODEL_LEN if not positions else min(int(positions), DEFAULT_MAX_MODEL_LEN)
+    return cap if not positions else min(int(positions), cap)
 
 
 def resolve_budget(kv_cache_memory, *, free_bytes: int | None = None) -> tuple[int, str]:
