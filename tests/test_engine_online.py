@@ -316,6 +316,27 @@ def test_stats_count_requests_blocks_and_latency_samples():
     stats = engine.stats()
     assert stats.finished_requests == 2 and stats.aborted_requests == 1 and stats.running == 0
     assert len(stats.ttft) == 1  # the second request's
+    # A long-running server drops what it has delivered.
+    delivered = list(engine.outputs[first])
+    assert engine.forget(first) == delivered and first not in engine.outputs and first not in engine._requests
+    with pytest.raises(InvalidArgument, match="finished"):
+        engine.forget(first)
+
+
+def test_a_request_added_late_queues_behind_those_that_arrived():
+    """``arrival_step`` 0 on an engine past step 0 means now: FCFS behind
+    the requests already waiting, never ahead of them."""
+    engine = Engine(llama(), **{**ENGINE, "max_seqs": 1})
+    rng = np.random.default_rng(16)
+    running = engine.add_request(tokens(rng, 9), 8)
+    engine.step()
+    waiting = engine.add_request(tokens(rng, 9), 2, arrival_step=1)
+    late = engine.add_request(tokens(rng, 9), 2)  # arrival_step 0, added at step 1
+    assert list(engine._waiting) == [waiting, late]
+    order = []
+    while engine.has_unfinished():
+        order += [out.request_id for out in engine.step() if out.finished]
+    assert order == [running, waiting, late]
 
 
 # ------------------------------------------------------------------ hybrid

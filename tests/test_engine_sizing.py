@@ -120,6 +120,13 @@ def test_a_fraction_of_the_free_memory():
     # On the CPU there are no memory statistics: CPU_FREE_BYTES stands for the free memory.
     assert sizing.device_free_bytes() is None
     assert sizing.resolve_budget(0.5) == (sizing.CPU_FREE_BYTES // 2, sizing.resolve_budget(0.5)[1])
+
+
+    class Device:  # what a GPU's memory_stats says
+        def memory_stats(self):
+            return {"bytes_limit": 80 * MiB, "bytes_in_use": 16 * MiB, "peak_bytes_in_use": 20 * MiB}
+
+    assert sizing.device_free_bytes(Device()) == 64 * MiB
     for bad in (0.0, 1.5, -2, 0, True, "1GB", None):
         with pytest.raises(InvalidArgument, match="kv_cache_memory"):
             sizing.resolve_budget(bad)

@@ -7,10 +7,29 @@ device state and the jitted steps: a :class:`~jaxkv.serve.caches.PagedCache`
 prefix cache with state snapshots, recompute preemption) for models with
 ``make_cache``.
 Blocks are counted per group of the cache (one group for a paged pool);
-what follows says "blocks" for each group's count.
+what follows says "blocks" for each group's count. The cache is sized by
+one rule for every family (:mod:`jaxkv.serve.sizing`: ``max_model_len``,
+``kv_cache_memory``; ``Engine(model)`` needs neither), reported as
+``engine.cache_plan``.
+
+**Online.** :meth:`Engine.add_request` queues a request at any time, also
+between iterations while others run; :meth:`Engine.step` runs ONE
+scheduler iteration and returns a :class:`RequestOutput` per request that
+made tokens (a decode chunk makes up to ``decode_chunk`` per request, all
+reported, in order) or finished in it (``"stop"``, ``"length"``,
+``"abort"``); :meth:`Engine.abort` frees what a request holds at the next
+iteration; :meth:`Engine.stats` is a snapshot for a metrics endpoint.
+:meth:`Engine.run` is a loop over ``step`` (with a summary), so a request
+streamed through ``step`` gets exactly the tokens ``run`` gives it.
 
 Requests arrive over time (``arrival_step``: the scheduler iteration from
-which a request may be admitted). Each scheduler iteration:
+which a request may be admitted; one added later than that iteration is
+queued as arriving then). Each scheduler iteration (one ``step``):
+
+0. **Abort** the requests :meth:`Engine.abort` named: a waiting one leaves
+   the queue, a running one (prefilling or decoding) gives back its row and
+   blocks as a finished one does (the pages it computed may stay in the
+   prefix cache), a swapped-out one its row and host blocks.
 
 1. **Resume** swapped-out requests (oldest first) while their blocks fit.
    New requests are admitted only when no request is left swapped out, so a
@@ -62,12 +81,13 @@ the prefix cache alone (ref count 1).
 
 Request life cycle (:class:`RequestState`)::
 
-    WAITING --admit--> RUNNING --EOS / max_new_tokens--> FINISHED
-                 ^         |  ^
-    recompute    |         |  | swap in
-    preemption   +---------+  |
-                           v  |
-                          SWAPPED
+    WAITING --admit--> RUNNING --stop / max_new_tokens--> FINISHED
+       |         ^         |  ^                              ^
+       |         |         |  | swap in                      |
+       | recompute preemption |                              |
+       |                   v  |                              |
+       |                  SWAPPED                            |
+       +------------- abort (from any state) ----------------+
 
 Progress is reported, never printed: ``run(on_progress=fn)`` calls ``fn``
 with an :class:`EngineProgress` after every scheduler iteration, and the
@@ -77,11 +97,18 @@ them). ``python -m jaxkv.demo`` draws a progress bar from the callback.
 
 Example::
 
-    engine = Engine(model, num_pages=256, page_size=16, max_seqs=8, max_blocks_per_seq=32)
+    engine = Engine(model)                      # or Engine(model, max_model_len=8192, kv_cache_memory=0.9)
+    print(engine.cache_plan)                    # tokens, bytes per token, prefix-hit unit per group
     rid = engine.add_request([1, 2, 3], max_new_tokens=16)
     summary = engine.run(on_progress=lambda p: print(p.finished, "/", p.total))
     print(summary)
     engine.outputs[rid]   # the generated token ids
+
+    # online: stream while adding and aborting
+    rid = engine.add_request([4, 5, 6], 64, stop_token_ids=[2])
+    while engine.has_unfinished():
+        for out in engine.step():               # RequestOutput per request that moved
+            print(out.request_id, out.new_token_ids, out.finish_reason)
 """
 
 from __future__ import annotations
@@ -602,7 +629,9 @@ class Engine:
         completed it are given out, the text up to the stop string).
 
         ``arrival_step``: the scheduler iteration from which it may be
-        admitted (simulated arrivals for :meth:`run`; 0: at once).
+        admitted (simulated arrivals for :meth:`run`; 0: at once; a step
+        already passed counts as now, so it queues behind the requests that
+        arrived before it).
 
         Raises ``InvalidArgument``, naming the argument, and queues nothing
         for: a prompt that is empty or not a 1-D sequence of integer token
@@ -641,7 +670,8 @@ class Engine:
         if stop and self.tokenizer is None:
             raise InvalidArgument(f"stop={list(stop)}: stop strings need the engine's tokenizer "
                                   "(Engine(model, tokenizer=...)); give stop_token_ids instead")
-        arrival = _int_at_least(arrival_step, "arrival_step", 0)
+        # A request added after its arrival step arrives now: queued after those already there.
+        arrival = max(_int_at_least(arrival_step, "arrival_step", 0), self._step)
         if not isinstance(sampling, SamplingParams):
             raise InvalidArgument(f"sampling must be a SamplingParams, got {sampling!r}")
         try:
