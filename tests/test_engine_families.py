@@ -115,15 +115,6 @@ def test_windowed_requests_longer_than_the_pool_run_in_window_memory():
     assert engine.prefix_cache.device_blocks() == []  # trimmed rows have no prefix left to cache
 
 
-def test_demo_serves_a_hybrid_checkpoint_on_the_engine(capsys):
-    from jaxkv import demo
-
-    demo.main(["--model", os.path.join(FIXTURES, "qwen3_next/small"), "--prompt", "3,17,42", "--max-new-tokens", "2"])
-    out = capsys.readouterr().out
-    assert "Qwen3NextForCausalLM on the engine: ['full'] block groups" in out
-    assert "requests 1 | generated tokens 2" in out
-
-
 # ------------------------------------------------------------------ prefix cache
 
 PREFIX_CASES = {  # fixture -> (shared prompt length, new tokens, blocks per group: room for every cached page)
