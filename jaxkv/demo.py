@@ -30,8 +30,9 @@ prefill and decode programs of SmolLM2's 30 layers take about 20 s to
 compile on 2 CPU cores), in the folder ``python -m jaxkv.serve`` uses:
 ``$JAXKV_CACHE_DIR/jax``, else ``$XDG_CACHE_HOME/jaxkv/jax``, else
 ``~/.cache/jaxkv/jax``; ``--compile-cache-dir DIR`` picks another,
-``--no-compile-cache`` turns it off. A second run reads the compiled
-programs from there.
+``--no-compile-cache`` turns it off (the server's helper,
+:func:`jaxkv.serve.http.configure_compile_cache`, caches every program,
+however small). A second run reads the compiled programs from there.
 (``python -m jaxkv.allocator_tour`` is the allocator tour.)
 """
 
@@ -57,9 +58,9 @@ from jaxkv.nn.gguf import SMOLLM2_INSTALL, find_smollm2, is_gguf
 from jaxkv.serve import Engine, EngineProgress, EngineSummary
 
 __all__ = [
-    "CONVERSATIONS", "DEMO_CONFIG", "SHARED_SYSTEM_PROMPT", "ChatRequest", "StreamedRequest", "chat_requests",
-    "configure_compile_cache", "default_compile_cache_dir", "main", "progress_bar", "run_chat", "run_checkpoint",
-    "run_random_model", "serve_streaming", "synthetic_workload",
+    "CHAT_ENGINE_OPTIONS", "CONVERSATIONS", "DEMO_CONFIG", "SHARED_SYSTEM_PROMPT", "ChatRequest", "StreamedRequest",
+    "chat_requests", "main", "progress_bar", "run_chat", "run_checkpoint", "run_random_model", "serve_streaming",
+    "synthetic_workload",
 ]
 
 DEMO_CONFIG = dict(
@@ -94,36 +95,6 @@ CONVERSATIONS: tuple[tuple[str | None, str, int], ...] = (
 #: its padded ``max_seqs x prefill_chunk`` tokens, however few it holds, and
 #: four rows decode faster than eight; the later requests queue for a row).
 CHAT_ENGINE_OPTIONS = dict(max_seqs=4, prefill_chunk=64)
-
-
-# ------------------------------------------------------------ compilation cache
-
-
-def default_compile_cache_dir() -> str:
-    """The persistent compilation cache's folder, as ``python -m
-    jaxkv.serve`` picks it: ``$JAXKV_CACHE_DIR/jax``, else
-    ``$XDG_CACHE_HOME/jaxkv/jax``, else ``~/.cache/jaxkv/jax``."""
-    root = os.environ.get("JAXKV_CACHE_DIR")
-    if not root:
-        root = os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"),
-                            "jaxkv")
-    return os.path.join(root, "jax")
-
-
-def configure_compile_cache(path: str) -> int:
-    """Turn on JAX's persistent compilation cache in folder ``path``, for
-    every program however small or quick to compile (JAX's defaults skip
-    programs compiled in under a second). Call before anything is compiled.
-    Returns the number of entries already there (0: a cold start).
-
-    The same settings as the server's helper
-    (``jaxkv.serve.http.configure_compile_cache``), repeated here so the
-    demo does not import the HTTP stack."""
-    os.makedirs(path, exist_ok=True)
-    jax.config.update("jax_compilation_cache_dir", path)
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-    jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
-    return sum(1 for name in os.listdir(path) if not name.startswith("."))
 
 
 # ------------------------------------------------------------ streaming
@@ -419,6 +390,8 @@ def run_checkpoint(path: str, prompts: list[str] | None, max_new: int, *, temper
 
 
 def main(argv: list[str] | None = None) -> None:
+    from jaxkv.serve.http import configure_compile_cache, default_compile_cache_dir  # the server's folder and rule
+
     parser = argparse.ArgumentParser(prog="python -m jaxkv.demo", description=__doc__.splitlines()[0])
     parser.add_argument("--random", action="store_true",
                         help="serve the small random-weight Llama on a synthetic workload (no model needed)")
