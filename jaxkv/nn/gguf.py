@@ -75,6 +75,7 @@ files here). :func:`find_smollm2` finds the SmolLM2-135M-Instruct GGUF that
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
 import re
@@ -171,7 +172,16 @@ def read_gguf(path: str | os.PathLike) -> GGUFFile:
     path = os.fspath(path)
     if not os.path.isfile(path):
         raise InvalidArgument(f"GGUF checkpoint {path} does not exist or is not a file")
-    size = os.path.getsize(path)
+    stat = os.stat(path)
+    return _read_gguf(path, stat.st_mtime_ns, stat.st_size)
+
+
+@functools.lru_cache(maxsize=2)
+def _read_gguf(path: str, mtime_ns: int, size: int) -> GGUFFile:
+    """:func:`read_gguf`'s work, once per file version: loading a model reads
+    the file for its architecture, its tensors and its tokenizer (three
+    parses of the metadata otherwise, ~1.7 s each for SmolLM2). A file that
+    changes on disk (size or mtime) is read again; errors are not cached."""
     with open(path, "rb") as f:
         magic = f.read(4)
     if magic != GGUF_MAGIC:
