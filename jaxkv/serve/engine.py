@@ -149,6 +149,12 @@ def _int_at_least(value, name: str, minimum: int) -> int:
     return value
 
 
+def _short(value, limit: int = 60) -> str:
+    """``repr(value)``, cut to ``limit`` characters for an error message."""
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
 def _block_counts(value) -> dict[str, int] | None:
     """``num_blocks`` of a hybrid cache checked: None, or a dict mapping block
     group names (str) to integers ``>= 2`` (the null block included), else
@@ -159,24 +165,26 @@ def _block_counts(value) -> dict[str, int] | None:
         return None
     expected = "expected None or a dict of block group name -> integer >= 2 (null block included), e.g. {'full': 64}"
     if not isinstance(value, collections.abc.Mapping):
-        raise InvalidArgument(f"num_blocks={_host._short(value)} ({type(value).__name__}): {expected}")
+        raise InvalidArgument(f"num_blocks={_short(value)} ({type(value).__name__}): {expected}")
     counts = {}
     for name, count in value.items():
         if not isinstance(name, str):
-            raise InvalidArgument(f"num_blocks={_host._short(value)}: group name {name!r} is not a string; {expected}")
+            raise InvalidArgument(f"num_blocks={_short(value)}: group name {name!r} is not a string; {expected}")
         try:
             counts[name] = _host.int_scalar(count, f"num_blocks[{name!r}]")
         except InvalidArgument as err:
-            raise InvalidArgument(f"num_blocks={_host._short(value)}: {err}; {expected}") from None
+            raise InvalidArgument(f"num_blocks={_short(value)}: {err}; {expected}") from None
         if counts[name] < 2:
-            raise InvalidArgument(f"num_blocks={_host._short(value)}: group {name!r} has {counts[name]} blocks; "
+            raise InvalidArgument(f"num_blocks={_short(value)}: group {name!r} has {counts[name]} blocks; "
                                   f"{expected}")
     return counts
 
 
 def _stop_strings(stop) -> tuple[str, ...]:
     """``stop`` (a string or a sequence of strings) as a tuple of non-empty
-    strings, else ``InvalidArgument``."""
+    strings (None: none), else ``InvalidArgument``."""
+    if stop is None:
+        return ()
     if isinstance(stop, str):
         stop = (stop,)
     try:
