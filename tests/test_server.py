@@ -466,6 +466,22 @@ def test_503_while_starting_then_second_start_is_faster(checkpoint, tmp_path):
     assert compile_seconds[1] < compile_seconds[0], compile_seconds
 
 
+# ------------------------------------------------------------------ the load bench
+
+
+def test_bench_serve_http_quick(capsys):
+    """``python -m jaxkv.bench serve --http --quick --json``: streaming
+    clients over loopback against the in-process engine, the same text on
+    both paths, no request lost, the JSON line last (timings not asserted)."""
+    from jaxkv.bench.__main__ import main
+
+    assert main(["serve", "--http", "--quick", "--json"]) == 0
+    payload = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert payload["benchmark"] == "serve" and payload["mode"] == "http"
+    assert payload["requests_lost"] == 0 and payload["same_text"]
+    assert {r["path"] for r in payload["results"]} == {"in-process engine", "HTTP (jaxkv.serve)"}
+
+
 # ------------------------------------------------------------------ the real model
 
 

@@ -29,6 +29,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("name", choices=sorted(BENCHMARKS))
     parser.add_argument("--json", action="store_true", help="end with one JSON line of the figures")
     parser.add_argument("--quick", action="store_true", help="fewer steps and repeats (smoke test)")
+    parser.add_argument("--http", action="store_true", help="serve: the workload through python -m jaxkv.serve "
+                        "(streaming clients over loopback) against the in-process engine")
     parser.add_argument("--plot", help="where a benchmark that draws saves its PNG (memory: bench_memory.png)")
     args = parser.parse_args(argv)
     return importlib.import_module(BENCHMARKS[args.name]).main(args)

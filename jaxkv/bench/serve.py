@@ -19,6 +19,30 @@ p50, p99, from the engine's summary), prefix hit rate, and the ratios of
 TTFT p50 / ITL p99 / throughput to the whole-prompt scheduler. Figures are
 the median of the repeats (interleaved, so a noisy spell hits every
 configuration alike).
+
+``--http`` (:func:`http_main`): the same kind of workload through
+``python -m jaxkv.serve`` against the engine in this process, in the same
+run. The model (the same tiny Llama) is saved to a temporary checkpoint
+with a word-level tokenizer (one word per token, so a streamed chunk's text
+counts its tokens); the server runs in a subprocess on 127.0.0.1 with a
+fresh compilation cache (started twice in a full run: the ready times of a
+cold and a warm start are reported). Requests (128; ``--quick`` 12) arrive
+in wall time as a Poisson process (24 per second, ``--quick`` 40: more than
+the server finishes, so throughput is the server's, not the arrivals'),
+each one of four shared 64-token system prompts plus a question (one in
+five with a document), 16..32 new tokens sampled at temperature 0.7 with a
+seed per request (``ignore_eos``), and each is its own streaming client
+(``httpx``, ``/v1/completions`` with token-id prompts, ``stream_options:
+include_usage``). The in-process path adds each request to an
+:class:`~jaxkv.serve.Engine` built with the server's options when its
+arrival time has passed and steps the engine back to back, as the server's
+engine loop does. Reported per path (median of 3 interleaved repeats;
+``--quick`` 1): wall time (first arrival to last token), generated tokens/s,
+time to first token (from the scheduled arrival) and inter-token latency
+p50/p99 (a chunk's gap spread over its tokens), requests lost (an error, or
+fewer tokens than asked: must be 0), and the HTTP / in-process throughput
+ratio; the two paths must stream the same text (seeded requests). Exits 1
+when a request is lost or the texts differ.
 """
 
 from __future__ import annotations
@@ -32,7 +56,7 @@ from jaxkv.bench._timing import machine_description, print_json, print_table
 from jaxkv.nn import LlamaConfig, LlamaForCausalLM, SamplingParams
 from jaxkv.serve import Engine
 
-__all__ = ["main", "poisson_workload"]
+__all__ = ["http_main", "http_workload", "main", "poisson_workload", "write_checkpoint"]
 
 CONFIG = dict(model_type="llama", vocab_size=2048, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
               num_attention_heads=4, num_key_value_heads=2, head_dim=32, rms_norm_eps=1e-6, rope_theta=10000.0,
@@ -64,6 +88,8 @@ def _serve(model, workload, budget):
 
 
 def main(args) -> int:
+    if getattr(args, "http", False):
+        return http_main(args)
     num_requests = 8 if args.quick else 64
     repeats = 1 if args.quick else 3
     workload = poisson_workload(num_requests, np.random.default_rng(0))
@@ -109,3 +135,308 @@ def main(args) -> int:
     if args.json:
         print_json({"benchmark": "serve", "machine": machine_description(), "same_tokens": same, "results": payload})
     return 0 if same else 1
+
+
+# ------------------------------------------------------------------ --http
+
+HTTP_ENGINE = dict(max_model_len=512, max_seqs=8, decode_chunk=4, prefill_chunk=256)
+
+
+def write_checkpoint(path: str) -> str:
+    """The bench's tiny random Llama (``CONFIG``) saved to ``path`` with a
+    word-level tokenizer of its vocabulary (token ``i`` is the word ``w{i}``,
+    decoded with spaces between words: the streamed text counts its tokens)."""
+    import json
+    import os
+
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    os.makedirs(path, exist_ok=True)
+    vocab = {f"w{i}": i for i in range(CONFIG["vocab_size"])}
+    tokenizer = Tokenizer(models.WordLevel(vocab=vocab, unk_token="w0"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer.save(os.path.join(path, "tokenizer.json"))
+    with open(os.path.join(path, "tokenizer_config.json"), "w") as f:
+        json.dump({"unk_token": "w0"}, f)
+    LlamaForCausalLM(LlamaConfig.from_hf(CONFIG), rngs=nnx.Rngs(0)).save_pretrained(path)
+    return path
+
+
+def http_workload(num_requests: int, rate: float, rng) -> list[dict]:
+    """Per request: ``prompt`` (token ids: one of four shared 64-token system
+    prompts, an 8..32-token question, one in five with a 192..384-token
+    document), ``max_tokens`` (16..32), ``arrival`` (seconds from the start:
+    Poisson, ``rate`` requests per second) and ``seed``."""
+    vocab = CONFIG["vocab_size"]
+    systems = [rng.integers(3, vocab, 64).tolist() for _ in range(4)]
+    arrival, out = 0.0, []
+    for i in range(num_requests):
+        prompt = systems[int(rng.integers(4))] + rng.integers(3, vocab, int(rng.integers(8, 33))).tolist()
+        if rng.random() < 0.2:
+            prompt += rng.integers(3, vocab, int(rng.integers(192, 385))).tolist()
+        out.append({"prompt": prompt, "max_tokens": int(rng.integers(16, 33)), "arrival": arrival, "seed": i})
+        arrival += float(rng.exponential(1.0 / rate))
+    return out
+
+
+def _percentiles(values: list) -> tuple[float, float]:
+    if not values:
+        return (0.0, 0.0)
+    arr = np.asarray(values, np.float64)
+    return float(np.percentile(arr, 50)), float(np.percentile(arr, 99))
+
+
+def _summarize(workload, results: dict, start: float, end: float) -> dict:
+    """``results[i] = {"text", "tokens", "first", "gaps"}`` (absolute
+    perf_counter times for ``first``) into the table's figures."""
+    ttft = [results[i]["first"] - (start + w["arrival"]) for i, w in enumerate(workload)
+            if i in results and results[i]["first"] is not None]
+    itl = [gap for r in results.values() for gap in r["gaps"]]
+    tokens = sum(r["tokens"] for r in results.values())
+    lost = sum(1 for i, w in enumerate(workload) if i not in results or results[i]["tokens"] != w["max_tokens"]
+               or results[i].get("error"))
+    wall = end - start
+    return {"wall_seconds": wall, "tokens": tokens, "tokens_per_second": tokens / wall if wall > 0 else 0.0,
+            "ttft_p50_p99_s": _percentiles(ttft), "itl_p50_p99_s": _percentiles(itl), "requests_lost": lost}
+
+
+def _run_in_process(engine, workload) -> tuple[dict, dict]:
+    """The workload on ``engine`` in this process: requests added when their
+    arrival time has passed, ``step`` back to back while there is work (the
+    server's engine loop, without HTTP)."""
+    import time
+
+    sampling = SamplingParams(temperature=0.7)
+    order = sorted(range(len(workload)), key=lambda i: workload[i]["arrival"])
+    results: dict = {}
+    owner: dict = {}
+    start = time.perf_counter()
+    end = start
+    nxt = 0
+    while nxt < len(order) or engine.has_unfinished():
+        now = time.perf_counter() - start
+        while nxt < len(order) and workload[order[nxt]]["arrival"] <= now:
+            i = order[nxt]
+            w = workload[i]
+            owner[engine.add_request(w["prompt"], w["max_tokens"], sampling=sampling, seed=w["seed"])] = i
+            results[i] = {"text": [], "tokens": 0, "first": None, "last": None, "gaps": []}
+            nxt += 1
+        if not engine.has_unfinished():
+            time.sleep(max(workload[order[nxt]]["arrival"] - (time.perf_counter() - start), 0.0))
+            continue
+        outputs = engine.step()
+        t = time.perf_counter()
+        for out in outputs:
+            r = results[owner[out.request_id]]
+            count = len(out.new_token_ids)
+            if count:
+                if r["first"] is None:
+                    r["first"] = r["last"] = t
+                    count -= 1
+                if count:
+                    r["gaps"] += [(t - r["last"]) / count] * count
+                    r["last"] = t
+                r["tokens"] += len(out.new_token_ids)
+                r["text"].append(out.new_text)
+            if out.finished:
+                engine.forget(out.request_id)
+                end = t
+    for r in results.values():
+        r["text"] = "".join(r["text"])
+    return _summarize(workload, results, start, end), results
+
+
+async def _run_http_async(url: str, model: str, workload) -> tuple[dict, dict]:
+    import asyncio
+    import json
+    import time
+
+    import httpx
+
+    results: dict = {}
+
+    async def one(client, i, start):
+        w = workload[i]
+        await asyncio.sleep(max(start + w["arrival"] - time.perf_counter(), 0.0))
+        r = {"text": [], "tokens": 0, "first": None, "last": None, "gaps": [], "usage": None, "error": None,
+             "end": None}
+        results[i] = r
+        body = {"model": model, "prompt": w["prompt"], "max_tokens": w["max_tokens"], "temperature": 0.7,
+                "seed": w["seed"], "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": True}
+        try:
+            async with client.stream("POST", "/v1/completions", json=body) as response:
+                if response.status_code != 200:
+                    r["error"] = f"HTTP {response.status_code}: {(await response.aread())[:200]!r}"
+                    return
+                async for line in response.aiter_lines():
+                    if not line.startswith("data: "):
+                        continue
+                    data = line[6:]
+                    if data == "[DONE]":
+                        break
+                    chunk = json.loads(data)
+                    t = time.perf_counter()
+                    if chunk.get("usage"):
+                        r["usage"] = chunk["usage"]
+                    for choice in chunk.get("choices") or ():
+                        text = choice.get("text") or ""
+                        count = len(text.split())  # one word per token (write_checkpoint's tokenizer)
+                        if not count:
+                            continue
+                        r["text"].append(text)
+                        r["tokens"] += count
+                        if r["first"] is None:
+                            r["first"] = r["last"] = t
+                            count -= 1
+                        if count:
+                            r["gaps"] += [(t - r["last"]) / count] * count
+                            r["last"] = t
+            r["end"] = time.perf_counter()
+            if r["usage"] is None or r["usage"]["completion_tokens"] != r["tokens"]:
+                r["error"] = f"usage {r['usage']} disagrees with the {r['tokens']} streamed tokens"
+        except (httpx.HTTPError, ValueError) as err:
+            r["error"] = f"{type(err).__name__}: {err}"
+
+    limits = httpx.Limits(max_connections=len(workload) + 8, max_keepalive_connections=len(workload) + 8)
+    async with httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(300.0), limits=limits) as client:
+        start = time.perf_counter()
+        await asyncio.gather(*(one(client, i, start) for i in range(len(workload))))
+    end = max((r["end"] for r in results.values() if r["end"] is not None), default=start)
+    for r in results.values():
+        r["text"] = "".join(r["text"])
+    return _summarize(workload, results, start, end), results
+
+
+class _Server:
+    """``python -m jaxkv.serve`` on 127.0.0.1 in a subprocess."""
+
+    def __init__(self, checkpoint: str, cache_dir: str, log_path: str):
+        import os
+        import socket
+        import subprocess
+        import sys
+        import time
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = log_path
+        self.log = open(log_path, "w")
+        args = [sys.executable, "-m", "jaxkv.serve", "--model", checkpoint, "--served-model-name", "bench", "--host",
+                "127.0.0.1", "--port", str(self.port), "--compile-cache-dir", cache_dir, "--log-level", "warning"]
+        for name, value in HTTP_ENGINE.items():
+            args += ["--" + {"max_seqs": "max-num-seqs"}.get(name, name.replace("_", "-")), str(value)]
+        self.started = time.perf_counter()
+        self.proc = subprocess.Popen(args, stdout=self.log, stderr=subprocess.STDOUT,
+                                     env={**os.environ, "PYTHONUNBUFFERED": "1"})
+
+    def wait_ready(self, timeout: float = 600.0) -> float:
+        import time
+
+        import httpx
+
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"the server exited with {self.proc.returncode}: {self.tail()}")
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    return time.perf_counter() - self.started
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.05)
+        raise RuntimeError(f"the server was not ready after {timeout} s: {self.tail()}")
+
+    def tail(self) -> str:
+        self.log.flush()
+        with open(self.log_path) as f:
+            return f.read()[-3000:]
+
+    def stop(self) -> None:
+        import subprocess
+
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=10)
+        self.log.close()
+
+
+def http_main(args) -> int:
+    """``python -m jaxkv.bench serve --http`` (see the module docstring)."""
+    import asyncio
+    import os
+    import tempfile
+
+    from jaxkv.serve.http import warm_up
+    from jaxkv.text import Tokenizer
+
+    num_requests, rate, repeats = (12, 40.0, 1) if args.quick else (128, 24.0, 3)
+    workload = http_workload(num_requests, rate, np.random.default_rng(0))
+    with tempfile.TemporaryDirectory(prefix="jaxkv-bench-http-") as tmp:
+        checkpoint = write_checkpoint(os.path.join(tmp, "ckpt"))
+        cache = os.path.join(tmp, "jax-cache")
+        starts = []
+        server = None
+        try:
+            for attempt in range(1 if args.quick else 2):  # a cold start, then (full run) a warm one that serves
+                if server is not None:
+                    server.stop()
+                server = _Server(checkpoint, cache, os.path.join(tmp, f"server{attempt}.log"))
+                starts.append(server.wait_ready())
+            model = LlamaForCausalLM.from_pretrained(checkpoint)
+            engine = Engine(model, tokenizer=Tokenizer.from_pretrained(checkpoint), **HTTP_ENGINE)
+            warm_up(engine)
+            runs: dict = {"in-process engine": [], "HTTP (jaxkv.serve)": []}
+            texts: dict = {}
+            for _ in range(repeats):  # interleaved: a noisy spell hits both alike
+                summary, results = _run_in_process(engine, workload)
+                runs["in-process engine"].append(summary)
+                texts["in-process engine"] = {i: r["text"] for i, r in results.items()}
+                summary, results = asyncio.run(_run_http_async(server.url, "bench", workload))
+                runs["HTTP (jaxkv.serve)"].append(summary)
+                texts["HTTP (jaxkv.serve)"] = {i: r["text"] for i, r in results.items()}
+                errors = [r["error"] for r in results.values() if r["error"]]
+                if errors:
+                    print(f"HTTP errors ({len(errors)}): {errors[:3]}")
+        finally:
+            if server is not None:
+                server.stop()
+    same = texts["in-process engine"] == texts["HTTP (jaxkv.serve)"]
+    figures = {}
+    for name, summaries in runs.items():
+        def med(key, k=None):
+            return statistics.median(s[key] if k is None else s[key][k] for s in summaries)
+
+        figures[name] = {"tokens_per_second": med("tokens_per_second"), "wall_seconds": med("wall_seconds"),
+                         "ttft_p50_p99_s": (med("ttft_p50_p99_s", 0), med("ttft_p50_p99_s", 1)),
+                         "itl_p50_p99_s": (med("itl_p50_p99_s", 0), med("itl_p50_p99_s", 1)),
+                         "requests_lost": max(s["requests_lost"] for s in summaries),
+                         "tokens": summaries[-1]["tokens"]}
+    base = figures["in-process engine"]["tokens_per_second"]
+    rows, payload = [], []
+    for name, f in figures.items():
+        ratio = f["tokens_per_second"] / base if base else 0.0
+        rows.append([name, f"{f['wall_seconds']:.2f}", f"{f['tokens_per_second']:.0f}",
+                     "/".join(f"{1e3 * x:.0f}" for x in f["ttft_p50_p99_s"]),
+                     "/".join(f"{1e3 * x:.1f}" for x in f["itl_p50_p99_s"]), f["requests_lost"], f"{ratio:.2f}"])
+        payload.append({"path": name, **f, "throughput_ratio": ratio})
+    print_table(f"{num_requests} streaming clients, Poisson arrivals at {rate:g}/s, four shared system prompts, "
+                f"tiny Llama over loopback (median of {repeats}) on {machine_description()}",
+                ["path", "wall s", "tokens/s", "TTFT ms p50/p99", "ITL ms p50/p99", "requests lost",
+                 "tokens/s / in-process"], rows)
+    http_ratio = figures["HTTP (jaxkv.serve)"]["tokens_per_second"] / base if base else 0.0
+    print(f"\nServer ready after {starts[0]:.1f} s (cold compilation cache)"
+          + (f", {starts[1]:.1f} s (second start, warm cache)" if len(starts) > 1 else "")
+          + f"; same text on both paths (seeded requests): {same}; HTTP / in-process tokens/s {http_ratio:.2f}")
+    lost = sum(f["requests_lost"] for f in figures.values())
+    if args.json:
+        print_json({"benchmark": "serve", "mode": "http", "machine": machine_description(), "requests": num_requests,
+                    "rate_per_second": rate, "same_text": same, "requests_lost": lost,
+                    "ready_seconds_cold": starts[0], "ready_seconds_warm": starts[1] if len(starts) > 1 else None,
+                    "http_to_in_process_throughput": http_ratio, "results": payload})
+    return 0 if same and lost == 0 else 1

@@ -877,7 +877,7 @@ def _as_api_error(err: BaseException) -> APIError:
     if isinstance(err, APIError):
         return err
     if isinstance(err, KVCacheError):  # InvalidArgument from add_request: can never fit, bad ids, ...
-        code = "context_length_exceeded" if "tokens" in str(err) and "block" in str(err) else "invalid_value"
+        code = "context_length_exceeded" if "never fit" in str(err) else "invalid_value"
         return APIError(400, f"{type(err).__name__}: {err}", code=code)
     return APIError(500, f"the engine failed: {type(err).__name__}: {err}", code="internal_error")
 
