@@ -100,6 +100,7 @@ from collections.abc import Callable, Sequence
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from jaxkv.errors import KVCacheError
@@ -893,8 +894,11 @@ async def _serve(request: Request, state: ServerState, prompts: list[list[int]],
     created = int(time.time())
     model = state.served_model_names[0]
     if params.stream:
+        # The background task aborts what is left if the stream never started (a client gone before the
+        # first byte: the generator's own ``finally`` only runs once it has started).
         return StreamingResponse(_stream(job, rid, created, model, chat), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+                                 background=BackgroundTask(job.abort))
     try:
         while not job.finished:
             try:
