@@ -293,6 +293,7 @@ def dsv4():
     return Subject("dsv4/small", model, _reference(model, DSV4_LENGTHS, DSV4_NEW))
 
 
+@pytest.mark.long  # ~60 s of compiles; the Qwen3-Next test above checks the same rule by its tokens
 def test_dsv4_rows_retiring_together_never_share_a_snapshot(dsv4):
     """DeepSeek-V4's rings and windows: three rows cached at their
     128-token boundary in one call with one cached snapshot (each later row

@@ -90,7 +90,10 @@ def test_decode_out_of_blocks_names_the_rows_waiting(model):
     # second block and the pool (null block + 1) has none.
     with pytest.raises(KVCacheOOM, match=r"requested 1 blocks, 0 available \(of 1 total\): decode ran out") as info:
         generate(model, [[5, 6, 7, 8]], 4, page_size=4, num_pages=2)
-    assert (info.value.requested, info.value.available, info.value.detail) == (1, 0, "decode ran out of KV blocks")
+    assert (info.value.requested, info.value.available) == (1, 0)
+    # ... and says why with the numbers: the row's peak and the pool.
+    assert info.value.detail == ("decode ran out of KV blocks (the rows hold at most [2] blocks each, 2 together; "
+                                 "the pool has 1)")
 
 
 def test_bad_arguments(model):

@@ -487,6 +487,7 @@ def test_bench_serve_http_quick(capsys):
 # ------------------------------------------------------------------ the real model
 
 
+@pytest.mark.long  # ~40 s; tests/test_gguf.py checks the same tokens through generate in the default run
 def test_smollm2_greedy_chat_equals_transformers(tmp_path):
     from jaxkv.nn.gguf import find_smollm2
 
