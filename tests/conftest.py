@@ -46,3 +46,25 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.skip(
                 reason="compile for H100 without a GPU: needs pip install 'jax[cuda12]>=0.10,<0.11' "
                        "(see README, 'GPU-compile tests')"))
+
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _release_compiled_programs():
+    """Drop every compiled program when a test module ends. Each XLA:CPU
+    executable holds its own memory mappings (the 19 tests of two modules
+    leave ~8,000), and a worker that runs hundreds of modules' programs
+    passes Linux's default ``vm.max_map_count`` (65,530): LLVM's next
+    allocation fails and the worker dies in a compile (segfault / abort).
+    Cleared between modules, a worker stays near 1,000 mappings; the cost is
+    recompiling the few programs two modules share (each module builds its
+    own models and keeps them in module-level caches)."""
+    yield
+    import gc
+
+    import jax
+
+    jax.clear_caches()
+    gc.collect()

@@ -95,7 +95,9 @@ def _dense_logits(model, tokens, entry_format):
 
 # ``small`` is left out here: test_chunked_prefill_crosses_ring_compression_and_block_boundaries
 # runs it through generate and test_engine_families through the engine (CI time).
-@pytest.mark.parametrize("name", [name for name in SCHEDULES if name != "small"])
+# ``small_bf16`` runs in the long pass (CI time): the same schedule as ``small``, in bf16 weights.
+@pytest.mark.parametrize("name", [pytest.param(name, marks=pytest.mark.long) if name == "small_bf16" else name
+                                  for name in SCHEDULES if name != "small"])
 def test_greedy_tokens_equal_transformers(name):
     """Every prompt of the schedule in ONE batch (mixed lengths), prefill
     then the jitted decode loop through the lossless cache: transformers'
