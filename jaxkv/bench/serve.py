@@ -229,22 +229,28 @@ def _run_in_process(engine, workload) -> tuple[dict, dict]:
         t = time.perf_counter()
         for out in outputs:
             r = results[owner[out.request_id]]
-            count = len(out.new_token_ids)
-            if count:
-                if r["first"] is None:
-                    r["first"] = r["last"] = t
-                    count -= 1
-                if count:
-                    r["gaps"] += [(t - r["last"]) / count] * count
-                    r["last"] = t
-                r["tokens"] += len(out.new_token_ids)
-                r["text"].append(out.new_text)
+            if out.new_token_ids:
+                _record(r, out.new_text, len(out.new_token_ids), t)
             if out.finished:
                 engine.forget(out.request_id)
                 end = t
     for r in results.values():
         r["text"] = "".join(r["text"])
     return _summarize(workload, results, start, end), results
+
+
+def _record(r: dict, text: str, count: int, t: float) -> None:
+    """``count`` tokens (``text``) of one request arrived at ``t``: the
+    first one sets its first-token time, the rest share the gap since the
+    last arrival evenly (one chunk or SSE event may carry several)."""
+    r["text"].append(text)
+    r["tokens"] += count
+    if r["first"] is None:
+        r["first"] = r["last"] = t
+        count -= 1
+    if count:
+        r["gaps"] += [(t - r["last"]) / count] * count
+        r["last"] = t
 
 
 async def _run_http_async(url: str, model: str, workload) -> tuple[dict, dict]:
@@ -282,16 +288,8 @@ async def _run_http_async(url: str, model: str, workload) -> tuple[dict, dict]:
                     for choice in chunk.get("choices") or ():
                         text = choice.get("text") or ""
                         count = len(text.split())  # one word per token (write_checkpoint's tokenizer)
-                        if not count:
-                            continue
-                        r["text"].append(text)
-                        r["tokens"] += count
-                        if r["first"] is None:
-                            r["first"] = r["last"] = t
-                            count -= 1
                         if count:
-                            r["gaps"] += [(t - r["last"]) / count] * count
-                            r["last"] = t
+                            _record(r, text, count, t)
             r["end"] = time.perf_counter()
             if r["usage"] is None or r["usage"]["completion_tokens"] != r["tokens"]:
                 r["error"] = f"usage {r['usage']} disagrees with the {r['tokens']} streamed tokens"
