@@ -1,0 +1,178 @@
+"""The packed batch: one scheduler iteration's work as one flat token stream.
+
+A packed (ragged) step runs the decode token of each running request and the
+prefill pieces of others end to end, with no padding between them, in ONE
+model call (vLLM v1, SGLang, tpu-inference). :class:`PackedBatch` is that
+call's description, the same for every model family:
+
+* ``token_ids [T]``, ``positions [T]``: the flat stream (padding tokens past
+  ``cu_q_lens[S]`` have position -1 and id 0);
+* ``token_lanes [T]``: the lane (request of this step) of each token
+  (padding: 0; a padding token is told apart by its position);
+* ``cu_q_lens [S + 1]``: lane ``s`` owns tokens ``[cu_q_lens[s],
+  cu_q_lens[s + 1])``, at positions ``kv_lens[s] - q_len .. kv_lens[s] - 1``;
+* ``kv_lens [S]``: tokens lane ``s``'s request holds after this step;
+* ``seq_ids [S]``: the request's sequence row (paged pool) or request slot
+  (hybrid :class:`~jaxkv.KVCacheManager`) per lane (-1: an idle lane);
+* ``sample [S]``: the lanes that sample a token from their last position
+  (decode lanes, and prefill lanes whose piece ends the prompt);
+* ``slots [T]``, ``block_tables [S, M]``: a paged pool's write slot per token
+  and table per lane, filled on device by the step (None before; a hybrid
+  cache keeps its own tables).
+
+Static fields bound the shapes (each distinct value compiles one program):
+``T`` (the bucketed stream length), ``S`` (lanes, the engine's
+``max_seqs``), and the lane classes: lanes ``[0, num_prefill_lanes)`` may
+carry up to ``max_prefill_len`` tokens, the other lanes at most one (decode
+lanes). Per-token work (projections, MLPs, MoE, norms) runs over the flat
+stream; only the per-request sequence mixers that need a ``[rows, width]``
+layout (Gated DeltaNet's chunked delta rule and causal conv) view it through
+:meth:`PackedBatch.segments`, one small padded view per lane class.
+
+:func:`pack` builds a batch on the host from ``(seq_id, tokens, start,
+sample)`` lanes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+from jaxtyping import Array, Bool, Int
+
+from jaxkv.errors import InvalidArgument
+
+__all__ = ["PackedBatch", "PackedLane", "pack"]
+
+
+@dataclasses.dataclass(frozen=True)
+class PackedLane:
+    """One request's part of a packed step (host side): its sequence row or
+    request slot ``seq_id``, the ``tokens`` it brings, the position of the
+    first (``start``: tokens it held before the step) and whether it samples
+    a token from its last position."""
+
+    seq_id: int
+    tokens: Sequence[int]
+    start: int
+    sample: bool = True
+
+
+@struct.dataclass
+class PackedBatch:
+    """One packed step (see the module docstring). Fields:
+
+    token_ids, positions, token_lanes: ``[T]`` int32.
+    cu_q_lens: ``[S + 1]`` int32; kv_lens, seq_ids: ``[S]`` int32; sample: ``[S]`` bool.
+    slots: ``[T]`` int32 or None; block_tables: ``[S, M]`` int32 or None.
+    num_prefill_lanes, max_prefill_len: static lane classes.
+
+    Invariants: ``cu_q_lens`` is non-decreasing from 0 to at most ``T``;
+    lane ``s < num_prefill_lanes`` has ``q_len <= max_prefill_len``, every
+    other lane ``q_len <= 1``; ``q_len <= kv_lens[s]``; a token's position
+    is ``kv_lens[s] - q_len + i`` for its index ``i`` in its lane, -1 past
+    ``cu_q_lens[S]``; an idle lane (``seq_id`` -1) has no tokens.
+    """
+
+    token_ids: Int[Array, " T"]
+    positions: Int[Array, " T"]
+    token_lanes: Int[Array, " T"]
+    cu_q_lens: Int[Array, " S1"]
+    kv_lens: Int[Array, " S"]
+    seq_ids: Int[Array, " S"]
+    sample: Bool[Array, " S"]
+    slots: Int[Array, " T"] | None = None
+    block_tables: Int[Array, "S M"] | None = None
+    num_prefill_lanes: int = struct.field(pytree_node=False, default=0)
+    max_prefill_len: int = struct.field(pytree_node=False, default=1)
+
+    @property
+    def num_tokens(self) -> int:
+        """``T``: the stream's static length (real tokens and padding)."""
+        return self.token_ids.shape[0]
+
+    @property
+    def num_lanes(self) -> int:
+        return self.seq_ids.shape[0]
+
+    @property
+    def q_lens(self) -> Int[Array, " S"]:
+        return self.cu_q_lens[1:] - self.cu_q_lens[:-1]
+
+    @property
+    def starts(self) -> Int[Array, " S"]:
+        """Tokens each lane's request held before the step."""
+        return self.kv_lens - self.q_lens
+
+    @property
+    def real(self) -> Bool[Array, " T"]:
+        return self.positions >= 0
+
+    @property
+    def last_tokens(self) -> Int[Array, " S"]:
+        """Flat index of each lane's last token (0 for a lane with none)."""
+        return jnp.maximum(self.cu_q_lens[1:] - 1, 0)
+
+    def segments(self, lanes: str):
+        """A ``[rows, width]`` view of one lane class: ``"prefill"`` (rows
+        ``num_prefill_lanes``, width ``max_prefill_len``) or ``"decode"``
+        (the other lanes, width 1). Returns ``(first_lane, index [rows,
+        width], valid [rows, width])``: ``index`` are flat token indices
+        (clamped into ``[0, T)``), ``valid`` marks the lane's real tokens.
+        Gather with ``x[index]``; scatter back with ``x.at[where(valid,
+        index, T)].set(y, mode="drop")``."""
+        if lanes == "prefill":
+            first, rows, width = 0, self.num_prefill_lanes, self.max_prefill_len
+        elif lanes == "decode":
+            first, rows, width = self.num_prefill_lanes, self.num_lanes - self.num_prefill_lanes, 1
+        else:
+            raise InvalidArgument(f"lanes must be 'prefill' or 'decode', got {lanes!r}")
+        lane = first + jnp.arange(rows, dtype=jnp.int32)
+        offset = jnp.arange(width, dtype=jnp.int32)[None, :]
+        index = self.cu_q_lens[lane][:, None] + offset
+        valid = offset < self.q_lens[lane][:, None]
+        return first, jnp.clip(index, 0, self.num_tokens - 1), valid
+
+
+def pack(lanes: Sequence[PackedLane], *, num_lanes: int, num_tokens: int, num_prefill_lanes: int = 0,
+         max_prefill_len: int = 1) -> PackedBatch:
+    """Build a :class:`PackedBatch` on the host: lane ``i`` of the batch is
+    ``lanes[i]`` (idle lanes after them). The first ``num_prefill_lanes``
+    lanes may bring up to ``max_prefill_len`` tokens, the rest at most one.
+    Raises ``InvalidArgument`` (with the numbers) when the lanes do not fit
+    those bounds."""
+    if len(lanes) > num_lanes:
+        raise InvalidArgument(f"{len(lanes)} lanes for a batch of {num_lanes}")
+    total = sum(len(lane.tokens) for lane in lanes)
+    if total > num_tokens:
+        raise InvalidArgument(f"the lanes bring {total} tokens, more than the batch's {num_tokens}")
+    token_ids = np.zeros((num_tokens,), np.int32)
+    positions = np.full((num_tokens,), -1, np.int32)
+    token_lanes = np.zeros((num_tokens,), np.int32)
+    cu = np.zeros((num_lanes + 1,), np.int32)
+    kv_lens = np.zeros((num_lanes,), np.int32)
+    seq_ids = np.full((num_lanes,), -1, np.int32)
+    sample = np.zeros((num_lanes,), bool)
+    at = 0
+    for i, lane in enumerate(lanes):
+        n = len(lane.tokens)
+        bound = max_prefill_len if i < num_prefill_lanes else 1
+        if n > bound:
+            raise InvalidArgument(f"lane {i} brings {n} tokens; lanes of its class take at most {bound} "
+                                  f"({num_prefill_lanes} prefill lanes of {max_prefill_len})")
+        token_ids[at:at + n] = lane.tokens
+        positions[at:at + n] = np.arange(lane.start, lane.start + n)
+        token_lanes[at:at + n] = i
+        kv_lens[i] = lane.start + n
+        seq_ids[i] = lane.seq_id
+        sample[i] = lane.sample and n > 0
+        at += n
+        cu[i + 1] = at
+    cu[len(lanes) + 1:] = at
+    return PackedBatch(token_ids=jnp.asarray(token_ids), positions=jnp.asarray(positions),
+                       token_lanes=jnp.asarray(token_lanes), cu_q_lens=jnp.asarray(cu), kv_lens=jnp.asarray(kv_lens),
+                       seq_ids=jnp.asarray(seq_ids), sample=jnp.asarray(sample),
+                       num_prefill_lanes=int(num_prefill_lanes), max_prefill_len=int(max_prefill_len))
