@@ -34,6 +34,7 @@ from flax import nnx
 from jaxtyping import Array, Float, Int
 
 from kernels_pallas import paged_attention
+from kernels_pallas.ragged_attention import ragged_paged_attention
 from kernels_pallas.reference import gather_pages
 from jaxkv._ops import INT32_MAX, is_fp8
 from jaxkv.errors import InvalidArgument
@@ -47,6 +48,7 @@ __all__ = [
     "RMSNorm",
     "causal_attention",
     "check_implementation",
+    "check_mode",
     "paged_prefill_attention",
 ]
 
@@ -201,6 +203,19 @@ def paged_prefill_attention(
                          k_scales, v_scales, jnp.asarray(sm_scale, jnp.float32), window, use_window=use_window)
 
 
+def check_mode(mode: str, b: int, t: int, batch) -> None:
+    """``InvalidArgument`` unless ``mode`` is ``"prefill"``, ``"decode"``
+    (``T == 1``) or ``"ragged"`` (``B == 1`` with a packed ``batch`` whose
+    tables are filled in)."""
+    if mode not in ("prefill", "decode", "ragged"):
+        raise InvalidArgument(f"mode must be 'prefill', 'decode' or 'ragged', got {mode!r}")
+    if mode == "decode" and t != 1:
+        raise InvalidArgument(f"decode mode takes one token per sequence, got T={t}")
+    if mode == "ragged" and (b != 1 or batch is None or batch.block_tables is None):
+        raise InvalidArgument(f"ragged mode takes one flat stream (B == 1, got {b}) and a PackedBatch with "
+                              "block_tables")
+
+
 def check_implementation(implementation: str | None, interpret: bool = False) -> None:
     """``InvalidArgument`` unless ``implementation`` is None, ``"pallas"`` or
     ``"reference"`` and ``interpret`` is not combined with ``"reference"``
@@ -338,6 +353,7 @@ class PagedAttention(nnx.Module):
         num_new: Int[Array, " B"],
         *,
         mode: str = "prefill",
+        batch=None,
     ) -> tuple[Float[Array, "B T E"], KVPool]:
         """Write this step's K/V into ``pool`` and attend through the tables.
 
@@ -357,27 +373,34 @@ class PagedAttention(nnx.Module):
             position of token 0 of this step).
           num_new: ``[B]`` real tokens of this step per row (``<= T``; 0 for
             an idle row).
-          mode: ``"prefill"`` (any ``T``; :func:`paged_prefill_attention`) or
+          mode: ``"prefill"`` (any ``T``; :func:`paged_prefill_attention`),
             ``"decode"`` (``T == 1``; :func:`kernels_pallas.paged_attention`
             with the layer's ``implementation``, ``lengths = starts + 1``, 0
-            for rows with ``num_new == 0``).
+            for rows with ``num_new == 0``) or ``"ragged"``: a packed step
+            (``B == 1``, the flat stream of ``batch``, a
+            :class:`~jaxkv.nn.packed.PackedBatch` whose ``block_tables``
+            and ``kv_lens`` the attention reads through
+            :func:`kernels_pallas.ragged_attention.ragged_paged_attention`;
+            ``block_tables``, ``starts`` and ``num_new`` are unused, padding
+            tokens are those with a negative position).
 
         Returns:
           ``(out [B, T, hidden], pool)``; outputs of padding tokens are those
           of a zero attention output (finite, never NaN).
         """
         b, t, _ = x.shape
-        if mode not in ("prefill", "decode"):
-            raise InvalidArgument(f"mode must be 'prefill' or 'decode', got {mode!r}")
-        if mode == "decode" and t != 1:
-            raise InvalidArgument(f"decode mode takes one token per sequence, got T={t}")
+        check_mode(mode, b, t, batch)
         if tuple(slots.shape) != (b, t) or tuple(positions.shape) != (b, t):
             raise InvalidArgument(
                 f"slots and positions must be [{b}, {t}], got {tuple(slots.shape)} and {tuple(positions.shape)}")
-        starts = jnp.asarray(starts, jnp.int32)
-        num_new = jnp.asarray(num_new, jnp.int32)
+        if mode == "ragged":
+            real = positions >= 0
+            positions = jnp.maximum(positions, 0)
+        else:
+            starts = jnp.asarray(starts, jnp.int32)
+            num_new = jnp.asarray(num_new, jnp.int32)
+            real = jnp.arange(t, dtype=jnp.int32)[None, :] < num_new[:, None]
         q, k, v = self.qkv(x, positions)
-        real = jnp.arange(t, dtype=jnp.int32)[None, :] < num_new[:, None]
         slots = jnp.where(real, jnp.asarray(slots, jnp.int32), -1)  # padding never overwrites a page
         pool = pool.set_kv(layer, slots.reshape(-1), k.reshape(b * t, self.num_kv_heads, self.head_dim),
                            v.reshape(b * t, self.num_kv_heads, self.head_dim))
@@ -387,6 +410,11 @@ class PagedAttention(nnx.Module):
             lengths = jnp.where(num_new > 0, starts + 1, 0)
             attn = fn(q[:, 0], pool.k_pages, pool.v_pages, block_tables, lengths, pool.k_scales, pool.v_scales,
                       layer=layer, sm_scale=self.sm_scale, sliding_window=self.sliding_window)[:, None]
+        elif mode == "ragged":
+            attn = ragged_paged_attention(
+                q[0], pool.k_pages, pool.v_pages, batch.block_tables, batch.kv_lens, batch.cu_q_lens, pool.k_scales,
+                pool.v_scales, layer=layer, sm_scale=self.sm_scale, sliding_window=self.sliding_window,
+                implementation=self.implementation, interpret=self.interpret)[None]
         else:
             k_pages, v_pages, k_scales, v_scales = pool.layer_arrays(layer)
             fn = self.prefill_attention_fn or paged_prefill_attention

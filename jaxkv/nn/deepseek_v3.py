@@ -51,13 +51,15 @@ from jaxtyping import Array, Float, Int
 
 from jaxkv._ops import is_fp8
 from jaxkv.errors import InvalidArgument
-from jaxkv.nn.attention import check_implementation, paged_prefill_attention
+from jaxkv.nn.attention import check_implementation, check_mode, paged_prefill_attention
 from jaxkv.nn.deepseek_v3_config import DeepseekV3Config
 from jaxkv.nn.layers import (Experts, Linear, RMSNorm, SwiGLU, fuse_experts, load_state, named_state, param,
                              read_checkpoint, save_checkpoint)
 from jaxkv.nn.llama import LlamaDecoderLayer
+from jaxkv.nn.packed import PackedBatch, packed_logits
 from jaxkv.pool.kv_pool import KVPool, dequantize, quantize_fp8
 from kernels_pallas import paged_attention
+from kernels_pallas.ragged_attention import ragged_paged_attention
 
 __all__ = ["DeepseekV3ForCausalLM"]
 
@@ -134,19 +136,22 @@ class DeepseekV3Attention(nnx.Module):
         return self.o_proj(heads.reshape(*heads.shape[:2], -1))
 
     def __call__(self, x, positions, pool: KVPool, layer: int, slots, block_tables, starts, num_new, *,
-                 mode: str = "prefill"):
+                 mode: str = "prefill", batch=None):
         """Write this step's ``[latent | k_rope]`` rows and attend through the
         tables (the call of :class:`~jaxkv.nn.PagedAttention`). Returns
         ``(out [B, T, hidden], pool)``."""
         c = self.config
         b, t, _ = x.shape
-        if mode not in ("prefill", "decode") or (mode == "decode" and t != 1):
-            raise InvalidArgument(f"mode must be 'prefill' or 'decode' (T == 1), got {mode!r} with T={t}")
+        check_mode(mode, b, t, batch)
+        if mode == "ragged":
+            real = positions >= 0
+            positions = jnp.maximum(positions, 0)
+        else:
+            real = jnp.arange(t, dtype=jnp.int32)[None, :] < num_new[:, None]
         q_nope, q_rope, latent, k_rope = self._project(x, positions)
         w_k, _ = self._kv_b()
         q_latent = jnp.einsum("bthn,hnr->bthr", q_nope, w_k.astype(q_nope.dtype), precision=self.o_proj.precision)
         query = jnp.concatenate([q_latent, q_rope.astype(q_latent.dtype)], axis=-1)
-        real = jnp.arange(t, dtype=jnp.int32)[None, :] < num_new[:, None]
         rows = jnp.concatenate([latent, k_rope.astype(latent.dtype)], axis=-1).reshape(b * t, 1, -1)
         pool = pool.set_kv(layer, jnp.where(real, slots, -1).reshape(-1), rows)
         if mode == "decode":
@@ -154,6 +159,11 @@ class DeepseekV3Attention(nnx.Module):
             attended = paged_attention(query[:, 0], pool.k_pages, None, block_tables, lengths, pool.k_scales, None,
                                        layer=layer, sm_scale=c.sm_scale, mla_value_dim=c.kv_lora_rank,
                                        implementation=self.implementation, interpret=self.interpret)[:, None]
+        elif mode == "ragged":
+            attended = ragged_paged_attention(query[0], pool.k_pages, None, batch.block_tables, batch.kv_lens,
+                                              batch.cu_q_lens, pool.k_scales, None, layer=layer, sm_scale=c.sm_scale,
+                                              mla_value_dim=c.kv_lora_rank, implementation=self.implementation,
+                                              interpret=self.interpret)[None]
         else:
             k_pages, _, k_scales, _ = pool.layer_arrays(layer)
             # The values are the latent part of the same rows (scales are per row: they apply to both).
@@ -288,6 +298,11 @@ class DeepseekV3ForCausalLM(nnx.Module):
             x, pool = layer(x, positions, pool, jnp.asarray(slots, jnp.int32), block_tables, starts, num_new,
                             mode=mode)
         return self.logits_from_hidden(x), pool
+
+    def forward_packed(self, batch: PackedBatch, pool: KVPool) -> tuple[Float[Array, "S V"], KVPool]:
+        """One packed step over the MLA pool (as
+        :meth:`jaxkv.nn.LlamaForCausalLM.forward_packed`)."""
+        return packed_logits(self, batch, pool, self._embed(batch.token_ids[None]))
 
     def forward_dense(self, tokens: Int[Array, "B T"], positions: Int[Array, "B T"] | None = None, *,
                       kv_dtype=None) -> Float[Array, "B T V"]:

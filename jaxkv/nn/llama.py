@@ -38,6 +38,7 @@ from jaxtyping import Array, Float, Int
 from jaxkv.errors import InvalidArgument
 from jaxkv.nn.attention import PagedAttention, RMSNorm, check_implementation
 from jaxkv.nn.checkpoint import dequantize_checkpoint, load_tensors, read_config
+from jaxkv.nn.packed import PackedBatch, packed_logits
 from jaxkv.nn.config import LlamaConfig
 from jaxkv.pool.kv_pool import KVPool
 
@@ -79,9 +80,9 @@ class LlamaDecoderLayer(nnx.Module):
                             param_dtype=param_dtype, precision=precision, rngs=rngs)
         self.layer = int(layer)
 
-    def __call__(self, x, positions, pool, slots, block_tables, starts, num_new, *, mode):
+    def __call__(self, x, positions, pool, slots, block_tables, starts, num_new, *, mode, batch=None):
         attn, pool = self.self_attn(self.input_layernorm(x), positions, pool, self.layer, slots, block_tables,
-                                    starts, num_new, mode=mode)
+                                    starts, num_new, mode=mode, batch=batch)
         x = x + attn
         return x + self.mlp(self.post_attention_layernorm(x)), pool
 
@@ -165,6 +166,16 @@ class LlamaForCausalLM(nnx.Module):
         for layer in self.layers:
             x, pool = layer(x, positions, pool, slots, block_tables, starts, num_new, mode=mode)
         return self.logits_from_hidden(x), pool
+
+    def forward_packed(self, batch: PackedBatch, pool: KVPool) -> tuple[Float[Array, "S V"], KVPool]:
+        """One packed step (:class:`~jaxkv.nn.packed.PackedBatch`, its
+        ``slots`` and ``block_tables`` filled in): every token's K/V written,
+        ragged attention over the pool, and the float32 logits of each
+        lane's last token only (finite garbage for a lane with none)."""
+        return packed_logits(self, batch, pool, self._embed_flat(batch.token_ids))
+
+    def _embed_flat(self, tokens):
+        return self.embed_tokens(jnp.asarray(tokens, jnp.int32)[None])
 
     def forward_dense(
         self, tokens: Int[Array, "B T"], positions: Int[Array, "B T"] | None = None, *, kv_dtype=None

@@ -16,15 +16,22 @@ call's description, the same for every model family:
   (hybrid :class:`~jaxkv.KVCacheManager`) per lane (-1: an idle lane);
 * ``sample [S]``: the lanes that sample a token from their last position
   (decode lanes, and prefill lanes whose piece ends the prompt);
+* ``num_prefill []``: lanes ``[0, num_prefill)`` are prefill lanes, which
+  write into blocks their requests took at admission; the lanes after them
+  are decode lanes (at most one token each), which the step grows by a
+  token. Decode lanes are the tail of the stream, so a step can drop them
+  all by cutting ``cu_q_lens`` (when they cannot grow);
 * ``slots [T]``, ``block_tables [S, M]``: a paged pool's write slot per token
   and table per lane, filled on device by the step (None before; a hybrid
   cache keeps its own tables).
 
 Static fields bound the shapes (each distinct value compiles one program):
 ``T`` (the bucketed stream length), ``S`` (lanes, the engine's
-``max_seqs``), and the lane classes: lanes ``[0, num_prefill_lanes)`` may
-carry up to ``max_prefill_len`` tokens, the other lanes at most one (decode
-lanes). Per-token work (projections, MLPs, MoE, norms) runs over the flat
+``max_seqs``), and the segment classes: lanes ``[0, num_prefill_lanes)``
+may carry up to ``max_prefill_len`` tokens, the other lanes at most one
+(``num_prefill <= num_prefill_lanes``; a paged-pool step never looks at
+them and keeps them fixed, ``S`` and ``T``, so it compiles once per ``T``).
+Per-token work (projections, MLPs, MoE, norms) runs over the flat
 stream; only the per-request sequence mixers that need a ``[rows, width]``
 layout (Gated DeltaNet's chunked delta rule and causal conv) view it through
 :meth:`PackedBatch.segments`, one small padded view per lane class.
@@ -45,7 +52,7 @@ from jaxtyping import Array, Bool, Int
 
 from jaxkv.errors import InvalidArgument
 
-__all__ = ["PackedBatch", "PackedLane", "pack"]
+__all__ = ["PackedBatch", "PackedLane", "pack", "packed_logits"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,12 +74,13 @@ class PackedBatch:
 
     token_ids, positions, token_lanes: ``[T]`` int32.
     cu_q_lens: ``[S + 1]`` int32; kv_lens, seq_ids: ``[S]`` int32; sample: ``[S]`` bool.
+    num_prefill: ``[]`` int32, the prefill lanes (the first ones).
     slots: ``[T]`` int32 or None; block_tables: ``[S, M]`` int32 or None.
     num_prefill_lanes, max_prefill_len: static lane classes.
 
     Invariants: ``cu_q_lens`` is non-decreasing from 0 to at most ``T``;
-    lane ``s < num_prefill_lanes`` has ``q_len <= max_prefill_len``, every
-    other lane ``q_len <= 1``; ``q_len <= kv_lens[s]``; a token's position
+    ``num_prefill <= num_prefill_lanes``; lane ``s < num_prefill_lanes`` has
+    ``q_len <= max_prefill_len``, every other lane ``q_len <= 1``; ``q_len <= kv_lens[s]``; a token's position
     is ``kv_lens[s] - q_len + i`` for its index ``i`` in its lane, -1 past
     ``cu_q_lens[S]``; an idle lane (``seq_id`` -1) has no tokens.
     """
@@ -84,6 +92,7 @@ class PackedBatch:
     kv_lens: Int[Array, " S"]
     seq_ids: Int[Array, " S"]
     sample: Bool[Array, " S"]
+    num_prefill: Int[Array, ""]
     slots: Int[Array, " T"] | None = None
     block_tables: Int[Array, "S M"] | None = None
     num_prefill_lanes: int = struct.field(pytree_node=False, default=0)
@@ -106,6 +115,12 @@ class PackedBatch:
     def starts(self) -> Int[Array, " S"]:
         """Tokens each lane's request held before the step."""
         return self.kv_lens - self.q_lens
+
+    @property
+    def decode_lanes(self) -> Bool[Array, " S"]:
+        """Lanes the step grows by one token (after the prefill lanes, with a token)."""
+        lane = jnp.arange(self.num_lanes, dtype=jnp.int32)
+        return (lane >= self.num_prefill) & (self.q_lens > 0) & (self.seq_ids >= 0)
 
     @property
     def real(self) -> Bool[Array, " T"]:
@@ -138,12 +153,17 @@ class PackedBatch:
 
 
 def pack(lanes: Sequence[PackedLane], *, num_lanes: int, num_tokens: int, num_prefill_lanes: int = 0,
-         max_prefill_len: int = 1) -> PackedBatch:
+         max_prefill_len: int = 1, num_prefill: int | None = None) -> PackedBatch:
     """Build a :class:`PackedBatch` on the host: lane ``i`` of the batch is
-    ``lanes[i]`` (idle lanes after them). The first ``num_prefill_lanes``
-    lanes may bring up to ``max_prefill_len`` tokens, the rest at most one.
-    Raises ``InvalidArgument`` (with the numbers) when the lanes do not fit
-    those bounds."""
+    ``lanes[i]`` (idle lanes after them); the first ``num_prefill`` lanes
+    (default ``num_prefill_lanes``) are prefill lanes, the others decode
+    lanes. The first ``num_prefill_lanes`` lanes may bring up to
+    ``max_prefill_len`` tokens, the rest at most one. Raises
+    ``InvalidArgument`` (with the numbers) when the lanes do not fit those
+    bounds."""
+    num_prefill = num_prefill_lanes if num_prefill is None else num_prefill
+    if not 0 <= num_prefill <= num_prefill_lanes:
+        raise InvalidArgument(f"num_prefill={num_prefill} must be in [0, num_prefill_lanes={num_prefill_lanes}]")
     if len(lanes) > num_lanes:
         raise InvalidArgument(f"{len(lanes)} lanes for a batch of {num_lanes}")
     total = sum(len(lane.tokens) for lane in lanes)
@@ -175,4 +195,18 @@ def pack(lanes: Sequence[PackedLane], *, num_lanes: int, num_tokens: int, num_pr
     return PackedBatch(token_ids=jnp.asarray(token_ids), positions=jnp.asarray(positions),
                        token_lanes=jnp.asarray(token_lanes), cu_q_lens=jnp.asarray(cu), kv_lens=jnp.asarray(kv_lens),
                        seq_ids=jnp.asarray(seq_ids), sample=jnp.asarray(sample),
-                       num_prefill_lanes=int(num_prefill_lanes), max_prefill_len=int(max_prefill_len))
+                       num_prefill=jnp.asarray(num_prefill, jnp.int32), num_prefill_lanes=int(num_prefill_lanes), max_prefill_len=int(max_prefill_len))
+
+
+def packed_logits(model, batch: PackedBatch, pool, x):
+    """The packed step of a paged-pool model (Llama family, DeepSeek-V3):
+    ``x [1, T, hidden]`` (the embedded stream) through every decoder layer in
+    ``"ragged"`` mode, then the final norm and LM head on each lane's last
+    token only. Returns ``(logits [S, V] float32, pool)``."""
+    if batch.slots is None or batch.block_tables is None:
+        raise InvalidArgument("a paged packed step needs the batch's slots and block_tables (filled on device)")
+    model._check_pool(pool)
+    positions, slots = batch.positions[None], batch.slots[None]
+    for layer in model.layers:
+        x, pool = layer(x, positions, pool, slots, None, None, None, mode="ragged", batch=batch)
+    return model.logits_from_hidden(x[:, batch.last_tokens])[0], pool

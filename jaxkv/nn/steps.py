@@ -58,6 +58,7 @@ from jaxtyping import Array, Bool, Float, Int
 from jaxkv.errors import InvalidArgument
 from jaxkv.manager.block_space import BlockSpaceManager
 from jaxkv.manager.hybrid import KVCacheManager
+from jaxkv.nn.packed import PackedBatch
 from jaxkv.nn.sampling import RowSampling, SamplingParams, sample, split_keys
 from jaxkv.pool.kv_pool import KVPool
 
@@ -67,9 +68,11 @@ __all__ = [
     "decode_logits",
     "decode_loop",
     "decode_step",
+    "hybrid_packed_step",
     "hybrid_prefill_chunk",
     "model_step",
     "paged_decode_peak",
+    "paged_packed_step",
     "paged_peak_blocks",
     "paged_row_blocks",
     "paged_window",
@@ -385,3 +388,83 @@ def decode_loop(graphdef, params, state: DecodeState, sampling: SamplingParams |
                 num_steps: int | None = None, free_finished: bool = True) -> DecodeState:
     """:func:`run_decode` as one jitted call (the state is donated)."""
     return run_decode(graphdef, params, state, sampling, num_steps=num_steps, free_finished=free_finished)
+
+
+# ---------------------------------------------------------------- packed steps
+#
+# One scheduler iteration as ONE model call over a flat token stream
+# (:mod:`jaxkv.nn.packed`): prefill-class lanes write into blocks their
+# requests took at admission, decode-class lanes grow by one token here (a
+# paged pool's ``append_slots``, a hybrid cache's ``reserve``), all of them
+# or none. When the decode lanes cannot grow, they drop out of the step: they
+# are the tail of the stream, so cutting ``cu_q_lens`` at the first decode
+# lane turns their tokens into padding, and the prefill lanes still run.
+
+
+def _drop_decode_lanes(batch: PackedBatch, decode_ok: Bool[Array, ""]) -> PackedBatch:
+    """``batch`` with its decode lanes' tokens turned into padding unless
+    ``decode_ok``."""
+    p = batch.num_prefill
+    lane = jnp.arange(batch.num_lanes + 1, dtype=jnp.int32)
+    cu = jnp.where(decode_ok | (lane <= p), batch.cu_q_lens, batch.cu_q_lens[p])
+    positions = jnp.where(decode_ok | (batch.token_lanes < p), batch.positions, -1)
+    return batch.replace(cu_q_lens=cu, positions=positions)
+
+
+def _sample_lanes(logits: Float[Array, "S V"], keys: jax.Array, sampling: RowSampling, took: Bool[Array, " S"]):
+    """Each lane's token from its last logits, drawn as every other path
+    draws it (one split of the lane's key), and the keys, advanced only for
+    the lanes that ``took`` a token."""
+    advanced, subs = split_keys(keys)
+    tokens = sample(logits, subs, sampling)
+    return tokens, jnp.where(took, advanced, keys)
+
+
+def paged_packed_step(graphdef, params, manager: BlockSpaceManager, pool: KVPool, batch: PackedBatch,
+                      sampling: RowSampling, keys: jax.Array, *, window: int | None = None):
+    """One packed step of a paged-pool model (``batch.seq_ids`` are sequence
+    rows). Decode lanes first release the blocks out of every layer's
+    ``window`` (as :func:`decode_logits`), then ``append_slots`` one token
+    (all or nothing: on failure they drop out and ``blocked`` marks them);
+    every real token's K/V are written at its row's slot, the model runs
+    (``forward_packed``) and the lanes of ``batch.sample`` that ran draw a
+    token. Returns ``(manager, pool, tokens [S], keys, decode_ok, blocked
+    [S], blocks in use)``."""
+    seqs = jnp.where(batch.decode_lanes, batch.seq_ids, -1)
+    if window is not None:
+        manager, _ = manager.trim_window(seqs, window)
+    manager, pool, _, blocked, ok = manager.append_slots(pool, seqs, 1)
+    batch = _drop_decode_lanes(batch, ok)
+    token_rows = batch.seq_ids[batch.token_lanes]
+    slots = manager.token_slots(jnp.where(batch.real, token_rows, -1), jnp.maximum(batch.positions, 0)[:, None])[:, 0]
+    tables, _ = manager.batch_tables(batch.seq_ids)
+    batch = batch.replace(slots=slots, block_tables=tables)
+    logits, pool = nnx.merge(graphdef, params).forward_packed(batch, pool)
+    took = batch.sample & (batch.q_lens > 0)
+    tokens, keys = _sample_lanes(logits, keys, sampling, took)
+    return manager, pool, tokens, keys, ok, blocked, manager.device.num_used
+
+
+def hybrid_packed_step(graphdef, params, manager: KVCacheManager, batch: PackedBatch, sampling: RowSampling,
+                       keys: jax.Array):
+    """One packed step of a hybrid-cache model (``batch.seq_ids`` are request
+    slots): ``reserve`` the prefill lanes' tokens (their blocks were
+    preallocated: ``prefill_ok`` False is a bookkeeping bug), then the
+    decode lanes' (all or nothing; on failure they drop out), run the model
+    (``forward_packed``), capture boundary snapshots, and draw a token for
+    the lanes of ``batch.sample`` that ran. Returns ``(manager, tokens [S],
+    keys, prefill_ok, decode_ok, blocks in use)``."""
+    decode = batch.decode_lanes
+    prefill = ~decode & (batch.q_lens > 0) & (batch.seq_ids >= 0)
+    manager, _, prefill_ok = manager.reserve(jnp.where(prefill, batch.seq_ids, -1), jnp.where(prefill, batch.q_lens, 0),
+                                             max_new_tokens=batch.max_prefill_len)
+    manager, _, decode_ok = manager.reserve(jnp.where(decode, batch.seq_ids, -1), jnp.where(decode, 1, 0),
+                                            max_new_tokens=1)
+    batch = _drop_decode_lanes(batch, decode_ok)
+    batch = batch.replace(positions=jnp.where(prefill_ok | (batch.token_lanes >= batch.num_prefill),
+                                              batch.positions, -1))
+    logits, manager = nnx.merge(graphdef, params).forward_packed(batch, manager)
+    ran = (batch.q_lens > 0) & jnp.where(decode, decode_ok, prefill_ok)
+    manager = manager.capture(jnp.where(ran, batch.seq_ids, -1), ran)
+    tokens, keys = _sample_lanes(logits, keys, sampling, batch.sample & ran)
+    return manager, tokens, keys, prefill_ok, decode_ok, manager.blocks_in_use
