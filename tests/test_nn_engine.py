@@ -241,13 +241,14 @@ def test_logging_not_printing(model, capsys, caplog):
 
 @pytest.mark.parametrize("budget", [None, 6])
 def test_token_budget_prefills_in_pieces_between_decode_chunks(model, reference, budget):
-    """With ``max_num_batched_tokens`` a long prompt is prefilled a piece
-    per iteration while the running request keeps decoding (it finishes
-    before the long prompt's first token); without, the long prompt is
-    prefilled whole at admission (its first token comes before the short
-    request is done). Either way the tokens are ``generate``'s."""
+    """Padded scheduler: with ``max_num_batched_tokens`` a long prompt is
+    prefilled a piece per iteration while the running request keeps
+    decoding (it finishes before the long prompt's first token); without,
+    the long prompt is prefilled whole at admission (its first token comes
+    before the short request is done). Either way the tokens are
+    ``generate``'s."""
     rng = np.random.default_rng()
-    engine = Engine(model, **{**ENGINE, "num_pages": 16}, max_num_batched_tokens=budget)
+    engine = Engine(model, **{**ENGINE, "num_pages": 16}, max_num_batched_tokens=budget, scheduler="padded")
     short, long_ = tokens(rng, 9), tokens(rng, 12) + tokens(rng, 12)
     a = engine.add_request(short, REF_NEW)
     b = engine.add_request(long_, 4, arrival_step=1)
@@ -256,4 +257,35 @@ def test_token_budget_prefills_in_pieces_between_decode_chunks(model, reference,
     assert engine.outputs[b] == generate(model, [long_], 4, page_size=PAGE).tokens[0]
     short_done, long_first = engine._requests[a].last_token_at, engine._requests[b].first_token_at
     assert (short_done < long_first) == (budget is not None)
+    check_blocks(engine)
+
+
+@pytest.mark.parametrize("budget", [None, 6])
+def test_packed_steps_decode_while_a_long_prompt_is_prefilled(model, reference, budget):
+    """Packed scheduler: while the long prompt is prefilled (in pieces that
+    fill what the budget leaves after the decode token), every iteration is
+    ONE model call that also gives the running request its next token; with
+    nothing left to prefill the multi-step decode chunk takes over. Tokens
+    are ``generate``'s."""
+    rng = np.random.default_rng()
+    engine = Engine(model, **{**ENGINE, "num_pages": 16}, max_num_batched_tokens=budget)
+    short, long_ = tokens(rng, 9), tokens(rng, 12) + tokens(rng, 12)
+    a = engine.add_request(short, REF_NEW)
+    b = engine.add_request(long_, 4, arrival_step=1)
+    per_step = []
+    while engine.has_unfinished():
+        before = engine.stats().model_calls
+        out = {o.request_id: len(o.new_token_ids) for o in engine.step()}
+        per_step.append((engine.stats().model_calls - before, out.get(a, 0), out.get(b, 0)))
+    assert engine.outputs[a] == reference(short, REF_NEW)
+    assert engine.outputs[b] == generate(model, [long_], 4, page_size=PAGE).tokens[0]
+    assert all(calls == 1 for calls, *_ in per_step)
+    prefilling = per_step[1:next(i for i, step in enumerate(per_step) if step[2])]  # b arrives at step 1
+    # None: b's prompt is one piece (up to prefill_chunk), done in the step that admits it. A budget of 6
+    # leaves 5 prompt tokens per step beside a's decode token: b takes 5 steps or more (a's own prompt,
+    # 9 tokens, is still in pieces when b arrives), each giving a its next token.
+    assert len(prefilling) == 0 if budget is None else len(prefilling) >= -(-len(long_) // (budget - 1)) - 1
+    assert all(got_a == 1 for _, got_a, _ in prefilling)
+    stats = engine.stats()
+    assert stats.model_calls == len(per_step) and 0 <= stats.padding_slots < stats.token_slots
     check_blocks(engine)

@@ -62,15 +62,17 @@ from jaxkv.manager.block_space import FREE, ON_DEVICE, BlockSpaceManager
 from jaxkv.manager.hybrid import KVCacheManager
 from jaxkv.manager.hybrid_schema import block_bytes
 from jaxkv.nn.sampling import RowSampling, sample, split_keys
-from jaxkv.nn.steps import (DecodeState, hybrid_prefill_chunk, paged_decode_peak, paged_peak_blocks,
-                            paged_row_blocks, paged_window, prefill_chunk, run_decode)
+from jaxkv.nn.packed import PackedBatch, PackedLane, pack
+from jaxkv.nn.steps import (DecodeState, hybrid_packed_step, hybrid_prefill_chunk, paged_decode_peak,
+                            paged_packed_step, paged_peak_blocks, paged_row_blocks, paged_window, prefill_chunk,
+                            run_decode)
 from jaxkv.pool import host as host_swap
 from jaxkv.pool.kv_pool import KVPool
 from jaxkv.prefix import PrefixCacheManager
 from jaxkv.serve import sizing
 from jaxkv.serve.sizing import CachePlan, GroupPlan
 
-__all__ = ["DecodeResult", "HybridCache", "PagedCache", "PrefixHit", "PrefillLane", "decode_chunk"]
+__all__ = ["DecodeResult", "HybridCache", "PackedResult", "PagedCache", "PrefixHit", "PrefillLane", "decode_chunk"]
 
 logger = logging.getLogger("jaxkv.serve")
 
@@ -118,6 +120,22 @@ class DecodeResult:
     finished: np.ndarray
     keys: np.ndarray
     ok: bool
+    blocked: np.ndarray
+    peak: int
+
+
+@dataclasses.dataclass(frozen=True)
+class PackedResult:
+    """A packed step's outcome on the host, per lane (prefill lanes first,
+    then decode lanes, in the order given): the ``tokens`` drawn (meaningful
+    for the lanes that sample), the lanes' advanced key data ``keys``,
+    whether the decode lanes grew (``decode_ok``; else they did not run and
+    ``blocked`` marks those that needed blocks) and the blocks in use after
+    it (``peak``)."""
+
+    tokens: np.ndarray
+    keys: np.ndarray
+    decode_ok: bool
     blocked: np.ndarray
     peak: int
 
@@ -170,6 +188,19 @@ def decode_chunk(graphdef, params, manager, pool, last, active, num_generated, m
     state = DecodeState.create(manager, pool, last=last, finished=~active, num_generated=num_generated,
                                max_new=max_new, eos_id=eos_id, keys=keys, width=num_steps)
     return run_decode(graphdef, params, state, sampling, num_steps=num_steps, free_finished=False)
+
+
+@partial(jax.jit, static_argnames=("graphdef", "window"), donate_argnums=(2, 3))
+def _paged_packed(graphdef, params, manager: BlockSpaceManager, pool: KVPool, batch: PackedBatch,
+                  sampling: RowSampling, keys, *, window):
+    """:func:`jaxkv.nn.steps.paged_packed_step` jitted (manager and pool donated)."""
+    return paged_packed_step(graphdef, params, manager, pool, batch, sampling, keys, window=window)
+
+
+@partial(jax.jit, static_argnames=("graphdef",), donate_argnums=(2,))
+def _hybrid_packed(graphdef, params, manager: KVCacheManager, batch: PackedBatch, sampling: RowSampling, keys):
+    """:func:`jaxkv.nn.steps.hybrid_packed_step` jitted (manager donated)."""
+    return hybrid_packed_step(graphdef, params, manager, batch, sampling, keys)
 
 
 _retire_paged = jax.jit(BlockSpaceManager.retire)
@@ -287,6 +318,32 @@ class _Cache:
 
     def _cuts(self, lane: PrefillLane) -> list[int]:
         return []
+
+    def packed_step(self, graphdef, params, prefill: list[tuple[PrefillLane, tuple[int, int]]],
+                    decode: list[tuple[int, int, int]], sampling: RowSampling, key_data: list,
+                    num_tokens: int) -> PackedResult:
+        """ONE jitted call for a scheduler iteration: the prefill pieces
+        ``prefill`` (lane, ``(start, end)``; pieces of one lane in order,
+        after :meth:`begin_prefill`; a piece that ends the lane's tokens
+        samples its first token) and the decode tokens ``decode`` (``(row,
+        token, position)``: each row grows by one token, all or nothing),
+        packed end to end into a stream of ``num_tokens`` (a bucket). Lane
+        ``i`` of ``sampling`` / ``key_data`` is ``prefill[i]``, then the
+        decode rows in order."""
+        lanes = [PackedLane(self._seq_id(lane.row), lane.tokens[start:end], start, end == len(lane.tokens))
+                 for lane, (start, end) in prefill]
+        lanes += [PackedLane(self._seq_id(row), [token], position) for row, token, position in decode]
+        result = self._packed_call(graphdef, params, lanes, len(prefill), sampling, self._keys(key_data),
+                                   num_tokens, max((end - start for _, (start, end) in prefill), default=1))
+        self._after_prefill([lane for lane, _ in prefill], [start for _, (start, _) in prefill],
+                            [end - start for _, (start, end) in prefill])
+        return result
+
+    def _after_prefill(self, lanes: list[PrefillLane], starts, num_new) -> None:
+        """Host bookkeeping after prefill pieces ran (a hybrid cache's snapshots)."""
+
+    def _seq_id(self, row: int) -> int:
+        return row
 
     def decode(self, graphdef, params, last, active, num_generated, max_new, eos_id, sampling: RowSampling,
                key_data: list, num_steps: int) -> DecodeResult:
@@ -562,6 +619,16 @@ class PagedCache(_Cache):
                                                       starts, num_new, tokens, sampling, keys)
         sampled, new_keys = jax.device_get((sampled, jax.random.key_data(new_keys)))
         return sampled, np.asarray(new_keys), self.blocks_in_use()
+
+    def _packed_call(self, graphdef, params, lanes, num_prefill, sampling, keys, num_tokens, widest):
+        batch = pack(lanes, num_lanes=self.max_seqs, num_tokens=num_tokens, num_prefill_lanes=self.max_seqs,
+                     max_prefill_len=num_tokens, num_prefill=num_prefill)  # fixed classes: one program per bucket
+        host = self.manager.host
+        manager, self.pool, tokens, keys, ok, blocked, used = _paged_packed(
+            graphdef, params, _device_view(self.manager), self.pool, batch, sampling, keys, window=self.window)
+        self.manager = manager.replace(host=host)
+        tokens, keys, ok, blocked, used = jax.device_get((tokens, jax.random.key_data(keys), ok, blocked, used))
+        return PackedResult(tokens, np.asarray(keys), bool(ok), blocked, int(used))
 
     def _decode_view(self):
         self._host_allocator = self.manager.host
@@ -962,13 +1029,41 @@ class HybridCache(_Cache):
         if not ok:  # every prompt's blocks were taken at admission
             raise BookkeepingError(f"engine prefill refused rows {[lane.row for lane in lanes]} (pieces "
                                    f"{list(zip(starts[: len(lanes)].tolist(), num_new[: len(lanes)].tolist()))})")
+        self._after_prefill(lanes, starts, num_new)
+        return sampled, np.asarray(new_keys), int(used)
+
+    def _after_prefill(self, lanes, starts, num_new) -> None:
         for i, lane in enumerate(lanes):  # the chunk's end: a capture when it is on a boundary
             self._advance(lane.row, self._lens[lane.row], self._lens[lane.row] + int(num_new[i]), every_step=False)
         # A chunk that ended on a cut: cache that prefix now, before a later chunk overwrites the staged state.
         self._insert([(lane.row, lane.tokens, lane.namespace, None) for i, lane in enumerate(lanes)
                       if num_new[i] and self._staged[lane.row] == starts[i] + num_new[i]
                       and self._staged[lane.row] in self._cuts(lane)])
-        return sampled, np.asarray(new_keys), int(used)
+
+    def _seq_id(self, row: int) -> int:
+        return row + 1  # request slot
+
+    def _packed_call(self, graphdef, params, lanes, num_prefill, sampling, keys, num_tokens, widest):
+        # Gated DeltaNet views the prefill lanes as [P, width]: P a power of two, width the stream's bucket.
+        rows = min(pow2_at_least(max(num_prefill, 1)), self.max_seqs)
+        batch = pack(lanes, num_lanes=self.max_seqs, num_tokens=num_tokens, num_prefill_lanes=rows,
+                     max_prefill_len=num_tokens, num_prefill=num_prefill)
+        self.manager, tokens, keys, prefill_ok, ok, used = _hybrid_packed(graphdef, params, self.manager, batch,
+                                                                          sampling, keys)
+        tokens, keys, prefill_ok, ok, used = jax.device_get((tokens, jax.random.key_data(keys), prefill_ok, ok,
+                                                             used))
+        if not prefill_ok:  # every prompt's blocks were taken at admission
+            raise BookkeepingError(f"engine packed prefill refused slots {[lane.seq_id for lane in lanes[:num_prefill]]}"
+                                   f" (pieces {[(lane.start, len(lane.tokens)) for lane in lanes[:num_prefill]]})")
+        if ok:
+            for lane in lanes[num_prefill:]:  # each decode lane grew by its token
+                row = lane.seq_id - 1
+                self._advance(row, self._lens[row], self._lens[row] + 1, every_step=True)
+        # The reserve is all or nothing and does not say which row was short.
+        blocked = np.zeros((self.max_seqs,), bool)
+        if not ok:
+            blocked[num_prefill:len(lanes)] = True
+        return PackedResult(tokens, np.asarray(keys), bool(ok), blocked, int(used))
 
     def _advance(self, row: int, start: int, end: int, *, every_step: bool) -> None:
         """Host mirror of ``KVCacheManager.capture``: row ``row`` went from

@@ -126,6 +126,7 @@ import numpy as np
 from flax import nnx
 
 from jaxkv import _host
+from jaxkv._ops import pow2_at_least
 from jaxkv.errors import BookkeepingError, InvalidArgument
 from jaxkv.manager.block_space import FREE, ON_DEVICE, STATUS_NAMES, SWAPPED
 from jaxkv.nn.sampling import GREEDY, RowSampling, SamplingParams
@@ -251,7 +252,12 @@ class EngineStats:
     queries, re-admissions after recompute included), ``prefix_hit_tokens``
     (those served from the prefix cache), ``swap_preemptions``,
     ``recompute_preemptions``, ``preemptions`` (both), ``generated_tokens``,
-    ``finished_requests``, ``aborted_requests``, ``iterations``. Since the
+    ``finished_requests``, ``aborted_requests``, ``iterations``,
+    ``model_calls`` (jitted calls that ran the model: prefill calls, decode
+    chunks, packed steps; the admission and retirement bookkeeping calls are
+    not counted), ``token_slots`` / ``padding_slots`` (token positions those
+    calls computed, and how many of them were padding: idle lanes, the
+    bucket's tail, rows finished inside a decode chunk). Since the
     previous :meth:`Engine.stats` call (drained by each call; at most the
     last 65536 of each are kept between calls): ``ttft`` (seconds from the
     iteration that saw a request arrive to its first token, one per request)
@@ -279,6 +285,9 @@ class EngineStats:
     iterations: int
     ttft: tuple[float, ...]
     itl: tuple[float, ...]
+    model_calls: int = 0
+    token_slots: int = 0
+    padding_slots: int = 0
 
     @property
     def prefix_query_tokens(self) -> int:
@@ -298,6 +307,9 @@ class _Counters:
     generated: int = 0
     finished: int = 0
     aborted: int = 0
+    model_calls: int = 0  # jitted calls that run the model (prefill, decode chunk, packed step)
+    slots_computed: int = 0  # token slots those calls computed (padding included)
+    slots_real: int = 0  # of which real tokens
 
 
 @dataclasses.dataclass
@@ -490,12 +502,27 @@ class Engine:
         decode_chunk: decode steps per jitted call.
         prefill_chunk: most prompt tokens per row in one prefill call (longer
             uncached tails are prefilled in several calls).
+        scheduler: ``"packed"`` (default): an iteration with prefill work is
+            ONE jitted call over a flat token stream that packs the
+            decode token of every decoding request with prefill pieces of
+            the admitted ones (:mod:`jaxkv.nn.packed`, ragged attention), at
+            most ``max_num_batched_tokens`` tokens, the stream's length
+            bucketed (powers of two from 16 up to the budget) so few
+            programs compile; an iteration with only decode work runs the
+            multi-step decode chunk (``decode_chunk`` tokens per request in
+            one call, faster when nothing waits to be prefilled).
+            ``"padded"``: the earlier scheduler, a ``[max_seqs,
+            prefill_chunk]`` prefill call and then a decode chunk per
+            iteration.
         max_num_batched_tokens: the token budget of a scheduler iteration.
-            None: admitted prompts are prefilled whole before the next
-            decode chunk. Given: each iteration runs ONE prefill call of at
-            most this many prompt tokens less one per decoding request
-            (prompts cut into pieces of at most this many tokens), then the
-            decode chunk, so a long prompt no longer stalls decoding.
+            Packed scheduler: the stream's tokens, decode tokens included
+            (a prompt piece is cut to what is left of it; at least one
+            prompt token runs per packed step); None: one piece of at most
+            ``prefill_chunk`` tokens per prefilling request each step.
+            Padded scheduler: None prefills admitted prompts whole before
+            the next decode chunk; given, each iteration runs ONE prefill
+            call of at most this many prompt tokens less one per decoding
+            request, then the decode chunk.
         seed: the engine's PRNG seed; a request without its own ``seed``
             samples from the stream ``fold_in(key(seed), request id)``.
         detokenizer: ``detokenizer(tokenizer, prompt_ids)`` makes a request's
@@ -523,13 +550,16 @@ class Engine:
                  num_blocks: dict[str, int] | None = None, entry_format: str = "lossless",
                  num_snapshots: int | None = None, prefix_cache: bool = True, decode_chunk: int = 8,
                  prefill_chunk: int = 256, max_num_batched_tokens: int | None = None, seed: int = 0,
-                 detokenizer: Callable | None = None, free_bytes: int | None = None):
+                 detokenizer: Callable | None = None, free_bytes: int | None = None, scheduler: str = "packed"):
         max_seqs = _int_at_least(max_seqs, "max_seqs", 1)
         decode_chunk = _int_at_least(decode_chunk, "decode_chunk", 1)
         prefill_chunk = _int_at_least(prefill_chunk, "prefill_chunk", 1)
         if max_num_batched_tokens is not None:
             max_num_batched_tokens = _int_at_least(max_num_batched_tokens, "max_num_batched_tokens", 1)
         self.max_num_batched_tokens = max_num_batched_tokens
+        if scheduler not in ("packed", "padded"):
+            raise InvalidArgument(f"scheduler={scheduler!r}: choose 'packed' or 'padded'")
+        self.scheduler = scheduler
         seed = _host.int_scalar(seed, "seed")
         if max_model_len is not None:
             max_model_len = _int_at_least(max_model_len, "max_model_len", 2)  # one prompt and one new token
@@ -840,7 +870,13 @@ class Engine:
         progressed = self._resume_swapped()
         if not self._swapped:
             progressed += self._admit()
-        progressed += self._prefill()
+        if self.scheduler == "packed":
+            if self._prefilling:
+                self._packed()
+                self._step += 1
+                return
+        else:
+            progressed += self._prefill()
         if not any(rid is not None and self._requests[rid].state is RequestState.RUNNING for rid in self._rows):
             if progressed or not self._live:
                 return  # e.g. requests that finished at their first token
@@ -896,7 +932,8 @@ class Engine:
             prompt_tokens=count.prompt_tokens, prefix_hit_tokens=count.hit_tokens, swap_preemptions=count.swaps,
             recompute_preemptions=count.recomputes, preemptions=count.swaps + count.recomputes,
             generated_tokens=count.generated, finished_requests=count.finished, aborted_requests=count.aborted,
-            iterations=count.iterations, ttft=ttft, itl=itl)
+            iterations=count.iterations, ttft=ttft, itl=itl, model_calls=count.model_calls,
+            token_slots=count.slots_computed, padding_slots=count.slots_computed - count.slots_real)
 
     def _progress(self, pending, total, start, generated_before, before: _Counters) -> EngineProgress:
         states = collections.Counter(r.state for r in pending)
@@ -1172,7 +1209,9 @@ class Engine:
             self.cache.begin_prefill(admitted)  # rows, hits and every prompt's blocks, in one go
             for lane in admitted:
                 req = self._requests[self._rows[lane.row]]
-                req.lane, req.pieces = lane, self.cache.pieces(lane, self.max_num_batched_tokens)
+                # Packed steps cut the head piece to the budget left each step.
+                width = self.max_num_batched_tokens if self.scheduler == "padded" else None
+                req.lane, req.pieces = lane, self.cache.pieces(lane, width)
                 self._prefilling.append(req)
         return len(admitted)
 
@@ -1199,6 +1238,7 @@ class Engine:
             first, keys, peak = self.cache.prefill_step(self.graphdef, self.params,
                                                         [(req.lane, req.pieces.pop(0)) for req in batch],
                                                         self._sampling(dict(enumerate(batch))))
+            self._count_call(self.max_seqs * self.cache.prefill_width, total)
             now = time.perf_counter()
             self._update_peak(peak)
             finished = []
@@ -1214,6 +1254,72 @@ class Engine:
             if budget is not None:
                 break
         return calls
+
+    def _count_call(self, slots: int, real: int) -> None:
+        self._count.model_calls += 1
+        self._count.slots_computed += slots
+        self._count.slots_real += real
+
+    def _stream_length(self, tokens: int) -> int:
+        """The packed stream's bucket for ``tokens`` real tokens: the
+        smallest power of two from 16 that holds them, or the token budget
+        when that is smaller (so a full step has no padding)."""
+        bucket = max(16, pow2_at_least(tokens))
+        budget = self.max_num_batched_tokens
+        return budget if budget is not None and tokens <= budget < bucket else bucket
+
+    def _packed(self) -> None:
+        """ONE packed step: the decode token of every decoding request, then
+        (first in the stream) one prefill piece per prefilling request,
+        oldest admission first, while the budget lasts (a piece longer than
+        what is left is cut; at least one prompt token runs). A request
+        whose last piece ran gets its first token, a decoding one its next."""
+        self.check_bookkeeping()
+        decoding = [(row, self._requests[rid]) for row, rid in enumerate(self._rows)
+                    if rid is not None and self._decoding(self._requests[rid])]
+        left = None if self.max_num_batched_tokens is None else max(self.max_num_batched_tokens - len(decoding), 1)
+        batch = []  # (request, (start, end))
+        for req in self._prefilling:
+            if left is not None and left <= 0:
+                break
+            start, end = req.pieces[0]
+            if left is not None and end - start > left:
+                end = start + left
+                req.pieces[0] = (end, req.pieces[0][1])  # the rest stays at the head
+            else:
+                req.pieces.pop(0)
+            batch.append((req, (start, end)))
+            if left is not None:
+                left -= end - start
+        lanes = [req for req, _ in batch] + [req for _, req in decoding]
+        total = sum(end - start for _, (start, end) in batch) + len(decoding)
+        length = self._stream_length(total)
+        result = self.cache.packed_step(
+            self.graphdef, self.params, [(req.lane, piece) for req, piece in batch],
+            [(row, req.generated[-1], req.kv_len) for row, req in decoding], self._sampling(dict(enumerate(lanes))),
+            [req.key for req in lanes], length)
+        now = time.perf_counter()
+        self._update_peak(result.peak)
+        self._count_call(length, total if result.decode_ok else total - len(decoding))
+        finished = []
+        for lane, (req, _) in enumerate(batch):
+            if req.pieces:
+                continue
+            self._prefilling.remove(req)
+            req.key = result.keys[lane]
+            if self._take(req, [int(result.tokens[lane])], now):
+                finished.append(req)
+        if result.decode_ok:
+            for lane, (_, req) in enumerate(decoding, start=len(batch)):
+                req.key = result.keys[lane]
+                if self._take(req, [int(result.tokens[lane])], now):
+                    finished.append(req)
+        self._retire(finished, final=True)
+        self._release_trimmed_hits(req for _, req in decoding if req.state is RequestState.RUNNING)
+        if not result.decode_ok:
+            logger.debug("packed step: decode lanes stalled for blocks")
+            self._relieve([req for lane, (_, req) in enumerate(decoding, start=len(batch))
+                           if result.blocked[lane] and req.state is RequestState.RUNNING])
 
     @staticmethod
     def _decoding(req: _Request) -> bool:
@@ -1244,6 +1350,7 @@ class Engine:
                                    self._sampling(running), keys, self.decode_chunk)
         now = time.perf_counter()
         self._update_peak(result.peak)
+        self._count_call(self.max_seqs * int(result.count.max(initial=0)), int(result.count.sum()))
         finished = []
         for row, req in running.items():
             req.key = result.keys[row]
