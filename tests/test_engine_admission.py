@@ -204,8 +204,9 @@ def test_a_windowed_hit_is_unpinned_when_it_leaves_the_window(mistral):
     summary = eng.run(on_progress=lambda p: protected.append((p.generated_tokens, eng.prefix_cache.protected_blocks)))
     assert summary.prefix_hit_tokens == PAGE
     assert eng.outputs[rid] == cold(mistral, base + [9], REF_NEW)
-    assert protected[0] == (5, 1), protected  # the first token and one chunk: the hit still in the window
-    assert all(blocks == 0 for _, blocks in protected[1:]), protected
+    # The packed step (the first token), then one chunk: the hit still in the window; then trimmed.
+    assert protected[:2] == [(1, 1), (5, 1)], protected
+    assert all(blocks == 0 for _, blocks in protected[2:]), protected
     check_no_leak(eng)
 
 

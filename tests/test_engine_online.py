@@ -300,14 +300,17 @@ def test_stats_count_requests_blocks_and_latency_samples():
     assert stats.blocks_used == {"pages": 0} and stats.bytes_total["pages"] > 0
     first = engine.add_request(tokens(rng, 9), 6)
     engine.add_request(tokens(rng, 10), 6, arrival_step=30)
-    engine.step()
+    engine.step()  # the packed step: the prompt and its first token
+    engine.step()  # a decode chunk
     stats = engine.stats()
     assert (stats.running, stats.waiting, stats.swapped) == (1, 1, 0)
     used = engine.cache.blocks_in_use()
     assert stats.blocks_used["pages"] == used > 0 and stats.tokens_used["pages"] == used * PAGE
     assert stats.bytes_used["pages"] == used * engine.cache_plan.group("pages").bytes_per_block
-    assert stats.prompt_tokens == 9 and stats.prefix_hit_tokens == 0 and stats.iterations == 1
+    assert stats.prompt_tokens == 9 and stats.prefix_hit_tokens == 0 and stats.iterations == 2
     assert len(stats.ttft) == 1 and len(stats.itl) == stats.generated_tokens - 1 > 0
+    assert stats.model_calls == 2 and stats.token_slots == 16 + ENGINE["max_seqs"] * ENGINE["decode_chunk"]
+    assert stats.padding_slots == 16 - 9 + (ENGINE["max_seqs"] - 1) * ENGINE["decode_chunk"]
     again = engine.stats()
     assert again.ttft == () and again.itl == ()  # drained by the previous call
     engine.abort(first)

@@ -281,7 +281,7 @@ def test_packed_steps_decode_while_a_long_prompt_is_prefilled(model, reference, 
     assert engine.outputs[b] == generate(model, [long_], 4, page_size=PAGE).tokens[0]
     assert all(calls == 1 for calls, *_ in per_step)
     prefilling = per_step[1:next(i for i, step in enumerate(per_step) if step[2])]  # b arrives at step 1
-    # None: b's prompt is one piece (up to prefill_chunk), done in the step that admits it. A budget of 6
+    # None: the budget is prefill_chunk; b's prompt is one piece, done in the step that admits it. A budget of 6
     # leaves 5 prompt tokens per step beside a's decode token: b takes 5 steps or more (a's own prompt,
     # 9 tokens, is still in pieces when b arrives), each giving a its next token.
     assert len(prefilling) == 0 if budget is None else len(prefilling) >= -(-len(long_) // (budget - 1)) - 1

@@ -64,9 +64,8 @@ CONFIG = dict(model_type="llama", vocab_size=2048, hidden_size=128, intermediate
 ENGINE = dict(num_pages=384, page_size=16, max_seqs=8, max_blocks_per_seq=32, decode_chunk=4, prefill_chunk=256)
 
 
-def poisson_workload(num_requests: int, rng) -> list[tuple[list, int, int]]:
+def poisson_workload(num_requests: int, rng, vocab: int = CONFIG["vocab_size"]) -> list[tuple[list, int, int]]:
     """``(prompt, max_new_tokens, arrival_step)`` per request (module docstring)."""
-    vocab = CONFIG["vocab_size"]
     systems = [rng.integers(3, vocab, 64).tolist() for _ in range(4)]
     arrival, out = 0.0, []
     for _ in range(num_requests):
@@ -78,63 +77,99 @@ def poisson_workload(num_requests: int, rng) -> list[tuple[list, int, int]]:
     return out
 
 
-def _serve(model, workload, budget):
-    engine = Engine(model, **ENGINE, max_num_batched_tokens=budget)
+def _serve(model, workload, scheduler: str, budget, engine_args: dict):
+    """The workload on a fresh engine: ``(summary, stats, outputs)``."""
+    engine = Engine(model, **engine_args, max_num_batched_tokens=budget, scheduler=scheduler)
     sampling = SamplingParams(temperature=0.7)
     ids = [engine.add_request(p, n, arrival_step=a, sampling=sampling, seed=i)
            for i, (p, n, a) in enumerate(workload)]
     summary = engine.run()
-    return summary, [engine.outputs[i] for i in ids]
+    return summary, engine.stats(), [engine.outputs[i] for i in ids]
+
+
+BASELINE = "padded, whole prompts"
+#: name -> (scheduler, max_num_batched_tokens)
+PAGED_CONFIGS = {BASELINE: ("padded", None), "padded, budget 128": ("padded", 128),
+                 "packed, budget 512": ("packed", 512), "packed, budget 256": ("packed", 256),
+                 "packed, budget 128": ("packed", 128)}
+QUICK_CONFIGS = (BASELINE, "padded, budget 128", "packed, budget 128")
+HYBRID_CONFIGS = (BASELINE, "padded, budget 128", "packed, budget 128")
+HYBRID_ENGINE = dict(max_model_len=512, max_seqs=8, decode_chunk=4, prefill_chunk=256)
+
+
+def _table(title: str, family: str, model, workload, names, engine_args: dict, repeats: int, warm: bool):
+    """Serve ``workload`` under each configuration ``names`` (median of
+    ``repeats`` interleaved runs); print the table, return (rows for JSON,
+    same tokens everywhere)."""
+    configs = {name: PAGED_CONFIGS[name] for name in names}
+    if warm:  # compile every program once first (the configurations of one scheduler share them)
+        for scheduler, budget in {v for v in configs.values()}:
+            _serve(model, workload[:6], scheduler, budget, engine_args)
+    runs: dict[str, list] = {name: [] for name in configs}
+    outputs = {}
+    for _ in range(repeats):
+        for name, (scheduler, budget) in configs.items():
+            summary, stats, outputs[name] = _serve(model, workload, scheduler, budget, engine_args)
+            runs[name].append((summary, stats))
+    same = all(out == outputs[BASELINE] for out in outputs.values())
+
+    def med(name, f):
+        return statistics.median(f(summary, stats) for summary, stats in runs[name])
+
+    base_tps = med(BASELINE, lambda s, _: s.tokens_per_second)
+    base_ttft = med(BASELINE, lambda s, _: s.ttft[1])
+    rows, payload = [], []
+    for name in configs:
+        ttft = tuple(med(name, lambda s, _, i=i: s.ttft[i]) for i in range(3))
+        itl = tuple(med(name, lambda s, _, i=i: s.itl[i]) for i in range(3))
+        tps = med(name, lambda s, _: s.tokens_per_second)
+        wall = med(name, lambda s, _: s.wall_seconds)
+        stats = runs[name][-1][1]  # counts are the same every run (same schedule)
+        busy = stats.model_iterations
+        calls = stats.model_calls / busy if busy else 0.0
+        padding = stats.padding_slots / stats.token_slots if stats.token_slots else 0.0
+        hit = runs[name][-1][0].prefix_hit_rate
+        rows.append([name, f"{wall:.2f}", f"{tps:.0f}", "/".join(f"{1e3 * x:.0f}" for x in ttft),
+                     "/".join(f"{1e3 * x:.1f}" for x in itl), f"{calls:.2f}", f"{padding:.1%}", f"{hit:.0%}",
+                     f"{ttft[1] / base_ttft:.2f}", f"{tps / base_tps:.2f}"])
+        scheduler, budget = configs[name]
+        payload.append({"family": family, "scheduler": name, "engine_scheduler": scheduler,
+                        "max_num_batched_tokens": budget, "wall_seconds": wall, "tokens_per_s": tps,
+                        "ttft_ms": {"mean": 1e3 * ttft[0], "p50": 1e3 * ttft[1], "p99": 1e3 * ttft[2]},
+                        "itl_ms": {"mean": 1e3 * itl[0], "p50": 1e3 * itl[1], "p99": 1e3 * itl[2]},
+                        "calls_per_iteration": calls, "padding_fraction": padding, "model_calls": stats.model_calls,
+                        "iterations_with_model_calls": busy, "prefix_hit_rate": hit,
+                        "ttft_p50_ratio": ttft[1] / base_ttft, "throughput_ratio": tps / base_tps})
+    print_table(title, ["scheduler", "wall s", "tokens/s", "TTFT ms mean/p50/p99", "ITL ms mean/p50/p99",
+                        "calls/iter", "padding", "prefix hits", "TTFT p50 / whole", "tokens/s / whole"], rows)
+    print(f"\nSame tokens under every scheduler (seeded requests): {same}\n")
+    return payload, same
 
 
 def main(args) -> int:
     if getattr(args, "http", False):
         return http_main(args)
+    from jaxkv.bench.prefix_families import _models
+
     num_requests = 8 if args.quick else 64
     repeats = 1 if args.quick else 3
     workload = poisson_workload(num_requests, np.random.default_rng(0))
     model = LlamaForCausalLM(LlamaConfig.from_hf(CONFIG), rngs=nnx.Rngs(0))
-    configs = {"whole prompts at admission": None, "budget 512": 512, "budget 256": 256, "budget 128": 128}
-    if args.quick:  # CI's smoke run: the two ends
-        configs = {"whole prompts at admission": None, "budget 128": 128}
-    else:  # compile every program once first (all configurations share them)
-        _serve(model, workload[:4], None)
-        _serve(model, workload[:4], 128)
-    runs: dict[str, list] = {name: [] for name in configs}
-    outputs = {}
-    for _ in range(repeats):
-        for name, budget in configs.items():
-            summary, outputs[name] = _serve(model, workload, budget)
-            runs[name].append(summary)
-    same = all(out == outputs["whole prompts at admission"] for out in outputs.values())
-    rows, payload = [], []
-    base_tps = statistics.median(s.tokens_per_second for s in runs["whole prompts at admission"])
-    base_ttft = statistics.median(s.ttft[1] for s in runs["whole prompts at admission"])
-    base_itl = statistics.median(s.itl[2] for s in runs["whole prompts at admission"])
-    for name, summaries in runs.items():
-        def med(f):
-            return statistics.median(f(s) for s in summaries)
-
-        ttft = tuple(med(lambda s, i=i: s.ttft[i]) for i in range(3))
-        itl = tuple(med(lambda s, i=i: s.itl[i]) for i in range(3))
-        tps = med(lambda s: s.tokens_per_second)
-        wall = med(lambda s: s.wall_seconds)
-        hit = summaries[-1].prefix_hit_rate
-        rows.append([name, f"{wall:.2f}", f"{tps:.0f}", "/".join(f"{1e3 * x:.0f}" for x in ttft),
-                     "/".join(f"{1e3 * x:.1f}" for x in itl), f"{hit:.0%}", f"{ttft[1] / base_ttft:.2f}",
-                     f"{itl[2] / base_itl:.2f}", f"{tps / base_tps:.2f}"])
-        payload.append({"scheduler": name, "max_num_batched_tokens": configs[name], "wall_seconds": wall,
-                        "tokens_per_second": tps, "ttft_mean_p50_p99_s": ttft, "itl_mean_p50_p99_s": itl,
-                        "prefix_hit_rate": hit, "ttft_p50_ratio": ttft[1] / base_ttft,
-                        "itl_p99_ratio": itl[2] / base_itl, "throughput_ratio": tps / base_tps})
-    print_table(f"serving {num_requests} Poisson-arriving requests with shared prefixes, tiny Llama "
-                f"(median of {repeats}) on {machine_description()}",
-                ["scheduler", "wall s", "tokens/s", "TTFT ms mean/p50/p99", "ITL ms mean/p50/p99", "prefix hits",
-                 "TTFT p50 / whole", "ITL p99 / whole", "tokens/s / whole"], rows)
-    print(f"\nSame tokens under every scheduler (seeded requests): {same}")
+    names = QUICK_CONFIGS if args.quick else tuple(PAGED_CONFIGS)
+    machine = machine_description()
+    payload, same = _table(f"serving {num_requests} Poisson-arriving requests with shared prefixes, tiny Llama "
+                           f"(median of {repeats}) on {machine}", "llama", model, workload, names, ENGINE, repeats,
+                           warm=not args.quick)
+    qwen = _models()["qwen3-next (GDN snapshots)"]
+    hybrid_requests = 8 if args.quick else 32
+    hybrid_workload = poisson_workload(hybrid_requests, np.random.default_rng(1), vocab=qwen.config.vocab_size)
+    hybrid, hybrid_same = _table(f"the same kind of workload ({hybrid_requests} requests), tiny Qwen3-Next (hybrid "
+                                 f"cache: Gated DeltaNet + full attention; median of {repeats})", "qwen3_next", qwen,
+                                 hybrid_workload, HYBRID_CONFIGS, HYBRID_ENGINE, repeats, warm=not args.quick)
     if args.json:
-        print_json({"benchmark": "serve", "machine": machine_description(), "same_tokens": same, "results": payload})
-    return 0 if same else 1
+        print_json({"benchmark": "serve", "machine": machine, "same_tokens": same and hybrid_same,
+                    "results": payload + hybrid})
+    return 0 if same and hybrid_same else 1
 
 
 # ------------------------------------------------------------------ --http

@@ -49,17 +49,32 @@ queued as arriving then). Each scheduler iteration (one ``step``):
    first (a windowed request whose hit would not leave room for its window
    is admitted without the hit); if the request still does not fit,
    admission stops for this iteration (FCFS).
-   **Prefill** then runs the uncached tails (``starts = cached_len``) of the
-   admitted requests in pieces, one piece per request per jitted call, each
-   call sampling the first token of the requests it finishes: every piece
-   now, or with ``max_num_batched_tokens`` one call per iteration within
-   the budget, so decoding goes on while long prompts are prefilled.
-3. **Decode** every running sequence whose prompt is prefilled for ``decode_chunk`` steps in ONE jitted
-   ``lax.while_loop``: each step appends a slot per running sequence on
-   device (a new block at block boundaries), runs the model, samples (per-row
-   temperature / top-k / top-p), and stops rows on EOS or ``max_new_tokens``.
-   If ``append_slots`` cannot get blocks the loop stops early and reports the
-   blocked rows.
+   Prefill computes only the uncached tail (``starts = cached_len``).
+3. **One device call** (the default ``scheduler="packed"``). While some
+   admitted prompt is not all prefilled, the iteration is ONE packed step
+   (:mod:`jaxkv.nn.packed`): a flat stream of the next token of every
+   decoding request and, after them in the budget
+   (``max_num_batched_tokens``, default ``prefill_chunk``), one prompt
+   piece per prefilling request, oldest admission first, cut to what the
+   budget has left; the stream's length is bucketed (powers of two from
+   16, and the budget itself). The jitted call grows the decoding rows by
+   a slot on device (a new block at block boundaries, copy-on-write; a
+   hybrid cache reserves), writes every token's K/V, runs the model with
+   ragged attention (each piece attends its request's cache and its own
+   earlier tokens), samples the decoding requests and those whose last
+   piece ran, and captures a hybrid cache's boundary snapshots. If the
+   decoding rows cannot get blocks they drop out of that step (the prompt
+   pieces still run) and are relieved as below. With nothing left to
+   prefill, the iteration is the **decode** chunk: every running sequence
+   decodes ``decode_chunk`` steps in ONE jitted ``lax.while_loop`` (each
+   step appends a slot per running sequence on device, runs the model,
+   samples with per-row temperature / top-k / top-p, stops rows on EOS or
+   ``max_new_tokens``; if ``append_slots`` cannot get blocks the loop stops
+   early and reports the blocked rows), which needs no host round trip per
+   token. ``scheduler="padded"`` (the earlier scheduler): a ``[max_seqs,
+   prefill_chunk]`` prefill call per iteration (every piece now, or with
+   ``max_num_batched_tokens`` one call within the budget), then the decode
+   chunk: two calls, and compute spent on padding lanes.
 4. On the host: **finished** requests insert their full pages into the prefix
    cache (the tree takes its own reference: the ids ``insert`` reports as
    ``new_blocks`` are increfed; duplicates stay the sequence's and are freed
@@ -255,7 +270,9 @@ class EngineStats:
     ``finished_requests``, ``aborted_requests``, ``iterations``,
     ``model_calls`` (jitted calls that ran the model: prefill calls, decode
     chunks, packed steps; the admission and retirement bookkeeping calls are
-    not counted), ``token_slots`` / ``padding_slots`` (token positions those
+    not counted), ``model_iterations`` (iterations that made at least one
+    such call: ``model_calls / model_iterations`` is the calls per busy
+    iteration), ``token_slots`` / ``padding_slots`` (token positions those
     calls computed, and how many of them were padding: idle lanes, the
     bucket's tail, rows finished inside a decode chunk). Since the
     previous :meth:`Engine.stats` call (drained by each call; at most the
@@ -286,6 +303,7 @@ class EngineStats:
     ttft: tuple[float, ...]
     itl: tuple[float, ...]
     model_calls: int = 0
+    model_iterations: int = 0
     token_slots: int = 0
     padding_slots: int = 0
 
@@ -308,6 +326,7 @@ class _Counters:
     finished: int = 0
     aborted: int = 0
     model_calls: int = 0  # jitted calls that run the model (prefill, decode chunk, packed step)
+    model_iterations: int = 0  # iterations that made at least one such call
     slots_computed: int = 0  # token slots those calls computed (padding included)
     slots_real: int = 0  # of which real tokens
 
@@ -517,8 +536,7 @@ class Engine:
         max_num_batched_tokens: the token budget of a scheduler iteration.
             Packed scheduler: the stream's tokens, decode tokens included
             (a prompt piece is cut to what is left of it; at least one
-            prompt token runs per packed step); None: one piece of at most
-            ``prefill_chunk`` tokens per prefilling request each step.
+            prompt token runs per packed step); None: ``prefill_chunk``.
             Padded scheduler: None prefills admitted prompts whole before
             the next decode chunk; given, each iteration runs ONE prefill
             call of at most this many prompt tokens less one per decoding
@@ -560,6 +578,7 @@ class Engine:
         if scheduler not in ("packed", "padded"):
             raise InvalidArgument(f"scheduler={scheduler!r}: choose 'packed' or 'padded'")
         self.scheduler = scheduler
+        self.prefill_chunk = prefill_chunk
         seed = _host.int_scalar(seed, "seed")
         if max_model_len is not None:
             max_model_len = _int_at_least(max_model_len, "max_model_len", 2)  # one prompt and one new token
@@ -865,6 +884,13 @@ class Engine:
         return out
 
     def _iterate(self) -> None:
+        calls = self._count.model_calls
+        try:
+            self._iterate_once()
+        finally:
+            self._count.model_iterations += self._count.model_calls > calls
+
+    def _iterate_once(self) -> None:
         self._count.iterations += 1
         self._mark_arrivals()
         progressed = self._resume_swapped()
@@ -933,6 +959,7 @@ class Engine:
             recompute_preemptions=count.recomputes, preemptions=count.swaps + count.recomputes,
             generated_tokens=count.generated, finished_requests=count.finished, aborted_requests=count.aborted,
             iterations=count.iterations, ttft=ttft, itl=itl, model_calls=count.model_calls,
+            model_iterations=count.model_iterations,
             token_slots=count.slots_computed, padding_slots=count.slots_computed - count.slots_real)
 
     def _progress(self, pending, total, start, generated_before, before: _Counters) -> EngineProgress:
@@ -1265,8 +1292,12 @@ class Engine:
         smallest power of two from 16 that holds them, or the token budget
         when that is smaller (so a full step has no padding)."""
         bucket = max(16, pow2_at_least(tokens))
-        budget = self.max_num_batched_tokens
-        return budget if budget is not None and tokens <= budget < bucket else bucket
+        budget = self._token_budget()
+        return budget if tokens <= budget < bucket else bucket
+
+    def _token_budget(self) -> int:
+        """The packed scheduler's tokens per step."""
+        return self.max_num_batched_tokens or self.prefill_chunk
 
     def _packed(self) -> None:
         """ONE packed step: the decode token of every decoding request, then
@@ -1277,20 +1308,19 @@ class Engine:
         self.check_bookkeeping()
         decoding = [(row, self._requests[rid]) for row, rid in enumerate(self._rows)
                     if rid is not None and self._decoding(self._requests[rid])]
-        left = None if self.max_num_batched_tokens is None else max(self.max_num_batched_tokens - len(decoding), 1)
+        left = max(self._token_budget() - len(decoding), 1)
         batch = []  # (request, (start, end))
         for req in self._prefilling:
-            if left is not None and left <= 0:
+            if left <= 0:
                 break
             start, end = req.pieces[0]
-            if left is not None and end - start > left:
+            if end - start > left:
                 end = start + left
                 req.pieces[0] = (end, req.pieces[0][1])  # the rest stays at the head
             else:
                 req.pieces.pop(0)
             batch.append((req, (start, end)))
-            if left is not None:
-                left -= end - start
+            left -= end - start
         lanes = [req for req, _ in batch] + [req for _, req in decoding]
         total = sum(end - start for _, (start, end) in batch) + len(decoding)
         length = self._stream_length(total)
