@@ -1295,6 +1295,19 @@ class Engine:
         budget = self._token_budget()
         return budget if tokens <= budget < bucket else bucket
 
+    def stream_lengths(self) -> list[int]:
+        """The packed stream's lengths a step can compile (one program per
+        length): powers of two from 16 below the token budget, then the
+        budget (longer only when more requests decode than the budget
+        holds). ``[]`` for the padded scheduler."""
+        if self.scheduler != "packed":
+            return []
+        budget, out, n = self._token_budget(), [], 16
+        while n < budget:
+            out.append(n)
+            n *= 2
+        return [*out, budget]
+
     def _token_budget(self) -> int:
         """The packed scheduler's tokens per step."""
         return self.max_num_batched_tokens or self.prefill_chunk

@@ -975,30 +975,36 @@ async def _stream(job: _Job, rid: str, created: int, model: str, chat: bool):
 
 
 def warm_up(engine, *, vocab_size: int | None = None) -> dict:
-    """Compile the engine's programs before the first client: ONE tiny
-    greedy request with two new tokens through ``engine.step`` (a prefill
-    call, then a decode call). The engine's shapes are fixed (prefill
-    ``[max_seqs, prefill_width]``, decode ``[max_seqs]``, padded id arrays,
-    sampling parameters traced per row), so this compiles every program a
-    paged model serves with: later prompt lengths, batch sizes, sampling
-    settings, prefix hits and aborts compile nothing more (measured: 8
-    programs besides the engine's 15 set-up ones on a Llama, none after;
-    tests/test_server.py checks it through ``jaxkv_xla_compilations_total``).
-    Swap-in/out (host KV memory) is the exception: compiled at the first
-    swap. Its record is dropped (``engine.forget``); its full pages stay in
-    the prefix cache. Returns ``{"seconds", "requests", "tokens"}``."""
+    """Compile the engine's programs before the first client. Padded
+    scheduler: ONE tiny greedy request with two new tokens through
+    ``engine.step`` (a prefill call, then a decode call). Packed scheduler:
+    one such request per packed stream length (``engine.stream_lengths()``:
+    a prompt that fills each bucket; distinct first tokens, so no prefix hit
+    shortens one). The engine's other shapes are fixed (decode ``[max_seqs]``,
+    padded id arrays, sampling parameters traced per row), so this compiles
+    every program a paged model serves with: later prompt lengths, batch
+    sizes, sampling settings, prefix hits and aborts compile nothing more
+    (tests/test_server.py checks it through
+    ``jaxkv_xla_compilations_total``). Exceptions: swap-in/out (host KV
+    memory) compiles at the first swap, and a hybrid model's Gated DeltaNet
+    view compiles once more per power of two of prompt pieces packed in one
+    step. The records are dropped (``engine.forget``); their full pages stay
+    in the prefix cache. Returns ``{"seconds", "requests", "tokens"}``."""
     start = time.perf_counter()
     vocab = vocab_size or getattr(engine, "vocab_size", None) or 2
-    ids = [1 + (7 * i) % max(vocab - 1, 1) for i in range(4)]
     limit = getattr(engine, "max_model_len", None)
-    if limit is not None:  # a tiny context
-        ids = ids[: max(min(len(ids), limit - 2), 1)]
-    rid = engine.add_request(ids, 2)
-    tokens = 0
-    while engine.has_unfinished():
-        tokens += sum(len(o.new_token_ids) for o in engine.step())
-    EngineLoop._release(engine, rid)
-    return {"seconds": time.perf_counter() - start, "requests": 1, "tokens": tokens}
+    lengths = engine.stream_lengths() if hasattr(engine, "stream_lengths") else []
+    tokens = requests = 0
+    for i, length in enumerate(lengths or [4]):
+        if limit is not None:  # a tiny context
+            length = max(min(length, limit - 2), 1)
+        ids = [1 + (7 * k + 3 * i) % max(vocab - 1, 1) for k in range(length)]
+        rid = engine.add_request(ids, 2)
+        while engine.has_unfinished():
+            tokens += sum(len(o.new_token_ids) for o in engine.step())
+        EngineLoop._release(engine, rid)
+        requests += 1
+    return {"seconds": time.perf_counter() - start, "requests": requests, "tokens": tokens}
 
 
 def _count_compiles(metrics: ServerMetrics) -> None:
