@@ -34,7 +34,10 @@ The cache. All state lives in the manager: each layer's SWA ring, its
 compressor and indexer rings (per request slot), its compressed entries and
 indexer keys (paged blocks through its group's block table). A step reads
 them through the ``kernels_pallas`` gathers (``gather_swa_kv``,
-``gather_compressed_kv``, ``gather_all_compressed_kv``). Two entry formats
+``gather_compressed_kv``, ``gather_all_compressed_kv``); the step is
+``model(tokens [B, W], ...)`` or, packed (one flat stream of prefill pieces
+and decode tokens, :class:`~jaxkv.nn.packed.PackedBatch`),
+``model.forward_packed(batch, manager)``. Two entry formats
 (:meth:`DeepseekV4ForCausalLM.make_cache`): ``"lossless"`` (entries in
 float32: the model's exact arithmetic) and ``"fp8"`` (DeepSeek's production
 format: e4m3 NoPE with a ue8m0 scale per 64 values, bf16 RoPE; indexer keys
@@ -69,6 +72,7 @@ from jaxkv.nn.attention import check_implementation
 from jaxkv.nn.deepseek_v4_config import DeepseekV4Config
 from jaxkv.nn.layers import (Experts, Linear, RMSNorm, SwiGLU, fuse_experts, load_state, named_state, param,
                              read_checkpoint, save_checkpoint, unit_rms)
+from jaxkv.nn.packed import PackedBatch
 from kernels_pallas.formats import CompressedEntries, EntryFormat
 
 __all__ = ["DeepseekV4ForCausalLM", "ENTRY_FORMATS", "entry_formats", "module_tensors"]
@@ -552,21 +556,43 @@ class DeepseekV4ForCausalLM(nnx.Module):
         ``starts[b] + t``, which ``manager.reserve`` must have reserved.
         Returns ``(logits [B, T, vocab] float32, manager)``; logits of
         padding tokens are finite garbage."""
-        self._check_cache(manager)
         tokens = jnp.asarray(tokens, jnp.int32)
         batch, width = tokens.shape
         lane = jnp.arange(width, dtype=jnp.int32)[None, :]
         positions = jnp.where(lane < num_new[:, None], starts[:, None] + lane, -1).reshape(-1)
         request_ids = jnp.repeat(jnp.arange(batch, dtype=jnp.int32), width)
-        flat_tokens = tokens.reshape(-1)
-        streams = self._embed(flat_tokens)
+        streams, manager = self._through_cache(tokens.reshape(-1), manager, slots, positions, request_ids)
+        return self._logits(streams).reshape(batch, width, -1), manager
+
+    def forward_packed(self, batch: PackedBatch, manager: KVCacheManager) -> tuple[Float[Array, "S V"], KVCacheManager]:
+        """One packed step (:class:`~jaxkv.nn.packed.PackedBatch`) through the
+        cache: every layer runs over the flat stream of ``T`` tokens (no
+        padding per lane; the handle tells the lanes apart by
+        ``token_lanes``), lane ``s`` as request slot ``seq_ids[s]`` at its
+        positions, which ``manager.reserve(batch.seq_ids, batch.q_lens,
+        ...)`` must have reserved. Returns ``(logits [S, vocab] float32,
+        manager)``: the logits of each lane's last token (the LM head runs on
+        those ``S`` tokens only; finite garbage for a lane with none)."""
+        streams, manager = self._through_cache(batch.token_ids, manager, batch.seq_ids, batch.positions,
+                                               batch.token_lanes)
+        return self._logits(streams[batch.last_tokens]), manager
+
+    def _through_cache(self, tokens: Int[Array, " T"], manager: KVCacheManager, slots: Int[Array, " B"],
+                       positions: Int[Array, " T"], request_ids: Int[Array, " T"]):
+        """Every layer over a flat stream of tokens (request row
+        ``request_ids[t]`` of ``slots``, at ``positions[t]``; -1: padding).
+        Returns ``(streams [T, hc_mult, hidden], manager)``: the residual
+        streams before ``hc_head``."""
+        self._check_cache(manager)
+        tokens = jnp.asarray(tokens, jnp.int32)
+        streams = self._embed(tokens)
         for i, layer in enumerate(self.layers):
             handle = manager.acquire(i, slots, positions, request_ids, implementation=self.implementation)
             mix, x = layer.attention_input(streams)
             y, handle = layer.self_attn(x, handle)
             manager = manager.update(handle)
-            streams = layer.after_attention(streams, mix, y, flat_tokens)
-        return self._logits(streams).reshape(batch, width, -1), manager
+            streams = layer.after_attention(streams, mix, y, tokens)
+        return streams, manager
 
     def forward_dense(self, tokens: Int[Array, " T"], *, entry_format: str = "lossless") -> Float[Array, "T V"]:
         """One sequence from scratch with no cache (positions ``0 .. T-1``),

@@ -40,7 +40,10 @@ scaled by ``sigmoid(shared_expert_gate(x))``.
 The whole step (every layer, both kinds) is one jittable call:
 ``model(tokens, manager, slots, starts, num_new)`` after
 ``manager.reserve``, as :class:`~jaxkv.nn.DeepseekV4ForCausalLM`; so
-:func:`jaxkv.nn.generate` serves it.
+:func:`jaxkv.nn.generate` serves it. ``model.forward_packed(batch, manager)``
+runs a packed step (:class:`~jaxkv.nn.packed.PackedBatch`): one flat stream
+of prefill pieces and decode tokens, the Gated DeltaNet's conv and delta rule
+on the batch's per-lane-class segments.
 """
 
 from __future__ import annotations
@@ -60,6 +63,7 @@ from jaxkv.manager.hybrid_schema import AttentionKind, HybridConfig, LayerSpec
 from jaxkv.nn.attention import check_implementation
 from jaxkv.nn.layers import (Experts, Linear, SwiGLU, fuse_experts, load_state, named_state, param,
                              read_checkpoint, save_checkpoint)
+from jaxkv.nn.packed import PackedBatch
 from jaxkv.nn.qwen3_next_config import Qwen3NextConfig
 from jaxkv.nn.rope import apply_rope, rope_inv_freq
 
@@ -180,24 +184,49 @@ class GatedDeltaNet(nnx.Module):
         prefix of each row), from states ``conv_state [B, conv_dim, K-1]``
         and ``state [B, Hv, Dk, Dv]``. Returns ``(y, conv_state, state)``:
         a one-token step runs the recurrent form, longer ones the chunked."""
+        mixed, z, beta_in, a = self.project(x)
+        out, conv_state, state = self.mix(mixed, beta_in, a, real, conv_state, state)
+        return self.output(out, z), conv_state, state
+
+    # The layer in three parts: ``project`` and ``output`` are per token (any
+    # leading shape: a packed step runs them over its flat stream), ``mix``
+    # (the causal conv and the delta rule) needs rows of one request each.
+
+    def project(self, x):
+        """Per token of ``x [..., hidden]``: ``(mixed [..., conv_dim], z [...,
+        Hv, Dv], b [..., Hv], a [..., Hv])`` (the conv's input, the output
+        gate, the pre-activations of ``beta`` and ``g``)."""
         c = self.config
-        b, w, _ = x.shape
+        lead = x.shape[:-1]
         hk, hv, dk, dv = c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim, \
             c.linear_value_head_dim
         r = hv // hk
-        qkvz = self.in_proj_qkvz(x).reshape(b, w, hk, 2 * dk + 2 * r * dv)
+        qkvz = self.in_proj_qkvz(x).reshape(*lead, hk, 2 * dk + 2 * r * dv)
         q, k = qkvz[..., :dk], qkvz[..., dk:2 * dk]
-        v = qkvz[..., 2 * dk:2 * dk + r * dv].reshape(b, w, hv, dv)
-        z = qkvz[..., 2 * dk + r * dv:].reshape(b, w, hv, dv)
-        ba = self.in_proj_ba(x).reshape(b, w, hk, 2 * r)
-        beta_in, a = ba[..., :r].reshape(b, w, hv), ba[..., r:].reshape(b, w, hv)
-        mixed = jnp.concatenate([q.reshape(b, w, -1), k.reshape(b, w, -1), v.reshape(b, w, -1)], axis=-1)
+        v = qkvz[..., 2 * dk:2 * dk + r * dv].reshape(*lead, hv, dv)
+        z = qkvz[..., 2 * dk + r * dv:].reshape(*lead, hv, dv)
+        ba = self.in_proj_ba(x).reshape(*lead, hk, 2 * r)
+        beta_in, a = ba[..., :r].reshape(*lead, hv), ba[..., r:].reshape(*lead, hv)
+        mixed = jnp.concatenate([q.reshape(*lead, -1), k.reshape(*lead, -1), v.reshape(*lead, -1)], axis=-1)
+        return mixed, z, beta_in, a
+
+    def mix(self, mixed, beta_in, a, real, conv_state, state):
+        """The sequence mixing of rows ``[B, W]`` (one request each; ``real``
+        a prefix of each row) from :meth:`project`'s ``mixed``, ``b`` and
+        ``a``: causal conv from ``conv_state``, then the gated delta rule
+        from ``state`` (width 1: the recurrent form, else the chunked).
+        Returns ``(out [B, W, Hv, Dv] float32, conv_state, state)``."""
+        c = self.config
+        b, w, _ = mixed.shape
+        hk, hv, dk, dv = c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim, \
+            c.linear_value_head_dim
+        r = hv // hk
         # Causal depthwise conv over [state ; this step's inputs].
         kernel = c.linear_conv_kernel_dim
         history = jnp.concatenate([jnp.swapaxes(conv_state, 1, 2).astype(mixed.dtype), mixed], axis=1)
         weight = self.conv1d["weight"][...][:, 0, :].astype(_F32)  # [C, K]
         windows = jnp.stack([history[:, j:j + w] for j in range(kernel)], axis=-1).astype(_F32)  # [B, W, C, K]
-        conv_out = jax.nn.silu(jnp.sum(windows * weight, axis=-1)).astype(x.dtype)
+        conv_out = jax.nn.silu(jnp.sum(windows * weight, axis=-1)).astype(mixed.dtype)
         count = jnp.sum(real, axis=1)  # tokens per row: the new state is the last K-1 inputs
         keep = count[:, None] + jnp.arange(kernel - 1)[None, :]
         new_conv = jnp.swapaxes(jnp.take_along_axis(history, keep[..., None], axis=1), 1, 2)
@@ -213,8 +242,12 @@ class GatedDeltaNet(nnx.Module):
         k, beta, g = jnp.where(mask[..., None], k, 0.0), jnp.where(mask, beta, 0.0), jnp.where(mask, g, 0.0)
         form = recurrent_gated_delta_rule if w == 1 else chunk_gated_delta_rule
         out, state = form(q, k, v, g, beta, state)
-        out = self.norm(out.astype(x.dtype), z)
-        return self.out_proj(out.reshape(b, w, hv * dv)), new_conv.astype(conv_state.dtype), state
+        return out, new_conv.astype(conv_state.dtype), state
+
+    def output(self, out, z):
+        """Per token: the gated RMSNorm of ``out [..., Hv, Dv]`` by ``z``, then ``out_proj``."""
+        out = self.norm(out.astype(z.dtype), z)
+        return self.out_proj(out.reshape(*out.shape[:-2], -1))
 
     def zero_states(self, batch: int, dtype):
         c = self.config
@@ -256,6 +289,18 @@ class GatedAttention(nnx.Module):
         """``o_proj(attended * sigmoid(gate))``; ``attended [B, W, H, D]``."""
         flat = attended.reshape(*attended.shape[:2], -1)
         return self.o_proj(flat * jax.nn.sigmoid(gate.astype(_F32)).astype(flat.dtype))
+
+    def through_cache(self, h, positions, handle):
+        """``h [B, W, hidden]`` at ``positions [B, W]`` (-1: padding) through
+        the paged cache: K/V written, each token attending its request's
+        positions up to its own. Returns ``(y [B, W, hidden], handle)``."""
+        c = self.config
+        b, w = h.shape[:2]
+        q, k, v, gate = self.project(h, jnp.maximum(positions, 0))
+        handle = handle.write_kv(k.reshape(b * w, c.num_key_value_heads, c.head_dim),
+                                 v.reshape(b * w, c.num_key_value_heads, c.head_dim))
+        attended = handle.attend(q.reshape(b * w, c.num_attention_heads, c.head_dim), sm_scale=c.head_dim ** -0.5)
+        return self.output(attended.reshape(b, w, c.num_attention_heads, c.head_dim).astype(h.dtype), gate), handle
 
 
 class SparseMoeBlock(nnx.Module):
@@ -369,35 +414,79 @@ class Qwen3NextForCausalLM(nnx.Module):
         -1 = idle) brings ``tokens[b, :num_new[b]]`` at positions
         ``starts[b] + t``, which ``manager.reserve`` must have reserved.
         Returns ``(logits [B, W, vocab] float32, manager)``."""
-        self._check_cache(manager)
-        c = self.config
         tokens = jnp.asarray(tokens, jnp.int32)
         b, w = tokens.shape
         lane = jnp.arange(w, dtype=jnp.int32)[None, :]
         positions = jnp.where(lane < num_new[:, None], starts[:, None] + lane, -1)
         request_ids = jnp.repeat(jnp.arange(b, dtype=jnp.int32), w)
-        x = self._embed(tokens)
+
+        def linear(module, h, handle):  # the rows are the requests
+            real = (handle.positions >= 0).reshape(b, w)  # reserved tokens of held slots
+            rows = jnp.where(jnp.any(real, axis=1), handle.request_slots, -1)
+            mixed, conv, state = module(h, real, *_gdn_states(handle, rows))
+            return mixed, _set_gdn_states(handle, rows, conv, state)
+
+        x, manager = self._through_cache(self._embed(tokens), manager, slots, positions, request_ids, linear)
+        return self._logits(x), manager
+
+    def forward_packed(self, batch: PackedBatch, manager: KVCacheManager) -> tuple[Float[Array, "S V"], KVCacheManager]:
+        """One packed step (:class:`~jaxkv.nn.packed.PackedBatch`) through the
+        cache, lane ``s`` as request slot ``seq_ids[s]`` at its positions,
+        which ``manager.reserve(batch.seq_ids, batch.q_lens, ...)`` must have
+        reserved. Projections, norms, MoE and full attention run over the
+        flat stream of ``T`` tokens (no padding per lane); a Gated DeltaNet
+        layer's conv and delta rule run on :meth:`PackedBatch.segments`:
+        the prefill lanes as ``[num_prefill_lanes, max_prefill_len]`` rows
+        (the chunked form), the decode lanes as one-token rows (the
+        recurrent form), each from its request's states, scattered back into
+        the stream. Returns ``(logits [S, vocab] float32, manager)``: each
+        lane's last token's (the LM head runs on those ``S`` tokens only;
+        finite garbage for a lane with none)."""
+        num_tokens = batch.num_tokens
+
+        def linear(module, h, handle):  # the rows are the lanes' segments
+            mixed, z, beta_in, a = module.project(h[0])
+            real = handle.positions >= 0  # reserved tokens of held slots
+            segments = []
+            for lanes in ("prefill", "decode"):
+                first, index, valid = batch.segments(lanes)
+                if index.shape[0]:
+                    segments.append((first, index, valid & real[index]))
+            rows = jnp.where(jnp.concatenate([jnp.any(r, axis=1) for _, _, r in segments]), handle.request_slots, -1)
+            conv, state = _gdn_states(handle, rows)
+            out = jnp.zeros((num_tokens,) + z.shape[1:], _F32)
+            convs, states = [], []
+            for first, index, seg_real in segments:
+                lanes = slice(first, first + index.shape[0])
+                o, c, s = module.mix(mixed[index], beta_in[index], a[index], seg_real, conv[lanes], state[lanes])
+                out = out.at[jnp.where(seg_real, index, num_tokens)].set(o, mode="drop")
+                convs.append(c)
+                states.append(s)
+            handle = _set_gdn_states(handle, rows, jnp.concatenate(convs), jnp.concatenate(states))
+            return module.output(out, z)[None], handle
+
+        x, manager = self._through_cache(self._embed(batch.token_ids)[None], manager, batch.seq_ids,
+                                         batch.positions[None], batch.token_lanes, linear)
+        return self._logits(x[0, batch.last_tokens]), manager
+
+    def _through_cache(self, x, manager: KVCacheManager, slots, positions, request_ids, linear):
+        """Every layer from the embeddings ``x [B, W, hidden]`` at
+        ``positions [B, W]`` (-1: padding; token ``t`` of the flattened rows
+        belongs to request row ``request_ids[t]`` of ``slots``). Full
+        attention runs through the paged cache here; ``linear(module, h,
+        handle) -> (y, handle)`` runs a Gated DeltaNet layer in the
+        caller's row layout. Returns ``(x before the final norm, manager)``."""
+        self._check_cache(manager)
         for i, layer in enumerate(self.layers):
             handle = manager.acquire(i, slots, positions.reshape(-1), request_ids, implementation=self.implementation)
             h = layer.input_layernorm(x)
-            real = (handle.positions >= 0).reshape(b, w)  # reserved tokens of held slots
             if layer.kind == "linear_attention":
-                gdn, index = handle.gdn, handle.gdn_layer
-                rows = jnp.where(jnp.any(real, axis=1), handle.request_slots, -1)
-                recurrent, conv = gdn.get_states(index, rows)
-                mixed, conv, state = layer.linear_attn(h, real, conv, jnp.swapaxes(recurrent, -1, -2))
-                handle = handle.replace(gdn=gdn.set_layer_state(index, rows, jnp.swapaxes(state, -1, -2), conv))
+                mixed, handle = linear(layer.linear_attn, h, handle)
             else:
-                attn = layer.self_attn
-                q, k, v, gate = attn.project(h, jnp.maximum(positions, 0))
-                handle = handle.write_kv(k.reshape(b * w, c.num_key_value_heads, c.head_dim),
-                                         v.reshape(b * w, c.num_key_value_heads, c.head_dim))
-                attended = handle.attend(q.reshape(b * w, c.num_attention_heads, c.head_dim),
-                                         sm_scale=c.head_dim ** -0.5)
-                mixed = attn.output(attended.reshape(b, w, c.num_attention_heads, c.head_dim).astype(h.dtype), gate)
+                mixed, handle = layer.self_attn.through_cache(h, positions, handle)
             manager = manager.update(handle)
             x = layer.finish(x, mixed)
-        return self._logits(x), manager
+        return x, manager
 
     def forward_dense(self, tokens: Int[Array, " T"]) -> Float[Array, "T V"]:
         """One sequence from scratch with no cache: the GDN layers in the
@@ -457,6 +546,19 @@ class Qwen3NextForCausalLM(nnx.Module):
         """``config.json`` + ``model.safetensors`` under transformers' names (fused experts)."""
         save_checkpoint(path, {**self.config.to_hf(), "torch_dtype": self.param_dtype.name},
                         named_state(self, lambda p: p if p.startswith("lm_head.") else "model." + p))
+
+
+def _gdn_states(handle, rows):
+    """``(conv_state, state [B, Hv, Dk, Dv])`` of request slots ``rows``
+    (-1: zeros) in the handle's Gated DeltaNet layer (the pool keeps the
+    recurrent state transposed, ``[Dv, Dk]``)."""
+    recurrent, conv = handle.gdn.get_states(handle.gdn_layer, rows)
+    return conv, jnp.swapaxes(recurrent, -1, -2)
+
+
+def _set_gdn_states(handle, rows, conv, state):
+    """The handle with ``rows``' states replaced (-1: skipped)."""
+    return handle.replace(gdn=handle.gdn.set_layer_state(handle.gdn_layer, rows, jnp.swapaxes(state, -1, -2), conv))
 
 
 def cache_for(config: Qwen3NextConfig, max_requests: int, max_context_tokens: int, *, dtype=_F32,
