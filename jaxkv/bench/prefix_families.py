@@ -32,7 +32,8 @@ from jaxkv.serve import Engine
 __all__ = ["family_hit_rows", "ideal_hits"]
 
 
-def _models() -> dict:
+def family_models() -> dict:
+    """The tiny random models of this benchmark, one per family, by name (also `bench serve`'s hybrid model)."""
     from jaxkv.nn import DeepseekV4ForCausalLM, LlamaConfig, LlamaForCausalLM, Qwen3NextForCausalLM
     from jaxkv.nn.deepseek_v4_config import DeepseekV4Config
     from jaxkv.nn.qwen3_next_config import Qwen3NextConfig
@@ -92,7 +93,7 @@ def _engine(model, max_seqs: int, context: int):
 def family_hit_rows() -> tuple[list, list]:
     """``(table rows, JSON records)`` of hit rate vs ideal per family and workload."""
     rows, payload = [], []
-    for family, model in _models().items():
+    for family, model in family_models().items():
         vocab = model.config.vocab_size
         for workload in ("shared system prompt", "multi-turn"):
             rng = np.random.default_rng(0)

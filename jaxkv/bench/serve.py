@@ -1,6 +1,12 @@
 """``python -m jaxkv.bench serve``: the engine serving a Poisson arrival
-workload with shared prefixes, scheduled with token budgets against the
-scheduler that prefills whole prompts at admission, in the same run.
+workload with shared prefixes under its two schedulers, in the same run:
+packed steps (ONE jitted call per iteration over a flat stream of decode
+tokens and prompt pieces, ``scheduler="packed"``, at token budgets 512, 256
+and 128) against the padded scheduler (a ``[max_seqs, prefill_chunk]``
+prefill call then a decode chunk per iteration), whose whole-prompt
+configuration (prompts prefilled whole at admission) is the baseline; then
+a hybrid family (a tiny Qwen3-Next: Gated DeltaNet and full attention) the
+same way.
 
 The workload (``numpy.random.default_rng(0)``): a small random-weight Llama
 (2 layers, hidden 128, the demo's model) on CPU; requests arrive at
@@ -12,13 +18,17 @@ sampled (temperature 0.7) with a seed per request, so every configuration
 generates the same tokens.
 
 Each configuration serves the whole workload on a fresh engine (same pool,
-rows and chunk widths, so one set of compiled programs serves all: a
-warm-up run compiles them first). Reported per configuration: wall time,
-generated tokens/s, time to first token and inter-token latency (mean,
-p50, p99, from the engine's summary), prefix hit rate, and the ratios of
-TTFT p50 / ITL p99 / throughput to the whole-prompt scheduler. Figures are
-the median of the repeats (interleaved, so a noisy spell hits every
-configuration alike).
+rows and chunk widths; a warm-up run per configuration compiles its
+programs first). Reported per configuration: wall time, generated
+tokens/s, time to first token and inter-token latency (mean, p50, p99, from
+the engine's summary), calls per iteration (model calls per iteration that
+ran the model: ``EngineStats.model_calls / model_iterations``), the padding
+fraction (token slots those calls computed for padding / all they computed:
+idle lanes and rows, bucket tails, rows finished inside a decode chunk),
+prefix hit rate, and the ratios of TTFT p50 and throughput to the
+whole-prompt scheduler. Figures are the median of the repeats
+(interleaved, so a noisy spell hits every configuration alike); every
+configuration must generate the same tokens (exit 1 otherwise).
 
 ``--http`` (:func:`http_main`): the same kind of workload through
 ``python -m jaxkv.serve`` against the engine in this process, in the same
@@ -149,7 +159,7 @@ def _table(title: str, family: str, model, workload, names, engine_args: dict, r
 def main(args) -> int:
     if getattr(args, "http", False):
         return http_main(args)
-    from jaxkv.bench.prefix_families import _models
+    from jaxkv.bench.prefix_families import family_models
 
     num_requests = 8 if args.quick else 64
     repeats = 1 if args.quick else 3
@@ -160,7 +170,7 @@ def main(args) -> int:
     payload, same = _table(f"serving {num_requests} Poisson-arriving requests with shared prefixes, tiny Llama "
                            f"(median of {repeats}) on {machine}", "llama", model, workload, names, ENGINE, repeats,
                            warm=not args.quick)
-    qwen = _models()["qwen3-next (GDN snapshots)"]
+    qwen = family_models()["qwen3-next (GDN snapshots)"]
     hybrid_requests = 8 if args.quick else 32
     hybrid_workload = poisson_workload(hybrid_requests, np.random.default_rng(1), vocab=qwen.config.vocab_size)
     hybrid, hybrid_same = _table(f"the same kind of workload ({hybrid_requests} requests), tiny Qwen3-Next (hybrid "

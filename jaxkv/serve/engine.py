@@ -56,8 +56,9 @@ queued as arriving then). Each scheduler iteration (one ``step``):
    decoding request and, after them in the budget
    (``max_num_batched_tokens``, default ``prefill_chunk``), one prompt
    piece per prefilling request, oldest admission first, cut to what the
-   budget has left; the stream's length is bucketed (powers of two from
-   16, and the budget itself). The jitted call grows the decoding rows by
+   budget has left; the stream's length is bucketed (16, 24, 32, 48, ...:
+   powers of two and 1.5 times them, then the budget itself;
+   :meth:`Engine.stream_lengths`). The jitted call grows the decoding rows by
    a slot on device (a new block at block boundaries, copy-on-write; a
    hybrid cache reserves), writes every token's K/V, runs the model with
    ragged attention (each piece attends its request's cache and its own
@@ -453,6 +454,17 @@ def _ms(stats) -> str:
     return "/".join(f"{1000 * x:.1f}" for x in stats)
 
 
+def _buckets(tokens: int) -> list[int]:
+    """16, 24, 32, 48, 64, 96, ...: every bucket up to the first that holds ``tokens``."""
+    out, n = [], 16
+    while True:
+        for length in (n, n * 3 // 2):
+            out.append(length)
+            if length >= tokens:
+                return out
+        n *= 2
+
+
 def _latency_stats(values: list) -> tuple[float, float, float]:
     """``(mean, p50, p99)`` of ``values`` (zeros when empty)."""
     if not values:
@@ -526,7 +538,7 @@ class Engine:
             decode token of every decoding request with prefill pieces of
             the admitted ones (:mod:`jaxkv.nn.packed`, ragged attention), at
             most ``max_num_batched_tokens`` tokens, the stream's length
-            bucketed (powers of two from 16 up to the budget) so few
+            bucketed (16, 24, 32, 48, ... up to the budget) so few
             programs compile; an iteration with only decode work runs the
             multi-step decode chunk (``decode_chunk`` tokens per request in
             one call, faster when nothing waits to be prefilled).
@@ -1289,24 +1301,22 @@ class Engine:
 
     def _stream_length(self, tokens: int) -> int:
         """The packed stream's bucket for ``tokens`` real tokens: the
-        smallest power of two from 16 that holds them, or the token budget
-        when that is smaller (so a full step has no padding)."""
-        bucket = max(16, pow2_at_least(tokens))
-        budget = self._token_budget()
-        return budget if tokens <= budget < bucket else bucket
+        smallest of :meth:`stream_lengths` that holds them (a length past the
+        budget only when more requests decode than it holds)."""
+        for length in self.stream_lengths():
+            if tokens <= length:
+                return length
+        return _buckets(tokens)[-1]
 
     def stream_lengths(self) -> list[int]:
         """The packed stream's lengths a step can compile (one program per
-        length): powers of two from 16 below the token budget, then the
-        budget (longer only when more requests decode than the budget
-        holds). ``[]`` for the padded scheduler."""
+        length): 16, 24, 32, 48, 64, 96, ... (powers of two and 1.5 times
+        them: a step pads at most a third) below the token budget, then the
+        budget itself. ``[]`` for the padded scheduler."""
         if self.scheduler != "packed":
             return []
-        budget, out, n = self._token_budget(), [], 16
-        while n < budget:
-            out.append(n)
-            n *= 2
-        return [*out, budget]
+        budget = self._token_budget()
+        return [n for n in _buckets(budget) if n < budget] + [budget]
 
     def _token_budget(self) -> int:
         """The packed scheduler's tokens per step."""
