@@ -27,6 +27,7 @@ from __future__ import annotations
 import numpy as np
 from flax import nnx
 
+from jaxkv.nn.packed import cache_kind
 from jaxkv.serve import Engine
 
 __all__ = ["family_hit_rows", "ideal_hits"]
@@ -80,7 +81,7 @@ def ideal_hits(served: list[tuple[list, list]]) -> int:
 
 
 def _engine(model, max_seqs: int, context: int):
-    if hasattr(model, "make_cache"):
+    if cache_kind(model) == "hybrid":
         probe = Engine(model, max_seqs=1, max_context_tokens=context, prefix_cache=False)
         blocks = {name: int(2 * b) + 1 for name, b in zip(probe.cache.groups, probe.cache.blocks_for(context))}
         return Engine(model, max_seqs=max_seqs, max_context_tokens=context, num_blocks=blocks, num_snapshots=8,

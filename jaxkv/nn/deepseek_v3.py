@@ -261,6 +261,9 @@ class DeepseekV3ForCausalLM(nnx.Module):
     decode attention kernel by :mod:`kernels_pallas`'s rule.
     """
 
+    #: The cache contract (:func:`jaxkv.nn.packed.cache_kind`): a paged ``KVPool`` (``make_pool``).
+    cache_kind = "paged"
+
     def __init__(self, config: DeepseekV3Config, *, rngs: nnx.Rngs, dtype=_F32, param_dtype=_F32, precision=None,
                  implementation: str | None = None, interpret: bool = False):
         check_implementation(implementation, interpret)

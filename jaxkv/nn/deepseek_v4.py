@@ -487,6 +487,9 @@ class DeepseekV4ForCausalLM(nnx.Module):
     :mod:`kernels_pallas`'s rule (None: Pallas on GPU, the reference elsewhere).
     """
 
+    #: The cache contract (:func:`jaxkv.nn.packed.cache_kind`): a hybrid ``KVCacheManager`` (``make_cache``).
+    cache_kind = "hybrid"
+
     def __init__(self, config: DeepseekV4Config, *, rngs: nnx.Rngs, dtype=_F32, param_dtype=_F32,
                  precision=None, implementation: str | None = None):
         check_implementation(implementation, False)

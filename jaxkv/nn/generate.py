@@ -25,6 +25,7 @@ from flax import nnx
 from jaxkv._ops import ceil_div, pow2_at_least
 from jaxkv.errors import InvalidArgument, KVCacheOOM
 from jaxkv.manager.block_space import BlockSpaceManager
+from jaxkv.nn.packed import cache_kind
 from jaxkv.nn.sampling import GREEDY, SamplingParams, sample
 from jaxkv.nn.steps import (DecodeState, decode_loop, decode_step, hybrid_prefill_chunk, paged_peak_blocks,
                             paged_window, prefill_chunk, start_decoding)
@@ -116,7 +117,7 @@ def generate(model, input_ids, max_new_tokens: int, *, eos_token_id: int | None 
         raise InvalidArgument(f"max_new_tokens={max_new_tokens}: must be >= 1")
     if not isinstance(sampling, SamplingParams):
         raise InvalidArgument(f"sampling must be a SamplingParams, got {sampling!r}")
-    if hasattr(model, "make_cache"):
+    if cache_kind(model) == "hybrid":
         if mesh is not None or kv_dtype is not None or num_pages is not None:
             raise InvalidArgument("mesh, kv_dtype and num_pages are for the paged pool; a hybrid-cache model takes "
                                   "entry_format and num_blocks")

@@ -107,6 +107,9 @@ class LlamaForCausalLM(nnx.Module):
     static: each choice traces its own program.
     """
 
+    #: The cache contract (:func:`jaxkv.nn.packed.cache_kind`): a paged ``KVPool`` (``make_pool``).
+    cache_kind = "paged"
+
     def __init__(self, config: LlamaConfig, *, rngs: nnx.Rngs, dtype=jnp.float32, param_dtype=jnp.float32,
                  precision=None, implementation: str | None = None, interpret: bool = False):
         check_implementation(implementation, interpret)

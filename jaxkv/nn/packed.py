@@ -52,7 +52,25 @@ from jaxtyping import Array, Bool, Int
 
 from jaxkv.errors import InvalidArgument
 
-__all__ = ["PackedBatch", "PackedLane", "pack", "packed_logits"]
+__all__ = ["CACHE_KINDS", "PackedBatch", "PackedLane", "cache_kind", "pack", "packed_logits"]
+
+
+#: What a model keeps its cache in: ``"paged"`` (a :class:`~jaxkv.KVPool`
+#: under a :class:`~jaxkv.BlockSpaceManager`; ``model.make_pool``,
+#: ``forward_packed(batch, pool)``) or ``"hybrid"`` (a
+#: :class:`~jaxkv.KVCacheManager`; ``model.make_cache``,
+#: ``forward_packed(batch, manager)``).
+CACHE_KINDS = ("paged", "hybrid")
+
+
+def cache_kind(model) -> str:
+    """The model's ``cache_kind`` class attribute (one of :data:`CACHE_KINDS`);
+    ``InvalidArgument`` for a model that declares none."""
+    kind = getattr(model, "cache_kind", None)
+    if kind not in CACHE_KINDS:
+        raise InvalidArgument(f"{type(model).__name__} declares no cache_kind ({' or '.join(CACHE_KINDS)}): "
+                              "jaxkv runs the families of jaxkv.nn.AutoModelForCausalLM")
+    return kind
 
 
 @dataclasses.dataclass(frozen=True)

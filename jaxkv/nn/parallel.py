@@ -51,6 +51,7 @@ from jaxtyping import Array, Bool, Float, Int
 from jaxkv._ops import ceil_div, pow2_at_least
 from jaxkv.errors import InvalidArgument, KVCacheOOM
 from jaxkv.manager.block_space import BlockSpaceManager
+from jaxkv.nn.packed import cache_kind
 from jaxkv.nn.sampling import GREEDY, SamplingParams
 from jaxkv.nn.steps import DecodeState, decode_logits, decode_loop, decode_step, prefill_chunk, start_decoding
 from jaxkv.pool.kv_pool import KVPool
@@ -118,7 +119,7 @@ def setup_prompt(model, prompt, rows: int, max_new_tokens: int, page_size: int,
     """Check ``prompt`` and ``max_new_tokens`` (``InvalidArgument``) and build
     the :class:`PromptSetup` (default ``num_pages``: every row at full length,
     nothing shared)."""
-    if hasattr(model, "make_cache"):
+    if cache_kind(model) == "hybrid":
         raise InvalidArgument(
             f"{type(model).__name__} keeps per-request state in a KVCacheManager, which cannot fork yet: forking "
             f"a recurrent (Gated DeltaNet) or compressor state means copying it (GDNPool.copy_states), not sharing "

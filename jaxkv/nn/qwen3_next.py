@@ -353,6 +353,9 @@ class Qwen3NextForCausalLM(nnx.Module):
     DeltaNet states in its ``GDNPool``. ``implementation`` chooses the
     paged attention kernel by :mod:`kernels_pallas`'s rule."""
 
+    #: The cache contract (:func:`jaxkv.nn.packed.cache_kind`): a hybrid ``KVCacheManager`` (``make_cache``).
+    cache_kind = "hybrid"
+
     def __init__(self, config: Qwen3NextConfig, *, rngs: nnx.Rngs, dtype=_F32, param_dtype=_F32, precision=None,
                  implementation: str | None = None):
         check_implementation(implementation, False)

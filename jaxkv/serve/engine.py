@@ -145,6 +145,7 @@ from jaxkv import _host
 from jaxkv._ops import pow2_at_least
 from jaxkv.errors import BookkeepingError, InvalidArgument
 from jaxkv.manager.block_space import FREE, ON_DEVICE, STATUS_NAMES, SWAPPED
+from jaxkv.nn.packed import cache_kind
 from jaxkv.nn.sampling import GREEDY, RowSampling, SamplingParams
 from jaxkv.serve.caches import HybridCache, PagedCache, PrefillLane, PrefixHit
 from jaxkv.serve.sizing import CachePlan
@@ -596,7 +597,7 @@ class Engine:
             max_model_len = _int_at_least(max_model_len, "max_model_len", 2)  # one prompt and one new token
         if host_memory_kind not in ("auto", "pinned_host", "numpy"):  # checked even when nothing is swapped
             raise InvalidArgument(f"host_memory_kind={host_memory_kind!r}: choose 'auto', 'pinned_host' or 'numpy'")
-        if hasattr(model, "make_cache"):
+        if cache_kind(model) == "hybrid":
             given = [name for name, value in (("num_pages", num_pages), ("max_blocks_per_seq", max_blocks_per_seq),
                                               ("kv_dtype", kv_dtype), ("host_kv_memory", host_kv_memory))
                      if value is not None]
