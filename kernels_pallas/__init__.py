@@ -9,7 +9,10 @@ fp32 scale per 128), stored as :class:`CompressedEntries`.
 
 Paged decode attention over the :class:`jaxkv.KVPool` layout:
 :func:`paged_attention` (GQA, bf16/fp8 pages, sliding window, soft cap, MLA,
-split-K).
+split-K). Ragged paged attention of a packed step (decode tokens and
+prefill pieces of many sequences in one flat stream, causal):
+:func:`ragged_paged_attention` (the same options plus attention sinks) and
+its reference :func:`ragged_paged_attention_reference`.
 
 Every entry point takes ``implementation=None | "pallas" | "reference"`` and
 ``interpret=False``: by default the Pallas kernel runs on GPU and the
@@ -31,6 +34,7 @@ from kernels_pallas.gather import (
 )
 from kernels_pallas.errors import KernelArgumentError
 from kernels_pallas.paged_attention import paged_attention
+from kernels_pallas.ragged_attention import ragged_paged_attention, ragged_paged_attention_reference
 from kernels_pallas.reference import dense_decode_attention, paged_decode_attention
 
 __all__ = [
@@ -48,5 +52,7 @@ __all__ = [
     "dense_decode_attention",
     "paged_attention",
     "paged_decode_attention",
+    "ragged_paged_attention",
+    "ragged_paged_attention_reference",
     "ue8m0_to_float32",
 ]

@@ -24,8 +24,10 @@ included. It prints one row per configuration:
 The default matrix covers what users run (DeepSeek-V4 and V3.2 gathers at
 real sizes, GQA bf16/fp8 at head dims 64-512, page sizes 16 and 64, batch
 1/8/64 at 1k-128k context, windows and soft caps, MLA 576/512 at 16 and 128
-heads, float32 pages, a stacked pool read by layer); ``--full`` takes the
-whole product of those axes (about 800 compiles).
+heads, float32 pages, a stacked pool read by layer; the ragged kernel on
+mixed, prefill-heavy and decode-only packed steps over the same axes, sinks
+included: :func:`ragged_cases`); ``--full`` takes the whole product of the
+decode kernel's axes (about 800 compiles).
 """
 
 from __future__ import annotations
@@ -218,6 +220,73 @@ def _attention_case(*, dtype, head_dim, page_size, batch, context, kv_heads=8, h
     return Case(name, f"paged_attention_{kind}", build, params, plan_kwargs)
 
 
+def _ragged_case(*, dtype, head_dim, page_size, tokens, seqs, context, kv_heads=8, heads=32, window=None, cap=None,
+                 sinks=False, mla_value_dim=None, layers=None, layer=None, **knobs):
+    """A ragged_paged_attention call: ``tokens`` packed queries over ``seqs``
+    sequences whose tables cover ``context`` tokens each."""
+    from kernels_pallas.ragged_attention import ragged_paged_attention
+
+    dtype = jnp.dtype(dtype)
+    fp8 = dtype.itemsize == 1
+    width = ceil_div(context, page_size)
+    num_pages = seqs * width + 1
+    lead = () if layers is None else (layers,)
+    dv = None if mla_value_dim is not None else head_dim
+    q_dtype = jnp.float32 if dtype == jnp.float32 else jnp.bfloat16
+
+    def build():
+        k = _sds(lead + (kv_heads, num_pages, page_size, head_dim), dtype)
+        v = None if dv is None else _sds(lead + (kv_heads, num_pages, page_size, dv), dtype)
+        ks = _sds(lead + (kv_heads, num_pages, page_size), jnp.float32) if fp8 else None
+        vs = ks if (fp8 and v is not None) else None
+        sink = _sds((heads,), jnp.float32) if sinks else None
+
+        def fn(q, k, v, t, n, cu, ks, vs, sink):
+            return ragged_paged_attention(q, k, v, t, n, cu, ks, vs, layer=layer, sliding_window=window,
+                                          logit_soft_cap=cap, sinks=sink, mla_value_dim=mla_value_dim, **knobs)
+
+        return fn, (_sds((tokens, heads, head_dim), q_dtype), k, v, _sds((seqs, width), jnp.int32),
+                    _sds((seqs,), jnp.int32), _sds((seqs + 1,), jnp.int32), ks, vs, sink)
+
+    kind = "mla" if mla_value_dim is not None else "gqa"
+    params = dict(dtype=dtype.name, D=head_dim if dv is None else f"{head_dim}/{dv}", H=heads, KVH=kv_heads,
+                  ps=page_size, T=tokens, S=seqs, kv=context)
+    for name, value in (("window", window), ("cap", cap), ("sinks", sinks or None)):
+        if value:
+            params[name] = value
+    if layers:
+        params["layer"] = f"{layer}/{layers}"
+    params.update(knobs)
+    name = f"ragged_{kind} " + " ".join(f"{k}={v}" for k, v in params.items())
+    plan_kwargs = dict(mla_value_dim=mla_value_dim, layer=layer, soft_cap=bool(cap), sinks=sinks, **knobs)
+    return Case(name, f"ragged_paged_attention_{kind}", build, params, plan_kwargs)
+
+
+def ragged_cases() -> list[Case]:
+    """The ragged kernel's matrix: a mixed step (64 sequences, 512 tokens:
+    decodes + prefill pieces), a prefill-heavy step (8 x 256), decodes only
+    (64 x 1) at head dims 64-512, bf16/fp8/float32 pages, page sizes 16 and
+    64, windows, soft caps, sinks, MLA 576/512 at 16 and 128 heads, a
+    stacked pool read by layer."""
+    out = []
+    steps = ((512, 64, 4096), (2048, 8, 8192), (64, 64, 16384))
+    for i, (dt, d) in enumerate(itertools.product(("bfloat16", "float8_e4m3fn"), (64, 128, 256, 512))):
+        heads, kvh = (32, 8) if d <= 128 else (16, 4)
+        t, s, ctx = steps[i % len(steps)]
+        out.append(_ragged_case(dtype=dt, head_dim=d, page_size=16 if i % 2 == 0 else 64, tokens=t, seqs=s,
+                                context=ctx, heads=heads, kv_heads=kvh, window=4096 if i % 3 == 1 else None,
+                                cap=30.0 if i % 3 == 2 else None, sinks=i % 2 == 1))
+    for t, s, ctx in steps:  # the step mixes at the common shape
+        out.append(_ragged_case(dtype="bfloat16", head_dim=128, page_size=16, tokens=t, seqs=s, context=ctx))
+    for dt, heads in itertools.product(("bfloat16", "float8_e4m3fn"), (16, 128)):
+        out.append(_ragged_case(dtype=dt, head_dim=576, mla_value_dim=512, page_size=64, tokens=256, seqs=16,
+                                context=8192, heads=heads, kv_heads=1))
+    out.append(_ragged_case(dtype="float32", head_dim=128, page_size=16, tokens=512, seqs=64, context=4096))
+    out.append(_ragged_case(dtype="bfloat16", head_dim=128, page_size=16, tokens=512, seqs=64, context=4096,
+                            layers=4, layer=2))
+    return out
+
+
 def cases(full: bool = False) -> list[Case]:
     """The configuration matrix (see the module docstring)."""
     out = [_gather_case(kind, fmt) for fmt in ("dsv4", "dsv32", "lossless") for kind in ("csa", "hca", "swa")]
@@ -254,6 +323,7 @@ def cases(full: bool = False) -> list[Case]:
     # A layer of a stacked 4-layer pool read in place.
     out.append(_attention_case(dtype="bfloat16", head_dim=128, page_size=16, batch=8, context=8192,
                                layers=4, layer=2))
+    out.extend(ragged_cases())
     return out
 
 
@@ -277,20 +347,24 @@ class Result:
     registers: int | None = None
     spill_bytes: int | None = None
     occupancy: int | None = None
-    planned: dict | None = None  # paged_attention: the KernelShape the default chose
+    planned: dict | None = None  # paged/ragged attention: the KernelShape / RaggedShape the default chose
     other_launches: int | None = None
     ptx_loads: tuple | None = None  # (global loads before the first global store, loads after it)
     seconds: float = 0.0
-    hlo_copies: list = dataclasses.field(default_factory=list)  # paged_attention: copies of a layer's pool
+    hlo_copies: list = dataclasses.field(default_factory=list)  # attention: copies of a layer's pool
 
     def row(self) -> str:
         if self.status != "ok":
             return f"{self.status:9s} {self.name}: {self.detail}"
         copies = f" POOL COPIES: {self.hlo_copies}" if self.hlo_copies else ""
         plan = ""
-        if self.planned:
+        if self.planned and "k_splits" in self.planned:
             p = self.planned
             plan = (f" plan(tok={p['block_tokens']} bh={p['block_h']} splits={p['k_splits']} "
+                    f"st={p['num_stages']} smem<={p['smem_bytes']} occ={p['occupancy']} {p['occupancy_from']})")
+        elif self.planned:
+            p = self.planned
+            plan = (f" plan(bq={p['block_q']} rows={p['block_rows']}x{p['row_blocks']} tok={p['block_tokens']} "
                     f"st={p['num_stages']} smem<={p['smem_bytes']} occ={p['occupancy']} {p['occupancy_from']})")
         return (f"ok        {self.name}: grid={list(self.grid)} threads={self.threads} smem={self.smem_bytes} "
                 f"regs={self.registers} spill={self.spill_bytes} occ={self.occupancy} "
@@ -362,6 +436,7 @@ def compile_case(case: Case, target: str = "h100") -> Result:
 
     from kernels_pallas import _dispatch
     from kernels_pallas.paged_attention import plan
+    from kernels_pallas.ragged_kernel import plan_ragged
 
     spec = TARGETS[target]
     sharding = SingleDeviceSharding(topology_device(target))
@@ -386,7 +461,7 @@ def compile_case(case: Case, target: str = "h100") -> Result:
             return result
         thunks = _read_thunks(dump)
         kernels = [t for t in thunks if t[0].startswith("jaxkv_")]
-        if case.kernel.startswith("paged_attention") and kernels:
+        if "paged_attention" in case.kernel and kernels:
             pages = args[1]  # K pages: one layer's pool is the smallest buffer a layer copy would make
             layer_bytes = pages.size * pages.dtype.itemsize // (pages.shape[0] if pages.ndim == 5 else 1)
             result.hlo_copies = _big_copies(compiled.as_text(), layer_bytes)
@@ -411,6 +486,9 @@ def compile_case(case: Case, target: str = "h100") -> Result:
                 q, k, v, t = args[:4]
                 result.planned = dataclasses.asdict(plan(q, k, v, t, spec=spec, soft_cap=bool(case.params.get("cap")),
                                                          **case.plan_kwargs))
+            elif case.kernel.startswith("ragged_paged_attention"):
+                q, k, v, t, n = args[:5]
+                result.planned = dataclasses.asdict(plan_ragged(q, k, v, t, n, spec=spec, **case.plan_kwargs))
     result.seconds = time.perf_counter() - started
     return result
 
@@ -439,7 +517,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", default="", help="only configurations whose name contains this text")
     parser.add_argument("--record", action="store_true",
                         help="write the measured shared memory and registers of every compiled paged_attention "
-                             "kernel to kernels_pallas/measured.json (the occupancy its defaults plan with)")
+                             "and ragged_paged_attention kernel to kernels_pallas/measured.json (the occupancy "
+                             "their plans report)")
     args = parser.parse_args(argv)
     if not cuda_available():
         print("kernels_pallas.aot_check needs the CUDA plugin: pip install 'jax[cuda12]>=0.10,<0.11'",

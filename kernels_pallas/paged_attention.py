@@ -90,35 +90,36 @@ __all__ = ["KernelShape", "SharedMemoryExceeded", "paged_attention", "plan", "sm
 
 # Finite stand-in for -inf on masked logits and the initial running max: with
 # -inf, a block or split with nothing attended would compute exp(-inf + inf).
-_MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
-_MIN_DOT = 16  # Triton's tl.dot needs M, N, K >= 16
+MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
+MIN_DOT = 16  # Triton's tl.dot needs M, N, K >= 16
 # Float32 accumulator elements per program (block_h * Dv): 32 KiB, so the
 # accumulator stays in registers even for MLA's Dv = 512 (block_h 16).
-_ACC_BUDGET = 8192
+ACC_BUDGET = 8192
 
 
 # --------------------------------------------------------------------------
-# The kernel.
+# The kernel. MASK_VALUE, MIN_DOT, ACC_BUDGET, dot_nt, dot_nn, is_pow2,
+# fit_block and default_num_warps are shared with kernels_pallas.ragged_kernel.
 # --------------------------------------------------------------------------
 
 
-def _precision(dtype):
+def dot_precision(dtype):
     # float32 operands: full float32 products (Triton "ieee"), as the
     # reference computes; the default would run them as TF32 (10-bit mantissa).
     return lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else None
 
 
-def _dot_nt(a, b):
+def dot_nt(a, b):
     """``a [M, K] @ b [N, K].T`` in float32 (Triton dot needs K >= 16)."""
-    if a.shape[1] >= _MIN_DOT:
-        return jnp.dot(a, b.T, preferred_element_type=jnp.float32, precision=_precision(a.dtype))
+    if a.shape[1] >= MIN_DOT:
+        return jnp.dot(a, b.T, preferred_element_type=jnp.float32, precision=dot_precision(a.dtype))
     return jnp.sum(a.astype(jnp.float32)[:, None, :] * b.astype(jnp.float32)[None, :, :], axis=2)
 
 
-def _dot_nn(a, b):
+def dot_nn(a, b):
     """``a [M, K] @ b [K, N]`` in float32 (Triton dot needs N >= 16)."""
-    if b.shape[1] >= _MIN_DOT:
-        return jnp.dot(a, b, preferred_element_type=jnp.float32, precision=_precision(a.dtype))
+    if b.shape[1] >= MIN_DOT:
+        return jnp.dot(a, b, preferred_element_type=jnp.float32, precision=dot_precision(a.dtype))
     return jnp.sum(a.astype(jnp.float32)[:, :, None] * b.astype(jnp.float32)[None, :, :], axis=1)
 
 
@@ -156,7 +157,7 @@ def _kernel(*refs, n_poisoned, page_size, ppcb, pages_per_split, k_chunks, v_chu
             k = k_ref[page_ids, :, pl.ds(c0, n)].reshape(block, n).astype(dtype)
             k = jnp.where(valid[:, None], k, jnp.zeros_like(k))  # isolation: before the dot
             k_tiles.append(k)
-            part = _dot_nt(q_tile, k)
+            part = dot_nt(q_tile, k)
             logits = part if logits is None else logits + part
         k_scale = None
         if ks_ref is not None:
@@ -166,7 +167,7 @@ def _kernel(*refs, n_poisoned, page_size, ppcb, pages_per_split, k_chunks, v_chu
             logits = logits * sm_scale
         if use_cap:
             logits = cap * jnp.tanh(logits / cap)
-        logits = jnp.where(valid[None, :], logits, _MASK_VALUE)
+        logits = jnp.where(valid[None, :], logits, MASK_VALUE)
 
         m_next = jnp.maximum(m_prev, jnp.max(logits, axis=1))
         correction = jnp.exp(m_prev - m_next)
@@ -192,10 +193,10 @@ def _kernel(*refs, n_poisoned, page_size, ppcb, pages_per_split, k_chunks, v_chu
             else:
                 v = v_ref[page_ids, :, pl.ds(c0, n)].reshape(block, n).astype(dtype)
                 v = jnp.where(valid[:, None], v, jnp.zeros_like(v))
-            new_accs.append(correction[:, None] * accs[j] + _dot_nn(p, v))
+            new_accs.append(correction[:, None] * accs[j] + dot_nn(p, v))
         return m_next, l_next, tuple(new_accs)
 
-    init = (jnp.full((rows,), _MASK_VALUE, f32), jnp.zeros((rows,), f32),
+    init = (jnp.full((rows,), MASK_VALUE, f32), jnp.zeros((rows,), f32),
             tuple(jnp.zeros((rows, n), f32) for _, n in v_chunks))
     m_run, l_run, accs = lax.fori_loop(0, n_blocks, body, init)
     for (c0, n), acc in zip(v_chunks, accs):
@@ -216,7 +217,7 @@ def _pallas_impl(q, k_pages, v_pages, block_tables, lengths, k_scales, v_scales,
     mla = v_pages is None
     dv = mla_value_dim if mla else v_pages.shape[-1]
     g = h // kvh
-    g_pad = max(_MIN_DOT, _dispatch.next_pow2(g))
+    g_pad = max(MIN_DOT, _dispatch.next_pow2(g))
     block_h, k_splits, ppcb = shape.block_h, shape.k_splits, shape.pages_per_compute_block
     n_hb = g_pad // block_h  # head blocks per KV head (both powers of two)
     pages_per_split = max(1, _dispatch.ceil_div(width, ppcb * k_splits)) * ppcb  # M = 0: one empty block
@@ -365,6 +366,12 @@ def _measured() -> dict:
         return json.load(f)
 
 
+def measured_entry(spec: _gpu.GpuSpec, key: str) -> dict | None:
+    """``measured.json``'s record (``smem_bytes``, ``registers``) of the
+    kernel body ``key`` compiled for ``spec`` (``aot_check --record``), or None."""
+    return _measured().get(f"sm_{spec.sm}", {}).get(key)
+
+
 def kernel_key(*, q_dtype, k_dtype, v_dtype, dk, dv, page_size, block_tokens, block_h, num_stages, num_warps,
                soft_cap) -> str:
     """Names one compiled kernel body (everything that changes its code)."""
@@ -373,7 +380,7 @@ def kernel_key(*, q_dtype, k_dtype, v_dtype, dk, dv, page_size, block_tokens, bl
             f"tokens={block_tokens} bh={block_h} stages={num_stages} warps={num_warps} cap={int(bool(soft_cap))}")
 
 
-def _is_pow2(n: int) -> bool:
+def is_pow2(n: int) -> bool:
     return n >= 1 and n & (n - 1) == 0
 
 
@@ -385,7 +392,7 @@ def _target_block_tokens(head_dim: int, f32: bool) -> int:
 
 
 def _default_block_h(g_pad: int, dv: int) -> int:
-    return min(g_pad, max(_MIN_DOT, _ACC_BUDGET // _dispatch.next_pow2(dv)))
+    return min(g_pad, max(MIN_DOT, ACC_BUDGET // _dispatch.next_pow2(dv)))
 
 
 def _default_k_splits(base_programs: int, blocks: int, slots: int) -> int:
@@ -396,6 +403,62 @@ def _default_k_splits(base_programs: int, blocks: int, slots: int) -> int:
     per split."""
     splits = max(1, min(blocks, slots // max(1, base_programs)))
     return _dispatch.ceil_div(blocks, _dispatch.ceil_div(blocks, splits))
+
+
+def default_num_warps(q_dtype, dk: int, dv: int) -> int:
+    """Triton warps of an attention program: 8 when a head dim exceeds 128
+    or the dots are float32 (FMA, more registers), else 4."""
+    return 8 if max(dk, dv) > 128 or jnp.dtype(q_dtype) == jnp.float32 else 4
+
+
+def fit_block(kernel: str, *, q_dtype, k_dtype, v_dtype, dk: int, dv: int, page_size: int, width: int,
+              block_h: int, pages_per_compute_block: int | None, target_tokens: int,
+              spec: _gpu.GpuSpec) -> tuple[int, int, int]:
+    """``(pages_per_compute_block, num_stages, smem_bytes)`` of a paged
+    attention program over ``block_h`` query rows (shared by
+    :func:`plan` and the ragged kernel's planner; ``v_dtype`` None is MLA).
+
+    Default: the largest power-of-two block of at most ``target_tokens``
+    tokens (at least 16, no longer than a ``width``-page table needs) whose
+    :func:`smem_bytes` with two pipeline stages fits ``spec``'s per-block
+    shared memory, else one stage (float32 dots: one stage only). An
+    explicit ``pages_per_compute_block`` is checked and kept.
+
+    Raises:
+      KernelArgumentError: ``pages_per_compute_block`` out of range.
+      SharedMemoryExceeded: no block shape fits.
+    """
+    mla = v_dtype is None
+    ps = page_size
+    sizes = dict(block_h=block_h, dk=dk, dv=dv, k_itemsize=jnp.dtype(k_dtype).itemsize,
+                 v_itemsize=0 if mla else jnp.dtype(v_dtype).itemsize,
+                 q_itemsize=jnp.dtype(q_dtype).itemsize, mla=mla)
+    f32 = jnp.dtype(q_dtype) == jnp.float32
+    # float32 dots at full precision run on FMA units, not tensor cores, and
+    # hold far more registers: one stage (no cp.async staging) keeps them
+    # from spilling.
+    stage_options = (1,) if f32 else (2, 1)
+    min_ppcb = _dispatch.next_pow2(_dispatch.ceil_div(MIN_DOT, ps))
+    if pages_per_compute_block is None:
+        ppcb = min(max(1, target_tokens // ps), _dispatch.next_pow2(width))
+        ppcb = max(ppcb, min_ppcb)
+        candidates = [(p, st) for st in stage_options for p in halvings(ppcb, min_ppcb)]
+    else:
+        ppcb = int(pages_per_compute_block)
+        if not (is_pow2(ppcb) and ppcb * ps >= MIN_DOT):
+            raise KernelArgumentError(
+                f"pages_per_compute_block must be a power of two with pages_per_compute_block * "
+                f"page_size >= {MIN_DOT}, got {pages_per_compute_block} (page_size {ps})")
+        candidates = [(ppcb, st) for st in stage_options]
+    fits = [(p, st, smem_bytes(block_tokens=p * ps, num_stages=st, **sizes)) for p, st in candidates]
+    fits = [f for f in fits if f[2] <= spec.smem_per_block]
+    if not fits:
+        need = smem_bytes(block_tokens=candidates[-1][0] * ps, num_stages=1, **sizes)
+        raise SharedMemoryExceeded(
+            f"{kernel}: no block shape fits {spec.name}'s {spec.smem_per_block} bytes of shared memory "
+            f"per block (the smallest needs {need}: {candidates[-1][0] * ps} tokens x head dims {dk}/{dv}, "
+            f"block_h {block_h}); pass a smaller block_h or pages_per_compute_block")
+    return fits[0]
 
 
 def plan(q, k_pages, v_pages, block_tables, *, mla_value_dim=None, layer=None, pages_per_compute_block=None,
@@ -422,49 +485,23 @@ def plan(q, k_pages, v_pages, block_tables, *, mla_value_dim=None, layer=None, p
     width = block_tables.shape[1]
     mla = v_pages is None
     dv = int(mla_value_dim) if mla else v_pages.shape[-1]
-    g_pad = max(_MIN_DOT, _dispatch.next_pow2(h // kvh))
-    if not _is_pow2(ps):
+    g_pad = max(MIN_DOT, _dispatch.next_pow2(h // kvh))
+    if not is_pow2(ps):
         raise KernelArgumentError(f"the Pallas kernel needs a power-of-two page size, got {ps}")
     if block_h is None:
         block_h = _default_block_h(g_pad, dv)
-    elif not (_is_pow2(int(block_h)) and int(block_h) >= _MIN_DOT):
-        raise KernelArgumentError(f"block_h must be a power of two >= {_MIN_DOT}, got {block_h}")
+    elif not (is_pow2(int(block_h)) and int(block_h) >= MIN_DOT):
+        raise KernelArgumentError(f"block_h must be a power of two >= {MIN_DOT}, got {block_h}")
     block_h = min(int(block_h), g_pad)
-    num_warps = 8 if max(dk, dv) > 128 or jnp.dtype(q.dtype) == jnp.float32 else 4
-    sizes = dict(block_h=block_h, dk=dk, dv=dv, k_itemsize=jnp.dtype(k_pages.dtype).itemsize,
-                 v_itemsize=0 if mla else jnp.dtype(v_pages.dtype).itemsize,
-                 q_itemsize=jnp.dtype(q.dtype).itemsize, mla=mla)
-
-    f32 = jnp.dtype(q.dtype) == jnp.float32
-    # float32 dots at full precision run on FMA units, not tensor cores, and
-    # hold far more registers: one stage (no cp.async staging) keeps them
-    # from spilling.
-    stage_options = (1,) if f32 else (2, 1)
-    min_ppcb = _dispatch.next_pow2(_dispatch.ceil_div(_MIN_DOT, ps))
-    if pages_per_compute_block is None:
-        ppcb = min(max(1, _target_block_tokens(dk, f32) // ps), _dispatch.next_pow2(width))
-        ppcb = max(ppcb, min_ppcb)
-        candidates = [(p, st) for st in stage_options for p in _halvings(ppcb, min_ppcb)]
-    else:
-        ppcb = int(pages_per_compute_block)
-        if not (_is_pow2(ppcb) and ppcb * ps >= _MIN_DOT):
-            raise KernelArgumentError(
-                f"pages_per_compute_block must be a power of two with pages_per_compute_block * "
-                f"page_size >= {_MIN_DOT}, got {pages_per_compute_block} (page_size {ps})")
-        candidates = [(ppcb, st) for st in stage_options]
-    fits = [(p, st, smem_bytes(block_tokens=p * ps, num_stages=st, **sizes)) for p, st in candidates]
-    fits = [f for f in fits if f[2] <= spec.smem_per_block]
-    if not fits:
-        need = smem_bytes(block_tokens=candidates[-1][0] * ps, num_stages=1, **sizes)
-        raise SharedMemoryExceeded(
-            f"paged_attention: no block shape fits {spec.name}'s {spec.smem_per_block} bytes of shared memory "
-            f"per block (the smallest needs {need}: {candidates[-1][0] * ps} tokens x head dims {dk}/{dv}, "
-            f"block_h {block_h}); pass a smaller block_h or pages_per_compute_block")
-    ppcb, stages, smem = fits[0]
+    num_warps = default_num_warps(q.dtype, dk, dv)
+    ppcb, stages, smem = fit_block(
+        "paged_attention", q_dtype=q.dtype, k_dtype=k_pages.dtype, v_dtype=None if mla else v_pages.dtype,
+        dk=dk, dv=dv, page_size=ps, width=width, block_h=block_h, pages_per_compute_block=pages_per_compute_block,
+        target_tokens=_target_block_tokens(dk, jnp.dtype(q.dtype) == jnp.float32), spec=spec)
     key = kernel_key(q_dtype=q.dtype, k_dtype=k_pages.dtype, v_dtype=None if mla else v_pages.dtype, dk=dk, dv=dv,
                      page_size=ps, block_tokens=ppcb * ps, block_h=block_h, num_stages=stages,
                      num_warps=num_warps, soft_cap=soft_cap)
-    measured = _measured().get(f"sm_{spec.sm}", {}).get(key)
+    measured = measured_entry(spec, key)
     if measured:
         occ = _gpu.occupancy(spec, smem_bytes=measured["smem_bytes"], num_warps=num_warps,
                              registers=measured["registers"])
@@ -483,7 +520,7 @@ def plan(q, k_pages, v_pages, block_tables, *, mla_value_dim=None, layer=None, p
                        occupancy_from="measured" if measured else "estimate")
 
 
-def _halvings(start: int, smallest: int) -> list[int]:
+def halvings(start: int, smallest: int) -> list[int]:
     out = [start]
     while out[-1] // 2 >= smallest:
         out.append(out[-1] // 2)
@@ -562,7 +599,7 @@ def paged_attention(
     pallas = _dispatch.choose("paged_attention", implementation, interpret, {"k_pages": k_pages, "v_pages": v_pages})
     lead = 0 if layer is None else 1
     ps = k_pages.shape[lead + 2] if k_pages.ndim == 4 + lead else 0
-    if pallas and implementation is None and not interpret and not _is_pow2(ps):
+    if pallas and implementation is None and not interpret and not is_pow2(ps):
         pallas = False  # Triton needs power-of-two tiles; the reference does not
     if not pallas:
         return reference(*args)

@@ -26,22 +26,38 @@ the numerator, gpt-oss style), and MLA mode (``v_pages`` None: the value is
 the first ``mla_value_dim`` dims of the dequantized K row).
 
 The reference (:func:`ragged_paged_attention_reference`) is pure ``jnp`` and
-runs fast on CPU: it cuts each sequence's queries into blocks of
-``block_q`` tokens (at most ``ceil(T / block_q) + S`` blocks, a static
-bound), gathers each block's pages once and attends the block's queries
-together, so its work is ``blocks x block_q x context`` rather than the
-``T x context`` of a per-token gather or the ``T x S x context`` of
-attending every sequence. Isolation as in the decode reference: K/V outside
-the union of a block's attended ranges are replaced by 0 before any
-arithmetic, and masked weights are set to exactly 0, so NaN or garbage in
-the null page, unreferenced pages, the tail of a last page or before a
-window cannot reach the output.
+is the CPU path (the engine runs it every step there). It cuts each
+sequence's queries into blocks of ``block_q`` tokens
+(:func:`ragged_query_blocks`; at most ``(T + S * (block_q - 1)) // block_q``
+blocks, a static bound, and at most ``T``) and runs a flash-style loop over
+the context in chunks of ~128 tokens: each step gathers one chunk of every
+block's pages (for all of the block's queries at once) and updates an online
+softmax in float32. The loop's bounds are traced, from the first position
+any query attends (the earliest window start) to the last, so the work is
+``blocks x block_q x (attended context, in chunks)``: not the table width,
+not ``T x context`` (a per-token gather) and never ``T x S x context``
+(attending every sequence). ``block_q`` defaults to
+:func:`reference_block_q` (one token per block for decode batches).
+
+Numerics of the reference: ``q @ K.T`` runs in float32, except that bf16 or
+fp8 pages with a bf16 ``q`` are multiplied in bf16 with float32 accumulation
+(every bf16 x bf16 product is exact in float32, fp8 -> bf16 is exact, so
+this is float32 math without a float32 copy of the pages); ``sm_scale`` and
+the per-token K scales multiply the float32 logits; softmax, V (dequantized
+to float32) and the weighted sum are float32.
+
+Isolation, as in the decode reference: every logit of a position a query
+does not attend is replaced with ``jnp.where`` before the max and the exp,
+masked weights are exactly 0, and V (with its scale) is replaced by 0 outside
+the union of the block's attended ranges before the weighted sum; so NaN or
+garbage in the null page, unreferenced pages, the tail of a last page or
+before a window cannot reach the output. The Pallas kernel
+(:mod:`kernels_pallas.ragged_kernel`) computes the same on GPU.
 """
 
 from __future__ import annotations
 
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -51,88 +67,190 @@ from jaxtyping import Array, Float, Int
 from kernels_pallas import _dispatch
 from kernels_pallas._dispatch import FP8_DTYPES
 from kernels_pallas.errors import KernelArgumentError
-from kernels_pallas.reference import _pick_layer, attention_scalars, gather_pages
+from kernels_pallas.paged_attention import is_pow2
+from kernels_pallas.reference import attention_scalars
 
-__all__ = ["ragged_paged_attention", "ragged_paged_attention_reference", "ragged_query_blocks"]
+__all__ = [
+    "clean_cu_q_lens",
+    "max_query_blocks",
+    "ragged_paged_attention",
+    "ragged_paged_attention_reference",
+    "ragged_query_blocks",
+    "reference_block_q",
+]
 
 _HIGHEST = jax.lax.Precision.HIGHEST
-DEFAULT_BLOCK_Q = 8
+#: The reference's largest default block (see :func:`reference_block_q`).
+DEFAULT_BLOCK_Q = 16
+# Context tokens per step of the reference's loop: ~128 measured fastest on CPU.
+_CHUNK_TOKENS = 128
 
 
-def ragged_query_blocks(cu_q_lens: Int[Array, " S1"], kv_lens: Int[Array, " S"], num_tokens: int, block_q: int):
-    """The query blocks of a packed batch (static count ``ceil(T / block_q) + S``).
+def max_query_blocks(num_tokens: int, num_seqs: int, block_q: int) -> int:
+    """The static number of query blocks of ``T`` packed tokens over ``S``
+    sequences: ``sum_s ceil(q_len_s / block_q) <= (T + S * (block_q - 1)) //
+    block_q`` (the floors of a sum bound the sum of floors) and every block
+    holds a token, so at most ``T`` (at least 1)."""
+    block_q = int(block_q)
+    return max(1, min(int(num_tokens), (int(num_tokens) + int(num_seqs) * (block_q - 1)) // block_q))
 
-    Returns ``(seq [NB], first [NB], rows_ok [NB, block_q], tokens [NB,
-    block_q], positions [NB, block_q])``: block ``j`` holds queries
-    ``first[j] .. first[j] + block_q - 1`` (offsets within sequence
-    ``seq[j]``; ``seq`` is ``S`` for an unused block), ``rows_ok`` marks the
-    real ones, ``tokens`` their flat indices (clamped into ``[0, T)``) and
-    ``positions`` their positions in the sequence."""
+
+def reference_block_q(num_tokens: int, num_seqs: int) -> int:
+    """The reference's default query tokens per block: the average query
+    length ``ceil(T / S)`` rounded up to a power of two, at most
+    ``DEFAULT_BLOCK_Q`` (16): a batch of decode tokens (``T == S``) runs one
+    token per block and wastes no rows, long prefill pieces share each
+    gathered chunk among 16 queries (measured fastest on CPU)."""
+    average = 1 << max(0, -(-max(1, num_tokens) // max(1, num_seqs)) - 1).bit_length()
+    return max(1, min(DEFAULT_BLOCK_Q, average))
+
+
+def clean_cu_q_lens(cu_q_lens: Int[Array, " S1"], num_tokens: int) -> Int[Array, " S1"]:
+    """``cu_q_lens`` as int32, clipped into ``[0, T]`` and made
+    non-decreasing (a running max): the same for inputs that keep the
+    contract, and for any other input every token below ``cu[S]`` lies in
+    exactly one block of :func:`ragged_query_blocks` (so the static count of
+    :func:`max_query_blocks` holds)."""
+    return jax.lax.cummax(jnp.clip(cu_q_lens.astype(jnp.int32), 0, num_tokens))
+
+
+def ragged_query_blocks(cu_q_lens: Int[Array, " S1"], kv_lens: Int[Array, " S"], num_tokens: int, block_q: int,
+                        num_blocks: int | None = None):
+    """The query blocks of a packed batch.
+
+    Blocks of ``block_q`` tokens of one sequence each, sequence after
+    sequence; their count is static (:func:`max_query_blocks` unless
+    ``num_blocks`` is given), the unused ones last. Returns ``(seq [NB],
+    first [NB], rows_ok [NB, block_q], tokens [NB, block_q], positions [NB,
+    block_q])``: block ``j`` holds queries ``first[j] .. first[j] + block_q -
+    1`` (offsets within sequence ``seq[j]``; ``seq`` is ``S`` for an unused
+    block), ``rows_ok`` marks the real ones, ``tokens`` their flat indices
+    (clamped into ``[0, T)``) and ``positions`` their positions in the
+    sequence (``kv_len - q_len + offset``, ``kv_len`` clipped into ``[0,
+    2**30]``). ``cu_q_lens`` goes through :func:`clean_cu_q_lens` first."""
     num_seqs = kv_lens.shape[0]
-    num_blocks = -(-num_tokens // block_q) + num_seqs
-    cu = cu_q_lens.astype(jnp.int32)
-    q_lens = jnp.maximum(cu[1:] - cu[:-1], 0)
+    if num_blocks is None:
+        num_blocks = max_query_blocks(num_tokens, num_seqs, block_q)
+    cu = clean_cu_q_lens(cu_q_lens, num_tokens)
+    q_lens = cu[1:] - cu[:-1]
     block_cu = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(-(-q_lens // block_q))])
     j = jnp.arange(num_blocks, dtype=jnp.int32)
-    seq = jnp.sum(block_cu[1:][None, :] <= j[:, None], axis=1).astype(jnp.int32)  # lane owning block j
+    # The lane owning block j: one fused compare-and-count (S is small; a
+    # binary search would be a loop of tiny launches on a GPU).
+    seq = jnp.sum(block_cu[1:][None, :] <= j[:, None], axis=1, dtype=jnp.int32)
     s = jnp.minimum(seq, num_seqs - 1)
     first = (j - block_cu[s]) * block_q
     rows = first[:, None] + jnp.arange(block_q, dtype=jnp.int32)[None, :]
     rows_ok = (seq < num_seqs)[:, None] & (rows < q_lens[s][:, None])
-    tokens = jnp.clip(cu[s][:, None] + rows, 0, num_tokens - 1)
-    positions = kv_lens.astype(jnp.int32)[s][:, None] - q_lens[s][:, None] + rows
+    tokens = jnp.clip(cu[s][:, None] + rows, 0, max(0, num_tokens - 1))
+    kv = jnp.clip(kv_lens.astype(jnp.int32), 0, 2**30)  # keeps positions and their differences in int32
+    positions = kv[s][:, None] - q_lens[s][:, None] + rows
     return seq, first, rows_ok, tokens, positions
 
 
-@functools.partial(jax.jit, static_argnames=("use_cap", "use_sinks", "mla_value_dim", "block_q"))
-def _reference_impl(q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens, k_scales, v_scales, sinks,
-                    sm_scale, window, cap, *, use_cap, use_sinks, mla_value_dim, block_q):
-    f32 = jnp.float32
+def _dot_dtype(q_dtype, pages_dtype):
+    """The dtype ``q @ K.T`` runs in: bf16 (exact products, float32
+    accumulation) for bf16 or fp8 pages with a bf16 ``q``, else float32."""
+    pages_dtype = jnp.dtype(pages_dtype)
+    if pages_dtype in FP8_DTYPES:
+        pages_dtype = jnp.dtype(jnp.bfloat16)  # e4m3 and e5m2 convert to bf16 exactly
+    if jnp.dtype(q_dtype) == pages_dtype == jnp.dtype(jnp.bfloat16):
+        return pages_dtype
+    return jnp.dtype(jnp.float32)
+
+
+@functools.partial(jax.jit, static_argnames=("use_cap", "use_sinks", "mla_value_dim", "block_q", "chunk_tokens"))
+def _reference_impl(q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens, k_scales, v_scales, sinks, layer,
+                    sm_scale, window, cap, *, use_cap, use_sinks, mla_value_dim, block_q, chunk_tokens=_CHUNK_TOKENS):
+    # Pages and scales are stacked ([L, KVH, P, ...]); the loop gathers from
+    # layer ``layer`` directly (slicing the layer out first would copy it).
+    f32, i32 = jnp.float32, jnp.int32
     num_tokens, h, dk = q.shape
-    kvh, num_pages, ps, _ = k_pages.shape
+    _, kvh, num_pages, ps, _ = k_pages.shape
     g = h // kvh
-    num_seqs = kv_lens.shape[0]
+    num_seqs, width = block_tables.shape
     seq, _, rows_ok, tokens, qpos = ragged_query_blocks(cu_q_lens, kv_lens, num_tokens, block_q)
+    nb = seq.shape[0]
     s = jnp.minimum(seq, num_seqs - 1)
-    kv_len = kv_lens.astype(jnp.int32)[s]  # [NB]
+    kv_len = jnp.clip(kv_lens.astype(i32), 0, width * ps)[s]  # [NB]
+    qpos = jnp.where(rows_ok, qpos, -1)  # no real query: attends nothing
 
-    table = jnp.clip(block_tables.astype(jnp.int32)[s], 0, num_pages - 1)  # [NB, M]
-    k = gather_pages(k_pages, k_scales, table, heads_first=True)  # [NB, KVH, L, Dk] float32
-    v = k[..., :mla_value_dim] if v_pages is None else gather_pages(v_pages, v_scales, table, heads_first=True)
-    span = k.shape[2]
-    key_pos = jnp.arange(span, dtype=jnp.int32)
+    # The union of the block's attended ranges, [lo, hi): V is zeroed
+    # outside it (isolation), logits are masked per query below.
+    hi = jnp.clip(jnp.max(qpos, axis=1) + 1, 0, kv_len)
+    top = jnp.min(jnp.where(rows_ok, qpos, jnp.iinfo(i32).max), axis=1) + 1
+    lo = jnp.where(top > window, top - window, 0)  # subtract only where it stays >= 0: no overflow
+    live = hi > lo
 
-    # The union of the block's attended ranges: everything else is zeroed
-    # before any arithmetic (isolation), the rest masked per query below.
-    big = jnp.iinfo(jnp.int32).max
-    lo = jnp.min(jnp.where(rows_ok, qpos, big), axis=1) - window + 1  # window <= INT32_MAX: qpos >= 0 keeps it >= INT32_MIN
-    hi = jnp.max(jnp.where(rows_ok, qpos, -1), axis=1)
-    kv_ok = (key_pos[None, :] >= lo[:, None]) & (key_pos[None, :] <= hi[:, None]) & (key_pos[None, :] < kv_len[:, None])
-    k = jnp.where(kv_ok[:, None, :, None], k, 0.0)
-    v = jnp.where(kv_ok[:, None, :, None], v, 0.0)
+    # Chunks of the context, and the traced range of them any block attends.
+    chunk_pages = max(1, min(width, -(-chunk_tokens // ps)))
+    chunk = chunk_pages * ps
+    num_chunks = -(-width // chunk_pages)
+    table = jnp.clip(block_tables.astype(i32)[s], 0, num_pages - 1)  # [NB, M]: clamped for the gather only
+    table = jnp.pad(table, ((0, 0), (0, num_chunks * chunk_pages - width)))
+    c_end = (jnp.max(jnp.where(live, hi, 0)) + chunk - 1) // chunk
+    c_first = jnp.minimum(jnp.min(jnp.where(live, lo, jnp.iinfo(i32).max)) // chunk, c_end)
 
-    allowed = ((key_pos[None, None, :] <= qpos[:, :, None]) & (key_pos[None, None, :] > qpos[:, :, None] - window)
-               & kv_ok[:, None, :] & rows_ok[:, :, None])  # [NB, BQ, L]
-    qb = q[tokens].astype(f32).reshape(-1, block_q, kvh, g, dk) * sm_scale
-    logits = jnp.einsum("nqkgd,nksd->nkgqs", qb, k, precision=_HIGHEST)
-    if use_cap:
-        logits = cap * jnp.tanh(logits / cap)
-    mask = allowed[:, None, None, :, :]
-    m = jnp.max(jnp.where(mask, logits, -jnp.inf), axis=-1, keepdims=True)
+    dt = _dot_dtype(q.dtype, k_pages.dtype)
+    qb = jnp.transpose(q[tokens].astype(dt).reshape(nb, block_q, kvh, g, dk), (2, 0, 1, 3, 4))  # [KVH, NB, BQ, G, Dk]
+    dv = mla_value_dim if v_pages is None else v_pages.shape[-1]
+
+    def gather(pages, scales, tab, dtype):  # [KVH, NB, chunk, D] (no transpose) and [KVH, NB, chunk] scales
+        def pick(x):  # the layer, fused into the gather (no copy of it)
+            return jax.lax.dynamic_index_in_dim(x, layer, 0, keepdims=False)[:, tab]
+
+        x = pick(pages).reshape(kvh, nb, chunk, pages.shape[-1]).astype(dtype)
+        return x, None if scales is None else pick(scales).reshape(kvh, nb, chunk).astype(f32)
+
+    def body(c, carry):
+        m_prev, l_prev, acc = carry
+        # The pool passes a barrier with the loop index: otherwise XLA:CPU
+        # converts the whole bf16/fp8 pool to float32 once before the loop
+        # (gather(convert(pool)), then hoisted) instead of the pages gathered.
+        kp, vp, ks, vs = jax.lax.optimization_barrier(((k_pages, v_pages, k_scales, v_scales), c))[0]
+        tab = jax.lax.dynamic_slice_in_dim(table, c * chunk_pages, chunk_pages, axis=1)
+        key_pos = c * chunk + jnp.arange(chunk, dtype=i32)
+        kv_ok = (key_pos[None, :] >= lo[:, None]) & (key_pos[None, :] < hi[:, None])  # [NB, chunk]
+        # Per query: causal and window; pos <= qpos first, so qpos - pos >= 0.
+        allowed = (kv_ok[:, None, :] & (key_pos[None, None, :] <= qpos[:, :, None])
+                   & (qpos[:, :, None] - key_pos[None, None, :] < window))[None, :, :, None, :]  # [1, NB, BQ, 1, chunk]
+
+        k, k_s = gather(kp, ks, tab, dt)
+        logits = jnp.einsum("knqgd,knsd->knqgs", qb, k, precision=_HIGHEST, preferred_element_type=f32)
+        logits = logits * (sm_scale if k_s is None else sm_scale * k_s[:, :, None, None, :])
+        if use_cap:
+            logits = cap * jnp.tanh(logits / cap)
+        # NaN logits of masked positions never pass the wheres below.
+        m_next = jnp.maximum(m_prev, jnp.max(jnp.where(allowed, logits, -jnp.inf), axis=-1))
+        m_safe = jnp.where(jnp.isfinite(m_next), m_next, 0.0)  # nothing attended yet: any finite shift
+        correction = jnp.where(jnp.isfinite(m_prev), jnp.exp(m_prev - m_safe), 0.0)
+        p = jnp.where(allowed, jnp.exp(logits - m_safe[..., None]), 0.0)
+
+        if v_pages is None:
+            v, v_s = k[..., :mla_value_dim].astype(f32), k_s  # MLA: the value is the latent's first dims
+        else:
+            v, v_s = gather(vp, vs, tab, f32)
+        if v_s is not None:
+            v = v * v_s[..., None]
+        v = jnp.where(kv_ok[None, :, :, None], v, 0.0)  # isolation: 0 * NaN would be NaN
+        acc = acc * correction[..., None] + jnp.einsum("knqgs,knsd->knqgd", p, v, precision=_HIGHEST)
+        return m_next, l_prev * correction + jnp.sum(p, axis=-1), acc
+
+    shape = (kvh, nb, block_q, g)
+    init = (jnp.full(shape, -jnp.inf, f32), jnp.zeros(shape, f32), jnp.zeros(shape + (dv,), f32))
+    m, l, acc = jax.lax.fori_loop(c_first, c_end, body, init)
     if use_sinks:
-        sink = sinks.astype(f32).reshape(1, kvh, g, 1, 1)
-        m = jnp.maximum(m, sink)
-    m = jnp.where(jnp.isfinite(m), m, 0.0)
-    p = jnp.where(mask, jnp.exp(logits - m), 0.0)
-    denom = jnp.sum(p, axis=-1, keepdims=True)
-    if use_sinks:
-        denom = denom + jnp.exp(sink - m)
-    o = jnp.einsum("nkgqs,nksd->nqkgd", p, v, precision=_HIGHEST)
-    o = o / jnp.moveaxis(jnp.where(denom > 0, denom, 1.0), 3, 1)  # [NB, BQ, KVH, G, 1]
-    o = o.reshape(-1, block_q, h, v.shape[-1]).astype(q.dtype)
-    out = jnp.zeros((num_tokens, h, v.shape[-1]), q.dtype)
-    dest = jnp.where(rows_ok, tokens, num_tokens)  # padding rows: out of range, dropped
-    return out.at[dest.reshape(-1)].set(o.reshape(-1, h, v.shape[-1]), mode="drop")
+        # The sink joins the denominator only: l + exp(sink - m).
+        sink = sinks.astype(f32).reshape(kvh, 1, 1, g)
+        m_fin = jnp.maximum(m, sink)
+        alpha = jnp.where(jnp.isfinite(m), jnp.exp(m - m_fin), 0.0)
+        l = l * alpha + jnp.exp(sink - m_fin)
+        acc = acc * alpha[..., None]
+    o = acc / jnp.where(l > 0, l, 1.0)[..., None]  # nothing attended (and no sink): 0 / 1
+    o = jnp.transpose(o, (1, 2, 0, 3, 4)).reshape(nb * block_q, h, dv).astype(q.dtype)
+    out = jnp.zeros((num_tokens, h, dv), q.dtype)
+    dest = jnp.where(rows_ok, tokens, num_tokens).reshape(-1)  # padding rows: out of range, dropped
+    return out.at[dest].set(o, mode="drop")
 
 
 def _check(q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens, k_scales, v_scales, sinks, mla_value_dim):
@@ -180,9 +298,9 @@ def _check(q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens, k_scales, v_sc
                 raise KernelArgumentError(f"{name}_pages are {pages.dtype} but {name}_scales is None")
         elif tuple(scales.shape) != page_shape:
             raise KernelArgumentError(f"{name}_scales must have shape {page_shape}, got {tuple(scales.shape)}")
-    if sinks is not None and tuple(sinks.shape) != (h,):
-        raise KernelArgumentError(f"sinks must have shape ({h},) (one logit per query head), got "
-                                  f"{tuple(sinks.shape)}")
+    if sinks is not None and (tuple(sinks.shape) != (h,) or not jnp.issubdtype(sinks.dtype, jnp.floating)):
+        raise KernelArgumentError(f"sinks must be float with shape ({h},) (one logit per query head), got "
+                                  f"{sinks.dtype} {tuple(sinks.shape)}")
 
 
 def ragged_paged_attention_reference(
@@ -201,20 +319,50 @@ def ragged_paged_attention_reference(
     logit_soft_cap: float | None = None,
     sinks: Float[Array, " H"] | None = None,
     mla_value_dim: int | None = None,
-    block_q: int = DEFAULT_BLOCK_Q,
+    block_q: int | None = None,
 ) -> Float[Array, "T H Dv"]:
     """The pure-``jnp`` ragged paged attention (see the module docstring for
-    the layout and masking rules; arguments as :func:`ragged_paged_attention`)."""
-    if layer is not None:
-        k_pages, v_pages, k_scales, v_scales = _pick_layer(layer, k_pages, v_pages, k_scales, v_scales)
-    _check(q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens, k_scales, v_scales, sinks, mla_value_dim)
+    the layout and masking rules; arguments as :func:`ragged_paged_attention`;
+    ``block_q`` defaults to :func:`reference_block_q`)."""
+    stacked = (k_pages, v_pages, k_scales, v_scales)
+    if layer is None:
+        stacked = tuple(None if x is None else x[None] for x in stacked)  # a free reshape
+        layer = 0
+    else:
+        _check_stacked(layer, *stacked)
+    one = [None if x is None else jax.ShapeDtypeStruct(x.shape[1:], x.dtype) for x in stacked]
+    _check(q, one[0], one[1], block_tables, kv_lens, cu_q_lens, one[2], one[3], sinks, mla_value_dim)
+    if block_q is None:
+        block_q = reference_block_q(q.shape[0], block_tables.shape[0])
     if int(block_q) < 1:
         raise KernelArgumentError(f"block_q must be >= 1, got {block_q}")
-    sm, window, cap, use_cap = attention_scalars(k_pages.shape[-1], sm_scale, sliding_window, logit_soft_cap)
+    sm, window, cap, use_cap = attention_scalars(q.shape[-1], sm_scale, sliding_window, logit_soft_cap)
+    if q.shape[0] == 0:  # no tokens: nothing to attend, and no block to gather for
+        dv = int(mla_value_dim) if v_pages is None else v_pages.shape[-1]
+        return jnp.zeros((0, q.shape[1], dv), q.dtype)
+    k_pages, v_pages, k_scales, v_scales = stacked
     return _reference_impl(q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens, k_scales, v_scales, sinks,
-                           sm, window, cap, use_cap=use_cap, use_sinks=sinks is not None,
+                           jnp.asarray(layer, jnp.int32), sm, window, cap, use_cap=use_cap,
+                           use_sinks=sinks is not None,
                            mla_value_dim=None if mla_value_dim is None else int(mla_value_dim),
-                           block_q=int(block_q))
+                           block_q=int(block_q), chunk_tokens=_CHUNK_TOKENS)
+
+
+def _check_stacked(layer, k_pages, v_pages, k_scales, v_scales):
+    """Checks of a stacked ``[L, ...]`` pool read with ``layer=``."""
+    if k_pages.ndim != 5:
+        raise KernelArgumentError(f"with layer=, k_pages must be the stacked pool [layers, kv_heads, num_pages, "
+                                  f"page_size, head_dim], got shape {tuple(k_pages.shape)}")
+    num_layers = k_pages.shape[0]
+    for name, x, rank in (("v_pages", v_pages, 5), ("k_scales", k_scales, 4), ("v_scales", v_scales, 4)):
+        if x is not None and (x.ndim != rank or x.shape[0] != num_layers):
+            raise KernelArgumentError(f"with layer=, {name} must be stacked like k_pages ({num_layers} layers, "
+                                      f"rank {rank}), got shape {tuple(x.shape)}")
+    if isinstance(layer, (int, np.integer)) and not 0 <= layer < num_layers:
+        raise KernelArgumentError(f"layer {layer} is out of range for a pool of {num_layers} layers")
+    if not isinstance(layer, (int, np.integer)) and not (
+            jnp.ndim(layer) == 0 and jnp.issubdtype(jnp.result_type(layer), jnp.integer)):
+        raise KernelArgumentError(f"layer must be an int or an integer scalar, got {layer!r}")
 
 
 def ragged_paged_attention(
@@ -253,22 +401,53 @@ def ragged_paged_attention(
       sm_scale: default ``1 / sqrt(Dk)``. sliding_window: ``W >= 1`` or None.
       logit_soft_cap: ``cap > 0`` or None. sinks: ``[H]`` float logits or None.
       mla_value_dim: the value width in MLA mode.
-      block_q: query tokens per block (reference and kernel tiling).
-      implementation, interpret: see :mod:`kernels_pallas._dispatch`.
+      layer: None, or the layer of the stacked pool (pages ``[L, KVH, P,
+        ps, D]``, scales ``[L, KVH, P, ps]``) to attend, read in place; a
+        Python int on the Pallas path (the reference also takes a traced one).
+      block_q: query tokens per block (>= 1), the tiling of both the
+        reference and the kernel; default: the average query length ``T /
+        S`` rounded up to a power of two, at most 16 in the reference
+        (:func:`reference_block_q`) and at most what fills one kernel
+        program's 16-64 rows with the GQA group on the Pallas path
+        (:func:`kernels_pallas.ragged_kernel.default_block_q`).
+      implementation, interpret: see :mod:`kernels_pallas._dispatch`. The
+        default runs the kernel on GPU and the reference elsewhere; on GPU
+        a page size that is not a power of two, float8 pages before sm_89,
+        float8 pools of 2 to 4 GiB and shapes no block fits in shared memory
+        run the reference (with a
+        :class:`~kernels_pallas._dispatch.KernelFallbackWarning` where it
+        is not the page size).
 
     Returns ``[T, H, Dv]`` in ``q.dtype``; tokens past ``cu_q_lens[S]`` and
-    queries with nothing to attend are zeros.
+    queries with nothing to attend are zeros (a sink alone gives zeros too).
+
+    For decode-only batches on GPU, :func:`kernels_pallas.paged_attention`
+    (split-K) is faster on long contexts; this one takes decodes and prefill
+    pieces in one launch (see :mod:`kernels_pallas.ragged_kernel`).
+
+    Raises:
+      KernelArgumentError: shapes or dtypes that cannot work (heads not a
+        multiple of KV heads, head dims, ranks and lengths of the tables,
+        lengths and ``cu_q_lens``, scales missing for fp8 or misshaped,
+        sinks not float ``[H]``, MLA arguments inconsistent, ``block_q <
+        1``, ``sliding_window < 1``, ``logit_soft_cap <= 0``, a layer out of
+        range), and on the Pallas path a traced ``layer``, a page size that
+        is not a power of two or kernel knobs out of range.
     """
     pallas = _dispatch.choose("ragged_paged_attention", implementation, interpret,
                               {"k_pages": k_pages, "v_pages": v_pages})
+    lead = 0 if layer is None else 1
+    ps = k_pages.shape[lead + 2] if k_pages.ndim == 4 + lead else 0
+    if pallas and implementation is None and not interpret and not is_pow2(ps):
+        pallas = False  # Triton needs power-of-two tiles; the reference does not
     if pallas:
         from kernels_pallas import ragged_kernel  # the Pallas kernel (GPU, or interpret mode)
 
         return ragged_kernel.ragged_paged_attention_pallas(
             q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens, k_scales, v_scales, layer=layer,
             sm_scale=sm_scale, sliding_window=sliding_window, logit_soft_cap=logit_soft_cap, sinks=sinks,
-            mla_value_dim=mla_value_dim, block_q=block_q, interpret=interpret)
+            mla_value_dim=mla_value_dim, block_q=block_q, implementation=implementation, interpret=interpret)
     return ragged_paged_attention_reference(
         q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens, k_scales, v_scales, layer=layer, sm_scale=sm_scale,
         sliding_window=sliding_window, logit_soft_cap=logit_soft_cap, sinks=sinks, mla_value_dim=mla_value_dim,
-        block_q=DEFAULT_BLOCK_Q if block_q is None else block_q)
+        block_q=block_q)

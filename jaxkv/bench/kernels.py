@@ -19,7 +19,20 @@ of 16 tokens): our kernel's time over the time of JAX's own Pallas
 ``paged_attention`` at the same shapes and batch/length (``time ratio``;
 target <= 1.0), for batch 1, 8, 64 and lengths 1k to 32k.
 
-On a GPU both tables run the Pallas kernels. Elsewhere (CPU) the Pallas
+**ragged_paged_attention** (same heads and pages): one ragged call on a
+packed step against what an engine without it launches for the same work
+(``time ratio`` = ragged / baseline; target <= 1.0 for mixed steps):
+
+* ``mixed``: ``D`` decode tokens (context ``L``) and one prefill piece of
+  ``Q`` tokens after ``C`` cached ones, packed into one stream, against
+  ``paged_attention`` (the decode kernel) on the decode tokens plus
+  ``jaxkv.nn.paged_prefill_attention`` on the piece padded to a power of two
+  (there is no prefill kernel; on GPU it runs as XLA);
+* ``decode``: ``D`` decode tokens only, against ``paged_attention`` alone
+  (the decode kernel's split-K is expected to win here: the ratio says by
+  how much).
+
+On a GPU the tables run the Pallas kernels. Elsewhere (CPU) the Pallas
 kernels cannot be compiled, so the benchmark runs the pure-jnp references
 instead, says so in the titles and in the JSON (``"implementation":
 "reference"``), uses smaller shapes, and compares our attention reference
@@ -40,6 +53,7 @@ from jaxkv.bench._timing import best_seconds_interleaved, machine_description, p
 from jaxkv.manager.kernel_tables import pallas_gpu_block_tables
 from kernels_pallas import DSV4_FP8, CompressedEntries, gather_all_compressed_kv, gather_compressed_kv, gather_swa_kv
 from kernels_pallas.paged_attention import paged_attention
+from kernels_pallas.ragged_attention import ragged_paged_attention
 
 __all__ = ["main"]
 
@@ -163,6 +177,66 @@ def _attention_table(on_gpu: bool, quick: bool, repeats: int, rng, impl: str):
     return results
 
 
+def _ragged_inputs(rng, decodes: int, context: int, piece: int, cached: int):
+    """A packed step: ``decodes`` sequences of ``context`` tokens decoding
+    one token each, then one sequence prefilling ``piece`` tokens after
+    ``cached`` (its K/V, this step's included, already in the pages)."""
+    seqs = decodes + (1 if piece else 0)
+    kv_lens = np.array([context] * decodes + ([cached + piece] if piece else []), np.int32)
+    q_lens = np.array([1] * decodes + ([piece] if piece else []), np.int32)
+    width = -(-int(kv_lens.max()) // PAGE_SIZE)
+    num_pages = seqs * width + 1
+    shape = (KV_HEADS, num_pages, PAGE_SIZE, HEAD_DIM)
+    k = jnp.asarray(rng.standard_normal(shape, dtype=np.float32), jnp.bfloat16)
+    v = jnp.asarray(rng.standard_normal(shape, dtype=np.float32), jnp.bfloat16)
+    tables = jnp.asarray(1 + rng.permutation(seqs * width).reshape(seqs, width), jnp.int32)
+    q = jnp.asarray(rng.standard_normal((int(q_lens.sum()), HEADS, HEAD_DIM), dtype=np.float32), jnp.bfloat16)
+    cu = jnp.asarray(np.concatenate([[0], np.cumsum(q_lens)]), jnp.int32)
+    return q, k, v, tables, jnp.asarray(kv_lens), cu
+
+
+def _ragged_table(on_gpu: bool, quick: bool, repeats: int, rng, impl: str):
+    from jaxkv.nn.attention import paged_prefill_attention
+
+    if on_gpu:
+        cases = [("mixed", 56, 4096, 512, 1024), ("mixed", 120, 2048, 256, 0), ("decode", 64, 4096, 0, 0)]
+    elif quick:
+        cases = [("mixed", 8, 256, 32, 64), ("decode", 8, 256, 0, 0)]
+    else:
+        cases = [("mixed", 24, 1024, 128, 256), ("decode", 32, 1024, 0, 0)]
+    ragged = jax.jit(functools.partial(ragged_paged_attention, implementation=impl))
+    decode = jax.jit(functools.partial(paged_attention, implementation=impl))
+    results = []
+    for kind, decodes, context, piece, cached in cases:
+        q, k, v, tables, kv_lens, cu = _ragged_inputs(rng, decodes, context, piece, cached)
+        padded = 1 << max(0, piece - 1).bit_length()
+
+        def baseline(q, k, v, tables, kv_lens):
+            out = decode(q[:decodes], k, v, tables[:decodes], kv_lens[:decodes])
+            if not piece:
+                return out
+            q_pre = jnp.pad(q[decodes:], ((0, padded - piece), (0, 0), (0, 0)))[None]
+            pre = paged_prefill_attention(q_pre, k, v, tables[decodes:], jnp.full((1,), cached, jnp.int32),
+                                          jnp.full((1,), piece, jnp.int32))[0, :piece]
+            return jnp.concatenate([out, pre.astype(out.dtype)])
+
+        base = jax.jit(baseline)
+        mine, theirs = ragged(q, k, v, tables, kv_lens, cu), base(q, k, v, tables, kv_lens)
+        err = float(jnp.max(jnp.abs(mine.astype(jnp.float32) - theirs.astype(jnp.float32))))
+        if not err < 0.05:
+            raise AssertionError(f"ragged_paged_attention disagrees with the decode + prefill baseline by {err} "
+                                 f"({kind}: {decodes} decodes at {context}, piece {piece} after {cached})")
+        times = best_seconds_interleaved({"ours": lambda: ragged(q, k, v, tables, kv_lens, cu),
+                                          "theirs": lambda: base(q, k, v, tables, kv_lens)}, repeats)
+        shape = f"{decodes} x 1 @ {context}" + (f" + {piece} @ {cached}" if piece else "")
+        results.append({"case": kind, "shape": shape, "tokens": int(q.shape[0]), "seqs": int(tables.shape[0]),
+                        "ours_us": times["ours"] * 1e6, "baseline_us": times["theirs"] * 1e6,
+                        "time_ratio": times["ours"] / times["theirs"],
+                        "baseline": "paged_attention" + (f" + prefill padded to {padded}" if piece else ""),
+                        "max_abs_diff": err})
+    return results
+
+
 def main(args) -> int:
     on_gpu = jax.default_backend() == "gpu"
     impl = "pallas" if on_gpu else "reference"
@@ -181,7 +255,13 @@ def main(args) -> int:
     print_table(f"paged_attention ({impl}) vs {attention[0]['baseline']}",
                 ["batch", "length", "ours us", "baseline us", "time ratio"],
                 [[r["batch"], r["length"], r["ours_us"], r["baseline_us"], r["time_ratio"]] for r in attention])
+    ragged = _ragged_table(on_gpu, args.quick, repeats, rng, impl)
+    print_table(f"ragged_paged_attention ({impl}): one packed call vs paged_attention on the decodes "
+                f"+ a padded prefill",
+                ["case", "decodes @ context + piece @ cached", "T", "S", "ours us", "baseline us", "time ratio"],
+                [[r["case"], r["shape"], r["tokens"], r["seqs"], r["ours_us"], r["baseline_us"], r["time_ratio"]]
+                 for r in ragged])
     if args.json:
         print_json({"benchmark": "kernels", "machine": machine_description(), "implementation": impl,
-                    "results": {"gather": gathers, "paged_attention": attention}})
+                    "results": {"gather": gathers, "paged_attention": attention, "ragged_attention": ragged}})
     return 0
