@@ -92,6 +92,8 @@ from kernels_pallas.paged_attention import (
     measured_entry,
 )
 from kernels_pallas.paged_attention import kernel_key as _decode_kernel_key
+from kernels_pallas.ragged_reference import (clean_cu_q_lens, max_query_blocks, ragged_paged_attention_reference,
+                                             ragged_query_blocks)
 from kernels_pallas.reference import attention_scalars
 
 __all__ = ["RaggedShape", "default_block_q", "kernel_key", "plan_ragged", "ragged_paged_attention_pallas"]
@@ -156,7 +158,6 @@ def num_query_blocks(num_tokens: int, num_seqs: int, block_q: int) -> int:
     """Static bound of the query blocks of ``T`` tokens over ``S`` sequences:
     ``sum ceil(q_len / block_q) <= (T + S * (block_q - 1)) // block_q``, and
     each block holds a token (see :func:`kernels_pallas.ragged_attention.ragged_query_blocks`)."""
-    from kernels_pallas.ragged_attention import max_query_blocks
 
     return max_query_blocks(num_tokens, num_seqs, block_q)
 
@@ -372,7 +373,6 @@ def _pallas_impl(q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens, k_scales
                  window, cap, *, layer, use_cap, use_sinks, mla_value_dim, shape, interpret):
     """The launch. Pages and scales carry a leading layer axis; the block
     specs pick ``layer`` and the program's KV head, so nothing is copied."""
-    from kernels_pallas.ragged_attention import clean_cu_q_lens, ragged_query_blocks
 
     t, h, dk = q.shape
     _, kvh, num_pages, ps, _ = k_pages.shape
@@ -508,7 +508,6 @@ def ragged_paged_attention_pallas(
         that is not a power of two, knobs out of range, or
         :class:`~kernels_pallas.paged_attention.SharedMemoryExceeded`.
     """
-    from kernels_pallas.ragged_attention import ragged_paged_attention_reference
 
     reference = functools.partial(
         ragged_paged_attention_reference, layer=layer, sm_scale=sm_scale, sliding_window=sliding_window,

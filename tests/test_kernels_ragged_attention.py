@@ -32,7 +32,7 @@ import numpy as np
 import pytest
 
 from kernels_pallas import KernelArgumentError, ragged_paged_attention, ragged_paged_attention_reference
-from kernels_pallas import _gpu, ragged_attention
+from kernels_pallas import _gpu, ragged_reference
 from kernels_pallas._dispatch import KernelFallbackWarning
 from kernels_pallas.paged_attention import SharedMemoryExceeded, measured_entry
 from kernels_pallas.ragged_attention import max_query_blocks, ragged_query_blocks, reference_block_q
@@ -212,7 +212,7 @@ def test_reference_matches_per_token_decode(name, block_q, chunk, monkeypatch):
     """``chunk=8``: the reference's context loop takes 2 pages a step (3
     steps over the 6-page table; windows start past the first)."""
     if chunk is not None:
-        monkeypatch.setattr(ragged_attention, "_CHUNK_TOKENS", chunk)
+        monkeypatch.setattr(ragged_reference, "_CHUNK_TOKENS", chunk)
     rng, seed = _new_rng()
     spec = REFERENCE_CASES[name]
     window = spec["case"].get("window")
