@@ -42,9 +42,10 @@ def test_chat_demo_streams_transformers_greedy_answers_on_smollm2(capsys):
     with open(os.path.join(FIXTURES, "smollm2", "reference.json"), encoding="utf-8") as f:
         ref = json.load(f)
     by_question = {c["messages"][-1]["content"]: c for c in ref["chats"] if len(c["messages"]) == 2}
-    # The last one arrives after two steps: the first two have finished by then
-    # (12 x 12 stops at EOS, its 13th token) and left the system prompt cached.
-    questions = [("Why is the sky blue?", 0), ("What is 12 times 12?", 0), ("How do plants make food?", 2)]
+    # The last one arrives at step 5: the first two have finished by then (two
+    # packed steps for the prompts and their first tokens, then decode chunks of
+    # 8; 12 x 12 stops at EOS, its 13th token) and left the system prompt cached.
+    questions = [("Why is the sky blue?", 0), ("What is 12 times 12?", 0), ("How do plants make food?", 5)]
     chats = [by_question[q] for q, _ in questions]
     system = chats[0]["messages"][0]["content"]
     assert all(c["messages"][0] == {"role": "system", "content": system} for c in chats)

@@ -89,7 +89,14 @@ def test_generate_equals_transformers(name):
     assert out.tokens == expected["greedy"]
 
 
-@pytest.mark.parametrize("name", NAMES)
+# The engine's default run: Llama and DeepSeek-V3 here; Qwen3-Next's engine
+# parity with transformers is test_engine_families' (under preemption), so its
+# configuration here joins the long pass (CI time).
+ENGINE_NAMES = [pytest.param(p.values[0], id=p.id, marks=pytest.mark.long) if p.id == DEFAULT["qwen3_next"] else p
+                for p in NAMES]
+
+
+@pytest.mark.parametrize("name", ENGINE_NAMES)
 def test_engine_equals_transformers(name):
     model, expected = _fixture(name)
     prompts, new = expected["prompts"], expected["max_new_tokens"]

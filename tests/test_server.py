@@ -471,6 +471,7 @@ def test_503_while_starting_then_second_start_is_faster(checkpoint, tmp_path):
 # ------------------------------------------------------------------ the load bench
 
 
+@pytest.mark.long  # CI time: the server's own tests above run in the default pass
 def test_bench_serve_http_quick(capsys):
     """``python -m jaxkv.bench serve --http --quick --json``: streaming
     clients over loopback against the in-process engine, the same text on

@@ -1044,8 +1044,10 @@ class HybridCache(_Cache):
         return row + 1  # request slot
 
     def _packed_call(self, graphdef, params, lanes, num_prefill, sampling, keys, num_tokens, widest):
-        # Gated DeltaNet views the prefill lanes as [P, width]: P a power of two, width the stream's bucket.
-        rows = min(pow2_at_least(max(num_prefill, 1)), self.max_seqs)
+        # Gated DeltaNet views the prefill lanes as [P, width] (width: the stream's bucket), so P is a power of
+        # two; a model without such layers never looks at P, which then stays fixed (one program per bucket).
+        rows = (min(pow2_at_least(max(num_prefill, 1)), self.max_seqs) if self.manager.gdn is not None
+                else self.max_seqs)
         batch = pack(lanes, num_lanes=self.max_seqs, num_tokens=num_tokens, num_prefill_lanes=rows,
                      max_prefill_len=num_tokens, num_prefill=num_prefill)
         self.manager, tokens, keys, prefill_ok, ok, used = _hybrid_packed(graphdef, params, self.manager, batch,
