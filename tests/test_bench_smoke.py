@@ -8,8 +8,9 @@ import pytest
 from jaxkv.bench.__main__ import main
 
 
-@pytest.mark.parametrize("name", ["alloc", "pool", "prefix", "decode", "kernels", "hybrid", "serve", "memory",
-                                  "scaling"])
+# ``serve`` (two schedulers on two families, ~55 s) runs in the long pass (CI time).
+@pytest.mark.parametrize("name", ["alloc", "pool", "prefix", "decode", "kernels", "hybrid",
+                                  pytest.param("serve", marks=pytest.mark.long), "memory", "scaling"])
 def test_benchmark_runs_and_prints_json(name, capsys, tmp_path):
     plot = tmp_path / "plot.png"
     assert main([name, "--quick", "--json", "--plot", str(plot)]) == 0

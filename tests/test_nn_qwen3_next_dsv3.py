@@ -142,6 +142,7 @@ def test_dsv3_cached_absorbed_equals_expanded_no_cache():
         assert logits.argmax(-1).tolist() == tokens
 
 
+@pytest.mark.long  # CI time: test_dsv3_fp8_pool_decode_equals_fp8_recompute checks the fp8 pool by default
 @pytest.mark.parametrize("kv_dtype", ("float8_e4m3fn",))  # bf16 measured too (docstring), not run in CI
 def test_dsv3_pool_dtype_bounds(kv_dtype):
     """An MLA pool stored in bf16 or fp8 (per-token scales) against a

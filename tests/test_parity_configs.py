@@ -89,11 +89,12 @@ def test_generate_equals_transformers(name):
     assert out.tokens == expected["greedy"]
 
 
-# The engine's default run: Llama and DeepSeek-V3 here; Qwen3-Next's engine
-# parity with transformers is test_engine_families' (under preemption), so its
-# configuration here joins the long pass (CI time).
-ENGINE_NAMES = [pytest.param(p.values[0], id=p.id, marks=pytest.mark.long) if p.id == DEFAULT["qwen3_next"] else p
-                for p in NAMES]
+# The engine's default run: Llama here; Qwen3-Next's engine parity with
+# transformers is test_engine_families' (under preemption) and DeepSeek-V3's
+# test_nn_qwen3_next_dsv3.test_dsv3_runs_on_the_engine, so their
+# configurations here join the long pass (CI time).
+ENGINE_NAMES = [pytest.param(p.values[0], id=p.id, marks=pytest.mark.long)
+                if p.id in (DEFAULT["qwen3_next"], DEFAULT["dsv3"]) else p for p in NAMES]
 
 
 @pytest.mark.parametrize("name", ENGINE_NAMES)

@@ -56,8 +56,8 @@ queued as arriving then). Each scheduler iteration (one ``step``):
    decoding request and, after them in the budget
    (``max_num_batched_tokens``, default ``prefill_chunk``), one prompt
    piece per prefilling request, oldest admission first, cut to what the
-   budget has left; the stream's length is bucketed (16, 24, 32, 48, ...:
-   powers of two and 1.5 times them, then the budget itself;
+   budget has left; the stream's length is bucketed (16, 32, 48, 64, 96,
+   128, ...: powers of two, and 1.5 times them from 32 on; then the budget;
    :meth:`Engine.stream_lengths`). The jitted call grows the decoding rows by
    a slot on device (a new block at block boundaries, copy-on-write; a
    hybrid cache reserves), writes every token's K/V, runs the model with
@@ -456,10 +456,13 @@ def _ms(stats) -> str:
 
 
 def _buckets(tokens: int) -> list[int]:
-    """16, 24, 32, 48, 64, 96, ...: every bucket up to the first that holds ``tokens``."""
+    """16, 32, 48, 64, 96, 128, 192, ...: every bucket up to the first that
+    holds ``tokens`` (powers of two, and from 32 on 1.5 times them too: a step
+    past 32 tokens pads at most a third; small steps, cheap anyway, compile
+    fewer programs)."""
     out, n = [], 16
     while True:
-        for length in (n, n * 3 // 2):
+        for length in (n, n * 3 // 2) if n >= 32 else (n,):
             out.append(length)
             if length >= tokens:
                 return out
@@ -539,7 +542,7 @@ class Engine:
             decode token of every decoding request with prefill pieces of
             the admitted ones (:mod:`jaxkv.nn.packed`, ragged attention), at
             most ``max_num_batched_tokens`` tokens, the stream's length
-            bucketed (16, 24, 32, 48, ... up to the budget) so few
+            bucketed (16, 32, 48, 64, 96, ... up to the budget) so few
             programs compile; an iteration with only decode work runs the
             multi-step decode chunk (``decode_chunk`` tokens per request in
             one call, faster when nothing waits to be prefilled).
@@ -1311,9 +1314,8 @@ class Engine:
 
     def stream_lengths(self) -> list[int]:
         """The packed stream's lengths a step can compile (one program per
-        length): 16, 24, 32, 48, 64, 96, ... (powers of two and 1.5 times
-        them: a step pads at most a third) below the token budget, then the
-        budget itself. ``[]`` for the padded scheduler."""
+        length): 16, 32, 48, 64, 96, 128, 192, ... (powers of two, and 1.5
+        times them from 32 on) below the token budget, then the budget itself. ``[]`` for the padded scheduler."""
         if self.scheduler != "packed":
             return []
         budget = self._token_budget()
