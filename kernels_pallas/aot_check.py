@@ -180,14 +180,15 @@ def _gather_case(kind: str, fmt_name: str, *, tokens=64, topk=512, batch=64, max
                 f"gather_{kind}", build, dict(params, format=fmt_name))
 
 
-def _attention_case(*, dtype, head_dim, page_size, batch, context, kv_heads=8, heads=32, window=None, cap=None,
-                    mla_value_dim=None, layers=None, layer=None, **knobs):
-    from kernels_pallas.paged_attention import paged_attention
-
+def _pool_specs(*, dtype, head_dim, page_size, seqs, context, kv_heads, mla_value_dim, layers):
+    """Abstract pool arrays of an attention case: ``(width, q_dtype, dv,
+    build)``; ``build()`` gives ``(k, v, k_scales, v_scales)`` for ``seqs``
+    sequences whose tables cover ``context`` tokens (stacked ``[layers, ...]``
+    when ``layers``)."""
     dtype = jnp.dtype(dtype)
     fp8 = dtype.itemsize == 1
     width = ceil_div(context, page_size)
-    num_pages = batch * width + 1
+    num_pages = seqs * width + 1
     lead = () if layers is None else (layers,)
     dv = None if mla_value_dim is not None else head_dim
     q_dtype = jnp.float32 if dtype == jnp.float32 else jnp.bfloat16
@@ -197,6 +198,22 @@ def _attention_case(*, dtype, head_dim, page_size, batch, context, kv_heads=8, h
         v = None if dv is None else _sds(lead + (kv_heads, num_pages, page_size, dv), dtype)
         ks = _sds(lead + (kv_heads, num_pages, page_size), jnp.float32) if fp8 else None
         vs = ks if (fp8 and v is not None) else None
+        return k, v, ks, vs
+
+    return width, q_dtype, dv, build
+
+
+def _attention_case(*, dtype, head_dim, page_size, batch, context, kv_heads=8, heads=32, window=None, cap=None,
+                    mla_value_dim=None, layers=None, layer=None, **knobs):
+    from kernels_pallas.paged_attention import paged_attention
+
+    dtype = jnp.dtype(dtype)
+    width, q_dtype, dv, pool = _pool_specs(dtype=dtype, head_dim=head_dim, page_size=page_size, seqs=batch,
+                                           context=context, kv_heads=kv_heads, mla_value_dim=mla_value_dim,
+                                           layers=layers)
+
+    def build():
+        k, v, ks, vs = pool()
 
         def fn(q, k, v, t, n, ks, vs):
             return paged_attention(q, k, v, t, n, ks, vs, layer=layer, sliding_window=window,
@@ -227,18 +244,12 @@ def _ragged_case(*, dtype, head_dim, page_size, tokens, seqs, context, kv_heads=
     from kernels_pallas.ragged_attention import ragged_paged_attention
 
     dtype = jnp.dtype(dtype)
-    fp8 = dtype.itemsize == 1
-    width = ceil_div(context, page_size)
-    num_pages = seqs * width + 1
-    lead = () if layers is None else (layers,)
-    dv = None if mla_value_dim is not None else head_dim
-    q_dtype = jnp.float32 if dtype == jnp.float32 else jnp.bfloat16
+    width, q_dtype, dv, pool = _pool_specs(dtype=dtype, head_dim=head_dim, page_size=page_size, seqs=seqs,
+                                           context=context, kv_heads=kv_heads, mla_value_dim=mla_value_dim,
+                                           layers=layers)
 
     def build():
-        k = _sds(lead + (kv_heads, num_pages, page_size, head_dim), dtype)
-        v = None if dv is None else _sds(lead + (kv_heads, num_pages, page_size, dv), dtype)
-        ks = _sds(lead + (kv_heads, num_pages, page_size), jnp.float32) if fp8 else None
-        vs = ks if (fp8 and v is not None) else None
+        k, v, ks, vs = pool()
         sink = _sds((heads,), jnp.float32) if sinks else None
 
         def fn(q, k, v, t, n, cu, ks, vs, sink):

@@ -123,6 +123,63 @@ def dot_nn(a, b):
     return jnp.sum(a.astype(jnp.float32)[:, :, None] * b.astype(jnp.float32)[None, :, :], axis=1)
 
 
+def attend_block(carry, q_tiles, page_ids, valid, allowed, k_ref, v_ref, ks_ref, vs_ref, *, k_chunks, v_chunks,
+                 block, dtype, sm_scale, cap, use_cap, mla):
+    """One compute block of the online softmax both attention kernels run
+    (this decode kernel and :mod:`kernels_pallas.ragged_kernel`): load the
+    block's K tiles of ``page_ids`` (zeroed where not ``valid``: isolation
+    before the dot), logits against ``q_tiles`` scaled by ``sm_scale`` and the
+    per-token K scales, soft cap, mask by ``allowed`` (``[rows, block]``),
+    update the running max ``m``, sum ``l`` and the float32 accumulators
+    (one per V chunk; in MLA mode the value chunks are the first K tiles).
+    Returns the new ``(m, l, accs)`` from ``carry``."""
+    m_prev, l_prev, accs = carry
+    f32 = jnp.float32
+    logits, k_tiles = None, []
+    for q_tile, (c0, n) in zip(q_tiles, k_chunks):
+        k = k_ref[page_ids, :, pl.ds(c0, n)].reshape(block, n).astype(dtype)
+        k = jnp.where(valid[:, None], k, jnp.zeros_like(k))  # isolation: before the dot
+        k_tiles.append(k)
+        part = dot_nt(q_tile, k)
+        logits = part if logits is None else logits + part
+    k_scale = None
+    if ks_ref is not None:
+        k_scale = jnp.where(valid, ks_ref[page_ids].reshape(block).astype(f32), 0.0)
+        logits = logits * (sm_scale * k_scale)[None, :]
+    else:
+        logits = logits * sm_scale
+    if use_cap:
+        logits = cap * jnp.tanh(logits / cap)
+    logits = jnp.where(allowed, logits, MASK_VALUE)
+
+    m_next = jnp.maximum(m_prev, jnp.max(logits, axis=1))
+    correction = jnp.exp(m_prev - m_next)
+    # Masked weights are exactly 0 by the where, not by exp underflow.
+    p = jnp.where(allowed, jnp.exp(logits - m_next[:, None]), 0.0)
+    l_next = correction * l_prev + jnp.sum(p, axis=1)
+
+    # Per-token V scales act on the reduction axis, so they scale p.
+    if mla:
+        v_scale = k_scale
+    elif vs_ref is not None:
+        v_scale = jnp.where(valid, vs_ref[page_ids].reshape(block).astype(f32), 0.0)
+    else:
+        v_scale = None
+    if v_scale is not None:
+        p = p * v_scale[None, :]
+    p = p.astype(dtype)
+
+    new_accs = []
+    for j, (c0, n) in enumerate(v_chunks):
+        if mla:
+            v = k_tiles[j]  # the value chunks are the first K chunks, already masked
+        else:
+            v = v_ref[page_ids, :, pl.ds(c0, n)].reshape(block, n).astype(dtype)
+            v = jnp.where(valid[:, None], v, jnp.zeros_like(v))
+        new_accs.append(correction[:, None] * accs[j] + dot_nn(p, v))
+    return m_next, l_next, tuple(new_accs)
+
+
 def _kernel(*refs, n_poisoned, page_size, ppcb, pages_per_split, k_chunks, v_chunks, mla, use_cap):
     # The first n_poisoned inputs are the NaN-filled outputs aliased in interpret mode.
     (bounds_ref, params_ref, table_ref, q_ref, k_ref, ks_ref, v_ref, vs_ref,
@@ -146,55 +203,13 @@ def _kernel(*refs, n_poisoned, page_size, ppcb, pages_per_split, k_chunks, v_chu
     n_blocks = jnp.maximum(lax.div(hi - split_first + ppcb - 1, ppcb) - first_block, 0)
 
     def body(i, carry):
-        m_prev, l_prev, accs = carry
         p0 = split_first + (first_block + i) * ppcb
         page_ids = table_ref[pl.ds(p0, ppcb)]
         pos = p0 * ps + lax.broadcasted_iota(jnp.int32, (block,), 0)
         valid = (pos >= start) & (pos < end)
-
-        logits, k_tiles = None, []
-        for q_tile, (c0, n) in zip(q_tiles, k_chunks):
-            k = k_ref[page_ids, :, pl.ds(c0, n)].reshape(block, n).astype(dtype)
-            k = jnp.where(valid[:, None], k, jnp.zeros_like(k))  # isolation: before the dot
-            k_tiles.append(k)
-            part = dot_nt(q_tile, k)
-            logits = part if logits is None else logits + part
-        k_scale = None
-        if ks_ref is not None:
-            k_scale = jnp.where(valid, ks_ref[page_ids].reshape(block).astype(f32), 0.0)
-            logits = logits * (sm_scale * k_scale)[None, :]
-        else:
-            logits = logits * sm_scale
-        if use_cap:
-            logits = cap * jnp.tanh(logits / cap)
-        logits = jnp.where(valid[None, :], logits, MASK_VALUE)
-
-        m_next = jnp.maximum(m_prev, jnp.max(logits, axis=1))
-        correction = jnp.exp(m_prev - m_next)
-        # Masked weights are exactly 0 by the where, not by exp underflow.
-        p = jnp.where(valid[None, :], jnp.exp(logits - m_next[:, None]), 0.0)
-        l_next = correction * l_prev + jnp.sum(p, axis=1)
-
-        # Per-token V scales act on the reduction axis, so they scale p.
-        if mla:
-            v_scale = k_scale
-        elif vs_ref is not None:
-            v_scale = jnp.where(valid, vs_ref[page_ids].reshape(block).astype(f32), 0.0)
-        else:
-            v_scale = None
-        if v_scale is not None:
-            p = p * v_scale[None, :]
-        p = p.astype(dtype)
-
-        new_accs = []
-        for j, (c0, n) in enumerate(v_chunks):
-            if mla:
-                v = k_tiles[j]  # the value chunks are the first K chunks, already masked
-            else:
-                v = v_ref[page_ids, :, pl.ds(c0, n)].reshape(block, n).astype(dtype)
-                v = jnp.where(valid[:, None], v, jnp.zeros_like(v))
-            new_accs.append(correction[:, None] * accs[j] + dot_nn(p, v))
-        return m_next, l_next, tuple(new_accs)
+        return attend_block(carry, q_tiles, page_ids, valid, valid[None, :], k_ref, v_ref, ks_ref, vs_ref,
+                            k_chunks=k_chunks, v_chunks=v_chunks, block=block, dtype=dtype, sm_scale=sm_scale, cap=cap,
+                            use_cap=use_cap, mla=mla)
 
     init = (jnp.full((rows,), MASK_VALUE, f32), jnp.zeros((rows,), f32),
             tuple(jnp.zeros((rows, n), f32) for _, n in v_chunks))

@@ -84,9 +84,8 @@ from kernels_pallas.paged_attention import (
     MASK_VALUE,
     MIN_DOT,
     SharedMemoryExceeded,
+    attend_block,
     default_num_warps,
-    dot_nn,
-    dot_nt,
     fit_block,
     is_pow2,
     measured_entry,
@@ -287,7 +286,6 @@ def _kernel(*refs, n_poisoned, page_size, ppcb, width, num_pages, group, heads, 
     n_blocks = jnp.where((r_hi >= r_lo) & (hi > lo), jnp.maximum(end_block - first_block, 0), 0)
 
     def body(i, carry):
-        m_prev, l_prev, accs = carry
         p0 = (first_block + i) * ppcb
         # Table entries past the width (a block's tail) and outside [0, P)
         # are clamped: their positions are masked, the loads stay in bounds.
@@ -299,48 +297,9 @@ def _kernel(*refs, n_poisoned, page_size, ppcb, width, num_pages, group, heads, 
         allowed = (row_ok[:, None] & valid[None, :] & (pos[None, :] <= qpos[:, None])
                    & (qpos[:, None] - pos[None, :] < window))
 
-        logits, k_tiles = None, []
-        for q_tile, (c0, n) in zip(q_tiles, k_chunks):
-            k = k_ref[page_ids, :, pl.ds(c0, n)].reshape(block, n).astype(dtype)
-            k = jnp.where(valid[:, None], k, jnp.zeros_like(k))  # isolation: before the dot
-            k_tiles.append(k)
-            part = dot_nt(q_tile, k)
-            logits = part if logits is None else logits + part
-        k_scale = None
-        if ks_ref is not None:
-            k_scale = jnp.where(valid, ks_ref[page_ids].reshape(block).astype(f32), 0.0)
-            logits = logits * (sm_scale * k_scale)[None, :]
-        else:
-            logits = logits * sm_scale
-        if use_cap:
-            logits = cap * jnp.tanh(logits / cap)
-        logits = jnp.where(allowed, logits, MASK_VALUE)
-
-        m_next = jnp.maximum(m_prev, jnp.max(logits, axis=1))
-        correction = jnp.exp(m_prev - m_next)
-        # Masked weights are exactly 0 by the where, not by exp underflow.
-        p = jnp.where(allowed, jnp.exp(logits - m_next[:, None]), 0.0)
-        l_next = correction * l_prev + jnp.sum(p, axis=1)
-
-        if mla:
-            v_scale = k_scale
-        elif vs_ref is not None:
-            v_scale = jnp.where(valid, vs_ref[page_ids].reshape(block).astype(f32), 0.0)
-        else:
-            v_scale = None
-        if v_scale is not None:
-            p = p * v_scale[None, :]
-        p = p.astype(dtype)
-
-        new_accs = []
-        for j, (c0, n) in enumerate(v_chunks):
-            if mla:
-                v = k_tiles[j]  # the value chunks are the first K chunks, already masked
-            else:
-                v = v_ref[page_ids, :, pl.ds(c0, n)].reshape(block, n).astype(dtype)
-                v = jnp.where(valid[:, None], v, jnp.zeros_like(v))
-            new_accs.append(correction[:, None] * accs[j] + dot_nn(p, v))
-        return m_next, l_next, tuple(new_accs)
+        return attend_block(carry, q_tiles, page_ids, valid, allowed, k_ref, v_ref, ks_ref, vs_ref,
+                            k_chunks=k_chunks, v_chunks=v_chunks, block=block, dtype=dtype, sm_scale=sm_scale, cap=cap,
+                            use_cap=use_cap, mla=mla)
 
     init = (jnp.full((block_rows,), MASK_VALUE, f32), jnp.zeros((block_rows,), f32),
             tuple(jnp.zeros((block_rows, n), f32) for _, n in v_chunks))
