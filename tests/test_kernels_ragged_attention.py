@@ -84,6 +84,8 @@ def make_case(rng, *, kvh=2, h=4, dk=32, dv=32, kv_dtype=BF16, q_dtype=BF16, sca
     the per-token sequence and position of the real tokens. ``tokens``: a
     fixed stream length (else ``pad`` padding tokens after the real ones)."""
     q_lens, kv_lens = _lanes(rng, num_seqs)
+    while (-(-kv_lens // PS)).sum() > P - 1:  # every sequence's live pages distinct (many sequences: redraw)
+        q_lens, kv_lens = _lanes(rng, num_seqs)
     cu = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
     t = int(cu[-1]) + pad if tokens is None else tokens
     pad = t - int(cu[-1])
