@@ -21,8 +21,9 @@ defines:
   the pinned node) and giving its blocks back under pressure (a cache
   without a prefix cache matches nothing and evicts nothing);
 * :meth:`prefill` (admit rows and run their uncached tails, sampling each
-  row's first token), :meth:`decode` (``decode_chunk`` steps in one jitted
-  loop), :meth:`retire` (insert finished pages into the prefix cache, free
+  row's first token), :meth:`packed_step` (ONE jitted call over a packed
+  stream of prompt pieces and decode tokens, :mod:`jaxkv.nn.packed`),
+  :meth:`decode` (``decode_chunk`` steps in one jitted loop), :meth:`retire` (insert finished pages into the prefix cache, free
   rows), :meth:`swap_out` / :meth:`swap_in` (``can_swap`` False: the engine
   preempts by recomputation), :meth:`row_status` (FREE / ON_DEVICE /
   SWAPPED per row, for the engine's bookkeeping check);
@@ -333,8 +334,7 @@ class _Cache:
         lanes = [PackedLane(self._seq_id(lane.row), lane.tokens[start:end], start, end == len(lane.tokens))
                  for lane, (start, end) in prefill]
         lanes += [PackedLane(self._seq_id(row), [token], position) for row, token, position in decode]
-        result = self._packed_call(graphdef, params, lanes, len(prefill), sampling, self._keys(key_data),
-                                   num_tokens, max((end - start for _, (start, end) in prefill), default=1))
+        result = self._packed_call(graphdef, params, lanes, len(prefill), sampling, self._keys(key_data), num_tokens)
         self._after_prefill([lane for lane, _ in prefill], [start for _, (start, _) in prefill],
                             [end - start for _, (start, end) in prefill])
         return result
@@ -620,7 +620,7 @@ class PagedCache(_Cache):
         sampled, new_keys = jax.device_get((sampled, jax.random.key_data(new_keys)))
         return sampled, np.asarray(new_keys), self.blocks_in_use()
 
-    def _packed_call(self, graphdef, params, lanes, num_prefill, sampling, keys, num_tokens, widest):
+    def _packed_call(self, graphdef, params, lanes, num_prefill, sampling, keys, num_tokens):
         batch = pack(lanes, num_lanes=self.max_seqs, num_tokens=num_tokens, num_prefill_lanes=self.max_seqs,
                      max_prefill_len=num_tokens, num_prefill=num_prefill)  # fixed classes: one program per bucket
         host = self.manager.host
@@ -1043,7 +1043,7 @@ class HybridCache(_Cache):
     def _seq_id(self, row: int) -> int:
         return row + 1  # request slot
 
-    def _packed_call(self, graphdef, params, lanes, num_prefill, sampling, keys, num_tokens, widest):
+    def _packed_call(self, graphdef, params, lanes, num_prefill, sampling, keys, num_tokens):
         # Gated DeltaNet views the prefill lanes as [P, width] (width: the stream's bucket), so P is a power of
         # two; a model without such layers never looks at P, which then stays fixed (one program per bucket).
         rows = (min(pow2_at_least(max(num_prefill, 1)), self.max_seqs) if self.manager.gdn is not None
