@@ -68,6 +68,8 @@ def test_engine_tokens_equal_transformers_under_preemption(name):
         assert engine.cache.prefix_stats()["tree"].evictions > 0
         assert any(event[0] == "snapshot_stored" for event in engine.cache.take_events())
     assert summary.generated_tokens == sum(map(len, expected["greedy"]))
+    counts = engine.stats()  # packed steps: one model call in every iteration that ran the model
+    assert counts.model_calls == counts.model_iterations > 0
     assert 0 < second.peak_kv_blocks <= summary.kv_blocks == int(engine.cache.capacity.sum())
     assert engine.cache.blocks_in_use() == _tree_blocks(engine) and (engine.cache.row_status() == FREE).all()
     assert int(engine.manager.slots.num_free) == engine.manager.max_requests
@@ -169,4 +171,6 @@ def test_hybrid_prefix_hits_give_the_cold_tokens(name):
     assert summary.prefix_hit_tokens == (length + new - 1) // unit * unit
     stats = engine.cache.prefix_stats()
     assert stats["unit_tokens"] == unit and 0 < stats["cached_snapshots"] <= 16
+    counts = engine.stats()  # packed steps: one model call in every iteration that ran the model
+    assert counts.model_calls == counts.model_iterations > 0 and 0 <= counts.padding_slots < counts.token_slots
     assert engine.cache.blocks_in_use() == _tree_blocks(engine) and (engine.cache.row_status() == FREE).all()
