@@ -130,11 +130,6 @@ class PackedBatch:
         return self.cu_q_lens[1:] - self.cu_q_lens[:-1]
 
     @property
-    def starts(self) -> Int[Array, " S"]:
-        """Tokens each lane's request held before the step."""
-        return self.kv_lens - self.q_lens
-
-    @property
     def decode_lanes(self) -> Bool[Array, " S"]:
         """Lanes the step grows by one token (after the prefill lanes, with a token)."""
         lane = jnp.arange(self.num_lanes, dtype=jnp.int32)
