@@ -14,7 +14,9 @@ Invariants (checked by the hybrid manager's tests after every operation):
   once; ``tables[s, lens[s]:]`` are -1;
 * a held block's ref count is the number of tables naming it plus the
   references a prefix cache holds (:meth:`BlockGroup.adopt` shares a cached
-  prefix by reference); allocated + free = ``num_blocks - 1`` (block 0 is
+  prefix by reference; :meth:`BlockGroup.adopt_prefix` shares its full
+  blocks and gives the slot a fresh copy of a partly filled last one, which
+  only the slot owns); allocated + free = ``num_blocks - 1`` (block 0 is
   the null block, never handed out);
 * a failed operation returns the group it was given, unchanged.
 """
@@ -132,25 +134,77 @@ class BlockGroup:
         lens = self.lens.at[target].add(1, mode="drop")
         return self.replace(allocator=allocator, tables=tables, lens=lens), block, ok
 
+    def partly_filled(self, num_tokens: Int[Array, "..."]) -> Array:
+        """Whether the last block a prefix of ``num_tokens`` tokens needs is
+        only partly filled (its completed entries, ``num_tokens //
+        tokens_per_entry``, stop inside it): a slot continuing that prefix
+        appends entries into that block, so it cannot share it."""
+        return (num_tokens // self.tokens_per_entry) % self.entries_per_block != 0
+
     def adopt(self, slots: Ids, blocks: Int[Array, "B M"]) -> tuple["BlockGroup", Ok]:
         """Put ``blocks[b]`` (-1 padded, leading) at the start of the empty
         table of ``slots[b]`` (-1: skipped), one more owner each (a cached
         prefix shared by reference). Fails (unchanged) when a block is not
         held or the caller's slot is not empty."""
-        num_slots = self.lens.shape[0]
         slots = jnp.asarray(slots, jnp.int32).reshape(-1)
+        group, _, _, ok = self._adopt(slots, blocks, jnp.zeros(slots.shape, bool))
+        return group, ok
+
+    def adopt_prefix(self, slots: Ids, blocks: Int[Array, "B M"], num_tokens: Int[Array, " B"]
+                     ) -> tuple["BlockGroup", Int[Array, " B"], Int[Array, " B"], Ok]:
+        """:meth:`adopt` of a cached prefix of ``num_tokens[b]`` tokens, with
+        copy-on-write of a partly filled last block: where
+        :meth:`partly_filled` holds for a row, its last given block is not
+        shared; the row gets a fresh block (one owner: the slot) in that
+        column instead, and the caller copies the data. Every other block
+        is shared by reference, as by :meth:`adopt`.
+
+        Returns ``(group, src, dst, ok)``: ``dst[b]`` is row ``b``'s fresh
+        block and ``src[b]`` the cached block to copy into it (both -1 for a
+        row with no copy, and everywhere on failure). The cached block
+        gains no owner. Costs at most one free block per row. Fails
+        (unchanged) as :meth:`adopt` does, and when a block to copy is not
+        held or fewer blocks are free than rows that copy. ``blocks`` rows
+        are assumed to be the ``blocks_for(num_tokens)`` leading ids the
+        prefix needs (the caller's check)."""
+        slots = jnp.asarray(slots, jnp.int32).reshape(-1)
+        num_tokens = jnp.asarray(num_tokens, jnp.int32).reshape(-1)
+        return self._adopt(slots, blocks, self.partly_filled(jnp.maximum(num_tokens, 0)))
+
+    def _adopt(self, slots: Int[Array, " B"], blocks: Int[Array, "B M"], copy_last: Array
+               ) -> tuple["BlockGroup", Int[Array, " B"], Int[Array, " B"], Ok]:
+        """:meth:`adopt_prefix` with the rows whose last given block is copied
+        rather than shared (``copy_last``) given."""
+        num_slots = self.lens.shape[0]
         active = slots >= 0
         rows = jnp.clip(slots, 0, num_slots - 1)
-        width = blocks.shape[1]
+        batch, width = blocks.shape
         given = active[:, None] & (blocks >= 0)
-        allocator, ok = self.allocator.incref(jnp.where(given, blocks, -1))
-        ok = ok & jnp.all(~active | (self.lens[rows] == 0)) & (width <= self.max_blocks)
-        target = jnp.where(ok & given, rows[:, None], num_slots)  # out of range: dropped
+        count = jnp.sum(given, axis=1, dtype=jnp.int32)
         column = jnp.arange(width, dtype=jnp.int32)[None, :]
-        tables = self.tables.at[target, column].set(blocks, mode="drop")
-        lens = self.lens.at[jnp.where(ok & active, rows, num_slots)].set(jnp.sum(given, axis=1), mode="drop")
+        copied = (copy_last & active)[:, None] & given & (column == count[:, None] - 1)
+        copies = jnp.any(copied, axis=1)
+        src = jnp.max(jnp.where(copied, blocks, -1), axis=1)
+        # The copied block keeps its owners (the cache, another slot): it is
+        # read once here, so it only has to be held, not shared.
+        held = jnp.all(~copies | (self.allocator.ref_count(src) > 0))
+        fits = jnp.all(~active | (self.lens[rows] == 0)) & (width <= self.max_blocks) & held
+        # Shared blocks gain an owner and the fresh ones are taken in one
+        # all-or-nothing allocator step (nothing is released).
+        allocator, fresh, ok = self.allocator.update(
+            jnp.where(given & ~copied, blocks, -1), jnp.full((0,), -1, jnp.int32),
+            jnp.where(fits, jnp.sum(copies, dtype=jnp.int32), 0), max_n=max(batch, 1))
+        ok = ok & fits
+        # Row b takes fresh[offset_b] (rows that copy, in order).
+        offset = jnp.cumsum(copies) - copies
+        dst = jnp.where(ok & copies, fresh[jnp.clip(offset, 0, max(batch, 1) - 1)], -1)
+        src = jnp.where(ok & copies, src, -1)
+        row_blocks = jnp.where(copied, dst[:, None], blocks)
+        target = jnp.where(ok & given, rows[:, None], num_slots)  # out of range: dropped
+        tables = self.tables.at[target, column].set(row_blocks, mode="drop")
+        lens = self.lens.at[jnp.where(ok & active, rows, num_slots)].set(count, mode="drop")
         new = self.replace(allocator=allocator, tables=tables, lens=lens)
-        return jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, self), ok
+        return jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, self), src, dst, ok
 
     def release_rows(self, slots: Ids) -> tuple["BlockGroup", Ok]:
         """Drop the owner of every block of ``slots`` (-1 ignored; distinct,

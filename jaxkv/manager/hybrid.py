@@ -23,7 +23,10 @@ loop (admit, decode, release) can run inside one ``lax.scan``:
   handle per store is acquired, written and updated at a time, and a stale
   handle is refused (see :mod:`jaxkv.manager.layer_handle`);
 * :meth:`KVCacheManager.release` returns slots and every block of every
-  layer, and resets the slots' state.
+  layer, and resets the slots' state;
+* :meth:`KVCacheManager.attach_prefix` starts an admitted slot from a cached
+  prefix of any length: full blocks shared by reference, a partly filled
+  last block copied into a fresh one (:meth:`KVCacheManager.copy_blocks`).
 
 Slot ids ``1 .. max_reqs`` index every per-request array (slot 0 is padding,
 as in :class:`~jaxkv.ReqToTokenPool` and :class:`~jaxkv.GDNPool`).
@@ -343,13 +346,27 @@ class KVCacheManager:
         rows of snapshot ``snapshots[b]`` (-1: none) are copied into the
         slot. ``slots`` -1: skipped (only -1 is padding).
 
-        All or nothing: fails (``ok`` False, unchanged) when a slot is not
+        Token-grain prefixes: ``num_tokens`` need not be a multiple of any
+        group's block. Where it leaves a group's last block partly filled
+        (:meth:`BlockGroup.partly_filled`: the slot will append entries
+        into it), that block is not shared: the slot gets a fresh block of
+        the group in its place, holding a copy of the cached block's data
+        in every layer of the group (:meth:`copy_blocks`), and the cached
+        block keeps exactly its owners. Full blocks are shared by
+        reference. The caller's cost is at most one free block per group
+        per attached row; the slot's table still holds
+        ``blocks_for(num_tokens[b])`` blocks, so :meth:`reserve` and
+        :meth:`preallocate` grow it as for any slot of that length.
+
+        All or nothing: fails (``ok`` False, unchanged: tables, ref counts,
+        allocators, pools, ``seq_lens``, state rows) when a slot is not
         held (0, other negatives and ids past the slots are not held), not
         empty or repeated; a row's blocks in a group are not exactly the
         ``blocks_for(num_tokens[b])`` its tokens need (a shorter row would
         let the slot read positions no block of its own holds: another
         request's leftovers), have a -1 among them, repeat an id or name a
-        block that is not held; or a snapshot is outside ``-1 ..
+        block that is not held; a group has fewer free blocks than the
+        partly filled blocks it must copy; or a snapshot is outside ``-1 ..
         num_snapshots - 1``. ``blocks`` names exactly the manager's groups
         and each is ``[len(slots), M]`` (``InvalidArgument`` at trace time
         otherwise)."""
@@ -372,15 +389,72 @@ class KVCacheManager:
         for name, group in self.groups.items():
             row_ok = row_ok & _prefix_row_ok(blocks[name], group, num_tokens)
         ok = jnp.all(~active | row_ok) & ids_distinct(slots, active & in_range, self.num_slots)
-        groups = {}
+        groups, src, dst = {}, {}, {}
         for name, group in self.groups.items():
-            groups[name], group_ok = group.adopt(jnp.where(ok & active, slots, -1), blocks[name])
+            groups[name], src[name], dst[name], group_ok = group.adopt_prefix(
+                jnp.where(ok & active, slots, -1), blocks[name], num_tokens)
             ok = ok & group_ok
         groups = where_ok(ok, groups, self.groups)
+        # A later group that failed leaves the earlier ones unchanged, so
+        # their fresh blocks are not theirs to fill: no copy happens.
+        src = {name: jnp.where(ok, ids, -1) for name, ids in src.items()}
+        dst = {name: jnp.where(ok, ids, -1) for name, ids in dst.items()}
         seq_lens = self.seq_lens.at[jnp.where(ok & active, rows, self.num_slots)].set(num_tokens, mode="drop")
-        out = self.replace(groups=groups, seq_lens=seq_lens)
-        src = jnp.where(ok & active & (snapshots >= 0), self.num_slots + snapshots, -1)
-        return out.copy_state(src, jnp.where(src >= 0, slots, -1)), ok
+        out = self.replace(groups=groups, seq_lens=seq_lens).copy_blocks(src, dst)
+        snapshot_rows = jnp.where(ok & active & (snapshots >= 0), self.num_slots + snapshots, -1)
+        return out.copy_state(snapshot_rows, jnp.where(snapshot_rows >= 0, slots, -1)), ok
+
+    def copy_blocks(self, src: dict, dst: dict) -> "KVCacheManager":
+        """Block ``dst[g][i] <- src[g][i]`` of group ``g`` in every layer of
+        that group: the compressed entries and CSA indexer keys of its
+        DeepSeek-V4 layers, and the pages (K, V, scales, every layer) of
+        ``full_pool`` for the full-attention group and ``mla_pool`` for the
+        MLA group. Data only: ref counts, tables and per-request state rows
+        are untouched (copy-on-write: the caller has allocated ``dst``;
+        see :meth:`attach_prefix`).
+
+        Ids are blocks ``1 .. num_blocks - 1`` of their group; a pair with
+        any other id on either side (the -1 padding, the null block 0,
+        negatives, ids past the group's blocks) is skipped. All sources are
+        read before any destination is written. All or nothing: when two
+        copied pairs of a group name the same destination (which copy would
+        win is undefined), nothing is copied at all, in any group. There
+        is no ``ok``. Every write is a ``mode="drop"`` scatter, so a manager
+        donated into a jitted call is updated in place. ``src`` and ``dst``
+        name exactly the manager's groups and ``src[g]``, ``dst[g]`` have
+        the same size (``InvalidArgument`` at trace time)."""
+        self._check_groups(src, "copy_blocks")
+        self._check_groups(dst, "copy_blocks")
+        pairs, distinct = {}, jnp.bool_(True)
+        for name, group in self.groups.items():
+            s = jnp.asarray(src[name], jnp.int32).reshape(-1)
+            d = jnp.asarray(dst[name], jnp.int32).reshape(-1)
+            if s.shape != d.shape:
+                raise InvalidArgument(f"copy_blocks: group {name!r} has {s.shape[0]} sources but {d.shape[0]} "
+                                      "destinations (one source per destination)")
+            num_blocks = group.allocator.num_blocks
+            pair = (s >= 1) & (s < num_blocks) & (d >= 1) & (d < num_blocks)
+            distinct = distinct & ids_distinct(d, pair, num_blocks)
+            pairs[name] = (s, d, pair)
+        copies = {name: (jnp.where(pair & distinct, s, -1), jnp.where(pair & distinct, d, -1))
+                  for name, (s, d, pair) in pairs.items()}
+        layers = []
+        for schema, cache in zip(self.schemas, self.layers):
+            if cache is not None and schema.group is not None:
+                s, d = copies[schema.group]
+                num_blocks = self.groups[schema.group].allocator.num_blocks
+                # Skipped pairs read block 0 and write past the blocks (dropped).
+                cache = cache.copy_blocks(jnp.where(d >= 0, s, 0), jnp.where(d >= 0, d, num_blocks))
+            layers.append(cache)
+        pools = {}
+        for kind, pool in ((AttentionKind.FULL, self.full_pool), (AttentionKind.MLA, self.mla_pool)):
+            if pool is not None:
+                # Every layer of one kind is in one group (its name is the kind's).
+                s, d = copies[next(x.group for x in self.schemas if x.kind == kind)]
+                pool, _ = pool.copy_pages(s, d)  # -1 pairs are skipped; the rest are in range and distinct
+            pools[kind] = pool
+        return self.replace(layers=tuple(layers), full_pool=pools[AttentionKind.FULL],
+                            mla_pool=pools[AttentionKind.MLA])
 
     def incref_blocks(self, blocks: dict) -> tuple["KVCacheManager", Ok]:
         """One more owner of each id of ``blocks[g]`` (any shape, -1 ignored)
@@ -682,7 +756,7 @@ def _prefix_row_ok(blocks: Int[Array, "B M"], group: BlockGroup, num_tokens: Int
     """Per row: ``blocks`` holds exactly the ``blocks_for(num_tokens)`` ids a
     prefix of that many tokens needs in ``group``, leading (no -1 among
     them), each once and in ``[1, num_blocks)`` (whether they are held is
-    ``adopt``'s check). A sort per row: attaching is once per admission, not
+    ``adopt_prefix``'s check). A sort per row: attaching is once per admission, not
     per decode step."""
     present = blocks != -1
     count = jnp.sum(present, axis=1, dtype=jnp.int32)

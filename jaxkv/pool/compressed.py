@@ -138,6 +138,23 @@ class CompressedLayerCache:
                 out = out.replace(**{name: copy(getattr(self, name))})
         return out
 
+    def copy_blocks(self, source: Int[Array, " n"], target: Int[Array, " n"]) -> "CompressedLayerCache":
+        """Block ``target[i] <- source[i]`` of the compressed entries and (CSA)
+        the indexer keys, every entry of the block (copy-on-write of a shared
+        block; out-of-range targets dropped, so the caller skips a pair by
+        sending its target past the blocks). All sources are read before any
+        target is written. Per-request rows (SWA and compressor rings) are
+        not blocks: see :meth:`copy_rows`. An SWA-only layer has no blocks
+        and is returned as is."""
+        def copy(entries):
+            if entries is None:
+                return None
+            return entries.replace(nope_bits=entries.nope_bits.at[target].set(entries.nope_bits[source], mode="drop"),
+                                   scales=entries.scales.at[target].set(entries.scales[source], mode="drop"),
+                                   rope_bits=entries.rope_bits.at[target].set(entries.rope_bits[source], mode="drop"))
+
+        return self.replace(entries=copy(self.entries), index_keys=copy(self.index_keys))
+
     def reset(self, targets: Int[Array, " n"]) -> "CompressedLayerCache":
         """Initial state for slots ``targets`` (out-of-range entries dropped)."""
         def zero_rows(entries):  # all-zero bits are 0.0 in every float format
