@@ -76,20 +76,20 @@ def int_array(values, name: str, *, ndim: int | None = None) -> np.ndarray:
     try:
         arr = np.asarray(values)
     except (ValueError, TypeError, OverflowError) as exc:  # ragged lists, huge ints
-        raise InvalidArgument(f"{name} must be integers; got {_short(values)} ({exc})") from None
+        raise InvalidArgument(f"{name} must be integers; got {short_repr(values)} ({exc})") from None
     if isinstance(values, (list, tuple)) and arr.dtype.kind in "iu" and _holds_bool(values):
-        raise InvalidArgument(f"{name} must be integers, not bools: {_short(values)}")
+        raise InvalidArgument(f"{name} must be integers, not bools: {short_repr(values)}")
     if arr.dtype == object:  # Python ints past int64, None, mixed objects
         if all(_is_int(v) for v in arr.reshape(-1)):
-            raise InvalidArgument(f"{name} holds integers outside int64: {_short(values)}")
-        raise InvalidArgument(f"{name} must be integers; got {_short(values)}")
+            raise InvalidArgument(f"{name} holds integers outside int64: {short_repr(values)}")
+        raise InvalidArgument(f"{name} must be integers; got {short_repr(values)}")
     if arr.size == 0 and arr.dtype.kind == "f":  # [] and np.array([]) default to float
         arr = arr.astype(np.int64)
     if arr.dtype.kind not in "iu":
         raise InvalidArgument(
-            f"{name} must be integers, got dtype {arr.dtype}: {_short(values)}")
+            f"{name} must be integers, got dtype {arr.dtype}: {short_repr(values)}")
     if arr.dtype.kind == "u" and arr.size and int(arr.max()) > _INT64_MAX:
-        raise InvalidArgument(f"{name} holds integers outside int64: {_short(values)}")
+        raise InvalidArgument(f"{name} holds integers outside int64: {short_repr(values)}")
     if ndim is not None and arr.ndim != ndim:
         raise InvalidArgument(f"{name} must have {ndim} dimension(s), got shape {arr.shape}")
     return arr.astype(np.int64)
@@ -122,7 +122,8 @@ def _is_int(value) -> bool:
     return isinstance(value, numbers.Integral) and not isinstance(value, (bool, np.bool_))
 
 
-def _short(value, limit: int = 60) -> str:
+def short_repr(value, limit: int = 60) -> str:
+    """``repr(value)``, cut to ``limit`` characters for an error message."""
     text = repr(value)
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
@@ -174,3 +175,14 @@ def unexplained(op: str, ids) -> Exception:
 
     return BookkeepingError(f"{op}: the device op refused {preview(given_ids(ids))} "
                             "but the host check finds nothing wrong")
+
+
+def int_at_least(value, name: str, minimum: int) -> int:
+    """``value`` as an int, or ``InvalidArgument`` naming ``name`` when it is
+    not an integer (see :func:`int_scalar`) or is below ``minimum``."""
+    from jaxkv.errors import InvalidArgument
+
+    value = int_scalar(value, name)
+    if value < minimum:
+        raise InvalidArgument(f"{name}={value}: must be >= {minimum}")
+    return value

@@ -43,7 +43,7 @@ from hypothesis import event, example, given, settings
 from hypothesis import strategies as st
 from hypothesis.control import currently_in_test_context
 
-import jaxkv.serve.caches as caches
+import jaxkv.serve.hybrid_cache as hybrid_cache
 from jaxkv.errors import InvalidArgument, KVCacheError
 from jaxkv.manager.block_space import FREE
 from jaxkv.nn import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, generate
@@ -65,7 +65,7 @@ def distinct_snapshot_copies():
     call no destination may repeat (two states copied into one snapshot:
     which lands is unspecified, and a later hit could restore the other
     request's state). Yields the list of destinations per call."""
-    real = caches._copy_state
+    real = hybrid_cache._copy_state
     calls = []
 
     def spy(manager, src, dst):
@@ -74,35 +74,32 @@ def distinct_snapshot_copies():
         assert len(given) == len(set(given)), f"one call copies two states into a snapshot: destinations {given}"
         return real(manager, src, dst)
 
-    caches._copy_state = spy
+    hybrid_cache._copy_state = spy
     try:
         yield calls
     finally:
-        caches._copy_state = real
+        hybrid_cache._copy_state = real
 
 
 def check_hybrid_no_leak(engine):
-    """Every block of every group is free or held once, by the prefix cache
-    (one reference per cached page); rows and slots free; the cached
-    snapshots and the free ones partition the snapshot pool."""
+    """Every block of every group is free or held exactly as often as the
+    prefix cache references it (its pages and its snapshot records' tails);
+    rows and slots free; nothing pinned; the snapshot cache's invariants."""
     cache = engine.cache
+    held = cache.snapshots.held_blocks()
     for g, (name, group) in enumerate(cache.manager.groups.items()):
         counts = np.asarray(group.allocator.ref_counts)
-        owned = [b for page in cache._pages.values() for b in page[g]]
-        assert len(owned) == len(set(owned)), f"group {name}: the tree holds a block twice: {sorted(owned)}"
         expected = np.zeros_like(counts)
-        expected[owned] = 1
+        for block, n in held[name].items():
+            expected[block] = n
         leaked = {b: int(counts[b]) for b in np.flatnonzero(counts != expected)}
-        assert not leaked, f"group {name}: ref counts {leaked} (block: count) where the tree owns {sorted(owned)}"
+        assert not leaked, f"group {name}: ref counts {leaked} (block: count) where the cache holds {dict(held[name])}"
     assert (cache.row_status() == FREE).all()
     assert int(cache.manager.slots.num_free) == cache.manager.max_requests
     assert cache.prefix_cache.protected_blocks == 0, "a prefix is still pinned"
+    assert all(record.pins == 0 for record in cache.snapshots.records.values()), "a snapshot is still pinned"
     cache.prefix_cache.check_invariants()
-    held = list(cache._snapshot_of.values())
-    assert len(held) == len(set(held)) and not set(held) & set(cache._free_snapshots)
-    assert sorted(held + cache._free_snapshots) == list(range(engine.max_seqs,
-                                                              engine.max_seqs + cache.num_cached_snapshots))
-    assert set(cache._snapshot_of) <= set(cache._pages)
+    cache.snapshots.check_invariants()
 
 
 def no_stall(limit=2000):

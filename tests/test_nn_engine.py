@@ -224,7 +224,7 @@ def test_corrupted_bookkeeping_raises_bookkeeping_error(model):
     engine._rows[real] = rid
     # a device-side failure of the engine's own retire call is a bookkeeping bug too
     with pytest.raises(BookkeepingError, match="free 1 rows"):
-        engine._device_update(rows=[(real + 1) % ENGINE["max_seqs"]])  # a FREE row: free fails
+        engine.cache.update(rows=[(real + 1) % ENGINE["max_seqs"]])  # a FREE row: free fails
 
 
 def test_logging_not_printing(model, capsys, caplog):

@@ -261,8 +261,8 @@ def main(args) -> int:
         print()
         print_table("prefix-cache hits per family on the engine, under block and snapshot pressure "
                     "(jaxkv.bench.prefix_families)",
-                    ["family", "workload", "unit (tokens)", "hit tokens", "hit rate", "ideal rate", "hit / ideal",
-                     "evicted tokens"], family_rows)
+                    ["family", "workload", "retention", "page (tokens)", "hit tokens", "hit rate", "ideal rate",
+                     "hit / ideal", "evicted tokens", "snapshot bytes"], family_rows)
     if args.json:
         print_json({"benchmark": "prefix", "machine": machine_description(), "dispatch": dispatch, "results": payload,
                     "families": families})

@@ -12,10 +12,19 @@ CSA/HCA compressed blocks of 128 tokens, ring snapshots). Two workloads,
   scheduler step;
 * **multi-turn**: 3 conversations of 4 turns; turn ``k`` sends the whole
   conversation so far (previous prompts and answers) plus 20..40 new
-  tokens, 16 new tokens each.
+  tokens, 16 new tokens each;
+* **agentic**: 2 agents sharing a 200-token system prompt, each with its
+  own 30-token task, 6 steps each: a step sends the context so far and
+  gets a short completion (6 tokens, the "tool call"), then a 40..80-token
+  tool result is appended to the context.
 
 Under pressure: blocks for about two full-length requests per group and 8
-cached snapshots (hybrid models), so cached prefixes are evicted.
+cached snapshots (hybrid models), so cached prefixes are evicted. The
+hybrid families run twice: with the default retention policy ("value") and
+with plain LRU over the snapshots (``snapshot_retention="lru"``), so the
+policy's gain is measured on the same trace. ``snapshot bytes``: the device
+bytes of the hybrid cache's snapshot rows (the state of every layer: SWA and
+compressor rings, GDN states) plus the blocks its records hold, at the end.
 
 "ideal" is what a cache of unlimited size at token granularity would serve:
 for each request the longest prefix (at most ``len - 1`` tokens) it shares
@@ -80,48 +89,90 @@ def ideal_hits(served: list[tuple[list, list]]) -> int:
     return total
 
 
-def _engine(model, max_seqs: int, context: int):
+def _agentic_workload(rng, vocab: int):
+    """Per agent: its context (system prompt + task); the steps are driven by :func:`family_hit_rows`."""
+    system = rng.integers(1, vocab, 200).tolist()
+    return [system + rng.integers(1, vocab, 30).tolist() for _ in range(2)]
+
+
+WORKLOADS = ("shared system prompt", "multi-turn", "agentic")
+
+
+def _engine(model, max_seqs: int, context: int, retention: str = "value"):
     if cache_kind(model) == "hybrid":
         probe = Engine(model, max_seqs=1, max_context_tokens=context, prefix_cache=False)
         blocks = {name: int(2 * b) + 1 for name, b in zip(probe.cache.groups, probe.cache.blocks_for(context))}
         return Engine(model, max_seqs=max_seqs, max_context_tokens=context, num_blocks=blocks, num_snapshots=8,
-                      decode_chunk=8, prefill_chunk=128)
+                      decode_chunk=8, prefill_chunk=128, snapshot_retention=retention)
     pages = 2 * (context // 16) + 1
     return Engine(model, num_pages=pages, page_size=16, max_seqs=max_seqs, max_blocks_per_seq=context // 16,
                   decode_chunk=8, prefill_chunk=128)
 
 
+def _serve(engine, model, workload: str, rng) -> tuple[int, int, list]:
+    """Run ``workload`` on ``engine``: ``(hit tokens, prompt tokens, [(prompt, output)] in order served)``."""
+    vocab = model.config.vocab_size
+    served, hit, prompt_tokens = [], 0, 0
+
+    def wave(requests):
+        nonlocal hit, prompt_tokens
+        ids = [engine.add_request(p, n, arrival_step=engine._step + a) for p, n, a in requests]
+        summary = engine.run()
+        hit += summary.prefix_hit_tokens
+        prompt_tokens += summary.prompt_tokens
+        outputs = [engine.outputs[i] for i in ids]
+        served.extend((p, out) for (p, _, _), out in zip(requests, outputs))
+        return outputs
+
+    if workload == "shared system prompt":
+        wave(_system_prompt_workload(rng, vocab)[0])
+    elif workload == "multi-turn":
+        conversations = [rng.integers(1, vocab, int(rng.integers(20, 41))).tolist() for _ in range(3)]
+        for _ in range(4):
+            outputs = wave([(c, 16, 0) for c in conversations])
+            conversations = [c + out + rng.integers(1, vocab, int(rng.integers(20, 41))).tolist()
+                             for c, out in zip(conversations, outputs)]
+    else:
+        contexts = _agentic_workload(rng, vocab)
+        for _ in range(6):
+            outputs = wave([(c, 6, 0) for c in contexts])
+            contexts = [c + out + rng.integers(1, vocab, int(rng.integers(40, 81))).tolist()
+                        for c, out in zip(contexts, outputs)]
+    return hit, prompt_tokens, served
+
+
 def family_hit_rows() -> tuple[list, list]:
-    """``(table rows, JSON records)`` of hit rate vs ideal per family and workload."""
+    """``(table rows, JSON records)`` of hit rate vs ideal per family, workload and retention policy."""
     rows, payload = [], []
     for family, model in family_models().items():
-        vocab = model.config.vocab_size
-        for workload in ("shared system prompt", "multi-turn"):
-            rng = np.random.default_rng(0)
-            engine = _engine(model, max_seqs=4, context=1024)
-            served, hit, prompt_tokens = [], 0, 0
-            if workload == "shared system prompt":
-                waves = _system_prompt_workload(rng, vocab)
-            else:
-                waves = None
-                conversations = [rng.integers(1, vocab, int(rng.integers(20, 41))).tolist() for _ in range(3)]
-            for turn in range(1 if waves else 4):
-                wave = waves[0] if waves else [(c, 16, 0) for c in conversations]
-                ids = [engine.add_request(p, n, arrival_step=engine._step + a) for p, n, a in wave]
-                summary = engine.run()
-                hit += summary.prefix_hit_tokens
-                prompt_tokens += summary.prompt_tokens
-                outputs = [engine.outputs[i] for i in ids]
-                served += [(p, out) for (p, _, _), out in zip(wave, outputs)]
-                if not waves:
-                    conversations = [c + out + rng.integers(1, vocab, int(rng.integers(20, 41))).tolist()
-                                     for c, out in zip(conversations, outputs)]
-            ideal = ideal_hits(served)
-            unit = engine.cache.unit
-            evicted = engine.prefix_cache.stats().evicted_tokens
-            rows.append([family, workload, unit, f"{hit:,} / {prompt_tokens:,}", f"{hit / prompt_tokens:.1%}",
-                         f"{ideal / prompt_tokens:.1%}", f"{hit / ideal:.1%}" if ideal else "-", f"{evicted:,}"])
-            payload.append({"family": family, "workload": workload, "unit_tokens": unit, "hit_tokens": hit,
-                            "prompt_tokens": prompt_tokens, "ideal_tokens": ideal,
-                            "hit_over_ideal": hit / ideal if ideal else None, "evicted_tokens": evicted})
+        hybrid = cache_kind(model) == "hybrid"
+        for workload in WORKLOADS:
+            for retention in ("value", "lru") if hybrid else ("-",):
+                rng = np.random.default_rng(0)
+                engine = _engine(model, max_seqs=4, context=1024, **({"retention": retention} if hybrid else {}))
+                hit, prompt_tokens, served = _serve(engine, model, workload, rng)
+                ideal = ideal_hits(served)
+                unit = engine.cache.unit
+                evicted = engine.prefix_cache.stats().evicted_tokens
+                snapshot_bytes = _snapshot_bytes(engine) if hybrid else 0
+                rows.append([family, workload, retention, unit, f"{hit:,} / {prompt_tokens:,}",
+                             f"{hit / prompt_tokens:.1%}", f"{ideal / prompt_tokens:.1%}",
+                             f"{hit / ideal:.1%}" if ideal else "-", f"{evicted:,}",
+                             f"{snapshot_bytes / 1024:,.0f} KiB" if hybrid else "-"])
+                payload.append({"family": family, "workload": workload, "retention": retention, "unit_tokens": unit,
+                                "hit_tokens": hit, "prompt_tokens": prompt_tokens, "ideal_tokens": ideal,
+                                "hit_over_ideal": hit / ideal if ideal else None, "evicted_tokens": evicted,
+                                "snapshot_bytes": snapshot_bytes})
     return rows, payload
+
+
+def _snapshot_bytes(engine) -> int:
+    """Device bytes the hybrid prefix cache's snapshots hold: their state
+    rows, and the blocks their records' tails hold that no page holds."""
+    snapshots = engine.cache.snapshots
+    total = snapshots.usage()["snapshot_bytes"]
+    for g, (name, per) in enumerate(zip(engine.cache.groups, engine.cache.group_block_bytes)):
+        pages = {b for ids in snapshots.pages.values() for b in ids[g]}
+        tails = {b for record in snapshots.records.values() for b in record.tail[g]}
+        total += len(tails - pages) * per
+    return total

@@ -1,6 +1,5 @@
 """PrefixCacheManager: the radix-tree prefix cache over paged block ids of a
 device ``BlockAllocator`` (SGLang RadixCache / vLLM prefix caching behaviour).
-Formerly ``jaxkv.prefix.paged`` (still importable as an alias).
 
 The tree lives on the host and holds ids only, never K/V data. Ownership is
 counted by the device allocator's reference counts: the tree owns one

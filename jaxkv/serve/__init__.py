@@ -8,8 +8,8 @@
   tokens or finished), :meth:`Engine.abort`, :meth:`Engine.stats`
   (:class:`EngineStats`); :meth:`Engine.run` loops over ``step``.
 * :mod:`jaxkv.serve.caches`: what the engine needs from a model's cache,
-  for the paged pool (:class:`~jaxkv.serve.caches.PagedCache`) and the
-  hybrid ``KVCacheManager`` (:class:`~jaxkv.serve.caches.HybridCache`).
+  for the paged pool (:class:`~jaxkv.serve.paged_cache.PagedCache`) and the
+  hybrid ``KVCacheManager`` (:class:`~jaxkv.serve.hybrid_cache.HybridCache`).
 * :mod:`jaxkv.serve.sizing`: one sizing rule for every family
   (``max_model_len``, ``kv_cache_memory``) and the :class:`CachePlan` it
   gives (``engine.cache_plan``).

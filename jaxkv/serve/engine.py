@@ -1,9 +1,9 @@
 """A continuous-batching engine: a host scheduler around jitted steps.
 
 The engine schedules; the model's cache (:mod:`jaxkv.serve.caches`) owns the
-device state and the jitted steps: a :class:`~jaxkv.serve.caches.PagedCache`
+device state and the jitted steps: a :class:`~jaxkv.serve.paged_cache.PagedCache`
 (paged pool, prefix cache, swap) for models with ``make_pool``, a
-:class:`~jaxkv.serve.caches.HybridCache` (the model's ``KVCacheManager``;
+:class:`~jaxkv.serve.hybrid_cache.HybridCache` (the model's ``KVCacheManager``;
 prefix cache with state snapshots, recompute preemption) for models with
 ``make_cache``.
 Blocks are counted per group of the cache (one group for a paged pool);
@@ -142,12 +142,10 @@ import numpy as np
 from flax import nnx
 
 from jaxkv import _host
-from jaxkv._ops import pow2_at_least
 from jaxkv.errors import BookkeepingError, InvalidArgument
-from jaxkv.manager.block_space import FREE, ON_DEVICE, STATUS_NAMES, SWAPPED
-from jaxkv.nn.packed import cache_kind
 from jaxkv.nn.sampling import GREEDY, RowSampling, SamplingParams
-from jaxkv.serve.caches import HybridCache, PagedCache, PrefillLane, PrefixHit
+from jaxkv.serve.build import build_cache
+from jaxkv.serve.caches import FREE, ON_DEVICE, STATUS_NAMES, SWAPPED, PrefillLane, PrefixHit
 from jaxkv.serve.sizing import CachePlan
 
 __all__ = ["Engine", "EngineProgress", "EngineStats", "EngineSummary", "RequestOutput", "RequestState"]
@@ -157,45 +155,28 @@ logger = logging.getLogger("jaxkv.serve")
 
 # ---------------------------------------------------------------- host side
 
-
-def _int_at_least(value, name: str, minimum: int) -> int:
-    """``value`` as an int, or ``InvalidArgument`` naming ``name`` when it is
-    not an integer (see :func:`jaxkv._host.int_scalar`) or is below ``minimum``."""
-    value = _host.int_scalar(value, name)
-    if value < minimum:
-        raise InvalidArgument(f"{name}={value}: must be >= {minimum}")
-    return value
+#: The fewest tokens a waiting request must gain to wait for a request being
+#: prefilled that shares them (:meth:`Engine._wait_for_prefix`).
+WAIT_FOR_PREFIX_TOKENS = 32
 
 
-def _short(value, limit: int = 60) -> str:
-    """``repr(value)``, cut to ``limit`` characters for an error message."""
-    text = repr(value)
-    return text if len(text) <= limit else text[: limit - 3] + "..."
+def _common_prefix(a: list, b: list) -> int:
+    """Length of the common prefix of two token lists."""
+    n = min(len(a), len(b))
+    diff = np.flatnonzero(np.asarray(a[:n]) != np.asarray(b[:n]))
+    return int(diff[0]) if diff.size else n
 
 
-def _block_counts(value) -> dict[str, int] | None:
-    """``num_blocks`` of a hybrid cache checked: None, or a dict mapping block
-    group names (str) to integers ``>= 2`` (the null block included), else
-    ``InvalidArgument`` naming ``num_blocks``, what was given and what is
-    expected. (Group names the model does not have are refused by
-    ``KVCacheManager.create``, which knows them.)"""
-    if value is None:
-        return None
-    expected = "expected None or a dict of block group name -> integer >= 2 (null block included), e.g. {'full': 64}"
-    if not isinstance(value, collections.abc.Mapping):
-        raise InvalidArgument(f"num_blocks={_short(value)} ({type(value).__name__}): {expected}")
-    counts = {}
-    for name, count in value.items():
-        if not isinstance(name, str):
-            raise InvalidArgument(f"num_blocks={_short(value)}: group name {name!r} is not a string; {expected}")
-        try:
-            counts[name] = _host.int_scalar(count, f"num_blocks[{name!r}]")
-        except InvalidArgument as err:
-            raise InvalidArgument(f"num_blocks={_short(value)}: {err}; {expected}") from None
-        if counts[name] < 2:
-            raise InvalidArgument(f"num_blocks={_short(value)}: group {name!r} has {counts[name]} blocks; "
-                                  f"{expected}")
-    return counts
+def _cut_pieces(pieces: list, position: int) -> list:
+    """``pieces`` (``(start, end)`` in order) with the one holding
+    ``position`` strictly inside cut there."""
+    out = []
+    for start, end in pieces:
+        if start < position < end:
+            out += [(start, position), (position, end)]
+        else:
+            out.append((start, end))
+    return out
 
 
 def _stop_strings(stop) -> tuple[str, ...]:
@@ -242,7 +223,9 @@ class RequestOutput:
     tokens complete (stop tokens and EOS add none; with stop strings, the
     last ``len(longest stop string) - 1`` characters are held back until
     they cannot begin one, and a stop string and what follows it are never
-    emitted), else ``""``.
+    emitted), else ``""``; ``cached_tokens``: prompt tokens served from the
+    prefix cache at its admission (its latest one, after a recompute
+    preemption; OpenAI's ``usage.prompt_tokens_details.cached_tokens``).
     """
 
     request_id: int
@@ -250,6 +233,7 @@ class RequestOutput:
     finished: bool
     finish_reason: str | None
     new_text: str = ""
+    cached_tokens: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -276,7 +260,8 @@ class EngineStats:
     such call: ``model_calls / model_iterations`` is the calls per busy
     iteration), ``token_slots`` / ``padding_slots`` (token positions those
     calls computed, and how many of them were padding: idle lanes, the
-    bucket's tail, rows finished inside a decode chunk). Since the
+    bucket's tail, rows finished inside a decode chunk). ``cache_usage``:
+    the cache's usage per group now (:class:`EngineSummary`). Since the
     previous :meth:`Engine.stats` call (drained by each call; at most the
     last 65536 of each are kept between calls): ``ttft`` (seconds from the
     iteration that saw a request arrive to its first token, one per request)
@@ -308,6 +293,7 @@ class EngineStats:
     model_iterations: int = 0
     token_slots: int = 0
     padding_slots: int = 0
+    cache_usage: tuple = ()
 
     @property
     def prefix_query_tokens(self) -> int:
@@ -358,6 +344,7 @@ class _Request:
     pieces: list = dataclasses.field(default_factory=list)  # (start, end) prompt pieces still to prefill
     order: int = -1  # admission order (preemption picks the largest)
     arrived_at: float | None = None  # wall time when the scheduler first saw it arrived
+    cached_tokens: int = 0  # prompt tokens its latest admission served from the prefix cache
     first_token_at: float | None = None
     last_token_at: float | None = None
     gaps: list = dataclasses.field(default_factory=list)  # seconds between consecutive tokens
@@ -413,10 +400,15 @@ class EngineSummary:
     first token) and ``itl``: inter-token latency (a decode call's wall time
     spread evenly over the tokens it gave a request, and the wait across a
     preemption), each as ``(mean, p50, p99)`` seconds over the run.
-    ``prefix_unit_tokens``: the smallest prefix the cache shares (a page;
-    one compression block for DeepSeek-V4) and ``hit_blocks``: blocks
-    served from the prefix cache per block group (every group's hit covers
-    the same tokens: a hit ends where every layer's state is known).
+    ``prefix_unit_tokens``: the cache's page (a hybrid cache shares whole
+    pages by reference and hits at any token where a snapshot was kept; a
+    paged pool hits whole pages) and ``hit_blocks``: blocks served from the
+    prefix cache per block group. ``cache_usage``: the cache's
+    ``usage()`` at the end of the run, one dict per group (``group``,
+    ``blocks`` in use of ``capacity``, ``free``, ``tokens``, ``bytes``,
+    ``cached_blocks`` the prefix cache holds, ``hit_unit``, ``min_hit``; a
+    hybrid cache adds a ``snapshots`` row: snapshot rows held and free and
+    their bytes).
     """
 
     requests: int
@@ -435,10 +427,17 @@ class EngineSummary:
     itl: tuple[float, float, float] = (0.0, 0.0, 0.0)
     prefix_unit_tokens: int = 0
     hit_blocks: dict = dataclasses.field(default_factory=dict)
+    cache_usage: tuple = ()
 
     @property
     def preemptions(self) -> int:
         return self.swap_preemptions + self.recompute_preemptions
+
+    def usage_lines(self) -> list[str]:
+        """``cache_usage`` as one line per group."""
+        return [f"{u['group']}: {u['blocks']}/{u['capacity']} in use ({u['free']} free, {u['cached_blocks']} cached), "
+                f"{u['tokens']} tokens, {u['bytes'] / 2**20:.2f} MiB; hit unit {u['hit_unit']} tokens, smallest hit "
+                f"{u['min_hit']}" for u in self.cache_usage]
 
     def __str__(self) -> str:
         return (
@@ -532,7 +531,12 @@ class Engine:
         entry_format: (hybrid cache) DeepSeek-V4's ``"lossless"`` or ``"fp8"``.
         num_snapshots: (hybrid cache) cached prefix snapshots of per-request
             state (default: see :mod:`jaxkv.serve.sizing`; see
-            :class:`~jaxkv.serve.caches.HybridCache`).
+            :class:`~jaxkv.serve.hybrid_cache.HybridCache`).
+        snapshot_retention: (hybrid cache) which cached snapshot goes
+            first when a new one needs its row: ``"value"`` (default) or
+            ``"lru"`` (:mod:`jaxkv.prefix.snapshot_cache`).
+        snapshot_interval: (hybrid cache) prefill tokens between a
+            request's interval snapshots (default ``max(page, 256)``).
         prefix_cache: use the radix prefix cache.
         decode_chunk: decode steps per jitted call.
         prefill_chunk: most prompt tokens per row in one prefill call (longer
@@ -582,14 +586,15 @@ class Engine:
                  page_size: int = 16, max_blocks_per_seq: int | None = None, num_host_pages: int | None = None,
                  kv_dtype=None, host_memory_kind: str = "auto", max_context_tokens: int | None = None,
                  num_blocks: dict[str, int] | None = None, entry_format: str = "lossless",
-                 num_snapshots: int | None = None, prefix_cache: bool = True, decode_chunk: int = 8,
+                 num_snapshots: int | None = None, snapshot_retention: str = "value",
+                 snapshot_interval: int | None = None, prefix_cache: bool = True, decode_chunk: int = 8,
                  prefill_chunk: int = 256, max_num_batched_tokens: int | None = None, seed: int = 0,
                  detokenizer: Callable | None = None, free_bytes: int | None = None, scheduler: str = "packed"):
-        max_seqs = _int_at_least(max_seqs, "max_seqs", 1)
-        decode_chunk = _int_at_least(decode_chunk, "decode_chunk", 1)
-        prefill_chunk = _int_at_least(prefill_chunk, "prefill_chunk", 1)
+        max_seqs = _host.int_at_least(max_seqs, "max_seqs", 1)
+        decode_chunk = _host.int_at_least(decode_chunk, "decode_chunk", 1)
+        prefill_chunk = _host.int_at_least(prefill_chunk, "prefill_chunk", 1)
         if max_num_batched_tokens is not None:
-            max_num_batched_tokens = _int_at_least(max_num_batched_tokens, "max_num_batched_tokens", 1)
+            max_num_batched_tokens = _host.int_at_least(max_num_batched_tokens, "max_num_batched_tokens", 1)
         self.max_num_batched_tokens = max_num_batched_tokens
         if scheduler not in ("packed", "padded"):
             raise InvalidArgument(f"scheduler={scheduler!r}: choose 'packed' or 'padded'")
@@ -597,44 +602,17 @@ class Engine:
         self.prefill_chunk = prefill_chunk
         seed = _host.int_scalar(seed, "seed")
         if max_model_len is not None:
-            max_model_len = _int_at_least(max_model_len, "max_model_len", 2)  # one prompt and one new token
+            max_model_len = _host.int_at_least(max_model_len, "max_model_len", 2)  # one prompt and one new token
         if host_memory_kind not in ("auto", "pinned_host", "numpy"):  # checked even when nothing is swapped
             raise InvalidArgument(f"host_memory_kind={host_memory_kind!r}: choose 'auto', 'pinned_host' or 'numpy'")
-        if cache_kind(model) == "hybrid":
-            given = [name for name, value in (("num_pages", num_pages), ("max_blocks_per_seq", max_blocks_per_seq),
-                                              ("kv_dtype", kv_dtype), ("host_kv_memory", host_kv_memory))
-                     if value is not None]
-            if num_host_pages:
-                given.append("num_host_pages")
-            if given:
-                raise InvalidArgument(f"{', '.join(given)}: options of the paged pool; {type(model).__name__} "
-                                      "keeps its cache in a KVCacheManager (give max_model_len, kv_cache_memory; "
-                                      "or max_context_tokens, num_blocks, entry_format)")
-            if max_context_tokens is not None:
-                max_context_tokens = _int_at_least(max_context_tokens, "max_context_tokens", 1)
-            num_blocks = _block_counts(num_blocks)
-            if num_snapshots is not None:
-                num_snapshots = _int_at_least(num_snapshots, "num_snapshots", 1)
-            self.cache = HybridCache.build(
-                model, max_seqs=max_seqs, max_model_len=max_model_len, max_context_tokens=max_context_tokens,
-                num_blocks=num_blocks, kv_cache_memory=kv_cache_memory, num_snapshots=num_snapshots,
-                entry_format=entry_format, prefill_chunk=prefill_chunk, prefix_cache=bool(prefix_cache),
-                free_bytes=free_bytes)
-        else:
-            if max_context_tokens is not None or num_blocks is not None or num_snapshots is not None:
-                raise InvalidArgument("max_context_tokens, num_blocks, num_snapshots: options of a hybrid cache; "
-                                      f"{type(model).__name__} runs over a paged pool (give max_model_len, "
-                                      "kv_cache_memory; or num_pages, max_blocks_per_seq)")
-            self.cache = PagedCache.build(
-                model, max_seqs=max_seqs, page_size=_int_at_least(page_size, "page_size", 1),
-                max_model_len=max_model_len,
-                num_pages=None if num_pages is None else _int_at_least(num_pages, "num_pages", 2),  # page 0: null
-                max_blocks_per_seq=(None if max_blocks_per_seq is None
-                                    else _int_at_least(max_blocks_per_seq, "max_blocks_per_seq", 1)),
-                kv_cache_memory=kv_cache_memory,
-                num_host_pages=None if num_host_pages is None else _int_at_least(num_host_pages, "num_host_pages", 0),
-                host_kv_memory=host_kv_memory, kv_dtype=kv_dtype, prefix_cache=bool(prefix_cache),
-                prefill_chunk=prefill_chunk, host_memory_kind=host_memory_kind, free_bytes=free_bytes)
+        self.cache = build_cache(
+            model, max_seqs=max_seqs, max_model_len=max_model_len, kv_cache_memory=kv_cache_memory,
+            prefill_chunk=prefill_chunk, prefix_cache=bool(prefix_cache), free_bytes=free_bytes, num_pages=num_pages,
+            page_size=page_size, max_blocks_per_seq=max_blocks_per_seq, num_host_pages=num_host_pages,
+            host_kv_memory=host_kv_memory, kv_dtype=kv_dtype, host_memory_kind=host_memory_kind,
+            max_context_tokens=max_context_tokens, num_blocks=num_blocks, num_snapshots=num_snapshots,
+            snapshot_retention=snapshot_retention, snapshot_interval=snapshot_interval,
+            entry_format=entry_format)
         #: How the cache was sized (:class:`~jaxkv.serve.sizing.CachePlan`), logged at start-up.
         self.cache_plan: CachePlan = self.cache.plan
         for line in self.cache_plan.lines():
@@ -728,7 +706,7 @@ class Engine:
         if not prompt:
             raise InvalidArgument("prompt_tokens is empty: a request needs at least one token")
         self._check_token_ids(prompt, "prompt_tokens")
-        max_new_tokens = _int_at_least(max_new_tokens, "max_new_tokens", 1)
+        max_new_tokens = _host.int_at_least(max_new_tokens, "max_new_tokens", 1)
         eos_id = -1
         if eos_token_id is not None:
             eos_id = _host.int_scalar(eos_token_id, "eos_token_id")
@@ -744,7 +722,7 @@ class Engine:
             raise InvalidArgument(f"stop={list(stop)}: stop strings need the engine's tokenizer "
                                   "(Engine(model, tokenizer=...)); give stop_token_ids instead")
         # A request added after its arrival step arrives now: queued after those already there.
-        arrival = max(_int_at_least(arrival_step, "arrival_step", 0), self._step)
+        arrival = max(_host.int_at_least(arrival_step, "arrival_step", 0), self._step)
         if not isinstance(sampling, SamplingParams):
             raise InvalidArgument(f"sampling must be a SamplingParams, got {sampling!r}")
         try:
@@ -868,7 +846,7 @@ class Engine:
         summary = EngineSummary(
             requests=total, generated_tokens=generated, wall_seconds=wall,
             tokens_per_second=generated / wall if wall > 0 else 0.0, prompt_tokens=prompt_tokens,
-            prefix_hit_tokens=hit_tokens, prefix_unit_tokens=self.cache.unit,
+            prefix_hit_tokens=hit_tokens, prefix_unit_tokens=self.cache.unit, cache_usage=tuple(self.cache.usage()),
             hit_blocks=dict(zip(self.cache.groups, (self._hit_blocks - hit_blocks_before).tolist())),
             prefix_hit_rate=hit_tokens / prompt_tokens if prompt_tokens else 0.0,
             peak_kv_blocks=self._peak, kv_blocks=self.capacity, swap_preemptions=count.swaps - before.swaps,
@@ -895,7 +873,7 @@ class Engine:
         if self._live:
             self._iterate()
         out = [RequestOutput(rid, tuple(tokens), finished, self._requests[rid].finish_reason if finished else None,
-                             text) for rid, (tokens, text, finished) in self._out.items()]
+                             text, self._requests[rid].cached_tokens) for rid, (tokens, text, finished) in self._out.items()]
         self._out = {}
         return out
 
@@ -952,6 +930,11 @@ class Engine:
             self._count.aborted += 1
             self._finish(req, "abort")
 
+    def cached_tokens(self, request_id: int) -> int:
+        """Prompt tokens the request's latest admission served from the
+        prefix cache (0 before it is admitted)."""
+        return self._requests[request_id].cached_tokens
+
     def stats(self) -> EngineStats:
         """A snapshot for a metrics endpoint (see :class:`EngineStats`); the
         TTFT and ITL samples are those recorded since the previous call."""
@@ -976,7 +959,8 @@ class Engine:
             generated_tokens=count.generated, finished_requests=count.finished, aborted_requests=count.aborted,
             iterations=count.iterations, ttft=ttft, itl=itl, model_calls=count.model_calls,
             model_iterations=count.model_iterations,
-            token_slots=count.slots_computed, padding_slots=count.slots_computed - count.slots_real)
+            token_slots=count.slots_computed, padding_slots=count.slots_computed - count.slots_real,
+            cache_usage=tuple(self.cache.usage()))
 
     def _progress(self, pending, total, start, generated_before, before: _Counters) -> EngineProgress:
         states = collections.Counter(r.state for r in pending)
@@ -1144,10 +1128,6 @@ class Engine:
             free = self.cache.free_blocks()
         return bool(np.all(free >= blocks))
 
-    def _device_update(self, *, incref=(), rows=(), release=()) -> None:
-        """The paged cache's bookkeeping call (incref, free rows, release)."""
-        self.cache.update(incref=incref, rows=rows, release=release)
-
     def _sampling(self, reqs_by_lane: dict) -> RowSampling:
         """Per-lane sampling parameters (idle lanes: greedy)."""
         return RowSampling.stack([reqs_by_lane[lane].sampling if lane in reqs_by_lane else None
@@ -1214,12 +1194,17 @@ class Engine:
         admitted = []  # PrefillLane per admitted request, in lane order
         reserved = np.zeros(len(self.cache.groups), np.int64)  # blocks the batch will take, growth included
         running = self._growth_reserve()  # the requests admitted before this batch
+        deferred = []  # waiting requests that wait for a prefix being prefilled, in order
         while self._waiting and free_rows:
             req = self._requests[self._waiting[0]]
             if req.arrival > self._step:
                 break
             tokens = req.tokens
             hit = self.cache.match(tokens, req.namespace)
+            if self._wait_for_prefix(req, hit, admitted):
+                self.cache.unpin(hit)
+                deferred.append(self._waiting.popleft())
+                continue
             want = self._admission_blocks(req, hit)
             if not self._make_room(reserved + want + running):
                 self.cache.unpin(hit)
@@ -1239,6 +1224,7 @@ class Engine:
             self._waiting.popleft()
             req.row = free_rows.pop(0)
             req.hit, req.shared = hit, hit.block_counts()
+            req.cached_tokens = hit.tokens
             req.state = RequestState.RUNNING
             self._rows[req.row] = req.id
             if req.order < 0:
@@ -1248,6 +1234,7 @@ class Engine:
             self._count.hit_tokens += hit.tokens
             self._hit_blocks += hit.block_counts()
             admitted.append(PrefillLane(req.row, hit, tokens, req.key, req.namespace))
+        self._waiting.extendleft(reversed(deferred))  # in their places, ahead of those not looked at
         if admitted:
             self.cache.begin_prefill(admitted)  # rows, hits and every prompt's blocks, in one go
             for lane in admitted:
@@ -1257,6 +1244,33 @@ class Engine:
                 req.lane, req.pieces = lane, self.cache.pieces(lane, width)
                 self._prefilling.append(req)
         return len(admitted)
+
+    def _wait_for_prefix(self, req: _Request, hit, admitted: list) -> bool:
+        """Whether ``req`` should wait (stay in the queue, others may pass)
+        for a request being prefilled that shares a longer prefix with it
+        than the cache holds now: at least :data:`WAIT_FOR_PREFIX_TOKENS`
+        more tokens (in the cache's hit grain) that the other request has
+        not prefilled yet. The cache is asked to keep that prefix when the
+        other request reaches it (:meth:`add_cut`, which may cut its
+        pieces there), so ``req`` hits it one step later instead of
+        computing it a second time beside it (SGLang's in-batch prefix
+        caching)."""
+        limit = len(req.tokens) - 1
+        grain = self.cache.hit_grain
+        others = [(self._requests[self._rows[lane.row]], lane.hit.tokens) for lane in admitted]
+        others += [(other, other.pieces[0][0]) for other in self._prefilling if other.pieces]
+        for other, done in others:
+            if other.namespace != req.namespace:
+                continue
+            shared = _common_prefix(req.tokens[:limit], other.tokens)
+            shared -= shared % grain
+            if shared - hit.tokens < WAIT_FOR_PREFIX_TOKENS or done >= shared:
+                continue
+            if self.cache.add_cut(other.row, shared) and other.pieces:
+                other.pieces = _cut_pieces(other.pieces, shared)
+            logger.debug("request %d waits for request %d to prefill %d shared tokens", req.id, other.id, shared)
+            return True
+        return False
 
     def _prefill(self) -> int:
         """Run prefill pieces of the admitted requests (oldest admission

@@ -752,6 +752,7 @@ class _Choice:
     finish_reason: str | None = None
     last: float | None = None  # when its last tokens were delivered
     role_sent: bool = False
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache
 
     @property
     def finished(self) -> bool:
@@ -857,6 +858,7 @@ class _Job:
         text = item.new_text or ""
         if text:
             choice.text.append(text)
+        choice.cached_tokens = item.cached_tokens
         if item.finished:
             choice.finish_reason = item.finish_reason or "stop"
             self.live.discard(index)
@@ -867,7 +869,8 @@ class _Job:
     def usage(self) -> dict:
         completion = sum(c.tokens for c in self.choices)
         prompt = self.prompt_tokens
-        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+                "prompt_tokens_details": {"cached_tokens": sum(c.cached_tokens for c in self.choices)}}
 
     @property
     def finished(self) -> bool:

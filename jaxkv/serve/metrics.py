@@ -22,7 +22,11 @@ Two kinds of series:
   ``jaxkv_kv_cache_used_tokens{group}`` / ``jaxkv_kv_cache_capacity_tokens{group}``
   and ``jaxkv_kv_cache_used_bytes{group}`` / ``jaxkv_kv_cache_capacity_bytes{group}``
   (one series per block group of the cache: ``pages`` for a paged pool),
-  ``jaxkv_kv_cache_usage_ratio{group}``, ``jaxkv_prefix_cache_queries_tokens_total``
+  ``jaxkv_kv_cache_usage_ratio{group}``, ``jaxkv_kv_cache_free_blocks{group}``,
+  ``jaxkv_prefix_cache_blocks{group}`` (blocks the prefix cache holds),
+  ``jaxkv_prefix_cache_hit_unit_tokens{group}`` / ``jaxkv_prefix_cache_min_hit_tokens{group}``,
+  ``jaxkv_prefix_cache_snapshots`` / ``jaxkv_prefix_cache_snapshot_bytes``
+  (a hybrid cache's state snapshots), ``jaxkv_prefix_cache_queries_tokens_total``
   and ``jaxkv_prefix_cache_hits_tokens_total`` (prompt tokens admitted and
   those served from the prefix cache), ``jaxkv_prefix_cache_hit_rate``,
   ``jaxkv_preemptions_total``, ``jaxkv_engine_aborted_requests_total``,
@@ -119,6 +123,22 @@ class _EngineCollector:
         for group, used in _per_group(get("tokens_used")).items():
             usage.add_metric([group], used / totals[group] if totals.get(group) else 0.0)
         yield usage
+        for name, doc, key in (
+                ("jaxkv_kv_cache_free_blocks", "Free blocks per block group (and free snapshot rows).", "free"),
+                ("jaxkv_prefix_cache_blocks", "Blocks the prefix cache holds a reference to, per block group.",
+                 "cached_blocks"),
+                ("jaxkv_prefix_cache_hit_unit_tokens", "Tokens of a whole prefix-cache page per group.", "hit_unit"),
+                ("jaxkv_prefix_cache_min_hit_tokens", "The shortest prefix a hit can be, in tokens.", "min_hit")):
+            family = GaugeMetricFamily(name, doc, labels=["group"])
+            for row in get("cache_usage", ()) or ():
+                family.add_metric([str(row["group"])], float(row[key]))
+            yield family
+        snapshots = [row for row in get("cache_usage", ()) or () if row["group"] == "snapshots"]
+        if snapshots:
+            yield GaugeMetricFamily("jaxkv_prefix_cache_snapshots", "State snapshots the hybrid prefix cache holds.",
+                                    value=float(snapshots[0]["blocks"]))
+            yield GaugeMetricFamily("jaxkv_prefix_cache_snapshot_bytes", "Device bytes of the cached snapshots.",
+                                    value=float(snapshots[0]["bytes"]))
         queries, hits = float(get("prompt_tokens", 0)), float(get("prefix_hit_tokens", 0))
         yield CounterMetricFamily("jaxkv_prefix_cache_queries_tokens", "Prompt tokens admitted (looked up in "
                                   "the prefix cache).", value=queries)

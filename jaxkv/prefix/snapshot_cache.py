@@ -1,0 +1,472 @@
+"""SnapshotCache: the prefix cache of a hybrid model, on the host.
+
+A hybrid model (DeepSeek-V4's SWA/CSA/HCA layers, Qwen3-Next's Gated
+DeltaNet beside full attention) keeps two kinds of KV state per request:
+
+* **blocks** of each block group (compressed entries, full-attention pages),
+  append-only, which a prefix can share by reference;
+* **state rows** (SWA and compressor rings, GDN conv and recurrent states),
+  overwritten every step, which only a copy taken at an exact position
+  (a *snapshot*) can restore.
+
+A cached prefix of ``p`` tokens is therefore a path of tree pages (``unit``
+tokens each: the least common multiple of the groups' block sizes, so a page
+names whole blocks of every group) plus a **snapshot record** at ``p``: the
+state copied into one of ``num_snapshots`` snapshot rows, the tokens past
+the last whole page (``tail_tokens``) and the blocks of each group that hold
+them (``tail``; the last one may be partly filled, and a hit gets a private
+copy of it: copy-on-write, :meth:`~jaxkv.KVCacheManager.attach_prefix`).
+Any ``p`` works: a hit is exactly as long as the state that was kept.
+
+Like :class:`~jaxkv.prefix.PrefixCacheManager` (which holds the pages), this
+class makes no device call. Its methods return what the caller must do on
+the device (:class:`BlockOps`: ids to incref and release per group, a state
+row to copy into a snapshot row) and the caller batches them into its own
+jitted calls (:class:`jaxkv.serve.hybrid_cache.HybridCache` does).
+
+Retention is apart from allocation. Snapshot rows are a pool of their own;
+when :meth:`store` needs a row and none is free, a record is dropped by the
+retention policy:
+
+* ``"lru"``: the least recently used record;
+* ``"value"`` (default): the record of the lowest class, least recently used
+  within it: 0 a superseded turn end (its conversation went on and was
+  stored further) or a prompt end never hit; 1 an interval point (taken
+  every ``interval`` tokens of a prefill); 2 a branch point (where prompts
+  part) or a turn end; 3 any record that served a hit and is not
+  superseded.
+
+Tree pages give their blocks back only under block pressure
+(:meth:`evict_blocks`, least recently used pages first; the records keyed at
+an evicted page go with it).
+
+Invariants (checked by :meth:`check_invariants`, and by a hypothesis state
+machine against a plain model in ``tests/test_snapshot_cache.py``):
+
+* every page handle the tree holds on the device tier is a key of
+  ``pages`` and every key of ``pages`` is in the tree (one page per handle);
+* the snapshot rows of the records and the free rows partition
+  ``range(num_snapshots)``;
+* every record is keyed at a live page (or a namespace root) and its
+  ``tokens`` equal ``depth * unit + len(tail_tokens)``, with
+  ``len(tail_tokens) < unit``; its tail holds ``blocks_for(tokens) -
+  depth * blocks_per_page`` blocks per group;
+* per group, the references this cache asked for (increfs) minus those it
+  gave back (releases) are exactly the blocks its live pages and records
+  name (``held_blocks``);
+* pins are never negative, and a pinned record is never dropped.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+from collections.abc import Callable, Hashable, Sequence
+
+import numpy as np
+
+from jaxkv.errors import BookkeepingError, InvalidArgument
+from jaxkv.prefix.block_cache import PrefixCacheManager
+from jaxkv.prefix.radix import DEVICE, namespace_key
+
+__all__ = ["BlockOps", "RETENTION_POLICIES", "SNAPSHOT_KINDS", "SnapshotCache", "SnapshotHit", "SnapshotRecord"]
+
+#: Why a snapshot was taken (the retention policy's input).
+SNAPSHOT_KINDS = ("prompt_end", "interval", "branch", "turn_end")
+RETENTION_POLICIES = ("value", "lru")
+
+
+@dataclasses.dataclass
+class SnapshotRecord:
+    """A cached state at exactly ``tokens`` tokens.
+
+    Fields: ``id`` (unique), ``row`` (snapshot row ``0 .. num_snapshots-1``
+    holding the state), ``tokens``, ``key`` (the handle of the last whole
+    page, or ``("root", namespace)``), ``depth`` (whole pages before it),
+    ``tail_tokens`` (the tokens past them), ``tail`` (per group, the blocks
+    holding those tokens: this record holds one reference to each),
+    ``kind`` (one of :data:`SNAPSHOT_KINDS`), ``pins``, ``hits``,
+    ``last_used`` (a clock), ``superseded``."""
+
+    id: int
+    row: int
+    tokens: int
+    key: Hashable
+    depth: int
+    tail_tokens: tuple
+    tail: tuple
+    kind: str
+    namespace: Hashable = None
+    pins: int = 0
+    hits: int = 0
+    last_used: int = 0
+    superseded: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class SnapshotHit:
+    """A prefix served from the cache: ``tokens`` tokens, ``blocks`` per
+    group (pages, then the record's tail) for the new request's tables, the
+    state in snapshot row ``row``; ``record`` (its id) and ``node`` (the
+    pinned tree node) stay pinned until :meth:`SnapshotCache.release`.
+    ``branch``: how far ``tokens`` agree with anything cached (token grain),
+    at least ``tokens``: where a snapshot would serve the next request
+    with the same prefix."""
+
+    tokens: int
+    blocks: tuple
+    row: int
+    record: int
+    node: object
+    branch: int
+
+
+@dataclasses.dataclass
+class BlockOps:
+    """Device work an operation asks of the caller, in this order: incref
+    ``incref[g]`` (ids of group ``g``), release ``release[g]``, then copy
+    state rows ``copies`` (``snapshot row -> source``: the caller's request
+    slot whose state the snapshot takes)."""
+
+    incref: dict
+    release: dict
+    copies: dict = dataclasses.field(default_factory=dict)
+
+    def extend(self, other: "BlockOps") -> None:
+        for name in self.incref:
+            self.incref[name] += other.incref[name]
+            self.release[name] += other.release[name]
+        self.copies.update(other.copies)
+
+    def __bool__(self) -> bool:
+        return any(self.incref.values()) or any(self.release.values()) or bool(self.copies)
+
+
+class SnapshotCache:
+    """The hybrid prefix cache (module docstring).
+
+    Args:
+        unit: tokens per tree page (every group's block size divides it).
+        groups: block group names, in the caller's order.
+        blocks_for: ``blocks_for(num_tokens) -> [blocks per group]`` that a
+            request of that many tokens holds (the manager's rule).
+        num_snapshots: snapshot rows (0: the cache stores nothing).
+        retention: ``"value"`` or ``"lru"`` (module docstring).
+        row_bytes: bytes of one snapshot row (state of every layer), and
+            ``block_bytes``: bytes of one block per group; for :meth:`usage`.
+    """
+
+    def __init__(self, unit: int, groups: Sequence[str], blocks_for: Callable[[int], Sequence[int]],
+                 num_snapshots: int, *, retention: str = "value", row_bytes: int = 0,
+                 block_bytes: Sequence[int] | None = None):
+        if retention not in RETENTION_POLICIES:
+            raise InvalidArgument(f"retention={retention!r}: choose one of {RETENTION_POLICIES}")
+        if num_snapshots < 0:
+            raise InvalidArgument(f"num_snapshots={num_snapshots}: must be >= 0")
+        self.unit = unit
+        self.groups = tuple(groups)
+        self._blocks_for = blocks_for
+        self.blocks_per_page = [int(n) for n in blocks_for(unit)]
+        self.num_snapshots = num_snapshots
+        self.retention = retention
+        self.row_bytes = row_bytes
+        self.block_bytes = list(block_bytes) if block_bytes is not None else [0] * len(self.groups)
+        self.tree = PrefixCacheManager(unit, disable=num_snapshots == 0)
+        self.pages: dict[int, tuple] = {}  # page handle -> (block ids of each group)
+        self.records: dict[int, SnapshotRecord] = {}
+        self._at: dict[Hashable, list[int]] = collections.defaultdict(list)  # key -> record ids
+        self._free_rows = list(range(num_snapshots - 1, -1, -1))
+        self._next_handle = 1
+        self._next_record = 1
+        self._clock = 0
+        #: ``(kind, record id, tokens)`` with kind "stored", "evicted", "dropped" (no row could be freed).
+        self.events: list = []
+        self.stored = self.evicted = self.dropped = self.hits = self.hit_tokens = 0
+
+    # ----------------------------------------------------------------- lookup
+
+    def _tick(self) -> int:
+        self._clock += 1
+        return self._clock
+
+    def _key(self, depth: int, handles: Sequence[int], namespace: Hashable) -> Hashable:
+        return handles[depth - 1] if depth else ("root", namespace_key(namespace))
+
+    def match(self, tokens: Sequence[int], namespace: Hashable = None) -> SnapshotHit:
+        """The longest cached prefix of ``tokens`` (at most ``len - 1``
+        tokens: one is left to compute) that has a record, pinned until
+        :meth:`release` (a miss: ``tokens`` 0, ``record`` None, nothing
+        pinned). ``branch`` is computed either way. Marks what it uses
+        recently used."""
+        tokens = list(tokens)
+        if not self.num_snapshots or len(tokens) < 2:
+            return SnapshotHit(0, tuple([] for _ in self.groups), -1, None, None, 0)
+        limit = len(tokens) - 1
+        found = self.tree.match(tokens, namespace, max_tokens=limit)
+        handles = list(found.blocks)
+        best = None
+        for depth in range(len(handles), -1, -1):
+            if best is not None and best.tokens >= depth * self.unit + self.unit - 1:
+                break  # no record at this depth or above can be longer
+            for rid in self._at.get(self._key(depth, handles, namespace), ()):
+                record = self.records[rid]
+                if record.tokens <= limit and (best is None or record.tokens > best.tokens) and \
+                        tuple(tokens[depth * self.unit:record.tokens]) == record.tail_tokens:
+                    best = record
+        # Token grain: past the whole pages, the longest run shared with a child page or a record's tail there.
+        start = len(handles) * self.unit
+        rest = tokens[start:limit]
+        shared = [self.records[rid].tail_tokens for rid in self._at.get(self._key(len(handles), handles, namespace), ())]
+        if found.node is not None:
+            shared += [child.tokens()[: self.unit].tolist() for child in found.node.children.values()
+                       if child.tier == DEVICE]
+        branch = start + max((_common(rest, other) for other in shared), default=0)
+        if best is None:
+            return SnapshotHit(0, tuple([] for _ in self.groups), -1, None, None, branch)
+        depth = best.depth
+        node = self.tree.pin_prefix(tokens[:depth * self.unit], namespace) if depth else None
+        best.pins += 1
+        best.hits += 1
+        best.last_used = self._tick()
+        self.hits += 1
+        self.hit_tokens += best.tokens
+        blocks = tuple([b for h in handles[:depth] for b in self.pages[h][g]] + list(best.tail[g])
+                       for g in range(len(self.groups)))
+        return SnapshotHit(best.tokens, blocks, best.row, best.id, node, max(branch, best.tokens))
+
+    def release(self, hit: SnapshotHit | None) -> None:
+        """Undo the pins of :meth:`match`'s ``hit`` (None: nothing)."""
+        if hit is None or hit.record is None:
+            return
+        record = self.records.get(hit.record)
+        if record is None or record.pins <= 0:
+            raise BookkeepingError(f"release of snapshot hit {hit.record} ({hit.tokens} tokens): not pinned")
+        record.pins -= 1
+        self.tree.release(hit.node)
+
+    # ----------------------------------------------------------------- store
+
+    def _empty_ops(self) -> BlockOps:
+        return BlockOps({name: [] for name in self.groups}, {name: [] for name in self.groups})
+
+    def store(self, tokens: Sequence[int], row_blocks: Sequence[Sequence[int]], source: int, *, kind: str,
+              namespace: Hashable = None, supersedes: int | None = None) -> BlockOps:
+        """Cache the state of a request at exactly ``len(tokens)`` tokens:
+        its whole pages go into the tree (new ones with this cache's
+        reference to their blocks), and unless a record with the same
+        tokens exists, a record whose snapshot row takes a copy of state row
+        ``source`` (the caller's request slot) and whose tail holds one more
+        reference to the request's blocks past the pages. ``row_blocks[g]``:
+        the request's table in group ``g`` (at least ``blocks_for(len)``
+        blocks). ``supersedes``: the record the request started from (a
+        turn end it continued: dropped first from now on). Returns the
+        device work, increfs before releases (a row freed for this record
+        may release blocks of the record it drops)."""
+        if kind not in SNAPSHOT_KINDS:
+            raise InvalidArgument(f"kind={kind!r}: one of {SNAPSHOT_KINDS}")
+        ops = self._empty_ops()
+        tokens = list(tokens)
+        if not self.num_snapshots or not tokens:
+            return ops
+        need = [int(n) for n in self._blocks_for(len(tokens))]
+        for g, name in enumerate(self.groups):
+            if len(row_blocks[g]) < need[g] or any(int(b) < 0 for b in row_blocks[g][: need[g]]):
+                raise BookkeepingError(f"store of {len(tokens)} tokens: group {name!r} needs {need[g]} blocks, the "
+                                       f"request's table holds {list(row_blocks[g])[: need[g] + 2]}")
+        depth = len(tokens) // self.unit
+        handles = self._insert_pages(tokens[: depth * self.unit], row_blocks, namespace, ops) if depth else []
+        key = self._key(depth, handles, namespace)
+        tail_tokens = tuple(tokens[depth * self.unit:])
+        if supersedes is not None and supersedes in self.records:
+            earlier = self.records[supersedes]
+            if earlier.kind == "turn_end" and earlier.tokens < len(tokens):
+                earlier.superseded = True
+        for rid in self._at.get(key, ()):
+            record = self.records[rid]
+            if record.tail_tokens == tail_tokens:  # the same state is cached: refresh it
+                record.last_used = self._tick()
+                if _rank(kind) > _rank(record.kind):
+                    record.kind = kind
+                return ops
+        # Pin the record's pages while rows are freed: dropping records never evicts pages, but be explicit.
+        row = self._free_row(ops)
+        if row is None:
+            self.dropped += 1
+            self.events.append(("dropped", -1, len(tokens)))
+            return ops
+        tail = tuple(tuple(int(b) for b in row_blocks[g][depth * self.blocks_per_page[g]: need[g]])
+                     for g in range(len(self.groups)))
+        for g, name in enumerate(self.groups):
+            ops.incref[name] += list(tail[g])
+        record = SnapshotRecord(self._next_record, row, len(tokens), key, depth, tail_tokens, tail, kind,
+                                namespace, last_used=self._tick())
+        self._next_record += 1
+        self.records[record.id] = record
+        self._at[key].append(record.id)
+        ops.copies[row] = source
+        self.stored += 1
+        self.events.append(("stored", record.id, record.tokens))
+        return ops
+
+    def _insert_pages(self, tokens: list, row_blocks, namespace: Hashable, ops: BlockOps) -> list:
+        """Put ``tokens`` (whole pages) into the tree; returns the tree's
+        handle of each page. New pages take a reference to their blocks."""
+        pages = len(tokens) // self.unit
+        handles = list(range(self._next_handle, self._next_handle + pages))
+        self._next_handle += pages
+        for p, h in enumerate(handles):
+            self.pages[h] = tuple(tuple(int(b) for b in row_blocks[g][p * per:(p + 1) * per])
+                                  for g, per in enumerate(self.blocks_per_page))
+        result = self.tree.insert(tokens, handles, namespace)
+        adopted = set(result.new_blocks)
+        for h in handles:
+            if h in adopted:
+                for name, ids in zip(self.groups, self.pages[h]):
+                    ops.incref[name] += list(ids)
+            else:
+                del self.pages[h]  # the tree had this page already
+        return list(result.blocks)
+
+    def _free_row(self, ops: BlockOps) -> int | None:
+        if not self._free_rows:
+            victim = self._victim()
+            if victim is None:
+                return None
+            self._drop_record(victim, ops)
+        return self._free_rows.pop()
+
+    def _victim(self) -> SnapshotRecord | None:
+        candidates = [r for r in self.records.values() if r.pins == 0]
+        if not candidates:
+            return None
+        if self.retention == "lru":
+            return min(candidates, key=lambda r: r.last_used)
+        return min(candidates, key=lambda r: (_class(r), r.last_used))
+
+    def _drop_record(self, record: SnapshotRecord, ops: BlockOps) -> None:
+        for g, name in enumerate(self.groups):
+            ops.release[name] += list(record.tail[g])
+        del self.records[record.id]
+        self._at[record.key].remove(record.id)
+        if not self._at[record.key]:
+            del self._at[record.key]
+        self._free_rows.append(record.row)
+        self.evicted += 1
+        self.events.append(("evicted", record.id, record.tokens))
+
+    # ----------------------------------------------------------------- pressure
+
+    @property
+    def evictable_pages(self) -> int:
+        return self.tree.evictable_blocks
+
+    def evict_blocks(self, shortfall: Sequence[int]) -> BlockOps:
+        """Give back least recently used tree pages until each group has
+        released ``shortfall`` references (fewer when nothing more is
+        evictable); the records keyed at an evicted page go with it."""
+        ops = self._empty_ops()
+        pages = max((-(-int(n) // per) for n, per in zip(shortfall, self.blocks_per_page) if n > 0 and per),
+                    default=0)
+        if pages and self.tree.evictable_blocks:
+            self._drop_pages(self.tree.evict(pages).blocks, ops)
+        return ops
+
+    def _drop_pages(self, handles: list, ops: BlockOps) -> None:
+        for h in handles:
+            for name, ids in zip(self.groups, self.pages.pop(h)):
+                ops.release[name] += list(ids)
+            for rid in list(self._at.get(h, ())):
+                record = self.records[rid]
+                if record.pins:
+                    raise BookkeepingError(f"page {h} was evicted under pinned snapshot record {rid}")
+                self._drop_record(record, ops)
+
+    # ----------------------------------------------------------------- reading
+
+    def held_blocks(self) -> dict:
+        """Per group, how many references the cache holds on each block id
+        (pages and record tails): what the device allocator must count."""
+        held = {name: collections.Counter() for name in self.groups}
+        for ids in self.pages.values():
+            for name, group_ids in zip(self.groups, ids):
+                held[name].update(group_ids)
+        for record in self.records.values():
+            for name, group_ids in zip(self.groups, record.tail):
+                held[name].update(group_ids)
+        return held
+
+    def usage(self) -> dict:
+        """What the cache holds: ``snapshots`` (cached, free, bytes),
+        per group ``blocks`` (distinct blocks referenced), ``bytes``, the
+        ``tokens`` of cached pages; counters ``stored``, ``hits``,
+        ``hit_tokens``, ``evicted``, ``dropped``."""
+        held = self.held_blocks()
+        groups = {}
+        for g, name in enumerate(self.groups):
+            blocks = len(held[name])
+            groups[name] = {"blocks": blocks, "bytes": blocks * self.block_bytes[g]}
+        return {
+            "snapshots": len(self.records), "free_snapshots": len(self._free_rows),
+            "snapshot_bytes": len(self.records) * self.row_bytes,
+            "page_tokens": len(self.pages) * self.unit, "groups": groups,
+            "kinds": dict(collections.Counter(r.kind for r in self.records.values())),
+            "stored": self.stored, "hits": self.hits, "hit_tokens": self.hit_tokens, "evicted": self.evicted,
+            "dropped": self.dropped,
+        }
+
+    def take_events(self) -> list:
+        events, self.events = self.events, []
+        return events
+
+    def check_invariants(self) -> None:
+        """Raise ``BookkeepingError`` naming the first invariant (module
+        docstring) that does not hold."""
+        tree_handles = set(self.tree.device_blocks())
+        if tree_handles != set(self.pages):
+            raise BookkeepingError(f"tree pages {sorted(tree_handles)[:8]} != page records {sorted(self.pages)[:8]}")
+        rows = sorted([r.row for r in self.records.values()] + self._free_rows)
+        if rows != list(range(self.num_snapshots)):
+            raise BookkeepingError(f"snapshot rows of records and free rows do not partition "
+                                   f"{self.num_snapshots} rows: {rows}")
+        keyed = sorted(rid for ids in self._at.values() for rid in ids)
+        if keyed != sorted(self.records):
+            raise BookkeepingError(f"records keyed {keyed} != records {sorted(self.records)}")
+        for record in self.records.values():
+            if not isinstance(record.key, tuple) and record.key not in self.pages:
+                raise BookkeepingError(f"record {record.id} is keyed at page {record.key}, which is gone")
+            if record.tokens != record.depth * self.unit + len(record.tail_tokens) or \
+                    len(record.tail_tokens) >= self.unit:
+                raise BookkeepingError(f"record {record.id}: {record.tokens} tokens != {record.depth} pages of "
+                                       f"{self.unit} + {len(record.tail_tokens)} tail tokens")
+            need = self._blocks_for(record.tokens)
+            for g, name in enumerate(self.groups):
+                if len(record.tail[g]) != int(need[g]) - record.depth * self.blocks_per_page[g]:
+                    raise BookkeepingError(f"record {record.id}: group {name!r} tail holds {len(record.tail[g])} "
+                                           f"blocks, {int(need[g])} - {record.depth} pages expected")
+            if record.pins < 0:
+                raise BookkeepingError(f"record {record.id} has {record.pins} pins")
+
+
+def _common(a: Sequence[int], b: Sequence[int]) -> int:
+    """Length of the common prefix of two token sequences."""
+    n = min(len(a), len(b))
+    if n == 0:
+        return 0
+    diff = np.flatnonzero(np.asarray(a[:n]) != np.asarray(b[:n]))
+    return int(diff[0]) if diff.size else n
+
+
+_KIND_RANK = {"prompt_end": 0, "interval": 1, "branch": 2, "turn_end": 2}
+
+
+def _rank(kind: str) -> int:
+    return _KIND_RANK[kind]
+
+
+def _class(record: SnapshotRecord) -> int:
+    """The value policy's class (module docstring): lower goes first."""
+    if record.superseded or (record.kind == "prompt_end" and not record.hits):
+        return 0
+    if record.hits:
+        return 3
+    return _rank(record.kind) if record.kind != "prompt_end" else 0

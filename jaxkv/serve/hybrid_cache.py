@@ -1,0 +1,510 @@
+"""The hybrid adapter of the cache contract (:mod:`jaxkv.serve.caches`): a
+hybrid model's :class:`~jaxkv.KVCacheManager` and its prefix cache of
+snapshots."""
+
+from __future__ import annotations
+
+import logging
+import math
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxkv._ops import ceil_div, pow2_at_least
+from jaxkv.errors import BookkeepingError, InvalidArgument
+from jaxkv.manager.block_space import FREE, ON_DEVICE
+from jaxkv.manager.hybrid import KVCacheManager
+from jaxkv.manager.hybrid_schema import block_bytes
+from jaxkv.nn.packed import PackedBatch, pack
+from jaxkv.nn.sampling import RowSampling
+from jaxkv.nn.steps import hybrid_packed_step, hybrid_prefill_chunk
+from jaxkv.prefix.snapshot_cache import BlockOps, SnapshotCache
+from jaxkv.serve import sizing
+from jaxkv.serve.caches import (CacheBase, DecodeResult, PackedResult, PrefillLane, PrefixHit, blocks_from_budget,
+                                fixed_ids, sample_first)
+from jaxkv.serve.sizing import CachePlan, GroupPlan
+
+__all__ = ["HybridCache"]
+
+logger = logging.getLogger("jaxkv.serve")
+
+
+@partial(jax.jit, static_argnames=("graphdef",), donate_argnums=(2,))
+def _hybrid_prefill(graphdef, params, manager: KVCacheManager, slots, tokens, num_new, sampling: RowSampling, keys):
+    """Reserve and prefill one chunk of the slots' tokens, sample each lane's
+    first token. Returns ``(manager, sampled, keys, ok, used)``."""
+    manager, last_logits, ok = hybrid_prefill_chunk(graphdef, params, manager, slots, tokens, num_new)
+    sampled, keys = sample_first(last_logits, keys, sampling)
+    return manager, sampled, keys, ok, manager.blocks_in_use
+
+
+
+@partial(jax.jit, static_argnames=("graphdef",), donate_argnums=(2,))
+def _hybrid_packed(graphdef, params, manager: KVCacheManager, batch: PackedBatch, sampling: RowSampling, keys):
+    """:func:`jaxkv.nn.steps.hybrid_packed_step` jitted (manager donated)."""
+    return hybrid_packed_step(graphdef, params, manager, batch, sampling, keys)
+
+
+
+_preallocate_hybrid = jax.jit(KVCacheManager.preallocate, donate_argnums=(0,))
+_admit_hybrid = jax.jit(lambda manager, n, max_n: manager.admit(n, max_n=max_n), static_argnums=(2,),
+                        donate_argnums=(0,))
+_release_hybrid = jax.jit(KVCacheManager.release, donate_argnums=(0,))
+_attach_prefix = jax.jit(KVCacheManager.attach_prefix, donate_argnums=(0,))
+_copy_state = jax.jit(KVCacheManager.copy_state, donate_argnums=(0,))
+_incref_blocks = jax.jit(KVCacheManager.incref_blocks, donate_argnums=(0,))
+_release_blocks = jax.jit(KVCacheManager.release_blocks, donate_argnums=(0,))
+
+
+class HybridCache(CacheBase):
+    """A hybrid model's :class:`~jaxkv.KVCacheManager` (DeepSeek-V4's
+    SWA/CSA/HCA layers, Qwen3-Next's full-attention group and Gated DeltaNet
+    state): one group per block group of the manager.
+
+    **Prefix cache** (:class:`~jaxkv.prefix.snapshot_cache.SnapshotCache`,
+    which holds the tree of ``unit``-token pages and the snapshot records;
+    this adapter applies the device work it returns). A snapshot is a copy
+    of a request's state rows (SWA window, compressor and indexer rings,
+    GDN states) at an exact token position, taken where the request's
+    state is exactly there, with no capture inside the jitted steps:
+
+    * at the end of a prefill piece that ends on a *cut* (:meth:`_cuts`):
+      the branch point where the prompt parts from everything cached, the
+      prompt's last token but one (a repeat of the prompt hits all of it
+      but the token that yields logits), and a point another request waits
+      for (:meth:`add_cut`);
+    * at the end of a prefill piece ``interval`` tokens or more past the
+      row's last snapshot (a later request sharing a long prefix hits near
+      where it parts);
+    * when a request retires, finished or preempted: its exact length (the
+      next turn of a conversation hits all of it).
+
+    A hit shares the whole blocks by reference and gets a private copy of
+    each group's partly filled last block (copy on write, in
+    :meth:`~jaxkv.KVCacheManager.attach_prefix`), so a hit is as long as the
+    state that was kept, at token grain.
+    """
+
+    can_swap = False
+
+    def __init__(self, model, *, max_seqs: int, max_context_tokens: int, num_blocks: dict | None,
+                 entry_format: str, prefill_chunk: int, prefix_cache: bool = True, num_snapshots: int | None = None,
+                 retention: str = "value", snapshot_interval: int | None = None):
+        self.max_seqs = max_seqs
+        self.max_context_tokens = max_context_tokens
+        self.prefill_width = min(pow2_at_least(prefill_chunk), pow2_at_least(max_context_tokens))
+        probe = jax.eval_shape(lambda: model.make_cache(1, max_context_tokens, entry_format=entry_format,
+                                                        num_blocks=num_blocks))  # static sizes only
+        block_sizes = [g.tokens_per_block for g in probe.groups.values()]
+        self.unit = math.lcm(*block_sizes) if block_sizes else 1
+        cached = (2 * max_seqs if num_snapshots is None else num_snapshots) if prefix_cache else 0
+        self.num_cached_snapshots = cached
+        self.manager = model.make_cache(max_seqs, max_context_tokens, entry_format=entry_format,
+                                        num_blocks=num_blocks, num_snapshots=cached)
+        self.pool = None
+        groups = self.manager.groups
+        self.groups = tuple(groups)
+        self.capacity = np.asarray([g.allocator.capacity for g in groups.values()], np.int64)
+        self._per_block = [(g.tokens_per_entry, g.entries_per_block) for g in groups.values()]
+        config = self.manager.config
+        self.bytes_per_token = sum(block_bytes(s, config) / s.tokens_per_block
+                                   for s in self.manager.schemas if s.group is not None)
+        self.group_block_bytes = [sum(block_bytes(s, config) for s in self.manager.schemas if s.group == name)
+                                  for name in self.groups]
+        # What cannot be shared per token: rings, windows, recurrent state (and tables), per state row.
+        self.state_bytes_per_request = (self.manager.memory_bytes() - sum(
+            block_bytes(s, config) * int(self.capacity[self.groups.index(s.group)] + 1)
+            for s in self.manager.schemas if s.group is not None)) / (max_seqs + 1 + self.manager.num_snapshots)
+        self.snapshots = SnapshotCache(self.unit, self.groups, self.blocks_for, cached, retention=retention,
+                                       row_bytes=int(self.state_bytes_per_request),
+                                       block_bytes=self.group_block_bytes)
+        self.prefix_cache = self.snapshots.tree
+        self.hit_grain = 1  # hits end where a snapshot was taken, at any token
+        #: Tokens of prefill between interval snapshots of one row.
+        self.interval = max(self.unit, 256) if snapshot_interval is None else snapshot_interval
+        self._lens = [0] * max_seqs  # per row: tokens in the cache
+        self._last_snapshot = [0] * max_seqs  # per row: where its last snapshot was taken
+        self._extra_cuts: list[set] = [set() for _ in range(max_seqs)]  # per row: points others wait for
+        self.plan = self._plan(budget=None, source="num_blocks (expert option)" if num_blocks else
+                               "every sequence row at max_context_tokens")
+
+    def device_bytes(self) -> int:
+        """Bytes of every device array of the cache (the manager's pools,
+        state rows, tables and allocators)."""
+        return self.manager.memory_bytes()
+
+    def _plan(self, *, budget, source, per_block: list[int] | None = None) -> CachePlan:
+        config = self.manager.config
+        groups = []
+        for g, (name, group) in enumerate(self.manager.groups.items()):
+            storage = sum(block_bytes(s, config) for s in self.manager.schemas if s.group == name)
+            cost = storage if per_block is None else int(per_block[g])
+            blocks = int(self.capacity[g])
+            groups.append(GroupPlan(name, blocks, group.tokens_per_block, blocks * group.tokens_per_block,
+                                    storage / group.tokens_per_block, cost, cost * (blocks + 1)))
+        return CachePlan(
+            cache="hybrid", max_model_len=self.max_context_tokens, max_seqs=self.max_seqs, groups=tuple(groups),
+            prefix_unit_tokens=self.unit, num_snapshots=self.num_cached_snapshots,
+            snapshot_bytes=int(self.state_bytes_per_request), host_pages=0, host_bytes=0,
+            device_bytes=self.device_bytes(), budget_bytes=budget, source=source)
+
+    @classmethod
+    def build(cls, model, *, max_seqs: int, max_model_len: int | None, max_context_tokens: int | None,
+              num_blocks: dict | None, kv_cache_memory, num_snapshots: int | None, entry_format: str,
+              prefill_chunk: int, prefix_cache: bool, free_bytes: int | None = None, retention: str = "value",
+              snapshot_interval: int | None = None) -> "HybridCache":
+        """The one sizing rule (:mod:`jaxkv.serve.sizing`) for a hybrid cache.
+
+        ``max_model_len`` and ``max_context_tokens`` name the same limit
+        (giving both with different values is refused; default
+        :func:`~jaxkv.serve.sizing.default_max_model_len`). Blocks per group:
+        ``num_blocks`` as given (an expert option; groups it leaves out get
+        every row at full length, as ``KVCacheManager.create`` does;
+        ``kv_cache_memory`` beside it is refused), else from the budget, all
+        groups holding the same tokens. Cached snapshots: ``num_snapshots``,
+        else with a budget ``min(2 * max_seqs, what a quarter of it holds)``
+        (0: no prefix cache), else ``2 * max_seqs``; ``retention`` and
+        ``snapshot_interval`` as in :class:`HybridCache`. A ``max_model_len`` given that a group cannot hold
+        is refused; the default one is lowered to what every group holds."""
+        if max_model_len is not None and max_context_tokens is not None and max_model_len != max_context_tokens:
+            raise InvalidArgument(f"max_model_len={max_model_len} and max_context_tokens={max_context_tokens} "
+                                  "disagree (the same limit: give one of them)")
+        length = max_model_len if max_model_len is not None else max_context_tokens
+        len_given = length is not None
+        if length is None:
+            length = sizing.default_max_model_len(model)
+        if num_blocks is not None and kv_cache_memory is not None:
+            raise InvalidArgument(f"num_blocks={num_blocks} and kv_cache_memory={kv_cache_memory!r} both size the "
+                                  "cache's groups: give one of them")
+        if num_blocks is not None:
+            cache = cls(model, max_seqs=max_seqs, max_context_tokens=length, num_blocks=num_blocks,
+                        entry_format=entry_format, prefill_chunk=prefill_chunk, prefix_cache=prefix_cache,
+                        num_snapshots=num_snapshots, retention=retention, snapshot_interval=snapshot_interval)
+            cache.plan = cache._plan(budget=None, source=f"num_blocks={num_blocks} (expert option)")
+            return cache
+        probe = jax.eval_shape(lambda: model.make_cache(1, length, entry_format=entry_format))
+        names = list(probe.groups)
+        per_entry = [(g.tokens_per_entry, g.entries_per_block) for g in probe.groups.values()]
+        tokens_per_block = [g.tokens_per_block for g in probe.groups.values()]
+
+        def blocks_for(n: int) -> list[int]:
+            return [ceil_div(n // tpe, epb) for tpe, epb in per_entry]
+
+        def measure(counts, cached, n):
+            return sizing.tree_bytes(jax.eval_shape(lambda: model.make_cache(
+                max_seqs, n, entry_format=entry_format, num_blocks=dict(zip(names, counts)),
+                num_snapshots=cached)))
+
+        budget_hint = (sizing.resolve_budget(kv_cache_memory, free_bytes=free_bytes)[0] if kv_cache_memory is not None
+                       else sizing.default_budget(free_bytes)[0])
+        if not prefix_cache:
+            cached = 0
+        elif num_snapshots is not None:
+            cached = num_snapshots
+        else:  # a quarter of the budget at most
+            row = measure([2] * len(names), 2, length) - measure([2] * len(names), 1, length)
+            cached = min(2 * max_seqs, budget_hint // 4 // row) if row > 0 else 2 * max_seqs
+            cached = max(int(cached), 0)
+        blocks, budget, source = blocks_from_budget(
+            lambda counts: measure(counts, cached, length), tokens_per_block,
+            [max_seqs * b for b in blocks_for(length)], kv_cache_memory, free_bytes)
+        held = min(b * t for b, t in zip(blocks, tokens_per_block))  # tokens every group holds
+        fits = all(need <= have for need, have in zip(blocks_for(length), blocks))
+        if not fits and len_given:
+            raise InvalidArgument(
+                f"max_model_len={length}: a request of {length} tokens holds {blocks_for(length)} blocks of groups "
+                f"{names}; the groups have {blocks} ({source}); give a smaller max_model_len or more memory")
+        if not fits:
+            logger.info("KV cache: the default max_model_len %d does not fit blocks %s of groups %s; lowered to %d",
+                        length, blocks, names, held)
+            length = held
+        cache = cls(model, max_seqs=max_seqs, max_context_tokens=length, num_blocks=dict(
+            zip(names, (b + 1 for b in blocks))), entry_format=entry_format, prefill_chunk=prefill_chunk,
+            prefix_cache=prefix_cache and cached > 0, num_snapshots=cached if cached else None, retention=retention,
+            snapshot_interval=snapshot_interval)
+        _, per_block = sizing.affine_bytes(lambda counts: measure(counts, cached, length), len(names))
+        cache.plan = cache._plan(budget=budget, source=source, per_block=per_block)
+        return cache
+
+    # ---------------------------------------------------------------- blocks
+
+    def free_blocks(self) -> np.ndarray:
+        return np.asarray(jax.device_get([g.allocator.num_free for g in self.manager.groups.values()]), np.int64)
+
+    def blocks_for(self, num_tokens: int) -> np.ndarray:
+        """Blocks a request of ``num_tokens`` holds per group (a compressed
+        group's blocks hold only completed entries)."""
+        return np.asarray([ceil_div(num_tokens // per_entry, per_block) for per_entry, per_block in self._per_block],
+                          np.int64)
+
+    def blocks_in_use(self) -> int:
+        return int(self.manager.blocks_in_use)
+
+    def limits(self) -> str:
+        return (f"max_model_len={self.max_context_tokens} tokens per request (max_context_tokens="
+                f"{self.max_context_tokens}); the groups have "
+                f"{self.capacity.tolist()} blocks")
+
+    # ---------------------------------------------------------------- prefix
+
+    def prefix_stats(self) -> dict:
+        """Metrics of the prefix cache: the hit unit of whole pages
+        (tokens), what :meth:`SnapshotCache.usage` reports, the tree's
+        counters."""
+        return dict(unit_tokens=self.unit, **self.snapshots.usage(), tree=self.prefix_cache.stats())
+
+    def usage(self) -> list[dict]:
+        """Per group: ``tokens`` and ``blocks`` held by running requests and
+        the prefix cache, ``bytes``, ``free`` blocks, the whole-page unit
+        and the smallest hit (one token: hits are token grain)."""
+        free = self.free_blocks()
+        held = self.snapshots.held_blocks()
+        rows = []
+        for g, name in enumerate(self.groups):
+            used = int(self.capacity[g] - free[g])
+            per = self._per_block[g][0] * self._per_block[g][1]
+            rows.append(dict(group=name, blocks=used, capacity=int(self.capacity[g]), free=int(free[g]),
+                             tokens=used * per, bytes=used * self.group_block_bytes[g],
+                             cached_blocks=len(held[name]), hit_unit=self.unit, min_hit=1))
+        usage = self.snapshots.usage()
+        rows.append(dict(group="snapshots", blocks=usage["snapshots"], capacity=self.num_cached_snapshots,
+                         free=usage["free_snapshots"], tokens=0, bytes=usage["snapshot_bytes"], cached_blocks=0,
+                         hit_unit=self.unit, min_hit=1))
+        return rows
+
+    def take_events(self) -> list:
+        """The snapshot events since the last call (``SnapshotCache.events``)."""
+        return self.snapshots.take_events()
+
+    def match(self, tokens: list, namespace) -> PrefixHit:
+        """The longest cached prefix of ``tokens`` with a snapshot (at most
+        ``len - 1`` tokens, token grain), pinned until :meth:`unpin`.
+        ``blocks[g]``: group ``g``'s blocks of the hit; ``copied[g]``: 1
+        when the last of them is partly filled (the request gets a copy)."""
+        hit = self.snapshots.match(tokens, namespace)
+        copied = tuple(int(bool(hit.tokens and (hit.tokens // per_entry) % per_block)) if hit.tokens else 0
+                       for per_entry, per_block in self._per_block)
+        return PrefixHit(hit.tokens, hit.blocks, hit if hit.record is not None else None, snapshot=hit.row,
+                         matched=hit.branch, copied=copied)
+
+    def unpin(self, hit) -> None:
+        if hit is not None and hit.node is not None:
+            self.snapshots.release(hit.node)
+
+    def can_evict(self) -> bool:
+        return self.snapshots.evictable_pages > 0
+
+    def evict(self, shortfall: np.ndarray) -> None:
+        """Evict least recently used tree pages (and the snapshots keyed at
+        them) until each group has ``shortfall`` references back (or
+        nothing is evictable)."""
+        self._apply(self.snapshots.evict_blocks([int(n) for n in shortfall]))
+
+    def _apply(self, ops: BlockOps) -> None:
+        """The device work of a snapshot-cache operation: increfs, then
+        releases (one call each), then state copies into snapshot rows."""
+        if any(ops.incref.values()):
+            self._block_call(_incref_blocks, ops.incref, "the prefix cache's reference to stored blocks")
+        if any(ops.release.values()):
+            self._block_call(_release_blocks, ops.release, "releasing evicted prefix blocks")
+        if ops.copies:
+            dst, src = zip(*((self.manager.num_slots + row, source) for row, source in ops.copies.items()))
+            self.manager = _copy_state(self.manager, fixed_ids(src, self._copy_width(len(src))),
+                                       fixed_ids(dst, self._copy_width(len(src))))
+
+    def _copy_width(self, n: int) -> int:
+        return max(self.max_seqs, pow2_at_least(n))
+
+    def _block_call(self, fn, blocks: dict, what: str) -> None:
+        width = pow2_at_least(max(len(ids) for ids in blocks.values()))
+        padded = {name: fixed_ids(ids, width) for name, ids in blocks.items()}
+        self.manager, ok = fn(self.manager, padded)
+        if not bool(ok):
+            raise BookkeepingError(f"{what} was refused: {blocks}")
+
+    def _store(self, items: list) -> None:
+        """Snapshot ``(row, tokens, namespace, kind, hit)`` per request: its
+        state at exactly ``len(tokens)`` tokens (one device call per kind of
+        work, for all of them)."""
+        if not items or not self.num_cached_snapshots:
+            return
+        tables = {name: np.asarray(t) for name, t in
+                  jax.device_get({name: g.tables for name, g in self.manager.groups.items()}).items()}
+        ops = self.snapshots._empty_ops()
+        for row, tokens, namespace, kind, hit in items:
+            record = hit.node.record if hit is not None and hit.node is not None else None
+            row_blocks = [tables[name][row + 1] for name in self.groups]
+            ops.extend(self.snapshots.store(tokens, row_blocks, row + 1, kind=kind, namespace=namespace,
+                                            supersedes=record))
+            self._last_snapshot[row] = len(tokens)
+        self._apply(ops)
+
+    # ---------------------------------------------------------------- steps
+
+    def _begin_prefill(self, lanes: list[PrefillLane]) -> None:
+        """Take the lanes' request slots (the lowest free ones, which must be
+        their rows + 1: the engine gives out the lowest free rows) and start
+        the hits from their cached prefixes."""
+        self.manager, slots, ok = _admit_hybrid(self.manager, len(lanes), self.max_seqs)
+        slots, ok = jax.device_get((slots, ok))
+        want = [lane.row + 1 for lane in lanes]
+        if not ok or slots[: len(lanes)].tolist() != want:
+            raise BookkeepingError(f"hybrid admission gave slots {slots[: len(lanes)].tolist()} (ok={bool(ok)}) "
+                                   f"for rows {[lane.row for lane in lanes]}, which need slots {want}")
+        for lane in lanes:
+            self._lens[lane.row] = self._last_snapshot[lane.row] = lane.hit.tokens
+        self._attach_hits([lane for lane in lanes if lane.hit.tokens])
+        lengths = np.zeros((self.max_seqs,), np.int32)
+        lengths[: len(lanes)] = [len(lane.tokens) for lane in lanes]
+        self.manager, ok = _preallocate_hybrid(self.manager, fixed_ids(want, self.max_seqs), lengths)
+        if not bool(ok):
+            need = sum(self.blocks_for(len(lane.tokens)) for lane in lanes)
+            raise BookkeepingError(f"engine admission failed: rows {[lane.row for lane in lanes]} need "
+                                   f"{need.tolist()} blocks of groups {list(self.groups)}, "
+                                   f"{self.free_blocks().tolist()} free")
+
+    def _attach_hits(self, hits: list[PrefillLane]) -> None:
+        """Start the rows of ``hits`` from their cached prefixes."""
+        if not hits:
+            return
+        batch = self.max_seqs
+        width = max(1, max(len(lane.hit.blocks[g]) for lane in hits for g in range(len(self.groups))))
+        blocks = {name: np.full((batch, width), -1, np.int32) for name in self.groups}
+        slots, tokens, snapshots = np.full(batch, -1, np.int32), np.zeros(batch, np.int32), np.full(batch, -1, np.int32)
+        for i, lane in enumerate(hits):
+            slots[i], tokens[i], snapshots[i] = lane.row + 1, lane.hit.tokens, lane.hit.snapshot
+            for g, name in enumerate(self.groups):
+                blocks[name][i, : len(lane.hit.blocks[g])] = lane.hit.blocks[g]
+        self.manager, ok = _attach_prefix(self.manager, slots, blocks, tokens, snapshots)
+        if not bool(ok):
+            raise BookkeepingError(f"attaching cached prefixes to rows {[lane.row for lane in hits]} was refused "
+                                   f"(copies of partly filled blocks need one free block per group and row; "
+                                   f"{self.free_blocks().tolist()} free)")
+
+    def add_cut(self, row: int, position: int) -> bool:
+        """Snapshot row ``row`` when its prefill reaches ``position``
+        (another request waits for that prefix). Returns whether the
+        engine must cut the row's prefill pieces there (True: a snapshot
+        needs a piece to end exactly at ``position``)."""
+        if not self.num_cached_snapshots or position <= self._lens[row]:
+            return False
+        self._extra_cuts[row].add(position)
+        return True
+
+    def _cuts(self, lane: PrefillLane) -> list[int]:
+        """Where a prefill piece must end so that the state there is
+        snapshotted: the branch point (where the prompt parts from what is
+        cached: later requests sharing that prefix hit it), the prompt's
+        last token but one (a repeat of the prompt hits it) and the points
+        other requests wait for (:meth:`add_cut`)."""
+        if not self.num_cached_snapshots:
+            return []
+        return sorted({lane.hit.matched, len(lane.tokens) - 1, *self._extra_cuts[lane.row]})
+
+    def _prefill_call(self, graphdef, params, lanes, starts, num_new, tokens, sampling, keys):
+        slots = fixed_ids([lane.row + 1 for lane in lanes], self.max_seqs)
+        slots = np.where(num_new > 0, slots, -1).astype(np.int32)
+        self.manager, sampled, new_keys, ok, used = _hybrid_prefill(graphdef, params, self.manager, slots, tokens,
+                                                                    num_new, sampling, keys)
+        sampled, ok, used, new_keys = jax.device_get((sampled, ok, used, jax.random.key_data(new_keys)))
+        if not ok:  # every prompt's blocks were taken at admission
+            raise BookkeepingError(f"engine prefill refused rows {[lane.row for lane in lanes]} (pieces "
+                                   f"{list(zip(starts[: len(lanes)].tolist(), num_new[: len(lanes)].tolist()))})")
+        self._after_prefill(lanes, starts, num_new)
+        return sampled, np.asarray(new_keys), int(used)
+
+    def _after_prefill(self, lanes, starts, num_new) -> None:
+        """Snapshot the rows whose piece ended on a cut, or an interval past
+        their last snapshot (before a later piece moves their state on)."""
+        items = []
+        for i, lane in enumerate(lanes):
+            if not num_new[i]:
+                continue
+            end = int(starts[i]) + int(num_new[i])
+            self._lens[lane.row] = end
+            if not self.num_cached_snapshots or end >= len(lane.tokens):
+                continue
+            cuts = self._cuts(lane)
+            if end in cuts:
+                kind = "prompt_end" if end == len(lane.tokens) - 1 else "branch"
+            elif end - self._last_snapshot[lane.row] >= self.interval:
+                kind = "interval"
+            else:
+                continue
+            self._extra_cuts[lane.row].discard(end)
+            items.append((lane.row, lane.tokens[:end], lane.namespace, kind, lane.hit))
+        self._store(items)
+
+    def _seq_id(self, row: int) -> int:
+        return row + 1  # request slot
+
+    def _packed_call(self, graphdef, params, lanes, num_prefill, sampling, keys, num_tokens):
+        # Gated DeltaNet views the prefill lanes as [P, width] (width: the stream's bucket), so P is a power of
+        # two; a model without such layers never looks at P, which then stays fixed (one program per bucket).
+        rows = (min(pow2_at_least(max(num_prefill, 1)), self.max_seqs) if self.manager.gdn is not None
+                else self.max_seqs)
+        batch = pack(lanes, num_lanes=self.max_seqs, num_tokens=num_tokens, num_prefill_lanes=rows,
+                     max_prefill_len=num_tokens, num_prefill=num_prefill)
+        self.manager, tokens, keys, prefill_ok, ok, used = _hybrid_packed(graphdef, params, self.manager, batch,
+                                                                          sampling, keys)
+        tokens, keys, prefill_ok, ok, used = jax.device_get((tokens, jax.random.key_data(keys), prefill_ok, ok,
+                                                             used))
+        if not prefill_ok:  # every prompt's blocks were taken at admission
+            raise BookkeepingError(f"engine packed prefill refused slots {[lane.seq_id for lane in lanes[:num_prefill]]}"
+                                   f" (pieces {[(lane.start, len(lane.tokens)) for lane in lanes[:num_prefill]]})")
+        if ok:
+            for lane in lanes[num_prefill:]:  # each decode lane grew by its token
+                self._lens[lane.seq_id - 1] += 1
+        # The reserve is all or nothing and does not say which row was short.
+        blocked = np.zeros((self.max_seqs,), bool)
+        if not ok:
+            blocked[num_prefill:len(lanes)] = True
+        return PackedResult(tokens, np.asarray(keys), bool(ok), blocked, int(used))
+
+    def _decode_view(self):
+        return self.manager, None
+
+    def _decode_done(self, manager, pool) -> None:
+        self.manager = manager
+
+    def decode(self, graphdef, params, last, active, num_generated, max_new, eos_id, sampling, key_data,
+               num_steps) -> DecodeResult:
+        result = super().decode(graphdef, params, last, active, num_generated, max_new, eos_id, sampling, key_data,
+                                num_steps)
+        for row in np.flatnonzero(active):  # each token written is one step
+            self._lens[row] += int(result.count[row])
+        return result
+
+    def retire(self, finished: list) -> None:
+        """``finished``: ``(row, tokens whose K/V are cached, namespace, hit)``
+        per request. Snapshot each row at its exact length (a turn end),
+        then release the rows' slots and blocks and unpin their hits."""
+        if not finished:
+            return
+        self._store([(row, tokens, namespace, "turn_end", hit) for row, tokens, namespace, hit in finished
+                     if len(tokens) > (hit.tokens if hit is not None else 0)])
+        rows = [row for row, *_ in finished]
+        self.manager, ok = _release_hybrid(self.manager, fixed_ids([r + 1 for r in rows], self.max_seqs))
+        if not bool(ok):
+            raise BookkeepingError(f"engine bookkeeping failed: releasing rows {rows} (slots "
+                                   f"{[r + 1 for r in rows]}) was refused")
+        for row, *_, hit in finished:
+            self.unpin(hit)
+            self._lens[row] = self._last_snapshot[row] = 0
+            self._extra_cuts[row].clear()
+
+    def swap_out(self, row: int) -> bool:
+        return False
+
+    def swap_in(self, row: int) -> bool:
+        return False
+
+    def free_swapped(self, row: int) -> None:
+        raise BookkeepingError(f"row {row}: a hybrid cache never swaps a row out")
+
+    def row_status(self) -> np.ndarray:
+        held = np.asarray(jax.device_get(self.manager.slots.ref_count(jnp.arange(1, self.max_seqs + 1)))) > 0
+        return np.where(held, ON_DEVICE, FREE)
+

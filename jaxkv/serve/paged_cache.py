@@ -1,0 +1,408 @@
+"""The paged adapter of the cache contract (:mod:`jaxkv.serve.caches`): a
+paged :class:`~jaxkv.KVPool` under a :class:`~jaxkv.BlockSpaceManager`, the
+radix prefix cache of page ids and swapping to a host pool."""
+
+from __future__ import annotations
+
+import logging
+from functools import partial
+
+import jax
+import numpy as np
+
+from jaxkv import _host
+from jaxkv._ops import ceil_div, pow2_at_least
+from jaxkv.alloc.block import BlockAllocator
+from jaxkv.errors import BookkeepingError, InvalidArgument, KVCacheOOM
+from jaxkv.manager.block_space import BlockSpaceManager
+from jaxkv.nn.packed import PackedBatch, pack
+from jaxkv.nn.sampling import RowSampling
+from jaxkv.nn.steps import paged_decode_peak, paged_packed_step, paged_peak_blocks, paged_row_blocks, paged_window, prefill_chunk
+from jaxkv.pool import host as host_swap
+from jaxkv.pool.kv_pool import KVPool
+from jaxkv.prefix import PrefixCacheManager
+from jaxkv.serve import sizing
+from jaxkv.serve.caches import (CacheBase, PackedResult, PrefillLane, PrefixHit, blocks_from_budget, fixed_ids,
+                                sample_first)
+from jaxkv.serve.sizing import CachePlan, GroupPlan
+
+__all__ = ["PagedCache"]
+
+logger = logging.getLogger("jaxkv.serve")
+
+
+@partial(jax.jit, static_argnames=("graphdef",), donate_argnums=(3,))
+def _paged_prefill(graphdef, params, manager: BlockSpaceManager, pool: KVPool, rows, starts, num_new, tokens,
+                   sampling: RowSampling, keys):
+    """Prefill one chunk of admitted rows and sample from each lane's last
+    chunk position. Returns ``(pool, sampled, keys)``."""
+    pool, last_logits = prefill_chunk(graphdef, params, manager, pool, rows, tokens, starts, num_new)
+    sampled, keys = sample_first(last_logits, keys, sampling)
+    return pool, sampled, keys
+
+
+
+@partial(jax.jit, static_argnames=("graphdef", "window"), donate_argnums=(2, 3))
+def _paged_packed(graphdef, params, manager: BlockSpaceManager, pool: KVPool, batch: PackedBatch,
+                  sampling: RowSampling, keys, *, window):
+    """:func:`jaxkv.nn.steps.paged_packed_step` jitted (manager and pool donated)."""
+    return paged_packed_step(graphdef, params, manager, pool, batch, sampling, keys, window=window)
+
+
+
+_retire_paged = jax.jit(BlockSpaceManager.retire)
+_admit_paged = jax.jit(BlockSpaceManager.admit_with_prefix, donate_argnums=(0,))
+
+
+# The jitted steps never touch host blocks (they free only ON_DEVICE rows; swaps
+# go through the manager's swap_*_or_raise). They get the manager with this
+# placeholder host allocator, so engines that differ only in ``num_host_pages``
+# share compiled programs; the real host allocator is put back afterwards. A
+# fresh placeholder each call: the manager is donated.
+def _device_view(manager: BlockSpaceManager) -> BlockSpaceManager:
+    return manager.replace(host=BlockAllocator.create(2))
+
+
+# ------------------------------------------------------------ shared prefill loop
+
+
+class PagedCache(CacheBase):
+    """A paged :class:`~jaxkv.KVPool` under a :class:`~jaxkv.BlockSpaceManager`
+    (Llama family, DeepSeek-V3's MLA pool), with the radix prefix cache and
+    swapping to a host pool. One group, ``"pages"``."""
+
+    can_swap = True
+
+    def __init__(self, model, *, num_pages: int, page_size: int, max_seqs: int, max_blocks_per_seq: int,
+                 num_host_pages: int, prefix_cache: bool, kv_dtype, prefill_chunk: int, host_memory_kind: str,
+                 max_model_len: int | None = None):
+        self.page_size = page_size
+        self.max_seqs = max_seqs
+        self.max_blocks_per_seq = max_blocks_per_seq
+        # The longest request (prompt + output); the tables hold at least that.
+        self.max_context_tokens = max_blocks_per_seq * page_size if max_model_len is None else max_model_len
+        self.prefill_width = min(pow2_at_least(prefill_chunk), pow2_at_least(self.max_context_tokens))
+        self.manager = BlockSpaceManager.create(
+            num_device_blocks=num_pages, num_host_blocks=max(num_host_pages, 2), block_size=page_size,
+            max_seqs=max_seqs, max_blocks_per_seq=max_blocks_per_seq, watermark=0.0)
+        self.pool = model.make_pool(num_pages, page_size, dtype=kv_dtype)
+        self.host_pool = (host_swap.create_host_pool(self.pool, max(num_host_pages, 2), memory_kind=host_memory_kind)
+                          if num_host_pages else None)
+        self.can_swap = self.host_pool is not None
+        self.prefix_cache = PrefixCacheManager(page_size, disable=not prefix_cache)
+        self.unit = page_size
+        self.hit_grain = page_size  # hits are whole pages
+        self._insert_at: list[set] = [set() for _ in range(max_seqs)]  # per row: prefixes others wait for
+        self.window = paged_window(model)  # every layer windowed: decode trims blocks out of it
+        self.groups = ("pages",)
+        self.capacity = np.asarray([self.manager.device.capacity], np.int64)
+        leaves = jax.tree.leaves(self.pool)
+        self.bytes_per_token = sum(x.size * x.dtype.itemsize for x in leaves) / (num_pages * page_size)
+        self.bytes_per_block = self.bytes_per_token * page_size  # storage; the plan's figure adds the allocator's
+        self.plan = self._plan(budget=None, source="num_pages (expert option)")
+
+    def _plan(self, *, budget, source, per_block: int | None = None) -> CachePlan:
+        blocks = int(self.capacity[0])
+        per_block = int(self.bytes_per_block) if per_block is None else per_block
+        host_pages = self.host_pool and int(jax.tree.leaves(self.host_pool)[0].shape[2])
+        return CachePlan(
+            cache="paged", max_model_len=self.max_context_tokens, max_seqs=self.max_seqs,
+            groups=(GroupPlan("pages", blocks, self.page_size, blocks * self.page_size, self.bytes_per_token,
+                              per_block, per_block * (blocks + 1)),),
+            prefix_unit_tokens=self.unit, num_snapshots=0, snapshot_bytes=0, host_pages=host_pages or 0,
+            host_bytes=sizing.tree_bytes(self.host_pool) if self.host_pool is not None else 0,
+            device_bytes=self.device_bytes(), budget_bytes=budget, source=source)
+
+    def device_bytes(self) -> int:
+        """Bytes of every device array of the cache: the pool and the block
+        manager (tables and allocators)."""
+        return sizing.tree_bytes((self.manager, self.pool))
+
+    @classmethod
+    def build(cls, model, *, max_seqs: int, page_size: int, max_model_len: int | None, num_pages: int | None,
+              max_blocks_per_seq: int | None, kv_cache_memory, num_host_pages: int | None, host_kv_memory,
+              kv_dtype, prefix_cache: bool, prefill_chunk: int, host_memory_kind: str,
+              free_bytes: int | None = None) -> "PagedCache":
+        """The one sizing rule (:mod:`jaxkv.serve.sizing`) for a paged pool.
+
+        ``max_model_len`` (None: from ``max_blocks_per_seq * page_size`` when
+        that is given, else :func:`~jaxkv.serve.sizing.default_max_model_len`)
+        sets the table width ``ceil(max_model_len / page_size)``; giving
+        both with another width is refused. Pages: ``num_pages`` as given
+        (an expert option; ``kv_cache_memory`` beside it is refused), else
+        from the budget. Host pages: ``num_host_pages``, or
+        ``host_kv_memory`` bytes of host memory (not both; default none).
+        A ``max_model_len`` given here that the pool cannot hold is refused;
+        the default one is lowered to what the pool holds (logged)."""
+        window = paged_window(model)
+        len_given = explicit = max_model_len is not None
+        if max_blocks_per_seq is not None:
+            if len_given and ceil_div(max_model_len, page_size) != max_blocks_per_seq:
+                raise InvalidArgument(
+                    f"max_model_len={max_model_len} and max_blocks_per_seq={max_blocks_per_seq} disagree: "
+                    f"{max_model_len} tokens need {ceil_div(max_model_len, page_size)} pages of {page_size} per row "
+                    "(give one of them)")
+            if not len_given:
+                max_model_len = max_blocks_per_seq * page_size
+                len_given = True  # the table width is a limit of its own: never lowered
+        elif max_model_len is None:
+            max_model_len = sizing.default_max_model_len(model)
+        if num_pages is not None and kv_cache_memory is not None:
+            raise InvalidArgument(f"num_pages={num_pages} and kv_cache_memory={kv_cache_memory!r} both size the pool: "
+                                  "give one of them")
+        if num_host_pages is not None and host_kv_memory is not None:
+            raise InvalidArgument(f"num_host_pages={num_host_pages} and host_kv_memory={host_kv_memory!r} both size "
+                                  "the host pool: give one of them")
+        page_bytes = (sizing.tree_bytes(jax.eval_shape(lambda: model.make_pool(3, page_size, dtype=kv_dtype)))
+                      - sizing.tree_bytes(jax.eval_shape(lambda: model.make_pool(2, page_size, dtype=kv_dtype))))
+        if host_kv_memory is not None:
+            host_bytes = _host.int_scalar(host_kv_memory, "host_kv_memory")
+            if host_bytes < 0:
+                raise InvalidArgument(f"host_kv_memory={host_bytes}: bytes must be >= 0")
+            num_host_pages = host_bytes // page_bytes
+            if num_host_pages == 1:  # page 0 is the null page: one page holds nothing
+                num_host_pages = 0
+        num_host_pages = num_host_pages or 0
+
+        def need(length: int) -> int:  # blocks a request of ``length`` tokens holds at its peak
+            return max(paged_peak_blocks(max(length - 1, 1), length, page_size, window),
+                       paged_peak_blocks(1, length, page_size, window))
+
+        def measure(counts, length):
+            def make():
+                manager = BlockSpaceManager.create(
+                    num_device_blocks=counts[0], num_host_blocks=max(num_host_pages, 2), block_size=page_size,
+                    max_seqs=max_seqs, max_blocks_per_seq=ceil_div(length, page_size), watermark=0.0)
+                return manager, model.make_pool(counts[0], page_size, dtype=kv_dtype)
+            return sizing.tree_bytes(jax.eval_shape(make))
+
+        budget, source = None, f"num_pages={num_pages} (expert option)"
+        if num_pages is None:
+            blocks, budget, source = blocks_from_budget(
+                lambda counts: measure(counts, max_model_len), [page_size], [max_seqs * need(max_model_len)],
+                kv_cache_memory, free_bytes)
+            held = blocks[0] * page_size
+            if need(max_model_len) > blocks[0] and not len_given and held >= 2:
+                logger.info("KV cache: the default max_model_len %d does not fit %d pages of %d; lowered to %d",
+                            max_model_len, blocks[0], page_size, held)
+                max_model_len = held
+                while need(max_model_len) > blocks[0]:  # a window's peak may be a block over the tokens
+                    max_model_len -= 1
+            num_pages = blocks[0] + 1
+        if explicit and need(max_model_len) > num_pages - 1 and window is None:
+            raise InvalidArgument(
+                f"max_model_len={max_model_len}: a request of {max_model_len} tokens holds {need(max_model_len)} "
+                f"pages of {page_size} at its peak; the pool has {num_pages - 1} ({source}); give a smaller "
+                "max_model_len or more memory")
+        cache = cls(model, num_pages=num_pages, page_size=page_size, max_seqs=max_seqs,
+                    max_blocks_per_seq=ceil_div(max_model_len, page_size), num_host_pages=num_host_pages,
+                    prefix_cache=prefix_cache, kv_dtype=kv_dtype, prefill_chunk=prefill_chunk,
+                    host_memory_kind=host_memory_kind, max_model_len=max_model_len)
+        _, per_block = sizing.affine_bytes(lambda counts: measure(counts, max_model_len), 1)
+        cache.plan = cache._plan(budget=budget, source=source, per_block=per_block[0])
+        return cache
+
+    # ---------------------------------------------------------------- blocks
+
+    def free_blocks(self) -> np.ndarray:
+        return np.asarray([int(self.manager.device.num_free)], np.int64)
+
+    def blocks_for(self, num_tokens: int) -> np.ndarray:
+        return np.asarray([ceil_div(num_tokens, self.page_size)], np.int64)
+
+    def decode_peak(self, first: int, last: int) -> np.ndarray:
+        """With a window on every layer a step holds only the blocks of the
+        window and the position it appends (:func:`jaxkv.nn.steps.paged_decode_peak`)."""
+        return np.asarray([paged_decode_peak(first, last, self.page_size, self.window)], np.int64)
+
+    def held_blocks(self, num_tokens: int) -> np.ndarray:
+        return np.asarray([paged_row_blocks(num_tokens, self.page_size, self.window)], np.int64)
+
+    def growth(self, num_tokens: int, steps: int, held: np.ndarray, shared: np.ndarray) -> np.ndarray:
+        """With a window, decode trims the hit's blocks out of the table
+        too, while the prefix cache may still hold them: any block of the
+        row's future window may have to come from the free blocks, and of
+        the blocks it holds now only those that are not the hit's give room
+        back when trimmed."""
+        if self.window is None:
+            return super().growth(num_tokens, steps, held, shared)
+        peak = self.decode_peak(num_tokens, num_tokens + steps)
+        return np.maximum(peak - np.maximum(held - shared, 0), 0)
+
+    def first_blocks(self) -> np.ndarray:
+        """Each row's first table entry (-1: none, or trimmed out of the window)."""
+        return np.asarray(jax.device_get(self.manager.block_tables[:, 0]))
+
+    def blocks_in_use(self) -> int:
+        return int(self.manager.device.num_used)
+
+    def limits(self) -> str:
+        return (f"max_model_len={self.max_context_tokens} tokens per request (max_blocks_per_seq="
+                f"{self.max_blocks_per_seq} pages of {self.page_size}); the pool has {int(self.capacity[0])} blocks")
+
+    # ---------------------------------------------------------------- prefix
+
+    def match(self, tokens: list, namespace) -> PrefixHit:
+        """The cached prefix of ``tokens`` (capped at ``len - 1`` tokens, page
+        aligned), its node pinned until :meth:`unpin`."""
+        match = self.prefix_cache.match(tokens, namespace, max_tokens=len(tokens) - 1)
+        self.prefix_cache.pin(match.node)
+        blocks = list(match.blocks)  # no host tier: every matched page is on the device
+        return PrefixHit(len(blocks) * self.page_size, (blocks,), match.node)
+
+    def unpin(self, hit: PrefixHit | None) -> None:
+        if hit is not None:
+            self.prefix_cache.release(hit.node)
+
+    def evict(self, shortfall: np.ndarray) -> None:
+        """Evict at least ``shortfall`` blocks from the prefix cache (fewer if
+        not enough are evictable) and drop the tree's references to them."""
+        num_blocks = int(shortfall[0])
+        if num_blocks <= 0 or self.prefix_cache.evictable_blocks == 0:
+            return
+        evicted = self.prefix_cache.evict(num_blocks)
+        if evicted.blocks:
+            self.update(release=evicted.blocks)
+
+    def usage(self) -> list[dict]:
+        """One row, the pool: ``blocks`` in use of ``capacity``, ``free``,
+        their ``tokens`` and ``bytes``, ``cached_blocks`` (the prefix
+        cache's), the hit unit and smallest hit (a page)."""
+        free = int(self.free_blocks()[0])
+        used = int(self.capacity[0]) - free
+        return [dict(group="pages", blocks=used, capacity=int(self.capacity[0]), free=free,
+                     tokens=used * self.page_size, bytes=int(used * self.bytes_per_block),
+                     cached_blocks=len(self.prefix_cache.device_blocks()), hit_unit=self.page_size,
+                     min_hit=self.page_size)]
+
+    def add_cut(self, row: int, position: int) -> bool:
+        """Insert row ``row``'s whole pages into the prefix cache as soon as
+        its prefill passes ``position`` (another request waits for that
+        prefix). Returns False: no piece needs to end there."""
+        self._insert_at[row].add(position)
+        return False
+
+    def _after_prefill(self, lanes: list[PrefillLane], starts, num_new) -> None:
+        """Insert the prompt pages of rows whose piece passed a point another
+        request waits for, or ended the prompt (requests arriving while
+        this one decodes hit them), in one device call. Not for a pool
+        whose every layer is windowed."""
+        waiting = [(lane, int(starts[i]) + int(num_new[i])) for i, lane in enumerate(lanes) if num_new[i]]
+        waiting = [(lane, end) for lane, end in waiting
+                   if end >= len(lane.tokens) or any(end >= p for p in self._insert_at[lane.row])]
+        if not waiting or self.prefix_cache.disable or self.window is not None:
+            return  # a windowed pool caches at retire only: decode trims a prefix out of the row
+        tables = np.asarray(jax.device_get(self.manager.block_tables))
+        incref = []
+        for lane, end in waiting:
+            self._insert_at[lane.row] = {p for p in self._insert_at[lane.row] if p > end}
+            pages = end // self.page_size
+            if pages and (tables[lane.row, :pages] >= 0).all():
+                incref += self.prefix_cache.insert(lane.tokens[: pages * self.page_size],
+                                                   tables[lane.row, :pages].tolist(), lane.namespace).new_blocks
+        if incref:
+            self.update(incref=incref)
+
+    # ---------------------------------------------------------------- steps
+
+    def _begin_prefill(self, lanes: list[PrefillLane]) -> None:
+        """``admit_with_prefix``: each row's cached blocks (one more owner
+        each) then fresh blocks for the rest of its prompt."""
+        batch = self.max_seqs
+        rows = fixed_ids([lane.row for lane in lanes], batch)
+        prefix = np.full((batch, self.max_blocks_per_seq), -1, np.int32)
+        lengths = np.zeros((batch,), np.int32)
+        for i, lane in enumerate(lanes):
+            prefix[i, : len(lane.hit.blocks[0])] = lane.hit.blocks[0]
+            lengths[i] = len(lane.tokens)
+        host = self.manager.host
+        manager, ok = _admit_paged(_device_view(self.manager), rows, prefix, lengths)
+        self.manager = manager.replace(host=host)
+        if not bool(ok):  # the engine checked rows and blocks: this is a bug, not memory pressure
+            raise BookkeepingError(
+                f"engine admission failed: rows {[lane.row for lane in lanes]} with "
+                f"{int(sum(ceil_div(int(n), self.page_size) for n in lengths))} blocks "
+                f"({int((prefix >= 0).sum())} cached), {int(self.free_blocks()[0])} of {int(self.capacity[0])} "
+                "blocks free")
+
+    def _prefill_call(self, graphdef, params, lanes, starts, num_new, tokens, sampling, keys):
+        rows = np.where(num_new > 0, fixed_ids([lane.row for lane in lanes], self.max_seqs), -1).astype(np.int32)
+        self.pool, sampled, new_keys = _paged_prefill(graphdef, params, _device_view(self.manager), self.pool, rows,
+                                                      starts, num_new, tokens, sampling, keys)
+        sampled, new_keys = jax.device_get((sampled, jax.random.key_data(new_keys)))
+        self._after_prefill(lanes, starts, num_new)
+        return sampled, np.asarray(new_keys), self.blocks_in_use()
+
+    def _packed_call(self, graphdef, params, lanes, num_prefill, sampling, keys, num_tokens):
+        batch = pack(lanes, num_lanes=self.max_seqs, num_tokens=num_tokens, num_prefill_lanes=self.max_seqs,
+                     max_prefill_len=num_tokens, num_prefill=num_prefill)  # fixed classes: one program per bucket
+        host = self.manager.host
+        manager, self.pool, tokens, keys, ok, blocked, used = _paged_packed(
+            graphdef, params, _device_view(self.manager), self.pool, batch, sampling, keys, window=self.window)
+        self.manager = manager.replace(host=host)
+        tokens, keys, ok, blocked, used = jax.device_get((tokens, jax.random.key_data(keys), ok, blocked, used))
+        return PackedResult(tokens, np.asarray(keys), bool(ok), blocked, int(used))
+
+    def _decode_view(self):
+        self._host_allocator = self.manager.host
+        return _device_view(self.manager), self.pool
+
+    def _decode_done(self, manager, pool) -> None:
+        self.manager, self.pool = manager.replace(host=self._host_allocator), pool
+
+    def retire(self, finished: list) -> None:
+        """``finished``: ``(row, tokens whose K/V are cached, namespace,
+        hit)`` per request. Insert their full pages into the prefix cache
+        (the tree increfs the pages it keeps), free the rows, unpin."""
+        if not finished:
+            return
+        tables = np.asarray(jax.device_get(self.manager.block_tables))
+        incref = []
+        for row, tokens, namespace, _ in finished:
+            full_pages = len(tokens) // self.page_size
+            # A windowed row's leading pages may be gone (-1): a prefix starts at page 0.
+            if full_pages and (tables[row, :full_pages] >= 0).all():
+                result = self.prefix_cache.insert(tokens, tables[row, :full_pages].tolist(), namespace)
+                incref += result.new_blocks
+        self.update(incref=incref, rows=[row for row, *_ in finished])
+        for row, *_, hit in finished:
+            self.unpin(hit)
+            self._insert_at[row].clear()
+
+    def update(self, *, incref=(), rows=(), release=()) -> None:
+        """One jitted call: incref ``incref``, free sequence ``rows``, release
+        ``release``; fixed-size id arrays so it compiles once."""
+        host = self.manager.host
+        manager, ok = _retire_paged(
+            _device_view(self.manager), fixed_ids(incref, self.max_seqs * self.max_blocks_per_seq),
+            fixed_ids(rows, self.max_seqs), fixed_ids(release, int(self.capacity[0]) + 1))
+        self.manager = manager.replace(host=host)
+        if not bool(ok):
+            raise BookkeepingError(
+                f"engine bookkeeping failed: incref {len(incref)} blocks {list(incref)[:8]}, "
+                f"free {len(rows)} rows {list(rows)}, release {len(release)} blocks {list(release)[:8]} "
+                f"({int(self.free_blocks()[0])} of {int(self.capacity[0])} blocks free)")
+
+    def swap_out(self, row: int) -> bool:
+        try:
+            self.manager, self.host_pool = self.manager.swap_out_or_raise(self.pool, self.host_pool, [row])
+        except KVCacheOOM:
+            return False
+        return True
+
+    def free_swapped(self, row: int) -> None:
+        """Free a swapped-out row and its host blocks (an aborted request)."""
+        self.manager = self.manager.free_or_raise([row])
+
+    def swap_in(self, row: int) -> bool:
+        try:
+            self.manager, self.pool = self.manager.swap_in_or_raise(self.pool, self.host_pool, [row])
+        except KVCacheOOM:
+            return False
+        return True
+
+    def row_status(self) -> np.ndarray:
+        return np.asarray(jax.device_get(self.manager.status))
+
+
+# ------------------------------------------------------------ hybrid cache

@@ -1,0 +1,207 @@
+"""SnapshotCache (jaxkv/prefix/snapshot_cache.py): the hybrid prefix cache on
+the host, against a plain model.
+
+The model gives every block an id that names its content: block ``i`` of
+group ``g`` of a request whose tokens are ``S`` is
+``ids[(g, tuple(S[:min((i + 1) * tokens_per_block, len(S))]))]``. So a hit
+is right exactly when every block it hands out agrees with the query on the
+tokens the hit covers, and the snapshot row it names was last written
+with the state of the query's first ``hit.tokens`` tokens. References are
+counted the way the device allocator counts them (increfs minus releases,
+per group) and must equal what the cache says it holds.
+"""
+
+from __future__ import annotations
+
+import collections
+
+import pytest
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from jaxkv.errors import BookkeepingError, InvalidArgument
+from jaxkv.prefix.snapshot_cache import SNAPSHOT_KINDS, SnapshotCache
+
+UNIT = 4
+GROUPS = ("pages2", "pages4")  # 2 and 4 tokens per block: a page (4 tokens) is 2 blocks and 1 block
+TOKENS_PER_BLOCK = (2, 4)
+
+
+def blocks_for(n: int) -> list[int]:
+    return [-(-n // t) for t in TOKENS_PER_BLOCK]
+
+
+class Blocks:
+    """Content-named block ids (module docstring)."""
+
+    def __init__(self):
+        self.ids: dict = {}
+
+    def row(self, tokens: list) -> list[list[int]]:
+        out = []
+        for g, per in enumerate(TOKENS_PER_BLOCK):
+            out.append([self.ids.setdefault((g, tuple(tokens[: min((i + 1) * per, len(tokens))])), len(self.ids) + 1)
+                        for i in range(blocks_for(len(tokens))[g])])
+        return out
+
+    def content(self) -> dict:
+        return {v: k for k, v in self.ids.items()}
+
+
+def _check_hit(cache, hit, query, blocks: Blocks, rows: dict) -> None:
+    assert hit.tokens <= len(query) - 1
+    assert hit.branch >= hit.tokens
+    if not hit.tokens:
+        assert hit.record is None and all(not b for b in hit.blocks)
+        return
+    content = blocks.content()
+    for g, per in enumerate(TOKENS_PER_BLOCK):
+        assert len(hit.blocks[g]) == blocks_for(hit.tokens)[g]
+        for i, block in enumerate(hit.blocks[g]):
+            group, held = content[block]
+            covered = min((i + 1) * per, hit.tokens)
+            assert group == g and list(held[:covered]) == query[:covered], (g, i, held, query[:covered])
+    assert rows[hit.row] == tuple(query[: hit.tokens])  # the state the snapshot row was given
+
+
+def test_a_hit_is_exactly_as_long_as_the_state_kept():
+    blocks = Blocks()
+    cache = SnapshotCache(UNIT, GROUPS, blocks_for, num_snapshots=4)
+    system = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10]  # two pages and 2 tokens
+    first = system + [11, 12, 13]
+    ops = cache.store(system, blocks.row(first), source=3, kind="branch")
+    # The pages' blocks and the tail's (tokens 8..9: group 0 one block, group 1 one partly filled block).
+    assert sorted(ops.incref["pages2"]) == sorted(blocks.row(first)[0][:5])
+    assert sorted(ops.incref["pages4"]) == sorted(blocks.row(first)[1][:3])
+    assert ops.copies == {0: 3}
+    rows = {0: tuple(system)}
+    query = system + [99, 98]
+    hit = cache.match(query)
+    assert hit.tokens == 10 and hit.branch == 10
+    _check_hit(cache, hit, query, blocks, rows)
+    assert cache.match(system[:9] + [50, 51]).tokens == 0  # parts before the record's end: no state there
+    assert cache.match(system[:9] + [50, 51]).branch == 9  # ... but a branch point is reported at token grain
+    cache.release(hit)
+    cache.check_invariants()
+
+
+def test_the_longest_record_wins_and_repeats_refresh():
+    blocks = Blocks()
+    cache = SnapshotCache(UNIT, GROUPS, blocks_for, num_snapshots=4)
+    seq = list(range(1, 20))
+    for p, row in ((5, 1), (9, 2), (13, 3)):
+        cache.store(seq[:p], blocks.row(seq), source=row, kind="interval")
+    assert cache.store(seq[:9], blocks.row(seq), source=7, kind="branch").copies == {}  # cached already
+    assert cache.match(seq[:12]).tokens == 9
+    assert cache.match(seq[:14]).tokens == 13
+    assert cache.match(seq[:6]).tokens == 5
+    assert len(cache.records) == 3
+
+
+def test_value_retention_drops_superseded_turns_and_unhit_prompt_ends_first():
+    blocks = Blocks()
+    cache = SnapshotCache(UNIT, GROUPS, blocks_for, num_snapshots=2)
+    conversation = list(range(1, 30))
+    cache.store(conversation[:6], blocks.row(conversation), source=1, kind="turn_end")
+    hit = cache.match(conversation[:10])  # the next turn starts from it ...
+    cache.release(hit)
+    cache.store(conversation[:12], blocks.row(conversation), source=1, kind="turn_end", supersedes=hit.record)
+    other = [40, 41, 42, 43, 44, 45, 46]
+    cache.store(other, blocks.row(other + [47]), source=2, kind="branch")  # ... so the first turn goes
+    assert sorted(r.tokens for r in cache.records.values()) == [7, 12]
+    lru = SnapshotCache(UNIT, GROUPS, blocks_for, num_snapshots=2, retention="lru")
+    lru.store(other, blocks.row(other + [47]), source=2, kind="branch")
+    lru.store(conversation[:5], blocks.row(conversation), source=1, kind="prompt_end")
+    lru.store(conversation[:9], blocks.row(conversation), source=1, kind="prompt_end")
+    assert sorted(r.tokens for r in lru.records.values()) == [5, 9]  # LRU drops the branch point
+
+
+def test_refusals():
+    with pytest.raises(InvalidArgument):
+        SnapshotCache(UNIT, GROUPS, blocks_for, 2, retention="fifo")
+    cache = SnapshotCache(UNIT, GROUPS, blocks_for, 2)
+    with pytest.raises(InvalidArgument):
+        cache.store([1, 2, 3], Blocks().row([1, 2, 3]), 1, kind="whenever")
+    with pytest.raises(BookkeepingError, match="needs 2 blocks"):
+        cache.store([1, 2, 3], [[5], [6]], 1, kind="branch")
+    hit = cache.match([1, 2, 3])
+    assert hit.tokens == 0
+    cache.release(hit)  # a miss pins nothing and releases nothing
+
+
+class SnapshotCacheMachine(RuleBasedStateMachine):
+    """Random stores, matches, releases and evictions against the model."""
+
+    @initialize(num_snapshots=st.integers(1, 4), retention=st.sampled_from(["value", "lru"]))
+    def start(self, num_snapshots, retention):
+        self.cache = SnapshotCache(UNIT, GROUPS, blocks_for, num_snapshots, retention=retention)
+        self.blocks = Blocks()
+        self.refs = {name: collections.Counter() for name in GROUPS}
+        self.rows: dict = {}  # snapshot row -> tokens whose state it holds
+        self.pinned: list = []
+        self.seen: list = []  # sequences stored, to query their prefixes and extensions
+
+    def _apply(self, ops, tokens=None):
+        for name in GROUPS:
+            self.refs[name].update(ops.incref[name])
+            self.refs[name].subtract(ops.release[name])
+            assert all(v >= 0 for v in self.refs[name].values()), "released more than taken"
+        for row in ops.copies:
+            self.rows[row] = tuple(tokens)
+
+    sequences = st.lists(st.integers(1, 3), min_size=2, max_size=14)
+
+    @rule(seq=sequences, cut=st.integers(1, 14), kind=st.sampled_from(SNAPSHOT_KINDS), namespace=st.sampled_from([None, "b"]))
+    def store(self, seq, cut, kind, namespace):
+        p = min(cut, len(seq))
+        self.seen.append((seq, namespace))
+        supersedes = self.pinned[-1][0].record if self.pinned else None
+        self._apply(self.cache.store(seq[:p], self.blocks.row(seq), source=1, kind=kind, namespace=namespace,
+                                     supersedes=supersedes), seq[:p])
+
+    @precondition(lambda self: self.seen)
+    @rule(data=st.data(), extra=st.lists(st.integers(1, 3), min_size=1, max_size=6))
+    def match_a_known_prefix(self, data, extra):
+        seq, namespace = self.seen[data.draw(st.integers(0, len(self.seen) - 1))]
+        self.match(seq[: data.draw(st.integers(0, len(seq)))] + extra, namespace)
+
+    @rule(query=sequences, namespace=st.sampled_from([None, "b"]))
+    def match(self, query, namespace):
+        hit = self.cache.match(query, namespace)
+        if hit.record is not None:
+            _check_hit(self.cache, hit, query, self.blocks, self.rows)
+            assert self.cache.records[hit.record].namespace == namespace
+            self.pinned.append((hit, query))
+        else:
+            self.cache.release(hit)
+
+    @precondition(lambda self: self.pinned)
+    @rule(data=st.data())
+    def release(self, data):
+        hit, _ = self.pinned.pop(data.draw(st.integers(0, len(self.pinned) - 1)))
+        self.cache.release(hit)
+
+    @rule(shortfall=st.lists(st.integers(0, 6), min_size=2, max_size=2))
+    def evict(self, shortfall):
+        self._apply(self.cache.evict_blocks(shortfall))
+
+    @invariant()
+    def references_match_what_is_held(self):
+        if not hasattr(self, "cache"):
+            return
+        self.cache.check_invariants()
+        held = self.cache.held_blocks()
+        for name in GROUPS:
+            assert +self.refs[name] == held[name], name
+
+    @invariant()
+    def pinned_hits_stay_valid(self):
+        for hit, query in getattr(self, "pinned", []):
+            assert hit.record in self.cache.records  # a pinned record is never dropped
+            _check_hit(self.cache, hit, query, self.blocks, self.rows)
+
+
+TestSnapshotCacheMachine = SnapshotCacheMachine.TestCase
+TestSnapshotCacheMachine.settings = settings(max_examples=150, stateful_step_count=40, deadline=None,
+                                             suppress_health_check=[HealthCheck.too_slow])
