@@ -23,7 +23,7 @@ def build_cache(model, *, max_seqs: int, max_model_len: int | None, kv_cache_mem
                 max_blocks_per_seq=None, num_host_pages=None, host_kv_memory=None, kv_dtype=None,
                 host_memory_kind: str = "auto", max_context_tokens=None, num_blocks=None, num_snapshots=None,
                 entry_format: str = "lossless", snapshot_retention: str = "value",
-                snapshot_interval=None) -> KVCache:
+                snapshot_interval=None, host_prefix_pages=None) -> KVCache:
     """The cache for ``model`` by its ``cache_kind`` (:mod:`jaxkv.nn.packed`):
     a :class:`~jaxkv.serve.hybrid_cache.HybridCache` or a
     :class:`~jaxkv.serve.paged_cache.PagedCache`, sized by the one rule of
@@ -36,6 +36,8 @@ def build_cache(model, *, max_seqs: int, max_model_len: int | None, kv_cache_mem
                  if value is not None]
         if num_host_pages:
             given.append("num_host_pages")
+        if host_prefix_pages:
+            given.append("host_prefix_pages")
         if given:
             raise InvalidArgument(f"{', '.join(given)}: options of the paged pool; {type(model).__name__} "
                                   "keeps its cache in a KVCacheManager (give max_model_len, kv_cache_memory; "
@@ -71,7 +73,9 @@ def build_cache(model, *, max_seqs: int, max_model_len: int | None, kv_cache_mem
             kv_cache_memory=kv_cache_memory,
             num_host_pages=None if num_host_pages is None else _host.int_at_least(num_host_pages, "num_host_pages", 0),
             host_kv_memory=host_kv_memory, kv_dtype=kv_dtype, prefix_cache=bool(prefix_cache),
-            prefill_chunk=prefill_chunk, host_memory_kind=host_memory_kind, free_bytes=free_bytes)
+            prefill_chunk=prefill_chunk, host_memory_kind=host_memory_kind, free_bytes=free_bytes,
+            host_prefix_pages=(None if host_prefix_pages is None
+                               else _host.int_at_least(host_prefix_pages, "host_prefix_pages", 0)))
 
 
 def _block_counts(value) -> dict[str, int] | None:

@@ -522,6 +522,12 @@ class Engine:
             blocks (``max_model_len``'s other spelling).
         num_host_pages: (paged pool, expert) host pages for swapping (0:
             preempt by recompute).
+        host_prefix_pages: (paged pool) pages of host memory for the
+            prefix cache's host tier (default None / 0: none): evicted
+            cached prefixes are copied there instead of dropped and a later
+            hit loads them back (:mod:`jaxkv.serve.paged_cache`; a pool
+            apart from the swap pool, in ``host_memory_kind``). Needs
+            ``prefix_cache``; ignored (logged) when every layer is windowed.
         kv_dtype: (paged pool) pool dtype (default: the model's).
         host_memory_kind: (paged pool) the swap pool's memory
             (``create_host_pool``: ``"auto"``, ``"pinned_host"`` or ``"numpy"``).
@@ -589,7 +595,8 @@ class Engine:
                  num_snapshots: int | None = None, snapshot_retention: str = "value",
                  snapshot_interval: int | None = None, prefix_cache: bool = True, decode_chunk: int = 8,
                  prefill_chunk: int = 256, max_num_batched_tokens: int | None = None, seed: int = 0,
-                 detokenizer: Callable | None = None, free_bytes: int | None = None, scheduler: str = "packed"):
+                 detokenizer: Callable | None = None, free_bytes: int | None = None, scheduler: str = "packed",
+                 host_prefix_pages: int | None = None):
         max_seqs = _host.int_at_least(max_seqs, "max_seqs", 1)
         decode_chunk = _host.int_at_least(decode_chunk, "decode_chunk", 1)
         prefill_chunk = _host.int_at_least(prefill_chunk, "prefill_chunk", 1)
@@ -612,7 +619,7 @@ class Engine:
             host_kv_memory=host_kv_memory, kv_dtype=kv_dtype, host_memory_kind=host_memory_kind,
             max_context_tokens=max_context_tokens, num_blocks=num_blocks, num_snapshots=num_snapshots,
             snapshot_retention=snapshot_retention, snapshot_interval=snapshot_interval,
-            entry_format=entry_format)
+            entry_format=entry_format, host_prefix_pages=host_prefix_pages)
         #: How the cache was sized (:class:`~jaxkv.serve.sizing.CachePlan`), logged at start-up.
         self.cache_plan: CachePlan = self.cache.plan
         for line in self.cache_plan.lines():

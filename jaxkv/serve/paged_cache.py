@@ -1,10 +1,30 @@
 """The paged adapter of the cache contract (:mod:`jaxkv.serve.caches`): a
 paged :class:`~jaxkv.KVPool` under a :class:`~jaxkv.BlockSpaceManager`, the
-radix prefix cache of page ids and swapping to a host pool."""
+radix prefix cache of page ids and swapping to a host pool.
+
+Host tier of the prefix cache (``host_prefix_pages > 0``, SGLang HiCache-like):
+a second host pool of that many pages, apart from the swap pool, holds the
+pages the prefix cache evicts. Invariants:
+
+* :meth:`PagedCache.evict` copies every evicted page that moves to the host
+  tier (``Evicted.offload_from`` -> ``offload_to``, one transfer call) BEFORE
+  its device block is released, so the copy reads the page's last contents;
+* a hit may run into host-tier pages: :meth:`PagedCache.match` counts them in
+  ``PrefixHit.tokens`` but not in ``PrefixHit.blocks`` (they hold no device
+  block yet), so the engine reserves free blocks for them as for a cold
+  prefill; :meth:`PagedCache.begin_prefill` loads them (one acquire, one
+  transfer call for the whole batch) into fresh blocks that the tree owns,
+  one reference each, as for inserted pages, before the rows take theirs;
+* host page ids are the prefix cache's own (``0 .. host_prefix_pages - 1``,
+  no null page: nothing but these copies reads that pool); the tree's host
+  free list accounts for every one of them.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import time
 from functools import partial
 
 import jax
@@ -20,13 +40,14 @@ from jaxkv.nn.sampling import RowSampling
 from jaxkv.nn.steps import paged_decode_peak, paged_packed_step, paged_peak_blocks, paged_row_blocks, paged_window, prefill_chunk
 from jaxkv.pool import host as host_swap
 from jaxkv.pool.kv_pool import KVPool
-from jaxkv.prefix import PrefixCacheManager
+from jaxkv.prefix import PrefixCacheManager, PrefixCacheStats
+from jaxkv.prefix.radix import HOST
 from jaxkv.serve import sizing
 from jaxkv.serve.caches import (CacheBase, PackedResult, PrefillLane, PrefixHit, blocks_from_budget, fixed_ids,
                                 sample_first)
 from jaxkv.serve.sizing import CachePlan, GroupPlan
 
-__all__ = ["PagedCache"]
+__all__ = ["HostTierRate", "PagedCache", "PagedPrefixStats", "host_tier_rate"]
 
 logger = logging.getLogger("jaxkv.serve")
 
@@ -52,6 +73,47 @@ def _paged_packed(graphdef, params, manager: BlockSpaceManager, pool: KVPool, ba
 
 _retire_paged = jax.jit(BlockSpaceManager.retire)
 _admit_paged = jax.jit(BlockSpaceManager.admit_with_prefix, donate_argnums=(0,))
+# Fresh blocks for host-tier pages loaded back (one owner: the prefix cache's).
+_acquire_blocks = jax.jit(lambda device, n, max_n: device.acquire(n, max_n=max_n), static_argnums=(2,))
+
+
+@dataclasses.dataclass(frozen=True)
+class PagedPrefixStats:
+    """The prefix cache's figures (:meth:`PagedCache.prefix_stats`).
+
+    ``tree``: the radix tree's own counters (:class:`~jaxkv.prefix.PrefixCacheStats`;
+    its ``host_hit_tokens`` counts host-tier tokens every ``match`` found,
+    a request matched again after waiting included). Host tier:
+    ``host_pages`` its capacity (0: none), ``host_free_pages`` pages not
+    holding a cached page, ``host_bytes`` the host pool's bytes,
+    ``loaded_tokens`` tokens actually copied back into device blocks for a
+    hit, ``offloaded_tokens`` tokens copied to the host tier on eviction,
+    ``load_calls`` / ``offload_calls`` the transfer calls that did it.
+    """
+
+    tree: PrefixCacheStats
+    host_pages: int
+    host_free_pages: int
+    host_bytes: int
+    loaded_tokens: int
+    offloaded_tokens: int
+    load_calls: int
+    offload_calls: int
+
+
+@dataclasses.dataclass(frozen=True)
+class HostTierRate:
+    """Measured host-tier transfer rates (:func:`host_tier_rate`): ``num_pages``
+    pages of ``bytes`` in all, the best of the timed repeats each way, in
+    GB/s (1e9 bytes per second): ``offload_gbps`` device -> host,
+    ``load_gbps`` host -> device; ``memory_kind`` ``"pinned_host"`` or
+    ``"numpy"``."""
+
+    num_pages: int
+    bytes: int
+    offload_gbps: float
+    load_gbps: float
+    memory_kind: str
 
 
 # The jitted steps never touch host blocks (they free only ON_DEVICE rows; swaps
@@ -69,13 +131,20 @@ def _device_view(manager: BlockSpaceManager) -> BlockSpaceManager:
 class PagedCache(CacheBase):
     """A paged :class:`~jaxkv.KVPool` under a :class:`~jaxkv.BlockSpaceManager`
     (Llama family, DeepSeek-V3's MLA pool), with the radix prefix cache and
-    swapping to a host pool. One group, ``"pages"``."""
+    swapping to a host pool. One group, ``"pages"``.
+
+    ``host_prefix_pages`` (> 0, with the prefix cache on) gives the prefix
+    cache a host tier of that many pages in a host pool of its own
+    (``prefix_host_pool``; the module docstring states its invariants). A
+    pool whose every layer is windowed gets none (logged): decode trims a
+    hit's blocks out of its rows, and the engine's reserve counts the hit's
+    blocks as shared from admission on."""
 
     can_swap = True
 
     def __init__(self, model, *, num_pages: int, page_size: int, max_seqs: int, max_blocks_per_seq: int,
                  num_host_pages: int, prefix_cache: bool, kv_dtype, prefill_chunk: int, host_memory_kind: str,
-                 max_model_len: int | None = None):
+                 max_model_len: int | None = None, host_prefix_pages: int = 0):
         self.page_size = page_size
         self.max_seqs = max_seqs
         self.max_blocks_per_seq = max_blocks_per_seq
@@ -89,17 +158,33 @@ class PagedCache(CacheBase):
         self.host_pool = (host_swap.create_host_pool(self.pool, max(num_host_pages, 2), memory_kind=host_memory_kind)
                           if num_host_pages else None)
         self.can_swap = self.host_pool is not None
-        self.prefix_cache = PrefixCacheManager(page_size, disable=not prefix_cache)
+        self.window = paged_window(model)  # every layer windowed: decode trims blocks out of it
+        if host_prefix_pages and self.window is not None:
+            logger.warning("host_prefix_pages=%d: every layer of %s is windowed; its prefix cache gets no host "
+                           "tier", host_prefix_pages, type(model).__name__)
+            host_prefix_pages = 0
+        if not prefix_cache:
+            host_prefix_pages = 0
+        self.host_memory_kind = host_memory_kind
+        # The prefix cache's host tier: its own pool, so its pages never meet the swap allocator's.
+        self.prefix_host_pool = (host_swap.create_host_pool(self.pool, host_prefix_pages,
+                                                            memory_kind=host_memory_kind)
+                                 if host_prefix_pages else None)
+        self.prefix_cache = PrefixCacheManager(page_size, disable=not prefix_cache, host_pages=host_prefix_pages)
+        self._loaded_tokens = self._load_calls = self._offload_calls = 0
         self.unit = page_size
         self.hit_grain = page_size  # hits are whole pages
         self._insert_at: list[set] = [set() for _ in range(max_seqs)]  # per row: prefixes others wait for
-        self.window = paged_window(model)  # every layer windowed: decode trims blocks out of it
         self.groups = ("pages",)
         self.capacity = np.asarray([self.manager.device.capacity], np.int64)
         leaves = jax.tree.leaves(self.pool)
         self.bytes_per_token = sum(x.size * x.dtype.itemsize for x in leaves) / (num_pages * page_size)
         self.bytes_per_block = self.bytes_per_token * page_size  # storage; the plan's figure adds the allocator's
         self.plan = self._plan(budget=None, source="num_pages (expert option)")
+        if self.prefix_host_pool is not None:
+            logger.info("prefix cache host tier: %d pages of %d tokens, %d bytes (%s)", host_prefix_pages, page_size,
+                        sizing.tree_bytes(self.prefix_host_pool),
+                        "pinned_host" if host_swap.is_pinned(self.prefix_host_pool) else "numpy")
 
     def _plan(self, *, budget, source, per_block: int | None = None) -> CachePlan:
         blocks = int(self.capacity[0])
@@ -122,7 +207,7 @@ class PagedCache(CacheBase):
     def build(cls, model, *, max_seqs: int, page_size: int, max_model_len: int | None, num_pages: int | None,
               max_blocks_per_seq: int | None, kv_cache_memory, num_host_pages: int | None, host_kv_memory,
               kv_dtype, prefix_cache: bool, prefill_chunk: int, host_memory_kind: str,
-              free_bytes: int | None = None) -> "PagedCache":
+              free_bytes: int | None = None, host_prefix_pages: int | None = None) -> "PagedCache":
         """The one sizing rule (:mod:`jaxkv.serve.sizing`) for a paged pool.
 
         ``max_model_len`` (None: from ``max_blocks_per_seq * page_size`` when
@@ -132,9 +217,14 @@ class PagedCache(CacheBase):
         (an expert option; ``kv_cache_memory`` beside it is refused), else
         from the budget. Host pages: ``num_host_pages``, or
         ``host_kv_memory`` bytes of host memory (not both; default none).
-        A ``max_model_len`` given here that the pool cannot hold is refused;
-        the default one is lowered to what the pool holds (logged)."""
+        ``host_prefix_pages``: pages of the prefix cache's host tier (None or
+        0: none; refused with ``prefix_cache`` off). A ``max_model_len``
+        given here that the pool cannot hold is refused; the default one is
+        lowered to what the pool holds (logged)."""
         window = paged_window(model)
+        if host_prefix_pages and not prefix_cache:
+            raise InvalidArgument(f"host_prefix_pages={host_prefix_pages}: a host tier of the prefix cache needs "
+                                  "prefix_cache=True")
         len_given = explicit = max_model_len is not None
         if max_blocks_per_seq is not None:
             if len_given and ceil_div(max_model_len, page_size) != max_blocks_per_seq:
@@ -197,7 +287,8 @@ class PagedCache(CacheBase):
         cache = cls(model, num_pages=num_pages, page_size=page_size, max_seqs=max_seqs,
                     max_blocks_per_seq=ceil_div(max_model_len, page_size), num_host_pages=num_host_pages,
                     prefix_cache=prefix_cache, kv_dtype=kv_dtype, prefill_chunk=prefill_chunk,
-                    host_memory_kind=host_memory_kind, max_model_len=max_model_len)
+                    host_memory_kind=host_memory_kind, max_model_len=max_model_len,
+                    host_prefix_pages=host_prefix_pages or 0)
         _, per_block = sizing.affine_bytes(lambda counts: measure(counts, max_model_len), 1)
         cache.plan = cache._plan(budget=budget, source=source, per_block=per_block[0])
         return cache
@@ -244,11 +335,18 @@ class PagedCache(CacheBase):
 
     def match(self, tokens: list, namespace) -> PrefixHit:
         """The cached prefix of ``tokens`` (capped at ``len - 1`` tokens, page
-        aligned), its node pinned until :meth:`unpin`."""
+        aligned), its node pinned until :meth:`unpin`.
+
+        With a host tier the hit runs on into host-tier pages: ``tokens``
+        counts them, ``blocks`` holds only the device part (the blocks the
+        request shares now), so the engine reserves free blocks for the host
+        pages as for pages it would compute; :meth:`begin_prefill` loads
+        them. The pin keeps them on the host until then (a pinned host node
+        is never dropped)."""
         match = self.prefix_cache.match(tokens, namespace, max_tokens=len(tokens) - 1)
         self.prefix_cache.pin(match.node)
-        blocks = list(match.blocks)  # no host tier: every matched page is on the device
-        return PrefixHit(len(blocks) * self.page_size, (blocks,), match.node)
+        blocks = list(match.blocks)
+        return PrefixHit(len(blocks) * self.page_size + match.num_host_tokens, (blocks,), match.node)
 
     def unpin(self, hit: PrefixHit | None) -> None:
         if hit is not None:
@@ -256,13 +354,80 @@ class PagedCache(CacheBase):
 
     def evict(self, shortfall: np.ndarray) -> None:
         """Evict at least ``shortfall`` blocks from the prefix cache (fewer if
-        not enough are evictable) and drop the tree's references to them."""
+        not enough are evictable) and drop the tree's references to them.
+        With a host tier the pages that move there are copied first, in one
+        transfer call, so the copy reads them before anyone reuses a block."""
         num_blocks = int(shortfall[0])
         if num_blocks <= 0 or self.prefix_cache.evictable_blocks == 0:
             return
         evicted = self.prefix_cache.evict(num_blocks)
+        if evicted.offload_from:
+            self.prefix_host_pool = host_swap.swap_out_pages(self.pool, self.prefix_host_pool, evicted.offload_from,
+                                                             evicted.offload_to)
+            self._offload_calls += 1
         if evicted.blocks:
             self.update(release=evicted.blocks)
+
+    def prefix_stats(self) -> PagedPrefixStats:
+        """The radix tree's counters and the host tier's figures
+        (:class:`PagedPrefixStats`)."""
+        tree = self.prefix_cache.stats()
+        pool = self.prefix_host_pool
+        return PagedPrefixStats(
+            tree=tree, host_pages=self.prefix_cache.host_capacity, host_free_pages=self.prefix_cache.host_free_pages,
+            host_bytes=sizing.tree_bytes(pool) if pool is not None else 0, loaded_tokens=self._loaded_tokens,
+            offloaded_tokens=tree.offloaded_tokens, load_calls=self._load_calls, offload_calls=self._offload_calls)
+
+    def _load_host_hits(self, lanes: list[PrefillLane]) -> list[list]:
+        """Each lane's prefix blocks, with the host-tier pages of its hit
+        loaded first: the distinct host nodes of every lane (two lanes may
+        hit one) get fresh blocks in ONE acquire and ONE transfer call, then
+        ``loaded`` hands the blocks to the tree (its one reference). The
+        engine reserved those blocks (the hit's ``blocks`` leave them out):
+        short of them is a bug (``BookkeepingError``, nothing changed)."""
+        prefixes, nodes, seen = [], [], set()
+        for lane in lanes:
+            hit = lane.hit
+            device_pages = len(hit.blocks[0])
+            if hit.node is None or hit.tokens == device_pages * self.page_size:
+                prefixes.append(None)
+                continue
+            path = []  # the hit's nodes, root side first (walked now: a later match may have split one)
+            node = hit.node
+            while node.parent is not None:
+                path.append(node)
+                node = node.parent
+            path.reverse()
+            prefixes.append(path)
+            for node in path:
+                if node.tier == HOST and id(node) not in seen:
+                    seen.add(id(node))
+                    nodes.append(node)
+        if nodes:
+            pages = [page for node in nodes for page in node.value]
+            device, ids, ok = _acquire_blocks(self.manager.device, len(pages), int(self.capacity[0]))
+            if not bool(ok):
+                raise BookkeepingError(
+                    f"loading {len(pages)} host-tier prefix pages: {int(self.free_blocks()[0])} of "
+                    f"{int(self.capacity[0])} blocks free (the engine reserves them at admission)")
+            blocks = np.asarray(ids)[: len(pages)].tolist()
+            # The transfer first: if it raised, the allocator is as it was.
+            self.pool = host_swap.swap_in_pages(self.pool, self.prefix_host_pool, pages, blocks)
+            self.manager = self.manager.replace(device=device)
+            self.prefix_cache.loaded(nodes, blocks)
+            self._loaded_tokens += len(pages) * self.page_size
+            self._load_calls += 1
+        out = []
+        for lane, path in zip(lanes, prefixes):
+            if path is None:
+                out.append(list(lane.hit.blocks[0]))
+                continue
+            blocks = [b for node in path for b in node.value]
+            if len(blocks) * self.page_size != lane.hit.tokens:
+                raise BookkeepingError(f"row {lane.row}: its prefix hit of {lane.hit.tokens} tokens is now "
+                                       f"{len(blocks)} pages of {self.page_size} in the prefix cache")
+            out.append(blocks)
+        return out
 
     def usage(self) -> list[dict]:
         """One row, the pool: ``blocks`` in use of ``capacity``, ``free``,
@@ -307,13 +472,14 @@ class PagedCache(CacheBase):
 
     def _begin_prefill(self, lanes: list[PrefillLane]) -> None:
         """``admit_with_prefix``: each row's cached blocks (one more owner
-        each) then fresh blocks for the rest of its prompt."""
+        each; host-tier pages of its hit loaded first) then fresh blocks for
+        the rest of its prompt."""
         batch = self.max_seqs
         rows = fixed_ids([lane.row for lane in lanes], batch)
         prefix = np.full((batch, self.max_blocks_per_seq), -1, np.int32)
         lengths = np.zeros((batch,), np.int32)
-        for i, lane in enumerate(lanes):
-            prefix[i, : len(lane.hit.blocks[0])] = lane.hit.blocks[0]
+        for i, (lane, blocks) in enumerate(zip(lanes, self._load_host_hits(lanes))):
+            prefix[i, : len(blocks)] = blocks
             lengths[i] = len(lane.tokens)
         host = self.manager.host
         manager, ok = _admit_paged(_device_view(self.manager), rows, prefix, lengths)
@@ -406,3 +572,61 @@ class PagedCache(CacheBase):
 
 
 # ------------------------------------------------------------ hybrid cache
+
+
+def host_tier_rate(cache, num_pages: int, *, repeats: int = 3) -> HostTierRate:
+    """Measure the host tier's transfer rates for ``num_pages`` pages (a
+    :class:`PagedCache`, or an engine with one as ``.cache``), as the
+    host tier moves them: ONE :func:`~jaxkv.pool.host.swap_out_pages` call
+    (offload) and ONE :func:`~jaxkv.pool.host.swap_in_pages` call (load),
+    each timed ``repeats`` times after an untimed call that compiles it;
+    the best time counts. Nothing is printed.
+
+    A scratch host pool of ``num_pages`` pages (the memory kind the host
+    tier uses) takes the copies, so no cached page changes: it loads its
+    zeros into free device blocks (never read; zeros are what a scrubbed
+    block holds anyway), then offloads device pages ``1 .. num_pages``
+    (only read). Works with or without a host tier configured.
+
+    Raises ``InvalidArgument`` for ``num_pages < 1``, more pages than the
+    pool's free blocks or its allocatable blocks, or ``repeats < 1``."""
+    cache = getattr(cache, "cache", cache)
+    if not isinstance(cache, PagedCache):
+        raise InvalidArgument(f"host_tier_rate of a {type(cache).__name__}: needs a PagedCache or an engine over one")
+    num_pages = _host.int_at_least(num_pages, "num_pages", 1)
+    repeats = _host.int_at_least(repeats, "repeats", 1)
+    device = cache.manager.device
+    free = int(device.num_free)
+    if num_pages > free:
+        raise InvalidArgument(f"host_tier_rate of {num_pages} pages: {free} of {device.capacity} blocks are free "
+                              "(loads are timed into free blocks)")
+    scratch = host_swap.create_host_pool(cache.pool, num_pages, memory_kind=cache.host_memory_kind)
+    host_pages = list(range(num_pages))
+    counts = np.asarray(jax.device_get(device.ref_counts))
+    free_blocks = (np.flatnonzero(counts[1:] == 0) + 1)[:num_pages].tolist()  # not taken: nothing runs meanwhile
+    device_pages = list(range(1, num_pages + 1))
+
+    def best(step) -> float:
+        step()  # compiles
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            jax.block_until_ready(step())
+            times.append(time.perf_counter() - start)
+        return min(times)
+
+    def load():
+        cache.pool = host_swap.swap_in_pages(cache.pool, scratch, host_pages, free_blocks)
+        return cache.pool
+
+    def offload():
+        nonlocal scratch
+        scratch = host_swap.swap_out_pages(cache.pool, scratch, device_pages, host_pages)
+        return scratch
+
+    load_s = best(load)
+    offload_s = best(offload)
+    nbytes = int(sizing.tree_bytes(scratch))
+    return HostTierRate(num_pages=num_pages, bytes=nbytes, offload_gbps=nbytes / max(offload_s, 1e-12) / 1e9,
+                        load_gbps=nbytes / max(load_s, 1e-12) / 1e9,
+                        memory_kind="pinned_host" if host_swap.is_pinned(scratch) else "numpy")
