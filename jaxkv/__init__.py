@@ -23,9 +23,11 @@ from jaxkv.prefix import (
     PrefixCacheStats,
     PrefixScheduler,
     SlotPrefixCacheManager,
+    SnapshotCache,
 )
 
 from jaxkv.manager.hybrid import KVCacheManager, LayerCacheHandle
+from jaxkv.manager.hybrid_host import HostStore, swap_in_request, swap_out_request
 from jaxkv.manager.hybrid_schema import (
     AttentionKind,
     HybridConfig,
@@ -50,6 +52,9 @@ __all__ = [
     "BlockSpaceManager",
     "KVCacheManager",
     "LayerCacheHandle",
+    "HostStore",
+    "swap_out_request",
+    "swap_in_request",
     "AttentionKind",
     "HybridConfig",
     "LayerCacheSchema",
@@ -64,6 +69,7 @@ __all__ = [
     "PrefixCacheManager",
     "PrefixScheduler",
     "SlotPrefixCacheManager",
+    "SnapshotCache",
     "PrefixCacheStats",
     "BlockStored",
     "BlockRemoved",

@@ -73,6 +73,24 @@ def test_engine_tokens_equal_transformers_under_preemption(name):
     assert int(engine.manager.slots.num_free) == engine.manager.max_requests
 
 
+def test_hybrid_engine_preempts_by_swap_and_gives_transformers_tokens():
+    """With host memory for request images, the hybrid engine preempts by
+    swap (every group's blocks and the GDN states to host and back) and the
+    tokens are still transformers' greedy ones; every slot, block and image
+    comes back."""
+    model, expected = _fixture("qwen3_next/small")
+    engine = Engine(model, max_seqs=3, max_context_tokens=256, num_blocks={"full": 12}, decode_chunk=2,
+                    prefill_chunk=64, host_kv_memory=1 << 26, prefix_cache=False)
+    order = np.argsort([-len(p) for p in expected["prompts"]])
+    ids = {int(i): engine.add_request(expected["prompts"][i], expected["max_new_tokens"]) for i in order}
+    summary = engine.run()
+    for i, rid in ids.items():
+        assert engine.outputs[rid] == expected["greedy"][i], f"prompt {i}"
+    assert summary.swap_preemptions > 0
+    assert engine.cache.blocks_in_use() == 0 and (engine.cache.row_status() == FREE).all()
+    assert engine.cache.host_used() == 0 and int(engine.manager.slots.num_free) == engine.manager.max_requests
+
+
 def _tree_blocks(engine):
     """Distinct blocks the prefix cache holds (pages and snapshot tails), all groups."""
     return sum(len(held) for held in engine.cache.snapshots.held_blocks().values())

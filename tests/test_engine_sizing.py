@@ -100,7 +100,7 @@ def test_kv_cache_memory_bytes_bound_the_cache(name):
         assert all(most - g.tokens < g.tokens_per_block for g in plan.groups)
         if plan.cache == "hybrid" and plan.num_snapshots:  # snapshots take at most a quarter of the budget
             assert plan.num_snapshots <= 2 * plan.max_seqs
-            assert (plan.max_seqs + plan.num_snapshots) * plan.snapshot_bytes <= budget // 4
+            assert plan.num_snapshots * plan.snapshot_bytes <= budget // 4
 
 
 @pytest.mark.parametrize("name", FAMILIES)
@@ -157,9 +157,12 @@ def test_contradictory_sizing_options_are_refused():
             Engine(llama, **kw)
     for kw, words in [(dict(num_blocks={"full": 9}, kv_cache_memory=MiB), "num_blocks=.* and kv_cache_memory"),
                       (dict(max_context_tokens=64, max_model_len=32), "disagree"),
-                      (dict(host_kv_memory=MiB), "host_kv_memory: options of the paged pool")]:
+                      (dict(kv_dtype="bfloat16"), "kv_dtype: options of the paged pool"),
+                      (dict(snapshot_retention="fifo"), "snapshot_retention='fifo'")]:
         with pytest.raises(InvalidArgument, match=words):
             Engine(qwen, **kw)
+    with pytest.raises(InvalidArgument, match="snapshot_retention: options of a hybrid cache"):
+        Engine(llama, snapshot_retention="lru")
     # The expert options still size the cache as they did.
     engine = Engine(llama, num_pages=10, page_size=4, max_blocks_per_seq=8)
     assert engine.cache_plan.groups[0].blocks == 9 and engine.max_model_len == 32

@@ -173,8 +173,8 @@ def serve(engine, reference, waves, budget=None, check=None) -> list:
             check(engine)
         for what, happened in [("recompute preemption", summary.recompute_preemptions),
                                ("prefix hit", summary.prefix_hit_tokens),
-                               ("snapshot stored", engine.cache.prefix_stats()["snapshots_taken"]
-                                if hasattr(engine.cache, "prefix_stats") else 0)]:
+                               ("snapshot stored", engine.cache.snapshots.stored
+                                if hasattr(engine.cache, "snapshots") else 0)]:
             if happened and currently_in_test_context():
                 event(what)
     return summaries

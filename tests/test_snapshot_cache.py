@@ -37,6 +37,7 @@ class Blocks:
 
     def __init__(self):
         self.ids: dict = {}
+        self.fresh: dict = {}  # id -> (group, tokens) of blocks a host tier wrote
 
     def row(self, tokens: list) -> list[list[int]]:
         out = []
@@ -46,7 +47,7 @@ class Blocks:
         return out
 
     def content(self) -> dict:
-        return {v: k for k, v in self.ids.items()}
+        return {**{v: k for k, v in self.ids.items()}, **self.fresh}
 
 
 def _check_hit(cache, hit, query, blocks: Blocks, rows: dict) -> None:
@@ -133,9 +134,10 @@ def test_refusals():
 class SnapshotCacheMachine(RuleBasedStateMachine):
     """Random stores, matches, releases and evictions against the model."""
 
-    @initialize(num_snapshots=st.integers(1, 4), retention=st.sampled_from(["value", "lru"]))
-    def start(self, num_snapshots, retention):
-        self.cache = SnapshotCache(UNIT, GROUPS, blocks_for, num_snapshots, retention=retention)
+    @initialize(num_snapshots=st.integers(1, 4), retention=st.sampled_from(["value", "lru"]), spill=st.booleans())
+    def start(self, num_snapshots, retention, spill):
+        self.cache = SnapshotCache(UNIT, GROUPS, blocks_for, num_snapshots, retention=retention, spill=spill)
+        self.host: list = []  # spilled records, as a host tier keeps them: (tokens, namespace, kind)
         self.blocks = Blocks()
         self.refs = {name: collections.Counter() for name in GROUPS}
         self.rows: dict = {}  # snapshot row -> tokens whose state it holds
@@ -143,6 +145,17 @@ class SnapshotCacheMachine(RuleBasedStateMachine):
         self.seen: list = []  # sequences stored, to query their prefixes and extensions
 
     def _apply(self, ops, tokens=None):
+        content = self.blocks.content()
+        for spill in ops.spills:  # a record leaving: every block of its tokens, read before any release
+            assert self.cache.spill
+            assert self.rows[spill.row] == spill.tokens  # its row still holds its state
+            for g, per in enumerate(TOKENS_PER_BLOCK):
+                assert len(spill.blocks[g]) == blocks_for(len(spill.tokens))[g]
+                for i, block in enumerate(spill.blocks[g]):
+                    covered = min((i + 1) * per, len(spill.tokens))
+                    assert content[block][1][:covered] == spill.tokens[:covered]
+                    assert self.refs[GROUPS[g]][block] > 0  # still held when it is read
+            self.host.append((spill.tokens, spill.namespace, spill.kind))
         for name in GROUPS:
             self.refs[name].update(ops.incref[name])
             self.refs[name].subtract(ops.release[name])
@@ -181,6 +194,27 @@ class SnapshotCacheMachine(RuleBasedStateMachine):
     def release(self, data):
         hit, _ = self.pinned.pop(data.draw(st.integers(0, len(self.pinned) - 1)))
         self.cache.release(hit)
+
+    @precondition(lambda self: getattr(self, "host", None))
+    @rule(data=st.data())
+    def restore(self, data):
+        """A host tier brings a spilled record back: fresh blocks (one
+        reference each, given), its state written into a row it takes."""
+        tokens, namespace, kind = self.host.pop(data.draw(st.integers(0, len(self.host) - 1)))
+        row, ops = self.cache.take_row()
+        self._apply(ops)
+        if row is None:
+            return
+        fresh = [[100_000 + len(self.blocks.fresh) + 1000 * g + i for i in range(n)]  # ids never used before
+                 for g, n in enumerate(blocks_for(len(tokens)))]
+        self.blocks.fresh.update({b: (g, tuple(tokens[: min((i + 1) * per, len(tokens))]))
+                                  for g, per in enumerate(TOKENS_PER_BLOCK) for i, b in enumerate(fresh[g])})
+        for g, name in enumerate(GROUPS):  # the references handed over
+            self.refs[name].update(fresh[g])
+        self.rows[row] = tuple(tokens)
+        self._apply(self.cache.store(list(tokens), fresh, row, kind=kind, namespace=namespace, given=True))
+        for g, name in enumerate(GROUPS):  # each given reference is kept once or released
+            assert all(self.refs[name][b] <= 1 for b in fresh[g])
 
     @rule(shortfall=st.lists(st.integers(0, 6), min_size=2, max_size=2))
     def evict(self, shortfall):

@@ -1,6 +1,8 @@
 """``python -m jaxkv.bench prefix``: the radix prefix cache on a shared-prefix
 trace, device allocator calls included; then (not with ``--quick``) hit rate
-against the ideal per model family on the engine
+against the ideal per model family, workload and snapshot retention policy
+on the engine, the same on a device too small to keep everything without
+and with the prefix cache's host tier, and the host tier's transfer rates
 (:mod:`jaxkv.bench.prefix_families`).
 
 The trace (issue 4): ``numpy.random.default_rng(0)``; 10 system prompts of
@@ -251,11 +253,11 @@ def main(args) -> int:
           "BlockSpaceManager table (see the module docstring for which to pick).")
     print("\nTargets (issue 4, 2-core CPU): 8 per step <= 60 us/request; 1 per step no slower than "
           "SGLang's RadixCache on the same loop (about 136-160 us/request).")
-    families = []
+    families, host, rates = [], [], []
     if args.quick:  # CI's smoke run: three models' engines cost ~40 s of compiles (tests cover the hits)
         print("\nPer-family hit rates on the engine: run without --quick.")
     else:
-        from jaxkv.bench.prefix_families import family_hit_rows
+        from jaxkv.bench.prefix_families import HOST_TIER_BYTES, family_hit_rows, host_tier_rows, transfer_rows
 
         family_rows, families = family_hit_rows()
         print()
@@ -263,7 +265,16 @@ def main(args) -> int:
                     "(jaxkv.bench.prefix_families)",
                     ["family", "workload", "retention", "page (tokens)", "hit tokens", "hit rate", "ideal rate",
                      "hit / ideal", "evicted tokens", "snapshot bytes"], family_rows)
+        host_rows, host = host_tier_rows()
+        print()
+        print_table(f"hit / ideal on a device that keeps about one full-length request per group (2 snapshot rows), "
+                    f"without and with a {HOST_TIER_BYTES >> 20} MiB host tier of the prefix cache",
+                    ["family", "workload", "device only", "with host tier", "tokens loaded from host"], host_rows)
+        rate_rows, rates = transfer_rows()
+        print()
+        print_table("host tier transfer rate (one transfer path each way; tiny bench models' blocks)",
+                    ["family", "blocks", "bytes", "to host GB/s", "to device GB/s", "measured"], rate_rows)
     if args.json:
         print_json({"benchmark": "prefix", "machine": machine_description(), "dispatch": dispatch, "results": payload,
-                    "families": families})
+                    "families": families, "host_tier": host, "host_transfer": rates})
     return 0

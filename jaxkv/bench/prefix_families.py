@@ -39,7 +39,7 @@ from flax import nnx
 from jaxkv.nn.packed import cache_kind
 from jaxkv.serve import Engine
 
-__all__ = ["family_hit_rows", "ideal_hits"]
+__all__ = ["family_hit_rows", "host_tier_rows", "ideal_hits", "transfer_rows"]
 
 
 def family_models() -> dict:
@@ -176,3 +176,69 @@ def _snapshot_bytes(engine) -> int:
         tails = {b for record in snapshots.records.values() for b in record.tail[g]}
         total += len(tails - pages) * per
     return total
+
+
+def _small_engine(model, context: int, host_bytes: int):
+    """An engine whose device keeps about one full-length request per group
+    (two snapshot rows for a hybrid model), with ``host_bytes`` of host
+    tier for the prefix cache (0: none)."""
+    host = {"host_prefix_memory": host_bytes} if host_bytes else {}
+    if cache_kind(model) == "hybrid":
+        probe = Engine(model, max_seqs=1, max_context_tokens=context, prefix_cache=False)
+        blocks = {name: int(b) + 2 for name, b in zip(probe.cache.groups, probe.cache.blocks_for(context))}
+        return Engine(model, max_seqs=4, max_context_tokens=context, num_blocks=blocks, num_snapshots=2,
+                      decode_chunk=8, prefill_chunk=128, **host)
+    return Engine(model, num_pages=context // 16 + 2, page_size=16, max_seqs=4, max_blocks_per_seq=context // 16,
+                  decode_chunk=8, prefill_chunk=128, **host)
+
+
+HOST_TIER_BYTES = 256 << 20
+
+
+def host_tier_rows() -> tuple[list, list]:
+    """``(table rows, JSON records)``: hit / ideal per family and workload
+    on a device too small to keep everything, without and with the host
+    tier of the prefix cache (:data:`HOST_TIER_BYTES`), the tokens it
+    brought back; then the tier's transfer rates per family."""
+    rows, payload = [], []
+    for family, model in family_models().items():
+        for workload in WORKLOADS:
+            figures = {}
+            for host_bytes in (0, HOST_TIER_BYTES):
+                engine = _small_engine(model, 1024, host_bytes)
+                hit, prompt_tokens, served = _serve(engine, model, workload, np.random.default_rng(0))
+                ideal = ideal_hits(served)
+                stats = engine.cache.prefix_stats()
+                loaded = (stats.loaded_tokens if hasattr(stats, "loaded_tokens") else
+                          getattr(engine.cache, "host_loaded_tokens", 0))
+                figures[bool(host_bytes)] = (hit / ideal if ideal else None, int(loaded))
+            (off, _), (on, loaded) = figures[False], figures[True]
+            rows.append([family, workload, f"{off:.1%}", f"{on:.1%}", f"{loaded:,}"])
+            payload.append({"family": family, "workload": workload, "hit_over_ideal_device_only": off,
+                            "hit_over_ideal_with_host_tier": on, "host_loaded_tokens": loaded})
+    return rows, payload
+
+
+def transfer_rows(num_blocks: int = 64) -> tuple[list, list]:
+    """``(table rows, JSON records)``: the host tier's transfer rate per
+    family, ``num_blocks`` blocks (pages) of every group each way."""
+    from jaxkv.manager.hybrid_host import read_blocks, transfer_rate, tree_nbytes
+    from jaxkv.serve.paged_cache import host_tier_rate
+
+    rows, payload = [], []
+    for family, model in family_models().items():
+        engine = _engine(model, max_seqs=4, context=1024)
+        if cache_kind(model) == "hybrid":
+            manager = engine.cache.manager
+            ids = {name: np.arange(1, min(num_blocks, g.allocator.capacity) + 1) for name, g in manager.groups.items()}
+            size = tree_nbytes(read_blocks(manager, ids))
+            engine.cache.manager, rate = transfer_rate(manager, num_blocks)
+            out = back = rate
+            kind = "round trip"
+        else:
+            rate = host_tier_rate(engine, num_blocks)
+            out, back, kind, size = rate.offload_gbps, rate.load_gbps, "each way", rate.bytes
+        rows.append([family, f"{num_blocks}", f"{size / 2**20:.2f} MiB", f"{out:.2f}", f"{back:.2f}", kind])
+        payload.append({"family": family, "blocks": num_blocks, "bytes": int(size), "to_host_gbps": out,
+                        "to_device_gbps": back, "measured": kind})
+    return rows, payload

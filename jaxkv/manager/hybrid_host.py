@@ -319,13 +319,16 @@ def _scatter_blocks(manager: KVCacheManager, blocks: dict[str, Int[Array, " n"]]
 
 
 def _swap_out(manager: KVCacheManager, slot: Int[Array, ""], rows: Int[Array, " r"],
-              blocks: dict[str, Int[Array, " n"]]) -> tuple[KVCacheManager, StateRows, BlockData, Array]:
+              blocks: dict[str, Int[Array, " n"]], keep_slot: bool) -> tuple[KVCacheManager, StateRows, BlockData, Array]:
     """Read the request's rows and blocks, then release the slot (the reads
-    see the manager before the release)."""
+    see the manager before the release); with ``keep_slot`` the slot stays
+    held, empty (its blocks released, its state reset, ``seq_len`` 0)."""
     state = _gather_rows(manager, rows)
     data = _gather_blocks(manager, blocks)
-    manager, ok = manager.release(slot.reshape(1))
-    return manager, state, data, ok
+    released, ok = manager.release(slot.reshape(1))
+    if keep_slot:  # the slot allocator as it was: the slot is still held
+        released = released.replace(slots=manager.slots)
+    return released, state, data, ok
 
 
 def _width(group_data: GroupBlocks) -> int:
@@ -389,7 +392,7 @@ _read_rows_jit = jax.jit(_gather_rows)
 _write_rows_jit = jax.jit(_scatter_rows, donate_argnums=0)
 _read_blocks_jit = jax.jit(_gather_blocks)
 _write_blocks_jit = jax.jit(_scatter_blocks, donate_argnums=0)
-_swap_out_jit = jax.jit(_swap_out, donate_argnums=0)
+_swap_out_jit = jax.jit(_swap_out, donate_argnums=0, static_argnames=("keep_slot",))
 _swap_in_jit = jax.jit(_swap_in, donate_argnums=0)
 _slot_facts_jit = jax.jit(_slot_facts)
 
@@ -671,15 +674,16 @@ def _padded(ids: np.ndarray) -> np.ndarray:
     return _host.padded_ids(ids) if ids.size else np.full((1,), -1, np.int32)
 
 
-def swap_out_request(manager: KVCacheManager, slot: int, *, memory_kind: str = "auto"
+def swap_out_request(manager: KVCacheManager, slot: int, *, memory_kind: str = "auto", keep_slot: bool = False
                      ) -> tuple[KVCacheManager, RequestImage | None, bool]:
     """Take request ``slot`` off the device: its state rows, the data of
     every block of its tables in every group and its ``seq_len`` as a
     :class:`RequestImage` in host memory (``memory_kind`` as
     :class:`HostStore`'s), then release the slot exactly as
     ``KVCacheManager.release`` does (its blocks lose this owner: a block
-    shared with a prefix cache or another slot keeps the others). One
-    jitted call (read + release, ``manager`` donated) and one transfer.
+    shared with a prefix cache or another slot keeps the others); with
+    ``keep_slot`` the slot stays held and empty, for the image to come back
+    into (a scheduler that keeps the request's row). One jitted call (read + release, ``manager`` donated) and one transfer.
 
     Returns ``(manager, image, ok)``; when ``slot`` is not a held request
     slot: ``(manager, None, False)`` and nothing changed (nothing donated).
@@ -692,7 +696,7 @@ def swap_out_request(manager: KVCacheManager, slot: int, *, memory_kind: str = "
         return manager, None, False
     blocks = {name: _padded(np.asarray(tables[name][: int(lens[name])])) for name in manager.groups}
     rows = np.asarray(_image_rows(manager, slot), np.int32)
-    manager, state, data, ok = _swap_out_jit(manager, jnp.int32(slot), rows, blocks)
+    manager, state, data, ok = _swap_out_jit(manager, jnp.int32(slot), rows, blocks, keep_slot=bool(keep_slot))
     if not bool(ok):  # the release refused (it cannot for a held slot): unchanged, as release leaves it
         return manager, None, False
     image = RequestImage(state=state, blocks=data, seq_len=int(seq_len),

@@ -13,6 +13,7 @@ from jaxkv.prefix.block_cache import (  # noqa: F401 - the public names of this 
 )
 from jaxkv.prefix.scheduler import Admission, PrefixScheduler  # noqa: F401
 from jaxkv.prefix.slot_cache import SlotPrefixCacheManager, SlotPrefixCacheStats  # noqa: F401
+from jaxkv.prefix.snapshot_cache import SnapshotCache, SnapshotHit, SnapshotRecord  # noqa: F401
 
 __all__ = [
     "Admission",
@@ -28,4 +29,7 @@ __all__ = [
     "PrefixScheduler",
     "SlotPrefixCacheManager",
     "SlotPrefixCacheStats",
+    "SnapshotCache",
+    "SnapshotHit",
+    "SnapshotRecord",
 ]

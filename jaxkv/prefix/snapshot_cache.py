@@ -69,7 +69,7 @@ from jaxkv.errors import BookkeepingError, InvalidArgument
 from jaxkv.prefix.block_cache import PrefixCacheManager
 from jaxkv.prefix.radix import DEVICE, namespace_key
 
-__all__ = ["BlockOps", "RETENTION_POLICIES", "SNAPSHOT_KINDS", "SnapshotCache", "SnapshotHit", "SnapshotRecord"]
+__all__ = ["BlockOps", "RETENTION_POLICIES", "SNAPSHOT_KINDS", "SnapshotCache", "SnapshotHit", "SnapshotRecord", "Spill"]
 
 #: Why a snapshot was taken (the retention policy's input).
 SNAPSHOT_KINDS = ("prompt_end", "interval", "branch", "turn_end")
@@ -85,8 +85,9 @@ class SnapshotRecord:
     page, or ``("root", namespace)``), ``depth`` (whole pages before it),
     ``tail_tokens`` (the tokens past them), ``tail`` (per group, the blocks
     holding those tokens: this record holds one reference to each),
-    ``kind`` (one of :data:`SNAPSHOT_KINDS`), ``pins``, ``hits``,
-    ``last_used`` (a clock), ``superseded``."""
+    ``kind`` (one of :data:`SNAPSHOT_KINDS`), ``namespace``, ``path``
+    (the handles of its pages), ``prefix`` (its tokens), ``pins``,
+    ``hits``, ``last_used`` (a clock), ``superseded``."""
 
     id: int
     row: int
@@ -97,6 +98,8 @@ class SnapshotRecord:
     tail: tuple
     kind: str
     namespace: Hashable = None
+    path: tuple = ()  # the handles of its whole pages, in order
+    prefix: tuple = ()  # all its tokens
     pins: int = 0
     hits: int = 0
     last_used: int = 0
@@ -121,25 +124,41 @@ class SnapshotHit:
     branch: int
 
 
+@dataclasses.dataclass(frozen=True)
+class Spill:
+    """A record leaving the device (with ``spill`` on): its ``tokens``,
+    ``namespace``, ``kind``, the ``blocks`` of each group that hold them
+    (pages then tail) and its snapshot ``row``, for the caller to copy to
+    host memory before the blocks are released and the row reused."""
+
+    tokens: tuple
+    namespace: Hashable
+    kind: str
+    blocks: tuple
+    row: int
+
+
 @dataclasses.dataclass
 class BlockOps:
     """Device work an operation asks of the caller, in this order: incref
-    ``incref[g]`` (ids of group ``g``), release ``release[g]``, then copy
-    state rows ``copies`` (``snapshot row -> source``: the caller's request
-    slot whose state the snapshot takes)."""
+    ``incref[g]`` (ids of group ``g``), copy the ``spills`` to host, release
+    ``release[g]``, then copy state rows ``copies`` (``snapshot row ->
+    source``: the caller's request slot whose state the snapshot takes)."""
 
     incref: dict
     release: dict
     copies: dict = dataclasses.field(default_factory=dict)
+    spills: list = dataclasses.field(default_factory=list)
 
     def extend(self, other: "BlockOps") -> None:
         for name in self.incref:
             self.incref[name] += other.incref[name]
             self.release[name] += other.release[name]
         self.copies.update(other.copies)
+        self.spills += other.spills
 
     def __bool__(self) -> bool:
-        return any(self.incref.values()) or any(self.release.values()) or bool(self.copies)
+        return any(self.incref.values()) or any(self.release.values()) or bool(self.copies) or bool(self.spills)
 
 
 class SnapshotCache:
@@ -154,11 +173,13 @@ class SnapshotCache:
         retention: ``"value"`` or ``"lru"`` (module docstring).
         row_bytes: bytes of one snapshot row (state of every layer), and
             ``block_bytes``: bytes of one block per group; for :meth:`usage`.
+        spill: every record that leaves (dropped for its row, or with its
+            page) is reported in ``BlockOps.spills`` for a host tier.
     """
 
     def __init__(self, unit: int, groups: Sequence[str], blocks_for: Callable[[int], Sequence[int]],
                  num_snapshots: int, *, retention: str = "value", row_bytes: int = 0,
-                 block_bytes: Sequence[int] | None = None):
+                 block_bytes: Sequence[int] | None = None, spill: bool = False):
         if retention not in RETENTION_POLICIES:
             raise InvalidArgument(f"retention={retention!r}: choose one of {RETENTION_POLICIES}")
         if num_snapshots < 0:
@@ -169,6 +190,7 @@ class SnapshotCache:
         self.blocks_per_page = [int(n) for n in blocks_for(unit)]
         self.num_snapshots = num_snapshots
         self.retention = retention
+        self.spill = spill
         self.row_bytes = row_bytes
         self.block_bytes = list(block_bytes) if block_bytes is not None else [0] * len(self.groups)
         self.tree = PrefixCacheManager(unit, disable=num_snapshots == 0)
@@ -246,11 +268,12 @@ class SnapshotCache:
 
     # ----------------------------------------------------------------- store
 
-    def _empty_ops(self) -> BlockOps:
+    def empty_ops(self) -> BlockOps:
+        """No device work (a :class:`BlockOps` to ``extend``)."""
         return BlockOps({name: [] for name in self.groups}, {name: [] for name in self.groups})
 
-    def store(self, tokens: Sequence[int], row_blocks: Sequence[Sequence[int]], source: int, *, kind: str,
-              namespace: Hashable = None, supersedes: int | None = None) -> BlockOps:
+    def store(self, tokens: Sequence[int], row_blocks: Sequence[Sequence[int]], source: int | None, *, kind: str,
+              namespace: Hashable = None, supersedes: int | None = None, given: bool = False) -> BlockOps:
         """Cache the state of a request at exactly ``len(tokens)`` tokens:
         its whole pages go into the tree (new ones with this cache's
         reference to their blocks), and unless a record with the same
@@ -261,10 +284,17 @@ class SnapshotCache:
         blocks). ``supersedes``: the record the request started from (a
         turn end it continued: dropped first from now on). Returns the
         device work, increfs before releases (a row freed for this record
-        may release blocks of the record it drops)."""
+        may release blocks of the record it drops).
+
+        ``given`` (a host tier bringing a record back): the caller hands
+        over one reference to each of ``row_blocks[g][:blocks_for(len)]``
+        and has written the state into ``source``, a free snapshot row
+        (:meth:`take_row`): the references the cache keeps are not
+        increfed, the others (pages it had already) come back in
+        ``release``, and no copy is asked for."""
         if kind not in SNAPSHOT_KINDS:
             raise InvalidArgument(f"kind={kind!r}: one of {SNAPSHOT_KINDS}")
-        ops = self._empty_ops()
+        ops = self.empty_ops()
         tokens = list(tokens)
         if not self.num_snapshots or not tokens:
             return ops
@@ -275,6 +305,8 @@ class SnapshotCache:
                                        f"request's table holds {list(row_blocks[g])[: need[g] + 2]}")
         depth = len(tokens) // self.unit
         handles = self._insert_pages(tokens[: depth * self.unit], row_blocks, namespace, ops) if depth else []
+        if given:
+            return self._adopt_given(tokens, row_blocks, need, depth, handles, source, kind, namespace, ops)
         key = self._key(depth, handles, namespace)
         tail_tokens = tuple(tokens[depth * self.unit:])
         if supersedes is not None and supersedes in self.records:
@@ -288,8 +320,7 @@ class SnapshotCache:
                 if _rank(kind) > _rank(record.kind):
                     record.kind = kind
                 return ops
-        # Pin the record's pages while rows are freed: dropping records never evicts pages, but be explicit.
-        row = self._free_row(ops)
+        row = self._free_row(ops)  # (dropping a record for its row never evicts a page)
         if row is None:
             self.dropped += 1
             self.events.append(("dropped", -1, len(tokens)))
@@ -298,14 +329,57 @@ class SnapshotCache:
                      for g in range(len(self.groups)))
         for g, name in enumerate(self.groups):
             ops.incref[name] += list(tail[g])
-        record = SnapshotRecord(self._next_record, row, len(tokens), key, depth, tail_tokens, tail, kind,
-                                namespace, last_used=self._tick())
+        self._add_record(row, tokens, depth, handles, tail, kind, namespace)
+        ops.copies[row] = source
+        return ops
+
+    def _add_record(self, row: int, tokens: list, depth: int, handles: list, tail: tuple, kind: str,
+                    namespace: Hashable) -> SnapshotRecord:
+        key = self._key(depth, handles, namespace)
+        record = SnapshotRecord(self._next_record, row, len(tokens), key, depth, tuple(tokens[depth * self.unit:]),
+                                tail, kind, namespace, path=tuple(handles[:depth]), prefix=tuple(tokens),
+                                last_used=self._tick())
         self._next_record += 1
         self.records[record.id] = record
         self._at[key].append(record.id)
-        ops.copies[row] = source
         self.stored += 1
         self.events.append(("stored", record.id, record.tokens))
+        return record
+
+    def take_row(self) -> tuple[int | None, BlockOps]:
+        """A free snapshot row for a record coming back from host memory
+        (the retention policy drops one when none is free; None: every
+        record is pinned), and the device work that dropping asks for. The
+        row stays taken: give it to :meth:`store` with ``given``."""
+        ops = self.empty_ops()
+        return self._free_row(ops), ops
+
+    def give_row(self, row: int) -> None:
+        """Return a row :meth:`take_row` gave and the caller did not use."""
+        if row in self._free_rows or any(r.row == row for r in self.records.values()):
+            raise BookkeepingError(f"snapshot row {row} is not taken")
+        self._free_rows.append(row)
+
+    def _adopt_given(self, tokens, row_blocks, need, depth, handles, row, kind, namespace, ops) -> BlockOps:
+        """:meth:`store` with ``given`` (after the pages went in)."""
+        kept = {name: collections.Counter(ops.incref[name]) for name in self.groups}
+        for g, name in enumerate(self.groups):
+            ops.incref[name] = []
+            for block in (int(b) for b in row_blocks[g][: depth * self.blocks_per_page[g]]):
+                if kept[name][block]:
+                    kept[name][block] -= 1  # a new page: the given reference is the tree's
+                else:
+                    ops.release[name].append(block)  # the tree had the page: the given copy goes
+        key = self._key(depth, handles, namespace)
+        tail_tokens = tuple(tokens[depth * self.unit:])
+        tail = tuple(tuple(int(b) for b in row_blocks[g][depth * self.blocks_per_page[g]: need[g]])
+                     for g in range(len(self.groups)))
+        if any(self.records[rid].tail_tokens == tail_tokens for rid in self._at.get(key, ())):
+            for g, name in enumerate(self.groups):  # cached meanwhile: the given tail and row go back
+                ops.release[name] += list(tail[g])
+            self._free_rows.append(row)
+            return ops
+        self._add_record(row, tokens, depth, handles, tail, kind, namespace)
         return ops
 
     def _insert_pages(self, tokens: list, row_blocks, namespace: Hashable, ops: BlockOps) -> list:
@@ -344,6 +418,10 @@ class SnapshotCache:
         return min(candidates, key=lambda r: (_class(r), r.last_used))
 
     def _drop_record(self, record: SnapshotRecord, ops: BlockOps) -> None:
+        if self.spill:  # the pages are still here (an evicted page is dropped after its records)
+            blocks = tuple([b for h in record.path for b in self.pages[h][g]] + list(record.tail[g])
+                           for g in range(len(self.groups)))
+            ops.spills.append(Spill(record.prefix, record.namespace, record.kind, blocks, record.row))
         for g, name in enumerate(self.groups):
             ops.release[name] += list(record.tail[g])
         del self.records[record.id]
@@ -364,7 +442,7 @@ class SnapshotCache:
         """Give back least recently used tree pages until each group has
         released ``shortfall`` references (fewer when nothing more is
         evictable); the records keyed at an evicted page go with it."""
-        ops = self._empty_ops()
+        ops = self.empty_ops()
         pages = max((-(-int(n) // per) for n, per in zip(shortfall, self.blocks_per_page) if n > 0 and per),
                     default=0)
         if pages and self.tree.evictable_blocks:
@@ -373,13 +451,14 @@ class SnapshotCache:
 
     def _drop_pages(self, handles: list, ops: BlockOps) -> None:
         for h in handles:
-            for name, ids in zip(self.groups, self.pages.pop(h)):
-                ops.release[name] += list(ids)
             for rid in list(self._at.get(h, ())):
                 record = self.records[rid]
                 if record.pins:
                     raise BookkeepingError(f"page {h} was evicted under pinned snapshot record {rid}")
                 self._drop_record(record, ops)
+        for h in handles:
+            for name, ids in zip(self.groups, self.pages.pop(h)):
+                ops.release[name] += list(ids)
 
     # ----------------------------------------------------------------- reading
 

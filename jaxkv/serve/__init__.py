@@ -7,9 +7,13 @@
   scheduler iteration, a :class:`RequestOutput` per request that made
   tokens or finished), :meth:`Engine.abort`, :meth:`Engine.stats`
   (:class:`EngineStats`); :meth:`Engine.run` loops over ``step``.
-* :mod:`jaxkv.serve.caches`: what the engine needs from a model's cache,
-  for the paged pool (:class:`~jaxkv.serve.paged_cache.PagedCache`) and the
-  hybrid ``KVCacheManager`` (:class:`~jaxkv.serve.hybrid_cache.HybridCache`).
+* :mod:`jaxkv.serve.caches`: the cache contract the engine speaks (the
+  ``KVCache`` protocol and what the adapters share), one thin adapter per
+  cache kind: :mod:`jaxkv.serve.paged_cache` (a paged pool, the radix
+  prefix cache with its host tier, swap) and :mod:`jaxkv.serve.hybrid_cache`
+  (a hybrid ``KVCacheManager``, the snapshot prefix cache of
+  :mod:`jaxkv.prefix.snapshot_cache` with its host tier, swap of every
+  group); :mod:`jaxkv.serve.build` picks one by the model's ``cache_kind``.
 * :mod:`jaxkv.serve.sizing`: one sizing rule for every family
   (``max_model_len``, ``kv_cache_memory``) and the :class:`CachePlan` it
   gives (``engine.cache_plan``).

@@ -60,6 +60,14 @@ _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1024, "m": 1000 ** 2, "mb
           "g": 1000 ** 3, "gb": 1000 ** 3, "gib": 1024 ** 3}
 
 
+def parse_bytes(text: str) -> int:
+    """A host memory size: bytes (``1073741824``, ``512MiB``, ``2GB``); no fraction."""
+    value = parse_memory(text)
+    if isinstance(value, float):
+        raise argparse.ArgumentTypeError(f"{text}: give bytes (e.g. 536870912, 512MiB, 2GB), not a fraction")
+    return value
+
+
 def parse_memory(text: str) -> int | float:
     """``--kv-cache-memory``: bytes (``1073741824``, ``512MiB``, ``2GB``) or
     a fraction of the device's free memory (``0.5``)."""
@@ -97,6 +105,10 @@ def build_parser() -> argparse.ArgumentParser:
                    "the engine's: min(max_position_embeddings, 4096))")
     p.add_argument("--kv-cache-memory", type=parse_memory, help="KV cache budget: bytes (512MiB, 2GB) or a "
                    "fraction of the free device memory (0.5) (default: the engine's)")
+    p.add_argument("--swap-space", type=parse_bytes, help="host memory for preempted requests' KV (bytes or "
+                   "512MiB; default none: preempt by recompute)")
+    p.add_argument("--host-prefix-memory", type=parse_bytes, help="host memory for the prefix cache's host tier "
+                   "(bytes or 2GiB; default none): prefixes evicted from the device go there and come back on a hit")
     p.add_argument("--max-num-seqs", type=_positive, default=8, help="sequences decoded together (default 8)")
     p.add_argument("--decode-chunk", type=_positive, help="decode steps per jitted call (default: the engine's)")
     p.add_argument("--prefill-chunk", type=_positive, help="most prompt tokens per row in one prefill call")
@@ -136,7 +148,8 @@ def engine_options(args) -> dict:
     options = {"max_seqs": args.max_num_seqs, "seed": args.seed}
     for name, value in (("max_model_len", args.max_model_len), ("kv_cache_memory", args.kv_cache_memory),
                         ("decode_chunk", args.decode_chunk), ("prefill_chunk", args.prefill_chunk),
-                        ("max_num_batched_tokens", args.max_num_batched_tokens)):
+                        ("max_num_batched_tokens", args.max_num_batched_tokens),
+                        ("host_kv_memory", args.swap_space), ("host_prefix_memory", args.host_prefix_memory)):
         if value is not None:
             options[name] = value
     return options

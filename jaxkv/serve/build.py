@@ -23,7 +23,7 @@ def build_cache(model, *, max_seqs: int, max_model_len: int | None, kv_cache_mem
                 max_blocks_per_seq=None, num_host_pages=None, host_kv_memory=None, kv_dtype=None,
                 host_memory_kind: str = "auto", max_context_tokens=None, num_blocks=None, num_snapshots=None,
                 entry_format: str = "lossless", snapshot_retention: str = "value",
-                snapshot_interval=None, host_prefix_pages=None) -> KVCache:
+                snapshot_interval=None, host_prefix_pages=None, host_prefix_memory=None) -> KVCache:
     """The cache for ``model`` by its ``cache_kind`` (:mod:`jaxkv.nn.packed`):
     a :class:`~jaxkv.serve.hybrid_cache.HybridCache` or a
     :class:`~jaxkv.serve.paged_cache.PagedCache`, sized by the one rule of
@@ -32,16 +32,19 @@ def build_cache(model, *, max_seqs: int, max_model_len: int | None, kv_cache_mem
     (``InvalidArgument`` naming it and the options that apply)."""
     if cache_kind(model) == "hybrid":
         given = [name for name, value in (("num_pages", num_pages), ("max_blocks_per_seq", max_blocks_per_seq),
-                                          ("kv_dtype", kv_dtype), ("host_kv_memory", host_kv_memory))
-                 if value is not None]
+                                          ("kv_dtype", kv_dtype)) if value is not None]
         if num_host_pages:
             given.append("num_host_pages")
         if host_prefix_pages:
             given.append("host_prefix_pages")
         if given:
             raise InvalidArgument(f"{', '.join(given)}: options of the paged pool; {type(model).__name__} "
-                                  "keeps its cache in a KVCacheManager (give max_model_len, kv_cache_memory; "
-                                  "or max_context_tokens, num_blocks, entry_format)")
+                                  "keeps its cache in a KVCacheManager (give max_model_len, kv_cache_memory, "
+                                  "host_kv_memory; or max_context_tokens, num_blocks, entry_format)")
+        if host_kv_memory is not None:
+            host_kv_memory = _host.int_scalar(host_kv_memory, "host_kv_memory")
+            if host_kv_memory < 0:
+                raise InvalidArgument(f"host_kv_memory={host_kv_memory}: bytes must be >= 0")
         if max_context_tokens is not None:
             max_context_tokens = _host.int_at_least(max_context_tokens, "max_context_tokens", 1)
         num_blocks = _block_counts(num_blocks)
@@ -49,13 +52,16 @@ def build_cache(model, *, max_seqs: int, max_model_len: int | None, kv_cache_mem
             num_snapshots = _host.int_at_least(num_snapshots, "num_snapshots", 1)
         if snapshot_interval is not None:
             snapshot_interval = _host.int_at_least(snapshot_interval, "snapshot_interval", 1)
+        if host_prefix_memory is not None:
+            host_prefix_memory = _host.int_at_least(host_prefix_memory, "host_prefix_memory", 0)
         if snapshot_retention not in RETENTION_POLICIES:
             raise InvalidArgument(f"snapshot_retention={snapshot_retention!r}: choose one of {RETENTION_POLICIES}")
         return HybridCache.build(
             model, max_seqs=max_seqs, max_model_len=max_model_len, max_context_tokens=max_context_tokens,
             num_blocks=num_blocks, kv_cache_memory=kv_cache_memory, num_snapshots=num_snapshots,
             entry_format=entry_format, prefill_chunk=prefill_chunk, prefix_cache=bool(prefix_cache),
-            free_bytes=free_bytes, retention=snapshot_retention, snapshot_interval=snapshot_interval)
+            free_bytes=free_bytes, retention=snapshot_retention, snapshot_interval=snapshot_interval,
+            host_kv_memory=host_kv_memory, host_prefix_memory=host_prefix_memory)
     else:
         given = [name for name, value in (("max_context_tokens", max_context_tokens), ("num_blocks", num_blocks),
                                           ("num_snapshots", num_snapshots), ("snapshot_interval", snapshot_interval))
@@ -75,7 +81,9 @@ def build_cache(model, *, max_seqs: int, max_model_len: int | None, kv_cache_mem
             host_kv_memory=host_kv_memory, kv_dtype=kv_dtype, prefix_cache=bool(prefix_cache),
             prefill_chunk=prefill_chunk, host_memory_kind=host_memory_kind, free_bytes=free_bytes,
             host_prefix_pages=(None if host_prefix_pages is None
-                               else _host.int_at_least(host_prefix_pages, "host_prefix_pages", 0)))
+                               else _host.int_at_least(host_prefix_pages, "host_prefix_pages", 0)),
+            host_prefix_memory=(None if host_prefix_memory is None
+                                else _host.int_at_least(host_prefix_memory, "host_prefix_memory", 0)))
 
 
 def _block_counts(value) -> dict[str, int] | None:

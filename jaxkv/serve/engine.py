@@ -4,7 +4,7 @@ The engine schedules; the model's cache (:mod:`jaxkv.serve.caches`) owns the
 device state and the jitted steps: a :class:`~jaxkv.serve.paged_cache.PagedCache`
 (paged pool, prefix cache, swap) for models with ``make_pool``, a
 :class:`~jaxkv.serve.hybrid_cache.HybridCache` (the model's ``KVCacheManager``;
-prefix cache with state snapshots, recompute preemption) for models with
+prefix cache with state snapshots, swap of every group) for models with
 ``make_cache``.
 Blocks are counted per group of the cache (one group for a paged pool);
 what follows says "blocks" for each group's count. The cache is sized by
@@ -479,11 +479,13 @@ def _latency_stats(values: list) -> tuple[float, float, float]:
 class Engine:
     """Continuous batching over a model's cache (see the module docstring).
 
-    The model picks the cache (:mod:`jaxkv.serve.caches`): a model with
-    ``make_pool`` (Llama, Mistral, Qwen2/3, DeepSeek-V3) runs over a paged
-    pool with the prefix cache and swapping; a model with ``make_cache``
-    (DeepSeek-V4, Qwen3-Next) over its hybrid :class:`~jaxkv.KVCacheManager`,
-    preempted by recomputation.
+    The model picks the cache by its ``cache_kind``
+    (:func:`jaxkv.serve.build.build_cache`): a "paged" model (Llama,
+    Mistral, Qwen2/3, DeepSeek-V3) runs over a paged pool with the prefix
+    cache; a "hybrid" one (DeepSeek-V4, Qwen3-Next) over its
+    :class:`~jaxkv.KVCacheManager` with the snapshot prefix cache. Both
+    preempt by swap to host memory when ``host_kv_memory`` is given, else by
+    recomputation.
 
     **Sizing** (one rule for every family, :mod:`jaxkv.serve.sizing`):
     ``Engine(model)`` needs no sizing argument. ``max_model_len`` is the
@@ -511,8 +513,10 @@ class Engine:
         max_model_len: the longest request, prompt plus output tokens.
         kv_cache_memory: the cache's device bytes (int), or a fraction in
             ``(0, 1]`` of the device's free memory.
-        host_kv_memory: (paged pool) bytes of host memory for swapped-out
-            pages (default none: preemption by recomputation).
+        host_kv_memory: bytes of host memory for swapped-out requests
+            (default none: preemption by recomputation): host pages of a
+            paged pool; a hybrid cache's request images (state rows and
+            every group's blocks, :mod:`jaxkv.manager.hybrid_host`).
         max_seqs: sequence rows (running plus swapped-out requests).
         num_pages: (paged pool, expert) device KV pages (blocks) including
             the null page 0.
@@ -528,6 +532,11 @@ class Engine:
             hit loads them back (:mod:`jaxkv.serve.paged_cache`; a pool
             apart from the swap pool, in ``host_memory_kind``). Needs
             ``prefix_cache``; ignored (logged) when every layer is windowed.
+        host_prefix_memory: bytes of host memory for the prefix cache's
+            host tier, any cache: a paged pool's host pages (as
+            ``host_prefix_pages``), a hybrid cache's records evicted from
+            the device, whole (blocks of every group and the state
+            snapshot; :class:`~jaxkv.serve.hybrid_cache.HybridCache`).
         kv_dtype: (paged pool) pool dtype (default: the model's).
         host_memory_kind: (paged pool) the swap pool's memory
             (``create_host_pool``: ``"auto"``, ``"pinned_host"`` or ``"numpy"``).
@@ -596,7 +605,7 @@ class Engine:
                  snapshot_interval: int | None = None, prefix_cache: bool = True, decode_chunk: int = 8,
                  prefill_chunk: int = 256, max_num_batched_tokens: int | None = None, seed: int = 0,
                  detokenizer: Callable | None = None, free_bytes: int | None = None, scheduler: str = "packed",
-                 host_prefix_pages: int | None = None):
+                 host_prefix_pages: int | None = None, host_prefix_memory: int | None = None):
         max_seqs = _host.int_at_least(max_seqs, "max_seqs", 1)
         decode_chunk = _host.int_at_least(decode_chunk, "decode_chunk", 1)
         prefill_chunk = _host.int_at_least(prefill_chunk, "prefill_chunk", 1)
@@ -619,7 +628,7 @@ class Engine:
             host_kv_memory=host_kv_memory, kv_dtype=kv_dtype, host_memory_kind=host_memory_kind,
             max_context_tokens=max_context_tokens, num_blocks=num_blocks, num_snapshots=num_snapshots,
             snapshot_retention=snapshot_retention, snapshot_interval=snapshot_interval,
-            entry_format=entry_format, host_prefix_pages=host_prefix_pages)
+            entry_format=entry_format, host_prefix_pages=host_prefix_pages, host_prefix_memory=host_prefix_memory)
         #: How the cache was sized (:class:`~jaxkv.serve.sizing.CachePlan`), logged at start-up.
         self.cache_plan: CachePlan = self.cache.plan
         for line in self.cache_plan.lines():

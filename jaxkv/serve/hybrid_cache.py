@@ -14,7 +14,8 @@ import numpy as np
 
 from jaxkv._ops import ceil_div, pow2_at_least
 from jaxkv.errors import BookkeepingError, InvalidArgument
-from jaxkv.manager.block_space import FREE, ON_DEVICE
+from jaxkv.manager import hybrid_host
+from jaxkv.manager.block_space import FREE, ON_DEVICE, SWAPPED
 from jaxkv.manager.hybrid import KVCacheManager
 from jaxkv.manager.hybrid_schema import block_bytes
 from jaxkv.nn.packed import PackedBatch, pack
@@ -58,10 +59,37 @@ _incref_blocks = jax.jit(KVCacheManager.incref_blocks, donate_argnums=(0,))
 _release_blocks = jax.jit(KVCacheManager.release_blocks, donate_argnums=(0,))
 
 
+@partial(jax.jit, static_argnames=("width",), donate_argnums=(0,))
+def _take_blocks(manager: KVCacheManager, counts: dict, *, width: int):
+    """``counts[g]`` fresh blocks of each group (one reference each, owned
+    by the caller: the prefix cache), all or nothing. Returns ``(manager,
+    {group: ids [width], -1 padded}, ok)``."""
+    ok = jnp.all(jnp.asarray([counts[name] <= g.allocator.num_free for name, g in manager.groups.items()]))
+    groups, ids = {}, {}
+    for name, group in manager.groups.items():
+        allocator, ids[name], _ = group.allocator.acquire(jnp.where(ok, counts[name], 0), max_n=width)
+        groups[name] = group.replace(allocator=allocator)
+    return manager.replace(groups=groups), ids, ok
+
+
+def _pow2_ids(ids) -> np.ndarray:
+    """``ids`` padded with -1 to a power of two (few compiled shapes)."""
+    return fixed_ids(list(ids), pow2_at_least(max(len(ids), 1)))
+
+
 class HybridCache(CacheBase):
     """A hybrid model's :class:`~jaxkv.KVCacheManager` (DeepSeek-V4's
     SWA/CSA/HCA layers, Qwen3-Next's full-attention group and Gated DeltaNet
-    state): one group per block group of the manager.
+    state): one group per block group of the manager. Preemption is by
+    swap when ``host_kv_memory`` gives host bytes for the images of
+    swapped-out rows (:meth:`swap_out`), else by recomputation.
+
+    **Host tier** (``host_prefix_memory`` bytes): a snapshot record leaving
+    the device (dropped for its row by the retention policy, or with a page
+    evicted under block pressure) is copied to host memory whole (its
+    blocks in every group and its state row); a later request whose prompt
+    it prefixes better than the device can brings it back (fresh blocks,
+    the data written, its pages and record put back) and hits it.
 
     **Prefix cache** (:class:`~jaxkv.prefix.snapshot_cache.SnapshotCache`,
     which holds the tree of ``unit``-token pages and the snapshot records;
@@ -87,11 +115,10 @@ class HybridCache(CacheBase):
     state that was kept, at token grain.
     """
 
-    can_swap = False
-
     def __init__(self, model, *, max_seqs: int, max_context_tokens: int, num_blocks: dict | None,
                  entry_format: str, prefill_chunk: int, prefix_cache: bool = True, num_snapshots: int | None = None,
-                 retention: str = "value", snapshot_interval: int | None = None):
+                 retention: str = "value", snapshot_interval: int | None = None, host_kv_memory: int = 0,
+                 host_prefix_memory: int = 0):
         self.max_seqs = max_seqs
         self.max_context_tokens = max_context_tokens
         self.prefill_width = min(pow2_at_least(prefill_chunk), pow2_at_least(max_context_tokens))
@@ -117,9 +144,14 @@ class HybridCache(CacheBase):
         self.state_bytes_per_request = (self.manager.memory_bytes() - sum(
             block_bytes(s, config) * int(self.capacity[self.groups.index(s.group)] + 1)
             for s in self.manager.schemas if s.group is not None)) / (max_seqs + 1 + self.manager.num_snapshots)
+        self.host_prefixes = (hybrid_host.HostStore(host_prefix_memory, memory_kind="auto")
+                              if host_prefix_memory and cached else None)
         self.snapshots = SnapshotCache(self.unit, self.groups, self.blocks_for, cached, retention=retention,
                                        row_bytes=int(self.state_bytes_per_request),
-                                       block_bytes=self.group_block_bytes)
+                                       block_bytes=self.group_block_bytes, spill=self.host_prefixes is not None)
+        self._host_index: dict = {}  # host key -> (namespace, tokens, kind), least recently used first
+        self._next_host_key = 0
+        self.host_loaded_tokens = self.host_stored_tokens = 0
         self.prefix_cache = self.snapshots.tree
         self.hit_grain = 1  # hits end where a snapshot was taken, at any token
         #: Tokens of prefill between interval snapshots of one row.
@@ -127,6 +159,9 @@ class HybridCache(CacheBase):
         self._lens = [0] * max_seqs  # per row: tokens in the cache
         self._last_snapshot = [0] * max_seqs  # per row: where its last snapshot was taken
         self._extra_cuts: list[set] = [set() for _ in range(max_seqs)]  # per row: points others wait for
+        self.host_bytes = int(host_kv_memory or 0)  # host memory for swapped-out rows
+        self.can_swap = self.host_bytes > 0
+        self._images: dict = {}  # swapped-out row -> its RequestImage (host memory)
         self.plan = self._plan(budget=None, source="num_blocks (expert option)" if num_blocks else
                                "every sequence row at max_context_tokens")
 
@@ -147,14 +182,15 @@ class HybridCache(CacheBase):
         return CachePlan(
             cache="hybrid", max_model_len=self.max_context_tokens, max_seqs=self.max_seqs, groups=tuple(groups),
             prefix_unit_tokens=self.unit, num_snapshots=self.num_cached_snapshots,
-            snapshot_bytes=int(self.state_bytes_per_request), host_pages=0, host_bytes=0,
+            snapshot_bytes=int(self.state_bytes_per_request), host_pages=0, host_bytes=self.host_bytes,
             device_bytes=self.device_bytes(), budget_bytes=budget, source=source)
 
     @classmethod
     def build(cls, model, *, max_seqs: int, max_model_len: int | None, max_context_tokens: int | None,
               num_blocks: dict | None, kv_cache_memory, num_snapshots: int | None, entry_format: str,
               prefill_chunk: int, prefix_cache: bool, free_bytes: int | None = None, retention: str = "value",
-              snapshot_interval: int | None = None) -> "HybridCache":
+              snapshot_interval: int | None = None, host_kv_memory: int | None = None,
+              host_prefix_memory: int | None = None) -> "HybridCache":
         """The one sizing rule (:mod:`jaxkv.serve.sizing`) for a hybrid cache.
 
         ``max_model_len`` and ``max_context_tokens`` name the same limit
@@ -166,7 +202,10 @@ class HybridCache(CacheBase):
         groups holding the same tokens. Cached snapshots: ``num_snapshots``,
         else with a budget ``min(2 * max_seqs, what a quarter of it holds)``
         (0: no prefix cache), else ``2 * max_seqs``; ``retention`` and
-        ``snapshot_interval`` as in :class:`HybridCache`. A ``max_model_len`` given that a group cannot hold
+        ``snapshot_interval`` as in :class:`HybridCache`; ``host_kv_memory``:
+        host bytes for swapped-out rows (None or 0: preempt by recompute);
+        ``host_prefix_memory``: host bytes for prefixes evicted from the
+        device (None or 0: none). A ``max_model_len`` given that a group cannot hold
         is refused; the default one is lowered to what every group holds."""
         if max_model_len is not None and max_context_tokens is not None and max_model_len != max_context_tokens:
             raise InvalidArgument(f"max_model_len={max_model_len} and max_context_tokens={max_context_tokens} "
@@ -181,7 +220,8 @@ class HybridCache(CacheBase):
         if num_blocks is not None:
             cache = cls(model, max_seqs=max_seqs, max_context_tokens=length, num_blocks=num_blocks,
                         entry_format=entry_format, prefill_chunk=prefill_chunk, prefix_cache=prefix_cache,
-                        num_snapshots=num_snapshots, retention=retention, snapshot_interval=snapshot_interval)
+                        num_snapshots=num_snapshots, retention=retention, snapshot_interval=snapshot_interval,
+                        host_kv_memory=host_kv_memory or 0, host_prefix_memory=host_prefix_memory or 0)
             cache.plan = cache._plan(budget=None, source=f"num_blocks={num_blocks} (expert option)")
             return cache
         probe = jax.eval_shape(lambda: model.make_cache(1, length, entry_format=entry_format))
@@ -223,7 +263,8 @@ class HybridCache(CacheBase):
         cache = cls(model, max_seqs=max_seqs, max_context_tokens=length, num_blocks=dict(
             zip(names, (b + 1 for b in blocks))), entry_format=entry_format, prefill_chunk=prefill_chunk,
             prefix_cache=prefix_cache and cached > 0, num_snapshots=cached if cached else None, retention=retention,
-            snapshot_interval=snapshot_interval)
+            snapshot_interval=snapshot_interval, host_kv_memory=host_kv_memory or 0,
+            host_prefix_memory=host_prefix_memory or 0)
         _, per_block = sizing.affine_bytes(lambda counts: measure(counts, cached, length), len(names))
         cache.plan = cache._plan(budget=budget, source=source, per_block=per_block)
         return cache
@@ -284,6 +325,13 @@ class HybridCache(CacheBase):
         ``blocks[g]``: group ``g``'s blocks of the hit; ``copied[g]``: 1
         when the last of them is partly filled (the request gets a copy)."""
         hit = self.snapshots.match(tokens, namespace)
+        best = self._host_candidate(tokens, namespace, hit.tokens) if self.host_prefixes is not None else None
+        if best is not None:
+            self.snapshots.release(hit)  # a restore may take rows and evict pages: nothing of ours pinned
+            if self._from_host(best, namespace):
+                logger.debug("prefix cache: a %d-token prefix came back from host memory",
+                             len(self._last_loaded))
+            hit = self.snapshots.match(tokens, namespace)
         copied = tuple(int(bool(hit.tokens and (hit.tokens // per_entry) % per_block)) if hit.tokens else 0
                        for per_entry, per_block in self._per_block)
         return PrefixHit(hit.tokens, hit.blocks, hit if hit.record is not None else None, snapshot=hit.row,
@@ -303,16 +351,86 @@ class HybridCache(CacheBase):
         self._apply(self.snapshots.evict_blocks([int(n) for n in shortfall]))
 
     def _apply(self, ops: BlockOps) -> None:
-        """The device work of a snapshot-cache operation: increfs, then
-        releases (one call each), then state copies into snapshot rows."""
+        """The device work of a snapshot-cache operation: increfs, copies of
+        the records leaving to the host tier, releases (one call each),
+        then state copies into snapshot rows."""
         if any(ops.incref.values()):
             self._block_call(_incref_blocks, ops.incref, "the prefix cache's reference to stored blocks")
+        for spill in ops.spills:  # before their blocks are released and their rows reused
+            self._to_host(spill)
         if any(ops.release.values()):
             self._block_call(_release_blocks, ops.release, "releasing evicted prefix blocks")
         if ops.copies:
             dst, src = zip(*((self.manager.num_slots + row, source) for row, source in ops.copies.items()))
             self.manager = _copy_state(self.manager, fixed_ids(src, self._copy_width(len(src))),
                                        fixed_ids(dst, self._copy_width(len(src))))
+
+    # ---------------------------------------------------------------- host tier
+
+    def _to_host(self, spill) -> None:
+        """Copy a record leaving the device (its blocks in every group and
+        its snapshot row) to host memory, making room by dropping the least
+        recently used host records; one that cannot fit is not kept."""
+        blocks = {name: _pow2_ids(ids) for name, ids in zip(self.groups, spill.blocks)}
+        data = (hybrid_host.read_blocks(self.manager, blocks),
+                hybrid_host.read_state_rows(self.manager, [self.manager.num_slots + spill.row]))
+        need = hybrid_host.tree_nbytes(data)
+        store = self.host_prefixes
+        while store.free_bytes < need and self._host_index:
+            store.discard(next(iter(self._host_index)))
+            del self._host_index[next(iter(self._host_index))]
+        if store.free_bytes < need:
+            return
+        key = self._next_host_key
+        self._next_host_key += 1
+        store.put(key, data)
+        self._host_index[key] = (spill.namespace, spill.tokens, spill.kind, [len(ids) for ids in spill.blocks])
+        self.host_stored_tokens += len(spill.tokens)
+
+    def _host_candidate(self, tokens: list, namespace, longer_than: int):
+        """The key of the longest host record that is a prefix of ``tokens``
+        (at most ``len - 1``) longer than ``longer_than`` (None: none)."""
+        limit = len(tokens) - 1
+        best, best_len = None, longer_than
+        for key, (ns, prefix, _, _) in self._host_index.items():
+            if ns == namespace and best_len < len(prefix) <= limit and tuple(tokens[: len(prefix)]) == prefix:
+                best, best_len = key, len(prefix)
+        return best
+
+    def _from_host(self, best, namespace) -> bool:
+        """Bring host record ``best`` back: fresh blocks in every group
+        (evicting device pages when short), its data and state written, its
+        pages and record into the snapshot cache. False when there is no
+        room (it stays on host)."""
+        _, prefix, kind, counts = self._host_index[best]
+        need = np.asarray(counts, np.int64)
+        if np.any(self.free_blocks() < need):
+            self.evict(np.maximum(need - self.free_blocks(), 0))  # (what it evicts may spill to host too)
+        if np.any(self.free_blocks() < need) or best not in self._host_index:
+            return False
+        row, ops = self.snapshots.take_row()
+        self._apply(ops)
+        if row is None or best not in self._host_index:
+            if row is not None:
+                self.snapshots.give_row(row)
+            return False
+        self.manager, ids, ok = _take_blocks(self.manager, {name: np.int32(n) for name, n in zip(self.groups, counts)},
+                                             width=pow2_at_least(max(max(counts), 1)))
+        ids = jax.device_get(ids)
+        if not bool(ok):
+            raise BookkeepingError(f"taking {counts} blocks for a host prefix was refused with "
+                                   f"{self.free_blocks().tolist()} free")
+        blocks, state = self.host_prefixes.pop(best)
+        del self._host_index[best]
+        targets = {name: np.where(np.arange(len(ids[name])) < n, ids[name], -1).astype(np.int32)
+                   for name, n in zip(self.groups, counts)}
+        self.manager = hybrid_host.write_blocks(self.manager, targets, blocks)
+        self.manager = hybrid_host.write_state_rows(self.manager, [self.manager.num_slots + row], state)
+        given = [ids[name][:n].tolist() for name, n in zip(self.groups, counts)]
+        self._apply(self.snapshots.store(list(prefix), given, row, kind=kind, namespace=namespace, given=True))
+        self.host_loaded_tokens += len(prefix)
+        self._last_loaded = prefix
+        return True
 
     def _copy_width(self, n: int) -> int:
         return max(self.max_seqs, pow2_at_least(n))
@@ -332,7 +450,7 @@ class HybridCache(CacheBase):
             return
         tables = {name: np.asarray(t) for name, t in
                   jax.device_get({name: g.tables for name, g in self.manager.groups.items()}).items()}
-        ops = self.snapshots._empty_ops()
+        ops = self.snapshots.empty_ops()
         for row, tokens, namespace, kind, hit in items:
             record = hit.node.record if hit is not None and hit.node is not None else None
             row_blocks = [tables[name][row + 1] for name in self.groups]
@@ -496,15 +614,48 @@ class HybridCache(CacheBase):
             self._extra_cuts[row].clear()
 
     def swap_out(self, row: int) -> bool:
-        return False
+        """Preempt row ``row`` to host memory (:mod:`jaxkv.manager.hybrid_host`):
+        its state rows (rings, windows, GDN states) and the data of every
+        block of its tables, in every group; its slot stays held and empty,
+        its blocks lose its reference. False (nothing changed) without a
+        host budget (``host_kv_memory``) or when the image does not fit."""
+        if self.host_bytes <= 0:
+            return False
+        lens = jax.device_get({name: g.lens[row + 1] for name, g in self.manager.groups.items()})
+        need = int(self.state_bytes_per_request) + sum(
+            pow2_at_least(max(int(lens[name]), 1)) * per for name, per in zip(self.groups, self.group_block_bytes))
+        if self.host_used() + need > self.host_bytes:
+            return False
+        self.manager, image, ok = hybrid_host.swap_out_request(self.manager, row + 1, keep_slot=True)
+        if not ok:
+            raise BookkeepingError(f"swapping out row {row} (slot {row + 1}) was refused: the slot is not held")
+        self._images[row] = image
+        return True
+
+    def host_used(self) -> int:
+        """Host bytes the swapped-out rows' images hold."""
+        return sum(hybrid_host.tree_nbytes(image) for image in self._images.values())
 
     def swap_in(self, row: int) -> bool:
-        return False
+        """Bring row ``row``'s image back into its slot (fresh blocks in
+        every group, all or nothing); False when a group is short."""
+        self.manager, ok = hybrid_host.swap_in_request(self.manager, self._images[row], row + 1)
+        if ok:
+            del self._images[row]
+        return ok
 
     def free_swapped(self, row: int) -> None:
-        raise BookkeepingError(f"row {row}: a hybrid cache never swaps a row out")
+        """Drop a swapped-out row's image and free its slot (an aborted request)."""
+        if self._images.pop(row, None) is None:
+            raise BookkeepingError(f"row {row} is not swapped out")
+        self.manager, ok = _release_hybrid(self.manager, fixed_ids([row + 1], self.max_seqs))
+        if not bool(ok):
+            raise BookkeepingError(f"freeing swapped-out row {row} (slot {row + 1}) was refused")
+        self._lens[row] = self._last_snapshot[row] = 0
+        self._extra_cuts[row].clear()
 
     def row_status(self) -> np.ndarray:
         held = np.asarray(jax.device_get(self.manager.slots.ref_count(jnp.arange(1, self.max_seqs + 1)))) > 0
-        return np.where(held, ON_DEVICE, FREE)
+        swapped = np.isin(np.arange(self.max_seqs), list(self._images))
+        return np.where(held, np.where(swapped, SWAPPED, ON_DEVICE), FREE)
 

@@ -207,7 +207,8 @@ class PagedCache(CacheBase):
     def build(cls, model, *, max_seqs: int, page_size: int, max_model_len: int | None, num_pages: int | None,
               max_blocks_per_seq: int | None, kv_cache_memory, num_host_pages: int | None, host_kv_memory,
               kv_dtype, prefix_cache: bool, prefill_chunk: int, host_memory_kind: str,
-              free_bytes: int | None = None, host_prefix_pages: int | None = None) -> "PagedCache":
+              free_bytes: int | None = None, host_prefix_pages: int | None = None,
+              host_prefix_memory: int | None = None) -> "PagedCache":
         """The one sizing rule (:mod:`jaxkv.serve.sizing`) for a paged pool.
 
         ``max_model_len`` (None: from ``max_blocks_per_seq * page_size`` when
@@ -217,8 +218,9 @@ class PagedCache(CacheBase):
         (an expert option; ``kv_cache_memory`` beside it is refused), else
         from the budget. Host pages: ``num_host_pages``, or
         ``host_kv_memory`` bytes of host memory (not both; default none).
-        ``host_prefix_pages``: pages of the prefix cache's host tier (None or
-        0: none; refused with ``prefix_cache`` off). A ``max_model_len``
+        ``host_prefix_pages``: pages of the prefix cache's host tier, or
+        ``host_prefix_memory`` bytes of them (not both; None or 0: none;
+        refused with ``prefix_cache`` off). A ``max_model_len``
         given here that the pool cannot hold is refused; the default one is
         lowered to what the pool holds (logged)."""
         window = paged_window(model)
@@ -253,6 +255,14 @@ class PagedCache(CacheBase):
             if num_host_pages == 1:  # page 0 is the null page: one page holds nothing
                 num_host_pages = 0
         num_host_pages = num_host_pages or 0
+        if host_prefix_memory is not None:
+            if host_prefix_pages is not None:
+                raise InvalidArgument(f"host_prefix_pages={host_prefix_pages} and host_prefix_memory="
+                                      f"{host_prefix_memory} both size the prefix cache's host tier: give one of them")
+            host_prefix_pages = host_prefix_memory // page_bytes
+            if host_prefix_pages and not prefix_cache:
+                raise InvalidArgument(f"host_prefix_memory={host_prefix_memory}: a host tier of the prefix cache "
+                                      "needs prefix_cache=True")
 
         def need(length: int) -> int:  # blocks a request of ``length`` tokens holds at its peak
             return max(paged_peak_blocks(max(length - 1, 1), length, page_size, window),
