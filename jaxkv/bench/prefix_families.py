@@ -33,6 +33,9 @@ with any earlier request's prompt and output, in the order served.
 
 from __future__ import annotations
 
+import gc
+
+import jax
 import numpy as np
 from flax import nnx
 
@@ -109,6 +112,14 @@ def _engine(model, max_seqs: int, context: int, retention: str = "value"):
                   decode_chunk=8, prefill_chunk=128)
 
 
+def _release_compiled() -> None:
+    """Drop JAX's compiled programs between engines: every engine here has
+    its own shapes, and one process compiling dozens of them ran out of
+    memory maps on the 2-core VM."""
+    jax.clear_caches()
+    gc.collect()
+
+
 def _serve(engine, model, workload: str, rng) -> tuple[int, int, list]:
     """Run ``workload`` on ``engine``: ``(hit tokens, prompt tokens, [(prompt, output)] in order served)``."""
     vocab = model.config.vocab_size
@@ -155,6 +166,7 @@ def family_hit_rows() -> tuple[list, list]:
                 unit = engine.cache.unit
                 evicted = engine.prefix_cache.stats().evicted_tokens
                 snapshot_bytes = _snapshot_bytes(engine) if hybrid else 0
+                _release_compiled()
                 rows.append([family, workload, retention, unit, f"{hit:,} / {prompt_tokens:,}",
                              f"{hit / prompt_tokens:.1%}", f"{ideal / prompt_tokens:.1%}",
                              f"{hit / ideal:.1%}" if ideal else "-", f"{evicted:,}",
@@ -212,6 +224,7 @@ def host_tier_rows() -> tuple[list, list]:
                 loaded = (stats.loaded_tokens if hasattr(stats, "loaded_tokens") else
                           getattr(engine.cache, "host_loaded_tokens", 0))
                 figures[bool(host_bytes)] = (hit / ideal if ideal else None, int(loaded))
+                _release_compiled()
             (off, _), (on, loaded) = figures[False], figures[True]
             rows.append([family, workload, f"{off:.1%}", f"{on:.1%}", f"{loaded:,}"])
             payload.append({"family": family, "workload": workload, "hit_over_ideal_device_only": off,

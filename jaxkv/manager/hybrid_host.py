@@ -408,16 +408,24 @@ def _check_rows(manager: KVCacheManager, rows, op: str, *, write: bool) -> np.nd
     """Concrete ``rows`` as int32 (``InvalidId`` for a row outside ``1 ..
     num_slots + num_snapshots - 1`` other than -1, ``InvalidArgument`` for a
     repeat in a write); traced rows as they are (the device op skips bad ids)."""
-    if not _concrete(rows):
-        return jnp.asarray(rows, jnp.int32).reshape(-1)
-    ids = _host.int_array(rows, "rows").reshape(-1)
     total = _num_rows(manager)
-    bad = np.unique(ids[(ids != -1) & ((ids < 1) | (ids >= total))])
+    return _checked_ids(rows, "rows", total, op, write, f"(slots 1 .. {manager.max_requests}, snapshots "
+                        f"{manager.num_slots} .. {total - 1}; -1 is padding)")
+
+
+def _checked_ids(values, what: str, limit: int, op: str, write: bool, legend: str) -> np.ndarray | Array:
+    """Concrete ``values`` as int32 ids: ``InvalidId`` for one outside
+    ``[1, limit)`` other than -1 (the message names ``what`` and adds
+    ``legend``), ``InvalidArgument`` for a repeat when ``write``; traced
+    values as they are."""
+    if not _concrete(values):
+        return jnp.asarray(values, jnp.int32).reshape(-1)
+    ids = _host.int_array(values, what).reshape(-1)
+    bad = np.unique(ids[(ids != -1) & ((ids < 1) | (ids >= limit))])
     if bad.size:
-        raise InvalidId(f"{op}: rows {_host.preview(bad)} outside [1, {total}) (slots 1 .. {manager.max_requests}, "
-                        f"snapshots {manager.num_slots} .. {total - 1}; -1 is padding)", bad)
+        raise InvalidId(f"{op}: {what} {_host.preview(bad)} outside [1, {limit}) {legend}", bad)
     if write:
-        _host.refuse_repeats(ids, f"{op}: rows")
+        _host.refuse_repeats(ids, f"{op}: {what}")
     return _host.as_int32_ids(ids)
 
 
@@ -434,18 +442,8 @@ def _check_blocks(manager: KVCacheManager, blocks, op: str, *, write: bool) -> d
     for name in manager.groups:  # the manager's order: one treedef per set of groups
         if name not in blocks:
             continue
-        if not _concrete(blocks[name]):
-            out[name] = jnp.asarray(blocks[name], jnp.int32).reshape(-1)
-            continue
-        ids = _host.int_array(blocks[name], f"blocks[{name!r}]").reshape(-1)
-        limit = manager.groups[name].allocator.num_blocks
-        bad = np.unique(ids[(ids != -1) & ((ids < 1) | (ids >= limit))])
-        if bad.size:
-            raise InvalidId(f"{op}: {name} blocks {_host.preview(bad)} outside [1, {limit}) (block 0 is the null "
-                            f"block; -1 is padding)", bad)
-        if write:
-            _host.refuse_repeats(ids, f"{op}: {name} blocks")
-        out[name] = _host.as_int32_ids(ids)
+        out[name] = _checked_ids(blocks[name], f"{name} blocks", manager.groups[name].allocator.num_blocks, op,
+                                 write, "(block 0 is the null block; -1 is padding)")
     return out
 
 

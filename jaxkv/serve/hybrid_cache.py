@@ -328,9 +328,7 @@ class HybridCache(CacheBase):
         best = self._host_candidate(tokens, namespace, hit.tokens) if self.host_prefixes is not None else None
         if best is not None:
             self.snapshots.release(hit)  # a restore may take rows and evict pages: nothing of ours pinned
-            if self._from_host(best, namespace):
-                logger.debug("prefix cache: a %d-token prefix came back from host memory",
-                             len(self._last_loaded))
+            self._from_host(best, namespace)
             hit = self.snapshots.match(tokens, namespace)
         copied = tuple(int(bool(hit.tokens and (hit.tokens // per_entry) % per_block)) if hit.tokens else 0
                        for per_entry, per_block in self._per_block)
@@ -369,16 +367,17 @@ class HybridCache(CacheBase):
 
     def _to_host(self, spill) -> None:
         """Copy a record leaving the device (its blocks in every group and
-        its snapshot row) to host memory, making room by dropping the least
-        recently used host records; one that cannot fit is not kept."""
+        its snapshot row) to host memory, making room by dropping the oldest
+        host records; one that cannot fit is not kept."""
         blocks = {name: _pow2_ids(ids) for name, ids in zip(self.groups, spill.blocks)}
         data = (hybrid_host.read_blocks(self.manager, blocks),
                 hybrid_host.read_state_rows(self.manager, [self.manager.num_slots + spill.row]))
         need = hybrid_host.tree_nbytes(data)
         store = self.host_prefixes
         while store.free_bytes < need and self._host_index:
-            store.discard(next(iter(self._host_index)))
-            del self._host_index[next(iter(self._host_index))]
+            oldest = next(iter(self._host_index))
+            store.discard(oldest)
+            del self._host_index[oldest]
         if store.free_bytes < need:
             return
         key = self._next_host_key
@@ -422,14 +421,13 @@ class HybridCache(CacheBase):
                                    f"{self.free_blocks().tolist()} free")
         blocks, state = self.host_prefixes.pop(best)
         del self._host_index[best]
-        targets = {name: np.where(np.arange(len(ids[name])) < n, ids[name], -1).astype(np.int32)
-                   for name, n in zip(self.groups, counts)}
+        targets = {name: _pow2_ids(ids[name][:n].tolist()) for name, n in zip(self.groups, counts)}  # as read
         self.manager = hybrid_host.write_blocks(self.manager, targets, blocks)
         self.manager = hybrid_host.write_state_rows(self.manager, [self.manager.num_slots + row], state)
         given = [ids[name][:n].tolist() for name, n in zip(self.groups, counts)]
         self._apply(self.snapshots.store(list(prefix), given, row, kind=kind, namespace=namespace, given=True))
         self.host_loaded_tokens += len(prefix)
-        self._last_loaded = prefix
+        logger.debug("prefix cache: a %d-token prefix came back from host memory", len(prefix))
         return True
 
     def _copy_width(self, n: int) -> int:
