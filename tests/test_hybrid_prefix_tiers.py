@@ -60,3 +60,27 @@ def test_a_prefix_dropped_to_host_comes_back_exact(name):
     engine.run()
     assert engine.outputs[rid] == engine.outputs[cold]
     check_hybrid_no_leak(engine)
+
+
+def test_host_hits_without_a_free_snapshot_row_go_straight_to_the_slot():
+    """One snapshot row, three conversations continued together: the turn
+    ends wait on host; the first to come back takes the row, the others
+    (the row pinned by then) have their state written straight into their
+    slots. Every continuation hits its whole previous turn and gives the
+    cold run's tokens."""
+    model, _ = _fixture("qwen3_next/small")
+    engine = Engine(model, max_seqs=3, max_context_tokens=256, decode_chunk=4, prefill_chunk=32, num_snapshots=1,
+                    host_prefix_memory=1 << 26)
+    rng = np.random.default_rng()
+    vocab = model.config.vocab_size
+    prompts = [rng.integers(1, vocab, int(rng.integers(20, 50))).tolist() for _ in range(3)]
+    ids = [engine.add_request(p, 5, namespace="chat") for p in prompts]
+    engine.run()
+    turns = [p + engine.outputs[i] + rng.integers(1, vocab, 7).tolist() for p, i in zip(prompts, ids)]
+    ids = [engine.add_request(t, 5, namespace="chat") for t in turns]
+    engine.run()
+    assert [engine.cached_tokens(i) for i in ids] == [len(p) + 5 - 1 for p in prompts]
+    cold = [engine.add_request(t, 5, namespace=("cold", n)) for n, t in enumerate(turns)]
+    engine.run()
+    assert [engine.outputs[i] for i in ids] == [engine.outputs[i] for i in cold]
+    check_hybrid_no_leak(engine)

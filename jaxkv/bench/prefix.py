@@ -257,7 +257,8 @@ def main(args) -> int:
     if args.quick:  # CI's smoke run: three models' engines cost ~40 s of compiles (tests cover the hits)
         print("\nPer-family hit rates on the engine: run without --quick.")
     else:
-        from jaxkv.bench.prefix_families import HOST_TIER_BYTES, family_hit_rows, host_tier_rows, transfer_rows
+        from jaxkv.bench.prefix_families import (HOST_TIER_BYTES, SMALL_DEVICE_TOKENS, family_hit_rows, host_tier_rows,
+                                                 transfer_rows)
 
         family_rows, families = family_hit_rows()
         print()
@@ -267,7 +268,7 @@ def main(args) -> int:
                      "hit / ideal", "evicted tokens", "snapshot bytes"], family_rows)
         host_rows, host = host_tier_rows()
         print()
-        print_table(f"hit / ideal on a device that keeps about one full-length request per group (2 snapshot rows), "
+        print_table(f"hit / ideal on a device that keeps {SMALL_DEVICE_TOKENS} tokens per group (2 snapshot rows), "
                     f"without and with a {HOST_TIER_BYTES >> 20} MiB host tier of the prefix cache",
                     ["family", "workload", "device only", "with host tier", "tokens loaded from host"], host_rows)
         rate_rows, rates = transfer_rows()

@@ -190,18 +190,22 @@ def _snapshot_bytes(engine) -> int:
     return total
 
 
+SMALL_DEVICE_TOKENS = 832
+
+
 def _small_engine(model, context: int, host_bytes: int):
-    """An engine whose device keeps about one full-length request per group
-    (two snapshot rows for a hybrid model), with ``host_bytes`` of host
-    tier for the prefix cache (0: none)."""
+    """An engine whose device keeps :data:`SMALL_DEVICE_TOKENS` tokens per
+    group (the longest request of the workloads, about 750 tokens, and
+    little more; two snapshot rows for a hybrid model), with
+    ``host_bytes`` of host tier for the prefix cache (0: none)."""
     host = {"host_prefix_memory": host_bytes} if host_bytes else {}
     if cache_kind(model) == "hybrid":
         probe = Engine(model, max_seqs=1, max_context_tokens=context, prefix_cache=False)
-        blocks = {name: int(b) + 2 for name, b in zip(probe.cache.groups, probe.cache.blocks_for(context))}
+        blocks = {name: int(b) + 2 for name, b in zip(probe.cache.groups, probe.cache.blocks_for(SMALL_DEVICE_TOKENS))}
         return Engine(model, max_seqs=4, max_context_tokens=context, num_blocks=blocks, num_snapshots=2,
                       decode_chunk=8, prefill_chunk=128, **host)
-    return Engine(model, num_pages=context // 16 + 2, page_size=16, max_seqs=4, max_blocks_per_seq=context // 16,
-                  decode_chunk=8, prefill_chunk=128, **host)
+    return Engine(model, num_pages=SMALL_DEVICE_TOKENS // 16 + 1, page_size=16, max_seqs=4,
+                  max_blocks_per_seq=context // 16, decode_chunk=8, prefill_chunk=128, **host)
 
 
 HOST_TIER_BYTES = 256 << 20
@@ -209,7 +213,7 @@ HOST_TIER_BYTES = 256 << 20
 
 def host_tier_rows() -> tuple[list, list]:
     """``(table rows, JSON records)``: hit / ideal per family and workload
-    on a device too small to keep everything, without and with the host
+    on a device too small to keep everything (:func:`_small_engine`), without and with the host
     tier of the prefix cache (:data:`HOST_TIER_BYTES`), the tokens it
     brought back; then the tier's transfer rates per family."""
     rows, payload = [], []

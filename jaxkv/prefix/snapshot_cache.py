@@ -360,8 +360,25 @@ class SnapshotCache:
             raise BookkeepingError(f"snapshot row {row} is not taken")
         self._free_rows.append(row)
 
-    def _adopt_given(self, tokens, row_blocks, need, depth, handles, row, kind, namespace, ops) -> BlockOps:
-        """:meth:`store` with ``given`` (after the pages went in)."""
+    def adopt_pages(self, tokens: Sequence[int], row_blocks: Sequence[Sequence[int]],
+                    namespace: Hashable = None) -> tuple[list, BlockOps]:
+        """Put the whole pages of ``tokens`` into the tree with the caller's
+        references to their blocks (``row_blocks[g]``, given as in
+        :meth:`store`); no record. Returns the tree's page handles and the
+        device work: the given blocks of pages the tree had come back in
+        ``release``; references to the blocks past the pages stay the
+        caller's."""
+        ops = self.empty_ops()
+        tokens = list(tokens)
+        depth = len(tokens) // self.unit
+        handles = self._insert_pages(tokens[: depth * self.unit], row_blocks, namespace, ops) if depth else []
+        self._hand_over(row_blocks, depth, ops)
+        return handles, ops
+
+    def _hand_over(self, row_blocks, depth: int, ops: BlockOps) -> None:
+        """The pages' references were given: the increfs ``_insert_pages``
+        asked for are dropped, and the given blocks of pages the tree
+        already had are released."""
         kept = {name: collections.Counter(ops.incref[name]) for name in self.groups}
         for g, name in enumerate(self.groups):
             ops.incref[name] = []
@@ -370,6 +387,10 @@ class SnapshotCache:
                     kept[name][block] -= 1  # a new page: the given reference is the tree's
                 else:
                     ops.release[name].append(block)  # the tree had the page: the given copy goes
+
+    def _adopt_given(self, tokens, row_blocks, need, depth, handles, row, kind, namespace, ops) -> BlockOps:
+        """:meth:`store` with ``given`` (after the pages went in)."""
+        self._hand_over(row_blocks, depth, ops)
         key = self._key(depth, handles, namespace)
         tail_tokens = tuple(tokens[depth * self.unit:])
         tail = tuple(tuple(int(b) for b in row_blocks[g][depth * self.blocks_per_page[g]: need[g]])

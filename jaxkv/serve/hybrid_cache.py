@@ -4,6 +4,7 @@ snapshots."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 from functools import partial
@@ -75,6 +76,18 @@ def _take_blocks(manager: KVCacheManager, counts: dict, *, width: int):
 def _pow2_ids(ids) -> np.ndarray:
     """``ids`` padded with -1 to a power of two (few compiled shapes)."""
     return fixed_ids(list(ids), pow2_at_least(max(len(ids), 1)))
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class _HostHit:
+    """A hit served from the host tier without a free snapshot row: the
+    pinned tree ``node`` of its pages, its ``state`` (host arrays, written
+    into the request's slot at admission) and the ``tail`` blocks per group
+    this hit holds one reference to until then."""
+
+    node: object
+    state: object
+    tail: tuple
 
 
 class HybridCache(CacheBase):
@@ -159,6 +172,7 @@ class HybridCache(CacheBase):
         self._lens = [0] * max_seqs  # per row: tokens in the cache
         self._last_snapshot = [0] * max_seqs  # per row: where its last snapshot was taken
         self._extra_cuts: list[set] = [set() for _ in range(max_seqs)]  # per row: points others wait for
+        self._released: set = set()  # ids of the snapshot hits unpinned at admission (see unpin)
         self.host_bytes = int(host_kv_memory or 0)  # host memory for swapped-out rows
         self.can_swap = self.host_bytes > 0
         self._images: dict = {}  # swapped-out row -> its RequestImage (host memory)
@@ -328,16 +342,34 @@ class HybridCache(CacheBase):
         best = self._host_candidate(tokens, namespace, hit.tokens) if self.host_prefixes is not None else None
         if best is not None:
             self.snapshots.release(hit)  # a restore may take rows and evict pages: nothing of ours pinned
-            self._from_host(best, namespace)
+            direct = self._from_host(best, namespace)
+            if direct is not None:
+                return direct
             hit = self.snapshots.match(tokens, namespace)
-        copied = tuple(int(bool(hit.tokens and (hit.tokens // per_entry) % per_block)) if hit.tokens else 0
-                       for per_entry, per_block in self._per_block)
         return PrefixHit(hit.tokens, hit.blocks, hit if hit.record is not None else None, snapshot=hit.row,
-                         matched=hit.branch, copied=copied)
+                         matched=hit.branch, copied=self._copied(hit.tokens))
+
+    def _copied(self, tokens: int) -> tuple:
+        """Per group, 1 when a hit of ``tokens`` ends inside a block (copied on attach)."""
+        return tuple(int(bool((tokens // per_entry) % per_block)) for per_entry, per_block in self._per_block)
 
     def unpin(self, hit) -> None:
-        if hit is not None and hit.node is not None:
+        """Undo :meth:`match`'s pins (a hit attached to a row was unpinned
+        at admission: its slot holds the blocks and the state by then, so
+        the record and its pages are free to go while the request runs)."""
+        if hit is None or hit.node is None:
+            return
+        if id(hit.node) in self._released:
+            self._released.discard(id(hit.node))
+        elif isinstance(hit.node, _HostHit):  # never admitted: its tail references go back
+            self._release_host_hit(hit.node)
+        else:
             self.snapshots.release(hit.node)
+
+    def _release_host_hit(self, host: "_HostHit") -> None:
+        self.prefix_cache.release(host.node)
+        self._block_call(_release_blocks, dict(zip(self.groups, (list(ids) for ids in host.tail))),
+                         "releasing a host hit's blocks")
 
     def can_evict(self) -> bool:
         return self.snapshots.evictable_pages > 0
@@ -396,39 +428,56 @@ class HybridCache(CacheBase):
                 best, best_len = key, len(prefix)
         return best
 
-    def _from_host(self, best, namespace) -> bool:
+    def _from_host(self, best, namespace) -> PrefixHit | None:
         """Bring host record ``best`` back: fresh blocks in every group
-        (evicting device pages when short), its data and state written, its
-        pages and record into the snapshot cache. False when there is no
-        room (it stays on host)."""
+        (evicting device pages when short) with its data, its pages into
+        the tree, and its state into a snapshot row as a record again
+        (returns None: :meth:`match` finds it). When every snapshot row is
+        pinned, the hit goes to the request directly: its state is written
+        into the request's slot at admission (a :class:`_HostHit`; the
+        record stays on host). None too when the blocks cannot be had (it
+        stays on host)."""
         _, prefix, kind, counts = self._host_index[best]
         need = np.asarray(counts, np.int64)
         if np.any(self.free_blocks() < need):
             self.evict(np.maximum(need - self.free_blocks(), 0))  # (what it evicts may spill to host too)
         if np.any(self.free_blocks() < need) or best not in self._host_index:
-            return False
+            return None
         row, ops = self.snapshots.take_row()
         self._apply(ops)
-        if row is None or best not in self._host_index:
+        if best not in self._host_index:
             if row is not None:
                 self.snapshots.give_row(row)
-            return False
+            return None
         self.manager, ids, ok = _take_blocks(self.manager, {name: np.int32(n) for name, n in zip(self.groups, counts)},
                                              width=pow2_at_least(max(max(counts), 1)))
         ids = jax.device_get(ids)
         if not bool(ok):
             raise BookkeepingError(f"taking {counts} blocks for a host prefix was refused with "
                                    f"{self.free_blocks().tolist()} free")
-        blocks, state = self.host_prefixes.pop(best)
-        del self._host_index[best]
+        blocks, state = self.host_prefixes.get_host(best)
         targets = {name: _pow2_ids(ids[name][:n].tolist()) for name, n in zip(self.groups, counts)}  # as read
-        self.manager = hybrid_host.write_blocks(self.manager, targets, blocks)
-        self.manager = hybrid_host.write_state_rows(self.manager, [self.manager.num_slots + row], state)
+        self.manager = hybrid_host.write_blocks(self.manager, targets, jax.device_put(blocks))
         given = [ids[name][:n].tolist() for name, n in zip(self.groups, counts)]
-        self._apply(self.snapshots.store(list(prefix), given, row, kind=kind, namespace=namespace, given=True))
         self.host_loaded_tokens += len(prefix)
         logger.debug("prefix cache: a %d-token prefix came back from host memory", len(prefix))
-        return True
+        if row is not None:  # a record again: off the host
+            self.host_prefixes.discard(best)
+            del self._host_index[best]
+            self.manager = hybrid_host.write_state_rows(self.manager, [self.manager.num_slots + row],
+                                                        jax.device_put(state))
+            self._apply(self.snapshots.store(list(prefix), given, row, kind=kind, namespace=namespace, given=True))
+            return None
+        handles, ops = self.snapshots.adopt_pages(prefix, given, namespace)
+        self._apply(ops)
+        depth = len(prefix) // self.unit
+        tail = tuple(ids[name][depth * per: n].tolist()
+                     for name, n, per in zip(self.groups, counts, self.snapshots.blocks_per_page))
+        hit_blocks = tuple([b for h in handles for b in self.snapshots.pages[h][g]] + list(tail[g])
+                           for g in range(len(self.groups)))
+        node = self.prefix_cache.pin_prefix(list(prefix[: depth * self.unit]), namespace) if depth else None
+        return PrefixHit(len(prefix), hit_blocks, _HostHit(node, state, tail), snapshot=-1, matched=len(prefix),
+                         copied=self._copied(len(prefix)))
 
     def _copy_width(self, n: int) -> int:
         return max(self.max_seqs, pow2_at_least(n))
@@ -443,18 +492,22 @@ class HybridCache(CacheBase):
     def _store(self, items: list) -> None:
         """Snapshot ``(row, tokens, namespace, kind, hit)`` per request: its
         state at exactly ``len(tokens)`` tokens (one device call per kind of
-        work, for all of them)."""
+        work, for all of them; per request with a host tier, whose copies
+        read the rows the earlier stores wrote)."""
         if not items or not self.num_cached_snapshots:
             return
         tables = {name: np.asarray(t) for name, t in
                   jax.device_get({name: g.tables for name, g in self.manager.groups.items()}).items()}
         ops = self.snapshots.empty_ops()
         for row, tokens, namespace, kind, hit in items:
-            record = hit.node.record if hit is not None and hit.node is not None else None
+            record = getattr(hit.node, "record", None) if hit is not None else None  # (a host hit has none)
             row_blocks = [tables[name][row + 1] for name in self.groups]
             ops.extend(self.snapshots.store(tokens, row_blocks, row + 1, kind=kind, namespace=namespace,
                                             supersedes=record))
             self._last_snapshot[row] = len(tokens)
+            if self.snapshots.spill:  # a later store may spill this record: its row must hold its state by then
+                self._apply(ops)
+                ops = self.snapshots.empty_ops()
         self._apply(ops)
 
     # ---------------------------------------------------------------- steps
@@ -472,6 +525,15 @@ class HybridCache(CacheBase):
         for lane in lanes:
             self._lens[lane.row] = self._last_snapshot[lane.row] = lane.hit.tokens
         self._attach_hits([lane for lane in lanes if lane.hit.tokens])
+        for lane in lanes:  # attached: the slot holds the blocks and the state, the record needs no pin
+            node = lane.hit.node
+            if isinstance(node, _HostHit):  # its state straight from host memory into the slot
+                self.manager = hybrid_host.write_state_rows(self.manager, [lane.row + 1], jax.device_put(node.state))
+                self._release_host_hit(node)
+            elif node is not None:
+                self.snapshots.release(node)
+            if node is not None:
+                self._released.add(id(node))
         lengths = np.zeros((self.max_seqs,), np.int32)
         lengths[: len(lanes)] = [len(lane.tokens) for lane in lanes]
         self.manager, ok = _preallocate_hybrid(self.manager, fixed_ids(want, self.max_seqs), lengths)
