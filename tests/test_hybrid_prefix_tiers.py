@@ -62,12 +62,13 @@ def test_a_prefix_dropped_to_host_comes_back_exact(name):
     check_hybrid_no_leak(engine)
 
 
-def test_host_hits_without_a_free_snapshot_row_go_straight_to_the_slot():
-    """One snapshot row, three conversations continued together: the turn
-    ends wait on host; the first to come back takes the row, the others
-    (the row pinned by then) have their state written straight into their
-    slots. Every continuation hits its whole previous turn and gives the
-    cold run's tokens."""
+def test_three_host_hits_in_one_admission_with_one_snapshot_row():
+    """One snapshot row, three conversations continued together: their
+    turn ends wait on host; each continuation's is loaded at admission into
+    blocks the admission counted, its state written straight into its slot
+    (then kept on the device again as the row allows, pushing the previous
+    one back to host). Every continuation hits its whole previous turn and
+    gives the cold run's tokens."""
     model, _ = _fixture("qwen3_next/small")
     engine = Engine(model, max_seqs=3, max_context_tokens=256, decode_chunk=4, prefill_chunk=32, num_snapshots=1,
                     host_prefix_memory=1 << 26)

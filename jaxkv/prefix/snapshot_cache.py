@@ -40,6 +40,13 @@ Tree pages give their blocks back only under block pressure
 (:meth:`evict_blocks`, least recently used pages first; the records keyed at
 an evicted page go with it).
 
+Host tier (``spill``): every record that leaves the device is reported
+whole (:class:`Spill`: its tokens, every block holding them, its row) for
+the caller to copy to host memory before the blocks are released; one that
+comes back is given to :meth:`store` with ``given`` (blocks the caller
+filled, one reference each handed over) in a row from :meth:`take_row`,
+or its pages alone to :meth:`adopt_pages`.
+
 Invariants (checked by :meth:`check_invariants`, and by a hypothesis state
 machine against a plain model in ``tests/test_snapshot_cache.py``):
 

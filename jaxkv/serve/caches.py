@@ -87,12 +87,19 @@ class PrefixHit:
     snapshot: int = -1  # hybrid cache: the snapshot row holding the state at ``tokens``
     matched: int = 0  # hybrid cache: how far ``tokens`` agree with anything cached (token grain)
     copied: tuple = ()  # hybrid cache, per group: 1 when the hit's last block is partly filled (copied on attach)
+    loads: tuple = ()  # hybrid cache, per group: blocks admission takes beyond the tokens' own (a host-tier hit)
 
     def block_counts(self) -> np.ndarray:
         """Blocks per group the request shares with the cache (a block
         copied on attach is the request's own)."""
         counts = np.asarray([len(b) for b in self.blocks], np.int64)
         return counts - np.asarray(self.copied, np.int64) if self.copied else counts
+
+    def extra_blocks(self) -> np.ndarray | int:
+        """Free blocks per group admitting this hit takes beyond its
+        tokens' blocks less :meth:`block_counts` (a host-tier hit loaded
+        into fresh blocks: the copy of its partly filled last block)."""
+        return np.asarray(self.loads, np.int64) if self.loads else 0
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1110,7 +1110,7 @@ class Engine:
         rule ``add_request`` checked."""
         tokens = len(req.tokens)
         held, shared = self.cache.blocks_for(tokens), hit.block_counts()
-        return held - shared + self.cache.growth(tokens, self._steps_ahead(req), held, shared)
+        return held - shared + hit.extra_blocks() + self.cache.growth(tokens, self._steps_ahead(req), held, shared)
 
     def _growth_reserve(self) -> np.ndarray:
         """Blocks kept free for the running sequences to grow into during

@@ -4,6 +4,7 @@ snapshots."""
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import logging
 import math
@@ -78,16 +79,15 @@ def _pow2_ids(ids) -> np.ndarray:
     return fixed_ids(list(ids), pow2_at_least(max(len(ids), 1)))
 
 
-@dataclasses.dataclass(frozen=True, eq=False)
+@dataclasses.dataclass(eq=False)
 class _HostHit:
-    """A hit served from the host tier without a free snapshot row: the
-    pinned tree ``node`` of its pages, its ``state`` (host arrays, written
-    into the request's slot at admission) and the ``tail`` blocks per group
-    this hit holds one reference to until then."""
+    """A hit on host record ``key`` (pinned there: it stays until the hit
+    is admitted or unpinned); once loaded (:meth:`HybridCache._load_host_hit`),
+    ``loaded`` holds the pinned tree node of its pages and the tail blocks
+    per group the load holds one reference to."""
 
-    node: object
-    state: object
-    tail: tuple
+    key: int
+    loaded: tuple | None = None
 
 
 class HybridCache(CacheBase):
@@ -101,8 +101,11 @@ class HybridCache(CacheBase):
     the device (dropped for its row by the retention policy, or with a page
     evicted under block pressure) is copied to host memory whole (its
     blocks in every group and its state row); a later request whose prompt
-    it prefixes better than the device can brings it back (fresh blocks,
-    the data written, its pages and record put back) and hits it.
+    it prefixes better than the device can hits it: the admission counts
+    fresh blocks for it, :meth:`begin_prefill` loads the data into them,
+    puts its pages back into the tree, writes its state straight into the
+    request's slot, and keeps it on the device again as a record when the
+    retention policy gives it a row.
 
     **Prefix cache** (:class:`~jaxkv.prefix.snapshot_cache.SnapshotCache`,
     which holds the tree of ``unit``-token pages and the snapshot records;
@@ -162,7 +165,8 @@ class HybridCache(CacheBase):
         self.snapshots = SnapshotCache(self.unit, self.groups, self.blocks_for, cached, retention=retention,
                                        row_bytes=int(self.state_bytes_per_request),
                                        block_bytes=self.group_block_bytes, spill=self.host_prefixes is not None)
-        self._host_index: dict = {}  # host key -> (namespace, tokens, kind), least recently used first
+        self._host_index: dict = {}  # host key -> (namespace, tokens, kind, blocks per group), oldest first
+        self._host_pins: collections.Counter = collections.Counter()  # host key -> hits waiting to load it
         self._next_host_key = 0
         self.host_loaded_tokens = self.host_stored_tokens = 0
         self.prefix_cache = self.snapshots.tree
@@ -340,12 +344,12 @@ class HybridCache(CacheBase):
         when the last of them is partly filled (the request gets a copy)."""
         hit = self.snapshots.match(tokens, namespace)
         best = self._host_candidate(tokens, namespace, hit.tokens) if self.host_prefixes is not None else None
-        if best is not None:
-            self.snapshots.release(hit)  # a restore may take rows and evict pages: nothing of ours pinned
-            direct = self._from_host(best, namespace)
-            if direct is not None:
-                return direct
-            hit = self.snapshots.match(tokens, namespace)
+        if best is not None:  # loaded at admission (begin_prefill), into blocks the admission counted
+            self.snapshots.release(hit)
+            self._host_pins[best] += 1
+            length = len(self._host_index[best][1])
+            return PrefixHit(length, tuple([] for _ in self.groups), _HostHit(best), snapshot=-1, matched=length,
+                             loads=self._copied(length))
         return PrefixHit(hit.tokens, hit.blocks, hit if hit.record is not None else None, snapshot=hit.row,
                          matched=hit.branch, copied=self._copied(hit.tokens))
 
@@ -361,15 +365,10 @@ class HybridCache(CacheBase):
             return
         if id(hit.node) in self._released:
             self._released.discard(id(hit.node))
-        elif isinstance(hit.node, _HostHit):  # never admitted: its tail references go back
-            self._release_host_hit(hit.node)
+        elif isinstance(hit.node, _HostHit):  # never admitted: nothing was loaded
+            self._unpin_host(hit.node)
         else:
             self.snapshots.release(hit.node)
-
-    def _release_host_hit(self, host: "_HostHit") -> None:
-        self.prefix_cache.release(host.node)
-        self._block_call(_release_blocks, dict(zip(self.groups, (list(ids) for ids in host.tail))),
-                         "releasing a host hit's blocks")
 
     def can_evict(self) -> bool:
         return self.snapshots.evictable_pages > 0
@@ -406,8 +405,9 @@ class HybridCache(CacheBase):
                 hybrid_host.read_state_rows(self.manager, [self.manager.num_slots + spill.row]))
         need = hybrid_host.tree_nbytes(data)
         store = self.host_prefixes
-        while store.free_bytes < need and self._host_index:
-            oldest = next(iter(self._host_index))
+        for oldest in [key for key in self._host_index if not self._host_pins[key]]:
+            if store.free_bytes >= need:
+                break
             store.discard(oldest)
             del self._host_index[oldest]
         if store.free_bytes < need:
@@ -428,56 +428,62 @@ class HybridCache(CacheBase):
                 best, best_len = key, len(prefix)
         return best
 
-    def _from_host(self, best, namespace) -> PrefixHit | None:
-        """Bring host record ``best`` back: fresh blocks in every group
-        (evicting device pages when short) with its data, its pages into
-        the tree, and its state into a snapshot row as a record again
-        (returns None: :meth:`match` finds it). When every snapshot row is
-        pinned, the hit goes to the request directly: its state is written
-        into the request's slot at admission (a :class:`_HostHit`; the
-        record stays on host). None too when the blocks cannot be had (it
-        stays on host)."""
-        _, prefix, kind, counts = self._host_index[best]
-        need = np.asarray(counts, np.int64)
-        if np.any(self.free_blocks() < need):
-            self.evict(np.maximum(need - self.free_blocks(), 0))  # (what it evicts may spill to host too)
-        if np.any(self.free_blocks() < need) or best not in self._host_index:
-            return None
-        row, ops = self.snapshots.take_row()
-        self._apply(ops)
-        if best not in self._host_index:
-            if row is not None:
-                self.snapshots.give_row(row)
-            return None
+    def _load_host_hit(self, lane: PrefillLane) -> PrefillLane:
+        """Load ``lane``'s host-tier hit into fresh blocks (the admission
+        counted them): its data written, its whole pages into the tree
+        (pages the tree has meanwhile keep the tree's blocks). Returns the
+        lane with the hit's blocks, for :meth:`_attach_hits`; its tail
+        blocks are this call's until :meth:`_finish_host_hit`."""
+        key = lane.hit.node.key
+        prefix, counts = self._host_index[key][1], self._host_index[key][3]
         self.manager, ids, ok = _take_blocks(self.manager, {name: np.int32(n) for name, n in zip(self.groups, counts)},
                                              width=pow2_at_least(max(max(counts), 1)))
         ids = jax.device_get(ids)
         if not bool(ok):
-            raise BookkeepingError(f"taking {counts} blocks for a host prefix was refused with "
-                                   f"{self.free_blocks().tolist()} free")
-        blocks, state = self.host_prefixes.get_host(best)
+            raise BookkeepingError(f"loading a {len(prefix)}-token host prefix needs {counts} blocks of groups "
+                                   f"{list(self.groups)}; {self.free_blocks().tolist()} free (admission counted them)")
+        blocks, _ = self.host_prefixes.get_host(key)
         targets = {name: _pow2_ids(ids[name][:n].tolist()) for name, n in zip(self.groups, counts)}  # as read
         self.manager = hybrid_host.write_blocks(self.manager, targets, jax.device_put(blocks))
         given = [ids[name][:n].tolist() for name, n in zip(self.groups, counts)]
-        self.host_loaded_tokens += len(prefix)
-        logger.debug("prefix cache: a %d-token prefix came back from host memory", len(prefix))
-        if row is not None:  # a record again: off the host
-            self.host_prefixes.discard(best)
-            del self._host_index[best]
-            self.manager = hybrid_host.write_state_rows(self.manager, [self.manager.num_slots + row],
-                                                        jax.device_put(state))
-            self._apply(self.snapshots.store(list(prefix), given, row, kind=kind, namespace=namespace, given=True))
-            return None
-        handles, ops = self.snapshots.adopt_pages(prefix, given, namespace)
+        handles, ops = self.snapshots.adopt_pages(prefix, given, lane.namespace)
         self._apply(ops)
         depth = len(prefix) // self.unit
-        tail = tuple(ids[name][depth * per: n].tolist()
-                     for name, n, per in zip(self.groups, counts, self.snapshots.blocks_per_page))
+        tail = tuple(given[g][depth * per:] for g, per in enumerate(self.snapshots.blocks_per_page))
+        node = self.prefix_cache.pin_prefix(list(prefix[: depth * self.unit]), lane.namespace) if depth else None
+        lane.hit.node.loaded = (node, tail)
+        self.host_loaded_tokens += len(prefix)
+        logger.debug("prefix cache: a %d-token prefix came back from host memory", len(prefix))
         hit_blocks = tuple([b for h in handles for b in self.snapshots.pages[h][g]] + list(tail[g])
                            for g in range(len(self.groups)))
-        node = self.prefix_cache.pin_prefix(list(prefix[: depth * self.unit]), namespace) if depth else None
-        return PrefixHit(len(prefix), hit_blocks, _HostHit(node, state, tail), snapshot=-1, matched=len(prefix),
-                         copied=self._copied(len(prefix)))
+        return dataclasses.replace(lane, hit=dataclasses.replace(lane.hit, blocks=hit_blocks))
+
+    def _finish_host_hit(self, lane: PrefillLane) -> None:
+        """After the attach: the state straight from host memory into the
+        slot, the load's own references dropped, and the prefix kept on
+        the device again as a record (its row taken by the retention
+        policy) or, failing that, left on host."""
+        host = lane.hit.node
+        prefix, kind = self._host_index[host.key][1], self._host_index[host.key][2]
+        _, state = self.host_prefixes.get_host(host.key)
+        self.manager = hybrid_host.write_state_rows(self.manager, [lane.row + 1], jax.device_put(state))
+        node, tail = host.loaded
+        self.prefix_cache.release(node)
+        self._block_call(_release_blocks, dict(zip(self.groups, (list(ids) for ids in tail))),
+                         "releasing a host hit's load references")
+        self._unpin_host(host)
+        tables = {name: np.asarray(jax.device_get(g.tables[lane.row + 1])) for name, g in self.manager.groups.items()}
+        dropped = self.snapshots.dropped
+        self._apply(self.snapshots.store(list(prefix), [tables[name] for name in self.groups], lane.row + 1,
+                                         kind=kind, namespace=lane.namespace))
+        if self.snapshots.dropped == dropped and host.key in self._host_index and not self._host_pins[host.key]:
+            self.host_prefixes.discard(host.key)  # on the device again (or it was there already)
+            del self._host_index[host.key]
+
+    def _unpin_host(self, host: "_HostHit") -> None:
+        self._host_pins[host.key] -= 1
+        if not self._host_pins[host.key]:
+            del self._host_pins[host.key]
 
     def _copy_width(self, n: int) -> int:
         return max(self.max_seqs, pow2_at_least(n))
@@ -524,12 +530,12 @@ class HybridCache(CacheBase):
                                    f"for rows {[lane.row for lane in lanes]}, which need slots {want}")
         for lane in lanes:
             self._lens[lane.row] = self._last_snapshot[lane.row] = lane.hit.tokens
-        self._attach_hits([lane for lane in lanes if lane.hit.tokens])
-        for lane in lanes:  # attached: the slot holds the blocks and the state, the record needs no pin
+        loaded = [self._load_host_hit(lane) if isinstance(lane.hit.node, _HostHit) else lane for lane in lanes]
+        self._attach_hits([lane for lane in loaded if lane.hit.tokens])
+        for lane in loaded:  # attached: the slot holds the blocks and the state, the record needs no pin
             node = lane.hit.node
-            if isinstance(node, _HostHit):  # its state straight from host memory into the slot
-                self.manager = hybrid_host.write_state_rows(self.manager, [lane.row + 1], jax.device_put(node.state))
-                self._release_host_hit(node)
+            if isinstance(node, _HostHit):
+                self._finish_host_hit(lane)
             elif node is not None:
                 self.snapshots.release(node)
             if node is not None:
