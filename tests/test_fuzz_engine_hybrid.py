@@ -100,6 +100,7 @@ def check_hybrid_no_leak(engine):
     assert all(record.pins == 0 for record in cache.snapshots.records.values()), "a snapshot is still pinned"
     cache.prefix_cache.check_invariants()
     cache.snapshots.check_invariants()
+    assert cache.host_used() == 0, "a swapped-out image is left on host"
 
 
 def no_stall(limit=2000):
@@ -276,6 +277,22 @@ def test_qwen3_next_engine_matches_generate(qwen, scenario):
     waves, budget = scenario
     with distinct_snapshot_copies():
         serve(Engine(model, **QWEN), reference, waves, budget=budget, check=check_hybrid_no_leak)
+
+
+# The same traffic with one snapshot row, a host tier for the prefix cache and
+# host memory for swapped requests: records go to host and come back, rows
+# are preempted by swap.
+QWEN_HOST = dict(QWEN, num_snapshots=1, host_prefix_memory=1 << 24, host_kv_memory=1 << 24)
+
+
+@settings(max_examples=200 if LONG else 2)
+@given(scenario=qwen_scenarios())
+@example(scenario=_qwen_pressure())
+def test_qwen3_next_engine_with_host_tiers_matches_generate(qwen, scenario):
+    model, reference = qwen
+    waves, budget = scenario
+    with distinct_snapshot_copies():
+        serve(Engine(model, **QWEN_HOST), reference, waves, budget=budget, check=check_hybrid_no_leak)
 
 
 # ------------------------------------------------------------ hybrid: DeepSeek-V4
