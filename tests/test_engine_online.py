@@ -362,8 +362,8 @@ def test_hybrid_engine_streams_and_aborts_give_back_every_block_and_slot():
     engine = Engine(model, max_model_len=128, max_seqs=2, decode_chunk=4)
     streams = {}
 
-    def tree_blocks():
-        return sum(len(ids) for page in engine.cache._pages.values() for ids in page)
+    def tree_blocks():  # distinct blocks the prefix cache holds (pages and snapshot tails)
+        return sum(len(held) for held in engine.cache.snapshots.held_blocks().values())
 
     def check_free():
         engine.check_bookkeeping()

@@ -32,7 +32,9 @@ def _fixture(name):
         return AutoModelForCausalLM.from_pretrained(path), json.load(f)
 
 
-@pytest.mark.parametrize("name", ["dsv4/small"])
+# DeepSeek-V4 (every group's blocks and its rings through the host tier) runs in the long pass (CI time); the
+# Qwen3-Next test below covers the same path on the default run.
+@pytest.mark.parametrize("name", [pytest.param("dsv4/small", marks=pytest.mark.long)])
 def test_a_prefix_dropped_to_host_comes_back_exact(name):
     model, expected = _fixture(name)
     engine = Engine(model, max_seqs=2, max_context_tokens=512, decode_chunk=4, prefill_chunk=64, num_snapshots=2,
