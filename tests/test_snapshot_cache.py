@@ -239,3 +239,22 @@ class SnapshotCacheMachine(RuleBasedStateMachine):
 TestSnapshotCacheMachine = SnapshotCacheMachine.TestCase
 TestSnapshotCacheMachine.settings = settings(max_examples=150, stateful_step_count=40, deadline=None,
                                              suppress_health_check=[HealthCheck.too_slow])
+
+
+def test_records_without_a_page_give_their_tail_blocks_back_under_pressure():
+    """A record shorter than a page is keyed at its namespace root: no page
+    eviction takes it, so block pressure drops it (its tail blocks are
+    released) and, once only pinned ones are left, nothing more."""
+    blocks = Blocks()
+    cache = SnapshotCache(UNIT, GROUPS, blocks_for, num_snapshots=2)
+    short, other = [1, 2, 3], [7, 8]
+    stored = cache.store(short, blocks.row(short), source=1, kind="branch")
+    cache.store(other, blocks.row(other), source=2, kind="branch")
+    assert cache.evictable and not cache.tree.evictable_blocks
+    hit = cache.match(short + [4])  # pins the 3-token record
+    ops = cache.evict_blocks([1, 1])
+    assert ops.release == {"pages2": blocks.row(other)[0], "pages4": blocks.row(other)[1]}
+    assert [r.tokens for r in cache.records.values()] == [3] and not cache.evictable
+    cache.release(hit)
+    assert sorted(cache.evict_blocks([2, 1]).release["pages2"]) == sorted(stored.incref["pages2"])
+    assert not cache.records

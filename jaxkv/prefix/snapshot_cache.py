@@ -463,18 +463,34 @@ class SnapshotCache:
     # ----------------------------------------------------------------- pressure
 
     @property
-    def evictable_pages(self) -> int:
-        return self.tree.evictable_blocks
+    def evictable(self) -> bool:
+        """Whether :meth:`evict_blocks` can give anything back: an unpinned
+        tree page, or an unpinned record holding tail blocks."""
+        return self.tree.evictable_blocks > 0 or any(r.pins == 0 and any(r.tail) for r in self.records.values())
 
     def evict_blocks(self, shortfall: Sequence[int]) -> BlockOps:
         """Give back least recently used tree pages until each group has
-        released ``shortfall`` references (fewer when nothing more is
-        evictable); the records keyed at an evicted page go with it."""
+        released ``shortfall`` references (the records keyed at an evicted
+        page go with it), then, while a group is still short, records
+        holding tail blocks of it (in the retention policy's order; a
+        record keyed at a namespace root has no page to go with). Fewer
+        when nothing more is evictable."""
         ops = self.empty_ops()
         pages = max((-(-int(n) // per) for n, per in zip(shortfall, self.blocks_per_page) if n > 0 and per),
                     default=0)
         if pages and self.tree.evictable_blocks:
             self._drop_pages(self.tree.evict(pages).blocks, ops)
+
+        def short() -> list[int]:
+            return [g for g, name in enumerate(self.groups) if len(ops.release[name]) < int(shortfall[g])]
+
+        while short():
+            groups = short()
+            candidates = [r for r in self.records.values() if r.pins == 0 and any(r.tail[g] for g in groups)]
+            if not candidates:
+                break
+            key = (lambda r: r.last_used) if self.retention == "lru" else (lambda r: (_class(r), r.last_used))
+            self._drop_record(min(candidates, key=key), ops)
         return ops
 
     def _drop_pages(self, handles: list, ops: BlockOps) -> None:

@@ -1,11 +1,12 @@
 """A continuous-batching engine: a host scheduler around jitted steps.
 
 The engine schedules; the model's cache (:mod:`jaxkv.serve.caches`) owns the
-device state and the jitted steps: a :class:`~jaxkv.serve.paged_cache.PagedCache`
-(paged pool, prefix cache, swap) for models with ``make_pool``, a
-:class:`~jaxkv.serve.hybrid_cache.HybridCache` (the model's ``KVCacheManager``;
-prefix cache with state snapshots, swap of every group) for models with
-``make_cache``.
+device state and the jitted steps, behind one contract: a
+:class:`~jaxkv.serve.paged_cache.PagedCache` (paged pool, prefix cache, swap)
+for a "paged" model, a :class:`~jaxkv.serve.hybrid_cache.HybridCache` (the
+model's ``KVCacheManager``; prefix cache with state snapshots, swap of every
+group) for a "hybrid" one (the model's ``cache_kind``;
+:func:`jaxkv.serve.build.build_cache` picks).
 Blocks are counted per group of the cache (one group for a paged pool);
 what follows says "blocks" for each group's count. The cache is sized by
 one rule for every family (:mod:`jaxkv.serve.sizing`: ``max_model_len``,

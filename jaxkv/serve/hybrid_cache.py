@@ -371,12 +371,12 @@ class HybridCache(CacheBase):
             self.snapshots.release(hit.node)
 
     def can_evict(self) -> bool:
-        return self.snapshots.evictable_pages > 0
+        return self.snapshots.evictable
 
     def evict(self, shortfall: np.ndarray) -> None:
         """Evict least recently used tree pages (and the snapshots keyed at
-        them) until each group has ``shortfall`` references back (or
-        nothing is evictable)."""
+        them), then snapshots holding tail blocks, until each group has
+        ``shortfall`` references back (or nothing is evictable)."""
         self._apply(self.snapshots.evict_blocks([int(n) for n in shortfall]))
 
     def _apply(self, ops: BlockOps) -> None:
