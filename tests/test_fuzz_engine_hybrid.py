@@ -272,30 +272,21 @@ def _qwen_pressure():
     return (wave, wave), None
 
 
-@settings(max_examples=200 if LONG else 3)
-@given(scenario=qwen_scenarios())
-@example(scenario=_qwen_pressure())
-def test_qwen3_next_engine_matches_generate(qwen, scenario):
-    model, reference = qwen
-    waves, budget = scenario
-    with distinct_snapshot_copies():
-        serve(Engine(model, **QWEN), reference, waves, budget=budget, check=check_hybrid_no_leak)
-
-
-# The same traffic with one snapshot row, a host tier for the prefix cache and
-# host memory for swapped requests: records go to host and come back, rows
-# are preempted by swap.
+# "host tiers": the same traffic with one snapshot row, a host tier for the
+# prefix cache and host memory for swapped requests: records go to host and
+# come back, rows are preempted by swap.
 QWEN_HOST = dict(QWEN, num_snapshots=1, host_prefix_memory=1 << 24, host_kv_memory=1 << 24)
 
 
+@pytest.mark.parametrize("options", [QWEN, QWEN_HOST], ids=["device", "host tiers"])
 @settings(max_examples=200 if LONG else 2)
 @given(scenario=qwen_scenarios())
 @example(scenario=_qwen_pressure())
-def test_qwen3_next_engine_with_host_tiers_matches_generate(qwen, scenario):
+def test_qwen3_next_engine_matches_generate(qwen, options, scenario):
     model, reference = qwen
     waves, budget = scenario
     with distinct_snapshot_copies():
-        serve(Engine(model, **QWEN_HOST), reference, waves, budget=budget, check=check_hybrid_no_leak)
+        serve(Engine(model, **options), reference, waves, budget=budget, check=check_hybrid_no_leak)
 
 
 # ------------------------------------------------------------ hybrid: DeepSeek-V4
