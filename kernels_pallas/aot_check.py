@@ -203,6 +203,19 @@ def _pool_specs(*, dtype, head_dim, page_size, seqs, context, kv_heads, mla_valu
     return width, q_dtype, dv, build
 
 
+def _case_params(dtype, head_dim, dv, heads, kv_heads, page_size, shape: dict, options: dict, layers, layer,
+                 knobs: dict) -> dict:
+    """A case's name parameters: dtype, head dims, heads, page size, then
+    ``shape``, the ``options`` that are set, the layer and the knobs."""
+    params = dict(dtype=dtype.name, D=head_dim if dv is None else f"{head_dim}/{dv}", H=heads, KVH=kv_heads,
+                  ps=page_size, **shape)
+    params.update({key: value for key, value in options.items() if value})
+    if layers:
+        params["layer"] = f"{layer}/{layers}"
+    params.update(knobs)
+    return params
+
+
 def _attention_case(*, dtype, head_dim, page_size, batch, context, kv_heads=8, heads=32, window=None, cap=None,
                     mla_value_dim=None, layers=None, layer=None, **knobs):
     from kernels_pallas.paged_attention import paged_attention
@@ -223,15 +236,8 @@ def _attention_case(*, dtype, head_dim, page_size, batch, context, kv_heads=8, h
                     _sds((batch,), jnp.int32), ks, vs)
 
     kind = "mla" if mla_value_dim is not None else "gqa"
-    params = dict(dtype=dtype.name, D=head_dim if dv is None else f"{head_dim}/{dv}", H=heads, KVH=kv_heads,
-                  ps=page_size, B=batch, ctx=context)
-    if window:
-        params["window"] = window
-    if cap:
-        params["cap"] = cap
-    if layers:
-        params["layer"] = f"{layer}/{layers}"
-    params.update(knobs)
+    params = _case_params(dtype, head_dim, dv, heads, kv_heads, page_size, dict(B=batch, ctx=context),
+                          dict(window=window, cap=cap), layers, layer, knobs)
     name = f"attn_{kind} " + " ".join(f"{k}={v}" for k, v in params.items())
     plan_kwargs = dict(mla_value_dim=mla_value_dim, layer=layer, **knobs)
     return Case(name, f"paged_attention_{kind}", build, params, plan_kwargs)
@@ -260,14 +266,8 @@ def _ragged_case(*, dtype, head_dim, page_size, tokens, seqs, context, kv_heads=
                     _sds((seqs,), jnp.int32), _sds((seqs + 1,), jnp.int32), ks, vs, sink)
 
     kind = "mla" if mla_value_dim is not None else "gqa"
-    params = dict(dtype=dtype.name, D=head_dim if dv is None else f"{head_dim}/{dv}", H=heads, KVH=kv_heads,
-                  ps=page_size, T=tokens, S=seqs, kv=context)
-    for name, value in (("window", window), ("cap", cap), ("sinks", sinks or None)):
-        if value:
-            params[name] = value
-    if layers:
-        params["layer"] = f"{layer}/{layers}"
-    params.update(knobs)
+    params = _case_params(dtype, head_dim, dv, heads, kv_heads, page_size, dict(T=tokens, S=seqs, kv=context),
+                          dict(window=window, cap=cap, sinks=sinks or None), layers, layer, knobs)
     name = f"ragged_{kind} " + " ".join(f"{k}={v}" for k, v in params.items())
     plan_kwargs = dict(mla_value_dim=mla_value_dim, layer=layer, soft_cap=bool(cap), sinks=sinks, **knobs)
     return Case(name, f"ragged_paged_attention_{kind}", build, params, plan_kwargs)
