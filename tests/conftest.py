@@ -21,11 +21,9 @@ settings.load_profile(os.environ.get("JAXKV_HYPOTHESIS", "ci"))
 
 
 def _cuda_plugin() -> bool:
-    try:
-        import jax_cuda12_plugin  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    from kernels_pallas.aot_check import cuda_available
+
+    return cuda_available()
 
 
 def pytest_collection_modifyitems(config, items):

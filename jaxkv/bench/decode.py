@@ -86,7 +86,7 @@ def contiguous_prefill(graphdef, params, prompts, lengths, *, max_len: int):
     """Prompts ``[B, T]`` (row ``b`` holds ``lengths[b]`` tokens) through the
     model with K/V kept in per-layer ``[B, max_len, KVH, D]`` caches. Returns
     ``(caches, first)``: a tuple of ``(k, v)`` per layer and the greedy first
-    new token ``[B]``."""
+    new token ``[B]``, and that token's margin (see ``_greedy``)."""
     model = nnx.merge(graphdef, params)
     batch, width = prompts.shape
     positions = jnp.broadcast_to(jnp.arange(width, dtype=jnp.int32), (batch, width))
@@ -105,16 +105,26 @@ def contiguous_prefill(graphdef, params, prompts, lengths, *, max_len: int):
         x = x + layer.mlp(layer.post_attention_layernorm(x))
         caches.append((k_cache, v_cache))
     last = jnp.take_along_axis(x, (lengths - 1)[:, None, None], axis=1)
-    first = jnp.argmax(model.logits_from_hidden(last)[:, 0], axis=-1).astype(jnp.int32)
-    return tuple(caches), first
+    first, margin = _greedy(model.logits_from_hidden(last)[:, 0])
+    return tuple(caches), first, margin
 
 
-@partial(jax.jit, static_argnames=("graphdef", "steps"), donate_argnums=(2,))
-def contiguous_decode(graphdef, params, caches, first, lengths, *, steps: int):
+def _greedy(logits):
+    """Greedy tokens ``[B]`` and how far each won by: ``(top1 - top2) /
+    max(1, |top1|)`` (a margin near zero is a near-tie another summation
+    order may flip)."""
+    top, _ = jax.lax.top_k(logits, 2)
+    margin = (top[:, 0] - top[:, 1]) / jnp.maximum(1.0, jnp.abs(top[:, 0]))
+    return jnp.argmax(logits, axis=-1).astype(jnp.int32), margin
+
+
+@partial(jax.jit, static_argnames=("graphdef", "steps", "with_margins"), donate_argnums=(2,))
+def contiguous_decode(graphdef, params, caches, first, lengths, *, steps: int, with_margins: bool = False):
     """``steps`` greedy decode steps in one ``lax.scan`` over the contiguous
     caches (donated: written in place). ``first [B]`` is the token to feed,
     ``lengths [B]`` the tokens each row holds. Returns ``(caches, tokens
-    [B, steps])``."""
+    [B, steps])``, and with ``with_margins`` (an untimed checking run) also
+    each token's winning margin ``[B, steps]`` (see ``_greedy``)."""
     model = nnx.merge(graphdef, params)
     rows = jnp.arange(first.shape[0])
 
@@ -133,11 +143,12 @@ def contiguous_decode(graphdef, params, caches, first, lengths, *, steps: int):
             x = x + attn.out(out[:, None])
             x = x + layer.mlp(layer.post_attention_layernorm(x))
             written.append((k_cache, v_cache))
-        new = jnp.argmax(model.logits_from_hidden(x)[:, 0], axis=-1).astype(jnp.int32)
-        return (tuple(written), new, lengths + 1), new
+        new, margin = _greedy(model.logits_from_hidden(x)[:, 0])
+        return (tuple(written), new, lengths + 1), (new, margin)
 
-    (caches, _, _), tokens = jax.lax.scan(step, (caches, first, lengths.astype(jnp.int32)), None, length=steps)
-    return caches, tokens.T
+    (caches, _, _), (tokens, margins) = jax.lax.scan(step, (caches, first, lengths.astype(jnp.int32)), None,
+                                                     length=steps)
+    return (caches, tokens.T, margins.T) if with_margins else (caches, tokens.T)
 
 
 # --------------------------------------------------------------------------
@@ -173,6 +184,34 @@ def best_seconds_with_setup(cases: dict, repeats: int) -> dict[str, float]:
     return best
 
 
+#: A greedy pick may differ between two exact attention implementations only
+#: where the reference's top two logits were this close (relative to the top
+#: logit): float32 summation order (split-K, online softmax) and XLA's TF32
+#: projections on GPU move logits by ~1e-4 of their scale. A random model's
+#: logits are flat, so among thousands of tokens a few such near-ties occur;
+#: a wrong cache or table splits rows at large margins, and at once.
+NEAR_TIE = 2e-3
+
+
+def check_same_greedy(ours: np.ndarray, reference: np.ndarray, margins: np.ndarray, what: str) -> list:
+    """Raise unless every row of ``ours`` equals ``reference`` ``[B, T]`` up
+    to its first difference, and that difference is at a near-tie of the
+    reference (``margins`` below ``NEAR_TIE``; the tokens after it follow
+    another history and are not compared). Returns ``(row, step, margin)``
+    per row split at a near-tie."""
+    near_ties = []
+    for row in np.nonzero((ours != reference).any(axis=1))[0]:
+        step = int(np.argmax(ours[row] != reference[row]))
+        margin = float(margins[row, step])
+        if margin > NEAR_TIE:
+            raise AssertionError(
+                f"{what} greedy tokens differ ({int(np.sum(ours != reference))} of {ours.size}); row {row} first "
+                f"at step {step}: {ours[row, step]} vs {reference[row, step]}, where the reference's top two "
+                f"logits were {margin:.2e} apart (relative), more than a rounding flip ({NEAR_TIE:.0e})")
+        near_ties.append((int(row), step, margin))
+    return near_ties
+
+
 def _first_mismatch(a: np.ndarray, b: np.ndarray) -> str:
     rows, cols = np.nonzero(a != b)
     return f"first at row {rows[0]}, step {cols[0]}: {a[rows[0], cols[0]]} vs {b[rows[0], cols[0]]}"
@@ -196,7 +235,8 @@ def measure(model: LlamaForCausalLM, batch: int, prompt_len: int, steps: int, re
     state = _copy(state)
 
     # Contiguous: its own prefill into caches of the paged side's attended width.
-    caches, first = contiguous_prefill(graphdef, params, prompts, lengths, max_len=max_blocks * PAGE_SIZE)
+    caches, first, first_margin = contiguous_prefill(graphdef, params, prompts, lengths,
+                                                     max_len=max_blocks * PAGE_SIZE)
     caches = _copy(caches)
 
     cases = {
@@ -218,10 +258,11 @@ def measure(model: LlamaForCausalLM, batch: int, prompt_len: int, steps: int, re
     paged_tokens = np.asarray(paged_state.tokens)
     contiguous_tokens = np.concatenate([np.asarray(first)[:, None], np.asarray(cases["contiguous"]["last"][1])], 1)
     per_step_tokens = np.asarray(per_step_state.tokens)
-    if not np.array_equal(paged_tokens, contiguous_tokens):
-        raise AssertionError(f"batch {batch}: paged and contiguous greedy tokens differ "
-                             f"({int(np.sum(paged_tokens != contiguous_tokens))} of {paged_tokens.size}; "
-                             f"{_first_mismatch(paged_tokens, contiguous_tokens)})")
+    # An untimed checking run gives each contiguous token's winning margin.
+    _, _, margins = contiguous_decode(graphdef, params, _copy(caches), first, lengths, steps=steps,
+                                      with_margins=True)
+    margins = np.concatenate([np.asarray(first_margin)[:, None], np.asarray(margins)], 1)
+    near_ties = check_same_greedy(paged_tokens, contiguous_tokens, margins, f"batch {batch}: paged and contiguous")
     if not np.array_equal(paged_tokens, per_step_tokens):
         raise AssertionError(f"batch {batch}: multi-step and per-step greedy tokens differ "
                              f"({_first_mismatch(paged_tokens, per_step_tokens)})")
@@ -235,7 +276,9 @@ def measure(model: LlamaForCausalLM, batch: int, prompt_len: int, steps: int, re
         "per_step_tok_s": rate["per-step"], "multi_step_tok_s": rate["paged"],
         "multi_over_per_step": rate["paged"] / rate["per-step"],
         "paged_ms": best["paged"] * 1e3, "contiguous_ms": best["contiguous"] * 1e3,
-        "per_step_ms": best["per-step"] * 1e3, "tokens_match": True,
+        "per_step_ms": best["per-step"] * 1e3, "tokens_match": not near_ties,
+        "rows_split_at_near_tie": len(near_ties),
+        "largest_split_margin": max((m for _, _, m in near_ties), default=0.0),
     }
 
 
@@ -260,7 +303,13 @@ def main(args) -> int:
     print("\nTargets (issue 5): paged/contiguous >= 0.9; multi/per-step >= 1.5 at batch 8.\n"
           "paged = multi-step: the same timed run (generate's decode_loop, one jitted while_loop); per-step: one "
           "jitted decode_step per token plus the host's finished check, as generate(per_step=True).\n"
-          "Greedy tokens of all three are identical (checked; a mismatch raises).")
+          "Greedy tokens: multi-step and per-step identical; paged and contiguous identical up to a rounding "
+          "flip at a near-tie of the contiguous side's top two logits (relative margin <= "
+          f"{NEAR_TIE:.0e}; any other difference raises).")
+    for r in results:
+        if r["rows_split_at_near_tie"]:
+            print(f"batch {r['batch']}: {r['rows_split_at_near_tie']} row(s) split from the contiguous side at a "
+                  f"near-tie (largest margin {r['largest_split_margin']:.1e})")
     if args.json:
         print_json({"benchmark": "decode", "machine": machine, "dispatch": dispatch,
                     "model": model_description(), "results": results})

@@ -48,16 +48,32 @@ def _pinned_sharding(pool: KVPool) -> SingleDeviceSharding | None:
     return SingleDeviceSharding(device, memory_kind="pinned_host") if "pinned_host" in kinds else None
 
 
-@compute_on("device_host")
-@jax.jit
+def _on_host(fn):
+    """``fn`` jitted to run on the host (``compute_on("device_host")``, the
+    signature of the jax 0.10 this project pins). A JAX whose ``compute_on``
+    takes other arguments (0.11 wants ``compute_type=`` and
+    ``out_memory_spaces=``) gets a function that raises instead, so
+    :func:`create_host_pool`'s probe falls back to numpy pages rather than the
+    import failing."""
+    try:
+        return compute_on("device_host")(jax.jit(fn))
+    except TypeError as error:
+        reason = f"pinned_host swap pages need jax 0.10's compute_on; jax {jax.__version__} says: {error}"
+
+        def unsupported(*args, **kwargs):
+            raise InvalidArgument(reason)
+
+        return unsupported
+
+
+@_on_host
 def _host_write_pages(host_pool: KVPool, targets, data: KVPool) -> KVPool:
     # A bare scatter: every operand of a host computation must be in host memory,
     # so indices are prepared on the device (padding -> one past the end).
     return jax.tree_util.tree_map(lambda a, d: a.at[:, :, targets].set(d, mode="drop"), host_pool, data)
 
 
-@compute_on("device_host")
-@jax.jit
+@_on_host
 def _host_read_pages(host_pool: KVPool, pages) -> KVPool:
     return jax.tree_util.tree_map(lambda a: a[:, :, pages], host_pool)
 

@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# The GPU checks in one call on a lent GPU machine (see the README, "On a
+# GPU"): the `gpu` tests and aot_check side by side (both mostly compile),
+# then `bench kernels --json` and `bench decode` alone on the card.
+# Every step has its own time limit and log under $OUT; the last lines are a
+# summary. Usage: bash tools/device_check.sh [steps...] (default: all).
+set -u
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
+OUT=${OUT:-/tmp/device_check}; mkdir -p "$OUT"
+PY=${PY:-python3}
+steps=${*:-"tests aot kernels decode"}
+summary=()
+
+run_step() {  # name limit_s command...
+  local name=$1 limit=$2; shift 2
+  local start; start=$(date +%s)
+  timeout "$limit" "$@" >"$OUT/$name.log" 2>&1
+  local rc=$?
+  summary+=("$name rc=$rc $(( $(date +%s) - start ))s")
+  echo "=== $name rc=$rc"; tail -n "${TAIL:-15}" "$OUT/$name.log"
+}
+
+nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.max.sm --format=csv 2>&1 | tee "$OUT/gpu.txt"
+$PY -c "import jax, jaxlib; print('jax', jax.__version__, 'jaxlib', jaxlib.__version__, jax.devices())" 2>&1 | tee -a "$OUT/gpu.txt"
+
+pids=()
+if [[ $steps == *aot* ]]; then
+  (run_step aot 240 $PY -m kernels_pallas.aot_check) > "$OUT/aot.summary" 2>&1 &
+  pids+=($!)
+fi
+if [[ $steps == *tests* ]]; then
+  run_step tests 240 $PY -m pytest -q -m gpu -p no:cacheprovider -n 4 \
+    tests/test_kernels_gather.py tests/test_kernels_paged_attention.py \
+    tests/test_kernels_ragged_attention.py tests/test_nn_generate.py
+fi
+for p in "${pids[@]}"; do wait "$p"; done
+[[ -f $OUT/aot.summary ]] && cat "$OUT/aot.summary"
+if [[ $steps == *kernels* ]]; then run_step kernels 200 $PY -m jaxkv.bench kernels --json; fi
+if [[ $steps == *decode* ]]; then run_step decode 150 $PY -m jaxkv.bench decode --json; fi
+echo "=== summary"; printf '%s\n' "${summary[@]}"
+if [[ -f $OUT/aot.summary ]]; then head -n 1 "$OUT/aot.summary"; fi
