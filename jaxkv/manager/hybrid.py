@@ -73,18 +73,22 @@ from jaxkv.manager.layer_handle import LayerCacheHandle
 from jaxkv.pool.compressed import CompressedLayerCache
 from jaxkv.pool.gdn_pool import GDNPool
 from jaxkv.pool.kv_pool import KVPool
+from jaxkv.pool.window import WindowLayerCache
 from jaxkv.types import Ok
 
 __all__ = ["BlockGroup", "CompressedLayerCache", "KVCacheManager", "LayerCacheHandle"]
 
 _V4_KINDS = (AttentionKind.SWA, AttentionKind.CSA, AttentionKind.HCA)
+#: Kinds whose layer owns its arrays (one store per layer): DeepSeek-V4's
+#: and the window layers' rings.
+_LAYER_KINDS = _V4_KINDS + (AttentionKind.WINDOW,)
 #: Shared stores after the per-layer ones, in ``write_epochs`` order.
 _SHARED_STORES = (AttentionKind.FULL, AttentionKind.MLA, AttentionKind.LINEAR)
 
 #: A layer's cache arrays as the manager holds them: DeepSeek-V4 kinds own a
-#: :class:`CompressedLayerCache`; full/MLA/linear layers own none (their
-#: arrays are in the shared pools).
-LayerCache = CompressedLayerCache | None
+#: :class:`CompressedLayerCache`, window layers a :class:`WindowLayerCache`;
+#: full/MLA/linear layers own none (their arrays are in the shared pools).
+LayerCache = CompressedLayerCache | WindowLayerCache | None
 
 
 @struct.dataclass
@@ -175,7 +179,7 @@ class KVCacheManager:
                 max_blocks = ceil_div(max_context_tokens, s.tokens_per_block)
                 groups[s.group] = BlockGroup.create(num_blocks[s.group], num_slots, max_blocks,
                                                     s.tokens_per_entry, s.entries_per_block)
-        layers = tuple(_layer_cache(s, num_slots + num_snapshots, num_blocks.get(s.group, 0)) for s in schemas)
+        layers = tuple(_layer_cache(s, config, num_slots + num_snapshots, num_blocks.get(s.group, 0)) for s in schemas)
         count = {k: sum(s.kind == k for s in schemas) for k in AttentionKind}
         full_pool = mla_pool = gdn = None
         if count[AttentionKind.FULL]:
@@ -225,7 +229,7 @@ class KVCacheManager:
     def _store(self, layer: int) -> int:
         """Index in ``write_epochs`` of the store ``layer`` writes back to."""
         kind = self.schemas[layer].kind
-        return layer if kind in _V4_KINDS else len(self.schemas) + _SHARED_STORES.index(kind)
+        return layer if kind in _LAYER_KINDS else len(self.schemas) + _SHARED_STORES.index(kind)
 
     def _check_layer(self, layer: int) -> LayerCacheSchema:
         """The schema of ``layer`` (a static int), or ``InvalidArgument``."""
@@ -652,7 +656,7 @@ class KVCacheManager:
         require(fresh, InvalidArgument, f"stale handle of layer {layer} ({kind.value}): acquired at write-back "
                 "{} of its store, which is now at {}", handle.epoch, current)
         out = self.replace(write_epochs=self.write_epochs.at[store].add(1))
-        if kind in _V4_KINDS:
+        if kind in _LAYER_KINDS:
             return out.replace(layers=self.layers[:layer] + (handle.cache,) + self.layers[layer + 1:])
         if kind == AttentionKind.FULL:
             return out.replace(full_pool=handle.kv_pool)
@@ -794,8 +798,11 @@ _release_jit = jax.jit(KVCacheManager.release)
 _allocate_block_jit = jax.jit(KVCacheManager.allocate_block, static_argnames=("layer",))
 
 
-def _layer_cache(schema: LayerCacheSchema, num_slots: int, num_blocks: int) -> LayerCache:
+def _layer_cache(schema: LayerCacheSchema, config: HybridConfig, num_slots: int, num_blocks: int) -> LayerCache:
     """The arrays of one layer as its schema says (None: full/MLA/linear)."""
+    if schema.kind == AttentionKind.WINDOW:
+        return WindowLayerCache.create(num_slots, schema.window, config.num_kv_heads, schema.head_dim,
+                                       config.window_dtype or config.kv_dtype)
     if schema.kind not in _V4_KINDS:
         return None
     return CompressedLayerCache.create(

@@ -69,6 +69,7 @@ from jaxkv.errors import InvalidArgument, InvalidId, KVCacheError, KVCacheOOM
 from jaxkv.manager.hybrid import KVCacheManager
 from jaxkv.manager.hybrid_schema import AttentionKind
 from jaxkv.pool.compressed import CompressedLayerCache
+from jaxkv.pool.window import WindowLayerCache
 from jaxkv.pool.kv_pool import KVPool
 from jaxkv.types import Ids
 from kernels_pallas.formats import CompressedEntries
@@ -110,15 +111,16 @@ class StateRows:
         :class:`~jaxkv.pool.compressed.CompressedLayerCache` holding only
         the rows' per-request arrays (``swa`` ``[n, window, ...]``,
         ``comp_kv`` / ``comp_score`` ``[n, rows, width]``, ``index_kv`` /
-        ``index_score``; its ``entries`` and ``index_keys`` are None), or
-        None for a full / MLA / linear layer.
+        ``index_score``; its ``entries`` and ``index_keys`` are None), a
+        :class:`~jaxkv.pool.window.WindowLayerCache` of the rows' K/V rings
+        (a window layer), or None for a full / MLA / linear layer.
       gdn_recurrent: float32 ``[gdn_layers, n, v_heads, v_dim, k_dim]``, or
         None without linear layers.
       gdn_conv_bits: ``[gdn_layers, n, conv_dim, kernel - 1]`` in the GDN
         pool's storage dtype, or None.
     """
 
-    layers: tuple[CompressedLayerCache | None, ...]
+    layers: tuple[CompressedLayerCache | WindowLayerCache | None, ...]
     gdn_recurrent: Float[Array, "gdn_layers n v_heads v_dim k_dim"] | None
     gdn_conv_bits: Shaped[Array, "gdn_layers n conv_dim conv_width"] | None
 
@@ -199,16 +201,11 @@ def _num_rows(manager: KVCacheManager) -> int:
     return manager.num_slots + manager.num_snapshots
 
 
-def _row_arrays(cache: CompressedLayerCache) -> CompressedLayerCache:
-    """The per-request part of a layer's arrays (the paged ones dropped)."""
-    return cache.replace(entries=None, index_keys=None)
-
-
 def _gather_rows(manager: KVCacheManager, rows: Int[Array, " n"]) -> StateRows:
     """Rows ``rows`` of every per-request array; an id that is not a row
     (-1 padding, out of range) reads row 0, the padding slot."""
     safe = jnp.where((rows >= 0) & (rows < _num_rows(manager)), rows, 0)
-    layers = tuple(None if c is None else jax.tree.map(lambda a: a[safe], _row_arrays(c)) for c in manager.layers)
+    layers = tuple(None if c is None else jax.tree.map(lambda a: a[safe], c.row_state()) for c in manager.layers)
     gdn = manager.gdn
     if gdn is None:
         return StateRows(layers=layers, gdn_recurrent=None, gdn_conv_bits=None)
@@ -227,8 +224,8 @@ def _scatter_rows(manager: KVCacheManager, rows: Int[Array, " n"], data: StateRo
         if cache is None:
             layers.append(None)
             continue
-        written = jax.tree.map(lambda a, d: a.at[target].set(d, mode="drop"), _row_arrays(cache), rows_data)
-        layers.append(written.replace(entries=cache.entries, index_keys=cache.index_keys))
+        written = jax.tree.map(lambda a, d: a.at[target].set(d, mode="drop"), cache.row_state(), rows_data)
+        layers.append(cache.with_row_state(written))
     any_row = jnp.any(valid).astype(jnp.int32)
     stores = [i for i, c in enumerate(manager.layers) if c is not None]
     out = manager.replace(layers=tuple(layers))

@@ -16,7 +16,13 @@ kind       paged (allocated in blocks as the request grows)    per-request state
                                                                (r x d kv/score)
 ``linear`` --                                                  Gated DeltaNet recurrent +
                                                                conv state (``GDNPool``)
+``window`` --                                                  K/V ring of the last W
+                                                               tokens (``WindowLayerCache``)
 =========  ==================================================  ==========================
+
+``window`` is the sliding-window layer of interleaved models (gpt-oss,
+Gemma 3): GQA K/V like ``full`` (``num_kv_heads`` x ``kv_head_dim``, in
+``window_dtype``), but only the last ``window`` tokens, per request.
 
 ``swa``, ``csa`` and ``hca`` are DeepSeek-V4's layers (compression ratio 0,
 4, 128 in its ``compress_ratios``): every one attends its sliding window, CSA
@@ -77,6 +83,7 @@ class AttentionKind(str, enum.Enum):
     CSA = "csa"
     HCA = "hca"
     LINEAR = "linear"
+    WINDOW = "window"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -124,6 +131,7 @@ class HybridConfig:
     linear_dtype: object = jnp.bfloat16
     num_query_heads: int | None = None
     index_format: EntryFormat | None = None
+    window_dtype: object = None  # window rings' dtype (None: kv_dtype)
 
     @property
     def head_dim(self) -> int:
@@ -179,6 +187,11 @@ def _schema(spec: LayerSpec, config: HybridConfig) -> LayerCacheSchema:
         common.update(head_dim=config.linear_head_k_dim, num_query_heads=config.linear_num_k_heads)
         return LayerCacheSchema(**{**common, "group": None, "entries_per_block": 0, "tokens_per_entry": 0})
     common.update(window=config.window)
+    if kind == AttentionKind.WINDOW:
+        if config.window < 1:
+            raise InvalidArgument(f"layer {spec.layer_idx}: a window layer needs window >= 1, got {config.window}")
+        common.update(head_dim=config.kv_head_dim)
+        return LayerCacheSchema(**{**common, "group": None, "entries_per_block": 0, "tokens_per_entry": 0})
     if kind == AttentionKind.SWA:
         return LayerCacheSchema(**{**common, "entry_format": config.entry_format, "group": None,
                                    "entries_per_block": 0, "tokens_per_entry": 0})

@@ -15,7 +15,10 @@ puts back. Each kind of layer reads and writes through its own methods:
 * full attention / MLA: :meth:`~LayerCacheHandle.write_kv`,
   :meth:`~LayerCacheHandle.attend`;
 * linear (Gated DeltaNet): the :class:`~jaxkv.GDNPool` in ``gdn`` at layer
-  ``gdn_layer``, replaced with ``handle.replace(gdn=...)``.
+  ``gdn_layer``, replaced with ``handle.replace(gdn=...)``;
+* window (the sliding-window layers of interleaved models):
+  :meth:`~LayerCacheHandle.attend_window` reads, attends and writes the
+  layer's K/V ring in one call.
 
 The write-back rule. A DeepSeek-V4 layer's handle carries only that layer's
 arrays, so handles of different such layers are independent. Full/MLA
@@ -53,10 +56,12 @@ from jaxkv.manager.hybrid_schema import LayerCacheSchema
 from jaxkv.pool.compressed import CompressedLayerCache, store_entries
 from jaxkv.pool.gdn_pool import GDNPool
 from jaxkv.pool.kv_pool import KVPool
+from jaxkv.pool.window import WindowLayerCache
 # Submodules, not the package: ``kernels_pallas/__init__`` loads every kernel.
 from kernels_pallas.formats import CompressedEntries
 from kernels_pallas.gather import gather_all_compressed_kv, gather_compressed_kv, gather_swa_kv
 from kernels_pallas.paged_attention import paged_attention
+from kernels_pallas.ragged_attention import ragged_paged_attention
 
 __all__ = ["LayerCacheHandle"]
 
@@ -90,7 +95,7 @@ class LayerCacheHandle:
     request_slots: Int[Array, " B"]
     positions: Int[Array, " T"]
     request_ids: Int[Array, " T"]
-    cache: CompressedLayerCache | None
+    cache: CompressedLayerCache | WindowLayerCache | None
     kv_pool: KVPool | None
     gdn: GDNPool | None
     block_table: Int[Array, "slots M"] | None
@@ -287,17 +292,113 @@ class LayerCacheHandle:
         slots = self.token_kv_slots()
         return self.replace(kv_pool=self.kv_pool.set_kv(self.kv_layer, slots, k, v))
 
-    def attend(self, q: Float[Array, "T H Dk"], **kwargs) -> Float[Array, "T H Dv"]:
+    def attend(self, q: Float[Array, "T H Dk"], *, sinks: Float[Array, " H"] | None = None,
+               **kwargs) -> Float[Array, "T H Dv"]:
         """Each token attends positions ``[0, pos]`` of its request through
         the pages (:func:`kernels_pallas.paged_attention`; keyword arguments
-        such as ``sm_scale`` or ``sliding_window`` are passed on)."""
+        such as ``sm_scale`` or ``sliding_window`` are passed on).
+        ``sinks`` (per-head logits that join the softmax denominator only,
+        gpt-oss's) go through :func:`kernels_pallas.ragged_paged_attention`
+        instead, each token a one-query sequence: the decode kernel has no
+        sinks."""
         self._need("paged K/V", self.kv_pool is not None)
         pool = self.kv_pool
         if pool.v_pages is None:
             kwargs.setdefault("mla_value_dim", pool.kv_lora_rank)
         lengths = jnp.where(self.token_slots >= 0, self.positions + 1, 0)
+        if sinks is not None:
+            num_tokens = q.shape[0]
+            # A padding token attends one (masked-out) key of the null page:
+            # the ragged layout needs kv_len >= q_len; its output is zeroed.
+            out = ragged_paged_attention(q, pool.k_pages, pool.v_pages, jnp.clip(self._token_tables(), 0, None),
+                                         jnp.maximum(lengths, 1), jnp.arange(num_tokens + 1, dtype=jnp.int32),
+                                         pool.k_scales, pool.v_scales, layer=self.kv_layer, sinks=sinks,
+                                         implementation=self.implementation, **kwargs)
+            return jnp.where((lengths > 0)[:, None, None], out, 0).astype(out.dtype)
         # The whole stacked pool and the layer index: the kernel reads the
         # layer in place (pool[layer] would be copied before the call).
         return paged_attention(q, pool.k_pages, pool.v_pages, jnp.clip(self._token_tables(), 0, None), lengths,
                                pool.k_scales, pool.v_scales, layer=self.kv_layer,
                                implementation=self.implementation, **kwargs)
+
+    # ---------------------------------------------------------------- window
+
+    def attend_window(self, q: Float[Array, "T H D"], k: Float[Array, "T KVH D"], v: Float[Array, "T KVH Dv"], *,
+                      sm_scale: float | None = None, sinks: Float[Array, " H"] | None = None,
+                      logit_soft_cap: float | None = None) -> tuple[Float[Array, "T H Dv"], "LayerCacheHandle"]:
+        """A window layer's step: each token attends its request's keys at
+        positions ``(p - W, p]`` (``W`` the ring's window), those of earlier
+        steps from the ring and those of this step from ``k``/``v``; then
+        the ring keeps each request's newest ``W`` tokens. Exact for any
+        step: decodes, prefill chunks longer than the window, both packed.
+
+        ``sm_scale`` (default ``D ** -0.5``) scales the logits, then
+        ``logit_soft_cap`` (``cap * tanh(l / cap)``) applies; ``sinks`` join
+        the softmax denominator only. Math in float32 (the ring's values as
+        stored, this step's rounded to the ring's dtype, as a later step
+        would read them). Returns ``(out [T, H, Dv] in q.dtype, handle)``;
+        padding tokens get zeros."""
+        self._need("window ring", isinstance(self.cache, WindowLayerCache))
+        ring = self.cache
+        num_tokens = self.positions.shape[0]
+        if k.shape != (num_tokens, ring.k_bits.shape[2], ring.k_bits.shape[3]) or v.shape != k.shape[:2] + v.shape[2:]:
+            raise InvalidArgument(f"layer {self.schema.layer_idx}: k/v must be [{num_tokens} tokens, "
+                                  f"{ring.k_bits.shape[2]} kv heads, {ring.k_bits.shape[3]}], got {list(k.shape)} "
+                                  f"and {list(v.shape)}")
+        slots, positions = self.token_slots, self.positions
+        real = (slots >= 0) & (positions >= 0)
+        rows = jnp.clip(slots, 0, ring.num_rows - 1)
+        ring_k, ring_v, ring_pos = ring.k[rows], ring.v[rows], ring.pos[rows]  # [T, W, ...]: read before the write
+        # The ring holds earlier steps only; this step's keys come from k/v,
+        # rounded as the ring stores them.
+        k_step, v_step = k.astype(ring.dtype), v.astype(ring.dtype)
+        first = -jax.ops.segment_max(jnp.where(real, -positions, -INT32_MAX), self.request_ids,
+                                     num_segments=self.request_slots.shape[0])[self.request_ids]
+        lo = positions - ring.window  # keys must be > lo
+        ring_ok = real[:, None] & (ring_pos >= 0) & (ring_pos < first[:, None]) & (ring_pos > lo[:, None])
+        same = (self.request_ids[:, None] == self.request_ids[None, :]) & real[None, :]
+        step_ok = real[:, None] & same & (positions[None, :] <= positions[:, None]) & (positions[None, :] > lo[:, None])
+        out = _window_softmax(q, ring_k, ring_v, ring_ok, k_step, v_step, step_ok, sm_scale=sm_scale, sinks=sinks,
+                              logit_soft_cap=logit_soft_cap)
+        # Each request keeps its newest W tokens. The written values depend
+        # on the read (rows the write drops take it), so XLA orders the read
+        # first and scatters into the ring in place instead of copying it.
+        keep = real & (positions > self._newest() - ring.window)
+        target = jnp.where(keep, slots, ring.num_rows)  # past the rows: dropped
+        k_w = jnp.where(keep[:, None, None], k_step, ring_k[:, 0])
+        v_w = jnp.where(keep[:, None, None], v_step, ring_v[:, 0])
+        written = ring.write(target, jnp.where(keep, positions, ring_pos[:, 0]), k_w, v_w)
+        return jnp.where(real[:, None, None], out, 0).astype(q.dtype), self.replace(cache=written)
+
+
+def _window_softmax(q, ring_k, ring_v, ring_ok, k, v, step_ok, *, sm_scale, sinks, logit_soft_cap):
+    """Softmax attention of ``q [T, H, D]`` over two key sets: each token's
+    ring ``[T, W, KVH, D]`` (mask ``[T, W]``) and this step's ``[T, KVH, D]``
+    (mask ``[T, T]``), in float32; GQA by head groups; ``sinks [H]`` in the
+    denominator only. A token with no key and no sink gets zeros."""
+    f32, hi = jnp.float32, jax.lax.Precision.HIGHEST
+    num_tokens, heads, dim = q.shape
+    kv_heads = k.shape[1]
+    qg = q.astype(f32).reshape(num_tokens, kv_heads, heads // kv_heads, dim)
+    scale = dim ** -0.5 if sm_scale is None else sm_scale
+    l_ring = jnp.einsum("tkgd,twkd->tkgw", qg, ring_k.astype(f32), precision=hi) * scale
+    l_step = jnp.einsum("tkgd,skd->tkgs", qg, k.astype(f32), precision=hi) * scale
+    logits = jnp.concatenate([l_ring, l_step], axis=-1)
+    if logit_soft_cap is not None:
+        logits = logit_soft_cap * jnp.tanh(logits / logit_soft_cap)
+    mask = jnp.concatenate([ring_ok, step_ok], axis=-1)[:, None, None, :]
+    logits = jnp.where(mask, logits, -jnp.inf)
+    top = jnp.max(logits, axis=-1, keepdims=True)
+    if sinks is not None:
+        sink = sinks.astype(f32).reshape(1, kv_heads, heads // kv_heads, 1)
+        top = jnp.maximum(top, sink)
+    top = jnp.where(jnp.isfinite(top), top, 0.0)
+    weights = jnp.where(mask, jnp.exp(logits - top), 0.0)
+    total = jnp.sum(weights, axis=-1, keepdims=True)
+    if sinks is not None:
+        total = total + jnp.exp(sink - top)
+    weights = weights / jnp.where(total > 0, total, 1.0)
+    width = ring_k.shape[1]
+    out = (jnp.einsum("tkgw,twkd->tkgd", weights[..., :width], ring_v.astype(f32), precision=hi)
+           + jnp.einsum("tkgs,skd->tkgd", weights[..., width:], v.astype(f32), precision=hi))
+    return out.reshape(num_tokens, heads, -1)

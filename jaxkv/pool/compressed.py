@@ -155,6 +155,15 @@ class CompressedLayerCache:
 
         return self.replace(entries=copy(self.entries), index_keys=copy(self.index_keys))
 
+    def row_state(self) -> "CompressedLayerCache":
+        """The per-request part (SWA and compressor rings): the paged
+        entries dropped."""
+        return self.replace(entries=None, index_keys=None)
+
+    def with_row_state(self, rows: "CompressedLayerCache") -> "CompressedLayerCache":
+        """This cache with its per-request arrays replaced by ``rows``'."""
+        return rows.replace(entries=self.entries, index_keys=self.index_keys)
+
     def reset(self, targets: Int[Array, " n"]) -> "CompressedLayerCache":
         """Initial state for slots ``targets`` (out-of-range entries dropped)."""
         def zero_rows(entries):  # all-zero bits are 0.0 in every float format

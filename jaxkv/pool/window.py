@@ -1,0 +1,115 @@
+"""WindowLayerCache: the K/V ring of one sliding-window attention layer.
+
+Interleaved models (gpt-oss: every other layer attends a window of 128
+tokens; Gemma 3: five window layers to one global) give a window layer no
+use for a key older than its window. Such a layer keeps, per request state
+row, a ring of the K and V of its last ``window`` tokens instead of paged
+blocks::
+
+    k_bits  [num_rows, window, num_kv_heads, head_dim]   position p at [row, p % window]
+    v_bits  [num_rows, window, num_kv_heads, head_dim]
+    pos     [num_rows, window] int32                      position held there, -1: empty
+
+so its memory per request is ``window`` tokens however long the request
+grows. A ring row is per-request state like DeepSeek-V4's SWA ring or a
+Gated DeltaNet state: the hybrid manager resets it on admission and
+release, copies it into snapshot rows (prefix caching restores a window
+layer from a snapshot) and moves it to host with the other state rows.
+
+``pos`` makes a row self-describing: a read masks slots by the position they
+hold, not by arithmetic on the request's length, so a restored or copied row
+can never show a key from another request or from outside its window.
+
+Invariants (checked by tests after every operation):
+
+* after ``reset(targets)`` those rows hold zeros and ``pos == -1``; no other
+  row changes;
+* every array is updated by ``.at[...]`` scatters in ``mode="drop"`` (an
+  out-of-range row is a skipped write), so a caller that donates the cache
+  into its jitted step updates it in place; 16- and 8-bit values are stored
+  as raw integer bits (:mod:`kernels_pallas.bits`: XLA's CPU backend copies
+  a whole bf16 array for every scatter into it).
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+from flax import struct
+from jaxtyping import Array, Int, Shaped
+
+from jaxkv.errors import InvalidArgument
+from kernels_pallas.bits import bits_dtype, from_bits, to_bits
+
+__all__ = ["WindowLayerCache"]
+
+
+@struct.dataclass
+class WindowLayerCache:
+    """The ring of one window layer (see the module docstring)."""
+
+    k_bits: Shaped[Array, "rows window kvh d"]
+    v_bits: Shaped[Array, "rows window kvh d"]
+    pos: Int[Array, "rows window"]
+    dtype: object = struct.field(pytree_node=False)
+
+    @classmethod
+    def create(cls, num_rows: int, window: int, num_kv_heads: int, head_dim: int, dtype) -> "WindowLayerCache":
+        """Every row empty (zeros, ``pos`` -1)."""
+        if min(num_rows, window, num_kv_heads, head_dim) < 1:
+            raise InvalidArgument(f"a window ring needs rows, window, kv heads and head_dim >= 1, got "
+                                  f"{num_rows}, {window}, {num_kv_heads}, {head_dim}")
+        shape = (num_rows, window, num_kv_heads, head_dim)
+        storage = bits_dtype(dtype)
+        return cls(k_bits=jnp.zeros(shape, storage), v_bits=jnp.zeros(shape, storage),
+                   pos=jnp.full(shape[:2], -1, jnp.int32), dtype=jnp.dtype(dtype))
+
+    @property
+    def window(self) -> int:
+        return self.k_bits.shape[1]
+
+    @property
+    def num_rows(self) -> int:
+        return self.k_bits.shape[0]
+
+    @property
+    def k(self):
+        """The K ring as ``dtype`` (a bitcast view)."""
+        return from_bits(self.k_bits, self.dtype)
+
+    @property
+    def v(self):
+        return from_bits(self.v_bits, self.dtype)
+
+    def write(self, rows: Int[Array, " T"], positions: Int[Array, " T"], k, v) -> "WindowLayerCache":
+        """Token ``t``'s K/V ``[T, KVH, D]`` into ``[rows[t], positions[t] %
+        window]``; a row out of range (the caller's way to skip a token) is
+        dropped. Two tokens naming one slot: undefined which wins (callers
+        write each request's newest ``window`` tokens only)."""
+        slot = jnp.where(positions >= 0, positions % self.window, 0)
+        return self.replace(k_bits=self.k_bits.at[rows, slot].set(to_bits(k, self.dtype), mode="drop"),
+                            v_bits=self.v_bits.at[rows, slot].set(to_bits(v, self.dtype), mode="drop"),
+                            pos=self.pos.at[rows, slot].set(positions, mode="drop"))
+
+    def copy_rows(self, source: Int[Array, " n"], target: Int[Array, " n"]) -> "WindowLayerCache":
+        """Rows ``target[i] <- source[i]`` (out-of-range targets dropped); all
+        sources are read before any target is written."""
+        return self.replace(**{name: getattr(self, name).at[target].set(getattr(self, name)[source], mode="drop")
+                               for name in ("k_bits", "v_bits", "pos")})
+
+    def copy_blocks(self, source, target) -> "WindowLayerCache":
+        """A ring has no blocks: unchanged (the manager's block copies skip it)."""
+        return self
+
+    def reset(self, targets: Int[Array, " n"]) -> "WindowLayerCache":
+        """Rows ``targets`` empty again (out-of-range entries dropped)."""
+        return self.replace(k_bits=self.k_bits.at[targets].set(0, mode="drop"),
+                            v_bits=self.v_bits.at[targets].set(0, mode="drop"),
+                            pos=self.pos.at[targets].set(-1, mode="drop"))
+
+    def row_state(self) -> "WindowLayerCache":
+        """The per-request part: all of it."""
+        return self
+
+    def with_row_state(self, rows: "WindowLayerCache") -> "WindowLayerCache":
+        """This cache with its per-request arrays replaced by ``rows``'."""
+        return rows
