@@ -47,6 +47,7 @@ import numpy as np
 
 from jaxkv.bench._timing import (best_seconds_interleaved, best_seconds_threaded, machine_description,
                                  print_json, print_table)
+from jaxkv.bench.interleaved import memory_rows as interleaved_memory_rows
 from jaxkv.manager.block_space import BlockSpaceManager
 from jaxkv.manager.hybrid import KVCacheManager
 from jaxkv.manager.hybrid_schema import HybridConfig, deepseek_v4_schedule, v4_flash_like_ratios
@@ -358,6 +359,15 @@ def main(args) -> int:
                 ["model", "KV bytes/token", "state bytes/request", "GiB per 128k request", "max 128k requests"],
                 [[r["model"], r["kv_bytes_per_token"], r["state_bytes_per_request"],
                   r["bytes_per_128k_request"] / GIB, r["max_128k_requests"]] for r in families])
+    interleaved = interleaved_memory_rows(64.0)
+    print_table("KV memory per request at real sizes (bf16), interleaved sliding-window families: window layers "
+                "on per-request rings vs one table for all layers (every block kept); pages freed outside the "
+                "window computed for comparison; requests of that context in 64 GiB",
+                ["model", "context", "window layers", "ring MiB/request", "one table MiB/request",
+                 "ring / one table", "freed pages MiB (computed)", "ring requests", "one-table requests"],
+                [[r["model"], r["context"], r["window_layers"], r["ring_bytes_per_request"] / 2**20,
+                  r["paged_bytes_per_request"] / 2**20, r["ratio"], r["freed_pages_bytes_per_request"] / 2**20,
+                  r["ring_requests"], r["paged_requests"]] for r in interleaved])
     shape = dict(steps=4, repeats=1, context=1024) if quick else dict(steps=32, repeats=5, context=4096)
     steps = step_rows(layers, shape["steps"], 8, shape["repeats"], rng, context=shape["context"])
     print_table(f"per-step cache cost inside one jitted lax.scan ({jax.default_backend()}; fp8 entries vs a "
@@ -379,5 +389,6 @@ def main(args) -> int:
                       r["cache_us_per_step"], r["rest_us_per_step"]] for r in models])
     if args.json:
         print_json({"benchmark": "hybrid", "machine": machine_description(),
-                    "results": {"memory": memory, "families": families, "step": steps, "models": models}})
+                    "results": {"memory": memory, "families": families, "interleaved": interleaved,
+                                "step": steps, "models": models}})
     return 0
