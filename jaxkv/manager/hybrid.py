@@ -376,6 +376,53 @@ class KVCacheManager:
         otherwise)."""
         self._check_groups(blocks, "attach_prefix")
         slots = jnp.asarray(slots, jnp.int32).reshape(-1)
+        snapshots = jnp.broadcast_to(jnp.asarray(snapshots, jnp.int32).reshape(-1), slots.shape)
+        in_range = (snapshots >= -1) & (snapshots < self.num_snapshots)
+        state_rows = jnp.where(in_range & (snapshots >= 0), self.num_slots + snapshots, -1)
+        return self._adopt(slots, blocks, num_tokens, state_rows, in_range)
+
+    def fork(self, parents, children) -> tuple["KVCacheManager", Ok]:
+        """Start admitted, empty slots ``children[i]`` as copies of held
+        slots ``parents[i]`` (parallel sampling, beam search): every group's
+        full blocks shared by reference, a partly filled last block copied
+        into a fresh block (as :meth:`attach_prefix`), ``seq_lens`` and
+        every state row (window and SWA rings, compressor rings, Gated
+        DeltaNet states) copied. Pairs with a -1 on either side are skipped.
+        All or nothing, ``ok`` False and unchanged as :meth:`attach_prefix`
+        (a parent not held, or holding more blocks than its length needs,
+        fails too)."""
+        parents = jnp.asarray(parents, jnp.int32).reshape(-1)
+        children = jnp.asarray(children, jnp.int32).reshape(-1)
+        if parents.shape != children.shape:
+            raise InvalidArgument(f"fork: {parents.shape[0]} parents but {children.shape[0]} children")
+        pair = (parents != -1) & (children != -1)
+        in_range = (parents >= 1) & (parents < self.num_slots)
+        rows = jnp.where(in_range, parents, 0)
+        held = in_range & (self.slots.ref_count(rows) > 0)
+        blocks = {name: jnp.where(pair[:, None], group.tables[rows], -1) for name, group in self.groups.items()}
+        return self._adopt(jnp.where(pair, children, -1), blocks, jnp.where(pair, self.seq_lens[rows], 0),
+                           jnp.where(pair, parents, -1), ~pair | held)
+
+    def clear(self, slots) -> tuple["KVCacheManager", Ok]:
+        """Give back every block ``slots`` hold and reset their state and
+        length, keeping the slots held (a beam row about to be forked into).
+        Fails (unchanged) when a slot is not held or repeats; -1 skipped."""
+        slots = jnp.asarray(slots, jnp.int32).reshape(-1)
+        active = slots != -1
+        in_range = (slots >= 1) & (slots < self.num_slots)
+        held = in_range & (self.slots.ref_count(jnp.where(in_range, slots, 0)) > 0)
+        ok = jnp.all(~active | held) & ids_distinct(slots, active & in_range, self.num_slots)
+        slots = jnp.where(ok, slots, -1)  # nothing below happens on failure
+        groups: dict[str, BlockGroup] = {}
+        for name, group in self.groups.items():
+            groups[name], group_ok = group.release_rows(slots)
+            ok = ok & group_ok
+        return self.replace(groups=groups)._reset(slots), ok
+
+    def _adopt(self, slots, blocks: dict, num_tokens, state_rows, rows_ok) -> tuple["KVCacheManager", Ok]:
+        """:meth:`attach_prefix` and :meth:`fork`: ``state_rows`` are the
+        absolute state rows copied into the slots (-1: none); ``rows_ok``
+        the caller's own per-row checks."""
         batch = slots.shape[0]
         blocks = {name: jnp.asarray(blocks[name], jnp.int32) for name in self.groups}
         for name, ids in blocks.items():
@@ -383,13 +430,11 @@ class KVCacheManager:
                 raise InvalidArgument(f"attach_prefix: blocks[{name!r}] has shape {ids.shape}, expected "
                                       f"[{batch}, M] (one row per slot)")
         num_tokens = jnp.broadcast_to(jnp.asarray(num_tokens, jnp.int32).reshape(-1), slots.shape)
-        snapshots = jnp.broadcast_to(jnp.asarray(snapshots, jnp.int32).reshape(-1), slots.shape)
         active = slots != -1
         in_range = (slots >= 1) & (slots < self.num_slots)
         rows = jnp.where(in_range, slots, 0)
         held = in_range & (self.slots.ref_count(rows) > 0)
-        row_ok = held & (self.seq_lens[rows] == 0) & (num_tokens >= 0) & (snapshots >= -1) & (
-            snapshots < self.num_snapshots)
+        row_ok = held & (self.seq_lens[rows] == 0) & (num_tokens >= 0) & rows_ok
         for name, group in self.groups.items():
             row_ok = row_ok & _prefix_row_ok(blocks[name], group, num_tokens)
         ok = jnp.all(~active | row_ok) & ids_distinct(slots, active & in_range, self.num_slots)
@@ -405,8 +450,8 @@ class KVCacheManager:
         dst = {name: jnp.where(ok, ids, -1) for name, ids in dst.items()}
         seq_lens = self.seq_lens.at[jnp.where(ok & active, rows, self.num_slots)].set(num_tokens, mode="drop")
         out = self.replace(groups=groups, seq_lens=seq_lens).copy_blocks(src, dst)
-        snapshot_rows = jnp.where(ok & active & (snapshots >= 0), self.num_slots + snapshots, -1)
-        return out.copy_state(snapshot_rows, jnp.where(snapshot_rows >= 0, slots, -1)), ok
+        sources = jnp.where(ok & active, state_rows, -1)
+        return out.copy_state(sources, jnp.where(sources >= 0, slots, -1)), ok
 
     def copy_blocks(self, src: dict, dst: dict) -> "KVCacheManager":
         """Block ``dst[g][i] <- src[g][i]`` of group ``g`` in every layer of

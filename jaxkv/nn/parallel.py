@@ -29,12 +29,17 @@ are those of :mod:`jaxkv.nn.steps`.
   exactly ``max_new_tokens`` steps (no early stop), then the running beams
   join the finished hypotheses and the best ``num_beams`` are returned.
 
-Models on the paged pool fork (Llama family, DeepSeek-V3: its MLA rows are
-blocks like any K/V). Models whose cache holds per-request state
-(DeepSeek-V4's rings, Qwen3-Next's Gated DeltaNet states) are refused: a
-recurrent state summarizes the whole prefix in one tensor per slot, so a fork
-must *copy* it into the child's slot (``GDNPool.copy_states``) rather than
-share it, and beam re-mapping must copy it on every step; not built yet.
+Models on the paged pool fork with :meth:`BlockSpaceManager.fork` (Llama
+family, DeepSeek-V3: its MLA rows are blocks like any K/V). Hybrid-cache
+models (gpt-oss, Gemma 3, Qwen3-Next, DeepSeek-V4) fork with
+:meth:`KVCacheManager.fork`: every group's full blocks shared by reference,
+a partly filled last block copied at once (not on the next write), and every
+per-request state row copied (window rings, DeepSeek-V4's SWA and compressor
+rings, Gated DeltaNet states: a state summarizes the whole prefix in one
+tensor per slot, so it cannot be shared). Row ``b`` is request slot ``b +
+1``; every row's slot is taken at the start and held to the end (a beam row
+no beam continues is cleared with :meth:`KVCacheManager.clear` and forked
+into).
 """
 
 from __future__ import annotations
@@ -51,9 +56,11 @@ from jaxtyping import Array, Bool, Float, Int
 from jaxkv._ops import ceil_div, pow2_at_least
 from jaxkv.errors import InvalidArgument, KVCacheOOM
 from jaxkv.manager.block_space import BlockSpaceManager
+from jaxkv.manager.hybrid import KVCacheManager
 from jaxkv.nn.packed import cache_kind
 from jaxkv.nn.sampling import GREEDY, SamplingParams
-from jaxkv.nn.steps import DecodeState, decode_logits, decode_loop, decode_step, prefill_chunk, start_decoding
+from jaxkv.nn.steps import (DecodeState, decode_logits, decode_loop, decode_step, hybrid_prefill_chunk,
+                            prefill_chunk, start_decoding)
 from jaxkv.pool.kv_pool import KVPool
 
 __all__ = [
@@ -91,7 +98,12 @@ def sequence_keys(seed: int, n: int) -> jax.Array:
 def prefill_one(graphdef, params, manager: BlockSpaceManager, pool: KVPool, prompt: Int[Array, "1 W"],
                 length: Int[Array, ""]) -> tuple[BlockSpaceManager, KVPool, Float[Array, " V"], Bool[Array, ""]]:
     """Admit row 0 for the prompt and run it through the model; returns the
-    manager, pool, the last prompt position's logits ``[V]`` and ``ok``."""
+    manager, pool, the last prompt position's logits ``[V]`` and ``ok``.
+    (A hybrid manager's rows are admitted already: row 0 is slot 1.)"""
+    if isinstance(manager, KVCacheManager):
+        manager, last, ok = hybrid_prefill_chunk(graphdef, params, manager, jnp.ones((1,), jnp.int32), prompt,
+                                                 jnp.reshape(length, (1,)).astype(jnp.int32))
+        return manager, pool, last[0], ok
     row0 = jnp.zeros((1,), jnp.int32)
     lengths = jnp.reshape(length, (1,)).astype(jnp.int32)
     no_prefix = jnp.full((1, manager.max_blocks_per_seq), -1, jnp.int32)
@@ -119,11 +131,6 @@ def setup_prompt(model, prompt, rows: int, max_new_tokens: int, page_size: int,
     """Check ``prompt`` and ``max_new_tokens`` (``InvalidArgument``) and build
     the :class:`PromptSetup` (default ``num_pages``: every row at full length,
     nothing shared)."""
-    if cache_kind(model) == "hybrid":
-        raise InvalidArgument(
-            f"{type(model).__name__} keeps per-request state in a KVCacheManager, which cannot fork yet: forking "
-            f"a recurrent (Gated DeltaNet) or compressor state means copying it (GDNPool.copy_states), not sharing "
-            f"blocks by reference; use generate with one row per sample (the same prompt repeated)")
     prompt = [int(t) for t in prompt]
     if not prompt:
         raise InvalidArgument("the prompt must not be empty")
@@ -132,6 +139,15 @@ def setup_prompt(model, prompt, rows: int, max_new_tokens: int, page_size: int,
     width = pow2_at_least(len(prompt))
     padded = np.zeros((1, width), np.int32)
     padded[0, : len(prompt)] = prompt
+    if cache_kind(model) == "hybrid":
+        if num_pages is not None:
+            raise InvalidArgument("num_pages sizes the paged pool; a hybrid-cache model's cache holds every row at "
+                                  "full length")
+        manager = model.make_cache(rows, pow2_at_least(len(prompt) + max_new_tokens))
+        manager, _, ok = manager.admit(rows, max_n=rows)  # row b is slot b + 1, held to the end
+        if not bool(ok):
+            raise KVCacheOOM(rows, manager.max_requests, manager.max_requests, unit="request slots")
+        return PromptSetup(jnp.asarray(padded), jnp.asarray(len(prompt), jnp.int32), manager, None, 0)
     max_blocks = ceil_div(len(prompt) + max_new_tokens, page_size)
     if num_pages is None:
         num_pages = rows * max_blocks + 1
@@ -139,6 +155,16 @@ def setup_prompt(model, prompt, rows: int, max_new_tokens: int, page_size: int,
                                        max_seqs=rows, max_blocks_per_seq=max_blocks)
     pool = model.make_pool(num_pages, page_size)
     return PromptSetup(jnp.asarray(padded), jnp.asarray(len(prompt), jnp.int32), manager, pool, num_pages)
+
+
+def _out_of_blocks(setup: PromptSetup, manager, needed: int, what: str) -> KVCacheOOM:
+    """The error of a failed prefill or decode: free and total blocks of the
+    paged pool, or summed over a hybrid manager's groups."""
+    if isinstance(manager, KVCacheManager):
+        free = int(sum(int(g.allocator.num_free) for g in manager.groups.values()))
+        total = int(sum(int(g.allocator.capacity) for g in manager.groups.values()))
+        return KVCacheOOM(needed, free, total, unit="blocks", detail=f"{what} (groups {list(manager.groups)})")
+    return KVCacheOOM(needed, int(manager.device.num_free), setup.num_pages - 1, unit="blocks", detail=what)
 
 
 # --------------------------------------------------------- parallel sampling
@@ -158,11 +184,28 @@ def prefill_fork(graphdef, params, manager: BlockSpaceManager, pool: KVPool, pro
     n = keys.shape[0]
     manager, pool, last_logits, ok = prefill_one(graphdef, params, manager, pool, prompt, length)
     if n > 1:
-        manager, forked = manager.fork(jnp.zeros((n - 1,), jnp.int32), jnp.arange(1, n, dtype=jnp.int32))
+        manager, forked = _fork_rows(manager, jnp.zeros((n - 1,), jnp.int32), jnp.arange(1, n, dtype=jnp.int32))
         ok &= forked
     logits = jnp.broadcast_to(last_logits, (n, last_logits.shape[-1]))
     return start_decoding(manager, pool, logits, keys, sampling, eos_id, max_new=max_new, ok=ok,
-                          keep_final_tables=True)
+                          keep_final_tables=not isinstance(manager, KVCacheManager))
+
+
+def _fork_rows(manager, src, dst):
+    """Fork rows ``src`` into rows ``dst`` (-1 skipped) of either manager."""
+    if isinstance(manager, KVCacheManager):
+        return manager.fork(jnp.where(src >= 0, src + 1, -1), jnp.where(dst >= 0, dst + 1, -1))
+    return manager.fork(src, dst)
+
+
+def _free_rows(manager, rows, *, keep: bool):
+    """Free rows ``rows`` (-1 skipped). A hybrid manager's rows are slots held
+    to the end: with ``keep`` they are cleared (blocks and state given back,
+    the slot kept for a fork), else released."""
+    if isinstance(manager, KVCacheManager):
+        slots = jnp.where(rows >= 0, rows + 1, -1)
+        return manager.clear(slots) if keep else manager.release(slots)
+    return manager.free(rows)
 
 
 #: One decode step of every running row (:func:`jaxkv.nn.steps.decode_step`).
@@ -194,12 +237,10 @@ def parallel_sample(model, prompt, n: int, max_new_tokens: int, *, sampling: Sam
     state = prefill_fork(graphdef, params, setup.manager, setup.pool, setup.padded, setup.length,
                          sequence_keys(seed, n), eos_id, sampling, max_new=max_new_tokens)
     if not bool(state.ok):
-        raise KVCacheOOM(ceil_div(int(setup.length), page_size), setup.num_pages - 1, setup.num_pages - 1,
-                         unit="blocks")
+        raise _out_of_blocks(setup, state.manager, ceil_div(int(setup.length), page_size), "the prompt's prefill")
     state = decode_loop(graphdef, params, state, sampling)
     if not bool(state.ok):
-        raise KVCacheOOM(int(jnp.sum(state.blocked)), int(state.manager.device.num_free), setup.num_pages - 1,
-                         detail="decode ran out of KV blocks")
+        raise _out_of_blocks(setup, state.manager, int(jnp.sum(state.blocked)), "decode ran out of KV blocks")
     tokens, counts = jax.device_get((state.tokens, state.num_generated))
     return ParallelOutput([tokens[i, : counts[i]].tolist() for i in range(n)], state)
 
@@ -306,8 +347,8 @@ def _beam_body(graphdef, params, state: BeamState) -> BeamState:
     b = state.scores.shape[0]
     state, (scores, parents, tokens, histories) = _beam_select(state)
     rows, dropped, fork_src, fork_dst = _beam_rows(parents, state.active)
-    manager, freed = state.manager.free(dropped)
-    manager, forked = manager.fork(fork_src, fork_dst)  # shares the parents' blocks
+    manager, freed = _free_rows(state.manager, dropped, keep=True)
+    manager, forked = _fork_rows(manager, fork_src, fork_dst)  # shares the parents' blocks
     last = jnp.zeros((b,), jnp.int32).at[rows].set(tokens)
     manager, pool, logits, _, appended = decode_logits(graphdef, params, manager, state.pool, last,
                                                        jnp.ones((b,), bool))  # CoW of shared last pages
@@ -328,7 +369,7 @@ def beam_loop(graphdef, params, state: BeamState):
     state = jax.lax.while_loop(lambda s: (s.step < max_new - 1) & s.ok,
                                lambda s: _beam_body(graphdef, params, s), state)
     state, (scores, _, _, histories) = _beam_select(state)
-    manager, freed = state.manager.free(jnp.where(state.active, jnp.arange(scores.shape[0]), -1))
+    manager, freed = _free_rows(state.manager, jnp.where(state.active, jnp.arange(scores.shape[0]), -1), keep=False)
     return state.replace(manager=manager, ok=state.ok & freed), (scores, histories)
 
 
@@ -355,12 +396,10 @@ def beam_search_output(model, prompt, num_beams: int, max_new_tokens: int, *, le
     state = beam_prefill(graphdef, params, setup.manager, setup.pool, setup.padded, setup.length, eos_id,
                          np.float32(length_penalty), num_beams=num_beams, max_new=max_new_tokens)
     if not bool(state.ok):
-        raise KVCacheOOM(ceil_div(int(setup.length), page_size), setup.num_pages - 1, setup.num_pages - 1,
-                         unit="blocks")
+        raise _out_of_blocks(setup, state.manager, ceil_div(int(setup.length), page_size), "the prompt's prefill")
     state, (scores, histories) = beam_loop(graphdef, params, state)
     if not bool(state.ok):
-        raise KVCacheOOM(1, int(state.manager.device.num_free), setup.num_pages - 1,
-                         detail="beam search ran out of KV blocks")
+        raise _out_of_blocks(setup, state.manager, 1, "beam search ran out of KV blocks")
     scores, histories, hyp_scores, hyp_tokens, hyp_lens = jax.device_get(
         (scores, histories, state.hyp_scores, state.hyp_tokens, state.hyp_lens))
     final = [(hyp_tokens[i, : hyp_lens[i]].tolist(), float(hyp_scores[i]))
