@@ -1,0 +1,354 @@
+"""Gemma 3 text causal LM (Flax NNX): interleaved sliding-window and global attention.
+
+The architecture as transformers (5.x) defines ``Gemma3ForCausalLM``
+(``Gemma3TextModel``), with its parameter names and layouts (weights
+``[out, in]``)::
+
+    embed_tokens (scaled by sqrt(hidden_size), the scale rounded to the compute dtype)
+    per layer:  input_layernorm -> self_attn -> post_attention_layernorm -> + residual
+                pre_feedforward_layernorm -> mlp -> post_feedforward_layernorm -> + residual
+    norm -> lm_head (tied to embed_tokens unless tie_word_embeddings is false)
+         -> optional final_logit_softcapping: cap * tanh(logits / cap)
+
+Every norm is zero-centred, ``x / rms(x) * (1 + weight)`` in float32 (also
+the per-head ``q_norm`` / ``k_norm``). The MLP is ``down(gelu_tanh(gate(x)) *
+up(x))``.
+
+**Attention** (``self_attn``): q/k/v projections (GQA), per-head q_norm and
+k_norm, RoPE (rotate-half) with the layer type's base and scaling (the
+sliding layers: ``rope_local_base_freq``, usually unscaled; the global
+layers: ``rope_theta`` with ``rope_scaling``, e.g. linear factor 8), logits
+scaled by ``query_pre_attn_scalar ** -0.5``, then causal softmax (NOT
+soft-capped: transformers' ``Gemma3Attention`` reads
+``attn_logit_softcapping`` but never applies it, unlike Gemma 2, so the
+field is kept in the config and ignored here, for parity); a ``sliding_attention`` layer sees only keys at positions
+``(p - sliding_window, p]``.
+
+The cache (:func:`cache_for`, :func:`jaxkv.nn.window_cache.interleaved_cache`):
+the global layers' K/V in the paged full group; the sliding layers' K/V
+either in a per-request ring of the last ``sliding_window`` tokens
+(``window_cache="ring"``) or in the paged group too (``"paged"``). Every
+layer goes through :func:`~jaxkv.nn.window_cache.attend_through_cache`.
+
+The whole step is one jittable call: ``model(tokens, manager, slots,
+starts, num_new)`` after ``manager.reserve``, so :func:`jaxkv.nn.generate`
+serves it; ``model.forward_packed(batch, manager)`` runs a packed step
+(:class:`~jaxkv.nn.packed.PackedBatch`); ``model.forward_dense(tokens)``
+runs one sequence with no cache (the reference the cache paths are tested
+against).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jaxtyping import Array, Float, Int
+
+from jaxkv.errors import InvalidArgument
+from jaxkv.manager.hybrid import KVCacheManager
+from jaxkv.manager.hybrid_schema import AttentionKind
+from jaxkv.nn.attention import check_implementation
+from jaxkv.nn.gemma3_config import Gemma3Config
+from jaxkv.nn.layers import (
+    Linear,
+    load_state,
+    named_state,
+    param,
+    read_checkpoint,
+    save_checkpoint,
+)
+from jaxkv.nn.packed import PackedBatch
+from jaxkv.nn.rope import apply_rope, rope_inv_freq
+from jaxkv.nn.window_cache import WINDOW_CACHES, attend_through_cache, interleaved_cache
+
+__all__ = ["Gemma3ForCausalLM", "cache_for"]
+
+_F32 = jnp.float32
+
+
+def _soft_cap(x, cap: float | None):
+    return x if cap is None else cap * jnp.tanh(x / cap)
+
+
+class GemmaRMSNorm(nnx.Module):
+    """``x / rms(x) * (1 + weight)`` in float32, cast back (weight initialized to 0)."""
+
+    def __init__(self, dim: int, eps: float, *, param_dtype=_F32):
+        self.weight = param((dim,), None, param_dtype, fill=0.0)
+        self.eps = eps
+
+    def __call__(self, x):
+        xf = x.astype(_F32)
+        xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
+        return (xf * (1.0 + self.weight[...].astype(_F32))).astype(x.dtype)
+
+
+class GemmaMLP(nnx.Module):
+    """``down(gelu(gate(x)) * up(x))`` (the tanh GELU unless the config says ``gelu``)."""
+
+    def __init__(self, config: Gemma3Config, *, rngs, param_dtype, precision):
+        c = config
+        lin = functools.partial(Linear, rngs=rngs, param_dtype=param_dtype, precision=precision)
+        self.gate_proj = lin(c.hidden_size, c.intermediate_size)
+        self.up_proj = lin(c.hidden_size, c.intermediate_size)
+        self.down_proj = lin(c.intermediate_size, c.hidden_size)
+        self.approximate = c.gelu_approximate
+
+    def __call__(self, x):
+        return self.down_proj(jax.nn.gelu(self.gate_proj(x), approximate=self.approximate) * self.up_proj(x))
+
+
+class Gemma3Attention(nnx.Module):
+    """``self_attn`` of one layer (module docstring)."""
+
+    def __init__(self, config: Gemma3Config, layer: int, *, rngs, param_dtype, precision):
+        c = config
+        lin = functools.partial(Linear, rngs=rngs, param_dtype=param_dtype, precision=precision, bias=c.attention_bias)
+        self.config = c
+        self.sliding_window = c.sliding_window if c.is_sliding(layer) else None
+        # transformers' Gemma3Attention reads attn_logit_softcapping but never passes it to its attention
+        # functions (Gemma 2 does): the attention logits of Gemma 3 are never capped. Kept None for parity.
+        self.logit_soft_cap = None
+        theta, scaling = c.rope_of(layer)
+        self.rope = (theta, scaling)
+        self.q_proj = lin(c.hidden_size, c.num_attention_heads * c.head_dim)
+        self.k_proj = lin(c.hidden_size, c.num_key_value_heads * c.head_dim)
+        self.v_proj = lin(c.hidden_size, c.num_key_value_heads * c.head_dim)
+        self.o_proj = lin(c.num_attention_heads * c.head_dim, c.hidden_size)
+        self.q_norm = GemmaRMSNorm(c.head_dim, c.rms_norm_eps, param_dtype=param_dtype)
+        self.k_norm = GemmaRMSNorm(c.head_dim, c.rms_norm_eps, param_dtype=param_dtype)
+
+    def project(self, x, positions):
+        """``(q [B,W,H,D], k, v [B,W,KVH,D])`` for ``x [B, W, hidden]`` at ``positions [B, W]`` (>= 0)."""
+        c = self.config
+        b, w, _ = x.shape
+        q = self.q_proj(x).reshape(b, w, c.num_attention_heads, c.head_dim)
+        k = self.k_proj(x).reshape(b, w, c.num_key_value_heads, c.head_dim)
+        v = self.v_proj(x).reshape(b, w, c.num_key_value_heads, c.head_dim)
+        inv_freq = rope_inv_freq(c.head_dim, *self.rope)
+        return apply_rope(self.q_norm(q), positions, inv_freq), apply_rope(self.k_norm(k), positions, inv_freq), v
+
+    def output(self, attended):
+        """``o_proj`` of ``attended [B, W, H, D]``."""
+        return self.o_proj(attended.reshape(*attended.shape[:2], -1))
+
+    def dense(self, h):
+        """One sequence ``h [1, T, hidden]`` from position 0, no cache."""
+        c = self.config
+        t = h.shape[1]
+        positions = jnp.arange(t, dtype=jnp.int32)[None, :]
+        q, k, v = self.project(h, positions)
+        g = c.num_attention_heads // c.num_key_value_heads
+        k, v = jnp.repeat(k, g, axis=2).astype(_F32), jnp.repeat(v, g, axis=2).astype(_F32)
+        logits = jnp.einsum("bthd,bshd->bhts", q.astype(_F32), k) * c.attention_scale
+        logits = _soft_cap(logits, self.logit_soft_cap)
+        qi, ki = jnp.arange(t)[:, None], jnp.arange(t)[None, :]
+        visible = ki <= qi
+        if self.sliding_window is not None:
+            visible &= ki > qi - self.sliding_window
+        probs = jax.nn.softmax(jnp.where(visible, logits, -jnp.inf), axis=-1)
+        return self.output(jnp.einsum("bhts,bshd->bthd", probs, v).astype(h.dtype))
+
+    def through_cache(self, h, positions, handle):
+        """``h [B, W, hidden]`` at ``positions [B, W]`` (-1: padding) through
+        the layer's cache: K/V written, each token attending its request's
+        keys up to its own (within the window on a sliding layer). Returns
+        ``(y [B, W, hidden], handle)``."""
+        c = self.config
+        b, w = h.shape[:2]
+        q, k, v = self.project(h, jnp.maximum(positions, 0))
+        out, handle = attend_through_cache(
+            handle, q.reshape(b * w, c.num_attention_heads, c.head_dim),
+            k.reshape(b * w, c.num_key_value_heads, c.head_dim), v.reshape(b * w, c.num_key_value_heads, c.head_dim),
+            sm_scale=c.attention_scale, sliding_window=self.sliding_window, logit_soft_cap=self.logit_soft_cap)
+        return self.output(out.reshape(b, w, c.num_attention_heads, c.head_dim).astype(h.dtype)), handle
+
+
+class Gemma3DecoderLayer(nnx.Module):
+    def __init__(self, config: Gemma3Config, layer: int, *, rngs, param_dtype, precision):
+        c = config
+        self.sliding = c.is_sliding(layer)
+        self.self_attn = Gemma3Attention(c, layer, rngs=rngs, param_dtype=param_dtype, precision=precision)
+        self.mlp = GemmaMLP(c, rngs=rngs, param_dtype=param_dtype, precision=precision)
+        norm = functools.partial(GemmaRMSNorm, c.hidden_size, c.rms_norm_eps, param_dtype=param_dtype)
+        self.input_layernorm = norm()
+        self.post_attention_layernorm = norm()
+        self.pre_feedforward_layernorm = norm()
+        self.post_feedforward_layernorm = norm()
+
+    def finish(self, x, attended):
+        """The attention block's residual add (after its post-norm), then the MLP block."""
+        x = x + self.post_attention_layernorm(attended)
+        return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+
+
+class Gemma3ForCausalLM(nnx.Module):
+    """Gemma 3 text over a :class:`~jaxkv.KVCacheManager` (see the module
+    docstring): global layers' K/V paged, sliding layers' K/V in per-request
+    rings (or paged). ``implementation`` chooses the attention kernel by
+    :mod:`kernels_pallas`'s rule."""
+
+    #: The cache contract (:func:`jaxkv.nn.packed.cache_kind`): a hybrid ``KVCacheManager`` (``make_cache``).
+    cache_kind = "hybrid"
+
+    def __init__(self, config: Gemma3Config, *, rngs: nnx.Rngs, dtype=_F32, param_dtype=_F32, precision=None,
+                 implementation: str | None = None):
+        check_implementation(implementation, False)
+        c = config
+        self.config = c
+        self.dtype = jnp.dtype(dtype)
+        self.param_dtype = jnp.dtype(param_dtype)
+        self.implementation = implementation
+        self.embed_tokens = nnx.Dict(weight=param((c.vocab_size, c.hidden_size), rngs, param_dtype, std=1.0))
+        self.layers = nnx.List([Gemma3DecoderLayer(c, i, rngs=rngs, param_dtype=param_dtype, precision=precision)
+                                for i in range(c.num_hidden_layers)])
+        self.norm = GemmaRMSNorm(c.hidden_size, c.rms_norm_eps, param_dtype=param_dtype)
+        if not c.tie_word_embeddings:
+            self.lm_head = Linear(c.hidden_size, c.vocab_size, rngs=rngs, param_dtype=param_dtype, precision=precision)
+
+    # ---------------------------------------------------------------- cache
+
+    def make_cache(self, max_requests: int, max_context_tokens: int, *, entry_format: str = "lossless",
+                   num_blocks: dict[str, int] | None = None, kv_bytes: int | None = None, page_size: int = 16,
+                   num_snapshots: int = 0, capture_every: int = 0, window_cache: str = "ring") -> KVCacheManager:
+        """A :class:`~jaxkv.KVCacheManager` for this model: global layers' K/V
+        in pages of ``page_size`` (``entry_format`` ``"lossless"``: the
+        compute dtype; ``"fp8"``: float8_e4m3fn with per-token scales); the
+        sliding layers' K/V in per-request rings of ``sliding_window``
+        tokens (``window_cache="ring"``) or paged (``"paged"``);
+        ``num_snapshots`` and ``capture_every`` as in ``KVCacheManager.create``."""
+        return cache_for(self.config, max_requests, max_context_tokens, dtype=self.dtype, entry_format=entry_format,
+                         num_blocks=num_blocks, kv_bytes=kv_bytes, page_size=page_size, num_snapshots=num_snapshots,
+                         capture_every=capture_every, window_cache=window_cache)
+
+    def _check_cache(self, manager: KVCacheManager) -> None:
+        c = self.config
+        kinds = tuple(s.kind for s in manager.schemas)
+        hc = manager.config
+        dims, want_dims = (hc.num_kv_heads, hc.kv_head_dim), (c.num_key_value_heads, c.head_dim)
+        ok = len(kinds) == c.num_hidden_layers and dims == want_dims and all(
+            kind == AttentionKind.FULL or (c.is_sliding(i) and kind == AttentionKind.WINDOW)
+            for i, kind in enumerate(kinds))
+        if ok and AttentionKind.WINDOW in kinds and hc.window != c.sliding_window:
+            raise InvalidArgument(f"the cache's window rings hold {hc.window} tokens but this model's sliding_window "
+                                  f"is {c.sliding_window}; build it with model.make_cache")
+        if not ok:
+            raise InvalidArgument(f"the cache's schedule {[getattr(k, 'value', k) for k in kinds]} / dims "
+                                  f"(num_kv_heads, kv_head_dim) {dims} are not this model's ({c.num_hidden_layers} "
+                                  f"layers {list(c.layer_types)} / {want_dims}); build it with model.make_cache")
+
+    # ------------------------------------------------------------- forward
+
+    def _embed(self, tokens):
+        x = self.embed_tokens["weight"][...][jnp.asarray(tokens, jnp.int32)].astype(self.dtype)
+        # transformers: a float32 buffer sqrt(hidden_size), cast to the weights' dtype, times the embeddings.
+        return x * jnp.asarray(np.float32(self.config.embed_scale), self.dtype)
+
+    def _logits(self, x):
+        x = self.norm(x)
+        if self.config.tie_word_embeddings:
+            logits = jnp.einsum("...d,vd->...v", x, self.embed_tokens["weight"][...].astype(x.dtype))
+        else:
+            logits = self.lm_head(x)
+        return _soft_cap(logits.astype(_F32), self.config.final_logit_softcapping)
+
+    def __call__(self, tokens: Int[Array, "B W"], manager: KVCacheManager, slots: Int[Array, " B"],
+                 starts: Int[Array, " B"], num_new: Int[Array, " B"]) -> tuple[Float[Array, "B W V"], KVCacheManager]:
+        """One step through the cache: row ``b`` (request slot ``slots[b]``,
+        -1 = idle) brings ``tokens[b, :num_new[b]]`` at positions
+        ``starts[b] + t``, which ``manager.reserve`` must have reserved.
+        Returns ``(logits [B, W, vocab] float32, manager)``."""
+        tokens = jnp.asarray(tokens, jnp.int32)
+        b, w = tokens.shape
+        lane = jnp.arange(w, dtype=jnp.int32)[None, :]
+        positions = jnp.where(lane < num_new[:, None], starts[:, None] + lane, -1)
+        request_ids = jnp.repeat(jnp.arange(b, dtype=jnp.int32), w)
+        x, manager = self._through_cache(self._embed(tokens), manager, slots, positions, request_ids)
+        return self._logits(x), manager
+
+    def forward_packed(self, batch: PackedBatch, manager: KVCacheManager) -> tuple[Float[Array, "S V"], KVCacheManager]:
+        """One packed step (:class:`~jaxkv.nn.packed.PackedBatch`) through the
+        cache, lane ``s`` as request slot ``seq_ids[s]`` at its positions,
+        which ``manager.reserve(batch.seq_ids, batch.q_lens, ...)`` must have
+        reserved; every layer runs over the flat stream of ``T`` tokens.
+        Returns ``(logits [S, vocab] float32, manager)``: each lane's last
+        token's (finite garbage for a lane with none)."""
+        x, manager = self._through_cache(self._embed(batch.token_ids)[None], manager, batch.seq_ids,
+                                         batch.positions[None], batch.token_lanes)
+        return self._logits(x[0, batch.last_tokens]), manager
+
+    def _through_cache(self, x, manager: KVCacheManager, slots, positions, request_ids):
+        """Every layer from the embeddings ``x [B, W, hidden]`` at
+        ``positions [B, W]`` (-1: padding; token ``t`` of the flattened rows
+        belongs to request row ``request_ids[t]`` of ``slots``). Returns
+        ``(x before the final norm, manager)``."""
+        self._check_cache(manager)
+        for i, layer in enumerate(self.layers):
+            handle = manager.acquire(i, slots, positions.reshape(-1), request_ids, implementation=self.implementation)
+            attended, handle = layer.self_attn.through_cache(layer.input_layernorm(x), positions, handle)
+            manager = manager.update(handle)
+            x = layer.finish(x, attended)
+        return x, manager
+
+    def forward_dense(self, tokens: Int[Array, " T"]) -> Float[Array, "T V"]:
+        """One sequence from position 0 with no cache (dense causal attention,
+        the sliding layers masked to their window). Returns ``[T, vocab]`` float32."""
+        x = self._embed(jnp.asarray(tokens, jnp.int32).reshape(1, -1))
+        for layer in self.layers:
+            x = layer.finish(x, layer.self_attn.dense(layer.input_layernorm(x)))
+        return self._logits(x)[0]
+
+    # ---------------------------------------------------- HF checkpoints
+
+    @classmethod
+    def from_hf_state_dict(cls, config: Gemma3Config, tensors: dict[str, np.ndarray], *, dtype=None,
+                           param_dtype=None, precision=None, implementation: str | None = None,
+                           source: str = "state dict") -> Gemma3ForCausalLM:
+        """Build the model from transformers-named arrays (``model.*``,
+        ``lm_head.weight`` when untied). Raises ``InvalidArgument`` naming a
+        missing, misshapen or unexpected tensor."""
+        param_dtype = jnp.dtype(param_dtype or jnp.float32)
+        dtype = jnp.dtype(dtype or param_dtype)
+        abstract = nnx.eval_shape(lambda: cls(config, rngs=nnx.Rngs(0), dtype=dtype, param_dtype=param_dtype,
+                                              precision=precision, implementation=implementation))
+        tied = config.tie_word_embeddings
+        return load_state(abstract, tensors, lambda p: p if p.startswith("lm_head.") else "model." + p,
+                          family="gemma3_text", source=source,
+                          ignored=lambda n: n.endswith("inv_freq") or (tied and n == "lm_head.weight"))
+
+    @classmethod
+    def from_pretrained(cls, path: str | os.PathLike, *, dtype=None, param_dtype=None, precision=None,
+                        implementation: str | None = None) -> Gemma3ForCausalLM:
+        """Load a local transformers checkpoint directory (sharded or not)."""
+        raw, tensors = read_checkpoint(path)
+        return cls.from_hf_state_dict(Gemma3Config.from_hf(raw), tensors, dtype=dtype, param_dtype=param_dtype,
+                                      precision=precision, implementation=implementation, source=os.fspath(path))
+
+    def save_pretrained(self, path: str | os.PathLike) -> None:
+        """``config.json`` + ``model.safetensors`` under transformers' names."""
+        save_checkpoint(path, {**self.config.to_hf(), "torch_dtype": self.param_dtype.name},
+                        named_state(self, lambda p: p if p.startswith("lm_head.") else "model." + p))
+
+
+def cache_for(config: Gemma3Config, max_requests: int, max_context_tokens: int, *, dtype=_F32,
+              entry_format: str = "lossless", num_blocks: dict[str, int] | None = None, kv_bytes: int | None = None,
+              page_size: int = 16, num_snapshots: int = 0, capture_every: int = 0,
+              window_cache: str = "ring") -> KVCacheManager:
+    """The cache of :meth:`Gemma3ForCausalLM.make_cache` from the config
+    alone (no weights: sizing a real model costs nothing)."""
+    if entry_format not in ("lossless", "fp8"):
+        raise InvalidArgument(f"entry format {entry_format!r} is not one of ('lossless', 'fp8')")
+    if window_cache not in WINDOW_CACHES:
+        raise InvalidArgument(f"window_cache {window_cache!r} is not one of {WINDOW_CACHES}")
+    c = config
+    sliding = [c.is_sliding(i) for i in range(c.num_hidden_layers)]
+    window = c.sliding_window if c.sliding_window is not None else max_context_tokens
+    return interleaved_cache(sliding, max_requests, max_context_tokens, num_kv_heads=c.num_key_value_heads,
+                             head_dim=c.head_dim, num_query_heads=c.num_attention_heads, window=window, dtype=dtype,
+                             entry_format=entry_format, num_blocks=num_blocks, kv_bytes=kv_bytes, page_size=page_size,
+                             num_snapshots=num_snapshots, capture_every=capture_every, window_cache=window_cache)
