@@ -48,6 +48,7 @@ import numpy as np
 from jaxkv.bench._timing import (best_seconds_interleaved, best_seconds_threaded, machine_description,
                                  print_json, print_table)
 from jaxkv.bench.interleaved import memory_rows as interleaved_memory_rows
+from jaxkv.bench.interleaved import step_rows as interleaved_step_rows
 from jaxkv.manager.block_space import BlockSpaceManager
 from jaxkv.manager.hybrid import KVCacheManager
 from jaxkv.manager.hybrid_schema import HybridConfig, deepseek_v4_schedule, v4_flash_like_ratios
@@ -377,10 +378,20 @@ def main(args) -> int:
                 [[r["layers"], r["batch"], r["steps"], r["hybrid_us_per_step"], r["reserve_only_us_per_step"],
                   r["swa_adds_us"], r["compressor_adds_us"], r["indexer_adds_us"],
                   r["full_attention_us_per_step"], r["ratio"]] for r in steps])
-    models = []
+    models, interleaved_steps = [], []
     if quick:  # CI's smoke run: two models' decode loops cost ~30 s of compiles on 2 cores
-        print("\nThe models' decode steps (DeepSeek-V4 vs a Llama of the same width): run without --quick.")
+        print("\nThe models' decode steps (DeepSeek-V4, gpt-oss, Gemma 3 vs a Llama of the same width): run "
+              "without --quick.")
     else:
+        interleaved_steps = interleaved_step_rows(16, 3, rng)
+        print_table(f"decode step of the interleaved families ({jax.default_backend()}, float32, real attention "
+                    "layout, narrow MLP): window layers on rings vs one table for all layers vs a Llama of the "
+                    "same width (every layer full attention)",
+                    ["model", "batch", "context", "window", "ring us/step", "one table us/step", "Llama us/step",
+                     "ring / Llama", "ring / one table"],
+                    [[r["model"], r["batch"], r["context"], r["window"], r["ring_us_per_step"],
+                      r["paged_us_per_step"], r["llama_us_per_step"], r["ring_over_llama"], r["ring_over_paged"]]
+                     for r in interleaved_steps])
         models = model_rows(16, 3, rng, prompt_len=512)
         print_table(f"decode step of a model, batch 8 ({jax.default_backend()}): cache operations vs the rest",
                     ["model", "cache bytes/token", "state bytes/request", "us/step", "cache us/step",
@@ -390,5 +401,5 @@ def main(args) -> int:
     if args.json:
         print_json({"benchmark": "hybrid", "machine": machine_description(),
                     "results": {"memory": memory, "families": families, "interleaved": interleaved,
-                                "step": steps, "models": models}})
+                                "step": steps, "models": models, "interleaved_steps": interleaved_steps}})
     return 0

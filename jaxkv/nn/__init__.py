@@ -21,6 +21,14 @@
   (Gated DeltaNet in its chunked and recurrent forms, gated attention, MoE
   with a gated shared expert) over the hybrid :class:`~jaxkv.KVCacheManager`
   (paged ``full`` group + ``GDNPool``).
+* :class:`GptOssConfig`, :class:`GptOssForCausalLM`: gpt-oss (attention
+  sinks, every other layer a sliding window, YaRN, top-k MoE with the
+  clamped SwiGLU; MXFP4 experts dequantized at load) and
+  :class:`Gemma3Config`, :class:`Gemma3ForCausalLM`: Gemma 3 text (five
+  window layers to one global, local and global RoPE, ``1 + w`` norms,
+  soft caps), both over the hybrid :class:`~jaxkv.KVCacheManager` of
+  :mod:`jaxkv.nn.window_cache`: full layers paged, window layers on a
+  per-request ring of their window.
 * :class:`AutoModelForCausalLM`: ``from_pretrained(dir)`` picks the family
   from ``config.json``'s ``model_type``.
 * :mod:`jaxkv.nn.checkpoint`: reading safetensors checkpoints without torch.
@@ -56,7 +64,11 @@ from jaxkv.nn.deepseek_v3_config import DeepseekV3Config
 from jaxkv.nn.deepseek_v4 import DeepseekV4ForCausalLM
 from jaxkv.nn.deepseek_v4_config import DeepseekV4Config
 from jaxkv.nn.config import LlamaConfig, RopeScaling
+from jaxkv.nn.gemma3 import Gemma3ForCausalLM
+from jaxkv.nn.gemma3_config import Gemma3Config
 from jaxkv.nn.generate import GenerateOutput, generate
+from jaxkv.nn.gpt_oss import GptOssForCausalLM
+from jaxkv.nn.gpt_oss_config import GptOssConfig
 from jaxkv.nn.llama import LlamaForCausalLM
 from jaxkv.nn.parallel import beam_search, sample_n
 from jaxkv.nn.qwen3_next import Qwen3NextForCausalLM
@@ -74,7 +86,11 @@ __all__ = [
     "DeepseekV4ForCausalLM",
     "Engine",
     "EngineSummary",
+    "Gemma3Config",
+    "Gemma3ForCausalLM",
     "GenerateOutput",
+    "GptOssConfig",
+    "GptOssForCausalLM",
     "RowSampling",
     "SamplingParams",
     "generate",

@@ -9,6 +9,8 @@ model_type                                      class
 ``deepseek_v3``                                 :class:`~jaxkv.nn.DeepseekV3ForCausalLM`
 ``deepseek_v4``                                 :class:`~jaxkv.nn.DeepseekV4ForCausalLM`
 ``qwen3_next``                                  :class:`~jaxkv.nn.Qwen3NextForCausalLM`
+``gpt_oss``                                     :class:`~jaxkv.nn.GptOssForCausalLM`
+``gemma3_text``                                 :class:`~jaxkv.nn.Gemma3ForCausalLM`
 ==============================================  ==========================================
 
 A GGUF file (llama.cpp's format; a file starting with ``b"GGUF"``) is read
@@ -25,7 +27,9 @@ from jaxkv.nn.checkpoint import read_config
 from jaxkv.nn.config import SUPPORTED_MODEL_TYPES
 from jaxkv.nn.deepseek_v3 import DeepseekV3ForCausalLM
 from jaxkv.nn.deepseek_v4 import DeepseekV4ForCausalLM
+from jaxkv.nn.gemma3 import Gemma3ForCausalLM
 from jaxkv.nn.gguf import SUPPORTED_GGUF_ARCHITECTURES, is_gguf, load_gguf_model, read_gguf
+from jaxkv.nn.gpt_oss import GptOssForCausalLM
 from jaxkv.nn.llama import LlamaForCausalLM
 from jaxkv.nn.qwen3_next import Qwen3NextForCausalLM
 
@@ -33,7 +37,8 @@ __all__ = ["AutoModelForCausalLM", "MODEL_CLASSES"]
 
 #: ``model_type`` -> model class.
 MODEL_CLASSES = {**{t: LlamaForCausalLM for t in SUPPORTED_MODEL_TYPES}, "deepseek_v3": DeepseekV3ForCausalLM,
-                 "deepseek_v4": DeepseekV4ForCausalLM, "qwen3_next": Qwen3NextForCausalLM}
+                 "deepseek_v4": DeepseekV4ForCausalLM, "qwen3_next": Qwen3NextForCausalLM,
+                 "gpt_oss": GptOssForCausalLM, "gemma3_text": Gemma3ForCausalLM}
 
 
 class AutoModelForCausalLM:

@@ -187,9 +187,11 @@ def _generate_hybrid(model, prompts, max_new_tokens, *, eos_token_id, sampling, 
 
 def start_hybrid(model, prompts, max_new_tokens: int, *, eos_token_id: int | None = None,
                  sampling: SamplingParams = GREEDY, seed: int = 0, entry_format: str = "lossless",
-                 prefill_chunk_size: int | None = None, num_blocks: dict[str, int] | None = None):
+                 prefill_chunk_size: int | None = None, num_blocks: dict[str, int] | None = None,
+                 cache_options: dict | None = None):
     """The prefill half of :func:`generate` for a hybrid-cache model: a cache
-    from ``model.make_cache`` (``entry_format``, ``num_blocks``), every prompt
+    from ``model.make_cache`` (``entry_format``, ``num_blocks``, and the
+    model's own ``cache_options``, e.g. ``window_cache``), every prompt
     admitted (row ``b`` = slot ``b + 1``), prefilled ``prefill_chunk_size``
     tokens per row per call (default: whole prompts), first tokens sampled.
     Returns ``(graphdef, params, state)`` for :func:`decode_loop` /
@@ -202,7 +204,8 @@ def start_hybrid(model, prompts, max_new_tokens: int, *, eos_token_id: int | Non
     if chunk is not None and (isinstance(chunk, bool) or int(chunk) < 1):
         raise InvalidArgument(f"prefill_chunk_size must be an integer >= 1, got {chunk!r}")
     width = pow2_at_least(int(lengths.max())) if chunk is None else int(chunk)
-    manager = model.make_cache(batch, context, entry_format=entry_format, num_blocks=num_blocks)
+    manager = model.make_cache(batch, context, entry_format=entry_format, num_blocks=num_blocks,
+                               **(cache_options or {}))
     manager, slots, ok = _admit(manager, batch)
     if not bool(ok) or np.asarray(slots).tolist() != list(range(1, batch + 1)):
         raise KVCacheOOM(batch, manager.max_requests, manager.max_requests, unit="request slots")
