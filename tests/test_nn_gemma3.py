@@ -121,6 +121,7 @@ def test_config_reads_the_older_spelling():
     ({"num_key_value_heads": 3}, "num_key_value_heads"),
     ({"sliding_window": None}, "sliding_window"),
     ({"final_logit_softcapping": -1.0}, "final_logit_softcapping"),
+    ({"attn_logit_softcapping": 50.0}, "attn_logit_softcapping=50.0: .*set it to null"),
     ({"query_pre_attn_scalar": 0}, "query_pre_attn_scalar"),
     ({"layer_types": ["sliding_attention"] * 5 + ["chunked_attention"]}, "layer_types"),
     ({"head_dim": 0}, "head_dim"),

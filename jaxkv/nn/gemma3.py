@@ -18,10 +18,11 @@ up(x))``.
 k_norm, RoPE (rotate-half) with the layer type's base and scaling (the
 sliding layers: ``rope_local_base_freq``, usually unscaled; the global
 layers: ``rope_theta`` with ``rope_scaling``, e.g. linear factor 8), logits
-scaled by ``query_pre_attn_scalar ** -0.5``, then causal softmax (NOT
+scaled by ``query_pre_attn_scalar ** -0.5``, then causal softmax (never
 soft-capped: transformers' ``Gemma3Attention`` reads
-``attn_logit_softcapping`` but never applies it, unlike Gemma 2, so the
-field is kept in the config and ignored here, for parity); a ``sliding_attention`` layer sees only keys at positions
+``attn_logit_softcapping`` but never applies it, unlike Gemma 2; released
+checkpoints set it null, and :class:`Gemma3Config` refuses a value rather
+than ignore it); a ``sliding_attention`` layer sees only keys at positions
 ``(p - sliding_window, p]``.
 
 The cache (:func:`cache_for`, :func:`jaxkv.nn.window_cache.interleaved_cache`):
@@ -111,8 +112,7 @@ class Gemma3Attention(nnx.Module):
         lin = functools.partial(Linear, rngs=rngs, param_dtype=param_dtype, precision=precision, bias=c.attention_bias)
         self.config = c
         self.sliding_window = c.sliding_window if c.is_sliding(layer) else None
-        # transformers' Gemma3Attention reads attn_logit_softcapping but never passes it to its attention
-        # functions (Gemma 2 does): the attention logits of Gemma 3 are never capped. Kept None for parity.
+        # Gemma 3's attention logits are never capped (the config refuses attn_logit_softcapping).
         self.logit_soft_cap = None
         theta, scaling = c.rope_of(layer)
         self.rope = (theta, scaling)

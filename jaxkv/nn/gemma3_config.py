@@ -5,8 +5,8 @@ Every field transformers' (5.x) ``Gemma3TextConfig`` reads, with its
 defaults: the sizes, ``query_pre_attn_scalar`` (the attention scale is its
 ``** -0.5``), ``sliding_window``, ``layer_types`` (``sliding_attention`` /
 ``full_attention``; without it, every ``sliding_window_pattern``-th layer
-(default 6) is full attention), ``attn_logit_softcapping``,
-``final_logit_softcapping``, ``hidden_activation`` and the two RoPEs:
+(default 6) is full attention), ``attn_logit_softcapping`` (null only: see
+the refusal), ``final_logit_softcapping``, ``hidden_activation`` and the two RoPEs:
 
 * ``rope_parameters`` keyed by layer type (what transformers 5.x writes:
   ``{"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta":
@@ -115,7 +115,15 @@ class Gemma3Config:
             if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value) \
                     or not value > 0:
                 raise InvalidArgument(f"{name} must be a finite number > 0, got {value!r}")
-        for name in ("final_logit_softcapping", "attn_logit_softcapping"):
+        if self.attn_logit_softcapping is not None:
+            # An option that would do nothing is refused rather than ignored: transformers 5.x's Gemma 3
+            # attention never applies it (Gemma 2's does), so neither capping nor ignoring it matches every
+            # reading of such a checkpoint. Released Gemma 3 checkpoints set it null.
+            raise InvalidArgument(
+                f"attn_logit_softcapping={self.attn_logit_softcapping!r}: Gemma 3 checkpoints set it null, and "
+                "transformers' Gemma 3 attention never applies it (Gemma 2's does), so a value here has no "
+                "agreed meaning; set it to null (transformers' behaviour)")
+        for name in ("final_logit_softcapping",):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, (int, float)) or isinstance(value, bool)
                                       or not math.isfinite(value) or not value > 0):
