@@ -4,7 +4,8 @@ reference: that request alone through ``jaxkv.nn.generate`` (greedy, cold),
 truncated at its ``max_new_tokens`` and at its first EOS.
 
 * **Hybrid caches** (Qwen3-Next ``tests/fixtures/qwen3_next/small``;
-  DeepSeek-V4 ``tests/fixtures/dsv4/small``): several rows admitted, cut at
+  gpt-oss ``tests/fixtures/gpt_oss/small``, window rings; DeepSeek-V4
+  ``tests/fixtures/dsv4/small``): several rows admitted, cut at
   prefix-cache boundaries and retiring in the same iteration, shared prompt
   prefixes (prefix hits restore cached Gated DeltaNet / ring snapshots),
   two cached snapshots for three rows (Qwen3-Next) or one (DeepSeek-V4),
@@ -284,6 +285,29 @@ QWEN_HOST = dict(QWEN, num_snapshots=1, host_prefix_memory=1 << 24, host_kv_memo
 @example(scenario=_qwen_pressure())
 def test_qwen3_next_engine_matches_generate(qwen, options, scenario):
     model, reference = qwen
+    waves, budget = scenario
+    with distinct_snapshot_copies():
+        serve(Engine(model, **options), reference, waves, budget=budget, check=check_hybrid_no_leak)
+
+
+# ------------------------------------------------------------ hybrid: gpt-oss
+
+# The same traffic on an interleaved window family: gpt-oss's window layers
+# (8 tokens: every prompt crosses it three times or more) keep per-request
+# rings that hits restore from snapshots, swaps and the host tier carry, and
+# sinks on every layer; its full layers take the 16-token pages.
+@pytest.fixture(scope="module")
+def gptoss():
+    model, _ = _fixture("gpt_oss/small")
+    return Subject("gpt_oss/small", model, _reference(model, QWEN_LENGTHS, QWEN_NEW))
+
+
+@pytest.mark.parametrize("options", [QWEN, QWEN_HOST], ids=["device", "host tiers"])
+@settings(max_examples=200 if LONG else 2)
+@given(scenario=qwen_scenarios())
+@example(scenario=_qwen_pressure())
+def test_gpt_oss_engine_matches_generate(gptoss, options, scenario):
+    model, reference = gptoss
     waves, budget = scenario
     with distinct_snapshot_copies():
         serve(Engine(model, **options), reference, waves, budget=budget, check=check_hybrid_no_leak)
