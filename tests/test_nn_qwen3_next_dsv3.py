@@ -18,7 +18,6 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxkv.errors import InvalidArgument
 from jaxkv.nn import (AutoModelForCausalLM, DeepseekV3ForCausalLM, Qwen3NextForCausalLM, beam_search, generate,
                       sample_n)
 from jaxkv.nn.qwen3_next import chunk_gated_delta_rule, recurrent_gated_delta_rule
@@ -198,9 +197,13 @@ def test_dsv3_forks_like_llama():
     assert len(beams) == 2
 
 
-def test_qwen3_next_refuses_to_fork_and_says_why():
-    with pytest.raises(InvalidArgument, match="copy"):
-        sample_n(_model("qwen3_next", "small"), [1, 2, 3], 2, 4)
+def test_qwen3_next_forks_its_gated_deltanet_states():
+    """Greedy samples of a forked prompt are the fixture's greedy tokens
+    (each row's Gated DeltaNet states copied from the prompt's slot; the
+    sampled case is in test_parallel_hybrid)."""
+    expected = _expected("qwen3_next", "small")
+    prompt = expected["prompts"][1]
+    assert sample_n(_model("qwen3_next", "small"), prompt, 2, 4) == [expected["greedy"][1][:4]] * 2
 
 
 def test_dsv3_runs_on_the_engine():

@@ -297,17 +297,21 @@ class LayerCacheHandle:
         """Each token attends positions ``[0, pos]`` of its request through
         the pages (:func:`kernels_pallas.paged_attention`; keyword arguments
         such as ``sm_scale`` or ``sliding_window`` are passed on).
-        ``sinks`` (per-head logits that join the softmax denominator only,
-        gpt-oss's) go through :func:`kernels_pallas.ragged_paged_attention`
-        instead, each token a one-query sequence: the decode kernel has no
-        sinks."""
+
+        A step with more tokens than request rows (prefill pieces), and one
+        with ``sinks`` (per-head logits that join the softmax denominator
+        only, gpt-oss's: the decode kernel has none), goes through
+        :func:`kernels_pallas.ragged_paged_attention` instead, each token a
+        one-query sequence: its reference walks the context in chunks, where
+        the decode reference gathers every token's whole context at once
+        (``[T, KVH, context, D]``: 35 GB for a 2048-token Gemma 3 piece)."""
         self._need("paged K/V", self.kv_pool is not None)
         pool = self.kv_pool
         if pool.v_pages is None:
             kwargs.setdefault("mla_value_dim", pool.kv_lora_rank)
         lengths = jnp.where(self.token_slots >= 0, self.positions + 1, 0)
-        if sinks is not None:
-            num_tokens = q.shape[0]
+        num_tokens = q.shape[0]
+        if sinks is not None or num_tokens > self.request_slots.shape[0]:
             # A padding token attends one (masked-out) key of the null page:
             # the ragged layout needs kv_len >= q_len; its output is zeroed.
             out = ragged_paged_attention(q, pool.k_pages, pool.v_pages, jnp.clip(self._token_tables(), 0, None),
@@ -348,27 +352,51 @@ class LayerCacheHandle:
         slots, positions = self.token_slots, self.positions
         real = (slots >= 0) & (positions >= 0)
         rows = jnp.clip(slots, 0, ring.num_rows - 1)
-        ring_k, ring_v, ring_pos = ring.k[rows], ring.v[rows], ring.pos[rows]  # [T, W, ...]: read before the write
         # The ring holds earlier steps only; this step's keys come from k/v,
         # rounded as the ring stores them.
         k_step, v_step = k.astype(ring.dtype), v.astype(ring.dtype)
         first = -jax.ops.segment_max(jnp.where(real, -positions, -INT32_MAX), self.request_ids,
                                      num_segments=self.request_slots.shape[0])[self.request_ids]
         lo = positions - ring.window  # keys must be > lo
-        ring_ok = real[:, None] & (ring_pos >= 0) & (ring_pos < first[:, None]) & (ring_pos > lo[:, None])
-        same = (self.request_ids[:, None] == self.request_ids[None, :]) & real[None, :]
-        step_ok = real[:, None] & same & (positions[None, :] <= positions[:, None]) & (positions[None, :] > lo[:, None])
-        out = _window_softmax(q, ring_k, ring_v, ring_ok, k_step, v_step, step_ok, sm_scale=sm_scale, sinks=sinks,
-                              logit_soft_cap=logit_soft_cap)
+
+        # Tokens in blocks (``lax.map``): a block gathers its tokens' rings
+        # ([block, W, KVH, D], a few MiB), never the whole step's ([T, W,
+        # KVH, D]: tens of GiB for a Gemma 3 prefill piece).
+        block = max(1, min(num_tokens, _WINDOW_BLOCK_ELEMENTS // (ring.window * k.shape[1] * k.shape[2])))
+        padded = -(-num_tokens // block) * block
+
+        def blocked(x, fill):
+            x = jnp.pad(x, [(0, padded - num_tokens)] + [(0, 0)] * (x.ndim - 1), constant_values=fill)
+            return x.reshape((padded // block, block) + x.shape[1:])
+
+        def attend_block(args):
+            qb, rows_b, pos_b, first_b, lo_b, real_b, ids_b = args
+            ring_k, ring_v, ring_pos = ring.k[rows_b], ring.v[rows_b], ring.pos[rows_b]  # read before the write
+            ring_ok = real_b[:, None] & (ring_pos >= 0) & (ring_pos < first_b[:, None]) & (ring_pos > lo_b[:, None])
+            step_ok = (real_b[:, None] & (ids_b[:, None] == self.request_ids[None, :]) & real[None, :]
+                       & (positions[None, :] <= pos_b[:, None]) & (positions[None, :] > lo_b[:, None]))
+            return _window_softmax(qb, ring_k, ring_v, ring_ok, k_step, v_step, step_ok, sm_scale=sm_scale,
+                                   sinks=sinks, logit_soft_cap=logit_soft_cap)
+
+        out = jax.lax.map(attend_block, (blocked(q, 0), blocked(rows, 0), blocked(positions, -1), blocked(first, 0),
+                                         blocked(lo, 0), blocked(real, False), blocked(self.request_ids, -1)))
+        out = out.reshape((padded,) + out.shape[2:])[:num_tokens]
         # Each request keeps its newest W tokens. The written values depend
-        # on the read (rows the write drops take it), so XLA orders the read
-        # first and scatters into the ring in place instead of copying it.
+        # on the reads (through ``out``; rows the write drops take it), so
+        # XLA orders the reads first and scatters into the ring in place
+        # instead of copying it.
         keep = real & (positions > self._newest() - ring.window)
         target = jnp.where(keep, slots, ring.num_rows)  # past the rows: dropped
-        k_w = jnp.where(keep[:, None, None], k_step, ring_k[:, 0])
-        v_w = jnp.where(keep[:, None, None], v_step, ring_v[:, 0])
-        written = ring.write(target, jnp.where(keep, positions, ring_pos[:, 0]), k_w, v_w)
+        after = out[:, :1, :1]
+        k_w = jnp.where(keep[:, None, None], k_step, after.astype(k_step.dtype))
+        v_w = jnp.where(keep[:, None, None], v_step, after.astype(v_step.dtype))
+        written = ring.write(target, jnp.where(keep, positions, after[:, 0, 0].astype(jnp.int32)), k_w, v_w)
         return jnp.where(real[:, None, None], out, 0).astype(q.dtype), self.replace(cache=written)
+
+
+#: Ring elements (tokens x window x KV heads x head dim) one block of
+#: :meth:`LayerCacheHandle.attend_window` gathers: 16 MiB of float32.
+_WINDOW_BLOCK_ELEMENTS = 1 << 22
 
 
 def _window_softmax(q, ring_k, ring_v, ring_ok, k, v, step_ok, *, sm_scale, sinks, logit_soft_cap):
