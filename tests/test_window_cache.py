@@ -134,7 +134,7 @@ def test_ring_holds_window_tokens_and_layout():
     assert [s.kind for s in manager.schemas] == [AttentionKind.WINDOW, AttentionKind.FULL]
     assert list(manager.groups) == ["full"]  # the window layer takes no blocks
     ring = manager.layers[0]
-    assert ring.k.shape == (manager.num_slots, WINDOW, KV_HEADS, DIM) and ring.k.dtype == jnp.bfloat16
+    assert ring.k.shape == (manager.num_slots, KV_HEADS, WINDOW, DIM) and ring.k.dtype == jnp.bfloat16
     assert ring.k_bits.dtype == jnp.uint16  # stored as bits: scatters update in place on CPU
     paged = interleaved_cache(SLIDING, 3, 4096, num_kv_heads=KV_HEADS, head_dim=DIM, num_query_heads=HEADS,
                               window=WINDOW, dtype=jnp.bfloat16, window_cache="paged")
@@ -157,7 +157,8 @@ def test_ring_resets_on_release_and_moves_through_snapshots_and_host():
     slot = int(slots[0])
     ring = manager.layers[0]
     np.testing.assert_array_equal(np.sort(np.asarray(ring.pos[slot])), np.arange(4, 9))
-    np.testing.assert_array_equal(np.asarray(ring.k[slot][np.arange(4, 9) % WINDOW]), np.asarray(k[4:9]))
+    np.testing.assert_array_equal(np.asarray(ring.k[slot][:, np.arange(4, 9) % WINDOW]),
+                                  np.asarray(k[4:9]).transpose(1, 0, 2))
     # Into a snapshot row and out to the host and back into another row.
     snapshot = manager.num_slots
     manager = manager.copy_state(jnp.asarray([slot]), jnp.asarray([snapshot]))
@@ -184,3 +185,25 @@ def test_errors_name_the_problem():
     x = jnp.zeros((1, 2, 8))
     with pytest.raises(InvalidArgument, match="ring holds 4 tokens but the layer attends a window of 8"):
         attend_through_cache(handle, jnp.zeros((1, 4, 8)), x, x, sm_scale=1.0, sliding_window=8)
+
+
+def test_a_decode_step_updates_the_ring_in_place():
+    """A donated decode step through a bf16 ring layer scatters into the
+    ring (K, V, positions) and copies or converts none of it."""
+    from tests.util import pool_sized_copies, pool_sized_updates
+
+    manager = interleaved_cache(SLIDING, 4, 2048, num_kv_heads=4, head_dim=64, num_query_heads=8, window=256,
+                                dtype=jnp.bfloat16)
+    manager, slots, _ = manager.admit(4, max_n=4)
+    manager, _, _ = manager.reserve(slots, jnp.full((4,), 300), max_new_tokens=512)
+
+    def step(manager, q, k, v):
+        handle = manager.acquire(0, slots, manager.seq_lens[slots] - 1)
+        out, handle = attend_through_cache(handle, q, k, v, sm_scale=0.1, sliding_window=256)
+        return out, manager.update(handle)
+
+    q, kv = jnp.ones((4, 8, 64), jnp.bfloat16), jnp.ones((4, 4, 64), jnp.bfloat16)
+    hlo = jax.jit(step, donate_argnums=0).lower(manager, q, kv, kv).compile().as_text()
+    ring = jax.tree.leaves(manager.layers[0])
+    assert pool_sized_updates(hlo, min(a.nbytes for a in ring)) == 3
+    assert pool_sized_copies(hlo, shapes=[a.shape for a in ring]) == []

@@ -345,10 +345,10 @@ class LayerCacheHandle:
         self._need("window ring", isinstance(self.cache, WindowLayerCache))
         ring = self.cache
         num_tokens = self.positions.shape[0]
-        if k.shape != (num_tokens, ring.k_bits.shape[2], ring.k_bits.shape[3]) or v.shape != k.shape[:2] + v.shape[2:]:
+        kv_heads, head_dim = ring.k_bits.shape[1], ring.k_bits.shape[3]
+        if k.shape != (num_tokens, kv_heads, head_dim) or v.shape != k.shape[:2] + v.shape[2:]:
             raise InvalidArgument(f"layer {self.schema.layer_idx}: k/v must be [{num_tokens} tokens, "
-                                  f"{ring.k_bits.shape[2]} kv heads, {ring.k_bits.shape[3]}], got {list(k.shape)} "
-                                  f"and {list(v.shape)}")
+                                  f"{kv_heads} kv heads, {head_dim}], got {list(k.shape)} and {list(v.shape)}")
         slots, positions = self.token_slots, self.positions
         real = (slots >= 0) & (positions >= 0)
         rows = jnp.clip(slots, 0, ring.num_rows - 1)
@@ -360,8 +360,8 @@ class LayerCacheHandle:
         lo = positions - ring.window  # keys must be > lo
 
         # Tokens in blocks (``lax.map``): a block gathers its tokens' rings
-        # ([block, W, KVH, D], a few MiB), never the whole step's ([T, W,
-        # KVH, D]: tens of GiB for a Gemma 3 prefill piece).
+        # ([block, KVH, W, D], a few MiB), never the whole step's ([T, KVH,
+        # W, D]: tens of GiB for a Gemma 3 prefill piece).
         block = max(1, min(num_tokens, _WINDOW_BLOCK_ELEMENTS // (ring.window * k.shape[1] * k.shape[2])))
         padded = -(-num_tokens // block) * block
 
@@ -371,7 +371,7 @@ class LayerCacheHandle:
 
         def attend_block(args):
             qb, rows_b, pos_b, first_b, lo_b, real_b, ids_b = args
-            ring_k, ring_v, ring_pos = ring.k[rows_b], ring.v[rows_b], ring.pos[rows_b]  # read before the write
+            ring_k, ring_v, ring_pos = ring.k[rows_b], ring.v[rows_b], ring.pos[rows_b]  # [block, KVH, W, D]
             ring_ok = real_b[:, None] & (ring_pos >= 0) & (ring_pos < first_b[:, None]) & (ring_pos > lo_b[:, None])
             step_ok = (real_b[:, None] & (ids_b[:, None] == self.request_ids[None, :]) & real[None, :]
                        & (positions[None, :] <= pos_b[:, None]) & (positions[None, :] > lo_b[:, None]))
@@ -401,15 +401,15 @@ _WINDOW_BLOCK_ELEMENTS = 1 << 22
 
 def _window_softmax(q, ring_k, ring_v, ring_ok, k, v, step_ok, *, sm_scale, sinks, logit_soft_cap):
     """Softmax attention of ``q [T, H, D]`` over two key sets: each token's
-    ring ``[T, W, KVH, D]`` (mask ``[T, W]``) and this step's ``[T, KVH, D]``
-    (mask ``[T, T]``), in float32; GQA by head groups; ``sinks [H]`` in the
+    ring ``[T, KVH, W, D]`` (mask ``[T, W]``) and this step's ``[S, KVH, D]``
+    (mask ``[T, S]``), in float32; GQA by head groups; ``sinks [H]`` in the
     denominator only. A token with no key and no sink gets zeros."""
     f32, hi = jnp.float32, jax.lax.Precision.HIGHEST
     num_tokens, heads, dim = q.shape
     kv_heads = k.shape[1]
     qg = q.astype(f32).reshape(num_tokens, kv_heads, heads // kv_heads, dim)
     scale = dim ** -0.5 if sm_scale is None else sm_scale
-    l_ring = jnp.einsum("tkgd,twkd->tkgw", qg, ring_k.astype(f32), precision=hi) * scale
+    l_ring = jnp.einsum("tkgd,tkwd->tkgw", qg, ring_k.astype(f32), precision=hi) * scale
     l_step = jnp.einsum("tkgd,skd->tkgs", qg, k.astype(f32), precision=hi) * scale
     logits = jnp.concatenate([l_ring, l_step], axis=-1)
     if logit_soft_cap is not None:
@@ -426,7 +426,7 @@ def _window_softmax(q, ring_k, ring_v, ring_ok, k, v, step_ok, *, sm_scale, sink
     if sinks is not None:
         total = total + jnp.exp(sink - top)
     weights = weights / jnp.where(total > 0, total, 1.0)
-    width = ring_k.shape[1]
-    out = (jnp.einsum("tkgw,twkd->tkgd", weights[..., :width], ring_v.astype(f32), precision=hi)
+    width = ring_k.shape[2]
+    out = (jnp.einsum("tkgw,tkwd->tkgd", weights[..., :width], ring_v.astype(f32), precision=hi)
            + jnp.einsum("tkgs,skd->tkgd", weights[..., width:], v.astype(f32), precision=hi))
     return out.reshape(num_tokens, heads, -1)

@@ -6,9 +6,13 @@ use for a key older than its window. Such a layer keeps, per request state
 row, a ring of the K and V of its last ``window`` tokens instead of paged
 blocks::
 
-    k_bits  [num_rows, window, num_kv_heads, head_dim]   position p at [row, p % window]
-    v_bits  [num_rows, window, num_kv_heads, head_dim]
+    k_bits  [num_rows, num_kv_heads, window, head_dim]   position p at [row, :, p % window]
+    v_bits  [num_rows, num_kv_heads, window, head_dim]
     pos     [num_rows, window] int32                      position held there, -1: empty
+
+(heads before the window, as the paged pool's ``[KVH, P, ps, D]``: a
+gathered row is ``[KVH, W, D]``, the layout attention's batched dot wants,
+so no transpose of it is made)
 
 so its memory per request is ``window`` tokens however long the request
 grows. A ring row is per-request state like DeepSeek-V4's SWA ring or a
@@ -47,8 +51,8 @@ __all__ = ["WindowLayerCache"]
 class WindowLayerCache:
     """The ring of one window layer (see the module docstring)."""
 
-    k_bits: Shaped[Array, "rows window kvh d"]
-    v_bits: Shaped[Array, "rows window kvh d"]
+    k_bits: Shaped[Array, "rows kvh window d"]
+    v_bits: Shaped[Array, "rows kvh window d"]
     pos: Int[Array, "rows window"]
     dtype: object = struct.field(pytree_node=False)
 
@@ -58,14 +62,14 @@ class WindowLayerCache:
         if min(num_rows, window, num_kv_heads, head_dim) < 1:
             raise InvalidArgument(f"a window ring needs rows, window, kv heads and head_dim >= 1, got "
                                   f"{num_rows}, {window}, {num_kv_heads}, {head_dim}")
-        shape = (num_rows, window, num_kv_heads, head_dim)
+        shape = (num_rows, num_kv_heads, window, head_dim)
         storage = bits_dtype(dtype)
         return cls(k_bits=jnp.zeros(shape, storage), v_bits=jnp.zeros(shape, storage),
-                   pos=jnp.full(shape[:2], -1, jnp.int32), dtype=jnp.dtype(dtype))
+                   pos=jnp.full((num_rows, window), -1, jnp.int32), dtype=jnp.dtype(dtype))
 
     @property
     def window(self) -> int:
-        return self.k_bits.shape[1]
+        return self.k_bits.shape[2]
 
     @property
     def num_rows(self) -> int:
@@ -81,13 +85,13 @@ class WindowLayerCache:
         return from_bits(self.v_bits, self.dtype)
 
     def write(self, rows: Int[Array, " T"], positions: Int[Array, " T"], k, v) -> "WindowLayerCache":
-        """Token ``t``'s K/V ``[T, KVH, D]`` into ``[rows[t], positions[t] %
-        window]``; a row out of range (the caller's way to skip a token) is
-        dropped. Two tokens naming one slot: undefined which wins (callers
-        write each request's newest ``window`` tokens only)."""
+        """Token ``t``'s K/V ``[T, KVH, D]`` into ``[rows[t], :, positions[t]
+        % window]``; a row out of range (the caller's way to skip a token)
+        is dropped. Two tokens naming one slot: undefined which wins
+        (callers write each request's newest ``window`` tokens only)."""
         slot = jnp.where(positions >= 0, positions % self.window, 0)
-        return self.replace(k_bits=self.k_bits.at[rows, slot].set(to_bits(k, self.dtype), mode="drop"),
-                            v_bits=self.v_bits.at[rows, slot].set(to_bits(v, self.dtype), mode="drop"),
+        return self.replace(k_bits=self.k_bits.at[rows, :, slot].set(to_bits(k, self.dtype), mode="drop"),
+                            v_bits=self.v_bits.at[rows, :, slot].set(to_bits(v, self.dtype), mode="drop"),
                             pos=self.pos.at[rows, slot].set(positions, mode="drop"))
 
     def copy_rows(self, source: Int[Array, " n"], target: Int[Array, " n"]) -> "WindowLayerCache":
