@@ -50,9 +50,6 @@ import numpy as np
 from flax import nnx
 from jaxtyping import Array, Float, Int
 
-from jaxkv.errors import InvalidArgument
-from jaxkv.manager.hybrid import KVCacheManager
-from jaxkv.manager.hybrid_schema import AttentionKind
 from jaxkv.nn.attention import check_implementation
 from jaxkv.nn.gemma3_config import Gemma3Config
 from jaxkv.nn.layers import (
@@ -63,9 +60,8 @@ from jaxkv.nn.layers import (
     read_checkpoint,
     save_checkpoint,
 )
-from jaxkv.nn.packed import PackedBatch
 from jaxkv.nn.rope import apply_rope, rope_inv_freq
-from jaxkv.nn.window_cache import WINDOW_CACHES, attend_through_cache, interleaved_cache
+from jaxkv.nn.window_cache import InterleavedWindowModel, attend_through_cache, config_cache
 
 __all__ = ["Gemma3ForCausalLM", "cache_for"]
 
@@ -187,14 +183,11 @@ class Gemma3DecoderLayer(nnx.Module):
         return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
 
 
-class Gemma3ForCausalLM(nnx.Module):
+class Gemma3ForCausalLM(InterleavedWindowModel, nnx.Module):
     """Gemma 3 text over a :class:`~jaxkv.KVCacheManager` (see the module
     docstring): global layers' K/V paged, sliding layers' K/V in per-request
     rings (or paged). ``implementation`` chooses the attention kernel by
     :mod:`kernels_pallas`'s rule."""
-
-    #: The cache contract (:func:`jaxkv.nn.packed.cache_kind`): a hybrid ``KVCacheManager`` (``make_cache``).
-    cache_kind = "hybrid"
 
     def __init__(self, config: Gemma3Config, *, rngs: nnx.Rngs, dtype=_F32, param_dtype=_F32, precision=None,
                  implementation: str | None = None):
@@ -213,35 +206,6 @@ class Gemma3ForCausalLM(nnx.Module):
 
     # ---------------------------------------------------------------- cache
 
-    def make_cache(self, max_requests: int, max_context_tokens: int, *, entry_format: str = "lossless",
-                   num_blocks: dict[str, int] | None = None, kv_bytes: int | None = None, page_size: int = 16,
-                   num_snapshots: int = 0, capture_every: int = 0, window_cache: str = "ring") -> KVCacheManager:
-        """A :class:`~jaxkv.KVCacheManager` for this model: global layers' K/V
-        in pages of ``page_size`` (``entry_format`` ``"lossless"``: the
-        compute dtype; ``"fp8"``: float8_e4m3fn with per-token scales); the
-        sliding layers' K/V in per-request rings of ``sliding_window``
-        tokens (``window_cache="ring"``) or paged (``"paged"``);
-        ``num_snapshots`` and ``capture_every`` as in ``KVCacheManager.create``."""
-        return cache_for(self.config, max_requests, max_context_tokens, dtype=self.dtype, entry_format=entry_format,
-                         num_blocks=num_blocks, kv_bytes=kv_bytes, page_size=page_size, num_snapshots=num_snapshots,
-                         capture_every=capture_every, window_cache=window_cache)
-
-    def _check_cache(self, manager: KVCacheManager) -> None:
-        c = self.config
-        kinds = tuple(s.kind for s in manager.schemas)
-        hc = manager.config
-        dims, want_dims = (hc.num_kv_heads, hc.kv_head_dim), (c.num_key_value_heads, c.head_dim)
-        ok = len(kinds) == c.num_hidden_layers and dims == want_dims and all(
-            kind == AttentionKind.FULL or (c.is_sliding(i) and kind == AttentionKind.WINDOW)
-            for i, kind in enumerate(kinds))
-        if ok and AttentionKind.WINDOW in kinds and hc.window != c.sliding_window:
-            raise InvalidArgument(f"the cache's window rings hold {hc.window} tokens but this model's sliding_window "
-                                  f"is {c.sliding_window}; build it with model.make_cache")
-        if not ok:
-            raise InvalidArgument(f"the cache's schedule {[getattr(k, 'value', k) for k in kinds]} / dims "
-                                  f"(num_kv_heads, kv_head_dim) {dims} are not this model's ({c.num_hidden_layers} "
-                                  f"layers {list(c.layer_types)} / {want_dims}); build it with model.make_cache")
-
     # ------------------------------------------------------------- forward
 
     def _embed(self, tokens):
@@ -256,44 +220,6 @@ class Gemma3ForCausalLM(nnx.Module):
         else:
             logits = self.lm_head(x)
         return _soft_cap(logits.astype(_F32), self.config.final_logit_softcapping)
-
-    def __call__(self, tokens: Int[Array, "B W"], manager: KVCacheManager, slots: Int[Array, " B"],
-                 starts: Int[Array, " B"], num_new: Int[Array, " B"]) -> tuple[Float[Array, "B W V"], KVCacheManager]:
-        """One step through the cache: row ``b`` (request slot ``slots[b]``,
-        -1 = idle) brings ``tokens[b, :num_new[b]]`` at positions
-        ``starts[b] + t``, which ``manager.reserve`` must have reserved.
-        Returns ``(logits [B, W, vocab] float32, manager)``."""
-        tokens = jnp.asarray(tokens, jnp.int32)
-        b, w = tokens.shape
-        lane = jnp.arange(w, dtype=jnp.int32)[None, :]
-        positions = jnp.where(lane < num_new[:, None], starts[:, None] + lane, -1)
-        request_ids = jnp.repeat(jnp.arange(b, dtype=jnp.int32), w)
-        x, manager = self._through_cache(self._embed(tokens), manager, slots, positions, request_ids)
-        return self._logits(x), manager
-
-    def forward_packed(self, batch: PackedBatch, manager: KVCacheManager) -> tuple[Float[Array, "S V"], KVCacheManager]:
-        """One packed step (:class:`~jaxkv.nn.packed.PackedBatch`) through the
-        cache, lane ``s`` as request slot ``seq_ids[s]`` at its positions,
-        which ``manager.reserve(batch.seq_ids, batch.q_lens, ...)`` must have
-        reserved; every layer runs over the flat stream of ``T`` tokens.
-        Returns ``(logits [S, vocab] float32, manager)``: each lane's last
-        token's (finite garbage for a lane with none)."""
-        x, manager = self._through_cache(self._embed(batch.token_ids)[None], manager, batch.seq_ids,
-                                         batch.positions[None], batch.token_lanes)
-        return self._logits(x[0, batch.last_tokens]), manager
-
-    def _through_cache(self, x, manager: KVCacheManager, slots, positions, request_ids):
-        """Every layer from the embeddings ``x [B, W, hidden]`` at
-        ``positions [B, W]`` (-1: padding; token ``t`` of the flattened rows
-        belongs to request row ``request_ids[t]`` of ``slots``). Returns
-        ``(x before the final norm, manager)``."""
-        self._check_cache(manager)
-        for i, layer in enumerate(self.layers):
-            handle = manager.acquire(i, slots, positions.reshape(-1), request_ids, implementation=self.implementation)
-            attended, handle = layer.self_attn.through_cache(layer.input_layernorm(x), positions, handle)
-            manager = manager.update(handle)
-            x = layer.finish(x, attended)
-        return x, manager
 
     def forward_dense(self, tokens: Int[Array, " T"]) -> Float[Array, "T V"]:
         """One sequence from position 0 with no cache (dense causal attention,
@@ -335,20 +261,6 @@ class Gemma3ForCausalLM(nnx.Module):
                         named_state(self, lambda p: p if p.startswith("lm_head.") else "model." + p))
 
 
-def cache_for(config: Gemma3Config, max_requests: int, max_context_tokens: int, *, dtype=_F32,
-              entry_format: str = "lossless", num_blocks: dict[str, int] | None = None, kv_bytes: int | None = None,
-              page_size: int = 16, num_snapshots: int = 0, capture_every: int = 0,
-              window_cache: str = "ring") -> KVCacheManager:
-    """The cache of :meth:`Gemma3ForCausalLM.make_cache` from the config
-    alone (no weights: sizing a real model costs nothing)."""
-    if entry_format not in ("lossless", "fp8"):
-        raise InvalidArgument(f"entry format {entry_format!r} is not one of ('lossless', 'fp8')")
-    if window_cache not in WINDOW_CACHES:
-        raise InvalidArgument(f"window_cache {window_cache!r} is not one of {WINDOW_CACHES}")
-    c = config
-    sliding = [c.is_sliding(i) for i in range(c.num_hidden_layers)]
-    window = c.sliding_window if c.sliding_window is not None else max_context_tokens
-    return interleaved_cache(sliding, max_requests, max_context_tokens, num_kv_heads=c.num_key_value_heads,
-                             head_dim=c.head_dim, num_query_heads=c.num_attention_heads, window=window, dtype=dtype,
-                             entry_format=entry_format, num_blocks=num_blocks, kv_bytes=kv_bytes, page_size=page_size,
-                             num_snapshots=num_snapshots, capture_every=capture_every, window_cache=window_cache)
+#: The cache of :meth:`make_cache <jaxkv.nn.window_cache.InterleavedWindowModel.make_cache>` from the config
+#: alone (no weights: sizing a real model costs nothing).
+cache_for = config_cache

@@ -61,8 +61,6 @@ from flax import nnx
 from jaxtyping import Array, Float, Int
 
 from jaxkv.errors import InvalidArgument
-from jaxkv.manager.hybrid import KVCacheManager
-from jaxkv.manager.hybrid_schema import AttentionKind
 from jaxkv.nn.attention import check_implementation
 from jaxkv.nn.gpt_oss_config import GptOssConfig
 from jaxkv.nn.layers import (
@@ -73,8 +71,7 @@ from jaxkv.nn.layers import (
     param,
     save_checkpoint,
 )
-from jaxkv.nn.packed import PackedBatch
-from jaxkv.nn.window_cache import attend_through_cache, interleaved_cache
+from jaxkv.nn.window_cache import InterleavedWindowModel, attend_through_cache, config_cache
 
 __all__ = ["FP4_VALUES", "GptOssForCausalLM", "cache_for", "dequantize_mxfp4", "dequantize_mxfp4_experts"]
 
@@ -298,13 +295,10 @@ class GptOssDecoderLayer(nnx.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-class GptOssForCausalLM(nnx.Module):
+class GptOssForCausalLM(InterleavedWindowModel, nnx.Module):
     """gpt-oss over a :class:`~jaxkv.KVCacheManager` (module docstring).
     ``implementation`` chooses the paged attention kernel by
     :mod:`kernels_pallas`'s rule."""
-
-    #: The cache contract (:func:`jaxkv.nn.packed.cache_kind`): a hybrid ``KVCacheManager`` (``make_cache``).
-    cache_kind = "hybrid"
 
     def __init__(self, config: GptOssConfig, *, rngs: nnx.Rngs, dtype=_F32, param_dtype=_F32, precision=None,
                  implementation: str | None = None):
@@ -323,36 +317,6 @@ class GptOssForCausalLM(nnx.Module):
 
     # ---------------------------------------------------------------- cache
 
-    def make_cache(self, max_requests: int, max_context_tokens: int, *, entry_format: str = "lossless",
-                   num_blocks=None, kv_bytes: int | None = None, page_size: int = 16, num_snapshots: int = 0,
-                   capture_every: int = 0, window_cache: str = "ring") -> KVCacheManager:
-        """A :class:`~jaxkv.KVCacheManager` for this model (:func:`cache_for`):
-        full layers paged, sliding layers in a ring of ``sliding_window``
-        tokens per request (``window_cache="ring"``) or paged
-        (``"paged"``); entries in the compute dtype (``"lossless"``) or
-        ``"fp8"``."""
-        return cache_for(self.config, max_requests, max_context_tokens, dtype=self.dtype, entry_format=entry_format,
-                         num_blocks=num_blocks, kv_bytes=kv_bytes, page_size=page_size, num_snapshots=num_snapshots,
-                         capture_every=capture_every, window_cache=window_cache)
-
-    def _check_cache(self, manager: KVCacheManager) -> None:
-        c = self.config
-        schemas = getattr(manager, "schemas", None)
-        hc = getattr(manager, "config", None)
-        if schemas is None or hc is None:
-            raise InvalidArgument(f"the cache must be a KVCacheManager from model.make_cache, got "
-                                  f"{type(manager).__name__}")
-        kinds = tuple(s.kind for s in schemas)
-        ok = len(kinds) == c.num_hidden_layers and all(
-            k in ((AttentionKind.FULL, AttentionKind.WINDOW) if c.is_sliding(i) else (AttentionKind.FULL,))
-            for i, k in enumerate(kinds))
-        dims = (hc.num_kv_heads, hc.kv_head_dim)
-        want = (c.num_key_value_heads, c.head_dim)
-        if not ok or dims != want:
-            raise InvalidArgument(f"the cache's schedule {[getattr(k, 'value', k) for k in kinds]} / (num_kv_heads, "
-                                  f"kv_head_dim) {dims} are not this model's ({list(c.layer_types)} / {want}); build "
-                                  f"it with model.make_cache")
-
     # ------------------------------------------------------------- forward
 
     def _embed(self, tokens):
@@ -363,43 +327,6 @@ class GptOssForCausalLM(nnx.Module):
         if self.config.tie_word_embeddings:
             return jnp.einsum("...d,vd->...v", x, self.embed_tokens["weight"][...].astype(x.dtype)).astype(_F32)
         return self.lm_head(x).astype(_F32)
-
-    def __call__(self, tokens: Int[Array, "B W"], manager: KVCacheManager, slots: Int[Array, " B"],
-                 starts: Int[Array, " B"], num_new: Int[Array, " B"]) -> tuple[Float[Array, "B W V"], KVCacheManager]:
-        """One step through the cache: row ``b`` (request slot ``slots[b]``,
-        -1 = idle) brings ``tokens[b, :num_new[b]]`` at positions
-        ``starts[b] + t``, which ``manager.reserve`` must have reserved.
-        Returns ``(logits [B, W, vocab] float32, manager)``."""
-        tokens = jnp.asarray(tokens, jnp.int32)
-        b, w = tokens.shape
-        lane = jnp.arange(w, dtype=jnp.int32)[None, :]
-        positions = jnp.where(lane < jnp.asarray(num_new)[:, None], jnp.asarray(starts)[:, None] + lane, -1)
-        request_ids = jnp.repeat(jnp.arange(b, dtype=jnp.int32), w)
-        x, manager = self._through_cache(self._embed(tokens), manager, slots, positions, request_ids)
-        return self._logits(x), manager
-
-    def forward_packed(self, batch: PackedBatch, manager: KVCacheManager) -> tuple[Float[Array, "S V"], KVCacheManager]:
-        """One packed step (:class:`~jaxkv.nn.packed.PackedBatch`) through the
-        cache, lane ``s`` as request slot ``seq_ids[s]``, which
-        ``manager.reserve(batch.seq_ids, batch.q_lens, ...)`` must have
-        reserved. Returns ``(logits [S, vocab] float32, manager)``: each
-        lane's last token's (finite garbage for a lane with none)."""
-        x, manager = self._through_cache(self._embed(batch.token_ids)[None], manager, batch.seq_ids,
-                                         batch.positions[None], batch.token_lanes)
-        return self._logits(x[0, batch.last_tokens]), manager
-
-    def _through_cache(self, x, manager: KVCacheManager, slots, positions, request_ids):
-        """Every layer from the embeddings ``x [B, W, hidden]`` at
-        ``positions [B, W]`` (-1: padding; flat token ``t`` belongs to
-        request row ``request_ids[t]`` of ``slots``). Returns ``(x before
-        the final norm, manager)``."""
-        self._check_cache(manager)
-        for i, layer in enumerate(self.layers):
-            handle = manager.acquire(i, slots, positions.reshape(-1), request_ids, implementation=self.implementation)
-            mixed, handle = layer.self_attn.through_cache(layer.input_layernorm(x), positions, handle)
-            manager = manager.update(handle)
-            x = layer.finish(x, mixed)
-        return x, manager
 
     def forward_dense(self, tokens: Int[Array, "*B T"]) -> Float[Array, "*B T V"]:
         """No cache: each row of ``tokens`` (``[T]`` or ``[B, T]``) one
@@ -466,19 +393,6 @@ class GptOssForCausalLM(nnx.Module):
                         named_state(self, lambda p: p if p.startswith("lm_head.") else "model." + p))
 
 
-def cache_for(config: GptOssConfig, max_requests: int, max_context_tokens: int, *, dtype=_F32,
-              entry_format: str = "lossless", num_blocks=None, kv_bytes: int | None = None, page_size: int = 16,
-              num_snapshots: int = 0, capture_every: int = 0, window_cache: str = "ring") -> KVCacheManager:
-    """The cache of :meth:`GptOssForCausalLM.make_cache` from the config
-    alone (no weights: sizing a real model costs nothing)."""
-    if entry_format not in ("lossless", "fp8"):
-        raise InvalidArgument(f"entry_format {entry_format!r} is not one of ('lossless', 'fp8')")
-    if window_cache not in ("ring", "paged"):
-        raise InvalidArgument(f"window_cache {window_cache!r} is not one of ('ring', 'paged')")
-    c = config
-    return interleaved_cache([c.is_sliding(i) for i in range(c.num_hidden_layers)], max_requests,
-                             max_context_tokens, num_kv_heads=c.num_key_value_heads, head_dim=c.head_dim,
-                             num_query_heads=c.num_attention_heads, window=c.sliding_window, dtype=dtype,
-                             entry_format=entry_format, num_blocks=num_blocks, kv_bytes=kv_bytes,
-                             page_size=page_size, num_snapshots=num_snapshots, capture_every=capture_every,
-                             window_cache=window_cache)
+#: The cache of :meth:`make_cache <jaxkv.nn.window_cache.InterleavedWindowModel.make_cache>` from the config
+#: alone (no weights: sizing a real model costs nothing).
+cache_for = config_cache

@@ -40,7 +40,7 @@ from jaxkv.errors import InvalidArgument
 from jaxkv.manager.hybrid import KVCacheManager
 from jaxkv.manager.hybrid_schema import AttentionKind, HybridConfig, LayerSpec
 
-__all__ = ["WINDOW_CACHES", "attend_through_cache", "interleaved_cache"]
+__all__ = ["WINDOW_CACHES", "InterleavedWindowModel", "attend_through_cache", "config_cache", "interleaved_cache"]
 
 WINDOW_CACHES = ("ring", "paged")
 
@@ -95,3 +95,105 @@ def attend_through_cache(handle, q, k, v, *, sm_scale: float, sliding_window: in
     out = handle.attend(q, sm_scale=sm_scale, sliding_window=sliding_window, logit_soft_cap=logit_soft_cap,
                         sinks=sinks)
     return out, handle
+
+
+def config_cache(config, max_requests: int, max_context_tokens: int, *, dtype=jnp.float32,
+                 entry_format: str = "lossless", num_blocks: dict[str, int] | None = None,
+                 kv_bytes: int | None = None, page_size: int = 16, num_snapshots: int = 0, capture_every: int = 0,
+                 window_cache: str = "ring") -> KVCacheManager:
+    """:func:`interleaved_cache` of a model config with ``num_hidden_layers``,
+    ``is_sliding(i)``, ``sliding_window``, ``num_key_value_heads``,
+    ``head_dim`` and ``num_attention_heads`` (gpt-oss, Gemma 3): the cache
+    from the config alone, so sizing a real model builds no weights."""
+    c = config
+    sliding = [c.is_sliding(i) for i in range(c.num_hidden_layers)]
+    window = c.sliding_window if c.sliding_window is not None else max_context_tokens
+    return interleaved_cache(sliding, max_requests, max_context_tokens, num_kv_heads=c.num_key_value_heads,
+                             head_dim=c.head_dim, num_query_heads=c.num_attention_heads, window=window, dtype=dtype,
+                             entry_format=entry_format, num_blocks=num_blocks, kv_bytes=kv_bytes, page_size=page_size,
+                             num_snapshots=num_snapshots, capture_every=capture_every, window_cache=window_cache)
+
+
+class InterleavedWindowModel:
+    """The cache side shared by the interleaved window models
+    (:class:`~jaxkv.nn.GptOssForCausalLM`, :class:`~jaxkv.nn.Gemma3ForCausalLM`):
+    ``make_cache``, the cache check, the cached step ``model(tokens, manager,
+    slots, starts, num_new)`` and the packed step. A model provides
+    ``config`` (as :func:`config_cache` reads it), ``dtype``,
+    ``implementation``, ``layers`` (each with ``input_layernorm``,
+    ``self_attn.through_cache(h, positions, handle) -> (y, handle)`` and
+    ``finish(x, y)``), ``_embed(tokens)`` and ``_logits(x)``."""
+
+    #: The cache contract (:func:`jaxkv.nn.packed.cache_kind`): a hybrid ``KVCacheManager`` (``make_cache``).
+    cache_kind = "hybrid"
+
+    def make_cache(self, max_requests: int, max_context_tokens: int, *, entry_format: str = "lossless",
+                   num_blocks: dict[str, int] | None = None, kv_bytes: int | None = None, page_size: int = 16,
+                   num_snapshots: int = 0, capture_every: int = 0, window_cache: str = "ring") -> KVCacheManager:
+        """A :class:`~jaxkv.KVCacheManager` for this model: full layers'
+        K/V in pages of ``page_size`` (``entry_format`` ``"lossless"``: the
+        compute dtype; ``"fp8"``: float8_e4m3fn with per-token scales); the
+        sliding layers' K/V in per-request rings of ``sliding_window``
+        tokens (``window_cache="ring"``) or paged (``"paged"``);
+        ``num_snapshots`` and ``capture_every`` as in ``KVCacheManager.create``."""
+        return config_cache(self.config, max_requests, max_context_tokens, dtype=self.dtype,
+                            entry_format=entry_format, num_blocks=num_blocks, kv_bytes=kv_bytes, page_size=page_size,
+                            num_snapshots=num_snapshots, capture_every=capture_every, window_cache=window_cache)
+
+    def _check_cache(self, manager) -> None:
+        """``InvalidArgument`` unless ``manager`` is a cache of this model's
+        schedule, heads and window (``model.make_cache`` builds one)."""
+        c = self.config
+        if not isinstance(manager, KVCacheManager):
+            raise InvalidArgument(f"the cache must be a KVCacheManager from model.make_cache, got "
+                                  f"{type(manager).__name__}")
+        kinds = tuple(s.kind for s in manager.schemas)
+        hc = manager.config
+        dims, want = (hc.num_kv_heads, hc.kv_head_dim), (c.num_key_value_heads, c.head_dim)
+        ok = len(kinds) == c.num_hidden_layers and dims == want and all(
+            kind == AttentionKind.FULL or (c.is_sliding(i) and kind == AttentionKind.WINDOW)
+            for i, kind in enumerate(kinds))
+        if not ok:
+            raise InvalidArgument(f"the cache's schedule {[k.value for k in kinds]} / (num_kv_heads, kv_head_dim) "
+                                  f"{dims} are not this model's ({c.num_hidden_layers} layers {list(c.layer_types)} / "
+                                  f"{want}); build it with model.make_cache")
+        if AttentionKind.WINDOW in kinds and hc.window != c.sliding_window:
+            raise InvalidArgument(f"the cache's window rings hold {hc.window} tokens but this model's sliding_window "
+                                  f"is {c.sliding_window}; build it with model.make_cache")
+
+    def __call__(self, tokens, manager, slots, starts, num_new):
+        """One step through the cache: row ``b`` (request slot ``slots[b]``,
+        -1 = idle) brings ``tokens[b, :num_new[b]]`` at positions
+        ``starts[b] + t``, which ``manager.reserve`` must have reserved.
+        Returns ``(logits [B, W, vocab] float32, manager)``."""
+        tokens = jnp.asarray(tokens, jnp.int32)
+        b, w = tokens.shape
+        lane = jnp.arange(w, dtype=jnp.int32)[None, :]
+        positions = jnp.where(lane < jnp.asarray(num_new)[:, None], jnp.asarray(starts)[:, None] + lane, -1)
+        request_ids = jnp.repeat(jnp.arange(b, dtype=jnp.int32), w)
+        x, manager = self._through_cache(self._embed(tokens), manager, slots, positions, request_ids)
+        return self._logits(x), manager
+
+    def forward_packed(self, batch, manager):
+        """One packed step (:class:`~jaxkv.nn.packed.PackedBatch`) through the
+        cache, lane ``s`` as request slot ``seq_ids[s]`` at its positions,
+        which ``manager.reserve(batch.seq_ids, batch.q_lens, ...)`` must have
+        reserved; every layer runs over the flat stream of ``T`` tokens.
+        Returns ``(logits [S, vocab] float32, manager)``: each lane's last
+        token's (finite garbage for a lane with none)."""
+        x, manager = self._through_cache(self._embed(batch.token_ids)[None], manager, batch.seq_ids,
+                                         batch.positions[None], batch.token_lanes)
+        return self._logits(x[0, batch.last_tokens]), manager
+
+    def _through_cache(self, x, manager, slots, positions, request_ids):
+        """Every layer from the embeddings ``x [B, W, hidden]`` at
+        ``positions [B, W]`` (-1: padding; flat token ``t`` belongs to
+        request row ``request_ids[t]`` of ``slots``). Returns ``(x before
+        the final norm, manager)``."""
+        self._check_cache(manager)
+        for i, layer in enumerate(self.layers):
+            handle = manager.acquire(i, slots, positions.reshape(-1), request_ids, implementation=self.implementation)
+            mixed, handle = layer.self_attn.through_cache(layer.input_layernorm(x), positions, handle)
+            manager = manager.update(handle)
+            x = layer.finish(x, mixed)
+        return x, manager
