@@ -26,7 +26,10 @@ loop (admit, decode, release) can run inside one ``lax.scan``:
   layer, and resets the slots' state;
 * :meth:`KVCacheManager.attach_prefix` starts an admitted slot from a cached
   prefix of any length: full blocks shared by reference, a partly filled
-  last block copied into a fresh one (:meth:`KVCacheManager.copy_blocks`).
+  last block copied into a fresh one (:meth:`KVCacheManager.copy_blocks`);
+* :meth:`KVCacheManager.fork` starts a slot as a copy of another (parallel
+  sampling, beam search) the same way, its state rows copied;
+  :meth:`KVCacheManager.clear` empties a slot and keeps it.
 
 Slot ids ``1 .. max_reqs`` index every per-request array (slot 0 is padding,
 as in :class:`~jaxkv.ReqToTokenPool` and :class:`~jaxkv.GDNPool`).
@@ -36,7 +39,8 @@ entries past ``lens[s]`` are -1; a free slot holds no block, ``seq_lens`` 0,
 compressor rings at their initial value and zeroed SWA rings and GDN state;
 allocated + free blocks = total in every group; a failed operation changes
 nothing; ``write_epochs[store]`` counts the write-backs of each store
-(one per DeepSeek-V4 layer, then the full pool, the MLA pool, the GDN pool).
+(one per DeepSeek-V4 or window layer, then the full pool, the MLA pool, the
+GDN pool).
 
 The pieces live beside this module: :mod:`jaxkv.manager.block_group`
 (allocator + table of a group), :mod:`jaxkv.manager.layer_handle` (the
@@ -100,16 +104,17 @@ class KVCacheManager:
       seq_lens: int32 ``[num_slots]`` tokens reserved per slot.
       groups: ``{group name: BlockGroup}`` (``"csa4"``, ``"hca128"``,
         ``"full"``, ``"mla"``), in schedule order of first use.
-      layers: per layer, its :class:`CompressedLayerCache` (SWA/CSA/HCA) or
-        None (full/MLA/linear), ``len(schemas)`` entries.
+      layers: per layer, its :class:`CompressedLayerCache` (SWA/CSA/HCA),
+        :class:`WindowLayerCache` (window) or None (full/MLA/linear),
+        ``len(schemas)`` entries.
       full_pool, mla_pool: one :class:`~jaxkv.KVPool` for all full-attention
         (resp. MLA) layers, layer index = the layer's rank among them.
       gdn: one :class:`~jaxkv.GDNPool` for all linear layers.
       write_epochs: int32 ``[len(schemas) + 3]``, write-backs per store (each
-        DeepSeek-V4 layer, then the full, MLA and GDN pools): ``update``
+        DeepSeek-V4 or window layer, then the full, MLA and GDN pools): ``update``
         refuses a handle acquired before the last write-back of its store.
       schemas, config: static.
-      num_snapshots: static; per-request state (SWA and compressor rings,
+      num_snapshots: static; per-request state (SWA, window and compressor rings,
         GDN states) has this many extra rows after the slots: snapshot ``i``
         is state row ``num_slots + i`` (a GDN track slot). See
         :meth:`copy_state`.
