@@ -302,7 +302,9 @@ def gptoss():
     return Subject("gpt_oss/small", model, _reference(model, QWEN_LENGTHS, QWEN_NEW))
 
 
-@pytest.mark.parametrize("options", [QWEN, QWEN_HOST], ids=["device", "host tiers"])
+# The host tiers (rings to host and back) in the long pass: CI time.
+@pytest.mark.parametrize("options", [QWEN, pytest.param(QWEN_HOST, marks=pytest.mark.long)],
+                         ids=["device", "host tiers"])
 @settings(max_examples=200 if LONG else 2)
 @given(scenario=qwen_scenarios())
 @example(scenario=_qwen_pressure())

@@ -157,6 +157,7 @@ def test_generate_through_the_ring_cache_equals_transformers():
     assert out.tokens == expected["greedy"]
 
 
+@pytest.mark.long  # CI time: gpt-oss's bf16 test runs by default
 def test_bfloat16_stays_near_float32():
     """The bf16 model (params and compute) follows the float32 one."""
     tokens = jnp.asarray(np.random.default_rng().integers(0, 256, 24), jnp.int32)
