@@ -306,7 +306,10 @@ def test_bfloat16_model_tracks_float32():
     forward agree with each other to bf16 rounding and stay near float32.
     Measured (CPU, 2026-11): dense bf16 vs transformers' float32 last
     logits at most 5.4% of the largest logit over the six prompts (this
-    random model's gains amplify rounding); cached vs dense bf16 0.8%."""
+    random model's gains amplify rounding); cached vs dense bf16 0.8%. On
+    a GPU (H100, 2026-11-26) the full layers' Pallas kernel multiplies bf16
+    probabilities into V where the dense forward stays in float32: cached
+    vs dense 6.2%, hence the wider bound there."""
     expected = _expected("small")
     model = _model("small", jnp.bfloat16)
     assert model.embed_tokens["weight"].dtype == jnp.bfloat16
@@ -317,7 +320,7 @@ def test_bfloat16_model_tracks_float32():
     scale = np.abs(want).max()
     assert np.abs(got - want).max() < 0.1 * scale
     cached = _teacher_forced(model, [prompt, prompt[:20]], "ring")[0][-1]
-    assert np.abs(cached - got).max() < 0.03 * scale
+    assert np.abs(cached - got).max() < (0.03 if jax.default_backend() == "cpu" else 0.1) * scale
 
 
 @needs_small
