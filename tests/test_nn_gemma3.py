@@ -148,6 +148,23 @@ def test_prompt_logits_and_greedy_equal_transformers(name):
         assert seq[len(prompt):] == greedy
 
 
+@pytest.mark.long  # CI time
+def test_fp8_pages_and_exact_rings_keep_transformers_tokens():
+    """``entry_format="fp8"``: the global layers' pages in float8_e4m3fn with
+    per-token scales, the window rings in the compute dtype, prompts
+    prefilled in 8-token pieces (later pieces read the stored fp8 pages).
+    Every fixture prompt keeps transformers' greedy tokens (its margins are
+    0.056 .. 0.57; the fp8 rounding moved no argmax here: on the gpt-oss
+    fixture, whose logits are twice as large, it does, so no such test)."""
+    expected = _expected("small")
+    model = _model("small")
+    out = generate(model, expected["prompts"], expected["max_new_tokens"], entry_format="fp8",
+                   prefill_chunk_size=8)
+    assert out.tokens == expected["greedy"]
+    manager = out.state.manager
+    assert manager.full_pool.k_pages.dtype == jnp.float8_e4m3fn and manager.layers[0].k.dtype == jnp.float32
+
+
 def test_generate_through_the_ring_cache_equals_transformers():
     """Every prompt of the fixture in ONE mixed-length batch through
     :func:`jaxkv.nn.generate` (prefill, then the jitted decode loop over
