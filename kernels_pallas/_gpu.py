@@ -22,7 +22,7 @@ import jax
 
 from kernels_pallas._util import ceil_div
 
-__all__ = ["A100", "H100", "GpuSpec", "building_ahead", "building_for", "occupancy", "target"]
+__all__ = ["A100", "H100", "GpuSpec", "building_ahead", "building_for", "cuda_plugin_available", "occupancy", "target"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,6 +57,15 @@ UNLIMITED = GpuSpec("interpreter", (9, 0), sm_count=132, smem_per_block=2**40, s
 
 _KNOWN = {H100.compute_capability: H100, A100.compute_capability: A100}
 _override: contextvars.ContextVar[GpuSpec | None] = contextvars.ContextVar("jaxkv_gpu_target", default=None)
+
+
+def cuda_plugin_available() -> bool:
+    """Whether a CUDA PJRT plugin is importable: ``jax[cuda12]``, or the CUDA
+    13 plugin a GPU machine's image may carry instead (no import, so no
+    side effect on JAX's backends)."""
+    import importlib.util
+
+    return any(importlib.util.find_spec(name) is not None for name in ("jax_cuda12_plugin", "jax_cuda13_plugin"))
 
 
 @contextlib.contextmanager

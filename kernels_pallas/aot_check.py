@@ -65,11 +65,8 @@ _DSV4_PAGES, _ENTRIES_PER_PAGE = 8192, 32
 
 
 def cuda_available() -> bool:
-    """Whether a CUDA PJRT plugin (``jax[cuda12]``, or the CUDA 13 plugin a
-    GPU machine's image may carry instead) is importable."""
-    import importlib.util
-
-    return any(importlib.util.find_spec(name) is not None for name in ("jax_cuda12_plugin", "jax_cuda13_plugin"))
+    """Whether a CUDA PJRT plugin is importable (:func:`kernels_pallas._gpu.cuda_plugin_available`)."""
+    return _gpu.cuda_plugin_available()
 
 
 def _target_config(spec: _gpu.GpuSpec) -> str:

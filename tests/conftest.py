@@ -21,9 +21,9 @@ settings.load_profile(os.environ.get("JAXKV_HYPOTHESIS", "ci"))
 
 
 def _cuda_plugin() -> bool:
-    from kernels_pallas.aot_check import cuda_available
+    from kernels_pallas._gpu import cuda_plugin_available
 
-    return cuda_available()
+    return cuda_plugin_available()
 
 
 def pytest_collection_modifyitems(config, items):

@@ -54,6 +54,7 @@ from jaxkv.nn.attention import check_implementation
 from jaxkv.nn.gemma3_config import Gemma3Config
 from jaxkv.nn.layers import (
     Linear,
+    ZeroCenteredRMSNorm,
     load_state,
     named_state,
     param,
@@ -70,19 +71,6 @@ _F32 = jnp.float32
 
 def _soft_cap(x, cap: float | None):
     return x if cap is None else cap * jnp.tanh(x / cap)
-
-
-class GemmaRMSNorm(nnx.Module):
-    """``x / rms(x) * (1 + weight)`` in float32, cast back (weight initialized to 0)."""
-
-    def __init__(self, dim: int, eps: float, *, param_dtype=_F32):
-        self.weight = param((dim,), None, param_dtype, fill=0.0)
-        self.eps = eps
-
-    def __call__(self, x):
-        xf = x.astype(_F32)
-        xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
-        return (xf * (1.0 + self.weight[...].astype(_F32))).astype(x.dtype)
 
 
 class GemmaMLP(nnx.Module):
@@ -116,8 +104,8 @@ class Gemma3Attention(nnx.Module):
         self.k_proj = lin(c.hidden_size, c.num_key_value_heads * c.head_dim)
         self.v_proj = lin(c.hidden_size, c.num_key_value_heads * c.head_dim)
         self.o_proj = lin(c.num_attention_heads * c.head_dim, c.hidden_size)
-        self.q_norm = GemmaRMSNorm(c.head_dim, c.rms_norm_eps, param_dtype=param_dtype)
-        self.k_norm = GemmaRMSNorm(c.head_dim, c.rms_norm_eps, param_dtype=param_dtype)
+        self.q_norm = ZeroCenteredRMSNorm(c.head_dim, c.rms_norm_eps, param_dtype=param_dtype)
+        self.k_norm = ZeroCenteredRMSNorm(c.head_dim, c.rms_norm_eps, param_dtype=param_dtype)
 
     def project(self, x, positions):
         """``(q [B,W,H,D], k, v [B,W,KVH,D])`` for ``x [B, W, hidden]`` at ``positions [B, W]`` (>= 0)."""
@@ -171,7 +159,7 @@ class Gemma3DecoderLayer(nnx.Module):
         self.sliding = c.is_sliding(layer)
         self.self_attn = Gemma3Attention(c, layer, rngs=rngs, param_dtype=param_dtype, precision=precision)
         self.mlp = GemmaMLP(c, rngs=rngs, param_dtype=param_dtype, precision=precision)
-        norm = functools.partial(GemmaRMSNorm, c.hidden_size, c.rms_norm_eps, param_dtype=param_dtype)
+        norm = functools.partial(ZeroCenteredRMSNorm, c.hidden_size, c.rms_norm_eps, param_dtype=param_dtype)
         self.input_layernorm = norm()
         self.post_attention_layernorm = norm()
         self.pre_feedforward_layernorm = norm()
@@ -200,7 +188,7 @@ class Gemma3ForCausalLM(InterleavedWindowModel, nnx.Module):
         self.embed_tokens = nnx.Dict(weight=param((c.vocab_size, c.hidden_size), rngs, param_dtype, std=1.0))
         self.layers = nnx.List([Gemma3DecoderLayer(c, i, rngs=rngs, param_dtype=param_dtype, precision=precision)
                                 for i in range(c.num_hidden_layers)])
-        self.norm = GemmaRMSNorm(c.hidden_size, c.rms_norm_eps, param_dtype=param_dtype)
+        self.norm = ZeroCenteredRMSNorm(c.hidden_size, c.rms_norm_eps, param_dtype=param_dtype)
         if not c.tie_word_embeddings:
             self.lm_head = Linear(c.hidden_size, c.vocab_size, rngs=rngs, param_dtype=param_dtype, precision=precision)
 

@@ -5,7 +5,7 @@ Every weight is stored exactly as the checkpoint stores it (``Linear.weight``
 D, I]``), so loading a checkpoint is a name-for-name copy
 (:func:`load_state`). Norms and routing run in float32.
 
-* :class:`Linear`, :class:`RMSNorm`, :func:`unit_rms`;
+* :class:`Linear`, :class:`RMSNorm`, :class:`ZeroCenteredRMSNorm`, :func:`unit_rms`;
 * :class:`SwiGLU` (``down(silu(gate(x)) * up(x))``, optionally with
   DeepSeek-V4's clamped pre-activations) and :class:`Experts` (the routed
   experts as grouped matmuls, ``lax.ragged_dot``);
@@ -31,7 +31,7 @@ from flax import nnx, traverse_util
 
 from jaxkv.errors import InvalidArgument
 
-__all__ = ["Experts", "Linear", "RMSNorm", "SwiGLU", "fuse_experts", "load_state", "named_state", "param",
+__all__ = ["Experts", "Linear", "RMSNorm", "SwiGLU", "ZeroCenteredRMSNorm", "fuse_experts", "load_state", "named_state", "param",
            "read_checkpoint", "save_checkpoint", "unit_rms"]
 
 _F32 = jnp.float32
@@ -72,6 +72,18 @@ class RMSNorm(nnx.Module):
 
     def __call__(self, x):
         return (self.weight[...].astype(_F32) * unit_rms(x.astype(_F32), self.eps)).astype(x.dtype)
+
+
+class ZeroCenteredRMSNorm(nnx.Module):
+    """``x / rms(x) * (1 + weight)`` in float32, cast back to ``x.dtype``
+    (weight initialized to 0): Qwen3-Next's and Gemma's norms."""
+
+    def __init__(self, dim: int, eps: float, *, param_dtype=_F32):
+        self.weight = param((dim,), None, param_dtype, fill=0.0)
+        self.eps = eps
+
+    def __call__(self, x):
+        return (unit_rms(x.astype(_F32), self.eps) * (1.0 + self.weight[...].astype(_F32))).astype(x.dtype)
 
 
 def _swiglu(gate, up, limit):

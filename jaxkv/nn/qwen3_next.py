@@ -61,8 +61,8 @@ from jaxkv.errors import InvalidArgument
 from jaxkv.manager.hybrid import KVCacheManager
 from jaxkv.manager.hybrid_schema import AttentionKind, HybridConfig, LayerSpec
 from jaxkv.nn.attention import check_implementation
-from jaxkv.nn.layers import (Experts, Linear, SwiGLU, fuse_experts, load_state, named_state, param,
-                             read_checkpoint, save_checkpoint)
+from jaxkv.nn.layers import (Experts, Linear, SwiGLU, ZeroCenteredRMSNorm, fuse_experts, load_state, named_state,
+                             param, read_checkpoint, save_checkpoint)
 from jaxkv.nn.packed import PackedBatch
 from jaxkv.nn.qwen3_next_config import Qwen3NextConfig
 from jaxkv.nn.rope import apply_rope, rope_inv_freq
@@ -71,19 +71,6 @@ __all__ = ["Qwen3NextForCausalLM", "cache_for", "chunk_gated_delta_rule", "recur
 
 _F32 = jnp.float32
 CHUNK = 64  # transformers' chunk of the chunked form
-
-
-class ZeroCenteredRMSNorm(nnx.Module):
-    """``x / rms(x) * (1 + weight)`` in float32 (weight initialized to 0)."""
-
-    def __init__(self, dim: int, eps: float, *, param_dtype=_F32):
-        self.weight = param((dim,), None, param_dtype, fill=0.0)
-        self.eps = eps
-
-    def __call__(self, x):
-        xf = x.astype(_F32)
-        xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
-        return (xf * (1.0 + self.weight[...].astype(_F32))).astype(x.dtype)
 
 
 class GatedRMSNorm(nnx.Module):
