@@ -150,7 +150,8 @@ PREFIX_CASES = {  # fixture -> (shared prompt length, new tokens, blocks per gro
     "gpt_oss/small": (70, 12, None),  # window 8: every hit restores rings that crossed the window many times
     "gemma3/small": (70, 12, None),
 }
-LONG_PREFIX_CASES = ("qwen3_next", "gemma3")
+# CI time: by default the gpt-oss fuzz (test_fuzz_engine_hybrid) checks its hits against cold runs.
+LONG_PREFIX_CASES = ("qwen3_next", "gemma3", "gpt_oss")
 
 
 # Qwen3-Next's hits on the engine are also checked by the preemption test above

@@ -63,6 +63,7 @@ def test_each_sample_replays_an_unshared_no_cache_run(family):
     assert int(manager.blocks_in_use) == 0 and int(manager.slots.num_free) == manager.max_requests
 
 
+@pytest.mark.long  # CI time: the sampled forks above run by default
 def test_beam_search_matches_brute_force(family):
     model, dense = family
     prompt = np.random.default_rng().integers(1, model.config.vocab_size, 13).tolist()
