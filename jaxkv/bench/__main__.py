@@ -21,6 +21,7 @@ BENCHMARKS = {
     "hybrid": "jaxkv.bench.hybrid",
     "serve": "jaxkv.bench.serve",
     "scaling": "jaxkv.bench.scaling",
+    "deployment": "jaxkv.bench.deployment",
 }
 
 
