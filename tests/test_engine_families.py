@@ -46,8 +46,11 @@ def _fixture(name):
         return AutoModelForCausalLM.from_pretrained(path), json.load(f)
 
 
-# Gemma 3 runs the same window-ring code as gpt-oss here: the long pass (CI time).
-@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.long) if n.startswith("gemma3") else n
+# Gemma 3 runs the same window-ring code as gpt-oss here, Qwen3-Next's engine
+# is fuzzed against generate by default (test_fuzz_engine_hybrid): both in the
+# long pass (CI time).
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.long) if n.startswith(("gemma3", "qwen3_next"))
+                                  else n
                                   for n in sorted(CASES)])
 def test_engine_tokens_equal_transformers_under_preemption(name):
     model, expected = _fixture(name)
@@ -82,6 +85,7 @@ def test_engine_tokens_equal_transformers_under_preemption(name):
     assert int(engine.manager.slots.num_free) == engine.manager.max_requests
 
 
+@pytest.mark.long  # CI time: swapped rows decode as if never swapped by default (test_hybrid_host)
 def test_hybrid_engine_preempts_by_swap_and_gives_transformers_tokens():
     """With host memory for request images, the hybrid engine preempts by
     swap (every group's blocks and the GDN states to host and back) and the
@@ -120,6 +124,7 @@ def test_hybrid_engine_refuses_what_it_cannot_do():
     engine.add_request([1] * 60, 4)  # exactly fits
 
 
+@pytest.mark.long  # CI time: test_engine_admission admits such a request by default
 def test_windowed_requests_longer_than_the_pool_run_in_window_memory():
     """Mistral with a 6-token window on every layer, pages of 4, 5 blocks:
     each request holds 36 tokens (9 blocks) by its end, which only fits

@@ -27,7 +27,11 @@ def test_every_example_is_listed():
     assert sorted(p.name for p in EXAMPLES.glob("*.py")) == sorted(EXPECTED)
 
 
-@pytest.mark.parametrize("name", sorted(EXPECTED))
+LONG = ("swap_under_pressure.py",)  # CI time: the engine's swap and recompute are tested by default elsewhere
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.long) if n in LONG else n
+                                  for n in sorted(EXPECTED)])
 def test_example_runs(name):
     done = subprocess.run([sys.executable, str(EXAMPLES / name)], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]

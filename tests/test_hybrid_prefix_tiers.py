@@ -64,6 +64,7 @@ def test_a_prefix_dropped_to_host_comes_back_exact(name):
     check_hybrid_no_leak(engine)
 
 
+@pytest.mark.long  # CI time: the other host-tier hits run by default
 def test_three_host_hits_in_one_admission_with_one_snapshot_row():
     """One snapshot row, three conversations continued together: their
     turn ends wait on host; each continuation's is loaded at admission into

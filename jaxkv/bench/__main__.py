@@ -32,6 +32,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="fewer steps and repeats (smoke test)")
     parser.add_argument("--http", action="store_true", help="serve: the workload through python -m jaxkv.serve "
                         "(streaming clients over loopback) against the in-process engine")
+    parser.add_argument("--mesh", action="store_true", help="scaling: every family's decode step on 1, 2, 4, 8 "
+                        "CPU devices and across two jax.distributed processes (jaxkv.bench.mesh)")
     parser.add_argument("--plot", help="where a benchmark that draws saves its PNG (memory: bench_memory.png)")
     args = parser.parse_args(argv)
     return importlib.import_module(BENCHMARKS[args.name]).main(args)

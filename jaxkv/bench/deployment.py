@@ -27,8 +27,8 @@ Per row:
   (the rest is replicated on every device).
 * ``notes``: why KV stays whole on every device (KV heads the ``tp`` axis
   does not divide, e.g. 8 at ``tp=16``; one MLA latent head; DeepSeek-V4's
-  latent entries, replicated by design), that an ``expert`` axis splits the
-  experts alone (not together with ``tp``), and any parameter the rules
+  latent entries, replicated by design), how many ways an ``expert`` axis
+  splits the experts (together with ``tp``), and any parameter the rules
   would split but whose dimension the axis does not divide.
 
 Sizes are each checkpoint's published ``config.json`` on the Hugging Face
@@ -230,7 +230,7 @@ def _notes(dep: Deployment, kv_split: float, undivided: set[int], unsplit_params
         else:
             notes.append("KV whole: latent entries")
     if "expert" in axes:
-        notes.append(f"experts split {axes['expert']}-way only")
+        notes.append(f"experts over expert x tp ({axes['expert'] * axes.get('tp', 1)}-way)")
     if unsplit_params:
         notes.append(f"{', '.join(unsplit_params)} whole")
     return "; ".join(notes)

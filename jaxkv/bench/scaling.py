@@ -1,5 +1,8 @@
 """``python -m jaxkv.bench scaling``: a step costs what it touches, not the pool.
 
+(``python -m jaxkv.bench scaling --mesh`` is the other scaling: every family
+on 1..8 devices and across two processes, :mod:`jaxkv.bench.mesh`.)
+
 Each subject runs the same batch and context at pool sizes P, 4P and 16P
 (blocks or pages; P is what the batch needs) and reports microseconds per
 step and the ratios 4P/P and 16P/P (target: 16P/P <= 1.2). A step's work
@@ -214,6 +217,10 @@ def measure(steps: int = 16, repeats: int = 5, subjects: tuple[str, ...] | None 
 
 
 def main(args) -> int:
+    if getattr(args, "mesh", False):  # every family on 1..8 devices and two processes: jaxkv.bench.mesh
+        from jaxkv.bench import mesh
+
+        return mesh.main(args)
     print(machine_description())
     if args.quick:  # CI's smoke run: each subject compiles once per pool size
         scales, subjects = (1, 16), ("decode write (bf16)", "CoW")

@@ -75,6 +75,7 @@ from jaxkv.nn.qwen3_next import Qwen3NextForCausalLM
 from jaxkv.nn.qwen3_next_config import Qwen3NextConfig
 from jaxkv.nn.rope import apply_rope, rope_inv_freq
 from jaxkv.nn.sampling import RowSampling, SamplingParams, sample
+from jaxkv.nn.sharding import shard_model
 from jaxkv.nn.steps import DecodeState
 
 __all__ = [
@@ -107,6 +108,7 @@ __all__ = [
     "apply_rope",
     "paged_prefill_attention",
     "rope_inv_freq",
+    "shard_model",
 ]
 
 # Served from jaxkv.serve (a higher layer) on first attribute access (PEP 562).

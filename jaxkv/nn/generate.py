@@ -25,6 +25,7 @@ from flax import nnx
 from jaxkv._ops import ceil_div, pow2_at_least
 from jaxkv.errors import InvalidArgument, KVCacheOOM
 from jaxkv.manager.block_space import BlockSpaceManager
+from jaxkv.nn import sharding
 from jaxkv.nn.packed import cache_kind
 from jaxkv.nn.sampling import GREEDY, SamplingParams, sample
 from jaxkv.nn.steps import (DecodeState, decode_loop, decode_step, hybrid_prefill_chunk, paged_peak_blocks,
@@ -32,7 +33,7 @@ from jaxkv.nn.steps import (DecodeState, decode_loop, decode_step, hybrid_prefil
 from jaxkv.pool.kv_pool import KVPool
 
 __all__ = ["DecodeState", "GenerateOutput", "SamplingParams", "decode_loop", "decode_step", "generate", "prefill",
-           "sample", "start_hybrid"]
+           "sample", "start_hybrid", "start_paged"]
 
 
 @partial(jax.jit, static_argnames=("graphdef", "max_new"), donate_argnums=(2, 3))
@@ -87,19 +88,23 @@ def generate(model, input_ids, max_new_tokens: int, *, eos_token_id: int | None 
     The attention kernel is the model's choice (``LlamaForCausalLM(...,
     implementation=...)``).
 
-    With ``mesh`` (a ``jax.sharding.Mesh`` with a ``tp`` axis and optionally
-    a ``data`` axis; place the model first with ``jaxkv.nn.sharding.
-    shard_model``) the pool's KV heads are split over ``tp``, the prompts over
-    ``data`` and the block tables replicated; the same jitted steps then run
-    across the mesh.
+    With ``mesh`` (a ``jax.sharding.Mesh`` with ``tp``, ``data`` and / or
+    ``expert`` axes, see :mod:`jaxkv.nn.sharding`; the model is placed with
+    ``shard_model`` unless it is on ``mesh`` already) the cache's heads are
+    split over ``tp`` (a paged pool's KV heads, a hybrid cache's attention
+    heads and GDN states), a paged batch's prompts over ``data``, the
+    bookkeeping replicated; the same jitted steps then run across the mesh,
+    in one process or in every process of a ``jax.distributed`` run (each
+    process calls ``generate`` with the same arguments and gets every
+    sequence's tokens).
 
     A hybrid-cache model (DeepSeek-V4, which has ``make_cache``) decodes
     over its :class:`~jaxkv.KVCacheManager` instead: ``entry_format``
     (``"lossless"`` or ``"fp8"``) and ``num_blocks`` (blocks per group;
     default every request at full length) shape it, ``prefill_chunk_size``
     prefills the prompts that many tokens per request per call (default:
-    whole prompts in one call); ``page_size``, ``num_pages``, ``kv_dtype``
-    and ``mesh`` are for the paged pool and refused here.
+    whole prompts in one call); ``page_size``, ``num_pages`` and
+    ``kv_dtype`` are for the paged pool and refused here.
 
     Raises ``KVCacheOOM`` when the pool is too small for the prompts or for
     their decoding, and ``InvalidArgument`` for empty prompts,
@@ -117,13 +122,37 @@ def generate(model, input_ids, max_new_tokens: int, *, eos_token_id: int | None 
         raise InvalidArgument(f"max_new_tokens={max_new_tokens}: must be >= 1")
     if not isinstance(sampling, SamplingParams):
         raise InvalidArgument(f"sampling must be a SamplingParams, got {sampling!r}")
+    sharding.prepare(model, mesh)
     if cache_kind(model) == "hybrid":
-        if mesh is not None or kv_dtype is not None or num_pages is not None:
-            raise InvalidArgument("mesh, kv_dtype and num_pages are for the paged pool; a hybrid-cache model takes "
+        if kv_dtype is not None or num_pages is not None:
+            raise InvalidArgument("kv_dtype and num_pages are for the paged pool; a hybrid-cache model takes "
                                   "entry_format and num_blocks")
         return _generate_hybrid(model, prompts, max_new_tokens, eos_token_id=eos_token_id, sampling=sampling,
                                 seed=seed, per_step=per_step, entry_format=entry_format,
-                                chunk=prefill_chunk_size, num_blocks=num_blocks)
+                                chunk=prefill_chunk_size, num_blocks=num_blocks, mesh=mesh)
+    graphdef, params, state = start_paged(model, prompts, max_new_tokens, eos_token_id=eos_token_id,
+                                          sampling=sampling, seed=seed, page_size=page_size, num_pages=num_pages,
+                                          kv_dtype=kv_dtype, mesh=mesh)
+    num_pages = state.manager.device.capacity + 1
+    # The most blocks each row holds at once (its prompt's, or with a window
+    # on every layer a decode step's window: the engine's fit rule), for the
+    # message when decoding runs out of blocks.
+    peaks = [paged_peak_blocks(len(p), len(p) + max_new_tokens, page_size, paged_window(model)) for p in prompts]
+    return _decode_to_end(graphdef, params, state, sampling, per_step, lambda s: KVCacheOOM(
+        int(jnp.sum(s.blocked)), int(s.manager.device.num_free), num_pages - 1,
+        detail=f"decode ran out of KV blocks (the rows hold at most {peaks} blocks each, {sum(peaks)} together; "
+               f"the pool has {num_pages - 1})"))
+
+
+def start_paged(model, prompts, max_new_tokens: int, *, eos_token_id: int | None = None,
+                sampling: SamplingParams = GREEDY, seed: int = 0, page_size: int = 16, num_pages: int | None = None,
+                kv_dtype=None, mesh=None):
+    """The prefill half of :func:`generate` for a paged model: a
+    ``BlockSpaceManager`` and pool (row ``b`` = prompt ``b``; placed on
+    ``mesh`` when given), every prompt prefilled in one call, first tokens
+    sampled. Returns ``(graphdef, params, state)`` for :func:`decode_loop` /
+    :func:`decode_step`. Raises ``KVCacheOOM`` when the prompts do not fit."""
+    prompts = [list(map(int, p)) for p in prompts]
     batch = len(prompts)
     width = pow2_at_least(max(len(p) for p in prompts))  # fewer distinct shapes to compile
     padded = np.zeros((batch, width), np.int32)
@@ -136,28 +165,20 @@ def generate(model, input_ids, max_new_tokens: int, *, eos_token_id: int | None 
     manager = BlockSpaceManager.create(num_device_blocks=num_pages, num_host_blocks=1, block_size=page_size,
                                        max_seqs=batch, max_blocks_per_seq=max_blocks)
     pool = model.make_pool(num_pages, page_size, dtype=kv_dtype)
-    graphdef, params = nnx.split(model)
     eos_id = -1 if eos_token_id is None else int(eos_token_id)
     prompts_in, lengths_in, key = jnp.asarray(padded), jnp.asarray(lengths), jax.random.key(seed)
     if mesh is not None:
-        from jaxkv.nn import sharding  # the placement rules live there
-
+        sharding.prepare(model, mesh)
         pool = sharding.shard_pool(pool, mesh)
         manager, lengths_in, key = sharding.replicate((manager, lengths_in, key), mesh)
-        prompts_in = jax.device_put(prompts_in, sharding.batch_spec(batch, mesh))
+        prompts_in = sharding.put(padded, sharding.batch_spec(batch, mesh))
+    graphdef, params = nnx.split(model)
     state = prefill(graphdef, params, manager, pool, prompts_in, lengths_in, key, np.int32(eos_id), sampling,
                     max_new=max_new_tokens)
     if not bool(state.ok):
         need = int(sum(ceil_div(int(n), page_size) for n in lengths))
         raise KVCacheOOM(need, num_pages - 1, num_pages - 1, unit="blocks")
-    # The most blocks each row holds at once (its prompt's, or with a window
-    # on every layer a decode step's window: the engine's fit rule), for the
-    # message when decoding runs out of blocks.
-    peaks = [paged_peak_blocks(int(n), int(n) + max_new_tokens, page_size, paged_window(model)) for n in lengths]
-    return _decode_to_end(graphdef, params, state, sampling, per_step, lambda s: KVCacheOOM(
-        int(jnp.sum(s.blocked)), int(s.manager.device.num_free), num_pages - 1,
-        detail=f"decode ran out of KV blocks (the rows hold at most {peaks} blocks each, {sum(peaks)} together; "
-               f"the pool has {num_pages - 1})"))
+    return graphdef, params, state
 
 
 def _decode_to_end(graphdef, params, state: DecodeState, sampling, per_step: bool, oom) -> GenerateOutput:
@@ -170,17 +191,17 @@ def _decode_to_end(graphdef, params, state: DecodeState, sampling, per_step: boo
         state = decode_loop(graphdef, params, state, sampling)
     if not bool(state.ok):
         raise oom(state)
-    tokens, counts = jax.device_get((state.tokens, state.num_generated))
+    tokens, counts = sharding.fetch((state.tokens, state.num_generated))
     return GenerateOutput([tokens[b, : counts[b]].tolist() for b in range(tokens.shape[0])], state)
 
 
 def _generate_hybrid(model, prompts, max_new_tokens, *, eos_token_id, sampling, seed, per_step, entry_format,
-                     chunk, num_blocks) -> GenerateOutput:
+                     chunk, num_blocks, mesh) -> GenerateOutput:
     """:func:`generate` over a hybrid model's cache: :func:`start_hybrid`,
     then the same decode loop as the paged path."""
     graphdef, params, state = start_hybrid(model, prompts, max_new_tokens, eos_token_id=eos_token_id,
                                            sampling=sampling, seed=seed, entry_format=entry_format,
-                                           prefill_chunk_size=chunk, num_blocks=num_blocks)
+                                           prefill_chunk_size=chunk, num_blocks=num_blocks, mesh=mesh)
     return _decode_to_end(graphdef, params, state, sampling, per_step, lambda s: _hybrid_oom(
         s.manager, np.asarray(s.manager.seq_lens)[1:] + np.asarray(s.blocked), "decode"))
 
@@ -188,7 +209,7 @@ def _generate_hybrid(model, prompts, max_new_tokens, *, eos_token_id, sampling, 
 def start_hybrid(model, prompts, max_new_tokens: int, *, eos_token_id: int | None = None,
                  sampling: SamplingParams = GREEDY, seed: int = 0, entry_format: str = "lossless",
                  prefill_chunk_size: int | None = None, num_blocks: dict[str, int] | None = None,
-                 cache_options: dict | None = None):
+                 cache_options: dict | None = None, mesh=None):
     """The prefill half of :func:`generate` for a hybrid-cache model: a cache
     from ``model.make_cache`` (``entry_format``, ``num_blocks``, and the
     model's own ``cache_options``, e.g. ``window_cache``), every prompt
@@ -206,6 +227,9 @@ def start_hybrid(model, prompts, max_new_tokens: int, *, eos_token_id: int | Non
     width = pow2_at_least(int(lengths.max())) if chunk is None else int(chunk)
     manager = model.make_cache(batch, context, entry_format=entry_format, num_blocks=num_blocks,
                                **(cache_options or {}))
+    if mesh is not None:  # heads over tp, the rest replicated (jaxkv.nn.sharding.cache_sharding)
+        sharding.prepare(model, mesh)
+        manager = sharding.shard_cache(manager, mesh)
     manager, slots, ok = _admit(manager, batch)
     if not bool(ok) or np.asarray(slots).tolist() != list(range(1, batch + 1)):
         raise KVCacheOOM(batch, manager.max_requests, manager.max_requests, unit="request slots")

@@ -108,6 +108,26 @@ def recurrent_gated_delta_rule(q, k, v, g, beta, state):
     return jnp.moveaxis(out, 0, 1), state
 
 
+def unit_lower_inverse(ut):
+    """``inv(I + strictly_lower(ut))`` over the last two axes, row by row as
+    transformers computes it (row ``i`` of the inverse from rows ``< i``).
+
+    Not ``solve_triangular``: on XLA's CPU backend its batched LAPACK call
+    waits on a thread pool that the other devices of a multi-device mesh
+    hold, and the program never finishes (seen with 2 and 8 host devices);
+    this loop is plain matmuls on every backend."""
+    size = ut.shape[-1]
+    below = jnp.arange(size)[:, None] > jnp.arange(size)[None, :]
+    rows = -jnp.where(below, ut, 0.0)
+
+    def row(i, rows):
+        current = rows[..., i, :]  # zero at columns >= i
+        updated = current + jnp.einsum("...j,...jk->...k", current, rows)  # rows < i are final
+        return rows.at[..., i, :].set(updated)
+
+    return jax.lax.fori_loop(1, size, row, rows) + jnp.eye(size, dtype=rows.dtype)
+
+
 def chunk_gated_delta_rule(q, k, v, g, beta, state, chunk: int = CHUNK):
     """The chunked (WY) form, transformers' ``torch_chunk_gated_delta_rule``
     step for step: ``(out [B, T, H, Dv], state)``."""
@@ -125,8 +145,8 @@ def chunk_gated_delta_rule(q, k, v, g, beta, state, chunk: int = CHUNK):
     ut = (k_beta @ jnp.swapaxes(k, -1, -2)) * pairwise
     intra = (q @ jnp.swapaxes(k, -1, -2)) * pairwise
     decayed_k_beta = k_beta * jnp.exp(cum)[..., None]
-    solve = functools.partial(jax.scipy.linalg.solve_triangular, ut, lower=True, unit_diagonal=True)
-    new_values, k_cumdecay = solve(v_beta), solve(decayed_k_beta)
+    inverse = unit_lower_inverse(ut)
+    new_values, k_cumdecay = inverse @ v_beta, inverse @ decayed_k_beta
     q = q * jnp.exp(cum)[..., None]
     k = k * jnp.exp(cum[..., -1:] - cum)[..., None]
     chunk_decay = jnp.exp(cum[..., -1])[..., None, None]

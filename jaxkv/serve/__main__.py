@@ -116,6 +116,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "(chunked prefill; default: whole prompts at admission)")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="parameter / activation dtype "
                    "(default: the checkpoint's)")
+    p.add_argument("--tensor-parallel-size", "-tp", type=_positive, default=1, help="split the model and its "
+                   "cache over this many of this host's devices (a 'tp' mesh; jaxkv.nn.sharding; default 1)")
     p.add_argument("--seed", type=int, default=0, help="the engine's seed (requests without 'seed')")
     p.add_argument("--compile-cache-dir", help="the persistent JAX compilation cache's folder (default "
                    "$JAXKV_CACHE_DIR/jax or ~/.cache/jaxkv/jax)")
@@ -152,7 +154,24 @@ def engine_options(args) -> dict:
                         ("host_kv_memory", args.swap_space), ("host_prefix_memory", args.host_prefix_memory)):
         if value is not None:
             options[name] = value
+    if args.tensor_parallel_size > 1:
+        options["mesh"] = tensor_parallel_mesh(args.tensor_parallel_size)
     return options
+
+
+def tensor_parallel_mesh(size: int):
+    """A ``(data=1, tp=size)`` mesh over this process's first ``size``
+    devices; ``InvalidArgument`` when it has fewer."""
+    import jax
+    import numpy as np
+
+    from jaxkv.errors import InvalidArgument
+
+    devices = jax.local_devices()
+    if size > len(devices):
+        raise InvalidArgument(f"--tensor-parallel-size {size}: this host has {len(devices)} "
+                              f"{jax.default_backend()} device(s)")
+    return jax.sharding.Mesh(np.array(devices[:size]).reshape(1, size), ("data", "tp"))
 
 
 def main(argv: list[str] | None = None) -> int:

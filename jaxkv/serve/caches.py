@@ -63,6 +63,7 @@ import numpy as np
 
 from jaxkv.errors import InvalidArgument, KVCacheOOM
 from jaxkv.manager.block_space import FREE, ON_DEVICE, STATUS_NAMES, SWAPPED
+from jaxkv.nn import sharding
 from jaxkv.nn.packed import PackedLane
 from jaxkv.nn.sampling import RowSampling, sample, split_keys
 from jaxkv.nn.steps import DecodeState, run_decode
@@ -189,6 +190,24 @@ class CacheBase:
     groups: tuple[str, ...]
     capacity: np.ndarray
     window: int | None = None  # every layer's sliding window, when decode trims blocks out of it
+
+    def place_on(self, mesh) -> None:
+        """Put the device state on ``mesh`` (:mod:`jaxkv.nn.sharding`: heads
+        over ``tp``, bookkeeping replicated; in every process of a
+        multi-process run alike). The host tiers (swap, host prefix pages)
+        keep single-device placements, so they are refused on a mesh."""
+        tiers = self._host_tiers()
+        if tiers:
+            raise InvalidArgument(f"{', '.join(tiers)}: a host tier is not available on a mesh yet (its pages are "
+                                  "placed per device); leave it out with mesh=")
+        if self.pool is not None:
+            self.pool = sharding.shard_cache(self.pool, mesh)
+            self.manager = sharding.replicate(self.manager, mesh)
+        else:
+            self.manager = sharding.shard_cache(self.manager, mesh)
+
+    def _host_tiers(self) -> list[str]:  # the options that gave this cache a host tier
+        return []
 
     # ------------------------------------------------------- block arithmetic
     # What a request costs, per group. The engine's fit rule (add_request) is
@@ -372,6 +391,7 @@ class KVCache(Protocol):
     def blocks_in_use(self) -> int: ...
     def limits(self) -> str: ...
     def oom(self, need: np.ndarray, detail: str) -> KVCacheOOM: ...
+    def place_on(self, mesh) -> None: ...
     def match(self, tokens: list, namespace) -> PrefixHit: ...
     def unpin(self, hit: PrefixHit | None) -> None: ...
     def can_evict(self) -> bool: ...

@@ -144,6 +144,7 @@ from flax import nnx
 
 from jaxkv import _host
 from jaxkv.errors import BookkeepingError, InvalidArgument
+from jaxkv.nn import sharding
 from jaxkv.nn.sampling import GREEDY, RowSampling, SamplingParams
 from jaxkv.serve.build import build_cache
 from jaxkv.serve.caches import FREE, ON_DEVICE, STATUS_NAMES, SWAPPED, PrefillLane, PrefixHit
@@ -585,6 +586,15 @@ class Engine:
             :class:`jaxkv.text.IncrementalDetokenizer`.
         free_bytes: the free device bytes the sizing rule reads (default:
             :func:`~jaxkv.serve.sizing.device_free_bytes`; for tests).
+        mesh: a ``jax.sharding.Mesh`` (axes ``tp``, ``data``, ``expert``;
+            :mod:`jaxkv.nn.sharding`): the model is placed with
+            ``shard_model`` unless it is on the mesh already, the cache's
+            heads split over ``tp``, its bookkeeping replicated, and every
+            jitted step runs across the mesh. Under ``jax.distributed`` every
+            process builds the same engine and makes the same calls (the
+            scheduler is deterministic given its inputs) and each gets every
+            request's tokens (``docs/scale.md``). Sizing reads one device's
+            memory; the host tiers are refused on a mesh.
 
     Raises ``InvalidArgument``, naming the argument, for a size or count
     that is not an integer or is too small (``num_pages < 2``, others
@@ -606,7 +616,7 @@ class Engine:
                  snapshot_interval: int | None = None, prefix_cache: bool = True, decode_chunk: int = 8,
                  prefill_chunk: int = 256, max_num_batched_tokens: int | None = None, seed: int = 0,
                  detokenizer: Callable | None = None, free_bytes: int | None = None, scheduler: str = "packed",
-                 host_prefix_pages: int | None = None, host_prefix_memory: int | None = None):
+                 host_prefix_pages: int | None = None, host_prefix_memory: int | None = None, mesh=None):
         max_seqs = _host.int_at_least(max_seqs, "max_seqs", 1)
         decode_chunk = _host.int_at_least(decode_chunk, "decode_chunk", 1)
         prefill_chunk = _host.int_at_least(prefill_chunk, "prefill_chunk", 1)
@@ -630,6 +640,10 @@ class Engine:
             max_context_tokens=max_context_tokens, num_blocks=num_blocks, num_snapshots=num_snapshots,
             snapshot_retention=snapshot_retention, snapshot_interval=snapshot_interval,
             entry_format=entry_format, host_prefix_pages=host_prefix_pages, host_prefix_memory=host_prefix_memory)
+        if mesh is not None:  # the model (unless placed already) and the cache's device state
+            sharding.prepare(model, mesh)
+            self.cache.place_on(mesh)
+        self.mesh = mesh
         #: How the cache was sized (:class:`~jaxkv.serve.sizing.CachePlan`), logged at start-up.
         self.cache_plan: CachePlan = self.cache.plan
         for line in self.cache_plan.lines():

@@ -183,6 +183,10 @@ class HybridCache(CacheBase):
         self.plan = self._plan(budget=None, source="num_blocks (expert option)" if num_blocks else
                                "every sequence row at max_context_tokens")
 
+    def _host_tiers(self) -> list[str]:
+        return ((["host_kv_memory"] if self.can_swap else [])
+                + (["host_prefix_memory"] if self.host_prefixes is not None else []))
+
     def device_bytes(self) -> int:
         """Bytes of every device array of the cache (the manager's pools,
         state rows, tables and allocators)."""

@@ -198,6 +198,10 @@ class PagedCache(CacheBase):
             host_bytes=sizing.tree_bytes(self.host_pool) if self.host_pool is not None else 0,
             device_bytes=self.device_bytes(), budget_bytes=budget, source=source)
 
+    def _host_tiers(self) -> list[str]:
+        return ((["num_host_pages / host_kv_memory"] if self.host_pool is not None else [])
+                + (["host_prefix_pages / host_prefix_memory"] if self.prefix_host_pool is not None else []))
+
     def device_bytes(self) -> int:
         """Bytes of every device array of the cache: the pool and the block
         manager (tables and allocators)."""

@@ -1,0 +1,95 @@
+"""One process of a mesh test (``tests/test_mesh.py``), run as a script so it
+sees its own CPU devices: every family's fixture generates on one device,
+then on a mesh (``--mesh 4x2``: data x tp), through ``generate`` and the
+``Engine``, and the tokens of both are printed as one JSON line. With
+``--num-processes`` it joins a ``jax.distributed`` run on localhost first
+(CPU collectives over gloo): every process runs this same code, the single
+device reference on its own first device.
+
+Usage: ``python -m tests.mesh_worker FIXTURE --mesh DxT --devices N
+[--num-processes K --process-id I --port P] --seed S [--paths generate,engine]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+
+def _args(argv):
+    parser = argparse.ArgumentParser()
+    parser.add_argument("fixture")
+    parser.add_argument("--mesh", default="4x2")
+    parser.add_argument("--devices", type=int, default=8)
+    parser.add_argument("--num-processes", type=int, default=1)
+    parser.add_argument("--process-id", type=int, default=0)
+    parser.add_argument("--port", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--paths", default="generate,engine")
+    return parser.parse_args(argv)
+
+
+def main(argv=None) -> None:
+    args = _args(argv)
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                               + f" --xla_force_host_platform_device_count={args.devices}")
+    os.environ["JAX_PLATFORMS"] = "cpu"
+    import jax
+
+    if args.num_processes > 1:
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+        jax.distributed.initialize(f"localhost:{args.port}", num_processes=args.num_processes,
+                                   process_id=args.process_id, initialization_timeout=120)
+    import numpy as np
+    from flax import nnx
+
+    from jaxkv.nn import AutoModelForCausalLM, SamplingParams, generate
+    from jaxkv.nn.packed import cache_kind
+    from jaxkv.serve import Engine
+
+    fixtures = os.path.join(os.path.dirname(__file__), "fixtures")
+    model = AutoModelForCausalLM.from_pretrained(os.path.join(fixtures, args.fixture))
+    rng = np.random.default_rng(args.seed)
+    vocab = model.config.vocab_size
+    prompts = [rng.integers(1, vocab, size=int(n)).tolist() for n in rng.integers(3, 20, size=4)]
+    sampling = SamplingParams(temperature=0.8, top_k=30)
+    paths = args.paths.split(",")
+
+    def run_engine(mesh):
+        engine = Engine(model, max_seqs=4, max_model_len=48, prefill_chunk=16, decode_chunk=4, mesh=mesh)
+        ids = [engine.add_request(p, 6 + i, **({"sampling": sampling} if i % 2 else {})) for i, p in enumerate(prompts)]
+        # the second round hits the first round's prefixes
+        engine.run()
+        ids += [engine.add_request(p[: len(p) - 1] + [1], 3) for p in prompts[:2]]
+        engine.run()
+        if mesh is not None:  # cache leaves the mesh splits (an MLA latent pool has none)
+            cache = engine.cache.pool if engine.cache.pool is not None else engine.cache.manager
+            split_cache.append(sum(1 for x in jax.tree.leaves(cache) if not x.sharding.is_fully_replicated))
+        return [engine.outputs[i] for i in ids]
+
+    single, sharded, split_cache = {}, {}, []
+    if "generate" in paths:
+        single["generate"] = generate(model, prompts, 6, sampling=sampling, seed=1).tokens
+    if "engine" in paths:
+        single["engine"] = run_engine(None)
+    a, b = (int(x) for x in args.mesh.split("x"))
+    mesh = jax.sharding.Mesh(np.array(jax.devices()).reshape(a, b), ("data", "tp"))
+    if "generate" in paths:
+        sharded["generate"] = generate(model, prompts, 6, sampling=sampling, seed=1, mesh=mesh).tokens
+    if "engine" in paths:
+        sharded["engine"] = run_engine(mesh)
+    leaves = jax.tree.leaves(nnx.state(model))
+    print(json.dumps({
+        "process": jax.process_index(), "processes": jax.process_count(), "devices": len(jax.devices()),
+        "kind": cache_kind(model), "single": single, "sharded": sharded,
+        "split_params": sum(1 for x in leaves if not x.sharding.is_fully_replicated),
+        "params": len(leaves), "split_cache": split_cache,
+    }), flush=True)
+    if args.num_processes > 1:
+        jax.distributed.shutdown()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

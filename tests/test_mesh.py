@@ -1,0 +1,92 @@
+"""Every family and the engine on a mesh, in one process and across two
+``jax.distributed`` processes, give one device's tokens.
+
+Each case runs ``tests/mesh_worker.py`` in subprocesses (so only they see
+several CPU devices): the worker draws prompts from a fresh seed, generates
+on one device, then on a ``data x tp`` mesh, through ``generate`` and
+through the ``Engine`` (a second round of requests hits the first round's
+prefixes), and prints both. Two-process runs start two workers on
+localhost (CPU collectives over gloo), each bounded by a timeout and
+killed if it outlives it.
+
+CI time: the Llama cases run by default; every other family in the long
+pass.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TIMEOUT = 600
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        return s.getsockname()[1]
+
+
+def run_workers(fixture: str, *, processes: int, devices: int, mesh: str, paths: str = "generate,engine") -> list:
+    """The JSON line of every worker process (all started together, all
+    waited for, any left over killed)."""
+    seed = int(np.random.default_rng().integers(1 << 30))
+    port = _free_port()
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
+    command = [sys.executable, "-m", "tests.mesh_worker", fixture, "--mesh", mesh, "--devices", str(devices),
+               "--seed", str(seed), "--paths", paths]
+    if processes > 1:
+        command += ["--num-processes", str(processes), "--port", str(port)]
+    procs = [subprocess.Popen(command + (["--process-id", str(i)] if processes > 1 else []), cwd=ROOT, env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(processes)]
+    try:
+        outs = [proc.communicate(timeout=TIMEOUT) for proc in procs]
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.communicate()
+    results = []
+    for proc, (out, err) in zip(procs, outs):
+        assert proc.returncode == 0, f"seed {seed}: worker exited {proc.returncode}\n{err[-4000:]}"
+        results.append(json.loads(out.strip().splitlines()[-1]))
+    return results
+
+
+def check_same_tokens(results: list, processes: int, devices: int, *, latent_cache: bool = False) -> None:
+    assert sorted(r["process"] for r in results) == list(range(processes))
+    for r in results:
+        assert r["processes"] == processes and r["devices"] == processes * devices
+        assert r["sharded"] == r["single"]  # a mesh gives one device's tokens
+        assert r["split_params"] > 0  # and really split something
+        # the engine's cache is split too, except latent caches (MLA pages, DeepSeek-V4's entries and
+        # rings: one shared head, replicated by design)
+        assert all((n == 0) if latent_cache else (n > 0) for n in r["split_cache"]), r["split_cache"]
+        for path in r["single"].values():
+            assert all(len(tokens) > 0 for tokens in path)
+    assert all(r["sharded"] == results[0]["sharded"] for r in results)  # every process got every token
+
+
+ONE_PROCESS = ["parity/llama_0"] + [pytest.param(name, marks=pytest.mark.long) for name in (
+    "dsv3/small", "dsv4/small", "qwen3_next/small", "gpt_oss/small", "gemma3/small")]
+TWO_PROCESSES = ["parity/llama_0"] + [pytest.param(name, marks=pytest.mark.long)
+                                      for name in ("qwen3_next/small", "dsv4/small")]
+
+
+@pytest.mark.parametrize("fixture", ONE_PROCESS)
+def test_one_process_eight_devices(fixture):
+    check_same_tokens(run_workers(fixture, processes=1, devices=8, mesh="4x2"), 1, 8,
+                      latent_cache=fixture.startswith(("dsv3", "dsv4")))
+
+
+@pytest.mark.parametrize("fixture", TWO_PROCESSES)
+def test_two_processes(fixture):
+    check_same_tokens(run_workers(fixture, processes=2, devices=2, mesh="2x2"), 2, 2,
+                      latent_cache=fixture.startswith("dsv4"))
