@@ -43,7 +43,6 @@ split one).
 
 from __future__ import annotations
 
-
 import jax
 import numpy as np
 from flax import nnx
