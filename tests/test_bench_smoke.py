@@ -8,9 +8,11 @@ import pytest
 from jaxkv.bench.__main__ import main
 
 
-# ``serve`` (two schedulers on two families, ~55 s) runs in the long pass (CI time).
-@pytest.mark.parametrize("name", ["alloc", "pool", "prefix", "decode", "kernels", "hybrid",
-                                  pytest.param("serve", marks=pytest.mark.long), "memory", "scaling"])
+# ``serve`` (two schedulers on two families, ~55 s), ``decode``, ``hybrid`` and ``memory`` run in the long
+# pass (CI time).
+@pytest.mark.parametrize("name", ["alloc", "pool", "prefix", *(pytest.param(n, marks=pytest.mark.long) for n in
+                                                                ("decode", "hybrid", "serve", "memory")),
+                                  "kernels", "scaling"])
 def test_benchmark_runs_and_prints_json(name, capsys, tmp_path):
     plot = tmp_path / "plot.png"
     assert main([name, "--quick", "--json", "--plot", str(plot)]) == 0

@@ -27,7 +27,9 @@ def test_every_example_is_listed():
     assert sorted(p.name for p in EXAMPLES.glob("*.py")) == sorted(EXPECTED)
 
 
-LONG = ("swap_under_pressure.py",)  # CI time: the engine's swap and recompute are tested by default elsewhere
+# CI time: what these show is tested by default elsewhere (swap, recompute, checkpoints, batching, forks).
+LONG = ("swap_under_pressure.py", "qwen3_next_checkpoint.py", "deepseek_v4_checkpoint.py", "continuous_batching.py",
+        "fork_sampling_beam.py")
 
 
 @pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.long) if n in LONG else n

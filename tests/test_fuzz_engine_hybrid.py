@@ -279,8 +279,10 @@ def _qwen_pressure():
 QWEN_HOST = dict(QWEN, num_snapshots=1, host_prefix_memory=1 << 24, host_kv_memory=1 << 24)
 
 
-# The host tiers in the long pass (CI time; test_hybrid_prefix_tiers runs them by default).
-@pytest.mark.parametrize("options", [QWEN, pytest.param(QWEN_HOST, marks=pytest.mark.long)],
+# The long pass (CI time): the gpt-oss fuzz below runs the same engine paths by default, and
+# test_hybrid_prefix_tiers the host tiers.
+@pytest.mark.parametrize("options", [pytest.param(QWEN, marks=pytest.mark.long),
+                                     pytest.param(QWEN_HOST, marks=pytest.mark.long)],
                          ids=["device", "host tiers"])
 @settings(max_examples=200 if LONG else 2)
 @given(scenario=qwen_scenarios())

@@ -166,6 +166,7 @@ def smollm2():
 
 
 @needs_smollm2
+@pytest.mark.long  # CI time (the README test command stays under 15 min on 2 cores)
 def test_smollm2_config():
     ref = reference()
     assert os.path.getsize(SMOLLM2) == ref["gguf_size"]

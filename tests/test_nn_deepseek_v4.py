@@ -98,7 +98,8 @@ def _dense_logits(model, tokens, entry_format):
 # ``small_bf16`` (the same schedule as ``small``, in bf16 weights), ``real_rates`` and
 # ``defaults_yarn`` run in the long pass (CI time; the configuration parity
 # suite's default DeepSeek-V4 run covers real rates with YaRN).
-LONG_SCHEDULES = ("small_bf16", "real_rates", "defaults_yarn")
+LONG_SCHEDULES = ("small_bf16", "real_rates", "defaults_yarn", "small_fp8")  # CI time: fp8 entries also by
+# test_fp8_cache_decode_equals_fp8_recompute in the long pass and the engine fuzz
 
 
 @pytest.mark.parametrize("name", [pytest.param(name, marks=pytest.mark.long) if name in LONG_SCHEDULES else name
@@ -135,6 +136,7 @@ def test_cached_equals_no_cache_recompute_lossless_chunks():
 # ----------------------------------------------------------------------------- fp8 entries
 
 
+@pytest.mark.long  # CI time (the README test command stays under 15 min on 2 cores)
 def test_fp8_cache_decode_equals_fp8_recompute():
     """Greedy decoding through the fp8 cache picks, at every step, the
     argmax of the no-cache forward that rounds through the same fp8 format."""

@@ -241,6 +241,7 @@ def _crossings(history, ratio):
 # ----------------------------------------------------------------------------- DeepSeek-V4
 
 
+@pytest.mark.long  # CI time (the README test command stays under 15 min on 2 cores)
 def test_dsv4_packed_steps_equal_unpacked_steps():
     """A (44-token prompt in pieces) beside B and C decoding: every lane's
     logits and every greedy token as the unpacked step. Context up to 50

@@ -438,6 +438,7 @@ def test_no_compiles_after_warm_up(server, client):
 # ------------------------------------------------------------------ start-up
 
 
+@pytest.mark.long  # CI time (the README test command stays under 15 min on 2 cores)
 def test_503_while_starting_then_second_start_is_faster(checkpoint, tmp_path):
     """/health and the routes answer 503 (OpenAI JSON) until ready; a second
     start with the same compilation cache reads programs instead of
