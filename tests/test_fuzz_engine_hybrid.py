@@ -426,6 +426,7 @@ def _window_edge():
     return (first, second), None
 
 
+@pytest.mark.long  # CI time (the README test command stays under 15 min on 2 cores)
 @settings(max_examples=200 if LONG else 4)
 @given(scenario=window_scenarios())
 @example(scenario=_window_edge())

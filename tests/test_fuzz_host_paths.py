@@ -282,7 +282,7 @@ class WindowMachine(SpaceMachine):
 
 
 # Sizes from the hypothesis profile (tests/conftest.py): ci 30 x 60, long 400 x 100.
-TestWindowMachine = pytest.mark.slow(WindowMachine.TestCase)
+TestWindowMachine = pytest.mark.long(pytest.mark.slow(WindowMachine.TestCase))  # CI time
 
 
 # ==========================================================================

@@ -185,6 +185,7 @@ def test_dsv3_fp8_pool_decode_equals_fp8_recompute():
 # ----------------------------------------------------------------------------- forking and serving
 
 
+@pytest.mark.long  # CI time (the README test command stays under 15 min on 2 cores)
 def test_dsv3_forks_like_llama():
     """The MLA rows are blocks like any K/V: greedy samples of sample_n all
     equal generate's tokens, and beam search runs."""
