@@ -55,10 +55,10 @@ from jaxkv.errors import InvalidArgument
 __all__ = ["batch_spec", "cache_sharding", "fetch", "is_placed", "param_spec", "placement_report", "pool_sharding",
            "prepare", "put", "replicate", "shard_cache", "shard_model", "shard_pool"]
 
-# (module names, where the split goes): "out" = output features (axis 0 of a
-# transformers-layout ``weight [out, in]``, axis 1 of a flax ``kernel [in,
-# out]``, axis 0 of a bias), "in" = input features, "first" = axis 0 of any
-# parameter (per-head vectors, conv channels, stacked experts).
+# Module names whose parameters split their output features (axis 0 of a
+# transformers-layout ``weight [out, in]`` and of a bias, the last axis of a
+# flax ``kernel [in, out]``) or their input features (row projections; their
+# bias is added after the all-reduce, so it stays whole).
 _COLUMN = frozenset({"q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "q_b_proj", "kv_b_proj", "o_a_proj",
                      "in_proj_qkvz", "in_proj_ba", "lm_head"})
 _ROW = frozenset({"o_proj", "o_b_proj", "out_proj", "down_proj"})
