@@ -17,15 +17,14 @@ import json
 import os
 import sys
 
+from jaxkv._processes import add_process_arguments, join_cpu_run
+
 
 def _args(argv):
     parser = argparse.ArgumentParser()
     parser.add_argument("fixture")
     parser.add_argument("--mesh", default="4x2")
-    parser.add_argument("--devices", type=int, default=8)
-    parser.add_argument("--num-processes", type=int, default=1)
-    parser.add_argument("--process-id", type=int, default=0)
-    parser.add_argument("--port", type=int, default=0)
+    add_process_arguments(parser)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--paths", default="generate,engine")
     return parser.parse_args(argv)
@@ -33,15 +32,8 @@ def _args(argv):
 
 def main(argv=None) -> None:
     args = _args(argv)
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
-                               + f" --xla_force_host_platform_device_count={args.devices}")
-    os.environ["JAX_PLATFORMS"] = "cpu"
+    join_cpu_run(args.devices, args.num_processes, args.process_id, args.port)
     import jax
-
-    if args.num_processes > 1:
-        jax.config.update("jax_cpu_collectives_implementation", "gloo")
-        jax.distributed.initialize(f"localhost:{args.port}", num_processes=args.num_processes,
-                                   process_id=args.process_id, initialization_timeout=120)
     import numpy as np
     from flax import nnx
 

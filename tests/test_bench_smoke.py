@@ -23,6 +23,16 @@ def test_benchmark_runs_and_prints_json(name, capsys, tmp_path):
         assert plot.exists() or "matplotlib is not installed" in out
 
 
+@pytest.mark.long  # subprocesses on 1, 2 and 4 CPU devices and two jax.distributed processes (~1.5 min)
+def test_scaling_mesh_runs_every_device_count_and_two_processes(capsys):
+    assert main(["scaling", "--mesh", "--quick", "--json"]) == 0
+    results = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["results"]
+    assert [r["devices"] for r in results["devices"]] == [1, 2, 4]
+    assert results["devices"][0]["all_reduce_per_layer"] == 0  # one device: no collective
+    assert all(r["all_reduce_per_layer"] == 2 for r in results["devices"][1:])  # Megatron: two per layer
+    assert results["processes"][0]["us_loop_two"] > 0
+
+
 def test_ideal_prefix_hits_count_the_longest_earlier_prefix():
     """The per-family hit-rate table's ideal: for each request, the longest
     prefix (at most ``len - 1``) shared with an earlier prompt + output."""

@@ -17,47 +17,26 @@ from __future__ import annotations
 
 import json
 import os
-import socket
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 
+from jaxkv._processes import run_processes
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TIMEOUT = 600
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("localhost", 0))
-        return s.getsockname()[1]
 
 
 def run_workers(fixture: str, *, processes: int, devices: int, mesh: str, paths: str = "generate,engine") -> list:
     """The JSON line of every worker process (all started together, all
     waited for, any left over killed)."""
     seed = int(np.random.default_rng().integers(1 << 30))
-    port = _free_port()
-    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
-    command = [sys.executable, "-m", "tests.mesh_worker", fixture, "--mesh", mesh, "--devices", str(devices),
-               "--seed", str(seed), "--paths", paths]
-    if processes > 1:
-        command += ["--num-processes", str(processes), "--port", str(port)]
-    procs = [subprocess.Popen(command + (["--process-id", str(i)] if processes > 1 else []), cwd=ROOT, env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(processes)]
-    try:
-        outs = [proc.communicate(timeout=TIMEOUT) for proc in procs]
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.communicate()
-    results = []
-    for proc, (out, err) in zip(procs, outs):
-        assert proc.returncode == 0, f"seed {seed}: worker exited {proc.returncode}\n{err[-4000:]}"
-        results.append(json.loads(out.strip().splitlines()[-1]))
-    return results
+    results = run_processes(["-m", "tests.mesh_worker", fixture, "--mesh", mesh, "--devices", str(devices),
+                             "--seed", str(seed), "--paths", paths], processes, timeout=TIMEOUT, cwd=ROOT,
+                            env=dict(os.environ, PYTHONPATH=ROOT))
+    for code, _, err in results:
+        assert code == 0, f"seed {seed}: worker exited {code}\n{err[-4000:]}"
+    return [json.loads(out.strip().splitlines()[-1]) for _, out, _ in results]
 
 
 def check_same_tokens(results: list, processes: int, devices: int, *, latent_cache: bool = False) -> None:

@@ -18,11 +18,8 @@ read per token, against the in-loop figure).
 from __future__ import annotations
 
 import json
-import os
-import socket
-import subprocess
-import sys
 
+from jaxkv._processes import run_processes
 from jaxkv.bench._timing import machine_description, print_json, print_table
 from jaxkv.bench.mesh_step import FAMILIES
 
@@ -32,35 +29,15 @@ DEVICE_COUNTS = (1, 2, 4, 8)
 _TIMEOUT = 900
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("localhost", 0))
-        return s.getsockname()[1]
-
-
 def _run(family: str, devices: int, processes: int, steps: int, repeats: int) -> dict:
     """One :mod:`jaxkv.bench.mesh_step` measurement (``processes`` workers
     of ``devices`` devices each, all bounded by a timeout)."""
-    port = _free_port()
-    command = [sys.executable, "-m", "jaxkv.bench.mesh_step", family, "--devices", str(devices),
-               "--steps", str(steps), "--repeats", str(repeats)]
-    if processes > 1:
-        command += ["--num-processes", str(processes), "--port", str(port)]
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
-    procs = [subprocess.Popen(command + (["--process-id", str(i)] if processes > 1 else []), env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(processes)]
-    try:
-        outs = [proc.communicate(timeout=_TIMEOUT) for proc in procs]
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.communicate()
-    for proc, (_, err) in zip(procs, outs):
-        if proc.returncode != 0:
-            raise RuntimeError(f"{family} on {processes} x {devices} devices exited {proc.returncode}:\n"
-                               f"{err[-3000:]}")
-    return json.loads(outs[0][0].strip().splitlines()[-1])
+    results = run_processes(["-m", "jaxkv.bench.mesh_step", family, "--devices", str(devices), "--steps", str(steps),
+                             "--repeats", str(repeats)], processes, timeout=_TIMEOUT)
+    for code, _, err in results:
+        if code != 0:
+            raise RuntimeError(f"{family} on {processes} x {devices} devices exited {code}:\n{err[-3000:]}")
+    return json.loads(results[0][1].strip().splitlines()[-1])
 
 
 def measure(families=tuple(FAMILIES), device_counts=DEVICE_COUNTS, steps: int = 16, repeats: int = 3) -> dict:

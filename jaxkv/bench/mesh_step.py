@@ -28,6 +28,8 @@ import re
 import sys
 import time
 
+from jaxkv._processes import add_process_arguments, join_cpu_run
+
 _FIXTURES = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "tests",
                          "fixtures")
 _WIDE = dict(hidden_size=256, num_attention_heads=8, num_key_value_heads=8, intermediate_size=512)
@@ -75,10 +77,7 @@ def count_collectives(hlo: str) -> dict:
 def _args(argv):
     parser = argparse.ArgumentParser()
     parser.add_argument("family", choices=sorted(FAMILIES))
-    parser.add_argument("--devices", type=int, default=1, help="devices per process")
-    parser.add_argument("--num-processes", type=int, default=1)
-    parser.add_argument("--process-id", type=int, default=0)
-    parser.add_argument("--port", type=int, default=0)
+    add_process_arguments(parser)
     parser.add_argument("--steps", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=3)
     return parser.parse_args(argv)
@@ -86,15 +85,8 @@ def _args(argv):
 
 def main(argv=None) -> None:
     args = _args(argv)
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
-                               + f" --xla_force_host_platform_device_count={args.devices}")
-    os.environ["JAX_PLATFORMS"] = "cpu"
+    join_cpu_run(args.devices, args.num_processes, args.process_id, args.port)
     import jax
-
-    if args.num_processes > 1:
-        jax.config.update("jax_cpu_collectives_implementation", "gloo")
-        jax.distributed.initialize(f"localhost:{args.port}", num_processes=args.num_processes,
-                                   process_id=args.process_id, initialization_timeout=120)
     import numpy as np
 
     from jaxkv.nn.generate import decode_loop, decode_step, start_hybrid, start_paged
