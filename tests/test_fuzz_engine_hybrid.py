@@ -453,6 +453,7 @@ def paged_models(mistral):
     return _Models(window=mistral.model, full=LlamaForCausalLM(LlamaConfig.from_hf(CONFIG), rngs=nnx.Rngs(0)))
 
 
+@pytest.mark.long  # CI time (the README test command stays under 15 min on 2 cores)
 @settings(max_examples=300 if LONG else 12)
 @given(kind=st.sampled_from(["window", "full"]),
        sizes=st.lists(st.tuples(st.integers(1, 24), st.integers(1, 24), st.integers(0, 3)), min_size=1, max_size=6),
@@ -489,6 +490,7 @@ def test_an_accepted_request_finishes(paged_models, kind, sizes, shared, budget,
     check_no_leak(engine)
 
 
+@pytest.mark.long  # CI time (the README test command stays under 15 min on 2 cores)
 @settings(max_examples=100 if LONG else 4)
 @given(sizes=st.lists(st.tuples(st.integers(1, 60), st.integers(1, 24), st.integers(0, 3)), min_size=1, max_size=5),
        shared=st.booleans(), budget=st.sampled_from([None, 20]), seed=st.integers(0, 2**16))

@@ -772,7 +772,7 @@ class SnapshotMachine(RuleBasedStateMachine):
             np.testing.assert_array_equal(np.asarray(leaf), mirror, err_msg=f"state leaf {i} differs from the model")
 
 
-TestSnapshotMachine = pytest.mark.slow(SnapshotMachine.TestCase)
+TestSnapshotMachine = pytest.mark.long(pytest.mark.slow(SnapshotMachine.TestCase))  # CI time
 
 
 # ==========================================================================
