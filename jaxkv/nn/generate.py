@@ -122,7 +122,6 @@ def generate(model, input_ids, max_new_tokens: int, *, eos_token_id: int | None 
         raise InvalidArgument(f"max_new_tokens={max_new_tokens}: must be >= 1")
     if not isinstance(sampling, SamplingParams):
         raise InvalidArgument(f"sampling must be a SamplingParams, got {sampling!r}")
-    sharding.prepare(model, mesh)
     if cache_kind(model) == "hybrid":
         if kv_dtype is not None or num_pages is not None:
             raise InvalidArgument("kv_dtype and num_pages are for the paged pool; a hybrid-cache model takes "

@@ -643,7 +643,6 @@ class Engine:
         if mesh is not None:  # the model (unless placed already) and the cache's device state
             sharding.prepare(model, mesh)
             self.cache.place_on(mesh)
-        self.mesh = mesh
         #: How the cache was sized (:class:`~jaxkv.serve.sizing.CachePlan`), logged at start-up.
         self.cache_plan: CachePlan = self.cache.plan
         for line in self.cache_plan.lines():
