@@ -35,7 +35,7 @@ if [[ $steps == *tests* ]]; then
 fi
 for p in "${pids[@]}"; do wait "$p"; done
 [[ -f $OUT/aot.summary ]] && cat "$OUT/aot.summary"
-if [[ $steps == *kernels* ]]; then run_step kernels 200 $PY -m jaxkv.bench kernels --json; fi
+if [[ $steps == *kernels* ]]; then run_step kernels 320 $PY -m jaxkv.bench kernels --json; fi
 if [[ $steps == *decode* ]]; then run_step decode 150 $PY -m jaxkv.bench decode --json; fi
 echo "=== summary"; printf '%s\n' "${summary[@]}"
 if [[ -f $OUT/aot.summary ]]; then head -n 1 "$OUT/aot.summary"; fi
