@@ -22,6 +22,7 @@ BENCHMARKS = {
     "serve": "jaxkv.bench.serve",
     "scaling": "jaxkv.bench.scaling",
     "deployment": "jaxkv.bench.deployment",
+    "isolation": "jaxkv.bench.isolation",
 }
 
 

@@ -286,6 +286,15 @@ class KVCacheManager:
             gdn, _ = gdn.reset_states(jnp.where(ids >= 0, ids, -1))
         return self.replace(seq_lens=self.seq_lens.at[targets].set(0, mode="drop"), layers=layers, gdn=gdn)
 
+    def reset_state_rows(self, rows) -> "KVCacheManager":
+        """Initial state (zeroed SWA, window and GDN states, compressor rings
+        at their initial value) in state rows ``rows`` (any shape; -1
+        skipped): snapshot rows a prefix cache let go (scrub-on-free).
+        Blocks, tables and allocators are untouched; a row outside
+        ``1 .. num_slots + num_snapshots - 1`` is skipped."""
+        rows = jnp.asarray(rows, jnp.int32).reshape(-1)
+        return self._reset(jnp.where((rows >= 1) & (rows < self.num_slots + self.num_snapshots), rows, -1))
+
     # ---------------------------------------------------------------- prefix sharing
 
     def copy_state(self, src, dst) -> "KVCacheManager":

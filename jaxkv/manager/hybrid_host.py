@@ -582,6 +582,10 @@ class HostStore:
     backend has none) or ``"numpy"``. Arrays come back to ``device``
     (default: the first device).
 
+    ``scrub`` (scrub-on-free): :meth:`pop` and :meth:`discard` zero a numpy
+    tree's arrays in place before letting them go (pinned-host arrays are
+    immutable: they are released, not overwritten).
+
     Invariant: ``nbytes`` is the sum of :func:`tree_nbytes` of the stored
     trees and never exceeds ``capacity_bytes``. A full store refuses a put
     with ``KVCacheOOM`` (requested / available / total bytes): the caller
@@ -597,6 +601,7 @@ class HostStore:
         self._transfers = _transfers(memory_kind, device)
         self._items: dict[Hashable, tuple[object, int]] = {}
         self._used = 0
+        self.scrub = False
 
     @property
     def memory_kind(self) -> str:
@@ -645,21 +650,34 @@ class HostStore:
     def pop(self, key: Hashable):
         """The tree under ``key``, on the device, and remove it."""
         tree, size = self._entry(key, "pop")
-        out = self._transfers.to_device(tree)
+        out = jax.block_until_ready(self._transfers.to_device(tree))
         del self._items[key]
         self._used -= size
+        if self.scrub:
+            wipe_host(tree)
         return out
 
     def discard(self, key: Hashable) -> None:
         """Remove ``key`` without a transfer (absent: nothing happens)."""
         if key in self._items:
-            self._used -= self._items.pop(key)[1]
+            tree, size = self._items.pop(key)
+            self._used -= size
+            if self.scrub:
+                wipe_host(tree)
 
     def _entry(self, key, op: str):
         if key not in self._items:
             raise InvalidArgument(f"HostStore.{op}: no tree under key {_key_repr(key)} "
                                   f"({len(self._items)} stored)")
         return self._items[key]
+
+
+def wipe_host(tree) -> None:
+    """Zero every writable numpy array of ``tree`` in place (scrub-on-free
+    of host copies about to be dropped; other leaves are left alone)."""
+    for leaf in jax.tree_util.tree_leaves(tree):
+        if isinstance(leaf, np.ndarray) and leaf.flags.writeable:
+            leaf[...] = 0
 
 
 # ----------------------------------------------------------------------------- request images

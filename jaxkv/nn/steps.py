@@ -61,6 +61,7 @@ from jaxkv.manager.hybrid import KVCacheManager
 from jaxkv.nn.packed import PackedBatch
 from jaxkv.nn.sampling import RowSampling, SamplingParams, sample, split_keys
 from jaxkv.pool.kv_pool import KVPool
+from jaxkv.pool.scrub import freed_blocks, scrub_hybrid, scrub_kv_pool
 
 __all__ = [
     "DecodeState",
@@ -143,7 +144,7 @@ def _blocks_in_use(manager) -> Int[Array, ""]:
 
 
 def decode_logits(graphdef, params, manager: BlockSpaceManager, pool: KVPool, last: Int[Array, " B"],
-                  active: Bool[Array, " B"]):
+                  active: Bool[Array, " B"], *, scrub: bool = False):
     """One decode step of the model: sequence row ``b`` (for ``active[b]``)
     grows by the token ``last[b]`` (``append_slots``: a new block at a block
     boundary, copy-on-write of a shared last block), whose K/V are written
@@ -155,6 +156,8 @@ def decode_logits(graphdef, params, manager: BlockSpaceManager, pool: KVPool, la
     trim comes first and is idempotent), every slot is -1 and the model ran
     with no real token: the caller drops the logits.
     A hybrid-cache manager (``pool`` None) takes :func:`_hybrid_decode_logits`.
+    ``scrub`` (static): zero the blocks the window trim frees before the
+    append can hand them out again (:mod:`jaxkv.pool.scrub`).
     """
     if isinstance(manager, KVCacheManager):
         return _hybrid_decode_logits(graphdef, params, manager, last, active)
@@ -167,7 +170,7 @@ def decode_logits(graphdef, params, manager: BlockSpaceManager, pool: KVPool, la
         # either way): a row holds O(window) blocks, and a prompt that filled
         # the pool to its last page can take its first decode block from the
         # blocks leaving the window (after the prefill nothing trimmed them).
-        manager, _ = manager.trim_window(seqs, window)
+        manager, pool = _trim(manager, pool, seqs, window, scrub)
     manager, pool, slots, blocked, ok = manager.append_slots(pool, seqs, 1)
     tables, lengths = manager.batch_tables(seqs)
     starts = jnp.maximum(lengths - 1, 0)
@@ -175,6 +178,15 @@ def decode_logits(graphdef, params, manager: BlockSpaceManager, pool: KVPool, la
     logits, pool = model_step(graphdef, params, last[:, None], starts[:, None], pool, slots, tables, starts,
                               running.astype(jnp.int32), "decode")
     return manager, pool, logits[:, 0], blocked, ok
+
+
+def _trim(manager: BlockSpaceManager, pool: KVPool, seqs, window: int, scrub: bool):
+    """``trim_window`` of ``seqs``; with ``scrub`` the freed blocks are
+    zeroed at once (an append after it may take them)."""
+    trimmed, _ = manager.trim_window(seqs, window)
+    if scrub:
+        pool = scrub_kv_pool(pool, freed_blocks(manager.device, trimmed.device, null=False))
+    return trimmed, pool
 
 
 def paged_row_blocks(num_tokens: int, block_size: int, window: int | None) -> int:
@@ -334,15 +346,17 @@ def start_decoding(manager: BlockSpaceManager, pool: KVPool, last_logits: Float[
 
 
 def decode_body(graphdef, params, state: DecodeState, sampling: SamplingParams | RowSampling, *,
-                free_finished: bool = True) -> DecodeState:
+                free_finished: bool = True, scrub: bool = False) -> DecodeState:
     """One decode step of every unfinished row: :func:`decode_logits`,
     :func:`~jaxkv.nn.sampling.sample`, record the token, finish rows on EOS or
     ``max_new`` (freeing them with ``free_finished``). A failed append
-    records nothing and sets ``ok`` False and ``blocked``."""
+    records nothing and sets ``ok`` False and ``blocked``. ``scrub``
+    (static): every block the step frees is zeroed in it
+    (:mod:`jaxkv.pool.scrub`)."""
     batch, width = state.tokens.shape
     active = ~state.finished
     manager, pool, logits, now_blocked, ok = decode_logits(graphdef, params, state.manager, state.pool,
-                                                           state.last, active)
+                                                           state.last, active, scrub=scrub)
     if isinstance(sampling, SamplingParams) and sampling.is_greedy:  # static: no draw, so no key is spent
         keys, new = state.keys, sample(logits, state.keys, sampling)
     else:
@@ -359,11 +373,22 @@ def decode_body(graphdef, params, state: DecodeState, sampling: SamplingParams |
         keys=keys, step=state.step + 1, blocked=jnp.where(ok, state.blocked, now_blocked),
         peak_used=jnp.maximum(state.peak_used, _blocks_in_use(manager)), ok=state.ok & ok)
     done = running & ((new == state.eos_id) | (num_generated >= state.max_new))
-    return _finish(state, done, free_finished)
+    if not (scrub and free_finished):
+        return _finish(state, done, free_finished)
+    finished = _finish(state, done, free_finished)
+    return finished.replace(**_scrubbed(state.manager, finished.manager, finished.pool))
+
+
+def _scrubbed(before, after, pool) -> dict:
+    """``manager`` and ``pool`` with the blocks freed between ``before`` and
+    ``after`` zeroed (either kind of manager)."""
+    if isinstance(after, KVCacheManager):
+        return dict(manager=scrub_hybrid(before, after), pool=pool)
+    return dict(manager=after, pool=scrub_kv_pool(pool, freed_blocks(before.device, after.device)))
 
 
 def run_decode(graphdef, params, state: DecodeState, sampling: SamplingParams | RowSampling, *,
-               num_steps: int | None = None, free_finished: bool = True) -> DecodeState:
+               num_steps: int | None = None, free_finished: bool = True, scrub: bool = False) -> DecodeState:
     """:func:`decode_body` in one ``lax.while_loop`` until every row finished,
     an allocation failed, or (given ``num_steps``) that many steps ran."""
     stop_at = None if num_steps is None else state.step + num_steps
@@ -373,7 +398,7 @@ def run_decode(graphdef, params, state: DecodeState, sampling: SamplingParams | 
         return go if stop_at is None else go & (s.step < stop_at)
 
     return jax.lax.while_loop(running, lambda s: decode_body(graphdef, params, s, sampling,
-                                                             free_finished=free_finished), state)
+                                                             free_finished=free_finished, scrub=scrub), state)
 
 
 @partial(jax.jit, static_argnames=("graphdef", "free_finished"), donate_argnums=(2,))
@@ -421,7 +446,7 @@ def _sample_lanes(logits: Float[Array, "S V"], keys: jax.Array, sampling: RowSam
 
 
 def paged_packed_step(graphdef, params, manager: BlockSpaceManager, pool: KVPool, batch: PackedBatch,
-                      sampling: RowSampling, keys: jax.Array, *, window: int | None = None):
+                      sampling: RowSampling, keys: jax.Array, *, window: int | None = None, scrub: bool = False):
     """One packed step of a paged-pool model (``batch.seq_ids`` are sequence
     rows). Decode lanes first release the blocks out of every layer's
     ``window`` (as :func:`decode_logits`), then ``append_slots`` one token
@@ -429,10 +454,11 @@ def paged_packed_step(graphdef, params, manager: BlockSpaceManager, pool: KVPool
     every real token's K/V are written at its row's slot, the model runs
     (``forward_packed``) and the lanes of ``batch.sample`` that ran draw a
     token. Returns ``(manager, pool, tokens [S], keys, decode_ok, blocked
-    [S], blocks in use)``."""
+    [S], blocks in use)``. ``scrub``: the trimmed blocks are zeroed before
+    the append (:mod:`jaxkv.pool.scrub`)."""
     seqs = jnp.where(batch.decode_lanes, batch.seq_ids, -1)
     if window is not None:
-        manager, _ = manager.trim_window(seqs, window)
+        manager, pool = _trim(manager, pool, seqs, window, scrub)
     manager, pool, _, blocked, ok = manager.append_slots(pool, seqs, 1)
     batch = _drop_decode_lanes(batch, ok)
     token_rows = batch.seq_ids[batch.token_lanes]

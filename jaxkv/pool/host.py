@@ -35,7 +35,7 @@ from jaxkv import _host
 from jaxkv.errors import InvalidArgument, InvalidId
 from jaxkv.pool.kv_pool import KVPool
 
-__all__ = ["create_host_pool", "is_pinned", "swap_in_pages", "swap_out_pages"]
+__all__ = ["clear_host_pages", "create_host_pool", "is_pinned", "swap_in_pages", "swap_out_pages"]
 
 # Page ids are checked on the host before these run: drop their ``ok``.
 _read_pages = jax.jit(lambda pool, pages: pool.read_pages(pages)[0])
@@ -183,3 +183,27 @@ def swap_in_pages(pool: KVPool, host_pool: KVPool, host_pages, device_pages) -> 
                                 host_sharding=_placement(host_pool))
     data = jax.tree_util.tree_map(lambda leaf: leaf[:, :, gather], host_pool)
     return _write_pages(pool, targets, jax.device_put(data))
+
+
+def clear_host_pages(host_pool: KVPool, pages) -> KVPool:
+    """Host pages ``pages`` zeroed as :func:`create_host_pool` made them
+    (every layer, K, V, scales; -1 skipped; repeats allowed): scrub-on-free
+    of pages the host side let go. Returns the host pool (a pinned one is
+    donated; a numpy one is written in place). ``InvalidId`` for a page
+    outside the pool, before anything changes."""
+    ids = _host.int_array(pages, "pages").reshape(-1)
+    ids = np.unique(ids[ids != -1])
+    bad = ids[(ids < 0) | (ids >= host_pool.num_pages)]
+    if bad.size:
+        raise InvalidId(f"clear_host_pages: pages {_host.preview(bad)} outside the pool's [0, {host_pool.num_pages})",
+                        bad)
+    if not ids.size:
+        return host_pool
+    if not is_pinned(host_pool):
+        for leaf in jax.tree_util.tree_leaves(host_pool):
+            leaf[:, :, ids] = 0
+        return host_pool
+    targets = _host.padded_ids(ids)
+    zeros = jax.tree_util.tree_map(lambda a: jax.numpy.zeros(a.shape[:2] + targets.shape + a.shape[3:], a.dtype),
+                                   host_pool)
+    return _store_pinned_jit(host_pool, targets, zeros, sharding=_placement(host_pool))

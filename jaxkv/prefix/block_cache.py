@@ -33,6 +33,17 @@ Locked (pinned) nodes are *protected*; unlocked device-tier nodes are
 chain from its end (never its middle), and a parent becomes a candidate once
 its last child is gone.
 
+Namespaces and quotas (tenants): every lookup, insert and event is scoped
+to a namespace (``match(tokens, namespace)``; a vLLM ``cache_salt``, an
+API key's tenant). With ``set_quota(units)`` the device-tier pages of an
+owner's namespaces (``radix.owner_key``: a server tenant's salts count as one)
+are capped at ``units`` (``trim(namespace)`` evicts its own least
+recently used unlocked leaves down to it; callers trim after inserting),
+and ``evict`` takes from namespaces holding more than their fair share
+first (``fair_share``: the cached pages over the namespaces holding any),
+so one tenant's traffic cannot flush another's prefixes. Pinned pages
+(running requests) are never evicted, by either.
+
 Host tier (optional, ``host_pages > 0``): an evicted device leaf moves to host
 page ids instead of being dropped (the caller copies the pages with
 ``swap_out_pages``); a later match returns those nodes in
@@ -52,7 +63,7 @@ import numpy as np
 from jaxkv import _host
 from jaxkv._ops import INT32_MAX
 from jaxkv.errors import CacheLocked, InvalidArgument
-from jaxkv.prefix.radix import DEVICE, HOST, Node, RadixTree, token_bytes
+from jaxkv.prefix.radix import DEVICE, HOST, Node, RadixTree, owner_key, token_bytes
 
 __all__ = [
     "AllBlocksCleared",
@@ -194,6 +205,58 @@ class PrefixCacheManager:
         self._events: list = []
         self._query_tokens = self._hit_tokens = self._host_hit_tokens = 0
         self._evicted_tokens = self._offloaded_tokens = self._evictions = 0
+        self.quota: int | None = None  # device-tier pages one namespace may hold (None: no cap, plain LRU)
+        self._freed_host: list = []  # host pages let go since take_freed_host_pages (scrub-on-free)
+
+    def take_freed_host_pages(self) -> list:
+        """Host-tier pages let go (dropped, or loaded back to the device)
+        since the last call: a caller that scrubs zeroes them before their
+        next use. Pages a later offload of the same call reuses are in it
+        too (zeroing them first is harmless)."""
+        pages, self._freed_host = self._freed_host, []
+        return pages
+
+    # ------------------------------------------------------------------ quotas
+
+    def set_quota(self, units: int | None) -> None:
+        """Cap every namespace's device-tier pages at ``units`` (>= 1; None:
+        no cap and plain LRU eviction). Takes effect at the next ``trim``
+        and ``evict``."""
+        if units is not None:
+            units = _host.int_at_least(units, "quota", 1)
+        self.quota = units
+
+    def fair_share(self) -> float:
+        """Device-tier pages per namespace holding any (0 when empty)."""
+        held = self.tree.namespace_units
+        return sum(held.values()) / len(held) if held else 0.0
+
+    def namespace_pages(self, namespace: Hashable = None) -> int:
+        """Device-tier pages cached under ``namespace`` and the other
+        namespaces of its owner (:func:`~jaxkv.prefix.radix.owner_key`)."""
+        return self.tree.namespace_units.get(owner_key(namespace), 0)
+
+    def trim(self, namespace: Hashable = None) -> Evicted:
+        """Evict the least recently used unlocked leaves of ``namespace``'s
+        owner until it holds at most the quota (nothing without one); as
+        ``evict``."""
+        if self.quota is None:
+            return Evicted([], [], [])
+        key = owner_key(namespace)
+        excess = self.tree.namespace_units.get(key, 0) - self.quota
+        return self._evict(excess, lambda: self.tree.pop_lru_leaf(DEVICE, {key}))
+
+    def _over_share(self) -> Node | None:
+        """With a quota: the least recently used evictable leaf of the
+        namespaces over their fair share, else of any namespace."""
+        tree = self.tree
+        if self.quota is not None and len(tree.namespace_units) > 1:
+            share = self.fair_share()
+            over = {key for key, units in tree.namespace_units.items() if units > share}
+            node = tree.pop_lru_leaf(DEVICE, over)
+            if node is not None:
+                return node
+        return tree.pop_lru_leaf(DEVICE)
 
     # ------------------------------------------------------------------ lookup
 
@@ -374,11 +437,15 @@ class PrefixCacheManager:
         num_blocks = _host.int_scalar(num_blocks, "num_blocks")
         if num_blocks < 0:
             raise InvalidArgument(f"evict(num_blocks={num_blocks}): the count must be >= 0")
+        return self._evict(num_blocks, self._over_share)
+
+    def _evict(self, num_blocks: int, pick) -> Evicted:
+        """``evict``'s loop over the leaves ``pick()`` gives (None: no more)."""
         tree = self.tree
         released: list = []
         offloads: dict = {}  # host page -> device block to copy there, in order
         while len(released) < num_blocks:
-            node = tree.pop_lru_leaf(DEVICE)
+            node = pick()
             if node is None:
                 break
             need = num_blocks - len(released)
@@ -452,6 +519,7 @@ class PrefixCacheManager:
 
     def _drop_host_pages(self, node: Node, offloads: dict | None = None) -> None:
         self._host_free += node.value
+        self._freed_host += node.value
         if offloads:
             for page in node.value:
                 offloads.pop(page, None)

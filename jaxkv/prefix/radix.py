@@ -26,7 +26,9 @@ Invariants (checked by ``check_invariants`` in the tests):
 * tiers are monotone along a path: a device-tier node never has a host-tier
   ancestor (eviction takes the tail of a chain first);
 * ``evictable_units + protected_units`` is the number of device-tier units
-  in the tree; ``protected_units`` counts those of locked nodes. These
+  in the tree; ``protected_units`` counts those of locked nodes;
+  ``namespace_units[owner_key(ns)]`` counts the device-tier units of the
+  namespaces of one owner (absent when 0; quotas count per owner). These
   counters (and ``host_units``, ``num_nodes``) are written only by this
   module: the caches move nodes between tiers with ``to_host`` /
   ``to_device``, add and drop them with ``add_child`` / ``remove_leaf`` and
@@ -66,7 +68,7 @@ from jaxkv import _host
 from jaxkv._ops import INT32_MAX
 from jaxkv.errors import InvalidArgument
 
-__all__ = ["DEVICE", "HOST", "TOKEN_BYTES", "Node", "RadixTree", "namespace_key", "token_bytes"]
+__all__ = ["DEVICE", "HOST", "TOKEN_BYTES", "Node", "RadixTree", "namespace_key", "owner_key", "token_bytes"]
 
 DEVICE = 0
 HOST = 1
@@ -100,6 +102,16 @@ def namespace_key(namespace: Hashable) -> tuple:
     its type; numpy and Python integers of the same value stay one
     namespace."""
     return (isinstance(namespace, (bool, np.bool_)), namespace)
+
+
+def owner_key(namespace: Hashable) -> tuple:
+    """Whose quota a namespace counts toward: a server tenant's namespaces
+    ``("tenant", name, salt)`` all count toward ``("tenant", name)`` (a
+    tenant cannot multiply its share by sending many salts); any other
+    namespace is its own owner."""
+    if isinstance(namespace, tuple) and len(namespace) >= 2 and namespace[0] == "tenant":
+        namespace = namespace[:2]
+    return namespace_key(namespace)
 
 
 class Node:
@@ -164,6 +176,7 @@ class RadixTree:
         self.protected_units = 0
         self.host_units = 0
         self.num_nodes = 0
+        self.namespace_units: dict[tuple, int] = {}  # device-tier units per namespace key
         self._heaps: tuple[list, list] = ([], [])  # per tier: (last_access, seq, node), lazily pruned
         self._seq = 0
 
@@ -276,6 +289,7 @@ class RadixTree:
         units = len(key) // self.unit_bytes
         if tier == DEVICE:
             self.evictable_units += units
+            self._count(child.namespace, units)
         else:
             self.host_units += units
         self.push_if_leaf(child)
@@ -290,9 +304,18 @@ class RadixTree:
         units = self.units(node)
         if node.tier == DEVICE:
             self.evictable_units -= units
+            self._count(node.namespace, -units)
         else:
             self.host_units -= units
         self.push_if_leaf(parent)
+
+    def _count(self, namespace: Hashable, units: int) -> None:
+        key = owner_key(namespace)
+        total = self.namespace_units.get(key, 0) + units
+        if total:
+            self.namespace_units[key] = total
+        else:
+            self.namespace_units.pop(key, None)
 
     # ------------------------------------------------------------------ tiers
 
@@ -306,6 +329,7 @@ class RadixTree:
         node.value = host_value
         node.tier = HOST
         self.evictable_units -= units
+        self._count(node.namespace, -units)
         self.host_units += units
         self.push_if_leaf(node)
         self.push_if_leaf(node.parent)
@@ -320,6 +344,7 @@ class RadixTree:
         node.value = device_value
         node.tier = DEVICE
         self.host_units -= units
+        self._count(node.namespace, units)
         if node.lock:
             self.protected_units += units
         else:
@@ -424,10 +449,15 @@ class RadixTree:
         heapq.heapify(heap)
         return heap
 
-    def pop_lru_leaf(self, tier: int) -> Node | None:
+    def pop_lru_leaf(self, tier: int, namespaces: set | None = None) -> Node | None:
         """The least recently used evictable leaf of ``tier`` (removed from the
-        candidates; the caller evicts it or pushes it back)."""
+        candidates; the caller evicts it or pushes it back); with
+        ``namespaces`` (owner keys, :func:`owner_key`), the least recently
+        used one of those owners' namespaces (None when they have none; the others' stay
+        queued)."""
         heap = self._heaps[tier]
+        passed = []  # other namespaces' leaves, queued again at the end
+        found = None
         while heap:
             time, _, node = heapq.heappop(heap)
             if node.parent is None or not self.is_leaf(node, tier):
@@ -436,8 +466,14 @@ class RadixTree:
                 self._push(node, tier)
                 heap = self._heaps[tier]
                 continue
-            return node
-        return None
+            if namespaces is not None and owner_key(node.namespace) not in namespaces:
+                passed.append(node)
+                continue
+            found = node
+            break
+        for node in passed:
+            self._push(node, tier)
+        return found
 
     # ------------------------------------------------------------------ traversal
 
@@ -453,11 +489,13 @@ class RadixTree:
     def clear(self) -> None:
         self.roots.clear()
         self.evictable_units = self.protected_units = self.host_units = self.num_nodes = 0
+        self.namespace_units = {}
         self._heaps = ([], [])
 
     def check_invariants(self) -> None:
         """Recount everything from scratch and compare (tests call this)."""
         evictable = protected = host = count = 0
+        per_namespace: dict = {}
         for key, root in self.roots.items():
             assert root.lock == 1 and root.pins >= 0 and root.parent is None and namespace_key(root.namespace) == key
             for node in self.nodes(root.namespace):
@@ -470,6 +508,9 @@ class RadixTree:
                 if node.parent.parent is not None and node.tier == DEVICE:
                     assert node.parent.tier == DEVICE, "host-tier node above a device-tier node"
                 units = self.units(node)
+                if node.tier == DEVICE:
+                    owner = owner_key(node.namespace)
+                    per_namespace[owner] = per_namespace.get(owner, 0) + units
                 if node.tier == HOST:
                     host += units
                 elif node.lock:
@@ -479,3 +520,4 @@ class RadixTree:
         assert (evictable, protected, host, count) == (
             self.evictable_units, self.protected_units, self.host_units, self.num_nodes,
         ), ((evictable, protected, host, count), (self.evictable_units, self.protected_units, self.host_units, self.num_nodes))
+        assert per_namespace == self.namespace_units, (per_namespace, self.namespace_units)

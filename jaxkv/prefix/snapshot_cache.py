@@ -40,6 +40,14 @@ Tree pages give their blocks back only under block pressure
 (:meth:`evict_blocks`, least recently used pages first; the records keyed at
 an evicted page go with it).
 
+Quotas (tenants, :meth:`set_quota`): a namespace's tree pages and
+snapshot records are capped (``pages``, ``rows``). Storing past the page cap
+evicts the namespace's own least recently used unpinned pages; a record past
+the row cap takes the row of the namespace's own victim (or is not kept
+when all of its records are pinned); and under pressure (``evict_blocks``,
+a row needed while none is free) namespaces over their fair share give
+first. Pinned records and pages (running requests' hits) are never taken.
+
 Host tier (``spill``): every record that leaves the device is reported
 whole (:class:`Spill`: its tokens, every block holding them, its row) for
 the caller to copy to host memory before the blocks are released; one that
@@ -74,7 +82,7 @@ import numpy as np
 
 from jaxkv.errors import BookkeepingError, InvalidArgument
 from jaxkv.prefix.block_cache import PrefixCacheManager
-from jaxkv.prefix.radix import DEVICE, namespace_key
+from jaxkv.prefix.radix import DEVICE, namespace_key, owner_key
 
 __all__ = ["BlockOps", "RETENTION_POLICIES", "SNAPSHOT_KINDS", "SnapshotCache", "SnapshotHit", "SnapshotRecord", "Spill"]
 
@@ -150,12 +158,15 @@ class BlockOps:
     """Device work an operation asks of the caller, in this order: incref
     ``incref[g]`` (ids of group ``g``), copy the ``spills`` to host, release
     ``release[g]``, then copy state rows ``copies`` (``snapshot row ->
-    source``: the caller's request slot whose state the snapshot takes)."""
+    source``: the caller's request slot whose state the snapshot takes).
+    ``cleared``: snapshot rows let go (their record dropped); a caller that
+    scrubs resets them with the release, before the copies."""
 
     incref: dict
     release: dict
     copies: dict = dataclasses.field(default_factory=dict)
     spills: list = dataclasses.field(default_factory=list)
+    cleared: list = dataclasses.field(default_factory=list)
 
     def extend(self, other: "BlockOps") -> None:
         for name in self.incref:
@@ -163,6 +174,7 @@ class BlockOps:
             self.release[name] += other.release[name]
         self.copies.update(other.copies)
         self.spills += other.spills
+        self.cleared += other.cleared
 
     def __bool__(self) -> bool:
         return any(self.incref.values()) or any(self.release.values()) or bool(self.copies) or bool(self.spills)
@@ -208,9 +220,22 @@ class SnapshotCache:
         self._next_handle = 1
         self._next_record = 1
         self._clock = 0
-        #: ``(kind, record id, tokens)`` with kind "stored", "evicted", "dropped" (no row could be freed).
+        #: ``(kind, record id, tokens, namespace)`` with kind "stored", "evicted", "dropped" (no row could be freed).
         self.events: list = []
         self.stored = self.evicted = self.dropped = self.hits = self.hit_tokens = 0
+        self.row_quota: int | None = None  # snapshot records one namespace may hold
+
+    def set_quota(self, pages: int | None, rows: int | None) -> None:
+        """Cap every namespace at ``pages`` tree pages and ``rows`` snapshot
+        records (None: no cap, plain eviction order)."""
+        self.tree.set_quota(pages)
+        self.row_quota = None if rows is None else max(int(rows), 1)
+
+    def namespace_records(self, namespace: Hashable = None) -> int:
+        """Snapshot records cached under ``namespace``'s owner
+        (:func:`~jaxkv.prefix.radix.owner_key`)."""
+        key = owner_key(namespace)
+        return sum(owner_key(r.namespace) == key for r in self.records.values())
 
     # ----------------------------------------------------------------- lookup
 
@@ -312,6 +337,7 @@ class SnapshotCache:
                                        f"request's table holds {list(row_blocks[g])[: need[g] + 2]}")
         depth = len(tokens) // self.unit
         handles = self._insert_pages(tokens[: depth * self.unit], row_blocks, namespace, ops) if depth else []
+        self._trim(namespace, tokens[: depth * self.unit], ops)
         if given:
             return self._adopt_given(tokens, row_blocks, need, depth, handles, source, kind, namespace, ops)
         key = self._key(depth, handles, namespace)
@@ -327,10 +353,10 @@ class SnapshotCache:
                 if _rank(kind) > _rank(record.kind):
                     record.kind = kind
                 return ops
-        row = self._free_row(ops)  # (dropping a record for its row never evicts a page)
+        row = self._free_row(ops, namespace)  # (dropping a record for its row never evicts a page)
         if row is None:
             self.dropped += 1
-            self.events.append(("dropped", -1, len(tokens)))
+            self.events.append(("dropped", -1, len(tokens), namespace))
             return ops
         tail = tuple(tuple(int(b) for b in row_blocks[g][depth * self.blocks_per_page[g]: need[g]])
                      for g in range(len(self.groups)))
@@ -350,7 +376,7 @@ class SnapshotCache:
         self.records[record.id] = record
         self._at[key].append(record.id)
         self.stored += 1
-        self.events.append(("stored", record.id, record.tokens))
+        self.events.append(("stored", record.id, record.tokens, record.namespace))
         return record
 
     def take_row(self) -> tuple[int | None, BlockOps]:
@@ -380,7 +406,21 @@ class SnapshotCache:
         depth = len(tokens) // self.unit
         handles = self._insert_pages(tokens[: depth * self.unit], row_blocks, namespace, ops) if depth else []
         self._hand_over(row_blocks, depth, ops)
+        self._trim(namespace, tokens[: depth * self.unit], ops)
         return handles, ops
+
+    def _trim(self, namespace: Hashable, pages: list, ops: BlockOps) -> None:
+        """With a page quota: evict ``namespace``'s own least recently used
+        unpinned pages down to it (the records keyed at them go too). The
+        pages just stored (``pages``: their tokens) are pinned meanwhile: a
+        store never evicts its own prefix."""
+        if self.tree.quota is None or self.tree.namespace_pages(namespace) <= self.tree.quota:
+            return
+        node = self.tree.pin_prefix(pages, namespace) if pages else None
+        try:
+            self._drop_pages(self.tree.trim(namespace).blocks, ops)
+        finally:
+            self.tree.release(node)
 
     def _hand_over(self, row_blocks, depth: int, ops: BlockOps) -> None:
         """The pages' references were given: the increfs ``_insert_pages``
@@ -406,6 +446,7 @@ class SnapshotCache:
             for g, name in enumerate(self.groups):  # cached meanwhile: the given tail and row go back
                 ops.release[name] += list(tail[g])
             self._free_rows.append(row)
+            ops.cleared.append(row)
             return ops
         self._add_record(row, tokens, depth, handles, tail, kind, namespace)
         return ops
@@ -429,18 +470,35 @@ class SnapshotCache:
                 del self.pages[h]  # the tree had this page already
         return list(result.blocks)
 
-    def _free_row(self, ops: BlockOps) -> int | None:
-        if not self._free_rows:
+    def _free_row(self, ops: BlockOps, namespace: Hashable = None) -> int | None:
+        """A row for a record of ``namespace``: a free one, else a victim's.
+        At its row quota the namespace gives up one of its own records
+        (None when all of them are pinned)."""
+        if self.row_quota is not None and self.namespace_records(namespace) >= self.row_quota:
+            key = owner_key(namespace)
+            victim = self._victim(lambda r: owner_key(r.namespace) == key)
+            if victim is None:
+                return None
+            self._drop_record(victim, ops)
+        elif not self._free_rows:
             victim = self._victim()
             if victim is None:
                 return None
             self._drop_record(victim, ops)
         return self._free_rows.pop()
 
-    def _victim(self) -> SnapshotRecord | None:
-        candidates = [r for r in self.records.values() if r.pins == 0]
+    def _victim(self, among=None) -> SnapshotRecord | None:
+        """The retention policy's choice among the unpinned records (of
+        ``among(record)`` when given); with a quota, from the namespaces
+        holding more records than their fair share first."""
+        candidates = [r for r in self.records.values() if r.pins == 0 and (among is None or among(r))]
         if not candidates:
             return None
+        if self.row_quota is not None and among is None:
+            held = collections.Counter(owner_key(r.namespace) for r in self.records.values())
+            share = len(self.records) / len(held)
+            over = [r for r in candidates if held[owner_key(r.namespace)] > share]
+            candidates = over or candidates
         if self.retention == "lru":
             return min(candidates, key=lambda r: r.last_used)
         return min(candidates, key=lambda r: (_class(r), r.last_used))
@@ -457,8 +515,9 @@ class SnapshotCache:
         if not self._at[record.key]:
             del self._at[record.key]
         self._free_rows.append(record.row)
+        ops.cleared.append(record.row)
         self.evicted += 1
-        self.events.append(("evicted", record.id, record.tokens))
+        self.events.append(("evicted", record.id, record.tokens, record.namespace))
 
     # ----------------------------------------------------------------- pressure
 

@@ -18,6 +18,22 @@ in ``$JAXKV_CACHE_DIR/jax``, else ``$XDG_CACHE_HOME/jaxkv/jax``, else
 programs from there instead of compiling them. Every program is cached,
 however small (see :func:`jaxkv.serve.http.configure_compile_cache`).
 
+**API keys and tenants.** ``--api-keys-file keys.json`` (a JSON object,
+API key -> tenant name) and / or ``--api-key KEY`` (one key, tenant
+``default``; it shows in the process list, the file does not): every request
+but ``GET /health`` and ``GET /metrics`` then needs ``Authorization: Bearer
+KEY`` (401 without), each tenant's prefixes are cached in namespaces of its
+own (two tenants never share one, whatever ``cache_salt`` they send), and
+the per-request metrics get a ``tenant`` label (the tenant's name). See
+:mod:`jaxkv.serve.http` (API keys and tenants). ``/metrics`` stays open and
+shows every tenant's name and traffic: do not expose it publicly.
+
+**Engine pass-through.** ``--scrub-on-free`` and ``--prefix-quota FRACTION``
+go to :class:`jaxkv.serve.Engine` as ``scrub_on_free=True`` and
+``prefix_quota=FRACTION`` (the share, in (0, 1], of each block group and of
+the snapshot rows that one namespace's cached prefixes may hold), and only
+when given.
+
 Example::
 
     python -m jaxkv.serve --model smollm2 --port 8000 --max-model-len 2048
@@ -32,6 +48,7 @@ import time
 _COMMAND_CLOCK = time.perf_counter()  # before the heavy imports: part of the start-up time
 
 import argparse  # noqa: E402
+import json  # noqa: E402
 import logging  # noqa: E402
 import os  # noqa: E402
 import re  # noqa: E402
@@ -91,6 +108,49 @@ def _positive(text: str) -> int:
     return value
 
 
+def _fraction(text: str) -> float:
+    """A float in (0, 1]."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: give a fraction in (0, 1] (e.g. 0.25)") from None
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"{text}: a fraction must be in (0, 1]")
+    return value
+
+
+def load_api_keys(path: str | None, key: str | None = None) -> dict[str, str] | None:
+    """API key -> tenant name from ``--api-keys-file`` (a JSON object of
+    non-empty strings) and ``--api-key`` (tenant ``default``); None when
+    neither is given. ``InvalidArgument`` for a file that is not such an
+    object, or ``--api-key`` naming a key the file gives another tenant;
+    no message holds a key."""
+    from jaxkv.errors import InvalidArgument
+
+    keys: dict[str, str] = {}
+    if path is not None:
+        try:
+            with open(path, encoding="utf-8") as f:
+                loaded = json.load(f)
+        except OSError as err:
+            raise InvalidArgument(f"--api-keys-file {path}: {err.strerror}") from None
+        except (json.JSONDecodeError, UnicodeDecodeError) as err:  # positions only, never the text
+            where = f"line {err.lineno} column {err.colno}" if isinstance(err, json.JSONDecodeError) else "encoding"
+            raise InvalidArgument(f"--api-keys-file {path}: not valid JSON ({where})") from None
+        if not isinstance(loaded, dict) or not loaded:
+            raise InvalidArgument(f"--api-keys-file {path}: give a non-empty JSON object, API key -> tenant name")
+        for number, name in enumerate(loaded.values(), 1):
+            if not isinstance(name, str) or not name:
+                raise InvalidArgument(f"--api-keys-file {path}: entry #{number}: the tenant name must be a "
+                                      "non-empty string")
+        keys.update(loaded)
+    if key is not None:
+        if keys.get(key, "default") != "default":
+            raise InvalidArgument("--api-key names a key that --api-keys-file gives another tenant")
+        keys[key] = "default"
+    return keys or None
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m jaxkv.serve", description="An OpenAI-compatible HTTP server "
                                 "(completions, chat completions, streaming, /metrics) over jaxkv's engine.")
@@ -118,6 +178,17 @@ def build_parser() -> argparse.ArgumentParser:
                    "(default: the checkpoint's)")
     p.add_argument("--tensor-parallel-size", "-tp", type=_positive, default=1, help="split the model and its "
                    "cache over this many of this host's devices (a 'tp' mesh; jaxkv.nn.sharding; default 1)")
+    p.add_argument("--scrub-on-free", action="store_true", help="the engine zeroes every KV block and resets "
+                   "every state row in the call that frees it, so freed memory holds no request's data "
+                   "(Engine(scrub_on_free=True); costs about the bytes it zeroes)")
+    p.add_argument("--prefix-quota", type=_fraction, metavar="FRACTION", help="the share, in (0, 1], of each "
+                   "block group and of the snapshot rows one namespace's cached prefixes may hold "
+                   "(Engine(prefix_quota=...); default: no quota)")
+    p.add_argument("--api-key", metavar="KEY", help="require 'Authorization: Bearer KEY' on every request but "
+                   "/health and /metrics (tenant 'default'; visible in the process list: prefer --api-keys-file)")
+    p.add_argument("--api-keys-file", metavar="PATH", help="a JSON object mapping API key -> tenant name: every "
+                   "request but /health and /metrics needs one of the keys, each tenant's prefix cache namespaces "
+                   "are its own, and the per-request metrics get a 'tenant' label")
     p.add_argument("--seed", type=int, default=0, help="the engine's seed (requests without 'seed')")
     p.add_argument("--compile-cache-dir", help="the persistent JAX compilation cache's folder (default "
                    "$JAXKV_CACHE_DIR/jax or ~/.cache/jaxkv/jax)")
@@ -151,9 +222,12 @@ def engine_options(args) -> dict:
     for name, value in (("max_model_len", args.max_model_len), ("kv_cache_memory", args.kv_cache_memory),
                         ("decode_chunk", args.decode_chunk), ("prefill_chunk", args.prefill_chunk),
                         ("max_num_batched_tokens", args.max_num_batched_tokens),
-                        ("host_kv_memory", args.swap_space), ("host_prefix_memory", args.host_prefix_memory)):
+                        ("host_kv_memory", args.swap_space), ("host_prefix_memory", args.host_prefix_memory),
+                        ("prefix_quota", args.prefix_quota)):
         if value is not None:
             options[name] = value
+    if args.scrub_on_free:  # only when asked: an engine without the option still serves
+        options["scrub_on_free"] = True
     if args.tensor_parallel_size > 1:
         options["mesh"] = tensor_parallel_mesh(args.tensor_parallel_size)
     return options
@@ -175,9 +249,23 @@ def tensor_parallel_mesh(size: int):
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     logging.basicConfig(level=getattr(logging, args.log_level.upper()),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from jaxkv.errors import InvalidArgument
+
+    try:
+        api_keys = load_api_keys(args.api_keys_file, args.api_key)
+        if api_keys is not None:
+            from jaxkv.serve.http import APIKeys
+
+            api_keys = APIKeys(api_keys)
+    except InvalidArgument as err:
+        parser.error(str(err))
+    if api_keys is not None:
+        logger.info("API keys: %d key(s) for tenant(s) %s; /health and /metrics need none", len(api_keys),
+                    ", ".join(api_keys.tenants))
     model_path = _resolve_model(args.model)
     names = args.served_model_name or [_default_name(model_path)]
 
@@ -223,7 +311,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         run_server(build, host=args.host, port=args.port, served_model_names=names, startup_clock=_COMMAND_CLOCK,
-                   log_level=args.log_level, on_started=started)
+                   log_level=args.log_level, on_started=started, api_keys=api_keys)
     except KeyboardInterrupt:  # uvicorn re-raises Ctrl-C after its graceful shutdown
         pass
     return 0

@@ -166,18 +166,19 @@ def sample_first(last_logits, keys, sampling: RowSampling):
 
 
 
-@partial(jax.jit, static_argnames=("graphdef", "num_steps"), donate_argnums=(2, 3))
+@partial(jax.jit, static_argnames=("graphdef", "num_steps", "scrub"), donate_argnums=(2, 3))
 def decode_chunk(graphdef, params, manager, pool, last, active, num_generated, max_new, eos_id,
-                 sampling: RowSampling, keys, *, num_steps: int) -> DecodeState:
+                 sampling: RowSampling, keys, *, num_steps: int, scrub: bool = False) -> DecodeState:
     """The engine's decode chunk (a paged cache's; the benchmarks time it).
     Up to ``num_steps`` decode steps of the rows ``active`` in one
     ``lax.while_loop`` (:func:`jaxkv.nn.steps.run_decode`); rows stay
     allocated when they finish (the engine retires them). Stops early when
     no row runs or an allocation fails (``ok`` False; ``blocked`` marks the
-    rows that needed blocks)."""
+    rows that needed blocks). ``scrub``: blocks a sliding window frees are
+    zeroed in the step that frees them (:mod:`jaxkv.pool.scrub`)."""
     state = DecodeState.create(manager, pool, last=last, finished=~active, num_generated=num_generated,
                                max_new=max_new, eos_id=eos_id, keys=keys, width=num_steps)
-    return run_decode(graphdef, params, state, sampling, num_steps=num_steps, free_finished=False)
+    return run_decode(graphdef, params, state, sampling, num_steps=num_steps, free_finished=False, scrub=scrub)
 
 
 
@@ -190,6 +191,8 @@ class CacheBase:
     groups: tuple[str, ...]
     capacity: np.ndarray
     window: int | None = None  # every layer's sliding window, when decode trims blocks out of it
+    #: Zero every block (and reset every state row) in the jitted call that frees it (:mod:`jaxkv.pool.scrub`).
+    scrub: bool = False
 
     def place_on(self, mesh) -> None:
         """Put the device state on ``mesh`` (:mod:`jaxkv.nn.sharding`: heads
@@ -208,6 +211,25 @@ class CacheBase:
 
     def _host_tiers(self) -> list[str]:  # the options that gave this cache a host tier
         return []
+
+    def isolate(self, *, scrub_on_free: bool = False, prefix_quota: float | None = None) -> None:
+        """Tenant isolation (the engine's options of the same names):
+        ``scrub_on_free`` zeroes every block and resets every state row in
+        the jitted call that frees it (:mod:`jaxkv.pool.scrub`);
+        ``prefix_quota`` (a fraction in (0, 1]) caps the share of each
+        block group (and of the snapshot rows) one namespace's cached
+        prefixes may hold, and makes eviction take from namespaces over
+        their fair share first (:meth:`_set_quota`)."""
+        self.scrub = bool(scrub_on_free)
+        if prefix_quota is not None:
+            quota = float(prefix_quota)
+            if not 0.0 < quota <= 1.0:
+                raise InvalidArgument(f"prefix_quota={prefix_quota!r}: a fraction in (0, 1] of each block group "
+                                      "one namespace's cached prefixes may hold")
+            self._set_quota(quota)
+
+    def _set_quota(self, quota: float) -> None:
+        self.prefix_cache.set_quota(max(1, int(quota * int(self.capacity[0]))))
 
     # ------------------------------------------------------- block arithmetic
     # What a request costs, per group. The engine's fit rule (add_request) is
@@ -322,7 +344,7 @@ class CacheBase:
         loop; finished rows stay allocated until :meth:`retire`."""
         manager, pool = self._decode_view()
         state = decode_chunk(graphdef, params, manager, pool, last, active, num_generated, max_new, eos_id,
-                             sampling, self._keys(key_data), num_steps=num_steps)
+                             sampling, self._keys(key_data), num_steps=num_steps, scrub=self.scrub)
         self._decode_done(state.manager, state.pool)
         out, count, finished, ok, blocked, peak, keys = jax.device_get(
             (state.tokens, state.written, state.finished, state.ok, state.blocked, state.peak_used,

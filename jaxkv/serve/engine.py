@@ -595,6 +595,22 @@ class Engine:
             scheduler is deterministic given its inputs) and each gets every
             request's tokens (``docs/scale.md``). Sizing reads one device's
             memory; the host tiers are refused on a mesh.
+        scrub_on_free: zero every block of every pool (K/V pages and fp8
+            scales, DeepSeek-V4 compressed entries and indexer keys) and
+            reset every state row (snapshot rows; request slots are reset
+            always) in the jitted call that frees it: a finished, aborted
+            or preempted request, an eviction, a sliding window's trim
+            (:mod:`jaxkv.pool.scrub`). Off by default: costs about the
+            bytes it zeroes (README, "Tenants").
+        prefix_quota: a fraction in ``(0, 1]``: the most of each block
+            group (and of the snapshot rows) one namespace's cached
+            prefixes may hold; eviction then takes from namespaces over
+            their fair share first. Running requests are never affected
+            (their blocks are theirs; a pinned prefix is never evicted).
+            None (default): one LRU over every namespace.
+        enable_kv_events: record the prefix cache's events (pages stored
+            and removed, snapshot records) for :meth:`take_kv_events`;
+            each event names its namespace.
 
     Raises ``InvalidArgument``, naming the argument, for a size or count
     that is not an integer or is too small (``num_pages < 2``, others
@@ -616,7 +632,8 @@ class Engine:
                  snapshot_interval: int | None = None, prefix_cache: bool = True, decode_chunk: int = 8,
                  prefill_chunk: int = 256, max_num_batched_tokens: int | None = None, seed: int = 0,
                  detokenizer: Callable | None = None, free_bytes: int | None = None, scheduler: str = "packed",
-                 host_prefix_pages: int | None = None, host_prefix_memory: int | None = None, mesh=None):
+                 host_prefix_pages: int | None = None, host_prefix_memory: int | None = None, mesh=None,
+                 scrub_on_free: bool = False, prefix_quota: float | None = None, enable_kv_events: bool = False):
         max_seqs = _host.int_at_least(max_seqs, "max_seqs", 1)
         decode_chunk = _host.int_at_least(decode_chunk, "decode_chunk", 1)
         prefill_chunk = _host.int_at_least(prefill_chunk, "prefill_chunk", 1)
@@ -640,6 +657,9 @@ class Engine:
             max_context_tokens=max_context_tokens, num_blocks=num_blocks, num_snapshots=num_snapshots,
             snapshot_retention=snapshot_retention, snapshot_interval=snapshot_interval,
             entry_format=entry_format, host_prefix_pages=host_prefix_pages, host_prefix_memory=host_prefix_memory)
+        self.cache.isolate(scrub_on_free=scrub_on_free, prefix_quota=prefix_quota)
+        if enable_kv_events:
+            self.cache.prefix_cache.enable_events = True
         if mesh is not None:  # the model (unless placed already) and the cache's device state
             sharding.prepare(model, mesh)
             self.cache.place_on(mesh)
@@ -959,6 +979,17 @@ class Engine:
             logger.debug("request %d aborted", rid)
             self._count.aborted += 1
             self._finish(req, "abort")
+
+    def take_kv_events(self) -> list:
+        """The prefix cache's events since the last call, oldest first
+        (``enable_kv_events``): :class:`~jaxkv.prefix.BlockStored` /
+        :class:`~jaxkv.prefix.BlockRemoved` / ``AllBlocksCleared`` of its
+        pages (device or host medium) and, for a hybrid cache, its snapshot
+        records' ``(kind, id, tokens, namespace)``. Every event names the
+        namespace it belongs to: route a tenant only its own."""
+        events = self.cache.prefix_cache.take_events()
+        take = getattr(self.cache, "take_events", None)
+        return events + (take() if take is not None else [])
 
     def cached_tokens(self, request_id: int) -> int:
         """Prompt tokens the request's latest admission served from the

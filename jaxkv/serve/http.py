@@ -21,7 +21,8 @@ strings), ``n`` (1..:data:`MAX_N`), ``stream``, ``stream_options``
 (``{"include_usage": true}``: a last chunk with ``usage`` and no choices),
 ``cache_salt`` (vLLM's name: the request's prefixes go into their own
 namespace of the prefix cache, so requests with different salts never share
-a prefix, and requests with the same salt do), and two vLLM extensions,
+a prefix, and requests with the same salt do; with API keys, within the
+request's tenant only: see below), and two vLLM extensions,
 ``ignore_eos`` and ``stop_token_ids``. Fields the server cannot honour
 (``logprobs``, penalties, ``logit_bias``, ``tools``, ``echo``,
 ``best_of``...) set to anything but their neutral value are refused with 400
@@ -37,12 +38,33 @@ finish prefilling leaves its full pages in the cache for the others when
 they are admitted later; requests admitted in the same iteration each
 prefill their own copy).
 
+**API keys and tenants** (``create_app(api_keys={key: tenant})``; the
+command line's ``--api-key`` / ``--api-keys-file``). Without keys every
+request is served and its prefix-cache namespace is ``("cache_salt", salt)``
+(no salt: ``None``, the shared namespace). With keys, every request except
+``GET /health`` and ``GET /metrics`` (paths under ``/v1`` and unknown paths
+alike) must carry ``Authorization: Bearer <key>`` with a configured key;
+otherwise it gets 401 (``authentication_error``, ``code`` ``missing_api_key``
+or ``invalid_api_key``) before its body is read. The key names the request's
+tenant, and its namespace is ``("tenant", tenant, salt)`` (no salt:
+``("tenant", tenant, None)``): a tenant's requests share prefixes unless their
+salts differ, and requests of two tenants never do, whatever salts they give
+(a tenant cannot enter another's namespace by guessing its salt; several keys
+naming one tenant share its namespace). Keys are compared in constant time
+(:class:`APIKeys`). The ``cache_salt`` value and the keys never appear in a
+metric label, a log line or an error message; with keys, the per-request
+metrics carry the tenant's name as label ``tenant``
+(:mod:`jaxkv.serve.metrics`). ``/metrics`` itself needs no key and shows every
+tenant's name and traffic: keep it off public networks (scrape it from
+inside).
+
 Errors are OpenAI-style JSON ``{"error": {"message", "type", "code",
 "param"}}``: 400 (``invalid_request_error``) for a body that is not JSON or
 not an object, a missing field, a value of the wrong type or out of range,
 an unsupported field, and a prompt that with ``max_tokens`` does not fit the
 context (``code: context_length_exceeded``) or that the engine says can never
-fit; 404 for an unknown model (``model_not_found``) or path; 503
+fit; 401 (``authentication_error``) for a missing or unknown API key; 404
+for an unknown model (``model_not_found``) or path; 503
 (``model_not_ready``) while starting; 500 for a failure inside the engine.
 A refused request is refused before it reaches the engine (or, for the
 engine's own check, at ``add_request``, which queues nothing), so it never
@@ -88,6 +110,8 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import hashlib
+import hmac
 import json
 import logging
 import math
@@ -96,19 +120,19 @@ import queue
 import threading
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from jaxkv.errors import KVCacheError
+from jaxkv.errors import InvalidArgument, KVCacheError
 from jaxkv.nn.sampling import SamplingParams
 from jaxkv.serve.metrics import CONTENT_TYPE, ServerMetrics
 
-__all__ = ["MAX_N", "APIError", "EngineLoop", "ServerState", "configure_compile_cache", "create_app",
-           "default_compile_cache_dir", "run_server", "warm_up"]
+__all__ = ["MAX_N", "OPEN_PATHS", "APIError", "APIKeys", "EngineLoop", "ServerState", "configure_compile_cache",
+           "create_app", "default_compile_cache_dir", "run_server", "warm_up"]
 
 logger = logging.getLogger("jaxkv.serve")
 
@@ -158,18 +182,19 @@ class APIError(Exception):
     """An error answered as OpenAI's ``{"error": {...}}`` with ``status``."""
 
     def __init__(self, status: int, message: str, *, code: str | None = None, param: str | None = None,
-                 type: str | None = None):
+                 type: str | None = None, headers: Mapping[str, str] | None = None):
         super().__init__(message)
         self.status = status
         self.message = message
         self.code = code
         self.param = param
-        self.type = type or {400: "invalid_request_error", 404: "invalid_request_error",
+        self.headers = dict(headers or {})
+        self.type = type or {400: "invalid_request_error", 401: "authentication_error", 404: "invalid_request_error",
                              405: "invalid_request_error", 503: "service_unavailable"}.get(status, "server_error")
 
     def response(self) -> JSONResponse:
         return JSONResponse({"error": {"message": self.message, "type": self.type, "param": self.param,
-                                       "code": self.code}}, status_code=self.status)
+                                       "code": self.code}}, status_code=self.status, headers=self.headers or None)
 
 
 def _bad(message: str, param: str | None = None, code: str = "invalid_value") -> APIError:
@@ -242,6 +267,112 @@ def _refuse_unsupported(body: dict) -> None:
                        "unsupported_parameter")
 
 
+# ------------------------------------------------------------ API keys and tenants
+
+
+#: The paths served without an API key when keys are configured (every other path needs one).
+OPEN_PATHS = frozenset({"/health", "/metrics"})
+#: Where the authenticated tenant's name travels in the ASGI scope.
+_TENANT_SCOPE_KEY = "jaxkv.tenant"
+
+
+class APIKeys:
+    """The API keys a server accepts, each naming its tenant.
+
+    ``keys`` maps key -> tenant name (non-empty strings, a key of printable
+    ASCII without spaces; several keys may name one tenant, which then has
+    one namespace per salt, as with one key). Only each key's SHA-256 digest
+    is kept, never the key itself (nor is it in ``repr``), and
+    :meth:`tenant` compares the presented key's digest with EVERY configured
+    digest by :func:`hmac.compare_digest` (equal lengths: no length or prefix
+    leak) without stopping at a match, so the time taken does not depend on
+    which key, if any, matched. ``InvalidArgument`` for an empty mapping, a
+    key or a name that is not such a string; its message numbers the entry
+    and never holds a key."""
+
+    def __init__(self, keys: Mapping[str, str]):
+        if not isinstance(keys, Mapping) or not keys:
+            raise InvalidArgument("API keys: give a non-empty mapping of API key -> tenant name")
+        digests = []
+        for number, (key, name) in enumerate(keys.items(), 1):
+            if not (isinstance(key, str) and key and key.isascii() and key.isprintable() and " " not in key):
+                raise InvalidArgument(f"API key #{number} must be a non-empty string of printable ASCII without "
+                                      "spaces (what an Authorization header carries)")
+            if not isinstance(name, str) or not name:
+                raise InvalidArgument(f"API key #{number}: its tenant name must be a non-empty string")
+            digests.append((hashlib.sha256(key.encode()).digest(), name))
+        self._digests = tuple(digests)
+        #: The configured tenant names, sorted, each once.
+        self.tenants: tuple[str, ...] = tuple(sorted({name for _, name in digests}))
+
+    def __len__(self) -> int:
+        return len(self._digests)
+
+    def __repr__(self) -> str:
+        return f"APIKeys({len(self)} keys, tenants {list(self.tenants)})"
+
+    def tenant(self, key: str | None) -> str | None:
+        """The tenant ``key`` names, or None (no key, an unknown key)."""
+        presented = hashlib.sha256((key or "").encode()).digest()
+        found = None
+        for digest, name in self._digests:  # every key, no early exit
+            if hmac.compare_digest(digest, presented):
+                found = name
+        return found  # an empty key matches nothing: configured keys are non-empty
+
+
+def _bearer(authorization: str | None) -> str | None:
+    """The token of an ``Authorization: Bearer <token>`` header (the scheme
+    is case-insensitive), or None."""
+    if not authorization:
+        return None
+    scheme, _, token = authorization.strip().partition(" ")
+    token = token.strip()
+    return token if scheme.lower() == "bearer" and token else None
+
+
+class _Authenticate:
+    """ASGI middleware of a server with API keys: an HTTP request to a path
+    outside :data:`OPEN_PATHS` passes on only with ``Authorization: Bearer
+    <key>`` naming a configured key, its tenant's name in the scope
+    (``scope["jaxkv.tenant"]``); any other gets 401, counted in
+    ``jaxkv_http_errors_total{tenant=""}``, before its body is read."""
+
+    def __init__(self, app, *, keys: APIKeys, metrics: ServerMetrics):
+        self.app = app
+        self.keys = keys
+        self.metrics = metrics
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope["path"] in OPEN_PATHS:
+            await self.app(scope, receive, send)
+            return
+        headers = [value for name, value in scope.get("headers", ()) if name.lower() == b"authorization"]
+        token = _bearer(headers[0].decode("latin-1")) if headers else None
+        tenant = self.keys.tenant(token)
+        if tenant is None:
+            self.metrics.observe_error(401, tenant=None)
+            if token is None:
+                message, code = "Missing API key: send the header 'Authorization: Bearer <key>'", "missing_api_key"
+            else:
+                message, code = "Invalid API key", "invalid_api_key"
+            error = APIError(401, message, code=code, headers={"WWW-Authenticate": "Bearer"})
+            await error.response()(scope, receive, send)
+            return
+        await self.app({**scope, _TENANT_SCOPE_KEY: tenant}, receive, send)
+
+
+def _namespace(tenant: str | None, salt: str | None):
+    """The prefix-cache namespace of a request: ``("tenant", tenant, salt)``
+    for an authenticated tenant (None salt included), else ``("cache_salt",
+    salt)``, or None (the shared namespace) with neither. The two shapes
+    never compare equal, and two tenants' namespaces differ whatever their
+    salts."""
+    if tenant is not None:
+        return ("tenant", tenant, salt)
+    return None if salt is None else ("cache_salt", salt)
+
+
 # ------------------------------------------------------------ parsed requests
 
 
@@ -298,7 +429,9 @@ def _parse_params(body: dict, *, chat: bool) -> _Params:
     include_usage = options.get("include_usage", False)
     if not isinstance(include_usage, bool):
         raise _bad("'stream_options.include_usage' must be a boolean", "stream_options", "invalid_type")
-    salt = _get(body, "cache_salt", str)
+    salt = body.get("cache_salt")  # checked by hand: _get would echo the value, and a salt is never echoed
+    if salt is not None and not isinstance(salt, str):
+        raise _bad(f"'cache_salt' must be a string, got {_json_type(salt)}", "cache_salt", "invalid_type")
     if salt == "":
         raise _bad("'cache_salt' must not be empty", "cache_salt")
     return _Params(
@@ -537,13 +670,24 @@ def _engine_max_model_len(engine) -> int | None:
 
 
 def create_app(build: Callable[[], tuple[object, object]], *, served_model_names: Sequence[str],
-               metrics: ServerMetrics | None = None, startup_clock: float | None = None) -> FastAPI:
+               metrics: ServerMetrics | None = None, startup_clock: float | None = None,
+               api_keys: Mapping[str, str] | APIKeys | None = None) -> FastAPI:
     """The FastAPI app. ``build()`` runs on the engine thread when the app
     starts and returns ``(engine, tokenizer)`` (load, build, warm up); the
     app answers 503 until it returns. ``startup_clock``: the
     ``time.perf_counter()`` value the start-up time is counted from (default:
-    when the app starts)."""
-    metrics = metrics or ServerMetrics()
+    when the app starts). ``api_keys``: API key -> tenant name (or an
+    :class:`APIKeys`); given, every path but :data:`OPEN_PATHS` needs a key
+    and each tenant has its own namespaces (module docstring: API keys and
+    tenants). ``metrics`` (default: new ones) must have a ``tenant`` label
+    exactly when keys are given (``ServerMetrics(tenants=keys.tenants)``);
+    ``InvalidArgument`` otherwise."""
+    keys = None if api_keys is None else api_keys if isinstance(api_keys, APIKeys) else APIKeys(api_keys)
+    if metrics is None:
+        metrics = ServerMetrics(tenants=None if keys is None else keys.tenants)
+    elif (metrics.tenants is None) != (keys is None):
+        raise InvalidArgument("create_app: the metrics need a tenant label exactly when API keys are given "
+                              "(ServerMetrics(tenants=...))")
     state = ServerState(tokenizer=None, served_model_names=list(served_model_names), metrics=metrics)
 
     from contextlib import asynccontextmanager
@@ -582,15 +726,24 @@ def create_app(build: Callable[[], tuple[object, object]], *, served_model_names
 
     app = FastAPI(title="jaxkv", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.jaxkv = state
+    if keys is not None:
+        app.add_middleware(_Authenticate, keys=keys, metrics=metrics)
+
+    def tenant_of(request: Request) -> str | None:
+        """The request's tenant (None without API keys)."""
+        tenant = request.scope.get(_TENANT_SCOPE_KEY)
+        if keys is not None and tenant is None:  # never: _Authenticate answered 401 before
+            raise APIError(401, "Missing API key", code="missing_api_key")
+        return tenant
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, err: APIError):
-        metrics.observe_error(err.status)
+        metrics.observe_error(err.status, tenant=request.scope.get(_TENANT_SCOPE_KEY))
         return err.response()
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, err: StarletteHTTPException):
-        metrics.observe_error(err.status_code)
+        metrics.observe_error(err.status_code, tenant=request.scope.get(_TENANT_SCOPE_KEY))
         code = {404: "not_found", 405: "method_not_allowed"}.get(err.status_code)
         message = f"{request.method} {request.url.path}: {err.detail}"
         return APIError(err.status_code, message, code=code).response()
@@ -598,7 +751,7 @@ def create_app(build: Callable[[], tuple[object, object]], *, served_model_names
     @app.exception_handler(Exception)
     async def internal_error(request: Request, err: Exception):
         logger.exception("internal error on %s", request.url.path)
-        metrics.observe_error(500)
+        metrics.observe_error(500, tenant=request.scope.get(_TENANT_SCOPE_KEY))
         return APIError(500, f"internal error: {type(err).__name__}: {err}", code="internal_error").response()
 
     def check_ready() -> None:
@@ -639,7 +792,7 @@ def create_app(build: Callable[[], tuple[object, object]], *, served_model_names
         _check_model(state, body)
         prompts = _completion_prompts(state, body)
         params = _parse_params(body, chat=False)
-        return await _serve(request, state, prompts, params, chat=False)
+        return await _serve(request, state, prompts, params, chat=False, tenant=tenant_of(request))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
@@ -648,7 +801,7 @@ def create_app(build: Callable[[], tuple[object, object]], *, served_model_names
         _check_model(state, body)
         prompt = _chat_prompt(state, body)
         params = _parse_params(body, chat=True)
-        return await _serve(request, state, [prompt], params, chat=True)
+        return await _serve(request, state, [prompt], params, chat=True, tenant=tenant_of(request))
 
     return app
 
@@ -759,7 +912,7 @@ class _Choice:
         return self.finish_reason is not None
 
 
-def _engine_kwargs(state: ServerState, params: _Params, prompt: list[int], index: int) -> dict:
+def _engine_kwargs(state: ServerState, params: _Params, prompt: list[int], index: int, tenant: str | None) -> dict:
     max_tokens = params.max_tokens
     limit = state.max_model_len
     if limit is not None:
@@ -780,17 +933,19 @@ def _engine_kwargs(state: ServerState, params: _Params, prompt: list[int], index
     stop_ids = tuple(dict.fromkeys([*eos[1:], *params.stop_token_ids]))
     kwargs = dict(max_new_tokens=max_tokens, sampling=params.sampling,
                   eos_token_id=eos[0] if eos else None, stop_token_ids=stop_ids, stop=params.stop,
-                  namespace=None if params.cache_salt is None else ("cache_salt", params.cache_salt),
+                  namespace=_namespace(tenant, params.cache_salt),
                   seed=None if params.seed is None else (params.seed + index) % 2 ** 32)
     return kwargs
 
 
 class _Job:
-    """One HTTP request's engine requests (prompts x n choices)."""
+    """One HTTP request's engine requests (prompts x n choices) for
+    ``tenant`` (None: a server without API keys)."""
 
-    def __init__(self, state: ServerState, prompts: list[list[int]], params: _Params):
+    def __init__(self, state: ServerState, prompts: list[list[int]], params: _Params, tenant: str | None = None):
         self.state = state
         self.params = params
+        self.tenant = tenant
         self.arrival = time.perf_counter()
         self.queue: asyncio.Queue = asyncio.Queue()
         self.choices: list[_Choice] = []
@@ -801,7 +956,7 @@ class _Job:
             for j in range(params.n):
                 index = p * params.n + j
                 self.choices.append(_Choice(index, len(prompt)))
-                self.submissions.append((prompt, _engine_kwargs(state, params, prompt, j)))
+                self.submissions.append((prompt, _engine_kwargs(state, params, prompt, j, tenant)))
         self.live: set[int] = set()
 
     async def submit(self) -> None:
@@ -829,14 +984,14 @@ class _Job:
             self.queue.put_nowait(entry)
         if error is not None:
             self.abort()
-            raise _as_api_error(error)
+            raise _as_api_error(error, self.params.cache_salt)
 
     def abort(self) -> None:
         """Abort every engine request still running (a client that left)."""
         now = time.perf_counter()
         for index in sorted(self.live):
             self.state.engine_loop.abort(self.sinks[index])
-            self.state.metrics.observe_finished(self.arrival, now, "abort")
+            self.state.metrics.observe_finished(self.arrival, now, "abort", tenant=self.tenant)
         self.live.clear()
 
     def take(self, index: int, item) -> tuple[str, str | None]:
@@ -845,14 +1000,14 @@ class _Job:
         if isinstance(item, tuple):
             if item[0] == "error":
                 self.live.discard(index)
-                raise _as_api_error(item[1])
+                raise _as_api_error(item[1], self.params.cache_salt)
             return "", None
         choice = self.choices[index]
         now = time.perf_counter()
         count = len(item.new_token_ids)
         metrics = self.state.metrics
         if count:
-            metrics.observe_tokens(self.arrival, choice.last, now, count)
+            metrics.observe_tokens(self.arrival, choice.last, now, count, tenant=self.tenant)
             choice.last = now
             choice.tokens += count
         text = item.new_text or ""
@@ -862,8 +1017,8 @@ class _Job:
         if item.finished:
             choice.finish_reason = item.finish_reason or "stop"
             self.live.discard(index)
-            metrics.prompt_tokens.inc(choice.prompt_tokens)
-            metrics.observe_finished(self.arrival, now, choice.finish_reason)
+            metrics.observe_prompt(choice.prompt_tokens, tenant=self.tenant)
+            metrics.observe_finished(self.arrival, now, choice.finish_reason, tenant=self.tenant)
         return text, (choice.finish_reason if item.finished else None)
 
     def usage(self) -> dict:
@@ -877,21 +1032,34 @@ class _Job:
         return all(c.finished for c in self.choices)
 
 
-def _as_api_error(err: BaseException) -> APIError:
+def _redact(text: str, salt: str | None) -> str:
+    """``text`` without ``salt`` in the forms an engine message would show it
+    (quoted, as in a namespace's ``repr``)."""
+    if salt is None:
+        return text
+    for form in (repr(salt), json.dumps(salt)):
+        text = text.replace(form, "'<cache_salt>'")
+    return text
+
+
+def _as_api_error(err: BaseException, salt: str | None = None) -> APIError:
+    """The answer to an engine error; the request's ``salt`` is redacted from
+    the message (the engine's messages may show a namespace)."""
     if isinstance(err, APIError):
         return err
     if isinstance(err, KVCacheError):  # InvalidArgument from add_request: can never fit, bad ids, ...
         code = "context_length_exceeded" if "never fit" in str(err) else "invalid_value"
-        return APIError(400, f"{type(err).__name__}: {err}", code=code)
-    return APIError(500, f"the engine failed: {type(err).__name__}: {err}", code="internal_error")
+        return APIError(400, _redact(f"{type(err).__name__}: {err}", salt), code=code)
+    return APIError(500, _redact(f"the engine failed: {type(err).__name__}: {err}", salt), code="internal_error")
 
 
 def _completion_id(chat: bool) -> str:
     return ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
 
 
-async def _serve(request: Request, state: ServerState, prompts: list[list[int]], params: _Params, *, chat: bool):
-    job = _Job(state, prompts, params)
+async def _serve(request: Request, state: ServerState, prompts: list[list[int]], params: _Params, *, chat: bool,
+                 tenant: str | None = None):
+    job = _Job(state, prompts, params, tenant)
     await job.submit()
     rid = _completion_id(chat)
     created = int(time.time())
@@ -1023,13 +1191,17 @@ def _count_compiles(metrics: ServerMetrics) -> None:
 
 def run_server(build: Callable[[], tuple[object, object]], *, host: str, port: int,
                served_model_names: Sequence[str], startup_clock: float | None = None,
-               log_level: str = "info", on_started: Callable[[object], None] | None = None) -> None:
-    """Serve until interrupted (uvicorn; SIGINT / SIGTERM stop it)."""
+               log_level: str = "info", on_started: Callable[[object], None] | None = None,
+               api_keys: Mapping[str, str] | APIKeys | None = None) -> None:
+    """Serve until interrupted (uvicorn; SIGINT / SIGTERM stop it).
+    ``api_keys``: as :func:`create_app`'s."""
     import uvicorn
 
-    metrics = ServerMetrics()
+    keys = None if api_keys is None else api_keys if isinstance(api_keys, APIKeys) else APIKeys(api_keys)
+    metrics = ServerMetrics(tenants=None if keys is None else keys.tenants)
     _count_compiles(metrics)
-    app = create_app(build, served_model_names=served_model_names, metrics=metrics, startup_clock=startup_clock)
+    app = create_app(build, served_model_names=served_model_names, metrics=metrics, startup_clock=startup_clock,
+                     api_keys=keys)
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=False,
                             timeout_graceful_shutdown=5)
     server = uvicorn.Server(config)

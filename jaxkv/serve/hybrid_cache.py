@@ -23,6 +23,7 @@ from jaxkv.manager.hybrid_schema import block_bytes
 from jaxkv.nn.packed import PackedBatch, pack
 from jaxkv.nn.sampling import RowSampling
 from jaxkv.nn.steps import hybrid_packed_step, hybrid_prefill_chunk
+from jaxkv.pool.scrub import scrub_hybrid
 from jaxkv.prefix.snapshot_cache import BlockOps, SnapshotCache
 from jaxkv.serve import sizing
 from jaxkv.serve.caches import (CacheBase, DecodeResult, PackedResult, PrefillLane, PrefixHit, blocks_from_budget,
@@ -59,6 +60,30 @@ _attach_prefix = jax.jit(KVCacheManager.attach_prefix, donate_argnums=(0,))
 _copy_state = jax.jit(KVCacheManager.copy_state, donate_argnums=(0,))
 _incref_blocks = jax.jit(KVCacheManager.incref_blocks, donate_argnums=(0,))
 _release_blocks = jax.jit(KVCacheManager.release_blocks, donate_argnums=(0,))
+
+
+# Scrub-on-free (jaxkv.pool.scrub): the same calls, with every block they free zeroed and the
+# snapshot rows let go reset, in the call that frees them.
+@partial(jax.jit, donate_argnums=(0,))
+def _release_scrubbed(manager: KVCacheManager, slots):
+    released, ok = manager.release(slots)
+    return scrub_hybrid(manager, released), ok
+
+
+@partial(jax.jit, donate_argnums=(0,))
+def _release_blocks_scrubbed(manager: KVCacheManager, blocks: dict, rows):
+    released, ok = manager.release_blocks(blocks)
+    return scrub_hybrid(manager, released).reset_state_rows(rows), ok
+
+
+@partial(jax.jit, donate_argnums=(0,))
+def _reset_rows(manager: KVCacheManager, rows):
+    return manager.reset_state_rows(rows)
+
+
+@partial(jax.jit, donate_argnums=(0,))
+def _scrub_since(manager: KVCacheManager, before: dict):
+    return scrub_hybrid(before, manager)
 
 
 @partial(jax.jit, static_argnames=("width",), donate_argnums=(0,))
@@ -186,6 +211,18 @@ class HybridCache(CacheBase):
     def _host_tiers(self) -> list[str]:
         return ((["host_kv_memory"] if self.can_swap else [])
                 + (["host_prefix_memory"] if self.host_prefixes is not None else []))
+
+    def isolate(self, *, scrub_on_free: bool = False, prefix_quota: float | None = None) -> None:
+        super().isolate(scrub_on_free=scrub_on_free, prefix_quota=prefix_quota)
+        if self.host_prefixes is not None:
+            self.host_prefixes.scrub = self.scrub
+
+    def _set_quota(self, quota: float) -> None:
+        """Pages: the quota's share of the group holding the fewest pages;
+        snapshot rows: its share of them (at least one each)."""
+        pages = min((int(cap) // per for cap, per in zip(self.capacity, self.snapshots.blocks_per_page) if per),
+                    default=1)
+        self.snapshots.set_quota(max(1, int(quota * pages)), max(1, int(quota * self.num_cached_snapshots)))
 
     def device_bytes(self) -> int:
         """Bytes of every device array of the cache (the manager's pools,
@@ -391,8 +428,11 @@ class HybridCache(CacheBase):
             self._block_call(_incref_blocks, ops.incref, "the prefix cache's reference to stored blocks")
         for spill in ops.spills:  # before their blocks are released and their rows reused
             self._to_host(spill)
+        rows = [self.manager.num_slots + row for row in ops.cleared] if self.scrub else []
         if any(ops.release.values()):
-            self._block_call(_release_blocks, ops.release, "releasing evicted prefix blocks")
+            self._block_call(_release_blocks, ops.release, "releasing evicted prefix blocks", rows=rows)
+        elif rows:
+            self.manager = _reset_rows(self.manager, _pow2_ids(rows))
         if ops.copies:
             dst, src = zip(*((self.manager.num_slots + row, source) for row, source in ops.copies.items()))
             self.manager = _copy_state(self.manager, fixed_ids(src, self._copy_width(len(src))),
@@ -492,10 +532,16 @@ class HybridCache(CacheBase):
     def _copy_width(self, n: int) -> int:
         return max(self.max_seqs, pow2_at_least(n))
 
-    def _block_call(self, fn, blocks: dict, what: str) -> None:
+    def _block_call(self, fn, blocks: dict, what: str, rows=()) -> None:
+        """``fn`` (incref or release) of ``blocks`` per group, ids padded to
+        a power of two; a release with scrub-on-free zeroes what it frees and
+        resets the state ``rows`` let go."""
         width = pow2_at_least(max(len(ids) for ids in blocks.values()))
         padded = {name: fixed_ids(ids, width) for name, ids in blocks.items()}
-        self.manager, ok = fn(self.manager, padded)
+        if fn is _release_blocks and self.scrub:
+            self.manager, ok = _release_blocks_scrubbed(self.manager, padded, _pow2_ids(rows))
+        else:
+            self.manager, ok = fn(self.manager, padded)
         if not bool(ok):
             raise BookkeepingError(f"{what} was refused: {blocks}")
 
@@ -674,7 +720,7 @@ class HybridCache(CacheBase):
         self._store([(row, tokens, namespace, "turn_end", hit) for row, tokens, namespace, hit in finished
                      if len(tokens) > (hit.tokens if hit is not None else 0)])
         rows = [row for row, *_ in finished]
-        self.manager, ok = _release_hybrid(self.manager, fixed_ids([r + 1 for r in rows], self.max_seqs))
+        self.manager, ok = self._release(fixed_ids([r + 1 for r in rows], self.max_seqs))
         if not bool(ok):
             raise BookkeepingError(f"engine bookkeeping failed: releasing rows {rows} (slots "
                                    f"{[r + 1 for r in rows]}) was refused")
@@ -682,6 +728,10 @@ class HybridCache(CacheBase):
             self.unpin(hit)
             self._lens[row] = self._last_snapshot[row] = 0
             self._extra_cuts[row].clear()
+
+    def _release(self, slots):
+        """``KVCacheManager.release`` of ``slots`` (scrubbed when on)."""
+        return (_release_scrubbed if self.scrub else _release_hybrid)(self.manager, slots)
 
     def swap_out(self, row: int) -> bool:
         """Preempt row ``row`` to host memory (:mod:`jaxkv.manager.hybrid_host`):
@@ -696,9 +746,13 @@ class HybridCache(CacheBase):
             pow2_at_least(max(int(lens[name]), 1)) * per for name, per in zip(self.groups, self.group_block_bytes))
         if self.host_used() + need > self.host_bytes:
             return False
+        # Copies: the swap donates the manager.
+        before = {name: jax.tree.map(jnp.copy, group.allocator) for name, group in self.manager.groups.items()}
         self.manager, image, ok = hybrid_host.swap_out_request(self.manager, row + 1, keep_slot=True)
         if not ok:
             raise BookkeepingError(f"swapping out row {row} (slot {row + 1}) was refused: the slot is not held")
+        if self.scrub:  # the row's blocks are on host now: those it held alone go back zeroed
+            self.manager = _scrub_since(self.manager, before)
         self._images[row] = image
         return True
 
@@ -711,14 +765,20 @@ class HybridCache(CacheBase):
         every group, all or nothing); False when a group is short."""
         self.manager, ok = hybrid_host.swap_in_request(self.manager, self._images[row], row + 1)
         if ok:
-            del self._images[row]
+            image = self._images.pop(row)
+            if self.scrub:
+                jax.block_until_ready(self.manager)  # the image was read before it is wiped
+                hybrid_host.wipe_host(image)
         return ok
 
     def free_swapped(self, row: int) -> None:
         """Drop a swapped-out row's image and free its slot (an aborted request)."""
-        if self._images.pop(row, None) is None:
+        image = self._images.pop(row, None)
+        if image is None:
             raise BookkeepingError(f"row {row} is not swapped out")
-        self.manager, ok = _release_hybrid(self.manager, fixed_ids([row + 1], self.max_seqs))
+        if self.scrub:
+            hybrid_host.wipe_host(image)
+        self.manager, ok = self._release(fixed_ids([row + 1], self.max_seqs))
         if not bool(ok):
             raise BookkeepingError(f"freeing swapped-out row {row} (slot {row + 1}) was refused")
         self._lens[row] = self._last_snapshot[row] = 0

@@ -16,6 +16,11 @@ Two kinds of series:
   ``jaxkv_prompt_tokens_total``, ``jaxkv_generation_tokens_total``,
   ``jaxkv_request_success_total{finish_reason}`` (``stop``, ``length``,
   ``abort``: a client that went away), ``jaxkv_http_errors_total{status}``;
+  with API keys (``ServerMetrics(tenants=...)``) each of these also has label
+  ``tenant``: the configured name of the tenant whose key the request
+  carried (``""`` for an error answered before a key was accepted: 401,
+  ``/health``'s 503), so each tenant's traffic is a series of its own;
+  without keys they have no ``tenant`` label;
 * read from the engine's :meth:`~jaxkv.serve.Engine.stats` when scraped
   (the engine loop takes the snapshot, so the engine is only touched by its
   own thread): ``jaxkv_requests_running``, ``jaxkv_requests_waiting``,
@@ -39,13 +44,19 @@ Two kinds of series:
   (XLA backend compiles in this process, warm-up included: the count stays
   put while serving when the engine's programs are bucketed) and
   ``jaxkv_ready`` (1 once ``/health`` says ready).
+
+Label values are bounded and never secret: ``tenant`` takes only configured
+tenant names (never an API key, never a ``cache_salt``: a request's salt is
+in no series), the engine series are per block group. ``/metrics`` needs no
+API key and shows every tenant's name and traffic, and the prefix cache's
+totals over all tenants: serve it to the scraper only, not publicly.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import threading
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -169,17 +180,24 @@ class _EngineCollector:
 class ServerMetrics:
     """The server's metrics (see the module docstring). ``observe_*`` are
     called on the event loop; :meth:`set_engine_stats` by whoever got the
-    snapshot; :meth:`render` gives the exposition text."""
+    snapshot; :meth:`render` gives the exposition text.
 
-    def __init__(self):
+    ``tenants``: the configured tenant names of a server with API keys (the
+    per-request series get label ``tenant``, and each named tenant's token
+    and latency series exist, at 0, from the start); None: no ``tenant``
+    label, and the ``tenant`` argument of ``observe_*`` is ignored."""
+
+    def __init__(self, tenants: Sequence[str] | None = None):
+        self.tenants: tuple[str, ...] | None = None if tenants is None else tuple(tenants)
+        per = () if self.tenants is None else ("tenant",)
         self.registry = CollectorRegistry(auto_describe=False)
         r = self.registry
         self.ttft = Histogram("jaxkv_time_to_first_token_seconds", "Seconds from a request's arrival to its first "
-                              "generated token.", buckets=_TTFT_BUCKETS, registry=r)
+                              "generated token.", per, buckets=_TTFT_BUCKETS, registry=r)
         self.itl = Histogram("jaxkv_inter_token_latency_seconds", "Seconds between consecutive generated tokens of "
-                             "a request.", buckets=_ITL_BUCKETS, registry=r)
+                             "a request.", per, buckets=_ITL_BUCKETS, registry=r)
         self.e2e = Histogram("jaxkv_e2e_request_latency_seconds", "Seconds from a request's arrival to its last "
-                             "token.", buckets=_E2E_BUCKETS, registry=r)
+                             "token.", per, buckets=_E2E_BUCKETS, registry=r)
         self.engine_ttft = Histogram("jaxkv_engine_time_to_first_token_seconds", "Seconds from the scheduler "
                                      "iteration that saw a request to its first token (the engine's own samples, "
                                      "taken in at each scrape).", buckets=_TTFT_BUCKETS, registry=r)
@@ -187,11 +205,14 @@ class ServerMetrics:
                                     "tokens of a request as the engine measures them (a decode call's wall time "
                                     "spread over its tokens).", buckets=_ITL_BUCKETS, registry=r)
         self.prompt_tokens = Counter("jaxkv_prompt_tokens", "Prompt tokens of the engine requests served.",
-                                     registry=r)
-        self.generation_tokens = Counter("jaxkv_generation_tokens", "Tokens generated.", registry=r)
+                                     per, registry=r)
+        self.generation_tokens = Counter("jaxkv_generation_tokens", "Tokens generated.", per, registry=r)
         self.finished = Counter("jaxkv_request_success", "Engine requests finished, by finish reason.",
-                                ["finish_reason"], registry=r)
-        self.errors = Counter("jaxkv_http_errors", "Error responses, by HTTP status.", ["status"], registry=r)
+                                [*per, "finish_reason"], registry=r)
+        self.errors = Counter("jaxkv_http_errors", "Error responses, by HTTP status.", [*per, "status"], registry=r)
+        for tenant in self.tenants or ():
+            for metric in (self.ttft, self.itl, self.e2e, self.prompt_tokens, self.generation_tokens):
+                metric.labels(tenant=tenant)
         self.lock = threading.Lock()
         self.compiles = 0
         self.compile_seconds = 0.0
@@ -224,28 +245,40 @@ class ServerMetrics:
 
     # -------------------------------------------------------- requests
 
-    def observe_tokens(self, arrival: float, last: float | None, now: float, count: int) -> None:
+    def _series(self, metric, tenant: str | None, **labels):
+        """``metric``'s series for ``tenant`` (``""``: none) and ``labels``."""
+        if self.tenants is not None:
+            labels["tenant"] = tenant or ""
+        return metric.labels(**labels) if labels else metric
+
+    def observe_tokens(self, arrival: float, last: float | None, now: float, count: int, *,
+                       tenant: str | None = None) -> None:
         """``count`` tokens of a request that arrived at ``arrival`` delivered
         at ``now``; ``last``: when its previous tokens were (None: these are
         its first)."""
         if count <= 0:
             return
-        self.generation_tokens.inc(count)
+        self._series(self.generation_tokens, tenant).inc(count)
         if last is None:
-            self.ttft.observe(now - arrival)
+            self._series(self.ttft, tenant).observe(now - arrival)
             count -= 1
             last = now
         if count:
             gap = (now - last) / count
+            itl = self._series(self.itl, tenant)
             for _ in range(count):
-                self.itl.observe(gap)
+                itl.observe(gap)
 
-    def observe_finished(self, arrival: float, now: float, reason: str | None) -> None:
-        self.e2e.observe(now - arrival)
-        self.finished.labels(finish_reason=reason or "unknown").inc()
+    def observe_prompt(self, count: int, *, tenant: str | None = None) -> None:
+        """``count`` prompt tokens of a finished engine request."""
+        self._series(self.prompt_tokens, tenant).inc(count)
 
-    def observe_error(self, status: int) -> None:
-        self.errors.labels(status=str(status)).inc()
+    def observe_finished(self, arrival: float, now: float, reason: str | None, *, tenant: str | None = None) -> None:
+        self._series(self.e2e, tenant).observe(now - arrival)
+        self._series(self.finished, tenant, finish_reason=reason or "unknown").inc()
+
+    def observe_error(self, status: int, *, tenant: str | None = None) -> None:
+        self._series(self.errors, tenant, status=str(status)).inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

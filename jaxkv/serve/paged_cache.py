@@ -40,6 +40,7 @@ from jaxkv.nn.sampling import RowSampling
 from jaxkv.nn.steps import paged_decode_peak, paged_packed_step, paged_peak_blocks, paged_row_blocks, paged_window, prefill_chunk
 from jaxkv.pool import host as host_swap
 from jaxkv.pool.kv_pool import KVPool
+from jaxkv.pool.scrub import freed_blocks, scrub_kv_pool
 from jaxkv.prefix import PrefixCacheManager, PrefixCacheStats
 from jaxkv.prefix.radix import HOST
 from jaxkv.serve import sizing
@@ -63,11 +64,26 @@ def _paged_prefill(graphdef, params, manager: BlockSpaceManager, pool: KVPool, r
 
 
 
-@partial(jax.jit, static_argnames=("graphdef", "window"), donate_argnums=(2, 3))
+@partial(jax.jit, static_argnames=("graphdef", "window", "scrub"), donate_argnums=(2, 3))
 def _paged_packed(graphdef, params, manager: BlockSpaceManager, pool: KVPool, batch: PackedBatch,
-                  sampling: RowSampling, keys, *, window):
+                  sampling: RowSampling, keys, *, window, scrub=False):
     """:func:`jaxkv.nn.steps.paged_packed_step` jitted (manager and pool donated)."""
-    return paged_packed_step(graphdef, params, manager, pool, batch, sampling, keys, window=window)
+    return paged_packed_step(graphdef, params, manager, pool, batch, sampling, keys, window=window, scrub=scrub)
+
+
+@partial(jax.jit, donate_argnums=(0, 1))
+def _retire_scrubbed(manager: BlockSpaceManager, pool: KVPool, incref, rows, release):
+    """``BlockSpaceManager.retire`` and the pages it freed zeroed, in one
+    call (scrub-on-free). Returns ``(manager, pool, ok)``."""
+    retired, ok = manager.retire(incref, rows, release)
+    return retired, scrub_kv_pool(pool, freed_blocks(manager.device, retired.device)), ok
+
+
+@partial(jax.jit, donate_argnums=(0,))
+def _scrub_freed(pool: KVPool, before: BlockAllocator, after: BlockAllocator) -> KVPool:
+    """The pages ``before`` held and ``after`` does not, zeroed (after a
+    host-path swap-out, which frees device blocks outside a jitted step of ours)."""
+    return scrub_kv_pool(pool, freed_blocks(before, after))
 
 
 
@@ -374,13 +390,34 @@ class PagedCache(CacheBase):
         num_blocks = int(shortfall[0])
         if num_blocks <= 0 or self.prefix_cache.evictable_blocks == 0:
             return
-        evicted = self.prefix_cache.evict(num_blocks)
+        released = self._offload(self.prefix_cache.evict(num_blocks))
+        if released:
+            self.update(release=released)
+
+    def _offload(self, evicted) -> list:
+        """Copy the pages of ``evicted`` that move to the host tier (one
+        transfer call, before anyone reuses their blocks); returns the
+        blocks to release. With scrub-on-free the host pages the tier let
+        go are zeroed first."""
+        self._clear_freed_host()
         if evicted.offload_from:
             self.prefix_host_pool = host_swap.swap_out_pages(self.pool, self.prefix_host_pool, evicted.offload_from,
                                                              evicted.offload_to)
             self._offload_calls += 1
-        if evicted.blocks:
-            self.update(release=evicted.blocks)
+        return list(evicted.blocks)
+
+    def _clear_freed_host(self) -> None:
+        pages = self.prefix_cache.take_freed_host_pages()
+        if self.scrub and pages and self.prefix_host_pool is not None:
+            self.prefix_host_pool = host_swap.clear_host_pages(self.prefix_host_pool, pages)
+
+    def _trim(self, namespaces) -> list:
+        """With a prefix quota: each of ``namespaces`` evicted down to it
+        (:meth:`~jaxkv.prefix.PrefixCacheManager.trim`); returns the blocks
+        to release (copies to the host tier done)."""
+        if self.prefix_cache.quota is None:
+            return []
+        return [b for ns in dict.fromkeys(namespaces) for b in self._offload(self.prefix_cache.trim(ns))]
 
     def prefix_stats(self) -> PagedPrefixStats:
         """The radix tree's counters and the host tier's figures
@@ -429,6 +466,7 @@ class PagedCache(CacheBase):
             self.pool = host_swap.swap_in_pages(self.pool, self.prefix_host_pool, pages, blocks)
             self.manager = self.manager.replace(device=device)
             self.prefix_cache.loaded(nodes, blocks)
+            self._clear_freed_host()  # the host copies of the pages now back on the device
             self._loaded_tokens += len(pages) * self.page_size
             self._load_calls += 1
         out = []
@@ -479,8 +517,9 @@ class PagedCache(CacheBase):
             if pages and (tables[lane.row, :pages] >= 0).all():
                 incref += self.prefix_cache.insert(lane.tokens[: pages * self.page_size],
                                                    tables[lane.row, :pages].tolist(), lane.namespace).new_blocks
-        if incref:
-            self.update(incref=incref)
+        release = self._trim(lane.namespace for lane, _ in waiting)
+        if incref or release:
+            self.update(incref=incref, release=release)
 
     # ---------------------------------------------------------------- steps
 
@@ -518,7 +557,8 @@ class PagedCache(CacheBase):
                      max_prefill_len=num_tokens, num_prefill=num_prefill)  # fixed classes: one program per bucket
         host = self.manager.host
         manager, self.pool, tokens, keys, ok, blocked, used = _paged_packed(
-            graphdef, params, _device_view(self.manager), self.pool, batch, sampling, keys, window=self.window)
+            graphdef, params, _device_view(self.manager), self.pool, batch, sampling, keys, window=self.window,
+            scrub=self.scrub)
         self.manager = manager.replace(host=host)
         tokens, keys, ok, blocked, used = jax.device_get((tokens, jax.random.key_data(keys), ok, blocked, used))
         return PackedResult(tokens, np.asarray(keys), bool(ok), blocked, int(used))
@@ -544,7 +584,8 @@ class PagedCache(CacheBase):
             if full_pages and (tables[row, :full_pages] >= 0).all():
                 result = self.prefix_cache.insert(tokens, tables[row, :full_pages].tolist(), namespace)
                 incref += result.new_blocks
-        self.update(incref=incref, rows=[row for row, *_ in finished])
+        self.update(incref=incref, rows=[row for row, *_ in finished],
+                    release=self._trim(namespace for _, _, namespace, _ in finished))
         for row, *_, hit in finished:
             self.unpin(hit)
             self._insert_at[row].clear()
@@ -553,9 +594,12 @@ class PagedCache(CacheBase):
         """One jitted call: incref ``incref``, free sequence ``rows``, release
         ``release``; fixed-size id arrays so it compiles once."""
         host = self.manager.host
-        manager, ok = _retire_paged(
-            _device_view(self.manager), fixed_ids(incref, self.max_seqs * self.max_blocks_per_seq),
-            fixed_ids(rows, self.max_seqs), fixed_ids(release, int(self.capacity[0]) + 1))
+        ids = (fixed_ids(incref, self.max_seqs * self.max_blocks_per_seq), fixed_ids(rows, self.max_seqs),
+               fixed_ids(release, int(self.capacity[0]) + 1))
+        if self.scrub:
+            manager, self.pool, ok = _retire_scrubbed(_device_view(self.manager), self.pool, *ids)
+        else:
+            manager, ok = _retire_paged(_device_view(self.manager), *ids)
         self.manager = manager.replace(host=host)
         if not bool(ok):
             raise BookkeepingError(
@@ -564,22 +608,36 @@ class PagedCache(CacheBase):
                 f"({int(self.free_blocks()[0])} of {int(self.capacity[0])} blocks free)")
 
     def swap_out(self, row: int) -> bool:
+        before = self.manager.device
         try:
             self.manager, self.host_pool = self.manager.swap_out_or_raise(self.pool, self.host_pool, [row])
         except KVCacheOOM:
             return False
+        if self.scrub:  # the row's K/V is on host now: its device pages go back zeroed
+            self.pool = _scrub_freed(self.pool, before, self.manager.device)
         return True
 
     def free_swapped(self, row: int) -> None:
         """Free a swapped-out row and its host blocks (an aborted request)."""
+        before = self.manager.host
         self.manager = self.manager.free_or_raise([row])
+        self._clear_swap_pages(before)
 
     def swap_in(self, row: int) -> bool:
+        before = self.manager.host
         try:
             self.manager, self.pool = self.manager.swap_in_or_raise(self.pool, self.host_pool, [row])
         except KVCacheOOM:
             return False
+        self._clear_swap_pages(before)
         return True
+
+    def _clear_swap_pages(self, before: BlockAllocator) -> None:
+        """With scrub-on-free: zero the swap pool's pages that ``before``
+        held and the host allocator no longer does."""
+        if self.scrub:
+            freed = np.flatnonzero(np.asarray(jax.device_get(freed_blocks(before, self.manager.host, null=False))))
+            self.host_pool = host_swap.clear_host_pages(self.host_pool, freed)
 
     def row_status(self) -> np.ndarray:
         return np.asarray(jax.device_get(self.manager.status))
