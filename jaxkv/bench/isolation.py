@@ -225,31 +225,10 @@ def measure_engine(trials: int, seed: int = 0) -> dict:
 
 def _start_server(checkpoint: str, cache_dir: str, log_path: str, kv_bytes: int):
     """``python -m jaxkv.serve`` on 127.0.0.1 with :data:`ENGINE`'s options
-    and ``kv_cache_memory``: the serve bench's ``_Server`` (its wait, log
-    tail and stop) with this bench's command line."""
-    import os
-    import socket
-    import subprocess
-    import sys
+    and ``kv_cache_memory`` (the serve bench's :class:`ServerProcess`)."""
+    from jaxkv.bench.serve import ServerProcess
 
-    from jaxkv.bench.serve import _Server
-
-    server = object.__new__(_Server)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        server.port = s.getsockname()[1]
-    server.url = f"http://127.0.0.1:{server.port}"
-    server.log_path = log_path
-    server.log = open(log_path, "w")  # noqa: SIM115 - _Server.stop closes it
-    args = [sys.executable, "-m", "jaxkv.serve", "--model", checkpoint, "--served-model-name", "bench", "--host",
-            "127.0.0.1", "--port", str(server.port), "--compile-cache-dir", cache_dir, "--log-level", "warning",
-            "--max-model-len", str(ENGINE["max_model_len"]), "--max-num-seqs", str(ENGINE["max_seqs"]),
-            "--decode-chunk", str(ENGINE["decode_chunk"]), "--prefill-chunk", str(ENGINE["prefill_chunk"]),
-            "--kv-cache-memory", str(kv_bytes)]
-    server.started = time.perf_counter()
-    server.proc = subprocess.Popen(args, stdout=server.log, stderr=subprocess.STDOUT,
-                                   env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    return server
+    return ServerProcess(checkpoint, cache_dir, log_path, options={**ENGINE, "kv_cache_memory": kv_bytes})
 
 
 def measure_http(trials: int, seed: int = 0) -> tuple[dict, float]:

@@ -5,7 +5,7 @@ isolation``.
 * **One freeing call**: a row takes 1, 16 or 256 pages of a pool of
   ``POOL_PAGES`` and retires (``BlockSpaceManager.retire``, the call that
   frees a finished request's pages), in one jitted call, with and without
-  the scrub (the engine's ``_retire_scrubbed``), timed interleaved in the
+  the scrub (as the engine's scrubbed retire call does it), timed interleaved in the
   same run. The scrub writes the freed pages' zeros: its extra time grows
   with the pages freed, not with the pool (on a GPU; XLA's CPU backend may
   copy a whole array around a scatter).
@@ -28,8 +28,8 @@ from flax import nnx
 from jaxkv.bench._timing import best_seconds_interleaved
 from jaxkv.manager.block_space import BlockSpaceManager
 from jaxkv.nn import LlamaConfig, LlamaForCausalLM
+from jaxkv.pool.scrub import freed_blocks, scrub_kv_pool
 from jaxkv.serve import Engine
-from jaxkv.serve.paged_cache import _retire_scrubbed
 
 __all__ = ["call_rows", "serving_rows"]
 
@@ -44,11 +44,10 @@ def _cycle(manager: BlockSpaceManager, pool, *, pages: int, scrub: bool):
     repeat (both variants donate and return the pool)."""
     manager, _ = manager.allocate(jnp.zeros((1,), jnp.int32), jnp.full((1,), pages * manager.block_size, jnp.int32))
     ids = (jnp.full((1,), -1, jnp.int32), jnp.zeros((1,), jnp.int32), jnp.full((1,), -1, jnp.int32))
-    if scrub:
-        manager, pool, _ = _retire_scrubbed.__wrapped__(manager, pool, *ids)
-    else:
-        manager, _ = manager.retire(*ids)
-    return manager, pool
+    retired, _ = manager.retire(*ids)
+    if scrub:  # what the engine's scrubbed retire call adds (jaxkv.serve.paged_cache)
+        pool = scrub_kv_pool(pool, freed_blocks(manager.device, retired.device))
+    return retired, pool
 
 
 def call_rows(repeats: int, quick: bool) -> list[dict]:

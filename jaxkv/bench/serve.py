@@ -66,7 +66,7 @@ from jaxkv.bench._timing import machine_description, print_json, print_table
 from jaxkv.nn import LlamaConfig, LlamaForCausalLM, SamplingParams
 from jaxkv.serve import Engine
 
-__all__ = ["http_main", "http_workload", "main", "poisson_workload", "write_checkpoint"]
+__all__ = ["ServerProcess", "http_main", "http_workload", "main", "poisson_workload", "write_checkpoint"]
 
 CONFIG = dict(model_type="llama", vocab_size=2048, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
               num_attention_heads=4, num_key_value_heads=2, head_dim=32, rms_norm_eps=1e-6, rope_theta=10000.0,
@@ -356,10 +356,11 @@ async def _run_http_async(url: str, model: str, workload) -> tuple[dict, dict]:
     return _summarize(workload, results, start, end), results
 
 
-class _Server:
-    """``python -m jaxkv.serve`` on 127.0.0.1 in a subprocess."""
+class ServerProcess:
+    """``python -m jaxkv.serve`` on 127.0.0.1 in a subprocess, with the
+    engine ``options`` (default :data:`HTTP_ENGINE`) as its flags."""
 
-    def __init__(self, checkpoint: str, cache_dir: str, log_path: str):
+    def __init__(self, checkpoint: str, cache_dir: str, log_path: str, options: dict | None = None):
         import os
         import socket
         import subprocess
@@ -374,7 +375,7 @@ class _Server:
         self.log = open(log_path, "w")
         args = [sys.executable, "-m", "jaxkv.serve", "--model", checkpoint, "--served-model-name", "bench", "--host",
                 "127.0.0.1", "--port", str(self.port), "--compile-cache-dir", cache_dir, "--log-level", "warning"]
-        for name, value in HTTP_ENGINE.items():
+        for name, value in (HTTP_ENGINE if options is None else options).items():
             args += ["--" + {"max_seqs": "max-num-seqs"}.get(name, name.replace("_", "-")), str(value)]
         self.started = time.perf_counter()
         self.proc = subprocess.Popen(args, stdout=self.log, stderr=subprocess.STDOUT,
@@ -435,7 +436,7 @@ def http_main(args) -> int:
             for attempt in range(1 if args.quick else 2):  # a cold start, then (full run) a warm one that serves
                 if server is not None:
                     server.stop()
-                server = _Server(checkpoint, cache, os.path.join(tmp, f"server{attempt}.log"))
+                server = ServerProcess(checkpoint, cache, os.path.join(tmp, f"server{attempt}.log"))
                 starts.append(server.wait_ready())
             model = LlamaForCausalLM.from_pretrained(checkpoint)
             engine = Engine(model, tokenizer=Tokenizer.from_pretrained(checkpoint), **HTTP_ENGINE)

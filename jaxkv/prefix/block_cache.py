@@ -553,6 +553,7 @@ class PrefixCacheManager:
                 error.args = (f"{error} ({root_pins} pin(s) of a miss, on a namespace root, not released)",)
             raise error
         blocks = [b for node in tree.nodes() if node.tier == DEVICE for b in node.value]
+        self._freed_host += [p for node in tree.nodes() if node.tier == HOST for p in node.value]
         tree.clear()
         self._owned.clear()
         self._host_free = list(range(self.host_capacity - 1, -1, -1))

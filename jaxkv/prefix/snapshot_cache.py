@@ -80,7 +80,7 @@ from collections.abc import Callable, Hashable, Sequence
 
 import numpy as np
 
-from jaxkv.errors import BookkeepingError, InvalidArgument
+from jaxkv.errors import BookkeepingError, CacheLocked, InvalidArgument
 from jaxkv.prefix.block_cache import PrefixCacheManager
 from jaxkv.prefix.radix import DEVICE, namespace_key, owner_key
 
@@ -518,6 +518,23 @@ class SnapshotCache:
         ops.cleared.append(record.row)
         self.evicted += 1
         self.events.append(("evicted", record.id, record.tokens, record.namespace))
+
+    def clear(self) -> BlockOps:
+        """Drop every record and page (nothing spilled), for
+        ``Engine.reset_prefix_cache``; returns the device work. Raises
+        ``CacheLocked`` (nothing changed) while a hit is pinned."""
+        if any(r.pins for r in self.records.values()):
+            raise CacheLocked(sum(r.tokens for r in self.records.values() if r.pins))
+        handles = self.tree.reset()  # CacheLocked, unchanged, while a page is pinned
+        ops = self.empty_ops()
+        spill, self.spill = self.spill, False
+        for record in list(self.records.values()):
+            self._drop_record(record, ops)
+        self.spill = spill
+        for h in handles:
+            for name, ids in zip(self.groups, self.pages.pop(h)):
+                ops.release[name] += list(ids)
+        return ops
 
     # ----------------------------------------------------------------- pressure
 

@@ -28,11 +28,11 @@ the per-request metrics get a ``tenant`` label (the tenant's name). See
 :mod:`jaxkv.serve.http` (API keys and tenants). ``/metrics`` stays open and
 shows every tenant's name and traffic: do not expose it publicly.
 
-**Engine pass-through.** ``--scrub-on-free`` and ``--prefix-quota FRACTION``
+**Engine options.** ``--scrub-on-free`` and ``--prefix-quota FRACTION``
 go to :class:`jaxkv.serve.Engine` as ``scrub_on_free=True`` and
 ``prefix_quota=FRACTION`` (the share, in (0, 1], of each block group and of
-the snapshot rows that one namespace's cached prefixes may hold), and only
-when given.
+the snapshot rows that one tenant's cached prefixes may hold, whatever
+salts it sends; README, "Tenants").
 
 Example::
 
@@ -182,7 +182,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "every state row in the call that frees it, so freed memory holds no request's data "
                    "(Engine(scrub_on_free=True); costs about the bytes it zeroes)")
     p.add_argument("--prefix-quota", type=_fraction, metavar="FRACTION", help="the share, in (0, 1], of each "
-                   "block group and of the snapshot rows one namespace's cached prefixes may hold "
+                   "block group and of the snapshot rows one tenant's (or one namespace's) cached prefixes may hold "
                    "(Engine(prefix_quota=...); default: no quota)")
     p.add_argument("--api-key", metavar="KEY", help="require 'Authorization: Bearer KEY' on every request but "
                    "/health and /metrics (tenant 'default'; visible in the process list: prefer --api-keys-file)")
@@ -226,7 +226,7 @@ def engine_options(args) -> dict:
                         ("prefix_quota", args.prefix_quota)):
         if value is not None:
             options[name] = value
-    if args.scrub_on_free:  # only when asked: an engine without the option still serves
+    if args.scrub_on_free:
         options["scrub_on_free"] = True
     if args.tensor_parallel_size > 1:
         options["mesh"] = tensor_parallel_mesh(args.tensor_parallel_size)

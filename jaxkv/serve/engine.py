@@ -980,6 +980,14 @@ class Engine:
             self._count.aborted += 1
             self._finish(req, "abort")
 
+    def reset_prefix_cache(self) -> bool:
+        """Drop every cached prefix of every namespace (vLLM's
+        ``reset_prefix_cache``): device pages, snapshot records, host-tier
+        copies; with ``scrub_on_free`` their bytes are zeroed. Returns
+        False, changing nothing, while a request holds a cached prefix
+        (run it to the end, or abort it, first)."""
+        return self.cache.reset_prefix()
+
     def take_kv_events(self) -> list:
         """The prefix cache's events since the last call, oldest first
         (``enable_kv_events``): :class:`~jaxkv.prefix.BlockStored` /

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxkv._ops import ceil_div, pow2_at_least
-from jaxkv.errors import BookkeepingError, InvalidArgument
+from jaxkv.errors import BookkeepingError, CacheLocked, InvalidArgument
 from jaxkv.manager import hybrid_host
 from jaxkv.manager.block_space import FREE, ON_DEVICE, SWAPPED
 from jaxkv.manager.hybrid import KVCacheManager
@@ -410,6 +410,22 @@ class HybridCache(CacheBase):
             self._unpin_host(hit.node)
         else:
             self.snapshots.release(hit.node)
+
+    def reset_prefix(self) -> bool:
+        """Drop every cached prefix: records, pages and host-tier copies
+        (their blocks released, scrubbed when on). False, nothing changed,
+        while a request holds a hit it has not attached yet."""
+        if self._host_pins:
+            return False
+        try:
+            ops = self.snapshots.clear()
+        except CacheLocked:
+            return False
+        self._apply(ops)
+        for key in list(self._host_index):
+            self.host_prefixes.discard(key)
+            del self._host_index[key]
+        return True
 
     def can_evict(self) -> bool:
         return self.snapshots.evictable

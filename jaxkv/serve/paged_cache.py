@@ -33,7 +33,7 @@ import numpy as np
 from jaxkv import _host
 from jaxkv._ops import ceil_div, pow2_at_least
 from jaxkv.alloc.block import BlockAllocator
-from jaxkv.errors import BookkeepingError, InvalidArgument, KVCacheOOM
+from jaxkv.errors import BookkeepingError, CacheLocked, InvalidArgument, KVCacheOOM
 from jaxkv.manager.block_space import BlockSpaceManager
 from jaxkv.nn.packed import PackedBatch, pack
 from jaxkv.nn.sampling import RowSampling
@@ -418,6 +418,19 @@ class PagedCache(CacheBase):
         if self.prefix_cache.quota is None:
             return []
         return [b for ns in dict.fromkeys(namespaces) for b in self._offload(self.prefix_cache.trim(ns))]
+
+    def reset_prefix(self) -> bool:
+        """Drop every cached prefix, device and host tier (blocks released,
+        pages scrubbed when on). False, nothing changed, while a running
+        request holds a cached prefix."""
+        try:
+            blocks = self.prefix_cache.reset()
+        except CacheLocked:
+            return False
+        self._clear_freed_host()
+        if blocks:
+            self.update(release=blocks)
+        return True
 
     def prefix_stats(self) -> PagedPrefixStats:
         """The radix tree's counters and the host tier's figures
