@@ -205,7 +205,7 @@ class PrefixCacheManager:
         self._events: list = []
         self._query_tokens = self._hit_tokens = self._host_hit_tokens = 0
         self._evicted_tokens = self._offloaded_tokens = self._evictions = 0
-        self.quota: int | None = None  # device-tier pages one namespace may hold (None: no cap, plain LRU)
+        self.quota: int | None = None  # device-tier pages one owner's namespaces may hold (None: no cap, plain LRU)
         self._freed_host: list = []  # host pages let go since take_freed_host_pages (scrub-on-free)
 
     def take_freed_host_pages(self) -> list:
@@ -219,15 +219,15 @@ class PrefixCacheManager:
     # ------------------------------------------------------------------ quotas
 
     def set_quota(self, units: int | None) -> None:
-        """Cap every namespace's device-tier pages at ``units`` (>= 1; None:
-        no cap and plain LRU eviction). Takes effect at the next ``trim``
-        and ``evict``."""
+        """Cap every owner's device-tier pages at ``units`` (>= 1; None: no
+        cap and plain LRU eviction). Takes effect at the next ``trim`` and
+        ``evict``."""
         if units is not None:
             units = _host.int_at_least(units, "quota", 1)
         self.quota = units
 
     def fair_share(self) -> float:
-        """Device-tier pages per namespace holding any (0 when empty)."""
+        """Device-tier pages per owner holding any (0 when empty)."""
         held = self.tree.namespace_units
         return sum(held.values()) / len(held) if held else 0.0
 
@@ -248,7 +248,7 @@ class PrefixCacheManager:
 
     def _over_share(self) -> Node | None:
         """With a quota: the least recently used evictable leaf of the
-        namespaces over their fair share, else of any namespace."""
+        owners over their fair share, else of any namespace."""
         tree = self.tree
         if self.quota is not None and len(tree.namespace_units) > 1:
             share = self.fair_share()
@@ -425,7 +425,8 @@ class PrefixCacheManager:
 
     def evict(self, num_blocks: int) -> Evicted:
         """Free at least ``num_blocks`` device blocks (fewer only if not enough
-        are evictable) from least-recently-used unlocked leaves, tail first.
+        are evictable) from least-recently-used unlocked leaves, tail first;
+        with a quota, from the owners over their fair share first.
 
         A leaf larger than what is still needed is split and only its tail
         evicted. With a host tier the pages move there (see ``Evicted``);

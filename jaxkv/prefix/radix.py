@@ -176,7 +176,7 @@ class RadixTree:
         self.protected_units = 0
         self.host_units = 0
         self.num_nodes = 0
-        self.namespace_units: dict[tuple, int] = {}  # device-tier units per namespace key
+        self.namespace_units: dict[tuple, int] = {}  # device-tier units per owner key
         self._heaps: tuple[list, list] = ([], [])  # per tier: (last_access, seq, node), lazily pruned
         self._seq = 0
 
@@ -453,8 +453,8 @@ class RadixTree:
         """The least recently used evictable leaf of ``tier`` (removed from the
         candidates; the caller evicts it or pushes it back); with
         ``namespaces`` (owner keys, :func:`owner_key`), the least recently
-        used one of those owners' namespaces (None when they have none; the others' stay
-        queued)."""
+        used one of those owners' namespaces (None when they have none;
+        the others' leaves stay queued)."""
         heap = self._heaps[tier]
         passed = []  # other namespaces' leaves, queued again at the end
         found = None

@@ -40,13 +40,14 @@ Tree pages give their blocks back only under block pressure
 (:meth:`evict_blocks`, least recently used pages first; the records keyed at
 an evicted page go with it).
 
-Quotas (tenants, :meth:`set_quota`): a namespace's tree pages and
-snapshot records are capped (``pages``, ``rows``). Storing past the page cap
-evicts the namespace's own least recently used unpinned pages; a record past
-the row cap takes the row of the namespace's own victim (or is not kept
-when all of its records are pinned); and under pressure (``evict_blocks``,
-a row needed while none is free) namespaces over their fair share give
-first. Pinned records and pages (running requests' hits) are never taken.
+Quotas (tenants, :meth:`set_quota`): an owner's tree pages and snapshot
+records are capped (``pages``, ``rows``; the owner of a namespace is
+:func:`~jaxkv.prefix.radix.owner_key`'s: a server tenant's salts count as
+one). Storing past the page cap evicts the owner's own least recently used
+unpinned pages; a record past the row cap takes the row of the owner's own
+victim (or is not kept when all of its records are pinned); and under
+pressure (``evict_blocks``, a row needed while none is free) owners over
+their fair share give first. Pinned records and pages (running requests' hits) are never taken.
 
 Host tier (``spill``): every record that leaves the device is reported
 whole (:class:`Spill`: its tokens, every block holding them, its row) for
@@ -226,7 +227,7 @@ class SnapshotCache:
         self.row_quota: int | None = None  # snapshot records one namespace may hold
 
     def set_quota(self, pages: int | None, rows: int | None) -> None:
-        """Cap every namespace at ``pages`` tree pages and ``rows`` snapshot
+        """Cap every owner at ``pages`` tree pages and ``rows`` snapshot
         records (None: no cap, plain eviction order)."""
         self.tree.set_quota(pages)
         self.row_quota = None if rows is None else max(int(rows), 1)
@@ -410,8 +411,8 @@ class SnapshotCache:
         return handles, ops
 
     def _trim(self, namespace: Hashable, pages: list, ops: BlockOps) -> None:
-        """With a page quota: evict ``namespace``'s own least recently used
-        unpinned pages down to it (the records keyed at them go too). The
+        """With a page quota: evict the least recently used unpinned pages of
+        ``namespace``'s owner down to it (the records keyed at them go too). The
         pages just stored (``pages``: their tokens) are pinned meanwhile: a
         store never evicts its own prefix."""
         if self.tree.quota is None or self.tree.namespace_pages(namespace) <= self.tree.quota:
@@ -472,8 +473,8 @@ class SnapshotCache:
 
     def _free_row(self, ops: BlockOps, namespace: Hashable = None) -> int | None:
         """A row for a record of ``namespace``: a free one, else a victim's.
-        At its row quota the namespace gives up one of its own records
-        (None when all of them are pinned)."""
+        At its row quota the namespace's owner gives up one of its own
+        records (None when all of them are pinned)."""
         if self.row_quota is not None and self.namespace_records(namespace) >= self.row_quota:
             key = owner_key(namespace)
             victim = self._victim(lambda r: owner_key(r.namespace) == key)
@@ -489,8 +490,8 @@ class SnapshotCache:
 
     def _victim(self, among=None) -> SnapshotRecord | None:
         """The retention policy's choice among the unpinned records (of
-        ``among(record)`` when given); with a quota, from the namespaces
-        holding more records than their fair share first."""
+        ``among(record)`` when given); with a quota, from the owners holding
+        more records than their fair share first."""
         candidates = [r for r in self.records.values() if r.pins == 0 and (among is None or among(r))]
         if not candidates:
             return None

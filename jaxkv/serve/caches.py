@@ -217,15 +217,16 @@ class CacheBase:
         ``scrub_on_free`` zeroes every block and resets every state row in
         the jitted call that frees it (:mod:`jaxkv.pool.scrub`);
         ``prefix_quota`` (a fraction in (0, 1]) caps the share of each
-        block group (and of the snapshot rows) one namespace's cached
-        prefixes may hold, and makes eviction take from namespaces over
-        their fair share first (:meth:`_set_quota`)."""
+        block group (and of the snapshot rows) one owner's cached prefixes
+        may hold (:func:`~jaxkv.prefix.radix.owner_key`: a tenant's salts
+        count as one), and makes eviction take from owners over their fair
+        share first (:meth:`_set_quota`)."""
         self.scrub = bool(scrub_on_free)
         if prefix_quota is not None:
             quota = float(prefix_quota)
             if not 0.0 < quota <= 1.0:
                 raise InvalidArgument(f"prefix_quota={prefix_quota!r}: a fraction in (0, 1] of each block group "
-                                      "one namespace's cached prefixes may hold")
+                                      "one tenant's cached prefixes may hold")
             self._set_quota(quota)
 
     def _set_quota(self, quota: float) -> None:

@@ -603,9 +603,10 @@ class Engine:
             (:mod:`jaxkv.pool.scrub`). Off by default: costs about the
             bytes it zeroes (README, "Tenants").
         prefix_quota: a fraction in ``(0, 1]``: the most of each block
-            group (and of the snapshot rows) one namespace's cached
-            prefixes may hold; eviction then takes from namespaces over
-            their fair share first. Running requests are never affected
+            group (and of the snapshot rows) one owner's cached prefixes
+            may hold (a namespace is its own owner, but the namespaces
+            ``("tenant", name, salt)`` of one tenant count as one); eviction
+            then takes from owners over their fair share first. Running requests are never affected
             (their blocks are theirs; a pinned prefix is never evicted).
             None (default): one LRU over every namespace.
         enable_kv_events: record the prefix cache's events (pages stored
