@@ -246,7 +246,9 @@ class GDNPool:
 
         Fails (``ok`` False, state unchanged) when an id is not a track slot
         (``InvalidId``: request slots are not managed here), is not held, or
-        appears twice (``DoubleFree``). Contents are not scrubbed.
+        appears twice (``DoubleFree``). Contents are not scrubbed here (the hybrid
+        cache resets the snapshot rows it lets go under scrub-on-free:
+        ``KVCacheManager.reset_state_rows``).
         """
         slots = jnp.asarray(slot, jnp.int32).reshape(-1)
         given = slots != -1

@@ -30,10 +30,10 @@ takes) must scrub between the two: ``decode_logits`` and the packed step
 scrub right after ``trim_window``.
 
 Cost: the freed ids are found with one pass over the reference counts
-(``num_blocks`` int32s), then zeroed ``CHUNK`` blocks per scatter in a
-``while_loop`` that runs ``ceil(freed / CHUNK)`` times: a step that frees
-nothing pays the count pass and one loop test, a step that frees ``n``
-blocks writes about ``n`` blocks of zeros. (XLA's CPU backend rewrites a
+(``num_blocks`` int32s), then zeroed by ONE scatter whose width is the
+smallest of ``8, 64, 512, ...`` (and ``num_blocks``) that holds them, picked
+at run time (``lax.switch``): a step that frees ``n`` blocks writes at most
+``max(8, 8 n)`` blocks' worth of indices and exactly ``n`` blocks of data. (XLA's CPU backend rewrites a
 whole bfloat16 / float8 array per scatter; on a GPU the scatter writes only
 its blocks.)
 """
@@ -47,10 +47,11 @@ from jaxtyping import Array, Bool
 from jaxkv.alloc.block import BlockAllocator
 from jaxkv.pool.kv_pool import KVPool
 
-__all__ = ["CHUNK", "freed_blocks", "scrub_hybrid", "scrub_kv_pool", "zero_blocks"]
+__all__ = ["CHUNK", "GROWTH", "freed_blocks", "scrub_hybrid", "scrub_kv_pool", "zero_blocks"]
 
-#: Blocks zeroed per scatter of the loop (a few: most steps free none or one).
+#: The narrowest scatter (most steps free none or one block) and the factor between widths.
 CHUNK = 8
+GROWTH = 8
 
 
 def freed_blocks(before: BlockAllocator, after: BlockAllocator, *, null: bool = True) -> Bool[Array, " num_blocks"]:
@@ -63,21 +64,35 @@ def freed_blocks(before: BlockAllocator, after: BlockAllocator, *, null: bool = 
 def zero_blocks(arrays: list, axes: list[int], freed: Bool[Array, " num_blocks"], fills: list | None = None) -> list:
     """``arrays[i]`` with index ``b`` of axis ``axes[i]`` set to ``fills[i]``
     (default 0) for every ``freed[b]`` (every array's axis has
-    ``num_blocks`` entries). Cost proportional to the freed count (module
-    docstring)."""
-    fills = fills or [0] * len(arrays)
+    ``num_blocks`` entries). One scatter of the smallest width of
+    :func:`_widths` that holds the freed ids: cost proportional to the
+    freed count, within a factor of ``GROWTH`` (module docstring)."""
     if not arrays:
         return arrays
+    fills = fills or [0] * len(arrays)
     size = freed.shape[0]
     count = jnp.sum(freed, dtype=jnp.int32)
-    # Freed ids first, then ``size`` (out of range: the scatter drops it); CHUNK more so no slice is clamped.
-    ids = jnp.nonzero(freed, size=size + CHUNK, fill_value=size)[0].astype(jnp.int32)
+    ids = jnp.nonzero(freed, size=size, fill_value=size)[0].astype(jnp.int32)  # freed first; ``size``: dropped
+    widths = _widths(size)
 
-    def body(i, arrs):
-        chunk = jax.lax.dynamic_slice(ids, (i * CHUNK,), (CHUNK,))
-        return [a.at[(slice(None),) * axis + (chunk,)].set(fill, mode="drop") for a, axis, fill in zip(arrs, axes, fills)]
+    def scatter(width):
+        def run(arrs):
+            chunk = ids[:width]
+            return [a.at[(slice(None),) * axis + (chunk,)].set(fill, mode="drop")
+                    for a, axis, fill in zip(arrs, axes, fills)]
+        return run
 
-    return jax.lax.fori_loop(0, (count + CHUNK - 1) // CHUNK, body, list(arrays))
+    branch = sum((count > w).astype(jnp.int32) for w in widths[:-1]) if len(widths) > 1 else 0
+    return jax.lax.switch(branch, [scatter(w) for w in widths], list(arrays))
+
+
+def _widths(size: int) -> list[int]:
+    """Scatter widths ``CHUNK, CHUNK * GROWTH, ...``, the last one ``size``."""
+    widths, width = [], CHUNK
+    while width < size:
+        widths.append(width)
+        width *= GROWTH
+    return widths + [size]
 
 
 def scrub_kv_pool(pool: KVPool, freed: Bool[Array, " num_blocks"]) -> KVPool:

@@ -24,6 +24,7 @@ from jaxkv.nn.packed import PackedBatch, pack
 from jaxkv.nn.sampling import RowSampling
 from jaxkv.nn.steps import hybrid_packed_step, hybrid_prefill_chunk
 from jaxkv.pool.scrub import scrub_hybrid
+from jaxkv.prefix.radix import namespace_key
 from jaxkv.prefix.snapshot_cache import BlockOps, SnapshotCache
 from jaxkv.serve import sizing
 from jaxkv.serve.caches import (CacheBase, DecodeResult, PackedResult, PrefillLane, PrefixHit, blocks_from_budget,
@@ -483,8 +484,10 @@ class HybridCache(CacheBase):
         (at most ``len - 1``) longer than ``longer_than`` (None: none)."""
         limit = len(tokens) - 1
         best, best_len = None, longer_than
+        wanted = namespace_key(namespace)  # as the trees compare namespaces (True is not 1)
         for key, (ns, prefix, _, _) in self._host_index.items():
-            if ns == namespace and best_len < len(prefix) <= limit and tuple(tokens[: len(prefix)]) == prefix:
+            if namespace_key(ns) == wanted and best_len < len(prefix) <= limit and \
+                    tuple(tokens[: len(prefix)]) == prefix:
                 best, best_len = key, len(prefix)
         return best
 
