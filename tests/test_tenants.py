@@ -53,6 +53,27 @@ def _expected(model, prompt, new, page_size=4):
 # ------------------------------------------------------------------ scrub-on-free
 
 
+@pytest.mark.parametrize("method", ["loop", "switch"])
+def test_zero_blocks_resets_exactly_the_freed_blocks(method):
+    """Both scrub methods (CPU's loop, GPU's one switched scatter) against
+    numpy: random arrays (never zeros), random freed sets of every size
+    class (none, one, a chunk and past it, half, all), blocks on different
+    axes with different fill values; nothing else changes."""
+    from jaxkv.pool.scrub import zero_blocks
+
+    rng = np.random.default_rng()
+    run = jax.jit(lambda a, b, f: zero_blocks([a, b], [1, 0], f, [0, 1.0], method=method))
+    for n in (5, 100, 700):
+        a = rng.standard_normal((2, n, 3)).astype(np.float32) + 3
+        b = rng.standard_normal((n, 4)).astype(np.float32) + 3
+        for k in sorted({0, 1, 8, 9, 70, n // 2, n}):
+            freed = np.zeros(n, bool)
+            freed[rng.choice(n, min(k, n), replace=False)] = True
+            got_a, got_b = run(a, b, freed)
+            np.testing.assert_array_equal(got_a, np.where(freed[None, :, None], 0, a))
+            np.testing.assert_array_equal(got_b, np.where(freed[:, None], 1.0, b))
+
+
 @pytest.mark.parametrize("scrub", [True, False])
 def test_paged_scrub_leaves_no_byte_of_finished_requests(llama, scrub):
     """Requests sharing prefixes run under block pressure (evictions,

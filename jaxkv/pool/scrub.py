@@ -30,10 +30,17 @@ takes) must scrub between the two: ``decode_logits`` and the packed step
 scrub right after ``trim_window``.
 
 Cost: the freed ids are found with one pass over the reference counts
-(``num_blocks`` int32s), then zeroed by ONE scatter whose width is the
-smallest of ``8, 64, 512, ...`` (and ``num_blocks``) that holds them, picked
-at run time (``lax.switch``): a step that frees ``n`` blocks writes at most
-``max(8, 8 n)`` blocks' worth of indices and exactly ``n`` blocks of data. (XLA's CPU backend rewrites a
+(``num_blocks`` int32s); a call that frees ``n`` blocks then writes exactly
+``n`` blocks of data, by one of two methods that differ only in how the
+backend pays for control flow (``zero_blocks``; both tested on CPU):
+
+* on a GPU, ONE scatter whose width (8, 64, 512, ... or the pool) is the
+  narrowest that holds the freed ids, picked at run time by ``lax.switch``:
+  one launch whatever ``n`` (H100: +73 us to free 256 pages of a 268 MB
+  pool, where 32 launches of a loop of 8-page scatters cost +776 us);
+* on the CPU, 8 ids per scatter in a ``while_loop`` of ``ceil(n / 8)``
+  steps: XLA's CPU backend copies a conditional's operands (the whole pool,
+  ~0.1 s for 268 MB), and a wider scatter materializes its zeros first. (XLA's CPU backend rewrites a
 whole bfloat16 / float8 array per scatter; on a GPU the scatter writes only
 its blocks.)
 """
@@ -47,11 +54,10 @@ from jaxtyping import Array, Bool
 from jaxkv.alloc.block import BlockAllocator
 from jaxkv.pool.kv_pool import KVPool
 
-__all__ = ["CHUNK", "GROWTH", "freed_blocks", "scrub_hybrid", "scrub_kv_pool", "zero_blocks"]
+__all__ = ["CHUNK", "freed_blocks", "scrub_hybrid", "scrub_kv_pool", "zero_blocks"]
 
-#: The narrowest scatter (most steps free none or one block) and the factor between widths.
+#: The narrowest scatter: most calls free none or one block.
 CHUNK = 8
-GROWTH = 8
 
 
 def freed_blocks(before: BlockAllocator, after: BlockAllocator, *, null: bool = True) -> Bool[Array, " num_blocks"]:
@@ -61,38 +67,34 @@ def freed_blocks(before: BlockAllocator, after: BlockAllocator, *, null: bool = 
     return freed.at[0].set(True) if null else freed
 
 
-def zero_blocks(arrays: list, axes: list[int], freed: Bool[Array, " num_blocks"], fills: list | None = None) -> list:
+def zero_blocks(arrays: list, axes: list[int], freed: Bool[Array, " num_blocks"], fills: list | None = None, *,
+                method: str | None = None) -> list:
     """``arrays[i]`` with index ``b`` of axis ``axes[i]`` set to ``fills[i]``
     (default 0) for every ``freed[b]`` (every array's axis has
-    ``num_blocks`` entries). One scatter of the smallest width of
-    :func:`_widths` that holds the freed ids: cost proportional to the
-    freed count, within a factor of ``GROWTH`` (module docstring)."""
+    ``num_blocks`` entries). ``method`` (static; default by backend, module
+    docstring): ``"switch"``, one scatter of the narrowest width of
+    ``CHUNK, CHUNK * 8, ...`` (and ``num_blocks``) that holds the freed ids,
+    picked at run time; ``"loop"``, ``CHUNK`` ids per scatter in a loop of
+    ``ceil(freed / CHUNK)`` steps."""
     if not arrays:
         return arrays
     fills = fills or [0] * len(arrays)
+    method = method or ("loop" if jax.default_backend() == "cpu" else "switch")
     size = freed.shape[0]
     count = jnp.sum(freed, dtype=jnp.int32)
-    ids = jnp.nonzero(freed, size=size, fill_value=size)[0].astype(jnp.int32)  # freed first; ``size``: dropped
-    widths = _widths(size)
+    # Freed ids first, then ``size`` (out of range: the scatter drops it); CHUNK more so no slice is clamped.
+    ids = jnp.nonzero(freed, size=size + CHUNK, fill_value=size)[0].astype(jnp.int32)
 
-    def scatter(width):
-        def run(arrs):
-            chunk = ids[:width]
-            return [a.at[(slice(None),) * axis + (chunk,)].set(fill, mode="drop")
-                    for a, axis, fill in zip(arrs, axes, fills)]
-        return run
+    def scatter(arrs, chunk):
+        return [a.at[(slice(None),) * axis + (chunk,)].set(fill, mode="drop")
+                for a, axis, fill in zip(arrs, axes, fills)]
 
+    if method == "loop":
+        return jax.lax.fori_loop(0, (count + CHUNK - 1) // CHUNK, lambda i, arrs: scatter(
+            arrs, jax.lax.dynamic_slice(ids, (i * CHUNK,), (CHUNK,))), list(arrays))
+    widths = [CHUNK * 8 ** k for k in range(8) if CHUNK * 8 ** k < size] + [size]
     branch = sum((count > w).astype(jnp.int32) for w in widths[:-1]) if len(widths) > 1 else 0
-    return jax.lax.switch(branch, [scatter(w) for w in widths], list(arrays))
-
-
-def _widths(size: int) -> list[int]:
-    """Scatter widths ``CHUNK, CHUNK * GROWTH, ...``, the last one ``size``."""
-    widths, width = [], CHUNK
-    while width < size:
-        widths.append(width)
-        width *= GROWTH
-    return widths + [size]
+    return jax.lax.switch(branch, [lambda arrs, w=w: scatter(arrs, ids[:w]) for w in widths], list(arrays))
 
 
 def scrub_kv_pool(pool: KVPool, freed: Bool[Array, " num_blocks"]) -> KVPool:
