@@ -61,7 +61,7 @@ from jaxkv.manager.hybrid import KVCacheManager
 from jaxkv.nn.packed import PackedBatch
 from jaxkv.nn.sampling import RowSampling, SamplingParams, sample, split_keys
 from jaxkv.pool.kv_pool import KVPool
-from jaxkv.pool.scrub import freed_blocks, scrub_hybrid, scrub_kv_pool
+from jaxkv.pool.scrub import freed_blocks, scrub_kv_pool
 
 __all__ = [
     "DecodeState",
@@ -351,8 +351,10 @@ def decode_body(graphdef, params, state: DecodeState, sampling: SamplingParams |
     :func:`~jaxkv.nn.sampling.sample`, record the token, finish rows on EOS or
     ``max_new`` (freeing them with ``free_finished``). A failed append
     records nothing and sets ``ok`` False and ``blocked``. ``scrub``
-    (static): every block the step frees is zeroed in it
-    (:mod:`jaxkv.pool.scrub`)."""
+    (static): the blocks a sliding window trims are zeroed in the step
+    (:mod:`jaxkv.pool.scrub`); rows freed with ``free_finished`` are not
+    (the engine runs with it off and frees rows in its scrubbed retire
+    call)."""
     batch, width = state.tokens.shape
     active = ~state.finished
     manager, pool, logits, now_blocked, ok = decode_logits(graphdef, params, state.manager, state.pool,
@@ -373,18 +375,7 @@ def decode_body(graphdef, params, state: DecodeState, sampling: SamplingParams |
         keys=keys, step=state.step + 1, blocked=jnp.where(ok, state.blocked, now_blocked),
         peak_used=jnp.maximum(state.peak_used, _blocks_in_use(manager)), ok=state.ok & ok)
     done = running & ((new == state.eos_id) | (num_generated >= state.max_new))
-    if not (scrub and free_finished):
-        return _finish(state, done, free_finished)
-    finished = _finish(state, done, free_finished)
-    return finished.replace(**_scrubbed(state.manager, finished.manager, finished.pool))
-
-
-def _scrubbed(before, after, pool) -> dict:
-    """``manager`` and ``pool`` with the blocks freed between ``before`` and
-    ``after`` zeroed (either kind of manager)."""
-    if isinstance(after, KVCacheManager):
-        return dict(manager=scrub_hybrid(before, after), pool=pool)
-    return dict(manager=after, pool=scrub_kv_pool(pool, freed_blocks(before.device, after.device)))
+    return _finish(state, done, free_finished)
 
 
 def run_decode(graphdef, params, state: DecodeState, sampling: SamplingParams | RowSampling, *,

@@ -40,9 +40,8 @@ backend pays for control flow (``zero_blocks``; both tested on CPU):
   pool, where 32 launches of a loop of 8-page scatters cost +776 us);
 * on the CPU, 8 ids per scatter in a ``while_loop`` of ``ceil(n / 8)``
   steps: XLA's CPU backend copies a conditional's operands (the whole pool,
-  ~0.1 s for 268 MB), and a wider scatter materializes its zeros first. (XLA's CPU backend rewrites a
-whole bfloat16 / float8 array per scatter; on a GPU the scatter writes only
-its blocks.)
+  ~0.1 s for 268 MB), and a wider scatter materializes its zeros first.
+  (It also rewrites a whole bfloat16 / float8 array per scatter.)
 """
 
 from __future__ import annotations
