@@ -70,3 +70,21 @@ def test_scrub_cost_tables(capsys):
     assert {r["model"] for r in cost["serving"]} == {"llama (paged)", "qwen3-next (hybrid)"}
     assert all(r["same_tokens"] and r["on_s"] > 0 for r in cost["serving"])
     assert "scrub_on_free" in capsys.readouterr().out
+
+
+@pytest.mark.long  # CI time: ~1 min (a server subprocess); the engine part runs by default above
+def test_salted_tenants_are_at_chance_through_the_http_server(capsys):
+    """The same check through ``python -m jaxkv.serve`` (``cache_salt`` per
+    tenant, TTFT to the first streamed chunk): different salts at chance and
+    never a cached token across them, a shared salt far above chance."""
+    for seed in (0, 1):  # one rerun, as above: a 95% interval misses one run in twenty
+        args = argparse.Namespace(quick=True, json=True, http=True, seed=seed, scrub_cost=False)
+        status = isolation.main(args)
+        payload = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+        rows = {(r["mode"], r["salts"]): r for r in payload["results"]}
+        if all(rows[(mode, "different")]["chance_in_ci"] for mode in ("engine", "http")):
+            break
+    http = rows[("http", "different")], rows[("http", "shared")]
+    assert status == 0 and http[0]["b_cached_tokens_max_when_isolated"] == 0, http[0]
+    assert http[0]["ci95"][0] <= 0.5 <= http[0]["ci95"][1], http[0]
+    assert http[1]["test_accuracy"] > 0.75 and http[1]["auc"] > 0.85, http[1]
