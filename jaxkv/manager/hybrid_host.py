@@ -650,10 +650,11 @@ class HostStore:
     def pop(self, key: Hashable):
         """The tree under ``key``, on the device, and remove it."""
         tree, size = self._entry(key, "pop")
-        out = jax.block_until_ready(self._transfers.to_device(tree))
+        out = self._transfers.to_device(tree)
         del self._items[key]
         self._used -= size
         if self.scrub:
+            jax.block_until_ready(out)  # the copy has read the host arrays before they are wiped
             wipe_host(tree)
         return out
 

@@ -996,9 +996,7 @@ class Engine:
         pages (device or host medium) and, for a hybrid cache, its snapshot
         records' ``(kind, id, tokens, namespace)``. Every event names the
         namespace it belongs to: route a tenant only its own."""
-        events = self.cache.prefix_cache.take_events()
-        take = getattr(self.cache, "take_events", None)
-        return events + (take() if take is not None else [])
+        return self.cache.prefix_cache.take_events() + self.cache.take_events()
 
     def cached_tokens(self, request_id: int) -> int:
         """Prompt tokens the request's latest admission served from the

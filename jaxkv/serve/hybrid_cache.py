@@ -447,7 +447,7 @@ class HybridCache(CacheBase):
             self._to_host(spill)
         rows = [self.manager.num_slots + row for row in ops.cleared] if self.scrub else []
         if any(ops.release.values()):
-            self._block_call(_release_blocks, ops.release, "releasing evicted prefix blocks", rows=rows)
+            self._drop_references(ops.release, "releasing evicted prefix blocks", rows=rows)
         elif rows:
             self.manager = _reset_rows(self.manager, _pow2_ids(rows))
         if ops.copies:
@@ -532,8 +532,8 @@ class HybridCache(CacheBase):
         self.manager = hybrid_host.write_state_rows(self.manager, [lane.row + 1], jax.device_put(state))
         node, tail = host.loaded
         self.prefix_cache.release(node)
-        self._block_call(_release_blocks, dict(zip(self.groups, (list(ids) for ids in tail))),
-                         "releasing a host hit's load references")
+        self._drop_references(dict(zip(self.groups, (list(ids) for ids in tail))),
+                              "releasing a host hit's load references")
         self._unpin_host(host)
         tables = {name: np.asarray(jax.device_get(g.tables[lane.row + 1])) for name, g in self.manager.groups.items()}
         dropped = self.snapshots.dropped
@@ -551,18 +551,22 @@ class HybridCache(CacheBase):
     def _copy_width(self, n: int) -> int:
         return max(self.max_seqs, pow2_at_least(n))
 
-    def _block_call(self, fn, blocks: dict, what: str, rows=()) -> None:
-        """``fn`` (incref or release) of ``blocks`` per group, ids padded to
-        a power of two; a release with scrub-on-free zeroes what it frees and
-        resets the state ``rows`` let go."""
+    def _block_call(self, fn, blocks: dict, what: str, *extra) -> None:
+        """``fn(manager, blocks, *extra)`` (incref or release) of ``blocks``
+        per group, ids padded to a power of two."""
         width = pow2_at_least(max(len(ids) for ids in blocks.values()))
         padded = {name: fixed_ids(ids, width) for name, ids in blocks.items()}
-        if fn is _release_blocks and self.scrub:
-            self.manager, ok = _release_blocks_scrubbed(self.manager, padded, _pow2_ids(rows))
-        else:
-            self.manager, ok = fn(self.manager, padded)
+        self.manager, ok = fn(self.manager, padded, *extra)
         if not bool(ok):
             raise BookkeepingError(f"{what} was refused: {blocks}")
+
+    def _drop_references(self, blocks: dict, what: str, rows=()) -> None:
+        """Drop one reference to each of ``blocks``; with scrub-on-free the
+        call zeroes what it frees and resets the snapshot ``rows`` let go."""
+        if self.scrub:
+            self._block_call(_release_blocks_scrubbed, blocks, what, _pow2_ids(rows))
+        else:
+            self._block_call(_release_blocks, blocks, what)
 
     def _store(self, items: list) -> None:
         """Snapshot ``(row, tokens, namespace, kind, hit)`` per request: its
