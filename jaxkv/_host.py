@@ -123,8 +123,14 @@ def _is_int(value) -> bool:
 
 
 def short_repr(value, limit: int = 60) -> str:
-    """``repr(value)``, cut to ``limit`` characters for an error message."""
-    text = repr(value)
+    """``repr(value)``, cut to ``limit`` characters for an error message
+    (an integer too long for ``repr``, past Python's 4,300-digit limit, is
+    named by its size; an object whose ``repr`` fails, by its type)."""
+    try:
+        text = repr(value)
+    except ValueError:  # int too long to print: the message must not fail in its turn
+        text = (f"<an integer of {value.bit_length()} bits>" if isinstance(value, int)
+                else f"<{type(value).__name__} too long to print>")
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 

@@ -376,7 +376,11 @@ def _flat_ids(ids, name: str, upper: int, note: str, distinct: bool) -> Array:
 
 
 def _storage_dtype(dtype) -> jnp.dtype:
-    dtype = jnp.dtype(dtype)
+    try:
+        dtype = jnp.dtype(dtype)
+    except TypeError:  # a name numpy does not know ("bogus"): the same answer as a dtype the pool cannot store
+        names = ", ".join(d.name for d in STORAGE_DTYPES)
+        raise InvalidArgument(f"a KV pool cannot store {dtype!r}: not a dtype; choose one of {names}") from None
     if dtype not in STORAGE_DTYPES:
         names = ", ".join(d.name for d in STORAGE_DTYPES)
         raise InvalidArgument(f"a KV pool cannot store {dtype.name}; choose one of {names}")

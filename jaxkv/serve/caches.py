@@ -54,6 +54,7 @@ on its own key alone (see :meth:`jaxkv.serve.Engine.add_request`'s ``seed``).
 from __future__ import annotations
 
 import dataclasses
+import functools
 from functools import partial
 from typing import Protocol
 
@@ -71,7 +72,7 @@ from jaxkv.serve import sizing
 from jaxkv.serve.sizing import CachePlan
 
 __all__ = ["FREE", "ON_DEVICE", "STATUS_NAMES", "SWAPPED", "CacheBase", "DecodeResult", "KVCache", "PackedResult",
-           "PrefillLane", "PrefixHit", "blocks_from_budget", "decode_chunk", "fixed_ids",
+           "PrefillLane", "PrefixHit", "blocks_from_budget", "decode_chunk", "fixed_ids", "remembers_arguments",
            "sample_first"]
 
 
@@ -182,6 +183,18 @@ def decode_chunk(graphdef, params, manager, pool, last, active, num_generated, m
 
 
 
+def remembers_arguments(init):
+    """Decorate an adapter's ``__init__`` so that :meth:`CacheBase.rebuilt`
+    can build the same cache again (the arguments are kept as given)."""
+
+    @functools.wraps(init)
+    def wrapper(self, *args, **kwargs):
+        self._fresh = functools.partial(type(self), *args, **kwargs)
+        init(self, *args, **kwargs)
+
+    return wrapper
+
+
 class CacheBase:
     """What both caches share: the fixed-width chunked prefill loop and the
     decode chunk; subclasses supply the per-chunk jitted call."""
@@ -211,6 +224,19 @@ class CacheBase:
 
     def _host_tiers(self) -> list[str]:  # the options that gave this cache a host tier
         return []
+
+    def rebuilt(self) -> "CacheBase":
+        """A new, empty cache of this one's sizes and options (its ``plan``
+        kept; isolation, events and mesh placement are the caller's to apply
+        again), built after this one has let go of every array it held, so
+        the device never holds both: the engine's way back from a step that
+        failed part-way (:meth:`jaxkv.serve.Engine.step`), whatever state
+        the failure left here. This object is unusable afterwards."""
+        fresh, plan = self._fresh, self.plan
+        self.__dict__.clear()  # a failed step's traceback may still reference this object: drop its arrays
+        cache = fresh()
+        cache.plan = plan
+        return cache
 
     def isolate(self, *, scrub_on_free: bool = False, prefix_quota: float | None = None) -> None:
         """Tenant isolation (the engine's options of the same names):
@@ -442,3 +468,4 @@ class KVCache(Protocol):
     def isolate(self, *, scrub_on_free: bool = False, prefix_quota: float | None = None) -> None: ...
     def reset_prefix(self) -> bool: ...
     def take_events(self) -> list: ...
+    def rebuilt(self) -> "KVCache": ...

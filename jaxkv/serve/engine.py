@@ -106,6 +106,33 @@ Request life cycle (:class:`RequestState`)::
        |                  SWAPPED                            |
        +------------- abort (from any state) ----------------+
 
+**Failures: a step is all or nothing.** (DESIGN.md, principle 8.)
+
+* A request whose own part of a step fails (its sampling parameters cannot
+  be put on the device, its detokenizer raises) is finished alone, with
+  ``finish_reason="error"`` and the message in ``RequestOutput.error``;
+  what it computed stays computed (its pages may serve later hits), what
+  it did not compute is never inserted (prompt pieces are consumed only
+  after the call that ran them returned). The others go on.
+* Any other exception inside :meth:`step` (a jitted call, the cache's
+  bookkeeping, retirement, a swap, an engine bug) is contained: the engine
+  lets go of the whole cache and builds it again empty
+  (:meth:`~jaxkv.serve.caches.CacheBase.rebuilt`; same sizes, no device
+  array of the old one kept), finishes the requests whose last token was
+  already given out, and puts every request that held a row back at the
+  front of the queue, oldest admission first, as a recompute preemption
+  does: it keeps its tokens and is prefilled again. So no request's tokens
+  change (a recomputation gives the same tokens), the prefix cache starts
+  empty and can hold no token that was not computed, and nothing leaks.
+  ``step`` logs the exception (logger ``jaxkv.serve``, ERROR, with its
+  traceback), counts it (``EngineStats.step_failures``, the last one in
+  :attr:`Engine.last_failure`) and returns the outputs the step made
+  before it. A request in flight at :data:`MAX_REQUEST_FAULTS` such
+  failures is finished with ``"error"``, so a fault that repeats cannot
+  keep the engine busy forever.
+* ``KVCacheOOM`` from "nothing can run" is not a failure of a step but of
+  the fit rule, and is raised as before.
+
 Progress is reported, never printed: ``run(on_progress=fn)`` calls ``fn``
 with an :class:`EngineProgress` after every scheduler iteration, and the
 logger ``"jaxkv.serve"`` gets a DEBUG record per iteration and an INFO
@@ -135,7 +162,9 @@ import collections.abc
 import dataclasses
 import enum
 import logging
+import numbers
 import time
+import traceback
 from collections.abc import Callable, Hashable, Sequence
 
 import jax
@@ -143,7 +172,7 @@ import numpy as np
 from flax import nnx
 
 from jaxkv import _host
-from jaxkv.errors import BookkeepingError, InvalidArgument
+from jaxkv.errors import BookkeepingError, InvalidArgument, KVCacheOOM
 from jaxkv.nn import sharding
 from jaxkv.nn.sampling import GREEDY, RowSampling, SamplingParams
 from jaxkv.serve.build import build_cache
@@ -160,6 +189,10 @@ logger = logging.getLogger("jaxkv.serve")
 #: The fewest tokens a waiting request must gain to wait for a request being
 #: prefilled that shares them (:meth:`Engine._wait_for_prefix`).
 WAIT_FOR_PREFIX_TOKENS = 32
+
+#: Failed steps a request may be in flight for before it is finished with
+#: ``"error"`` (each failure re-queues it; see "Failures" above).
+MAX_REQUEST_FAULTS = 3
 
 
 def _common_prefix(a: list, b: list) -> int:
@@ -197,6 +230,14 @@ def _stop_strings(stop) -> tuple[str, ...]:
     return stop
 
 
+def _flag(value, name: str) -> bool:
+    """A yes/no option: a bool (numpy's too), else ``InvalidArgument`` (a
+    string such as ``"no"`` would be true)."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise InvalidArgument(f"{name}={_host.short_repr(value)}: give True or False")
+    return bool(value)
+
+
 def _find_stop(text: str, stops: tuple, start: int) -> int | None:
     """Where the earliest of ``stops`` begins in ``text`` at or after ``start``."""
     found = [i for i in (text.find(stop, start) for stop in stops) if i >= 0]
@@ -220,8 +261,10 @@ class RequestOutput:
     chunk makes several; a stop token or EOS is included, tokens a stop
     condition cut off are not); ``finished``: whether it is done, and
     ``finish_reason``: ``"stop"`` (EOS, a stop token id or a stop string),
-    ``"length"`` (``max_new_tokens``), ``"abort"`` (:meth:`Engine.abort`), or
-    None while it runs; ``new_text``: with a tokenizer, the text those
+    ``"length"`` (``max_new_tokens``), ``"abort"`` (:meth:`Engine.abort`),
+    ``"error"`` (its own part of a step failed, or it was in flight at
+    :data:`MAX_REQUEST_FAULTS` failed steps: ``error`` says why), or None
+    while it runs; ``new_text``: with a tokenizer, the text those
     tokens complete (stop tokens and EOS add none; with stop strings, the
     last ``len(longest stop string) - 1`` characters are held back until
     they cannot begin one, and a stop string and what follows it are never
@@ -236,6 +279,7 @@ class RequestOutput:
     finish_reason: str | None
     new_text: str = ""
     cached_tokens: int = 0
+    error: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -262,7 +306,10 @@ class EngineStats:
     such call: ``model_calls / model_iterations`` is the calls per busy
     iteration), ``token_slots`` / ``padding_slots`` (token positions those
     calls computed, and how many of them were padding: idle lanes, the
-    bucket's tail, rows finished inside a decode chunk). ``cache_usage``:
+    bucket's tail, rows finished inside a decode chunk), ``step_failures``
+    (steps that raised inside and were contained: the cache rebuilt, the
+    requests in flight re-queued; see the engine's "Failures") and
+    ``failed_requests`` (requests finished with ``"error"``). ``cache_usage``:
     the cache's usage per group now (:class:`EngineSummary`). Since the
     previous :meth:`Engine.stats` call (drained by each call; at most the
     last 65536 of each are kept between calls): ``ttft`` (seconds from the
@@ -296,6 +343,8 @@ class EngineStats:
     token_slots: int = 0
     padding_slots: int = 0
     cache_usage: tuple = ()
+    step_failures: int = 0
+    failed_requests: int = 0
 
     @property
     def prefix_query_tokens(self) -> int:
@@ -319,6 +368,8 @@ class _Counters:
     model_iterations: int = 0  # iterations that made at least one such call
     slots_computed: int = 0  # token slots those calls computed (padding included)
     slots_real: int = 0  # of which real tokens
+    step_failures: int = 0  # steps whose exception was contained (cache rebuilt, requests re-queued)
+    failed_requests: int = 0  # requests finished with "error"
 
 
 @dataclasses.dataclass
@@ -337,6 +388,8 @@ class _Request:
     text: str = ""  # the detokenized output so far (a stop string cut off)
     emitted: int = 0  # characters of ``text`` already given out in a RequestOutput
     finish_reason: str | None = None
+    error: str | None = None  # why it finished with "error"
+    faults: int = 0  # failed steps it was in flight for (MAX_REQUEST_FAULTS finishes it)
     generated: list = dataclasses.field(default_factory=list)
     state: RequestState = RequestState.WAITING
     row: int = -1  # sequence row while RUNNING or SWAPPED, else -1
@@ -646,24 +699,31 @@ class Engine:
         self.scheduler = scheduler
         self.prefill_chunk = prefill_chunk
         seed = _host.int_scalar(seed, "seed")
+        scrub_on_free = _flag(scrub_on_free, "scrub_on_free")
+        enable_kv_events = _flag(enable_kv_events, "enable_kv_events")
+        prefix_cache = _flag(prefix_cache, "prefix_cache")
+        if prefix_quota is not None and (not isinstance(prefix_quota, numbers.Real)
+                                         or isinstance(prefix_quota, (bool, np.bool_))):
+            raise InvalidArgument(f"prefix_quota={_host.short_repr(prefix_quota)}: a number in (0, 1], the share of "
+                                  "each block group one tenant's cached prefixes may hold (None: no quota)")
         if max_model_len is not None:
             max_model_len = _host.int_at_least(max_model_len, "max_model_len", 2)  # one prompt and one new token
         if host_memory_kind not in ("auto", "pinned_host", "numpy"):  # checked even when nothing is swapped
             raise InvalidArgument(f"host_memory_kind={host_memory_kind!r}: choose 'auto', 'pinned_host' or 'numpy'")
         self.cache = build_cache(
             model, max_seqs=max_seqs, max_model_len=max_model_len, kv_cache_memory=kv_cache_memory,
-            prefill_chunk=prefill_chunk, prefix_cache=bool(prefix_cache), free_bytes=free_bytes, num_pages=num_pages,
+            prefill_chunk=prefill_chunk, prefix_cache=prefix_cache, free_bytes=free_bytes, num_pages=num_pages,
             page_size=page_size, max_blocks_per_seq=max_blocks_per_seq, num_host_pages=num_host_pages,
             host_kv_memory=host_kv_memory, kv_dtype=kv_dtype, host_memory_kind=host_memory_kind,
             max_context_tokens=max_context_tokens, num_blocks=num_blocks, num_snapshots=num_snapshots,
             snapshot_retention=snapshot_retention, snapshot_interval=snapshot_interval,
             entry_format=entry_format, host_prefix_pages=host_prefix_pages, host_prefix_memory=host_prefix_memory)
-        self.cache.isolate(scrub_on_free=scrub_on_free, prefix_quota=prefix_quota)
-        if enable_kv_events:
-            self.cache.prefix_cache.enable_events = True
-        if mesh is not None:  # the model (unless placed already) and the cache's device state
+        # What a rebuilt cache gets again (see _recover).
+        self._isolation = dict(scrub_on_free=scrub_on_free, prefix_quota=prefix_quota)
+        self._kv_events, self._mesh = enable_kv_events, mesh
+        if mesh is not None:  # the model, unless placed already
             sharding.prepare(model, mesh)
-            self.cache.place_on(mesh)
+        self._configure_cache()
         #: How the cache was sized (:class:`~jaxkv.serve.sizing.CachePlan`), logged at start-up.
         self.cache_plan: CachePlan = self.cache.plan
         for line in self.cache_plan.lines():
@@ -694,6 +754,17 @@ class Engine:
         self._peak = 0
         self._ttft_samples: collections.deque = collections.deque(maxlen=65536)
         self._itl_samples: collections.deque = collections.deque(maxlen=65536)
+        #: The last exception a step contained (see "Failures"), None before any.
+        self.last_failure: BaseException | None = None
+
+    def _configure_cache(self) -> None:
+        """Tenant isolation, events and mesh placement of ``self.cache``
+        (a new cache or a rebuilt one)."""
+        self.cache.isolate(**self._isolation)
+        if self._kv_events:
+            self.cache.prefix_cache.enable_events = True
+        if self._mesh is not None:  # the cache's device state on the mesh
+            self.cache.place_on(self._mesh)
 
     # The paged cache's structures, for callers that inspect them (tests, tools).
     manager = property(lambda self: self.cache.manager)
@@ -918,15 +989,107 @@ class Engine:
 
         The tokens a request gets over its steps are exactly those
         :meth:`run` gives it (``run`` is a loop over ``step``), whenever it
-        was added. Raises as :meth:`run` does."""
+        was added.
+
+        All or nothing (module docstring, "Failures"): a request whose own
+        part fails is finished alone with ``"error"``; any other exception
+        is contained (the cache rebuilt empty, the requests in flight
+        re-queued with their tokens; logged, counted, kept in
+        :attr:`last_failure`) and the outputs made before it are returned.
+        Raises only ``KVCacheOOM`` when nothing can run (:meth:`run`), and
+        whatever rebuilding the cache raises (then the engine is unusable)."""
         self._out = {}
-        self._process_aborts()
-        if self._live:
-            self._iterate()
-        out = [RequestOutput(rid, tuple(tokens), finished, self._requests[rid].finish_reason if finished else None,
-                             text, self._requests[rid].cached_tokens) for rid, (tokens, text, finished) in self._out.items()]
+        try:
+            self._process_aborts()
+            if self._live:
+                self._iterate()
+        except KVCacheOOM:  # the fit rule failed, not the step: nothing moved
+            raise
+        except Exception as err:  # noqa: BLE001 - contained: see "Failures"
+            self._recover(err)
+        out = []
+        for rid, (tokens, text, finished) in self._out.items():
+            req = self._requests[rid]
+            out.append(RequestOutput(rid, tuple(tokens), finished, req.finish_reason if finished else None, text,
+                                     req.cached_tokens, req.error if finished else None))
         self._out = {}
         return out
+
+    def _recover(self, err: Exception) -> None:
+        """Contain ``err``, raised inside a step (module docstring,
+        "Failures"): whatever it left half done, in the cache or in these
+        records, is dropped. Requests already given their last token are
+        finished; every other request that held a row (or was being
+        admitted) goes back to the front of the queue, oldest admission
+        first, with its tokens (a request in flight at
+        :data:`MAX_REQUEST_FAULTS` failures is finished with ``"error"``);
+        then the cache is rebuilt empty."""
+        self._count.step_failures += 1
+        self.last_failure = err
+        held = [req for req in (self._requests[rid] for rid in sorted(self._live))
+                if req.row >= 0 or req.state in (RequestState.RUNNING, RequestState.SWAPPED)]
+        logger.error("engine step failed (%s: %s); rebuilding the cache and re-queueing %d request(s)",
+                     type(err).__name__, err, len(held), exc_info=err)
+        traceback.clear_frames(err.__traceback__)  # the frames' locals may hold the old cache's arrays
+        requeue = []
+        for req in sorted(held, key=lambda r: (r.order, r.id)):
+            req.row, req.hit, req.shared, req.lane, req.pieces = -1, None, None, None, []
+            req.state = RequestState.WAITING
+            if req.finish_reason is not None:  # its last token was given out before the failure
+                self._finish(req, req.finish_reason)
+                continue
+            req.faults += 1
+            if req.faults >= MAX_REQUEST_FAULTS:
+                self._error(req, f"the engine failed {req.faults} times while this request was in flight "
+                                 f"(last: {type(err).__name__}: {err})")
+                continue
+            requeue.append(req.id)
+        # Every live request not finished is queued once: the re-queued ones
+        # first, then any an admission had taken out of the queue, then the
+        # queue as it was.
+        queued = set(self._waiting)
+        taken = [rid for rid in sorted(self._live) if rid not in queued and rid not in requeue]
+        self._waiting = collections.deque(
+            requeue + taken + [rid for rid in self._waiting if rid in self._live and rid not in requeue])
+        self._rows = [None] * self.max_seqs
+        self._prefilling, self._swapped = [], []
+        self.cache = self.cache.rebuilt()
+        self._configure_cache()
+
+    def _error(self, req: _Request, message: str) -> None:
+        """Finish ``req`` alone with ``"error"`` (``message`` says why): a
+        running one gives back its row and blocks as an aborted one does
+        (only what it computed may stay in the prefix cache)."""
+        req.error, req.finish_reason = message, "error"
+        logger.warning("request %d failed: %s", req.id, message)
+        self._count.failed_requests += 1
+        if req in self._prefilling:
+            self._prefilling.remove(req)
+        if req.state is RequestState.RUNNING:
+            self._retire([req], final=False, requeue=False)
+        elif req.state is RequestState.WAITING and req.id in self._waiting:
+            self._waiting.remove(req.id)
+        self._finish(req, "error")
+
+    def _screen(self, reqs) -> dict:
+        """Each request's sampling row as the device takes it (``{id: row}``);
+        a request whose parameters cannot be put there is finished with
+        ``"error"`` (:meth:`_error`) and left out."""
+        rows = {}
+        for req in list(reqs):
+            try:
+                rows[req.id] = self._sampling_row(req)
+            except Exception as err:  # noqa: BLE001 - this request's own failure
+                self._error(req, f"its sampling parameters cannot be used: {type(err).__name__}: {err}")
+        return rows
+
+    @staticmethod
+    def _sampling_row(req: _Request) -> tuple:
+        """``req``'s temperature, top-k and top-p as the device's dtypes
+        (raises for a value they cannot hold)."""
+        params = req.sampling
+        with np.errstate(over="raise"):  # a float32 overflow is an error here, not an inf
+            return np.float32(params.temperature), np.int32(params.top_k), np.float32(params.top_p)
 
     def _iterate(self) -> None:
         calls = self._count.model_calls
@@ -960,11 +1123,14 @@ class Engine:
         self._step += 1
 
     def _process_aborts(self) -> None:
-        """Free what the requests :meth:`abort` named hold, and finish them."""
-        aborts, self._aborts = self._aborts, []
-        for rid in aborts:
+        """Free what the requests :meth:`abort` named hold, and finish them
+        (an abort leaves the list once done: a failure halfway keeps it for
+        the next step)."""
+        while self._aborts:
+            rid = self._aborts[0]
             req = self._requests.get(rid)
             if req is None or req.state is RequestState.FINISHED:
+                self._aborts.pop(0)
                 continue
             if req.state is RequestState.WAITING:
                 self._waiting.remove(rid)
@@ -980,6 +1146,7 @@ class Engine:
             logger.debug("request %d aborted", rid)
             self._count.aborted += 1
             self._finish(req, "abort")
+            self._aborts.pop(0)
 
     def reset_prefix_cache(self) -> bool:
         """Drop every cached prefix of every namespace (vLLM's
@@ -1028,7 +1195,8 @@ class Engine:
             iterations=count.iterations, ttft=ttft, itl=itl, model_calls=count.model_calls,
             model_iterations=count.model_iterations,
             token_slots=count.slots_computed, padding_slots=count.slots_computed - count.slots_real,
-            cache_usage=tuple(self.cache.usage()))
+            cache_usage=tuple(self.cache.usage()), step_failures=count.step_failures,
+            failed_requests=count.failed_requests)
 
     def _progress(self, pending, total, start, generated_before, before: _Counters) -> EngineProgress:
         states = collections.Counter(r.state for r in pending)
@@ -1087,7 +1255,14 @@ class Engine:
                 break
             if req.detok is not None:
                 before = len(req.text)
-                req.text += req.detok.add([token])
+                try:
+                    req.text += req.detok.add([token])
+                except Exception as err:  # noqa: BLE001 - this request's own failure: the others go on
+                    req.error = f"detokenizing token {token} failed: {type(err).__name__}: {err}"
+                    reason = "error"
+                    self._count.failed_requests += 1
+                    logger.warning("request %d failed: %s", req.id, req.error)
+                    break
                 if req.stop:
                     cut = _find_stop(req.text, req.stop, max(before - longest + 1, 0))
                     if cut is not None:
@@ -1103,7 +1278,7 @@ class Engine:
         if req.detok is not None:
             if cut is not None:
                 req.text = req.text[:cut]  # the stop string and what follows are never given out
-            elif reason is not None and hasattr(req.detok, "finish"):
+            elif reason not in (None, "error") and hasattr(req.detok, "finish"):
                 req.text += req.detok.finish()  # bytes held back for a character that never completed
             # While a stop string may still begin in the tail, that tail waits.
             end = len(req.text) if reason is not None or not req.stop else max(len(req.text) - longest + 1,
@@ -1196,10 +1371,15 @@ class Engine:
             free = self.cache.free_blocks()
         return bool(np.all(free >= blocks))
 
-    def _sampling(self, reqs_by_lane: dict) -> RowSampling:
-        """Per-lane sampling parameters (idle lanes: greedy)."""
-        return RowSampling.stack([reqs_by_lane[lane].sampling if lane in reqs_by_lane else None
-                                  for lane in range(self.max_seqs)])
+    def _sampling(self, rows: dict, reqs_by_lane: dict) -> RowSampling:
+        """Per-lane sampling arrays from the :meth:`_screen`-ed ``rows`` of
+        the requests ``reqs_by_lane`` (idle lanes: greedy)."""
+        temperature = np.zeros((self.max_seqs,), np.float32)
+        top_k = np.zeros((self.max_seqs,), np.int32)
+        top_p = np.ones((self.max_seqs,), np.float32)
+        for lane, req in reqs_by_lane.items():
+            temperature[lane], top_k[lane], top_p[lane] = rows[req.id]
+        return RowSampling(temperature, top_k, top_p)
 
     def check_bookkeeping(self) -> None:
         """Raise ``BookkeepingError`` (with the numbers) when the engine's
@@ -1349,6 +1529,9 @@ class Engine:
         number of calls."""
         calls = 0
         while self._prefilling:
+            rows = self._screen(self._prefilling)
+            if not self._prefilling:
+                break
             budget = None
             if self.max_num_batched_tokens is not None:
                 budget = self.max_num_batched_tokens - sum(
@@ -1361,8 +1544,10 @@ class Engine:
                 batch.append(req)
                 total += end - start
             first, keys, peak = self.cache.prefill_step(self.graphdef, self.params,
-                                                        [(req.lane, req.pieces.pop(0)) for req in batch],
-                                                        self._sampling(dict(enumerate(batch))))
+                                                        [(req.lane, req.pieces[0]) for req in batch],
+                                                        self._sampling(rows, dict(enumerate(batch))))
+            for req in batch:  # the pieces ran: consumed only now
+                req.pieces.pop(0)
             self._count_call(self.max_seqs * self.cache.prefill_width, total)
             now = time.perf_counter()
             self._update_peak(peak)
@@ -1416,17 +1601,17 @@ class Engine:
         self.check_bookkeeping()
         decoding = [(row, self._requests[rid]) for row, rid in enumerate(self._rows)
                     if rid is not None and self._decoding(self._requests[rid])]
+        rows = self._screen([req for _, req in decoding] + self._prefilling)
+        decoding = [(row, req) for row, req in decoding if req.id in rows]
+        if not self._prefilling:  # every prompt left failed its screening: the next iteration decodes
+            return
         left = max(self._token_budget() - len(decoding), 1)
-        batch = []  # (request, (start, end))
+        batch = []  # (request, (start, end)): a plan; its pieces are consumed once the call returned
         for req in self._prefilling:
             if left <= 0:
                 break
             start, end = req.pieces[0]
-            if end - start > left:
-                end = start + left
-                req.pieces[0] = (end, req.pieces[0][1])  # the rest stays at the head
-            else:
-                req.pieces.pop(0)
+            end = min(end, start + left)  # a piece longer than what is left is cut
             batch.append((req, (start, end)))
             left -= end - start
         lanes = [req for req, _ in batch] + [req for _, req in decoding]
@@ -1434,8 +1619,13 @@ class Engine:
         length = self._stream_length(total)
         result = self.cache.packed_step(
             self.graphdef, self.params, [(req.lane, piece) for req, piece in batch],
-            [(row, req.generated[-1], req.kv_len) for row, req in decoding], self._sampling(dict(enumerate(lanes))),
-            [req.key for req in lanes], length)
+            [(row, req.generated[-1], req.kv_len) for row, req in decoding],
+            self._sampling(rows, dict(enumerate(lanes))), [req.key for req in lanes], length)
+        for req, (_, end) in batch:  # the pieces ran
+            if end < req.pieces[0][1]:
+                req.pieces[0] = (end, req.pieces[0][1])  # the rest stays at the head
+            else:
+                req.pieces.pop(0)
         now = time.perf_counter()
         self._update_peak(result.peak)
         self._count_call(length, total if result.decode_ok else total - len(decoding))
@@ -1470,6 +1660,10 @@ class Engine:
         if not running:
             return
         self.check_bookkeeping()
+        rows = self._screen(running.values())
+        running = {row: req for row, req in running.items() if req.id in rows}
+        if not running:
+            return
         batch = self.max_seqs
         last = np.zeros((batch,), np.int32)
         active = np.zeros((batch,), bool)
@@ -1485,7 +1679,7 @@ class Engine:
             eos[row] = req.eos_id
             keys[row] = req.key
         result = self.cache.decode(self.graphdef, self.params, last, active, num_generated, max_new, eos,
-                                   self._sampling(running), keys, self.decode_chunk)
+                                   self._sampling(rows, running), keys, self.decode_chunk)
         now = time.perf_counter()
         self._update_peak(result.peak)
         self._count_call(self.max_seqs * int(result.count.max(initial=0)), int(result.count.sum()))

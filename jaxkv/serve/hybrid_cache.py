@@ -28,7 +28,7 @@ from jaxkv.prefix.radix import namespace_key
 from jaxkv.prefix.snapshot_cache import BlockOps, SnapshotCache
 from jaxkv.serve import sizing
 from jaxkv.serve.caches import (CacheBase, DecodeResult, PackedResult, PrefillLane, PrefixHit, blocks_from_budget,
-                                fixed_ids, sample_first)
+                                fixed_ids, remembers_arguments, sample_first)
 from jaxkv.serve.sizing import CachePlan, GroupPlan
 
 __all__ = ["HybridCache"]
@@ -157,6 +157,7 @@ class HybridCache(CacheBase):
     state that was kept, at token grain.
     """
 
+    @remembers_arguments
     def __init__(self, model, *, max_seqs: int, max_context_tokens: int, num_blocks: dict | None,
                  entry_format: str, prefill_chunk: int, prefix_cache: bool = True, num_snapshots: int | None = None,
                  retention: str = "value", snapshot_interval: int | None = None, host_kv_memory: int = 0,

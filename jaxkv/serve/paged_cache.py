@@ -45,7 +45,7 @@ from jaxkv.prefix import PrefixCacheManager, PrefixCacheStats
 from jaxkv.prefix.radix import HOST
 from jaxkv.serve import sizing
 from jaxkv.serve.caches import (CacheBase, PackedResult, PrefillLane, PrefixHit, blocks_from_budget, fixed_ids,
-                                sample_first)
+                                remembers_arguments, sample_first)
 from jaxkv.serve.sizing import CachePlan, GroupPlan
 
 __all__ = ["HostTierRate", "PagedCache", "PagedPrefixStats", "host_tier_rate"]
@@ -158,6 +158,7 @@ class PagedCache(CacheBase):
 
     can_swap = True
 
+    @remembers_arguments
     def __init__(self, model, *, num_pages: int, page_size: int, max_seqs: int, max_blocks_per_seq: int,
                  num_host_pages: int, prefix_cache: bool, kv_dtype, prefill_chunk: int, host_memory_kind: str,
                  max_model_len: int | None = None, host_prefix_pages: int = 0):
