@@ -177,3 +177,40 @@ def test_host_kv_memory_gives_host_pages():
     engine = Engine(m, max_model_len=64, host_kv_memory=int(20 * page), host_memory_kind="numpy")
     assert engine.cache_plan.host_pages == 20 and engine.cache.can_swap
     assert engine.cache_plan.host_bytes == 20 * page
+
+
+def test_options_are_checked_not_coerced():
+    """Issue 39 item 7: a yes/no option takes a bool (``"no"`` would be
+    true), a quota a number (not ``"0.5"``), ``kv_dtype`` a storage dtype
+    (``"bogus"`` raised ``TypeError``), the hybrid length ``max_context_tokens``
+    what ``max_model_len`` takes (at least 2: one engine that could serve
+    nothing), each refused with ``InvalidArgument`` naming it."""
+    llama = model("llama")
+    for options, name in [(dict(scrub_on_free="no"), "scrub_on_free"), (dict(enable_kv_events=1), "enable_kv_events"),
+                          (dict(prefix_cache="off"), "prefix_cache"), (dict(prefix_quota="0.5"), "prefix_quota"),
+                          (dict(prefix_quota=True), "prefix_quota"), (dict(kv_dtype="bogus"), "bogus"),
+                          (dict(seed=2**64), "seed")]:
+        with pytest.raises(InvalidArgument, match=name):
+            Engine(llama, num_pages=8, **options)
+    with pytest.raises(InvalidArgument, match="max_context_tokens=1: must be >= 2"):
+        Engine(model("qwen3_next/small"), max_context_tokens=1)
+    with pytest.raises(InvalidArgument, match="max_model_len=1: must be >= 2"):
+        Engine(model("qwen3_next/small"), max_model_len=1)
+    engine = Engine(llama, num_pages=8, scrub_on_free=np.bool_(False), prefix_quota=0.5)  # numpy bools and floats
+    assert engine.cache.scrub is False
+
+
+def test_an_expert_pool_smaller_than_the_default_length_advertises_what_it_holds():
+    """``Engine(model, num_pages=2)`` said ``max_model_len`` 256 over a
+    one-page pool (16 tokens): the default is lowered to what the pool
+    holds, as it is for a memory budget; an explicit one is refused."""
+    llama = model("llama")
+    engine = Engine(llama, num_pages=2)
+    assert engine.max_model_len == 16 == engine.cache_plan.max_model_len
+    rid = engine.add_request(list(range(1, 9)), 8)  # 16 tokens: the whole pool
+    engine.run()
+    assert len(engine.outputs[rid]) == 8
+    with pytest.raises(InvalidArgument, match="can never fit"):
+        engine.add_request(list(range(1, 9)), 9)
+    with pytest.raises(InvalidArgument, match="max_model_len=64"):
+        Engine(llama, num_pages=2, max_model_len=64)

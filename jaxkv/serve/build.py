@@ -46,7 +46,8 @@ def build_cache(model, *, max_seqs: int, max_model_len: int | None, kv_cache_mem
             if host_kv_memory < 0:
                 raise InvalidArgument(f"host_kv_memory={host_kv_memory}: bytes must be >= 0")
         if max_context_tokens is not None:
-            max_context_tokens = _host.int_at_least(max_context_tokens, "max_context_tokens", 1)
+            # max_model_len's other spelling, checked alike: one prompt token and one new token.
+            max_context_tokens = _host.int_at_least(max_context_tokens, "max_context_tokens", 2)
         num_blocks = _block_counts(num_blocks)
         if num_snapshots is not None:
             num_snapshots = _host.int_at_least(num_snapshots, "num_snapshots", 1)

@@ -310,6 +310,13 @@ class PagedCache(CacheBase):
                 while need(max_model_len) > blocks[0]:  # a window's peak may be a block over the tokens
                     max_model_len -= 1
             num_pages = blocks[0] + 1
+        elif need(max_model_len) > num_pages - 1 and not len_given and (num_pages - 1) * page_size >= 2:
+            # The expert pool is smaller than the default length: advertise what it holds, as for a budget.
+            logger.info("KV cache: the default max_model_len %d does not fit num_pages=%d of %d; lowered to %d",
+                        max_model_len, num_pages, page_size, (num_pages - 1) * page_size)
+            max_model_len = (num_pages - 1) * page_size
+            while max_model_len > 2 and need(max_model_len) > num_pages - 1:
+                max_model_len -= 1
         if explicit and need(max_model_len) > num_pages - 1 and window is None:
             raise InvalidArgument(
                 f"max_model_len={max_model_len}: a request of {max_model_len} tokens holds {need(max_model_len)} "
