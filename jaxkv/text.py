@@ -56,6 +56,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import numbers
 import os
 from collections.abc import Mapping, Sequence
 from datetime import datetime
@@ -355,7 +356,7 @@ class Tokenizer:
     EOM ids), ``bos_token_id`` (int or None), ``vocab_size`` (tokens the
     backend knows, added tokens included), ``clean_up_tokenization_spaces``
     (applied on decode only for non-BPE backends, as in transformers),
-    ``name_or_path``.
+    ``name_or_path``; the property ``max_token_id``.
     """
 
     def __init__(self, backend, *, chat_template: str | Mapping[str, str] | None = None,
@@ -374,6 +375,16 @@ class Tokenizer:
         self.vocab_size = int(backend.get_vocab_size(with_added_tokens=True))
         self.clean_up_tokenization_spaces = bool(clean_up_tokenization_spaces)
         self.name_or_path = name_or_path
+
+    @functools.cached_property
+    def max_token_id(self) -> int:
+        """The largest id the tokenizer has a token for (added tokens
+        included; vLLM's ``max_token_id``); -1 for an empty vocabulary. Many
+        checkpoints pad their embedding past it: ids above it decode to
+        nothing (:meth:`decode`), and a sampler limited to ``[0,
+        max_token_id]`` never draws one. Usually ``vocab_size - 1``; larger
+        where the vocabulary leaves ids unused."""
+        return max(self.backend.get_vocab(with_added_tokens=True).values(), default=-1)
 
     def __repr__(self) -> str:
         return (f"Tokenizer({self.name_or_path!r}, vocab_size={self.vocab_size}, bos_token_id={self.bos_token_id}, "
@@ -540,12 +551,20 @@ class Tokenizer:
     def decode(self, ids, skip_special_tokens: bool = True) -> str:
         """The text of token ids ``ids`` (special tokens left out with
         ``skip_special_tokens``); bytes of an incomplete UTF-8 character
-        decode to U+FFFD. Raises ``InvalidArgument`` for an id outside
-        ``[0, vocab_size)``."""
-        ids = [int(i) for i in ids]
-        bad = [i for i in ids if not 0 <= i < self.vocab_size]
-        if bad:
-            raise InvalidArgument(f"token ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})")
+        decode to U+FFFD.
+
+        An integer id the tokenizer has no token for (negative, above
+        :attr:`max_token_id`, or unused) decodes to nothing, never an error:
+        a model whose embedding is padded past the vocabulary can sample
+        such an id, and one request's stray token must not fail the serving
+        step. Nothing rather than U+FFFD, as the ``tokenizers`` backend
+        itself skips ids it does not know, vLLM's detokenizer turns their
+        missing token into "", and llama.cpp's converters pad such a
+        vocabulary with unused tokens whose piece is empty; a U+FFFD would
+        also read as a broken UTF-8 character (which the incremental
+        detokenizer holds back) and could not be told from real ones."""
+        top = self.max_token_id
+        ids = [i for i in map(int, ids) if 0 <= i <= top]  # the backend's u32 conversion would raise on the rest
         text = self.backend.decode(ids, skip_special_tokens=bool(skip_special_tokens))
         if self.clean_up_tokenization_spaces and type(self.backend.model).__name__ != "BPE":
             text = _clean_up_tokenization(text)
@@ -607,9 +626,26 @@ class IncrementalDetokenizer:
     """Streams the text of generated token ids, one chunk per :meth:`add`.
 
     Exact: the chunks of :meth:`add`, then :meth:`finish`, concatenate to
-    the text the ids add to the prompt's, i.e. ``decode(prompt_ids + ids)``
-    minus ``decode(prompt_ids)`` (with no prompt: ``decode(ids)``); ``text``
-    is what was returned so far.
+    the **continuation** of the prompt by the ids, whatever the ids and
+    however they are split into calls; ``text`` is what was returned so
+    far. With ``P = decode(prompt_ids)`` and ``F = decode(prompt_ids +
+    ids)``, the continuation is ``F`` after the longest common prefix of
+    ``P`` and ``F``:
+
+    * with no prompt, ``decode(ids)``; with a prompt that ends on a whole
+      character, ``F`` starts with ``P`` and it is ``F[len(P):]``;
+    * with a prompt that ends inside a UTF-8 character (``P`` ends in the
+      U+FFFD of its incomplete bytes): if the ids complete the character,
+      the whole character is the continuation's first (prompt bytes
+      ``F0 9F``, then ``98 80``: "😀"); if they never do, the U+FFFD stays
+      the prompt's (``F0``, then "a": "a", not "\\ufffda");
+    * the definition reads text: ids that complete a character which is
+      itself U+FFFD (prompt bytes ``EF BF``, then ``BD``) add nothing, their
+      U+FFFD counted as the prompt's.
+
+    Ids the tokenizer has no token for (an embedding padded past the
+    vocabulary) decode to nothing in :meth:`Tokenizer.decode`, so they add
+    nothing here either, and never raise.
 
     Never splits a character: a trailing U+FFFD in the decoded window (the
     bytes of an incomplete UTF-8 character, or one that may still complete)
@@ -618,22 +654,25 @@ class IncrementalDetokenizer:
     that never completed).
 
     How: the window of ids from ``prefix_offset`` is decoded and compared
-    with the decode of ``ids[prefix_offset:read_offset]`` (what was already
-    released), as vLLM does, so decoders that change the first token of a
-    window (sentencepiece's leading space) still diff correctly; the window
-    moves on whenever it ends on a complete character, so each step decodes
-    a few tokens, not the whole sequence.
+    with the window's text before the new ids (``ids[prefix_offset:
+    read_offset]``), as vLLM does, so decoders that change the first token
+    of a window (sentencepiece's leading space) still diff correctly; the
+    window moves on whenever its text ends on a complete character, so each
+    step decodes a few tokens, not the whole sequence. The first window
+    starts a few tokens before the prompt's end, on a whole character, and
+    keeps the prompt's trailing U+FFFD: the new text starts after the
+    common prefix of that text and the window's, as the definition says.
     """
 
     def __init__(self, tokenizer: Tokenizer, prompt_ids: Sequence[int] = (), skip_special_tokens: bool = True):
         self.tokenizer = tokenizer
         self.skip_special_tokens = bool(skip_special_tokens)
         self.ids: list[int] = [int(i) for i in prompt_ids]
-        # The window starts a few tokens before the prompt's end, so the first new token decodes in context.
-        self.prefix_offset = max(len(self.ids) - 5, 0)
+        self.prefix_offset = self._first_window_start()
         self.read_offset = len(self.ids)
-        self._base = self._stable(self._decode(self.ids[self.prefix_offset:self.read_offset]))
-        self._released = 0  # characters of the current window (past _base) already returned
+        # The window's text before the new ids. The prompt's keeps its trailing U+FFFD (see _start).
+        self._base = self._decode(self.ids[self.prefix_offset:self.read_offset])
+        self._released = 0  # characters of the current window's new text already returned
         self._prompt_len = len(self.ids)
         self._prompt_text: str | None = None  # decode of the prompt, only if the fallback needs it
         self.text = ""
@@ -645,6 +684,35 @@ class IncrementalDetokenizer:
     def _stable(text: str) -> str:
         return text.rstrip("\ufffd")
 
+    def _first_window_start(self) -> int:
+        """Five tokens before the prompt's end (the first new token decodes
+        in context), or further back (doubling) until the window's text
+        starts with a character other than U+FFFD, i.e. the window starts on
+        a whole character. One starting inside a character decodes its
+        continuation bytes as U+FFFD of their own; harmless while the
+        character ends inside the prompt, but if its bytes reached the
+        prompt's end (tokens that decode to nothing between them), the ids
+        completing it would complete nothing in the window."""
+        back = 5
+        while True:
+            start = max(len(self.ids) - back, 0)
+            head = self._decode(self.ids[start:]) if start else ""
+            if start == 0 or (head and not head.startswith("\ufffd")):
+                return start
+            back *= 2
+
+    def _start(self, window: str) -> int | None:
+        """Where the new text starts in ``window`` (the decode of
+        ``ids[prefix_offset:]``): after the longest common prefix of the
+        base and ``window``. Past the first window the base ends on a
+        complete character and ``window`` starts with it; the prompt's may
+        end in U+FFFD, which counts as the base's only while ``window`` still
+        has it there (a character the ids complete is new text). None when
+        ``window`` does not start with the base's text before that U+FFFD
+        (a decoder that rewrote earlier text: :meth:`_fallback`)."""
+        common = len(os.path.commonprefix([self._base, window]))
+        return common if common >= len(self._stable(self._base)) else None
+
     def _emit(self, new: str) -> str:
         self.text += new
         return new
@@ -652,47 +720,50 @@ class IncrementalDetokenizer:
     def add(self, token_ids: Sequence[int] | int) -> str:
         """Append ``token_ids`` (a list or one id) and return the new text
         they complete ("" when they only add bytes of an unfinished
-        character)."""
-        if isinstance(token_ids, int):
+        character, or ids that decode to nothing)."""
+        if isinstance(token_ids, numbers.Integral):
             token_ids = [token_ids]
         token_ids = [int(i) for i in token_ids]
         if not token_ids:
             return ""
         self.ids.extend(token_ids)
         window = self._decode(self.ids[self.prefix_offset:])
-        if not window.startswith(self._base):
+        start = self._start(window)
+        if start is None:
             return self._emit(self._fallback(final=False))
-        tail = window[len(self._base):]
-        stable = self._stable(tail)
+        # Released text ends before a stable character, and what precedes one never changes:
+        # neither `start` nor the released text can move once something is released.
+        stable = self._stable(window[start:])
         new = stable[self._released:]
-        if len(stable) == len(tail):  # ends on a complete character: move the window on
-            self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
-            self._base = self._stable(self._decode(self.ids[self.prefix_offset:self.read_offset]))
-            self._released = 0
-        else:
+        if window.endswith("\ufffd"):  # a character may still be completing: keep the window, hold the U+FFFD
             self._released = len(stable)
+        else:  # ends on a complete character: move the window on
+            self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+            self._base = self._decode(self.ids[self.prefix_offset:self.read_offset])
+            self._released = 0
         return self._emit(new)
 
     def finish(self) -> str:
         """Release what is held back (U+FFFD of bytes that never completed);
-        after it, ``text`` is the whole decoded continuation."""
+        after it, ``text`` is the whole continuation."""
         window = self._decode(self.ids[self.prefix_offset:])
-        if not window.startswith(self._base):
+        start = self._start(window)
+        if start is None:
             return self._emit(self._fallback(final=True))
-        new = window[len(self._base):][self._released:]
+        new = window[start:][self._released:]
         self.prefix_offset = self.read_offset = len(self.ids)
         self._base, self._released = "", 0
         return self._emit(new)
 
     def _fallback(self, *, final: bool) -> str:
         """A decoder that rewrote text already released (not byte-level BPE):
-        diff the decode of everything against the prompt's instead; nothing
-        is returned twice (if released text itself changed, only what
-        follows it is returned)."""
+        take the continuation from the decode of everything and the
+        prompt's instead; nothing is returned twice (if released text itself
+        changed, only what follows it is returned)."""
         if self._prompt_text is None:
-            self._prompt_text = self._stable(self._decode(self.ids[: self._prompt_len]))
+            self._prompt_text = self._decode(self.ids[: self._prompt_len])
         full = self._decode(self.ids)
-        body = full[len(self._prompt_text):] if full.startswith(self._prompt_text) else full
+        body = full[len(os.path.commonprefix([self._prompt_text, full])):]
         if not final:
             body = self._stable(body)
         return body[len(self.text):] if body.startswith(self.text) else ""

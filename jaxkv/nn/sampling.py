@@ -9,7 +9,10 @@ Rule, per row ``b`` of ``logits [B, V]``:
 * otherwise a softmax draw from ``logits[b] / temperature[b]`` restricted to
   the ``top_k[b]`` most likely tokens (0 = all; ties at the k-th value are
   all kept) and then to the smallest set of the most likely tokens whose
-  probability reaches ``top_p[b]`` (1 = all).
+  probability reaches ``top_p[b]`` (1 = all). The most likely token is
+  always kept, whatever ``top_p`` and however small ``temperature`` (as in
+  vLLM: a vanishing ``top_p`` or ``temperature`` tends to greedy, never to
+  an empty set, whose draw would be token 0).
 
 Parameters come either as one :class:`SamplingParams` (static: the same for
 every row; a greedy one compiles to a bare ``argmax``) or as
@@ -21,6 +24,8 @@ draw over the whole batch) or one key per row (``[B]``; row ``b`` draws with
 
 from __future__ import annotations
 
+import math
+import numbers
 from collections.abc import Sequence
 
 import jax
@@ -31,7 +36,33 @@ from flax import struct
 from jaxkv.errors import InvalidArgument
 from jaxtyping import Array, Float, Int
 
-__all__ = ["GREEDY", "RowSampling", "SamplingParams", "sample", "split_keys"]
+__all__ = ["GREEDY", "TOP_K_MAX", "RowSampling", "SamplingParams", "sample", "split_keys"]
+
+
+_F32 = np.finfo(np.float32)
+#: The largest ``top_k`` (the device holds it as int32).
+TOP_K_MAX = 2**31 - 1
+
+
+def _real(name: str, value) -> float:
+    """``value`` as a float if it is a finite real number (not a bool), else
+    ``InvalidArgument`` naming ``SamplingParams.<name>``."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
+        raise InvalidArgument(f"SamplingParams.{name} must be a real number, got {type(value).__name__} {value!r}")
+    number = float(value)
+    if not math.isfinite(number):
+        raise InvalidArgument(f"SamplingParams.{name} must be finite, got {number!r}")
+    return number
+
+
+def _normal_f32(number: float) -> bool:
+    """Whether ``number`` is, as float32 (the device's dtype), finite and at
+    least float32's smallest normal (``1.1754944e-38``): subnormals flush to
+    0 on XLA's CPU and GPU backends, so a positive subnormal would reach the
+    sampler as 0."""
+    with np.errstate(over="ignore", under="ignore"):
+        as32 = np.float32(number)
+    return bool(np.isfinite(as32) and as32 >= _F32.smallest_normal)
 
 
 @struct.dataclass
@@ -39,13 +70,31 @@ class SamplingParams:
     """One sampling rule for every row (see the module docstring): greedy when
     ``temperature == 0``; otherwise softmax sampling at ``temperature`` over
     the ``top_k`` most likely tokens (0 = all) and the smallest set whose
-    probability reaches ``top_p`` (1 = all).
+    probability reaches ``top_p`` (1 = all), the most likely token always
+    kept.
 
     A pytree with no array leaves (every field is static), so passing it to a
     jitted function specialises the program to it, as a static argument would.
 
-    Raises ``InvalidArgument`` for ``temperature < 0``, ``top_k < 0`` or
-    ``top_p`` outside ``(0, 1]``.
+    Every field is checked here, where it enters, so that nothing downstream
+    (:meth:`RowSampling.stack`, the engine's int32 / float32 casts) can fail
+    on it: ``InvalidArgument`` naming the field and the value unless
+
+    * ``temperature`` is a real number (not a bool), finite, and either 0 or
+      a positive normal float32 (in ``[1.1754944e-38, 3.4028235e38]``:
+      a positive subnormal would flush to 0 on the device, past float32's
+      max it would be inf);
+    * ``top_k`` is an integer (not a bool, not a float) in ``[0, 2**31 - 1]``
+      (int32 on the device);
+    * ``top_p`` is a real number in ``(0, 1]`` that is a positive normal
+      float32 (``>= 1.1754944e-38``). Below that it would flush to 0 on the
+      device; the sampler keeps the most likely token whatever ``top_p`` is,
+      so the smallest accepted value samples the argmax, as any tiny
+      ``top_p`` does.
+
+    The checked values are stored as Python numbers (``temperature`` and
+    ``top_p`` a ``float``, ``top_k`` an ``int``; a numpy scalar is
+    converted).
     """
 
     temperature: float = struct.field(pytree_node=False, default=0.0)
@@ -53,10 +102,26 @@ class SamplingParams:
     top_p: float = struct.field(pytree_node=False, default=1.0)
 
     def __post_init__(self):
-        if not (self.temperature >= 0 and self.top_k >= 0 and 0 < self.top_p <= 1):
+        temperature = _real("temperature", self.temperature)
+        if temperature < 0 or (temperature > 0 and not _normal_f32(temperature)):
             raise InvalidArgument(
-                f"bad sampling parameters: temperature={self.temperature} (>= 0), top_k={self.top_k} (>= 0), "
-                f"top_p={self.top_p} (in (0, 1])")
+                f"SamplingParams.temperature must be 0 or in [{_F32.smallest_normal:.8g}, {_F32.max:.8g}] "
+                f"(a positive normal float32), got {self.temperature!r}")
+        top_k = self.top_k
+        if isinstance(top_k, (bool, np.bool_)) or not isinstance(top_k, numbers.Integral):
+            raise InvalidArgument(
+                f"SamplingParams.top_k must be an integer, got {type(top_k).__name__} {top_k!r}")
+        if not 0 <= top_k <= TOP_K_MAX:
+            raise InvalidArgument(f"SamplingParams.top_k must be in [0, {TOP_K_MAX}] (0: off), got {top_k}")
+        top_p = _real("top_p", self.top_p)
+        if not (0 < top_p <= 1 and _normal_f32(top_p)):
+            raise InvalidArgument(
+                f"SamplingParams.top_p must be in (0, 1] and at least float32's smallest normal "
+                f"{_F32.smallest_normal:.8g}, got {self.top_p!r}")
+        # Frozen dataclass: store the checked values as plain Python numbers.
+        object.__setattr__(self, "temperature", temperature)
+        object.__setattr__(self, "top_k", int(top_k))
+        object.__setattr__(self, "top_p", top_p)
 
     @property
     def is_greedy(self) -> bool:
@@ -90,7 +155,10 @@ class RowSampling:
     @classmethod
     def stack(cls, rows: Sequence[SamplingParams | None]) -> RowSampling:
         """Row ``b`` follows ``rows[b]`` (None: greedy; e.g. an idle row).
-        Host numpy arrays: build it outside ``jit``."""
+        Host numpy arrays: build it outside ``jit``. Never raises for
+        :class:`SamplingParams` built the ordinary way: their checks make
+        every value fit the int32 / float32 arrays exactly (or to float32's
+        rounding)."""
         rows = [GREEDY if p is None else p for p in rows]
         return cls(np.asarray([p.temperature for p in rows], np.float32), np.asarray([p.top_k for p in rows], np.int32),
                    np.asarray([p.top_p for p in rows], np.float32))
@@ -120,8 +188,15 @@ def sample(logits: Float[Array, "B V"], keys: jax.Array, params: SamplingParams 
     top_k = jnp.asarray(params.top_k, jnp.int32)
     top_p = jnp.asarray(params.top_p, jnp.float32)
     vocab = logits.shape[-1]
-    # Greedy rows divide by 1 so that no inf/NaN is computed (their draw is discarded).
-    scaled = logits.astype(jnp.float32) / jnp.where(temperature > 0, temperature, 1.0)[:, None]
+    # Shifted so that each row's max is exactly 0 before dividing: a tiny
+    # temperature then sends the other logits to -inf, never all of them
+    # (all -inf would draw token 0); a row whose max is not finite is left
+    # as it is (inf - inf would be NaN). Greedy rows divide by 1 so that no
+    # inf/NaN is computed (their draw is discarded).
+    shifted = logits.astype(jnp.float32)
+    peak = jnp.max(shifted, axis=-1, keepdims=True)
+    shifted = shifted - jnp.where(jnp.isfinite(peak), peak, 0.0)
+    scaled = shifted / jnp.where(temperature > 0, temperature, 1.0)[:, None]
     ordered = jnp.sort(scaled, axis=-1)[:, ::-1]  # most likely first
     k = jnp.where(top_k > 0, jnp.minimum(top_k, vocab), vocab)
     kth = jnp.take_along_axis(ordered, (k - 1)[:, None], axis=-1)
@@ -129,7 +204,11 @@ def sample(logits: Float[Array, "B V"], keys: jax.Array, params: SamplingParams 
     ordered = jnp.where(jnp.arange(vocab)[None, :] < k[:, None], ordered, -jnp.inf)
     probs = jax.nn.softmax(ordered, axis=-1)
     before = jnp.cumsum(probs, axis=-1) - probs  # mass of the strictly more likely tokens
-    cutoff = jnp.min(jnp.where(before < top_p[:, None], ordered, jnp.inf), axis=-1, keepdims=True)
+    # The most likely token is always in the nucleus: with a top_p the device
+    # reads as 0 (or any top_p <= 0 in a RowSampling) no token would be, and
+    # the draw over all -inf is token 0.
+    nucleus = (before < top_p[:, None]) | (jnp.arange(vocab) == 0)[None, :]
+    cutoff = jnp.min(jnp.where(nucleus, ordered, jnp.inf), axis=-1, keepdims=True)
     scaled = jnp.where(scaled < cutoff, -jnp.inf, scaled)
     if not jnp.issubdtype(keys.dtype, jax.dtypes.prng_key):
         raise InvalidArgument(f"sample needs typed PRNG keys (jax.random.key), got dtype {keys.dtype}")

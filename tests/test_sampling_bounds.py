@@ -1,0 +1,158 @@
+"""SamplingParams' bounds and the sampler at their edges (issue 39).
+
+* Every field is checked where it enters: each bad value is refused with
+  ``InvalidArgument`` naming the field and the value, and every accepted
+  extreme goes through :meth:`RowSampling.stack` and the engine's int32 /
+  float32 casts without raising (they used to fail inside the engine's step,
+  for every request in flight).
+* The nucleus always keeps the most likely token: a tiny ``top_p`` (the
+  smallest accepted, just above float32's smallest normal, and a ``top_p``
+  the device reads as 0 in a ``RowSampling``) samples the argmax of fresh
+  random logits, as does a tiny temperature on logits that are all
+  negative (they used to draw token 0).
+* Ordinary values keep their rule: over many keys, every sampled token lies
+  in the top-k / top-p set computed independently with numpy.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxkv import InvalidArgument
+from jaxkv.nn.sampling import TOP_K_MAX, RowSampling, SamplingParams, sample
+
+F32 = np.finfo(np.float32)
+SMALLEST_NORMAL = float(F32.smallest_normal)  # 1.1754943508222875e-38: the smallest accepted top_p
+
+BAD = [
+    ("temperature", -0.5), ("temperature", -1e-30), ("temperature", float("nan")), ("temperature", float("inf")),
+    ("temperature", float("-inf")), ("temperature", 1e39), ("temperature", 1e-40), ("temperature", True),
+    ("temperature", "1.0"), ("temperature", None), ("temperature", 1j),
+    ("top_k", -1), ("top_k", 2**31), ("top_k", 2**63), ("top_k", True), ("top_k", 2.0), ("top_k", 5.5),
+    ("top_k", "5"), ("top_k", None), ("top_k", np.float32(3)),
+    ("top_p", 0), ("top_p", 0.0), ("top_p", -0.1), ("top_p", 1.0000001), ("top_p", 1.5), ("top_p", float("nan")),
+    ("top_p", float("inf")), ("top_p", 1e-40), ("top_p", 1e-300), ("top_p", 1.1754942e-38), ("top_p", True),
+    ("top_p", "0.5"), ("top_p", None),
+]
+
+
+@pytest.mark.parametrize(("field", "value"), BAD, ids=[f"{f}={v!r}" for f, v in BAD])
+def test_bad_values_are_refused_naming_the_field(field, value):
+    with pytest.raises(InvalidArgument) as info:
+        SamplingParams(**{"temperature": 1.0, field: value})
+    message = str(info.value)
+    assert f"SamplingParams.{field}" in message, message
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        assert repr(float(value) if field != "top_k" else value) in message or repr(value) in message, message
+
+
+ACCEPTED = [
+    dict(temperature=0.0), dict(temperature=0), dict(temperature=SMALLEST_NORMAL), dict(temperature=float(F32.max)),
+    dict(temperature=np.float64(0.7)), dict(temperature=1.0, top_k=TOP_K_MAX), dict(temperature=1.0, top_k=np.int64(7)),
+    dict(temperature=1.0, top_p=SMALLEST_NORMAL), dict(temperature=1.0, top_p=1.2e-38), dict(temperature=1.0, top_p=1),
+    dict(temperature=1.0, top_p=np.float32(0.9)),
+]
+
+
+@pytest.mark.parametrize("kwargs", ACCEPTED, ids=[repr(k) for k in ACCEPTED])
+def test_accepted_values_stack_and_cast_without_raising(kwargs):
+    """What SamplingParams accepts, RowSampling.stack and the engine's casts
+    (np.int32 / np.float32 with overflow raising) take exactly, with every
+    numpy floating-point error raising and every warning an error."""
+    params = SamplingParams(**kwargs)
+    assert type(params.temperature) is float and type(params.top_k) is int and type(params.top_p) is float
+    import warnings
+
+    with warnings.catch_warnings(), np.errstate(all="raise"):
+        warnings.simplefilter("error")
+        rows = RowSampling.stack([params, None, params])
+        cast = (np.float32(params.temperature), np.int32(params.top_k), np.float32(params.top_p))
+    assert rows.top_k.tolist() == [params.top_k, 0, params.top_k]
+    assert rows.temperature[0] == np.float32(params.temperature) and np.isfinite(rows.temperature).all()
+    assert rows.top_p[0] == np.float32(params.top_p) and (rows.top_p >= F32.smallest_normal).all()
+    assert cast[1] == params.top_k and np.isfinite(cast[0]) and cast[2] > 0
+
+
+def _logits(seed: int, rows: int = 4, vocab: int = 257, scale: float = 3.0, shift: float = 0.0) -> np.ndarray:
+    return (np.random.default_rng(seed).normal(size=(rows, vocab)) * scale + shift).astype(np.float32)
+
+
+@pytest.mark.parametrize("top_p", [SMALLEST_NORMAL, 1.2e-38, 1e-30, 1e-7])
+def test_tiny_top_p_samples_the_argmax(top_p):
+    """The smallest accepted top_p (and other tiny ones): the argmax of
+    fresh random logits, several seeds and keys, with and without top_k."""
+    jitted = jax.jit(sample)
+    for seed in range(6):
+        logits = _logits(100 + seed)
+        want = np.argmax(logits, axis=-1)
+        for top_k in (0, 50):
+            params = SamplingParams(temperature=1.5, top_k=top_k, top_p=top_p)
+            for key in range(3):
+                got = np.asarray(jitted(jnp.asarray(logits), jax.random.key(1000 * seed + key), params))
+                np.testing.assert_array_equal(got, want, err_msg=f"top_p={top_p} seed={seed} key={key}")
+
+
+def test_a_top_p_the_device_reads_as_zero_still_keeps_the_top_token():
+    """RowSampling arrays bypass SamplingParams' check: a top_p of 0 or one
+    below float32's smallest normal (flushed to 0 on the device) keeps the
+    most likely token; it used to leave no token, and the draw was token 0."""
+    logits = _logits(7, rows=5)
+    assert (np.argmax(logits, axis=-1) != 0).all()
+    params = RowSampling(temperature=np.full(5, 1.0, np.float32), top_k=np.array([0, 0, 3, 0, 0], np.int32),
+                         top_p=np.array([0.0, 1e-40, 1e-40, 1e-45, -1.0], np.float32))
+    for key in range(5):
+        got = np.asarray(jax.jit(sample)(jnp.asarray(logits), jax.random.key(key), params))
+        np.testing.assert_array_equal(got, np.argmax(logits, axis=-1))
+
+
+@pytest.mark.parametrize("temperature", [SMALLEST_NORMAL, 1e-37, 1e-30])
+def test_tiny_temperature_samples_the_argmax_even_with_negative_logits(temperature):
+    """Logits that are all negative, divided by a tiny temperature, used to
+    be -inf everywhere (token 0); each row's max is now exactly 0 first."""
+    for seed in range(4):
+        for shift in (-60.0, 0.0, 60.0):
+            logits = _logits(200 + seed, shift=shift)
+            got = np.asarray(sample(jnp.asarray(logits), jax.random.key(seed), SamplingParams(temperature=temperature)))
+            np.testing.assert_array_equal(got, np.argmax(logits, axis=-1), err_msg=f"seed={seed} shift={shift}")
+
+
+def allowed_tokens(row: np.ndarray, temperature: float, top_k: int, top_p: float, tol: float = 1e-4) -> set[int]:
+    """The tokens the rule of jaxkv.nn.sampling may draw, in float64 numpy:
+    the top_k most likely (ties at the k-th value kept), then the most likely
+    ones whose more likely tokens (within the top k, renormalised) hold less
+    than top_p (+ tol, for float32 rounding at the boundary), at least one."""
+    if temperature == 0:
+        return {int(np.argmax(row))}
+    z = row.astype(np.float64) / temperature
+    order = np.argsort(-z, kind="stable")
+    k = len(z) if top_k == 0 else min(top_k, len(z))
+    in_top_k = z >= z[order[k - 1]]
+    head = z[order[:k]]
+    probs = np.exp(head - head.max())
+    probs /= probs.sum()
+    before = np.cumsum(probs) - probs
+    count = max(1, int(np.sum(before < top_p + tol)))
+    return set(np.flatnonzero(in_top_k & (z >= z[order[count - 1]])).tolist())
+
+
+def test_ordinary_values_keep_their_rule():
+    """Many keys per row of random logits (per-row keys, one jitted call):
+    every token drawn lies in the numpy-computed allowed set, and a row
+    whose set has several tokens draws more than one of them."""
+    grid = [(t, k, p) for t in (0.0, 0.5, 1.0, 2.0) for k in (0, 1, 5, 40) for p in (0.3, 0.9, 1.0)]
+    draws = 64
+    logits = _logits(11, rows=len(grid), vocab=97, scale=2.0)
+    params = RowSampling.stack([SamplingParams(temperature=t, top_k=k, top_p=p) for t, k, p in grid])
+    tile = lambda a: np.repeat(a, draws, axis=0)  # noqa: E731 - row r's draws are rows r*draws .. (r+1)*draws-1
+    tiled = RowSampling(tile(params.temperature), tile(params.top_k), tile(params.top_p))
+    keys = jax.random.split(jax.random.key(3), len(grid) * draws)
+    drawn = np.asarray(jax.jit(sample)(jnp.asarray(tile(logits)), keys, tiled)).reshape(len(grid), draws)
+    for r, (t, k, p) in enumerate(grid):
+        allowed = allowed_tokens(logits[r], t, k, p)
+        seen = set(drawn[r].tolist())
+        assert seen <= allowed, (t, k, p, seen - allowed)
+        if len(allowed) >= 3 and t >= 1.0:
+            assert len(seen) > 1, (t, k, p, allowed)
