@@ -1,0 +1,327 @@
+"""Output processing: what a step's tokens become for the caller.
+
+:class:`OutputProcessor` gives each request the tokens a device call made
+for it, in order, up to its first stop (a stop token id, a stop string in
+its incremental text, ``max_new_tokens``), detokenizes them (a request's
+detokenizer that raises fails that request alone: ``finish_reason
+"error"``), records latency samples, and collects one
+:class:`~jaxkv.serve.request.RequestOutput` per request that moved in a
+step. The statistics types (:class:`EngineStats`, :class:`EngineProgress`,
+:class:`EngineSummary`) and the counters they read live here too."""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+
+import numpy as np
+
+from jaxkv.serve.request import Request, RequestOutput, find_stop
+
+__all__ = ["Counters", "EngineProgress", "EngineStats", "EngineSummary", "OutputProcessor", "latency_stats"]
+
+logger = logging.getLogger("jaxkv.serve")
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineStats:
+    """A snapshot of the engine for a metrics endpoint (:meth:`Engine.stats`).
+
+    ``running`` (holding a row on the device: prefilling or decoding),
+    ``waiting`` (queued: new, not arrived yet, or preempted for
+    recomputation), ``swapped`` (preempted to host memory): requests now.
+    Per block group of the cache (``{group: number}``; ``"pages"`` for a
+    paged pool): ``blocks_used`` / ``blocks_total`` (allocatable blocks held
+    by requests or the prefix cache / all), ``tokens_used`` /
+    ``tokens_total`` (those blocks times the group's tokens per block) and
+    ``bytes_used`` / ``bytes_total`` (times the device bytes one block costs,
+    :class:`~jaxkv.serve.sizing.GroupPlan`). Cumulative since the engine was
+    built: ``prompt_tokens`` (prompt tokens admitted: the prefix cache's
+    queries, re-admissions after recompute included), ``prefix_hit_tokens``
+    (those served from the prefix cache), ``swap_preemptions``,
+    ``recompute_preemptions``, ``preemptions`` (both), ``generated_tokens``,
+    ``finished_requests``, ``aborted_requests``, ``iterations``,
+    ``model_calls`` (jitted calls that ran the model: prefill calls, decode
+    chunks, packed steps; the admission and retirement bookkeeping calls are
+    not counted), ``model_iterations`` (iterations that made at least one
+    such call: ``model_calls / model_iterations`` is the calls per busy
+    iteration), ``token_slots`` / ``padding_slots`` (token positions those
+    calls computed, and how many of them were padding: idle lanes, the
+    bucket's tail, rows finished inside a decode chunk), ``step_failures``
+    (steps that raised inside and were contained: the cache rebuilt, the
+    requests in flight re-queued; see the engine's "Failures") and
+    ``failed_requests`` (requests finished with ``"error"``). ``cache_usage``:
+    the cache's usage per group now (:class:`EngineSummary`). Since the
+    previous :meth:`Engine.stats` call (drained by each call; at most the
+    last 65536 of each are kept between calls): ``ttft`` (seconds from the
+    iteration that saw a request arrive to its first token, one per request)
+    and ``itl`` (seconds between consecutive tokens of a request, a decode
+    call's wall time spread over the tokens it gave, one per token).
+    """
+
+    running: int
+    waiting: int
+    swapped: int
+    blocks_used: dict
+    blocks_total: dict
+    tokens_used: dict
+    tokens_total: dict
+    bytes_used: dict
+    bytes_total: dict
+    prompt_tokens: int
+    prefix_hit_tokens: int
+    swap_preemptions: int
+    recompute_preemptions: int
+    preemptions: int
+    generated_tokens: int
+    finished_requests: int
+    aborted_requests: int
+    iterations: int
+    ttft: tuple[float, ...]
+    itl: tuple[float, ...]
+    model_calls: int = 0
+    model_iterations: int = 0
+    token_slots: int = 0
+    padding_slots: int = 0
+    cache_usage: tuple = ()
+    step_failures: int = 0
+    failed_requests: int = 0
+
+    @property
+    def prefix_query_tokens(self) -> int:
+        """The prefix cache's queries in tokens (``prompt_tokens``)."""
+        return self.prompt_tokens
+
+
+@dataclasses.dataclass
+class Counters:
+    """The engine's cumulative counters (``run`` reports the change over it)."""
+
+    prompt_tokens: int = 0
+    hit_tokens: int = 0
+    swaps: int = 0
+    recomputes: int = 0
+    iterations: int = 0
+    generated: int = 0
+    finished: int = 0
+    aborted: int = 0
+    model_calls: int = 0  # jitted calls that run the model (prefill, decode chunk, packed step)
+    model_iterations: int = 0  # iterations that made at least one such call
+    slots_computed: int = 0  # token slots those calls computed (padding included)
+    slots_real: int = 0  # of which real tokens
+    step_failures: int = 0  # steps whose exception was contained (cache rebuilt, requests re-queued)
+    failed_requests: int = 0  # requests finished with "error"
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineProgress:
+    """Where :meth:`Engine.run` stands, passed to its ``on_progress``
+    callback after every scheduler iteration (and once at the end).
+
+    ``finished``/``total``: requests of this run done / to serve;
+    ``running``, ``waiting``, ``swapped``: requests in those states now;
+    ``generated_tokens``: tokens generated in this run; ``elapsed_seconds``:
+    wall time since ``run`` started; ``preemptions``: swap and recompute
+    preemptions so far; ``iteration``: scheduler iterations so far.
+    """
+
+    finished: int
+    total: int
+    running: int
+    waiting: int
+    swapped: int
+    generated_tokens: int
+    elapsed_seconds: float
+    preemptions: int
+    iteration: int
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.generated_tokens / self.elapsed_seconds if self.elapsed_seconds > 0 else 0.0
+
+
+@dataclasses.dataclass
+class EngineSummary:
+    """What :meth:`Engine.run` did.
+
+    ``prefix_hit_rate``: prompt tokens served from the prefix cache / prompt
+    tokens admitted (every admission counts, re-admissions after a recompute
+    preemption included, with their generated tokens as part of the prompt).
+    ``peak_kv_blocks``: most device blocks in use at once (sequences and
+    prefix cache together), of ``kv_blocks`` allocatable ones.
+    ``ttft``: time to first token per request (from the iteration in which
+    the scheduler saw it arrive to the end of the call that sampled its
+    first token) and ``itl``: inter-token latency (a decode call's wall time
+    spread evenly over the tokens it gave a request, and the wait across a
+    preemption), each as ``(mean, p50, p99)`` seconds over the run.
+    ``prefix_unit_tokens``: the cache's page (a hybrid cache shares whole
+    pages by reference and hits at any token where a snapshot was kept; a
+    paged pool hits whole pages) and ``hit_blocks``: blocks served from the
+    prefix cache per block group. ``cache_usage``: the cache's
+    ``usage()`` at the end of the run, one dict per group (``group``,
+    ``blocks`` in use of ``capacity``, ``free``, ``tokens``, ``bytes``,
+    ``cached_blocks`` the prefix cache holds, ``hit_unit``, ``min_hit``; a
+    hybrid cache adds a ``snapshots`` row: snapshot rows held and free and
+    their bytes).
+    """
+
+    requests: int
+    generated_tokens: int
+    wall_seconds: float
+    tokens_per_second: float
+    prompt_tokens: int
+    prefix_hit_tokens: int
+    prefix_hit_rate: float
+    peak_kv_blocks: int
+    kv_blocks: int
+    swap_preemptions: int
+    recompute_preemptions: int
+    iterations: int
+    ttft: tuple[float, float, float] = (0.0, 0.0, 0.0)
+    itl: tuple[float, float, float] = (0.0, 0.0, 0.0)
+    prefix_unit_tokens: int = 0
+    hit_blocks: dict = dataclasses.field(default_factory=dict)
+    cache_usage: tuple = ()
+
+    @property
+    def preemptions(self) -> int:
+        return self.swap_preemptions + self.recompute_preemptions
+
+    def usage_lines(self) -> list[str]:
+        """``cache_usage`` as one line per group."""
+        return [f"{u['group']}: {u['blocks']}/{u['capacity']} in use ({u['free']} free, {u['cached_blocks']} cached), "
+                f"{u['tokens']} tokens, {u['bytes'] / 2**20:.2f} MiB; hit unit {u['hit_unit']} tokens, smallest hit "
+                f"{u['min_hit']}" for u in self.cache_usage]
+
+    def __str__(self) -> str:
+        return (
+            f"requests {self.requests} | generated tokens {self.generated_tokens} | "
+            f"{self.wall_seconds:.2f} s | {self.tokens_per_second:.1f} tokens/s | "
+            f"prefix hit rate {100 * self.prefix_hit_rate:.1f}% ({self.prefix_hit_tokens}/{self.prompt_tokens} tokens) | "
+            f"peak KV blocks {self.peak_kv_blocks}/{self.kv_blocks} | "
+            f"preemptions {self.preemptions} (swap {self.swap_preemptions}, recompute {self.recompute_preemptions}) | "
+            f"TTFT mean/p50/p99 {_ms(self.ttft)} ms | ITL mean/p50/p99 {_ms(self.itl)} ms"
+        )
+
+
+def _ms(stats) -> str:
+    return "/".join(f"{1000 * x:.1f}" for x in stats)
+
+
+def latency_stats(values: list) -> tuple[float, float, float]:
+    """``(mean, p50, p99)`` of ``values`` (zeros when empty)."""
+    if not values:
+        return (0.0, 0.0, 0.0)
+    arr = np.asarray(values, np.float64)
+    return (float(arr.mean()), float(np.percentile(arr, 50)), float(np.percentile(arr, 99)))
+
+
+class OutputProcessor:
+    """Turns the tokens device calls made into each request's tokens, text
+    and :class:`RequestOutput` (module docstring). ``pending``: request id
+    -> ``[tokens, text, finished]`` of the step running now (drained by
+    :meth:`collect`); ``ttft_samples`` / ``itl_samples``: latency samples
+    since the last :meth:`Engine.stats <jaxkv.serve.Engine.stats>`."""
+
+    def __init__(self, counters: Counters, tokenizer=None, detokenizer=None):
+        self.counters = counters
+        self.tokenizer = tokenizer
+        self._detokenizer = detokenizer
+        self.pending: dict = {}
+        self.ttft_samples: collections.deque = collections.deque(maxlen=65536)
+        self.itl_samples: collections.deque = collections.deque(maxlen=65536)
+
+    def detokenizer_for(self, prompt: list):
+        factory = self._detokenizer
+        if factory is None:
+            from jaxkv.text import IncrementalDetokenizer as factory  # noqa: N813 - the default factory
+        return factory(self.tokenizer, prompt)
+
+    def record_tokens(self, req: Request, count: int, now: float) -> None:
+        """Latency bookkeeping for ``count`` tokens ``req`` got by ``now``."""
+        if count <= 0:
+            return
+        self.counters.generated += count
+        if req.first_token_at is None:
+            req.first_token_at = req.last_token_at = now
+            if req.arrived_at is not None:
+                self.ttft_samples.append(now - req.arrived_at)
+            count -= 1
+        if count:
+            gaps = [(now - req.last_token_at) / count] * count
+            req.gaps += gaps
+            self.itl_samples.extend(gaps)
+            req.last_token_at = now
+
+    def take(self, req: Request, tokens: list, now: float, device_done: bool = False) -> bool:
+        """Give ``req`` the ``tokens`` a call made for it, in order, up to
+        the first stop: a stop token id (EOS included), a stop string in
+        its text, or ``max_new_tokens`` (the tokens after it are dropped:
+        the device may decode a few past a stop it does not check). Records
+        them for this step's :class:`RequestOutput`, with the text they
+        complete; returns whether the request is finished (its
+        ``finish_reason`` set). ``device_done``: the device stopped the row
+        (EOS or length), which the same checks find."""
+        taken, reason, cut = [], None, None
+        longest = max(map(len, req.stop), default=0)
+        for token in tokens:
+            taken.append(token)
+            if token in req.stop_ids:
+                reason = "stop"
+                break
+            if req.detok is not None:
+                before = len(req.text)
+                try:
+                    req.text += req.detok.add([token])
+                except Exception as err:  # noqa: BLE001 - this request's own failure: the others go on
+                    req.error = f"detokenizing token {token} failed: {type(err).__name__}: {err}"
+                    reason = "error"
+                    self.counters.failed_requests += 1
+                    logger.warning("request %d failed: %s", req.id, req.error)
+                    break
+                if req.stop:
+                    cut = find_stop(req.text, req.stop, max(before - longest + 1, 0))
+                    if cut is not None:
+                        reason = "stop"
+                        break
+            if len(req.generated) + len(taken) >= req.max_new:
+                reason = "length"
+                break
+        if reason is None and device_done:  # the checks above find what the device found; this only guards it
+            reason = "length" if len(req.generated) + len(taken) >= req.max_new else "stop"
+        req.generated += taken
+        self.record_tokens(req, len(taken), now)
+        if req.detok is not None:
+            if cut is not None:
+                req.text = req.text[:cut]  # the stop string and what follows are never given out
+            elif reason not in (None, "error") and hasattr(req.detok, "finish"):
+                req.text += req.detok.finish()  # bytes held back for a character that never completed
+            # While a stop string may still begin in the tail, that tail waits.
+            end = len(req.text) if reason is not None or not req.stop else max(len(req.text) - longest + 1,
+                                                                               req.emitted)
+            text, req.emitted = req.text[req.emitted:end], max(end, req.emitted)
+        else:
+            text = ""
+        if taken or text:  # a row a stalled decode gave nothing has nothing to say
+            entry = self.pending.setdefault(req.id, [[], "", False])
+            entry[0] += taken
+            entry[1] += text
+        if reason is not None:
+            req.finish_reason = reason
+        return reason is not None
+
+    def mark_finished(self, req: Request) -> None:
+        """Say in this step's output that ``req`` finished."""
+        self.pending.setdefault(req.id, [[], "", False])[2] = True
+
+    def collect(self, requests: dict) -> list[RequestOutput]:
+        """This step's :class:`RequestOutput` per request that moved, in the
+        order they first did; the pending entries are drained."""
+        out = []
+        for rid, (tokens, text, finished) in self.pending.items():
+            req = requests[rid]
+            out.append(RequestOutput(rid, tuple(tokens), finished, req.finish_reason if finished else None, text,
+                                     req.cached_tokens, req.error if finished else None))
+        self.pending = {}
+        return out

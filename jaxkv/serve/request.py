@@ -1,0 +1,190 @@
+"""A request's record and its intake: what :meth:`Engine.add_request
+<jaxkv.serve.Engine.add_request>` checks before anything is queued, the
+record the scheduler moves through its life cycle, and what one step
+reports per request (:class:`RequestOutput`).
+
+Intake refuses, naming the argument, whatever could fail later inside a
+step (module docstring of :mod:`jaxkv.serve.engine`, "Failures"): token ids
+outside the vocabulary, counts and seeds that are not integers a device
+type holds, sampling that is not a :class:`~jaxkv.nn.sampling.SamplingParams`
+(which checks its own fields), stop strings without a tokenizer, and a
+request that could never fit the cache."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from collections.abc import Hashable
+
+import jax
+import numpy as np
+
+from jaxkv import _host
+from jaxkv.errors import InvalidArgument
+from jaxkv.nn.sampling import SamplingParams
+
+__all__ = ["Request", "RequestOutput", "RequestState", "find_stop", "new_request"]
+
+class RequestState(enum.Enum):
+    """Where a request is in its life cycle (see the module docstring)."""
+
+    WAITING = "waiting"  # queued: not arrived, not admitted yet, or preempted for recomputation
+    RUNNING = "running"  # holds a sequence row and device blocks
+    SWAPPED = "swapped"  # holds a sequence row whose blocks are in host memory
+    FINISHED = "finished"  # done; its tokens are in Engine.outputs
+
+
+@dataclasses.dataclass(frozen=True)
+class RequestOutput:
+    """What one request produced in one :meth:`Engine.step`.
+
+    ``new_token_ids``: the tokens it made in this step, in order (a decode
+    chunk makes several; a stop token or EOS is included, tokens a stop
+    condition cut off are not); ``finished``: whether it is done, and
+    ``finish_reason``: ``"stop"`` (EOS, a stop token id or a stop string),
+    ``"length"`` (``max_new_tokens``), ``"abort"`` (:meth:`Engine.abort`),
+    ``"error"`` (its own part of a step failed, or it was in flight at
+    :data:`MAX_REQUEST_FAULTS` failed steps: ``error`` says why), or None
+    while it runs; ``new_text``: with a tokenizer, the text those
+    tokens complete (stop tokens and EOS add none; with stop strings, the
+    last ``len(longest stop string) - 1`` characters are held back until
+    they cannot begin one, and a stop string and what follows it are never
+    emitted), else ``""``; ``cached_tokens``: prompt tokens served from the
+    prefix cache at its admission (its latest one, after a recompute
+    preemption; OpenAI's ``usage.prompt_tokens_details.cached_tokens``).
+    """
+
+    request_id: int
+    new_token_ids: tuple[int, ...]
+    finished: bool
+    finish_reason: str | None
+    new_text: str = ""
+    cached_tokens: int = 0
+    error: str | None = None
+
+
+@dataclasses.dataclass
+class Request:
+    """The engine's record of one request (host only; the cache holds its
+    device state on row ``row``)."""
+
+    id: int
+    prompt: list
+    max_new: int
+    sampling: SamplingParams
+    eos_id: int  # the stop id the device checks (-1: none)
+    arrival: int
+    namespace: Hashable
+    key: np.ndarray  # PRNG key data of the request's own stream (advanced as it samples)
+    stop_ids: frozenset = frozenset()  # every stop token id (eos included): checked on the host
+    stop: tuple = ()  # stop strings
+    detok: object = None  # incremental detokenizer (with a tokenizer)
+    text: str = ""  # the detokenized output so far (a stop string cut off)
+    emitted: int = 0  # characters of ``text`` already given out in a RequestOutput
+    finish_reason: str | None = None
+    error: str | None = None  # why it finished with "error"
+    faults: int = 0  # failed steps it was in flight for (MAX_REQUEST_FAULTS finishes it)
+    generated: list = dataclasses.field(default_factory=list)
+    state: RequestState = RequestState.WAITING
+    row: int = -1  # sequence row while RUNNING or SWAPPED, else -1
+    hit: object = None  # its pinned prefix hit (PrefixHit) while running (None once a window trimmed it away)
+    shared: object = None  # per group, the blocks of its admission's hit (shared with the prefix cache)
+    lane: object = None  # its PrefillLane while its prompt is prefilled
+    pieces: list = dataclasses.field(default_factory=list)  # (start, end) prompt pieces still to prefill
+    order: int = -1  # admission order (preemption picks the largest)
+    arrived_at: float | None = None  # wall time when the scheduler first saw it arrived
+    cached_tokens: int = 0  # prompt tokens its latest admission served from the prefix cache
+    first_token_at: float | None = None
+    last_token_at: float | None = None
+    gaps: list = dataclasses.field(default_factory=list)  # seconds between consecutive tokens
+
+    @property
+    def tokens(self) -> list:
+        return self.prompt + self.generated
+
+    @property
+    def kv_len(self) -> int:
+        """Tokens whose K/V are in the cache: all but the last sampled one."""
+        return len(self.prompt) + len(self.generated) - 1
+
+
+def _stop_strings(stop) -> tuple[str, ...]:
+    """``stop`` (a string or a sequence of strings) as a tuple of non-empty
+    strings (None: none), else ``InvalidArgument``."""
+    if stop is None:
+        return ()
+    if isinstance(stop, str):
+        stop = (stop,)
+    try:
+        stop = tuple(stop)
+    except TypeError:
+        raise InvalidArgument(f"stop={stop!r}: give a string or a sequence of strings") from None
+    if not all(isinstance(x, str) and x for x in stop):
+        raise InvalidArgument(f"stop={list(stop)!r}: stop strings must be non-empty strings")
+    return stop
+
+
+def find_stop(text: str, stops: tuple, start: int) -> int | None:
+    """Where the earliest of ``stops`` begins in ``text`` at or after ``start``."""
+    found = [i for i in (text.find(stop, start) for stop in stops) if i >= 0]
+    return min(found) if found else None
+
+
+def check_token_ids(ids: list, name: str, vocab: int | None) -> None:
+    """``InvalidArgument`` naming ``name`` for ids outside the vocabulary
+    (the embedding lookup would not fail, it would read garbage)."""
+    bad = [t for t in ids if t < 0 or (vocab is not None and t >= vocab)]
+    if bad:
+        raise InvalidArgument(f"{name} holds token ids outside the vocabulary [0, {vocab or '...'}): "
+                              f"{_host.preview(bad)}")
+
+
+def new_request(rid: int, prompt_tokens, max_new_tokens, *, sampling, eos_token_id, stop_token_ids, stop,
+                namespace, seed, arrival_step, now_step: int, vocab: int | None, has_tokenizer: bool, cache,
+                engine_key) -> Request:
+    """The record of request ``rid`` from :meth:`Engine.add_request
+    <jaxkv.serve.Engine.add_request>`'s arguments (that method documents
+    them and what is refused), checked against the vocabulary ``vocab``
+    and the limits of ``cache``; ``InvalidArgument`` naming the argument
+    otherwise, with nothing queued. Its PRNG stream: ``key(seed)``, or the
+    engine's key folded with ``rid``."""
+    prompt = _host.int_array(prompt_tokens, "prompt_tokens", ndim=1).tolist()
+    if not prompt:
+        raise InvalidArgument("prompt_tokens is empty: a request needs at least one token")
+    check_token_ids(prompt, "prompt_tokens", vocab)
+    max_new_tokens = _host.int_at_least(max_new_tokens, "max_new_tokens", 1)
+    eos_id = -1
+    if eos_token_id is not None:
+        eos_id = _host.int_scalar(eos_token_id, "eos_token_id")
+        check_token_ids([eos_id], "eos_token_id", vocab)
+    try:
+        stop_ids = [] if stop_token_ids is None else list(stop_token_ids)
+    except TypeError:
+        raise InvalidArgument(f"stop_token_ids={stop_token_ids!r}: give a sequence of token ids") from None
+    stop_ids = _host.int_array(stop_ids, "stop_token_ids", ndim=1).tolist() if stop_ids else []
+    check_token_ids(stop_ids, "stop_token_ids", vocab)
+    stop = _stop_strings(stop)
+    if stop and not has_tokenizer:
+        raise InvalidArgument(f"stop={list(stop)}: stop strings need the engine's tokenizer "
+                              "(Engine(model, tokenizer=...)); give stop_token_ids instead")
+    # A request added after its arrival step arrives now: queued after those already there.
+    arrival = max(_host.int_at_least(arrival_step, "arrival_step", 0), now_step)
+    if not isinstance(sampling, SamplingParams):
+        raise InvalidArgument(f"sampling must be a SamplingParams, got {sampling!r}")
+    try:
+        hash(namespace)
+    except TypeError:
+        raise InvalidArgument(f"namespace must be hashable, got {namespace!r}") from None
+    total = len(prompt) + max_new_tokens
+    blocks = cache.peak_blocks(len(prompt), total)
+    if total > cache.max_context_tokens or np.any(blocks > cache.capacity):
+        raise InvalidArgument(
+            f"add_request: {len(prompt)} + {max_new_tokens} tokens need blocks {blocks.tolist()} of groups "
+            f"{list(cache.groups)} at their peak and can never fit: {cache.limits()}")
+    if seed is not None:
+        seed = _host.int_scalar(seed, "seed")
+    key = jax.random.fold_in(engine_key, rid) if seed is None else jax.random.key(seed)
+    device_stop = eos_id if eos_id >= 0 else (stop_ids[0] if stop_ids else -1)
+    return Request(rid, prompt, max_new_tokens, sampling, device_stop, arrival, namespace,
+                   np.asarray(jax.random.key_data(key)),
+                   stop_ids=frozenset(stop_ids + ([eos_id] if eos_id >= 0 else [])), stop=stop)

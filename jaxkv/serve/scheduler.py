@@ -1,0 +1,861 @@
+"""The scheduler: who holds a row, what each iteration runs, and how a
+failure is contained (:class:`Scheduler`, the core that
+:class:`~jaxkv.serve.Engine` fronts; the cache contract it speaks is
+:mod:`jaxkv.serve.caches`).
+
+Requests arrive over time (``arrival_step``: the scheduler iteration from
+which a request may be admitted; one added later than that iteration is
+queued as arriving then). Each scheduler iteration (one ``step``):
+
+0. **Abort** the requests :meth:`Engine.abort` named: a waiting one leaves
+   the queue, a running one (prefilling or decoding) gives back its row and
+   blocks as a finished one does (the pages it computed may stay in the
+   prefix cache), a swapped-out one its row and host blocks.
+
+1. **Resume** swapped-out requests (oldest first) while their blocks fit.
+   New requests are admitted only when no request is left swapped out, so a
+   preempted request is never starved by newcomers.
+2. **Admit** waiting requests that have arrived, in order, while a sequence
+   row is free and blocks allow. The prompt is matched in the radix prefix
+   cache (hit capped at ``len - 1`` tokens, page aligned) and the matched
+   node pinned; the cached blocks go at the start of the new sequence's block
+   table with one ``incref`` each and the rest is acquired
+   (:meth:`BlockSpaceManager.admit_with_prefix`, all or nothing; a hybrid
+   cache restores the hit's snapshot and preallocates). A request is
+   admitted when its prompt's blocks and its growth over the next decode
+   chunk (capped by the tokens it has left; on a model with a window on
+   every layer, its whole output, trimming counted) fit beside the running
+   requests' growth; so every request ``add_request`` accepts is admitted
+   on an empty engine. When blocks are short the prefix cache is evicted
+   first (a windowed request whose hit would not leave room for its window
+   is admitted without the hit); if the request still does not fit,
+   admission stops for this iteration (FCFS).
+   Prefill computes only the uncached tail (``starts = cached_len``).
+3. **One device call** (the default ``scheduler="packed"``). While some
+   admitted prompt is not all prefilled, the iteration is ONE packed step
+   (:mod:`jaxkv.nn.packed`): a flat stream of the next token of every
+   decoding request and, after them in the budget
+   (``max_num_batched_tokens``, default ``prefill_chunk``), one prompt
+   piece per prefilling request, oldest admission first, cut to what the
+   budget has left; the stream's length is bucketed (16, 32, 48, 64, 96,
+   128, ...: powers of two, and 1.5 times them from 32 on; then the budget;
+   :meth:`Engine.stream_lengths`). The jitted call grows the decoding rows by
+   a slot on device (a new block at block boundaries, copy-on-write; a
+   hybrid cache reserves), writes every token's K/V, runs the model with
+   ragged attention (each piece attends its request's cache and its own
+   earlier tokens), samples the decoding requests and those whose last
+   piece ran, and captures a hybrid cache's boundary snapshots. If the
+   decoding rows cannot get blocks they drop out of that step (the prompt
+   pieces still run) and are relieved as below. With nothing left to
+   prefill, the iteration is the **decode** chunk: every running sequence
+   decodes ``decode_chunk`` steps in ONE jitted ``lax.while_loop`` (each
+   step appends a slot per running sequence on device, runs the model,
+   samples with per-row temperature / top-k / top-p, stops rows on EOS or
+   ``max_new_tokens``; if ``append_slots`` cannot get blocks the loop stops
+   early and reports the blocked rows), which needs no host round trip per
+   token. ``scheduler="padded"`` (the earlier scheduler): a ``[max_seqs,
+   prefill_chunk]`` prefill call per iteration (every piece now, or with
+   ``max_num_batched_tokens`` one call within the budget), then the decode
+   chunk: two calls, and compute spent on padding lanes.
+4. On the host: **finished** requests insert their full pages into the prefix
+   cache (the tree takes its own reference: the ids ``insert`` reports as
+   ``new_blocks`` are increfed; duplicates stay the sequence's and are freed
+   with it), their sequences are freed and their prefixes unpinned. When the
+   decode stalled for blocks: evict from the prefix cache, then **preempt** the
+   most recently admitted running request (one its recomputation can
+   bring back: a windowed request never is, its reserve covers its whole
+   output): swap it to host
+   (``num_host_pages > 0`` and it fits there), else free it and re-queue it
+   at the front for recomputation (its full pages go into the prefix cache
+   first, so recomputation usually hits; its generated tokens are kept and
+   appended to its prompt when it is re-admitted).
+
+
+Ownership (device allocator ref counts): the tree owns one reference to each
+block it holds; a running sequence owns one reference per table entry (fresh
+or cached). So after :meth:`Engine.run`, every device block is free or held by
+the prefix cache alone (ref count 1).
+
+Request life cycle (:class:`RequestState`)::
+
+    WAITING --admit--> RUNNING --stop / max_new_tokens--> FINISHED
+       |         ^         |  ^                              ^
+       |         |         |  | swap in                      |
+       | recompute preemption |                              |
+       |                   v  |                              |
+       |                  SWAPPED                            |
+       +------------- abort (from any state) ----------------+
+
+**Failures: a step is all or nothing.** (DESIGN.md, principle 8.)
+
+* A request whose own part of a step fails (its sampling parameters cannot
+  be put on the device, its detokenizer raises) is finished alone, with
+  ``finish_reason="error"`` and the message in ``RequestOutput.error``;
+  what it computed stays computed (its pages may serve later hits), what
+  it did not compute is never inserted (prompt pieces are consumed only
+  after the call that ran them returned). The others go on.
+* Any other exception inside :meth:`step` (a jitted call, the cache's
+  bookkeeping, retirement, a swap, an engine bug) is contained: the engine
+  lets go of the whole cache and builds it again empty
+  (:meth:`~jaxkv.serve.caches.CacheBase.rebuilt`; same sizes, no device
+  array of the old one kept), finishes the requests whose last token was
+  already given out, and puts every request that held a row back at the
+  front of the queue, oldest admission first, as a recompute preemption
+  does: it keeps its tokens and is prefilled again. So no request's tokens
+  change (a recomputation gives the same tokens), the prefix cache starts
+  empty and can hold no token that was not computed, and nothing leaks.
+  ``step`` logs the exception (logger ``jaxkv.serve``, ERROR, with its
+  traceback), counts it (``EngineStats.step_failures``, the last one in
+  :attr:`Engine.last_failure`) and returns the outputs the step made
+  before it. A request in flight at :data:`MAX_REQUEST_FAULTS` such
+  failures is finished with ``"error"``, so a fault that repeats cannot
+  keep the engine busy forever.
+* ``KVCacheOOM`` from "nothing can run" is not a failure of a step but of
+  the fit rule, and is raised as before.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import time
+import traceback
+
+import numpy as np
+
+from jaxkv.errors import BookkeepingError, KVCacheOOM
+from jaxkv.nn.sampling import RowSampling
+from jaxkv.serve.caches import FREE, ON_DEVICE, STATUS_NAMES, SWAPPED, PrefillLane, PrefixHit
+from jaxkv.serve.output import OutputProcessor
+from jaxkv.serve.request import Request, RequestState
+
+__all__ = ["MAX_REQUEST_FAULTS", "Scheduler", "WAIT_FOR_PREFIX_TOKENS", "stream_buckets"]
+
+logger = logging.getLogger("jaxkv.serve")
+
+#: The fewest tokens a waiting request must gain to wait for a request being
+#: prefilled that shares them (:meth:`Scheduler._wait_for_prefix`).
+WAIT_FOR_PREFIX_TOKENS = 32
+
+#: Failed steps a request may be in flight for before it is finished with
+#: ``"error"`` (each failure re-queues it; see "Failures" above).
+MAX_REQUEST_FAULTS = 3
+
+
+def _common_prefix(a: list, b: list) -> int:
+    """Length of the common prefix of two token lists."""
+    n = min(len(a), len(b))
+    diff = np.flatnonzero(np.asarray(a[:n]) != np.asarray(b[:n]))
+    return int(diff[0]) if diff.size else n
+
+
+def _cut_pieces(pieces: list, position: int) -> list:
+    """``pieces`` (``(start, end)`` in order) with the one holding
+    ``position`` strictly inside cut there."""
+    out = []
+    for start, end in pieces:
+        if start < position < end:
+            out += [(start, position), (position, end)]
+        else:
+            out.append((start, end))
+    return out
+
+
+def stream_buckets(tokens: int) -> list[int]:
+    """16, 32, 48, 64, 96, 128, 192, ...: every bucket up to the first that
+    holds ``tokens`` (powers of two, and from 32 on 1.5 times them too: a step
+    past 32 tokens pads at most a third; small steps, cheap anyway, compile
+    fewer programs)."""
+    out, n = [], 16
+    while True:
+        for length in (n, n * 3 // 2) if n >= 32 else (n,):
+            out.append(length)
+            if length >= tokens:
+                return out
+        n *= 2
+
+
+class Scheduler:
+    """The engine's core (module docstring): the requests' records, the row
+    map and queues, and one scheduler iteration at a time over ``cache``.
+    :class:`~jaxkv.serve.Engine` builds it and adds the public calls
+    (intake, ``step``, ``run``, ``stats``).
+
+    Invariants: a RUNNING request owns ``rows[req.row]`` and its row is
+    ON_DEVICE in the cache, a SWAPPED one likewise SWAPPED, and no other
+    row is held (:meth:`check_bookkeeping`); every live request is in
+    exactly one of the queue, a row (RUNNING: in ``_prefilling`` while its
+    prompt has pieces left) or the swapped list; a request's ``generated``
+    tokens were all computed and given out."""
+
+    def __init__(self, cache, graphdef, params, output: OutputProcessor, *, max_seqs: int, decode_chunk: int,
+                 prefill_chunk: int, max_num_batched_tokens: int | None, scheduler: str):
+        self.cache = cache
+        self.graphdef, self.params = graphdef, params
+        self.output = output
+        self.max_seqs, self.decode_chunk, self.prefill_chunk = max_seqs, decode_chunk, prefill_chunk
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.scheduler = scheduler
+        self._requests: dict[int, Request] = {}
+        self._live: set = set()  # ids of the requests not finished
+        self._aborts: list = []  # ids to abort at the next iteration, in order
+        self._waiting: collections.deque = collections.deque()  # ids; recomputes go to the front
+        self._swapped: list = []  # ids, oldest preemption first
+        self._prefilling: list = []  # requests admitted whose prompt is not all prefilled, oldest first
+        self._rows: list = [None] * max_seqs  # row -> request id (running or swapped)
+        self._step = 0
+        self._order = 0
+        self._count = output.counters
+        self._hit_blocks = np.zeros(len(cache.groups), np.int64)
+        self._peak = 0
+        #: The last exception a step contained (see "Failures"), None before any.
+        self.last_failure: BaseException | None = None
+
+    def _configure_cache(self) -> None:
+        """Apply the engine's options to a new or rebuilt ``self.cache``
+        (the engine's: isolation, events, mesh placement)."""
+
+    def _run_iteration(self) -> None:
+        """Aborts, then one iteration, its failures contained (module
+        docstring): only ``KVCacheOOM`` from "nothing can run" escapes."""
+        try:
+            self._process_aborts()
+            if self._live:
+                self._iterate()
+        except KVCacheOOM:  # the fit rule failed, not the step: nothing moved
+            raise
+        except Exception as err:  # noqa: BLE001 - contained: see "Failures"
+            self._recover(err)
+
+    def _recover(self, err: Exception) -> None:
+        """Contain ``err``, raised inside a step (module docstring,
+        "Failures"): whatever it left half done, in the cache or in these
+        records, is dropped. Requests already given their last token are
+        finished; every other request that held a row (or was being
+        admitted) goes back to the front of the queue, oldest admission
+        first, with its tokens (a request in flight at
+        :data:`MAX_REQUEST_FAULTS` failures is finished with ``"error"``);
+        then the cache is rebuilt empty."""
+        self._count.step_failures += 1
+        self.last_failure = err
+        held = [req for req in (self._requests[rid] for rid in sorted(self._live))
+                if req.row >= 0 or req.state in (RequestState.RUNNING, RequestState.SWAPPED)]
+        logger.error("engine step failed (%s: %s); rebuilding the cache and re-queueing %d request(s)",
+                     type(err).__name__, err, len(held), exc_info=err)
+        traceback.clear_frames(err.__traceback__)  # the frames' locals may hold the old cache's arrays
+        requeue = []
+        for req in sorted(held, key=lambda r: (r.order, r.id)):
+            req.row, req.hit, req.shared, req.lane, req.pieces = -1, None, None, None, []
+            req.state = RequestState.WAITING
+            if req.finish_reason is not None:  # its last token was given out before the failure
+                self._finish(req, req.finish_reason)
+                continue
+            req.faults += 1
+            if req.faults >= MAX_REQUEST_FAULTS:
+                self._error(req, f"the engine failed {req.faults} times while this request was in flight "
+                                 f"(last: {type(err).__name__}: {err})")
+                continue
+            requeue.append(req.id)
+        # Every live request not finished is queued once: the re-queued ones
+        # first, then any an admission had taken out of the queue, then the
+        # queue as it was.
+        queued = set(self._waiting)
+        taken = [rid for rid in sorted(self._live) if rid not in queued and rid not in requeue]
+        self._waiting = collections.deque(
+            requeue + taken + [rid for rid in self._waiting if rid in self._live and rid not in requeue])
+        self._rows = [None] * self.max_seqs
+        self._prefilling, self._swapped = [], []
+        self.cache = self.cache.rebuilt()
+        self._configure_cache()
+
+    def _error(self, req: Request, message: str) -> None:
+        """Finish ``req`` alone with ``"error"`` (``message`` says why): a
+        running one gives back its row and blocks as an aborted one does
+        (only what it computed may stay in the prefix cache)."""
+        req.error, req.finish_reason = message, "error"
+        logger.warning("request %d failed: %s", req.id, message)
+        self._count.failed_requests += 1
+        if req in self._prefilling:
+            self._prefilling.remove(req)
+        if req.state is RequestState.RUNNING:
+            self._retire([req], final=False, requeue=False)
+        elif req.state is RequestState.WAITING and req.id in self._waiting:
+            self._waiting.remove(req.id)
+        self._finish(req, "error")
+
+    def _screen(self, reqs) -> dict:
+        """Each request's sampling row as the device takes it (``{id: row}``);
+        a request whose parameters cannot be put there is finished with
+        ``"error"`` (:meth:`_error`) and left out."""
+        rows = {}
+        for req in list(reqs):
+            try:
+                rows[req.id] = self._sampling_row(req)
+            except Exception as err:  # noqa: BLE001 - this request's own failure
+                self._error(req, f"its sampling parameters cannot be used: {type(err).__name__}: {err}")
+        return rows
+
+    @staticmethod
+    def _sampling_row(req: Request) -> tuple:
+        """``req``'s temperature, top-k and top-p as the device's dtypes
+        (raises for a value they cannot hold)."""
+        params = req.sampling
+        with np.errstate(over="raise"):  # a float32 overflow is an error here, not an inf
+            return np.float32(params.temperature), np.int32(params.top_k), np.float32(params.top_p)
+
+    def _iterate(self) -> None:
+        calls = self._count.model_calls
+        try:
+            self._iterate_once()
+        finally:
+            self._count.model_iterations += self._count.model_calls > calls
+
+    def _iterate_once(self) -> None:
+        self._count.iterations += 1
+        self._mark_arrivals()
+        progressed = self._resume_swapped()
+        if not self._swapped:
+            progressed += self._admit()
+        if self.scheduler == "packed":
+            if self._prefilling:
+                self._packed()
+                self._step += 1
+                return
+        else:
+            progressed += self._prefill()
+        if not any(rid is not None and self._requests[rid].state is RequestState.RUNNING for rid in self._rows):
+            if progressed or not self._live:
+                return  # e.g. requests that finished at their first token
+            future = [self._requests[i].arrival for i in self._waiting if self._requests[i].arrival > self._step]
+            if future and len(future) == len(self._waiting) and not self._swapped:
+                self._step = min(future)  # idle until the next arrival
+                return
+            raise self.cache.oom(self._blocks_wanted(), "nothing can run")
+        self._decode()
+        self._step += 1
+
+    def _process_aborts(self) -> None:
+        """Free what the requests :meth:`abort` named hold, and finish them
+        (an abort leaves the list once done: a failure halfway keeps it for
+        the next step)."""
+        while self._aborts:
+            rid = self._aborts[0]
+            req = self._requests.get(rid)
+            if req is None or req.state is RequestState.FINISHED:
+                self._aborts.pop(0)
+                continue
+            if req.state is RequestState.WAITING:
+                self._waiting.remove(rid)
+            elif req.state is RequestState.SWAPPED:
+                self._swapped.remove(rid)
+                self.cache.free_swapped(req.row)
+                self._rows[req.row] = None
+                req.row = -1
+            else:  # RUNNING: prefilling or decoding
+                if req in self._prefilling:
+                    self._prefilling.remove(req)
+                self._retire([req], final=False, requeue=False)
+            logger.debug("request %d aborted", rid)
+            self._count.aborted += 1
+            self._finish(req, "abort")
+            self._aborts.pop(0)
+
+    def _mark_arrivals(self) -> None:
+        """Stamp the wall time at which waiting requests are first seen
+        arrived (the start of their time to first token)."""
+        now = time.perf_counter()
+        for rid in self._waiting:
+            req = self._requests[rid]
+            if req.arrival > self._step:
+                break  # queued in arrival order
+            if req.arrived_at is None:
+                req.arrived_at = now
+
+    def _finish(self, req: Request, reason: str) -> None:
+        """Mark ``req`` finished (no row held any more)."""
+        req.state = RequestState.FINISHED
+        req.finish_reason = req.finish_reason or reason
+        self.outputs[req.id] = list(req.generated)
+        self._live.discard(req.id)
+        self._count.finished += 1
+        self.output.mark_finished(req)
+
+    def _update_peak(self, used=None):
+        used = self.cache.blocks_in_use() if used is None else int(used)
+        self._peak = max(self._peak, used)
+
+    def _steps_ahead(self, req: Request) -> int:
+        """Decode steps whose blocks ``req`` reserves: its next chunk's,
+        never more than it has tokens left to generate (one more than its
+        remaining decode steps: the fit rule's count, see
+        :func:`jaxkv.nn.steps.paged_peak_blocks`). With a window on every
+        layer, all it has left: a windowed request then never has to be
+        preempted, which matters because a recomputation would prefill its
+        prompt and output whole, more blocks than its window needs and
+        possibly more than the pool has."""
+        left = max(req.max_new - len(req.generated), 0)
+        return left if self.cache.window is not None else min(self.decode_chunk, left)
+
+    def _growth(self, req: Request) -> np.ndarray:
+        """Free blocks ``req`` (RUNNING) may take over :meth:`_steps_ahead`."""
+        steps = self._steps_ahead(req)
+        if req.pieces or not req.generated:  # still prefilling: it holds its whole prompt's blocks, untrimmed
+            tokens = len(req.tokens)
+            return self.cache.growth(tokens, steps, self.cache.blocks_for(tokens), req.shared)
+        # Decoding: the fewest blocks it can hold at kv_len (a row not trimmed
+        # yet holds more, so this over-reserves by at most the trim).
+        return self.cache.growth(req.kv_len, steps, self.cache.held_blocks(req.kv_len), req.shared)
+
+    def _admission_blocks(self, req: Request, hit) -> np.ndarray:
+        """Free blocks admitting ``req`` with ``hit`` takes now (its tokens'
+        blocks less the hit's) plus its growth over :meth:`_steps_ahead`.
+        On an empty engine with no hit this is at most ``peak_blocks``, the
+        rule ``add_request`` checked."""
+        tokens = len(req.tokens)
+        held, shared = self.cache.blocks_for(tokens), hit.block_counts()
+        return held - shared + hit.extra_blocks() + self.cache.growth(tokens, self._steps_ahead(req), held, shared)
+
+    def _growth_reserve(self) -> np.ndarray:
+        """Blocks kept free for the running sequences to grow into during
+        their next decode chunk (a windowed model's: until they finish) when
+        admitting or resuming, so that a request is not brought in only to
+        force an immediate preemption (swap in / swap out thrash)."""
+        # The row map, not every request ever added: O(max_seqs) per call.
+        reserve = np.zeros(len(self.cache.groups), np.int64)
+        for rid in self._rows:
+            if rid is not None and self._requests[rid].state is RequestState.RUNNING:
+                reserve += self._growth(self._requests[rid])
+        return reserve
+
+    def _blocks_wanted(self) -> np.ndarray:
+        for rid in self._swapped:
+            return self.cache.blocks_for(len(self._requests[rid].tokens))
+        for rid in self._waiting:
+            return self._admission_blocks(self._requests[rid], self._no_hit())
+        return np.zeros(len(self.cache.groups), np.int64)
+
+    def _no_hit(self) -> PrefixHit:
+        return PrefixHit(0, tuple([] for _ in self.cache.groups))
+
+    def _make_room(self, blocks: np.ndarray) -> bool:
+        """Evict cached prefixes until ``blocks`` (per group) are free;
+        whether they are. Evicts again while short: a page a running row
+        still holds (a windowed row's hit) gives no block back."""
+        free = self.cache.free_blocks()
+        while np.any(free < blocks) and self.cache.can_evict():
+            self.cache.evict(np.maximum(blocks - free, 0))
+            free = self.cache.free_blocks()
+        return bool(np.all(free >= blocks))
+
+    def _sampling(self, rows: dict, reqs_by_lane: dict) -> RowSampling:
+        """Per-lane sampling arrays from the :meth:`_screen`-ed ``rows`` of
+        the requests ``reqs_by_lane`` (idle lanes: greedy)."""
+        temperature = np.zeros((self.max_seqs,), np.float32)
+        top_k = np.zeros((self.max_seqs,), np.int32)
+        top_p = np.ones((self.max_seqs,), np.float32)
+        for lane, req in reqs_by_lane.items():
+            temperature[lane], top_k[lane], top_p[lane] = rows[req.id]
+        return RowSampling(temperature, top_k, top_p)
+
+    def check_bookkeeping(self) -> None:
+        """Raise ``BookkeepingError`` (with the numbers) when the engine's
+        records disagree with each other or with the cache: a RUNNING
+        request must own its row in the row map and the row must be
+        ON_DEVICE; a SWAPPED one likewise with the row SWAPPED; the row map
+        names no request that is neither. Called before every decode."""
+        status = self.cache.row_status()
+        # Every request holding a row is in the row map or the swapped list
+        # (the second loop checks the map's side), so this stays O(max_seqs)
+        # however many requests the engine has served.
+        holders = {rid for rid in self._rows if rid is not None} | set(self._swapped)
+        for req in (self._requests[rid] for rid in sorted(holders)):
+            if req.state not in (RequestState.RUNNING, RequestState.SWAPPED):
+                raise BookkeepingError(f"request {req.id} holds row {req.row} but is {req.state.name}")
+            want = ON_DEVICE if req.state is RequestState.RUNNING else SWAPPED
+            if not 0 <= req.row < self.max_seqs:
+                raise BookkeepingError(f"request {req.id} is {req.state.name} on row {req.row}, outside "
+                                       f"[0, {self.max_seqs})")
+            if self._rows[req.row] != req.id:
+                raise BookkeepingError(f"request {req.id} is {req.state.name} on row {req.row}, but the row map "
+                                       f"gives that row to request {self._rows[req.row]}")
+            if status[req.row] != want:
+                raise BookkeepingError(f"request {req.id} is {req.state.name} on row {req.row}, but the cache "
+                                       f"has that row {STATUS_NAMES[int(status[req.row])]}")
+        for row, rid in enumerate(self._rows):
+            if rid is None and status[row] != FREE:
+                raise BookkeepingError(f"row {row} is {STATUS_NAMES[int(status[row])]} in the cache "
+                                       "but no request holds it in the row map")
+            if rid is not None and self._requests[rid].row != row:
+                raise BookkeepingError(f"row {row} is mapped to request {rid}, which is "
+                                       f"{self._requests[rid].state.name} on row {self._requests[rid].row}")
+
+    def _resume_swapped(self) -> int:
+        """Swap requests back in, oldest first, while they fit; how many."""
+        resumed = 0
+        while self._swapped:
+            req = self._requests[self._swapped[0]]
+            # Room for its blocks plus its growth over the next decode chunk (a
+            # request swapped out at a block boundary needs a new block at
+            # once: without this it would be swapped straight back out,
+            # forever), and the running requests' reserve.
+            if not self._make_room(self.cache.held_blocks(req.kv_len) + self._growth(req) + self._growth_reserve()):
+                break
+            if not self.cache.swap_in(req.row):
+                break
+            self._swapped.pop(0)
+            req.state = RequestState.RUNNING
+            logger.debug("request %d swapped in to row %d", req.id, req.row)
+            resumed += 1
+            self._update_peak()
+        return resumed
+
+    def _admit(self) -> int:
+        """Admit and prefill arrived requests in order while rows and blocks
+        allow; returns how many."""
+        free_rows = [row for row in range(self.max_seqs) if self._rows[row] is None]
+        admitted = []  # PrefillLane per admitted request, in lane order
+        reserved = np.zeros(len(self.cache.groups), np.int64)  # blocks the batch will take, growth included
+        running = self._growth_reserve()  # the requests admitted before this batch
+        deferred = []  # waiting requests that wait for a prefix being prefilled, in order
+        while self._waiting and free_rows:
+            req = self._requests[self._waiting[0]]
+            if req.arrival > self._step:
+                break
+            tokens = req.tokens
+            hit = self.cache.match(tokens, req.namespace)
+            if self._wait_for_prefix(req, hit, admitted):
+                self.cache.unpin(hit)
+                deferred.append(self._waiting.popleft())
+                continue
+            want = self._admission_blocks(req, hit)
+            if not self._make_room(reserved + want + running):
+                self.cache.unpin(hit)
+                if not hit.tokens or self.cache.window is None:
+                    break
+                # A windowed request reserves its whole window from the free
+                # blocks while its hit's blocks stay the prefix cache's
+                # (pinned): without the hit they may be evicted, and the
+                # request needs no more than the fit rule counted. (Without a
+                # window a hit only lowers what a request needs: waiting for
+                # room keeps the hit.)
+                hit = self._no_hit()
+                want = self._admission_blocks(req, hit)
+                if not self._make_room(reserved + want + running):
+                    break
+            reserved += want
+            self._waiting.popleft()
+            req.row = free_rows.pop(0)
+            req.hit, req.shared = hit, hit.block_counts()
+            req.cached_tokens = hit.tokens
+            req.state = RequestState.RUNNING
+            self._rows[req.row] = req.id
+            if req.order < 0:
+                req.order = self._order
+                self._order += 1
+            self._count.prompt_tokens += len(tokens)
+            self._count.hit_tokens += hit.tokens
+            self._hit_blocks += hit.block_counts()
+            admitted.append(PrefillLane(req.row, hit, tokens, req.key, req.namespace))
+        self._waiting.extendleft(reversed(deferred))  # in their places, ahead of those not looked at
+        if admitted:
+            self.cache.begin_prefill(admitted)  # rows, hits and every prompt's blocks, in one go
+            for lane in admitted:
+                req = self._requests[self._rows[lane.row]]
+                # Packed steps cut the head piece to the budget left each step.
+                width = self.max_num_batched_tokens if self.scheduler == "padded" else None
+                req.lane, req.pieces = lane, self.cache.pieces(lane, width)
+                self._prefilling.append(req)
+        return len(admitted)
+
+    def _wait_for_prefix(self, req: Request, hit, admitted: list) -> bool:
+        """Whether ``req`` should wait (stay in the queue, others may pass)
+        for a request being prefilled that shares a longer prefix with it
+        than the cache holds now: at least :data:`WAIT_FOR_PREFIX_TOKENS`
+        more tokens (in the cache's hit grain) that the other request has
+        not prefilled yet. The cache is asked to keep that prefix when the
+        other request reaches it (:meth:`add_cut`, which may cut its
+        pieces there), so ``req`` hits it one step later instead of
+        computing it a second time beside it (SGLang's in-batch prefix
+        caching)."""
+        limit = len(req.tokens) - 1
+        grain = self.cache.hit_grain
+        others = [(self._requests[self._rows[lane.row]], lane.hit.tokens) for lane in admitted]
+        others += [(other, other.pieces[0][0]) for other in self._prefilling if other.pieces]
+        for other, done in others:
+            if other.namespace != req.namespace:
+                continue
+            shared = _common_prefix(req.tokens[:limit], other.tokens)
+            shared -= shared % grain
+            if shared - hit.tokens < WAIT_FOR_PREFIX_TOKENS or done >= shared:
+                continue
+            if self.cache.add_cut(other.row, shared) and other.pieces:
+                other.pieces = _cut_pieces(other.pieces, shared)
+            logger.debug("request %d waits for request %d to prefill %d shared tokens", req.id, other.id, shared)
+            return True
+        return False
+
+    def _prefill(self) -> int:
+        """Run prefill pieces of the admitted requests (oldest admission
+        first, one piece per request per call): all of them, or with
+        ``max_num_batched_tokens`` ONE call whose pieces total at most the
+        budget less one token per decoding row (at least one piece). A
+        request whose last piece ran gets its first token. Returns the
+        number of calls."""
+        calls = 0
+        while self._prefilling:
+            rows = self._screen(self._prefilling)
+            if not self._prefilling:
+                break
+            budget = None
+            if self.max_num_batched_tokens is not None:
+                budget = self.max_num_batched_tokens - sum(
+                    1 for rid in self._rows if rid is not None and self._decoding(self._requests[rid]))
+            batch, total = [], 0
+            for req in self._prefilling:
+                start, end = req.pieces[0]
+                if budget is not None and batch and total + end - start > budget:
+                    break
+                batch.append(req)
+                total += end - start
+            first, keys, peak = self.cache.prefill_step(self.graphdef, self.params,
+                                                        [(req.lane, req.pieces[0]) for req in batch],
+                                                        self._sampling(rows, dict(enumerate(batch))))
+            for req in batch:  # the pieces ran: consumed only now
+                req.pieces.pop(0)
+            self._count_call(self.max_seqs * self.cache.prefill_width, total)
+            now = time.perf_counter()
+            self._update_peak(peak)
+            finished = []
+            for lane, req in enumerate(batch):
+                if req.pieces:
+                    continue
+                self._prefilling.remove(req)
+                req.key = keys[lane]
+                if self.output.take(req, [int(first[lane])], now):
+                    finished.append(req)
+            self._retire(finished, final=True)
+            calls += 1
+            if budget is not None:
+                break
+        return calls
+
+    def _count_call(self, slots: int, real: int) -> None:
+        self._count.model_calls += 1
+        self._count.slots_computed += slots
+        self._count.slots_real += real
+
+    def _stream_length(self, tokens: int) -> int:
+        """The packed stream's bucket for ``tokens`` real tokens: the
+        smallest of :meth:`stream_lengths` that holds them (a length past the
+        budget only when more requests decode than it holds)."""
+        for length in self.stream_lengths():
+            if tokens <= length:
+                return length
+        return stream_buckets(tokens)[-1]
+
+    def stream_lengths(self) -> list[int]:
+        """The packed stream's lengths a step can compile (one program per
+        length): 16, 32, 48, 64, 96, 128, 192, ... (powers of two, and 1.5
+        times them from 32 on) below the token budget, then the budget itself. ``[]`` for the padded scheduler."""
+        if self.scheduler != "packed":
+            return []
+        budget = self._token_budget()
+        return [n for n in stream_buckets(budget) if n < budget] + [budget]
+
+    def _token_budget(self) -> int:
+        """The packed scheduler's tokens per step."""
+        return self.max_num_batched_tokens or self.prefill_chunk
+
+    def _packed(self) -> None:
+        """ONE packed step: the decode token of every decoding request, then
+        (first in the stream) one prefill piece per prefilling request,
+        oldest admission first, while the budget lasts (a piece longer than
+        what is left is cut; at least one prompt token runs). A request
+        whose last piece ran gets its first token, a decoding one its next."""
+        self.check_bookkeeping()
+        decoding = [(row, self._requests[rid]) for row, rid in enumerate(self._rows)
+                    if rid is not None and self._decoding(self._requests[rid])]
+        rows = self._screen([req for _, req in decoding] + self._prefilling)
+        decoding = [(row, req) for row, req in decoding if req.id in rows]
+        if not self._prefilling:  # every prompt left failed its screening: the next iteration decodes
+            return
+        left = max(self._token_budget() - len(decoding), 1)
+        batch = []  # (request, (start, end)): a plan; its pieces are consumed once the call returned
+        for req in self._prefilling:
+            if left <= 0:
+                break
+            start, end = req.pieces[0]
+            end = min(end, start + left)  # a piece longer than what is left is cut
+            batch.append((req, (start, end)))
+            left -= end - start
+        lanes = [req for req, _ in batch] + [req for _, req in decoding]
+        total = sum(end - start for _, (start, end) in batch) + len(decoding)
+        length = self._stream_length(total)
+        result = self.cache.packed_step(
+            self.graphdef, self.params, [(req.lane, piece) for req, piece in batch],
+            [(row, req.generated[-1], req.kv_len) for row, req in decoding],
+            self._sampling(rows, dict(enumerate(lanes))), [req.key for req in lanes], length)
+        for req, (_, end) in batch:  # the pieces ran
+            if end < req.pieces[0][1]:
+                req.pieces[0] = (end, req.pieces[0][1])  # the rest stays at the head
+            else:
+                req.pieces.pop(0)
+        now = time.perf_counter()
+        self._update_peak(result.peak)
+        self._count_call(length, total if result.decode_ok else total - len(decoding))
+        finished = []
+        for lane, (req, _) in enumerate(batch):
+            if req.pieces:
+                continue
+            self._prefilling.remove(req)
+            req.key = result.keys[lane]
+            if self.output.take(req, [int(result.tokens[lane])], now):
+                finished.append(req)
+        if result.decode_ok:
+            for lane, (_, req) in enumerate(decoding, start=len(batch)):
+                req.key = result.keys[lane]
+                if self.output.take(req, [int(result.tokens[lane])], now):
+                    finished.append(req)
+        self._retire(finished, final=True)
+        self._release_trimmed_hits(req for _, req in decoding if req.state is RequestState.RUNNING)
+        if not result.decode_ok:
+            logger.debug("packed step: decode lanes stalled for blocks")
+            self._relieve([req for lane, (_, req) in enumerate(decoding, start=len(batch))
+                           if result.blocked[lane] and req.state is RequestState.RUNNING])
+
+    @staticmethod
+    def _decoding(req: Request) -> bool:
+        """RUNNING with its whole prompt prefilled."""
+        return req.state is RequestState.RUNNING and not req.pieces
+
+    def _decode(self) -> None:
+        running = {row: self._requests[rid] for row, rid in enumerate(self._rows)
+                   if rid is not None and self._decoding(self._requests[rid])}
+        if not running:
+            return
+        self.check_bookkeeping()
+        rows = self._screen(running.values())
+        running = {row: req for row, req in running.items() if req.id in rows}
+        if not running:
+            return
+        batch = self.max_seqs
+        last = np.zeros((batch,), np.int32)
+        active = np.zeros((batch,), bool)
+        num_generated = np.zeros((batch,), np.int32)
+        max_new = np.zeros((batch,), np.int32)
+        eos = np.full((batch,), -1, np.int32)
+        keys = [None] * batch
+        for row, req in running.items():
+            last[row] = req.generated[-1]
+            active[row] = True
+            num_generated[row] = len(req.generated)
+            max_new[row] = req.max_new
+            eos[row] = req.eos_id
+            keys[row] = req.key
+        result = self.cache.decode(self.graphdef, self.params, last, active, num_generated, max_new, eos,
+                                   self._sampling(rows, running), keys, self.decode_chunk)
+        now = time.perf_counter()
+        self._update_peak(result.peak)
+        self._count_call(self.max_seqs * int(result.count.max(initial=0)), int(result.count.sum()))
+        finished = []
+        for row, req in running.items():
+            req.key = result.keys[row]
+            if self.output.take(req, result.tokens[row, : result.count[row]].tolist(), now, bool(result.finished[row])):
+                finished.append(req)
+        self._retire(finished, final=True)
+        self._release_trimmed_hits(req for req in running.values() if req.state is RequestState.RUNNING)
+        if not result.ok:
+            logger.debug("decode stalled for blocks: rows %s", np.flatnonzero(result.blocked).tolist())
+            self._relieve([req for row, req in running.items()
+                           if result.blocked[row] and req.state is RequestState.RUNNING])
+
+    def _release_trimmed_hits(self, reqs) -> None:
+        """Unpin the prefix hits that a window trimmed out of their rows'
+        tables (the first block is gone): the row no longer reads them, so
+        the prefix cache may evict them when blocks are short (pinned, a
+        windowed request would hold its whole hit plus its window). The
+        request keeps counting the hit's blocks as shared (``shared``) in
+        its reserve: they stay allocated until evicted."""
+        if self.cache.window is None:
+            return
+        holding = [req for req in reqs if req.hit is not None and req.hit.tokens]
+        if not holding:
+            return
+        first = self.cache.first_blocks()
+        for req in holding:
+            if first[req.row] < 0:
+                self.cache.unpin(req.hit)
+                req.hit = None
+
+    def _relieve(self, blocked: list) -> None:
+        """Free blocks for the rows that could not grow: evict the prefix
+        cache, then preempt the most recently admitted running requests
+        that recomputation can bring back (re-admitting one holding its
+        prompt and output fits an empty engine). Raises ``KVCacheOOM`` when
+        none is left to preempt (the admission reserve rules it out)."""
+        if not blocked:
+            return
+        # Eviction only: room for every running request's next chunk.
+        self._make_room(self._growth_reserve())
+
+        def need():  # the next token of each blocked row
+            return sum((self.cache.blocks_for(r.kv_len + 1) - self.cache.blocks_for(r.kv_len) for r in blocked),
+                       np.zeros(len(self.cache.groups), np.int64))
+
+        while blocked and not self._make_room(need()):
+            running = [self._requests[rid] for rid in self._rows  # never one mid-prefill
+                       if rid is not None and self._decoding(self._requests[rid])]
+            victims = [req for req in running if self._readmittable(req)]
+            if not victims:
+                stuck = blocked[0]
+                raise self.cache.oom(need(), f"request {stuck.id} cannot grow and no running request can be "
+                                             f"preempted (recomputing any would need more blocks than the groups "
+                                             f"have: {self.cache.capacity.tolist()})")
+            victim = max(victims, key=lambda r: r.order)
+            self._preempt(victim)
+            blocked = [req for req in blocked if req is not victim]
+
+    def _readmittable(self, req: Request) -> bool:
+        """Whether ``req``, preempted for recomputation now, fits an empty
+        engine again (its prompt and output prefilled whole). Always, without
+        a window; a windowed request is never preempted (its reserve covers
+        its whole output), so this only guards that rule. (Swapping would
+        not need it, but a swap-out the host pool cannot take falls back to
+        recomputation.)"""
+        return bool(np.all(self._admission_blocks(req, self._no_hit()) <= self.cache.capacity))
+
+    def _preempt(self, req: Request) -> None:
+        if self.cache.can_swap and self.cache.swap_out(req.row):
+            self.cache.unpin(req.hit)
+            req.hit = None
+            req.shared = np.zeros(len(self.cache.groups), np.int64)  # swapped in, every block is its own
+            req.state = RequestState.SWAPPED
+            self._swapped.append(req.id)
+            self._count.swaps += 1
+            logger.debug("request %d swapped out from row %d", req.id, req.row)
+            return
+        logger.debug("request %d preempted for recomputation (row %d, %d tokens)", req.id, req.row, len(req.tokens))
+        self._retire([req], final=False)
+        self._count.recomputes += 1
+
+    def _retire(self, reqs: list, *, final: bool, requeue: bool = True) -> None:
+        """Give the requests' rows back to the cache (a paged cache first
+        inserts their full pages into the prefix cache: those whose K/V are
+        written, i.e. all but the last token, or of a request aborted
+        mid-prefill the pieces prefilled so far) and unpin their prefixes.
+        ``final``: they are done; else they go back to the front of the
+        queue (``requeue``) or nowhere (an abort finishes them)."""
+        if not reqs:
+            return
+        self.cache.retire([(req.row, req.tokens[: req.pieces[0][0] if req.pieces else req.kv_len], req.namespace,
+                            req.hit) for req in reqs])
+        for req in reqs:
+            self._rows[req.row] = None
+            req.hit, req.row, req.lane, req.pieces = None, -1, None, []
+            if final:
+                self._finish(req, "length")
+            else:
+                req.state = RequestState.WAITING
+        if not final and requeue:
+            for req in reversed(reqs):
+                self._waiting.appendleft(req.id)
