@@ -125,9 +125,10 @@ import numpy as np
 
 from jaxkv.errors import BookkeepingError, KVCacheOOM
 from jaxkv.nn.sampling import RowSampling
-from jaxkv.serve.caches import FREE, ON_DEVICE, STATUS_NAMES, SWAPPED, PrefillLane, PrefixHit
+from jaxkv.serve.caches import FREE, ON_DEVICE, STATUS_NAMES, SWAPPED, PrefillLane
 from jaxkv.serve.output import OutputProcessor
 from jaxkv.serve.request import Request, RequestState
+from jaxkv.serve.reserve import admission_blocks, growth, make_room, no_hit, readmittable
 
 __all__ = ["MAX_REQUEST_FAULTS", "Scheduler", "WAIT_FOR_PREFIX_TOKENS", "stream_buckets"]
 
@@ -384,37 +385,6 @@ class Scheduler:
         used = self.cache.blocks_in_use() if used is None else int(used)
         self._peak = max(self._peak, used)
 
-    def _steps_ahead(self, req: Request) -> int:
-        """Decode steps whose blocks ``req`` reserves: its next chunk's,
-        never more than it has tokens left to generate (one more than its
-        remaining decode steps: the fit rule's count, see
-        :func:`jaxkv.nn.steps.paged_peak_blocks`). With a window on every
-        layer, all it has left: a windowed request then never has to be
-        preempted, which matters because a recomputation would prefill its
-        prompt and output whole, more blocks than its window needs and
-        possibly more than the pool has."""
-        left = max(req.max_new - len(req.generated), 0)
-        return left if self.cache.window is not None else min(self.decode_chunk, left)
-
-    def _growth(self, req: Request) -> np.ndarray:
-        """Free blocks ``req`` (RUNNING) may take over :meth:`_steps_ahead`."""
-        steps = self._steps_ahead(req)
-        if req.pieces or not req.generated:  # still prefilling: it holds its whole prompt's blocks, untrimmed
-            tokens = len(req.tokens)
-            return self.cache.growth(tokens, steps, self.cache.blocks_for(tokens), req.shared)
-        # Decoding: the fewest blocks it can hold at kv_len (a row not trimmed
-        # yet holds more, so this over-reserves by at most the trim).
-        return self.cache.growth(req.kv_len, steps, self.cache.held_blocks(req.kv_len), req.shared)
-
-    def _admission_blocks(self, req: Request, hit) -> np.ndarray:
-        """Free blocks admitting ``req`` with ``hit`` takes now (its tokens'
-        blocks less the hit's) plus its growth over :meth:`_steps_ahead`.
-        On an empty engine with no hit this is at most ``peak_blocks``, the
-        rule ``add_request`` checked."""
-        tokens = len(req.tokens)
-        held, shared = self.cache.blocks_for(tokens), hit.block_counts()
-        return held - shared + hit.extra_blocks() + self.cache.growth(tokens, self._steps_ahead(req), held, shared)
-
     def _growth_reserve(self) -> np.ndarray:
         """Blocks kept free for the running sequences to grow into during
         their next decode chunk (a windowed model's: until they finish) when
@@ -424,28 +394,15 @@ class Scheduler:
         reserve = np.zeros(len(self.cache.groups), np.int64)
         for rid in self._rows:
             if rid is not None and self._requests[rid].state is RequestState.RUNNING:
-                reserve += self._growth(self._requests[rid])
+                reserve += growth(self.cache, self._requests[rid], self.decode_chunk)
         return reserve
 
     def _blocks_wanted(self) -> np.ndarray:
         for rid in self._swapped:
             return self.cache.blocks_for(len(self._requests[rid].tokens))
         for rid in self._waiting:
-            return self._admission_blocks(self._requests[rid], self._no_hit())
+            return admission_blocks(self.cache, self._requests[rid], no_hit(self.cache), self.decode_chunk)
         return np.zeros(len(self.cache.groups), np.int64)
-
-    def _no_hit(self) -> PrefixHit:
-        return PrefixHit(0, tuple([] for _ in self.cache.groups))
-
-    def _make_room(self, blocks: np.ndarray) -> bool:
-        """Evict cached prefixes until ``blocks`` (per group) are free;
-        whether they are. Evicts again while short: a page a running row
-        still holds (a windowed row's hit) gives no block back."""
-        free = self.cache.free_blocks()
-        while np.any(free < blocks) and self.cache.can_evict():
-            self.cache.evict(np.maximum(blocks - free, 0))
-            free = self.cache.free_blocks()
-        return bool(np.all(free >= blocks))
 
     def _sampling(self, rows: dict, reqs_by_lane: dict) -> RowSampling:
         """Per-lane sampling arrays from the :meth:`_screen`-ed ``rows`` of
@@ -498,7 +455,8 @@ class Scheduler:
             # request swapped out at a block boundary needs a new block at
             # once: without this it would be swapped straight back out,
             # forever), and the running requests' reserve.
-            if not self._make_room(self.cache.held_blocks(req.kv_len) + self._growth(req) + self._growth_reserve()):
+            need = self.cache.held_blocks(req.kv_len) + growth(self.cache, req, self.decode_chunk)
+            if not make_room(self.cache, need + self._growth_reserve()):
                 break
             if not self.cache.swap_in(req.row):
                 break
@@ -527,8 +485,8 @@ class Scheduler:
                 self.cache.unpin(hit)
                 deferred.append(self._waiting.popleft())
                 continue
-            want = self._admission_blocks(req, hit)
-            if not self._make_room(reserved + want + running):
+            want = admission_blocks(self.cache, req, hit, self.decode_chunk)
+            if not make_room(self.cache, reserved + want + running):
                 self.cache.unpin(hit)
                 if not hit.tokens or self.cache.window is None:
                     break
@@ -538,9 +496,9 @@ class Scheduler:
                 # request needs no more than the fit rule counted. (Without a
                 # window a hit only lowers what a request needs: waiting for
                 # room keeps the hit.)
-                hit = self._no_hit()
-                want = self._admission_blocks(req, hit)
-                if not self._make_room(reserved + want + running):
+                hit = no_hit(self.cache)
+                want = admission_blocks(self.cache, req, hit, self.decode_chunk)
+                if not make_room(self.cache, reserved + want + running):
                     break
             reserved += want
             self._waiting.popleft()
@@ -796,16 +754,16 @@ class Scheduler:
         if not blocked:
             return
         # Eviction only: room for every running request's next chunk.
-        self._make_room(self._growth_reserve())
+        make_room(self.cache, self._growth_reserve())
 
         def need():  # the next token of each blocked row
             return sum((self.cache.blocks_for(r.kv_len + 1) - self.cache.blocks_for(r.kv_len) for r in blocked),
                        np.zeros(len(self.cache.groups), np.int64))
 
-        while blocked and not self._make_room(need()):
+        while blocked and not make_room(self.cache, need()):
             running = [self._requests[rid] for rid in self._rows  # never one mid-prefill
                        if rid is not None and self._decoding(self._requests[rid])]
-            victims = [req for req in running if self._readmittable(req)]
+            victims = [req for req in running if readmittable(self.cache, req, self.decode_chunk)]
             if not victims:
                 stuck = blocked[0]
                 raise self.cache.oom(need(), f"request {stuck.id} cannot grow and no running request can be "
@@ -814,15 +772,6 @@ class Scheduler:
             victim = max(victims, key=lambda r: r.order)
             self._preempt(victim)
             blocked = [req for req in blocked if req is not victim]
-
-    def _readmittable(self, req: Request) -> bool:
-        """Whether ``req``, preempted for recomputation now, fits an empty
-        engine again (its prompt and output prefilled whole). Always, without
-        a window; a windowed request is never preempted (its reserve covers
-        its whole output), so this only guards that rule. (Swapping would
-        not need it, but a swap-out the host pool cannot take falls back to
-        recomputation.)"""
-        return bool(np.all(self._admission_blocks(req, self._no_hit()) <= self.cache.capacity))
 
     def _preempt(self, req: Request) -> None:
         if self.cache.can_swap and self.cache.swap_out(req.row):

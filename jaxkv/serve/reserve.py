@@ -1,0 +1,80 @@
+"""What a request costs in blocks, per group of the cache: the arithmetic
+of admission, the running requests' reserve and preemption
+(:mod:`jaxkv.serve.scheduler`). Pure functions of the cache's block
+arithmetic (:mod:`jaxkv.serve.caches`) and a request's record; only
+:func:`make_room` changes anything (it evicts cached prefixes).
+
+The rule they keep: a request ``add_request`` accepts is admitted on an
+empty engine (:func:`admission_blocks` with no hit is at most the cache's
+``peak_blocks``), and a running request reserves the blocks of its next
+decode chunk (:func:`growth`), so admitting another never forces an
+immediate preemption."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from jaxkv.serve.caches import PrefixHit
+from jaxkv.serve.request import Request
+
+__all__ = ["admission_blocks", "growth", "make_room", "no_hit", "readmittable", "steps_ahead"]
+
+
+def steps_ahead(cache, req: Request, decode_chunk: int) -> int:
+    """Decode steps whose blocks ``req`` reserves: its next chunk's,
+    never more than it has tokens left to generate (one more than its
+    remaining decode steps: the fit rule's count, see
+    :func:`jaxkv.nn.steps.paged_peak_blocks`). With a window on every
+    layer, all it has left: a windowed request then never has to be
+    preempted, which matters because a recomputation would prefill its
+    prompt and output whole, more blocks than its window needs and
+    possibly more than the pool has."""
+    left = max(req.max_new - len(req.generated), 0)
+    return left if cache.window is not None else min(decode_chunk, left)
+
+
+def growth(cache, req: Request, decode_chunk: int) -> np.ndarray:
+    """Free blocks ``req`` (RUNNING) may take over :func:`steps_ahead`."""
+    steps = steps_ahead(cache, req, decode_chunk)
+    if req.pieces or not req.generated:  # still prefilling: it holds its whole prompt's blocks, untrimmed
+        tokens = len(req.tokens)
+        return cache.growth(tokens, steps, cache.blocks_for(tokens), req.shared)
+    # Decoding: the fewest blocks it can hold at kv_len (a row not trimmed
+    # yet holds more, so this over-reserves by at most the trim).
+    return cache.growth(req.kv_len, steps, cache.held_blocks(req.kv_len), req.shared)
+
+
+def admission_blocks(cache, req: Request, hit, decode_chunk: int) -> np.ndarray:
+    """Free blocks admitting ``req`` with ``hit`` takes now (its tokens'
+    blocks less the hit's) plus its growth over :func:`steps_ahead`.
+    On an empty engine with no hit this is at most ``peak_blocks``, the
+    rule ``add_request`` checked."""
+    tokens = len(req.tokens)
+    held, shared = cache.blocks_for(tokens), hit.block_counts()
+    return held - shared + hit.extra_blocks() + cache.growth(tokens, steps_ahead(cache, req, decode_chunk), held, shared)
+
+
+def no_hit(cache) -> PrefixHit:
+    """A prefix hit of nothing (one empty block list per group)."""
+    return PrefixHit(0, tuple([] for _ in cache.groups))
+
+
+def make_room(cache, blocks: np.ndarray) -> bool:
+    """Evict cached prefixes until ``blocks`` (per group) are free;
+    whether they are. Evicts again while short: a page a running row
+    still holds (a windowed row's hit) gives no block back."""
+    free = cache.free_blocks()
+    while np.any(free < blocks) and cache.can_evict():
+        cache.evict(np.maximum(blocks - free, 0))
+        free = cache.free_blocks()
+    return bool(np.all(free >= blocks))
+
+
+def readmittable(cache, req: Request, decode_chunk: int) -> bool:
+    """Whether ``req``, preempted for recomputation now, fits an empty
+    engine again (its prompt and output prefilled whole). Always, without
+    a window; a windowed request is never preempted (its reserve covers
+    its whole output), so this only guards that rule. (Swapping would
+    not need it, but a swap-out the host pool cannot take falls back to
+    recomputation.)"""
+    return bool(np.all(admission_blocks(cache, req, no_hit(cache), decode_chunk) <= cache.capacity))
