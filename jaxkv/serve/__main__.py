@@ -28,6 +28,14 @@ the per-request metrics get a ``tenant`` label (the tenant's name). See
 :mod:`jaxkv.serve.http` (API keys and tenants). ``/metrics`` stays open and
 shows every tenant's name and traffic: do not expose it publicly.
 
+**Request templates and bounds.** Only the model's own chat templates
+render unless ``--trust-request-chat-template`` is given (a request's
+``chat_template`` is code the server would run: vLLM's flag of the same
+name); rendering and tokenizing run off the event loop, each request's
+bounded by ``--render-timeout`` seconds (default 10); a request body is at
+most ``--max-request-body`` bytes (default 4MiB). See
+:mod:`jaxkv.serve.http` (Hostile requests).
+
 **Engine options.** ``--scrub-on-free`` and ``--prefix-quota FRACTION``
 go to :class:`jaxkv.serve.Engine` as ``scrub_on_free=True`` and
 ``prefix_quota=FRACTION`` (the share, in (0, 1], of each block group and of
@@ -119,6 +127,25 @@ def _fraction(text: str) -> float:
     return value
 
 
+def _body_bytes(text: str) -> int:
+    """``--max-request-body``: a positive number of bytes (``parse_bytes``)."""
+    value = parse_bytes(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text}: must be at least 1 byte")
+    return value
+
+
+def _seconds(text: str) -> float:
+    """A positive, finite number of seconds."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: give a number of seconds (e.g. 10)") from None
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"{text}: must be a positive number of seconds")
+    return value
+
+
 def load_api_keys(path: str | None, key: str | None = None) -> dict[str, str] | None:
     """API key -> tenant name from ``--api-keys-file`` (a JSON object of
     non-empty strings) and ``--api-key`` (tenant ``default``); None when
@@ -189,6 +216,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--api-keys-file", metavar="PATH", help="a JSON object mapping API key -> tenant name: every "
                    "request but /health and /metrics needs one of the keys, each tenant's prefix cache namespaces "
                    "are its own, and the per-request metrics get a 'tenant' label")
+    p.add_argument("--trust-request-chat-template", action="store_true", help="render a chat template the "
+                   "request gives ('chat_template' or 'chat_template_kwargs.chat_template'; vLLM's flag of the same "
+                   "name). Off (the default), only the model's own templates render and a request's template is "
+                   "refused with 400: a template is code the server runs, and one can spin a CPU for as long as "
+                   "--render-timeout allows. Turn it on only for clients you trust")
+    p.add_argument("--render-timeout", type=_seconds, default=10.0, metavar="SECONDS", help="the longest one "
+                   "request's chat-template rendering and tokenizing may take, queueing for a render thread "
+                   "included (default 10); past it the request gets 503 'render_timeout' and its render is "
+                   "interrupted")
+    p.add_argument("--max-request-body", type=_body_bytes, default=4 * 2 ** 20, metavar="BYTES", help="the "
+                   "largest request body (bytes or 8MiB; default 4MiB, about four 128k-token prompts); a larger "
+                   "one gets 413")
     p.add_argument("--seed", type=int, default=0, help="the engine's seed (requests without 'seed')")
     p.add_argument("--compile-cache-dir", help="the persistent JAX compilation cache's folder (default "
                    "$JAXKV_CACHE_DIR/jax or ~/.cache/jaxkv/jax)")
@@ -266,6 +305,10 @@ def main(argv: list[str] | None = None) -> int:
     if api_keys is not None:
         logger.info("API keys: %d key(s) for tenant(s) %s; /health and /metrics need none", len(api_keys),
                     ", ".join(api_keys.tenants))
+    if args.trust_request_chat_template:
+        logger.warning("--trust-request-chat-template: chat templates sent by clients are rendered (code the "
+                       "server runs, up to --render-timeout %g s each); serve only clients you trust",
+                       args.render_timeout)
     model_path = _resolve_model(args.model)
     names = args.served_model_name or [_default_name(model_path)]
 
@@ -311,7 +354,9 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         run_server(build, host=args.host, port=args.port, served_model_names=names, startup_clock=_COMMAND_CLOCK,
-                   log_level=args.log_level, on_started=started, api_keys=api_keys)
+                   log_level=args.log_level, on_started=started, api_keys=api_keys,
+                   trust_request_chat_template=args.trust_request_chat_template,
+                   render_timeout=args.render_timeout, max_body_bytes=args.max_request_body)
     except KeyboardInterrupt:  # uvicorn re-raises Ctrl-C after its graceful shutdown
         pass
     return 0

@@ -9,21 +9,29 @@ serves, on FastAPI + uvicorn:
 * ``POST /v1/completions``: ``prompt`` as text, a list of token ids, or a
   list of either (one choice group per prompt);
 * ``POST /v1/chat/completions``: ``messages`` rendered with the tokenizer's
-  chat template (``add_generation_prompt``); ``content`` a string or a list
-  of ``{"type": "text", "text": ...}`` parts;
+  chat template (``add_generation_prompt``, ``chat_template_kwargs``: more
+  template variables; ``chat_template``: one of the model's templates by
+  name, or, only with ``--trust-request-chat-template``, a template of the
+  request's own: see Hostile requests); ``content`` a string or a list of
+  ``{"type": "text", "text": ...}`` parts;
 * ``GET /metrics``: Prometheus text (:mod:`jaxkv.serve.metrics`).
 
 Request fields: ``model`` (required), ``max_tokens`` (chat also
-``max_completion_tokens``; default 16 for completions, the rest of the
-context for chat), ``temperature`` (0..2; 0 greedy), ``top_p`` (0..1],
-``top_k`` (0 or -1: off), ``seed``, ``stop`` (a string or a list of
-strings), ``n`` (1..:data:`MAX_N`), ``stream``, ``stream_options``
+``max_completion_tokens``; 1..2**31-1 and within the context; default 16 for
+completions, the rest of the context for chat), ``temperature`` (0..2; 0
+greedy; a positive value below :data:`MIN_TEMPERATURE` is served at it, as
+vLLM does), ``top_p`` (:data:`FLOAT32_TINY`..1: a positive normal float32),
+``top_k`` (-1..2**31-1; 0 or -1: off), ``seed`` (an int64, OpenAI's range;
+reduced to 32 bits), ``stop`` (a string or a list of at most
+:data:`MAX_STOP` non-empty strings), ``n`` (1..:data:`MAX_N`), ``stream``,
+``stream_options``
 (``{"include_usage": true}``: a last chunk with ``usage`` and no choices),
 ``cache_salt`` (vLLM's name: the request's prefixes go into their own
 namespace of the prefix cache, so requests with different salts never share
 a prefix, and requests with the same salt do; with API keys, within the
 request's tenant only: see below), and two vLLM extensions,
-``ignore_eos`` and ``stop_token_ids``. Fields the server cannot honour
+``ignore_eos`` and ``stop_token_ids`` (ids in the vocabulary, as prompt ids
+are). Fields the server cannot honour
 (``logprobs``, penalties, ``logit_bias``, ``tools``, ``echo``,
 ``best_of``...) set to anything but their neutral value are refused with 400
 rather than silently ignored. Non-stream responses always carry ``usage``
@@ -61,14 +69,54 @@ inside).
 Errors are OpenAI-style JSON ``{"error": {"message", "type", "code",
 "param"}}``: 400 (``invalid_request_error``) for a body that is not JSON or
 not an object, a missing field, a value of the wrong type or out of range,
-an unsupported field, and a prompt that with ``max_tokens`` does not fit the
-context (``code: context_length_exceeded``) or that the engine says can never
-fit; 401 (``authentication_error``) for a missing or unknown API key; 404
-for an unknown model (``model_not_found``) or path; 503
-(``model_not_ready``) while starting; 500 for a failure inside the engine.
-A refused request is refused before it reaches the engine (or, for the
-engine's own check, at ``add_request``, which queues nothing), so it never
-disturbs the requests being served.
+an unsupported field, a value no field takes (see Hostile requests), a
+request template without the flag (``chat_template_not_allowed``), a chat
+template that refuses or fails on the conversation, and a prompt that with
+``max_tokens`` does not fit the context (``code: context_length_exceeded``)
+or that the engine says can never fit; 401 (``authentication_error``) for a
+missing or unknown API key; 404 for an unknown model (``model_not_found``)
+or path; 413 (``request_too_large``) for a body over the limit; 503
+(``model_not_ready``) while starting, (``render_timeout``) for rendering and
+tokenizing that ran past the time bound; 500 (``internal_error``) for a
+failure inside the engine. A refused request is refused before it reaches
+the engine (or, for the engine's own check, at ``add_request``, which queues
+nothing), so it never disturbs the requests being served.
+
+A request the engine fails on its own (``RequestOutput.finish_reason ==
+"error"``, its message in ``RequestOutput.error``) fails for its client
+alone: non-streamed, 500 ``internal_error`` (400 ``invalid_value`` when the
+message starts with ``InvalidArgument``: the request itself was bad), with
+the HTTP request's other choices aborted; streamed, an ``{"error": ...}``
+event, then ``data: [DONE]``. It counts in
+``jaxkv_request_success_total{finish_reason="error"}``. Every other request
+goes on.
+
+**Hostile requests.** Whatever a body holds, the answer is a 4xx naming the
+field (``param``: the top-level field the bad value is under; the message
+gives its place, e.g. ``messages[0].content``), never a 500, and nothing of
+it reaches the engine. A body is read up to ``max_body_bytes``
+(:data:`MAX_BODY_BYTES`, ``--max-request-body``; 413 beyond) and parsed off
+the event loop; anywhere in it, an integer beyond 64 bits (a 5,000-digit
+literal is never converted), ``NaN`` / ``Infinity`` / an overflowing float
+literal, nesting deeper than :data:`MAX_JSON_DEPTH`, or a string or key with
+a lone UTF-16 surrogate (``"\\ud800"``) is refused before any field is read.
+Each field is then bounded to what the device holds (int32 counts and token
+ids, an int64 seed, a normal float32 ``top_p``). Chat templates: only the
+model's own render, unless the server runs with
+``trust_request_chat_template`` (``--trust-request-chat-template``, vLLM's
+flag: a template is code, and a nested loop in one blocked a server's event
+loop for seconds, vLLM's CVE-2025-61620); ``chat_template_kwargs`` may set
+template variables but not the rendering call's own arguments
+(``tokenize``, ``add_generation_prompt``, ``messages``, ``conversation``,
+``return_dict``, ``tools``...: 400 naming the key). Templates render in
+jinja2's sandbox (``jaxkv.text``; ``range`` is capped at 100,000 items), and
+rendering and tokenizing (chat and text prompts) run on
+:data:`RENDER_WORKERS` render threads, never on the event loop, each
+request's bounded by ``render_timeout`` seconds (:data:`RENDER_TIMEOUT`,
+``--render-timeout``): past it the request gets 503 ``render_timeout`` and
+the render is interrupted at its next Python instruction (a thread cannot be
+killed; CPython can raise an exception inside it), so a stuck template never
+holds a render thread for good.
 
 **Why FastAPI.** It is the most used ASGI framework for Python model
 servers (vLLM's and SGLang's OpenAI front ends are built on it), kept by a
@@ -84,7 +132,10 @@ ONE thread beside the asyncio event loop: every ``add_request``, ``abort``,
 through a thread-safe queue (``queue.SimpleQueue``) and gets results back
 through ``loop.call_soon_threadsafe`` (one call per engine iteration
 carrying every request's outputs), so no engine call ever blocks the event
-loop and no asyncio object is touched from the engine thread. While it has
+loop and no asyncio object is touched from the engine thread. Request bodies
+are parsed on asyncio's default executor, and chat templates rendered and
+prompts tokenized on the render threads (:class:`_RenderPool`; see Hostile
+requests): the event loop only routes. While it has
 work the loop steps the engine back to back, taking in new commands between
 steps (new requests join the running batch at the next step); idle, it
 blocks on the queue.
@@ -110,6 +161,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import hashlib
 import hmac
 import json
@@ -117,6 +169,7 @@ import logging
 import math
 import os
 import queue
+import re
 import threading
 import time
 import uuid
@@ -140,6 +193,26 @@ logger = logging.getLogger("jaxkv.serve")
 MAX_N = 16
 #: Completions' ``max_tokens`` when none is given (OpenAI's default).
 DEFAULT_COMPLETION_MAX_TOKENS = 16
+#: The largest request body read, in bytes (``create_app(max_body_bytes=...)``); a larger one gets 413.
+#: A 128k-token prompt as text or as token ids is about 1 MiB; tokenizing megabytes of text takes seconds.
+MAX_BODY_BYTES = 4 * 2 ** 20
+#: The deepest nesting of arrays / objects in a body (the body object itself is level 1).
+MAX_JSON_DEPTH = 64
+#: Seconds one request's chat-template rendering and tokenizing may take, queueing included
+#: (``create_app(render_timeout=...)``).
+RENDER_TIMEOUT = 10.0
+#: Threads that render chat templates and tokenize prompts (at most this many run at once).
+RENDER_WORKERS = 4
+#: The most stop strings one request may give.
+MAX_STOP = 16
+#: The largest value of an integer field the device holds as int32 (``max_tokens``, ``top_k``, token ids).
+INT32_MAX = 2 ** 31 - 1
+#: A positive temperature below this is served at this value (vLLM's rule): sampling is greedy in effect
+#: there already, and ``logits / temperature`` in float32 overflows to inf for tiny ones.
+MIN_TEMPERATURE = 0.01
+#: The smallest positive normal float32: ``top_p`` below it would be zero (or subnormal, flushed to zero) on
+#: the device, where it is a float32.
+FLOAT32_TINY = 1.1754943508222875e-38
 
 
 # ------------------------------------------------------------ compile cache
@@ -190,7 +263,8 @@ class APIError(Exception):
         self.param = param
         self.headers = dict(headers or {})
         self.type = type or {400: "invalid_request_error", 401: "authentication_error", 404: "invalid_request_error",
-                             405: "invalid_request_error", 503: "service_unavailable"}.get(status, "server_error")
+                             405: "invalid_request_error", 413: "invalid_request_error",
+                             503: "service_unavailable"}.get(status, "server_error")
 
     def response(self) -> JSONResponse:
         return JSONResponse({"error": {"message": self.message, "type": self.type, "param": self.param,
@@ -226,8 +300,10 @@ def _json_type(value) -> str:
 def _is(value, kind) -> bool:
     if kind is int:
         return isinstance(value, int) and not isinstance(value, bool)
-    if kind is float:  # a JSON number: an integer too
-        return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if kind is float:  # a JSON number: an integer too (finite by nature: math.isfinite of a huge one overflows)
+        if isinstance(value, float):
+            return math.isfinite(value)
+        return isinstance(value, int) and not isinstance(value, bool)
     return isinstance(value, kind)
 
 
@@ -265,6 +341,129 @@ def _refuse_unsupported(body: dict) -> None:
                                     for v in neutral):
             raise _bad(f"'{name}' is not supported by this server (got {json.dumps(body[name])[:60]})", name,
                        "unsupported_parameter")
+
+
+# ------------------------------------------------------------ reading the body
+
+
+def _show(text: str, limit: int = 60) -> str:
+    """``text`` as an error message may quote it: at most ``limit``
+    characters, lone surrogates escaped (a JSON response must encode as
+    UTF-8)."""
+    cut = text if len(text) <= limit else text[:limit] + "..."
+    return cut.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+class _BadNumber:
+    """What the JSON parser leaves where a number no field can hold was: an
+    integer literal too long for 64 bits (Python refuses to convert one of
+    over 4,300 digits at all) or ``NaN`` / ``Infinity`` (which Python's
+    json accepts and JSON does not). :func:`_check_json` reports it with
+    its place."""
+
+    __slots__ = ("what",)
+
+    def __init__(self, what: str):
+        self.what = what
+
+
+def _parse_int(text: str):
+    # 24 characters hold every 64-bit integer; a longer literal is never converted (int() of a huge one is
+    # quadratic, and over 4,300 digits it raises ValueError inside json.loads: a 500 before this).
+    return int(text) if len(text) <= 24 else _BadNumber(f"an integer of {len(text.lstrip('-'))} digits")
+
+
+def _parse_constant(text: str):
+    return _BadNumber(text)  # NaN, Infinity, -Infinity
+
+
+def _invalid_unicode(text: str) -> bool:
+    """Whether ``text`` holds a lone UTF-16 surrogate (JSON's ``"\\ud800"``
+    escape): no tokenizer encodes it and no response can echo it."""
+    if text.isascii():
+        return False
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return True
+    return False
+
+
+def _check_json(body: dict) -> None:
+    """Refuse (400 ``invalid_value``, ``param`` the top-level field the
+    value is under, the message giving its place) a parsed body holding a
+    value no field takes, wherever it is, so no later check or the engine
+    ever sees one: an integer outside ``[-2**63, 2**64)``, a number that is
+    not finite (``NaN``, ``Infinity``, ``1e999``), a string or key that is
+    not valid Unicode, or arrays / objects nested more than
+    :data:`MAX_JSON_DEPTH` deep. Iterative: no recursion however deep."""
+    stack = [(body, "", None, 1)]  # (container, its place, top-level field, depth)
+    while stack:
+        container, where, param, depth = stack.pop()
+        if depth > MAX_JSON_DEPTH:
+            raise _bad(f"'{where}' is nested more than {MAX_JSON_DEPTH} levels deep", param)
+        is_dict = isinstance(container, dict)
+        for key, value in (container.items() if is_dict else enumerate(container)):
+            if is_dict:
+                shown = _show(key, 40)
+                place = f"{where}.{shown}" if where else shown
+                if _invalid_unicode(key):
+                    raise _bad(f"the key '{place}' is not valid Unicode (a lone surrogate)", param or shown)
+            else:
+                place = f"{where}[{key}]"
+            field = param if param is not None else place
+            kind = type(value)
+            if kind is str:
+                if _invalid_unicode(value):
+                    raise _bad(f"'{place}' is not valid Unicode (it holds a lone surrogate)", field)
+            elif kind is int:
+                if not -2 ** 63 <= value < 2 ** 64:
+                    raise _bad(f"'{place}' is an integer out of range (no field takes one beyond 64 bits)", field)
+            elif kind is float:
+                if not math.isfinite(value):
+                    raise _bad(f"'{place}' is not a finite number", field)
+            elif kind is _BadNumber:
+                raise _bad(f"'{place}' is {value.what}: not a number any field takes (integers fit in 64 bits; "
+                           "NaN and Infinity are not JSON)", field)
+            elif kind is dict or kind is list:
+                stack.append((value, place, field, depth + 1))
+
+
+def _parse_body(raw: bytes) -> dict:
+    """The request body as a checked JSON object (:func:`_check_json`); 400
+    for anything else. Runs off the event loop (a body of
+    :data:`MAX_BODY_BYTES` parses in tens of milliseconds)."""
+    try:
+        body = json.loads(raw, parse_int=_parse_int, parse_constant=_parse_constant)
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise _bad(f"the request body is not valid JSON: {_show(str(err), 200)}", None, "invalid_json") from None
+    except RecursionError:  # the parser's own guard (about 1,000 levels)
+        raise _bad(f"the request body is nested more than {MAX_JSON_DEPTH} levels deep", None,
+                   "invalid_json") from None
+    if not isinstance(body, dict):
+        raise _bad(f"the request body must be a JSON object, got {_json_type(body)}", None, "invalid_type")
+    _check_json(body)
+    return body
+
+
+async def _read_body(request: Request, limit: int) -> bytes:
+    """The raw body, at most ``limit`` bytes (413 ``request_too_large``
+    beyond, before reading more: a declared ``Content-Length`` is checked
+    first)."""
+    def too_large() -> APIError:
+        return APIError(413, f"the request body is larger than this server's limit of {limit} bytes",
+                        code="request_too_large")
+
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and (len(declared) > 18 or int(declared) > limit):
+        raise too_large()
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise too_large()
+        chunks.append(chunk)
+    return b"".join(chunks)
 
 
 # ------------------------------------------------------------ API keys and tenants
@@ -392,17 +591,35 @@ class _Params:
     cache_salt: str | None
 
 
-def _parse_params(body: dict, *, chat: bool) -> _Params:
+def _token_ids(value, name: str, vocab: int | None) -> list[int]:
+    """``value`` (already known to be a list of integers) checked to be token
+    ids: in ``[0, vocab)`` (no vocabulary: ``[0, 2**31)``, int32)."""
+    high = INT32_MAX + 1 if vocab is None else vocab
+    bad = [t for t in value if not 0 <= t < high]
+    if bad:
+        raise _bad(f"'{name}' holds token ids outside the vocabulary [0, {high}): {bad[:5]}", name.split("[")[0])
+    return list(value)
+
+
+def _parse_params(body: dict, *, chat: bool, vocab: int | None = None) -> _Params:
+    """The sampling and output fields of ``body``, each within what the
+    engine and the device hold (int32 counts and ids, a float32 ``top_p``
+    that is not zero there, a 64-bit ``seed``); a 400 naming the field
+    otherwise. ``vocab``: the tokenizer's vocabulary size (bounds
+    ``stop_token_ids``)."""
     _refuse_unsupported(body)
-    max_tokens = _get(body, "max_tokens", int, low=1)
+    max_tokens = _get(body, "max_tokens", int, low=1, high=INT32_MAX)
     if chat and max_tokens is None:
-        max_tokens = _get(body, "max_completion_tokens", int, low=1)
+        max_tokens = _get(body, "max_completion_tokens", int, low=1, high=INT32_MAX)
     temperature = float(_get(body, "temperature", float, default=1.0, low=0, high=2))
-    top_p = float(_get(body, "top_p", float, default=1.0, low=0, high=1, low_open=True))
-    top_k = _get(body, "top_k", int, default=0, low=-1)
-    seed = _get(body, "seed", int, low=-(2 ** 63), high=2 ** 64 - 1)
+    if 0 < temperature < MIN_TEMPERATURE:
+        temperature = MIN_TEMPERATURE
+    top_p = float(_get(body, "top_p", float, default=1.0, low=FLOAT32_TINY, high=1))
+    top_k = _get(body, "top_k", int, default=0, low=-1, high=INT32_MAX)
+    # OpenAI's documented range (int64); reduced to the 32 bits jax.random.key takes here.
+    seed = _get(body, "seed", int, low=-(2 ** 63), high=2 ** 63 - 1)
     if seed is not None:
-        seed %= 2 ** 32  # jax.random.key takes a 32-bit seed here
+        seed %= 2 ** 32
     stop = body.get("stop")
     if stop is None:
         stop = ()
@@ -415,11 +632,13 @@ def _parse_params(body: dict, *, chat: bool) -> _Params:
                    "invalid_type")
     if any(not s for s in stop):
         raise _bad("'stop' strings must not be empty", "stop")
+    if len(stop) > MAX_STOP:
+        raise _bad(f"'stop' holds {len(stop)} strings; at most {MAX_STOP}", "stop")
     stop_token_ids = body.get("stop_token_ids")
     if stop_token_ids is None:
         stop_token_ids = ()
     elif isinstance(stop_token_ids, list) and all(_is(t, int) for t in stop_token_ids):
-        stop_token_ids = tuple(stop_token_ids)
+        stop_token_ids = tuple(dict.fromkeys(_token_ids(stop_token_ids, "stop_token_ids", vocab)))
     else:
         raise _bad("'stop_token_ids' must be an array of integers", "stop_token_ids", "invalid_type")
     stream = _get(body, "stream", bool, default=False)
@@ -434,9 +653,14 @@ def _parse_params(body: dict, *, chat: bool) -> _Params:
         raise _bad(f"'cache_salt' must be a string, got {_json_type(salt)}", "cache_salt", "invalid_type")
     if salt == "":
         raise _bad("'cache_salt' must not be empty", "cache_salt")
+    try:
+        sampling = SamplingParams(temperature=temperature, top_k=max(top_k, 0), top_p=top_p)
+    except InvalidArgument as err:  # a bound of the sampler's own that the checks above did not cover
+        field = re.search(r"SamplingParams\.(\w+)", str(err))
+        raise _bad(str(err), field.group(1) if field else None) from None
     return _Params(
         max_tokens=max_tokens,
-        sampling=SamplingParams(temperature=temperature, top_k=max(top_k, 0), top_p=top_p),
+        sampling=sampling,
         seed=seed, stop=stop, stop_token_ids=stop_token_ids,
         ignore_eos=_get(body, "ignore_eos", bool, default=False),
         n=_get(body, "n", int, default=1, low=1, high=MAX_N), stream=stream, include_usage=include_usage,
@@ -637,6 +861,143 @@ def _settle(future: asyncio.Future, result, error) -> None:
         future.set_result(result)
 
 
+# ------------------------------------------------------------ rendering off the event loop
+
+
+class _RenderTimeout(BaseException):
+    """Raised inside a render thread whose call ran past its bound. A
+    ``BaseException``: no ``except Exception`` of a template engine or
+    tokenizer swallows it."""
+
+
+def _raise_in_thread(ident: int, exc: type[BaseException] | None) -> bool:
+    """Have thread ``ident`` raise ``exc`` at its next Python instruction
+    (``exc`` None: cancel one asked for and not raised yet), through
+    CPython's ``PyThreadState_SetAsyncExc``; False where that is missing."""
+    try:
+        import ctypes
+
+        set_async_exc = ctypes.pythonapi.PyThreadState_SetAsyncExc
+    except (ImportError, AttributeError):  # not CPython: the call runs to its end
+        return False
+    return set_async_exc(ctypes.c_ulong(ident), None if exc is None else ctypes.py_object(exc)) == 1
+
+
+@dataclasses.dataclass(eq=False)
+class _RenderJob:
+    fn: Callable
+    args: tuple
+    loop: asyncio.AbstractEventLoop
+    future: asyncio.Future
+    thread: int | None = None  # the worker running it (under the pool's lock)
+    abandoned: bool = False  # its client has its answer (time-out) or left: skip it, or interrupt it
+    interrupted: bool = False
+
+
+class _RenderPool:
+    """Runs what a request makes the server compute before the engine sees
+    it -- chat-template rendering and tokenizing, whose cost the client
+    shapes -- on ``workers`` daemon threads, never on the event loop (so
+    ``/health`` and every other request stay served while one renders).
+
+    Invariants: at most ``workers`` calls run at once, the others wait in
+    order; a call not finished ``timeout`` seconds after :meth:`run` was
+    awaited (waiting included) is answered 503 ``render_timeout`` at once,
+    and if it runs, ``_RenderTimeout`` is raised inside its thread
+    (:func:`_raise_in_thread`), which stops a template looping in Python at
+    its next instruction (a call inside one C function, e.g. a tokenizer's
+    encode, finishes that function first: the body size bounds it); a
+    worker is never lost to an interrupt (one that lands after its call
+    ended is cancelled or caught by the worker's loop) and never runs an
+    abandoned call."""
+
+    def __init__(self, workers: int = RENDER_WORKERS, timeout: float = RENDER_TIMEOUT):
+        if not (isinstance(timeout, (int, float)) and timeout > 0 and math.isfinite(timeout)):
+            raise InvalidArgument(f"render_timeout must be a positive number of seconds, got {timeout!r}")
+        self.workers = workers
+        self.timeout = float(timeout)
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._threads: list[threading.Thread] = []
+        self._running: set[_RenderJob] = set()
+
+    @property
+    def busy(self) -> int:
+        """Calls running now."""
+        with self._lock:
+            return len(self._running)
+
+    async def run(self, fn: Callable, *args):
+        """``fn(*args)`` on a worker; its result, or its exception raised
+        here."""
+        loop = asyncio.get_running_loop()
+        job = _RenderJob(fn, args, loop, loop.create_future())
+        with self._lock:
+            if not self._threads:
+                for i in range(self.workers):
+                    thread = threading.Thread(target=self._work, name=f"jaxkv-render-{i}", daemon=True)
+                    thread.start()
+                    self._threads.append(thread)
+        self._jobs.put(job)
+        try:
+            return await asyncio.wait_for(job.future, self.timeout)
+        except asyncio.TimeoutError:
+            self._abandon(job)
+            raise APIError(503, f"rendering the chat template and tokenizing the prompt took longer than this "
+                                f"server's limit of {self.timeout:g} s", code="render_timeout") from None
+        except asyncio.CancelledError:  # the client went away
+            self._abandon(job)
+            raise
+
+    def close(self) -> None:
+        """Let the workers end (after the calls queued before)."""
+        with self._lock:
+            for _ in self._threads:
+                self._jobs.put(None)
+            self._threads = []
+
+    def _abandon(self, job: _RenderJob) -> None:
+        with self._lock:
+            job.abandoned = True
+            if job.thread is not None and not job.interrupted:
+                job.interrupted = True
+                _raise_in_thread(job.thread, _RenderTimeout)
+
+    def _work(self) -> None:
+        ident = threading.get_ident()
+        while True:
+            job = None
+            try:  # an interrupt raised anywhere in here lands in the except below, never outside the loop
+                job = self._jobs.get()
+                if job is None:
+                    return
+                with self._lock:
+                    if job.abandoned:
+                        continue
+                    job.thread = ident
+                    self._running.add(job)
+                result = error = None
+                try:
+                    result = job.fn(*job.args)
+                except BaseException as err:  # noqa: BLE001 - handed to the request (_RenderTimeout: it has left)
+                    error = err
+                finally:
+                    with self._lock:  # no interrupt is sent for this call after this
+                        job.thread = None
+                        self._running.discard(job)
+                        if job.interrupted:
+                            _raise_in_thread(ident, None)  # one sent and not raised yet: cancel it
+                try:
+                    job.loop.call_soon_threadsafe(_settle, job.future, result, error)
+                except RuntimeError:  # the event loop is closed: shutting down
+                    pass
+            except _RenderTimeout:  # landed after the call ended, before it was cancelled: tidy up
+                if job is not None:
+                    with self._lock:
+                        job.thread = None
+                        self._running.discard(job)
+
+
 # ------------------------------------------------------------ server state
 
 
@@ -654,6 +1015,9 @@ class ServerState:
     failed: BaseException | None = None
     created: int = dataclasses.field(default_factory=lambda: int(time.time()))
     eos_token_ids: tuple[int, ...] = ()
+    renderer: _RenderPool = dataclasses.field(default_factory=_RenderPool)
+    trust_request_chat_template: bool = False
+    max_body_bytes: int = MAX_BODY_BYTES
 
 
 def _engine_max_model_len(engine) -> int | None:
@@ -671,7 +1035,8 @@ def _engine_max_model_len(engine) -> int | None:
 
 def create_app(build: Callable[[], tuple[object, object]], *, served_model_names: Sequence[str],
                metrics: ServerMetrics | None = None, startup_clock: float | None = None,
-               api_keys: Mapping[str, str] | APIKeys | None = None) -> FastAPI:
+               api_keys: Mapping[str, str] | APIKeys | None = None, trust_request_chat_template: bool = False,
+               render_timeout: float = RENDER_TIMEOUT, max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
     """The FastAPI app. ``build()`` runs on the engine thread when the app
     starts and returns ``(engine, tokenizer)`` (load, build, warm up); the
     app answers 503 until it returns. ``startup_clock``: the
@@ -681,14 +1046,24 @@ def create_app(build: Callable[[], tuple[object, object]], *, served_model_names
     and each tenant has its own namespaces (module docstring: API keys and
     tenants). ``metrics`` (default: new ones) must have a ``tenant`` label
     exactly when keys are given (``ServerMetrics(tenants=keys.tenants)``);
-    ``InvalidArgument`` otherwise."""
+    ``InvalidArgument`` otherwise. ``trust_request_chat_template``: render
+    a chat template the request gives (``chat_template``,
+    ``chat_template_kwargs.chat_template``); off, only the model's own
+    templates render and a request's is refused with 400.
+    ``render_timeout``: seconds one request's rendering and tokenizing may
+    take (503 ``render_timeout`` after). ``max_body_bytes``: the largest
+    request body (413 beyond)."""
+    if not (isinstance(max_body_bytes, int) and max_body_bytes > 0):
+        raise InvalidArgument(f"max_body_bytes must be a positive integer, got {max_body_bytes!r}")
     keys = None if api_keys is None else api_keys if isinstance(api_keys, APIKeys) else APIKeys(api_keys)
     if metrics is None:
         metrics = ServerMetrics(tenants=None if keys is None else keys.tenants)
     elif (metrics.tenants is None) != (keys is None):
         raise InvalidArgument("create_app: the metrics need a tenant label exactly when API keys are given "
                               "(ServerMetrics(tenants=...))")
-    state = ServerState(tokenizer=None, served_model_names=list(served_model_names), metrics=metrics)
+    state = ServerState(tokenizer=None, served_model_names=list(served_model_names), metrics=metrics,
+                        renderer=_RenderPool(timeout=render_timeout),
+                        trust_request_chat_template=bool(trust_request_chat_template), max_body_bytes=max_body_bytes)
 
     from contextlib import asynccontextmanager
 
@@ -722,6 +1097,7 @@ def create_app(build: Callable[[], tuple[object, object]], *, served_model_names
             yield
         finally:
             state.ready = metrics.ready = False
+            state.renderer.close()
             await asyncio.to_thread(state.engine_loop.stop)
 
     app = FastAPI(title="jaxkv", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
@@ -785,67 +1161,63 @@ def create_app(build: Callable[[], tuple[object, object]], *, served_model_names
                 logger.warning("engine stats unavailable; /metrics serves the last snapshot", exc_info=True)
         return Response(metrics.render(), media_type=CONTENT_TYPE)
 
+    # Each route checks the whole request before the engine sees any of it, and renders / tokenizes off the
+    # event loop (state.renderer), so a request of any shape costs other requests nothing but its share of
+    # the CPU.
     @app.post("/v1/completions")
     async def completions(request: Request):
         check_ready()
-        body = await _json_body(request)
+        body = await _json_body(request, state)
         _check_model(state, body)
-        prompts = _completion_prompts(state, body)
-        params = _parse_params(body, chat=False)
+        inputs = _completion_inputs(state, body)
+        params = _parse_params(body, chat=False, vocab=getattr(state.tokenizer, "vocab_size", None))
+        prompts = await state.renderer.run(_tokenize_prompts, state.tokenizer, inputs)
         return await _serve(request, state, prompts, params, chat=False, tenant=tenant_of(request))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         check_ready()
-        body = await _json_body(request)
+        body = await _json_body(request, state)
         _check_model(state, body)
-        prompt = _chat_prompt(state, body)
-        params = _parse_params(body, chat=True)
+        inputs = _chat_inputs(state, body)
+        params = _parse_params(body, chat=True, vocab=getattr(state.tokenizer, "vocab_size", None))
+        prompt = await state.renderer.run(functools.partial(_render_chat, state.tokenizer, **inputs))
         return await _serve(request, state, [prompt], params, chat=True, tenant=tenant_of(request))
 
     return app
 
 
-async def _json_body(request: Request) -> dict:
-    raw = await request.body()
-    try:
-        body = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise _bad(f"the request body is not valid JSON: {err}", None, "invalid_json") from None
-    if not isinstance(body, dict):
-        raise _bad(f"the request body must be a JSON object, got {_json_type(body)}", None, "invalid_type")
-    return body
+async def _json_body(request: Request, state: ServerState) -> dict:
+    """The body read (at most ``state.max_body_bytes``), parsed and checked
+    off the event loop (:func:`_parse_body`)."""
+    raw = await _read_body(request, state.max_body_bytes)
+    return await asyncio.to_thread(_parse_body, raw)
 
 
 def _check_model(state: ServerState, body: dict) -> None:
     name = _get(body, "model", str, required=True)
     if name not in state.served_model_names:
-        raise APIError(404, f"The model '{name}' does not exist; this server serves "
+        raise APIError(404, f"The model '{_show(name)}' does not exist; this server serves "
                             f"{', '.join(repr(n) for n in state.served_model_names)}", code="model_not_found",
                        param="model")
 
 
-def _completion_prompts(state: ServerState, body: dict) -> list[list[int]]:
-    """``prompt`` as token id lists: a string, a list of ids, or a list of
-    strings / id lists (one choice group each)."""
+def _completion_inputs(state: ServerState, body: dict) -> list[tuple[str, str | list[int]]]:
+    """``prompt`` checked: ``(place, text or token ids)`` per prompt (a
+    string, a list of ids, or a list of strings / id lists: one choice group
+    each). Ids are checked here; texts are tokenized by
+    :func:`_tokenize_prompts`, off the event loop."""
     prompt = body.get("prompt")
     if prompt is None:
         raise _bad("'prompt' is a required property", "prompt", "missing_required_parameter")
     vocab = getattr(state.tokenizer, "vocab_size", None)
 
-    def one(p, where: str) -> list[int]:
+    def one(p, where: str):
         if isinstance(p, str):
-            ids = state.tokenizer.encode(p)
-        elif isinstance(p, list) and all(_is(t, int) for t in p):
-            ids = list(p)
-            bad = [t for t in ids if t < 0 or (vocab is not None and t >= vocab)]
-            if bad:
-                raise _bad(f"'{where}' holds token ids outside the vocabulary [0, {vocab}): {bad[:5]}", "prompt")
-        else:
-            raise _bad(f"'{where}' must be a string or an array of token ids (integers)", "prompt", "invalid_type")
-        if not ids:
-            raise _bad(f"'{where}' is empty (no tokens)", "prompt")
-        return ids
+            return where, p
+        if isinstance(p, list) and all(_is(t, int) for t in p):
+            return where, _token_ids(p, where, vocab)
+        raise _bad(f"'{where}' must be a string or an array of token ids (integers)", "prompt", "invalid_type")
 
     if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
         if len(prompt) > MAX_N:
@@ -854,7 +1226,72 @@ def _completion_prompts(state: ServerState, body: dict) -> list[list[int]]:
     return [one(prompt, "prompt")]
 
 
-def _chat_prompt(state: ServerState, body: dict) -> list[int]:
+def _encode(tokenizer, text: str, *, add_special_tokens: bool = True) -> list[int]:
+    """``tokenizer.encode(text, add_special_tokens=...)``, through its
+    ``tokenizers`` backend's ``encode_batch`` where it has one: that call
+    releases the GIL and ``encode`` does not, so a long text (megabytes:
+    seconds) tokenized on a render thread would still stop the event loop's
+    thread for as long as it takes. The same ids (``encode_batch`` encodes
+    each text as ``encode`` does)."""
+    batch = getattr(getattr(tokenizer, "backend", None), "encode_batch", None)
+    if batch is None:
+        return list(tokenizer.encode(text, add_special_tokens=add_special_tokens))
+    return list(batch([text], add_special_tokens=add_special_tokens)[0].ids)
+
+
+def _tokenize_prompts(tokenizer, prompts: list[tuple[str, str | list[int]]]) -> list[list[int]]:
+    """The token ids of :func:`_completion_inputs`' prompts (on a render
+    worker); 400 for an empty one."""
+    out = []
+    for where, p in prompts:
+        ids = _encode(tokenizer, p) if isinstance(p, str) else p
+        if not ids:
+            raise _bad(f"'{where}' is empty (no tokens)", "prompt")
+        out.append(list(ids))
+    return out
+
+
+#: ``chat_template_kwargs`` keys that name an argument of the rendering call itself (transformers'
+#: ``apply_chat_template``, jaxkv.text's ``render_chat_template``), not a template variable: given there they
+#: would override the server's own arguments (or fail the call with a TypeError), so they are refused.
+#: ``chat_template`` is handled apart (a request template: see _chat_template).
+_RESERVED_TEMPLATE_KWARGS = frozenset({
+    "messages", "conversation", "add_generation_prompt", "continue_final_message", "tokenize", "template",
+    "tools", "documents", "special_tokens", "return_dict", "return_tensors", "return_assistant_tokens_mask",
+    "padding", "truncation", "max_length", "tokenizer_kwargs", "self"})
+
+
+def _chat_template(state: ServerState, body: dict, kwargs: dict) -> str | None:
+    """The template the request names: ``chat_template`` (vLLM's field) or
+    ``chat_template_kwargs.chat_template``, or None (the model's default).
+    A name of one of the model's own templates is always taken; a template
+    text only by a server started with ``trust_request_chat_template``
+    (``--trust-request-chat-template``), else 400 naming the field: a
+    client's template is code the server runs."""
+    given = [(name, value) for name, value in (("chat_template", body.get("chat_template")),
+                                                ("chat_template_kwargs", kwargs.pop("chat_template", None)))
+             if value is not None]
+    if len(given) > 1:
+        raise _bad("give the chat template once: 'chat_template' or 'chat_template_kwargs.chat_template'",
+                   "chat_template")
+    if not given:
+        return None
+    param, template = given[0]
+    where = "chat_template" if param == "chat_template" else "chat_template_kwargs.chat_template"
+    if not isinstance(template, str):
+        raise _bad(f"'{where}' must be a string, got {_json_type(template)}", param, "invalid_type")
+    own = getattr(state.tokenizer, "chat_templates", None) or {}
+    if template in own or state.trust_request_chat_template:
+        return template
+    names = f" (the model's templates, by name: {', '.join(sorted(own))})" if own else ""
+    raise _bad(f"'{where}': this server renders only the model's chat templates{names}; a template from the "
+               "request is taken only when the server runs with --trust-request-chat-template", param,
+               "chat_template_not_allowed")
+
+
+def _chat_inputs(state: ServerState, body: dict) -> dict:
+    """The arguments of :func:`_render_chat`, checked (on the event loop:
+    cheap, bounded by the body)."""
     messages = body.get("messages")
     if messages is None:
         raise _bad("'messages' is a required property", "messages", "missing_required_parameter")
@@ -881,13 +1318,35 @@ def _chat_prompt(state: ServerState, body: dict) -> list[int]:
             raise _bad(f"'messages[{i}].content' must be a string or an array of text parts", "messages",
                        "invalid_type")
         rendered.append({**message, "content": content})
-    kwargs = _get(body, "chat_template_kwargs", dict, default={})
+    kwargs = dict(_get(body, "chat_template_kwargs", dict, default={}))
+    template = _chat_template(state, body, kwargs)
+    reserved = sorted(_RESERVED_TEMPLATE_KWARGS.intersection(kwargs))
+    if reserved:
+        raise _bad(f"'chat_template_kwargs' may not set {', '.join(repr(k) for k in reserved)}: the server "
+                   "sets the rendering call's own arguments ('add_generation_prompt' is a field of the "
+                   "request)", "chat_template_kwargs")
     add_generation_prompt = _get(body, "add_generation_prompt", bool, default=True)
+    return dict(messages=rendered, add_generation_prompt=add_generation_prompt, template=template, kwargs=kwargs,
+                from_request=template is not None and template not in (getattr(state.tokenizer, "chat_templates",
+                                                                               None) or {}))
+
+
+def _render_chat(tokenizer, *, messages: list, add_generation_prompt: bool, template: str | None, kwargs: dict,
+                 from_request: bool) -> list[int]:
+    """The conversation's token ids (on a render worker). A template that
+    refuses the conversation or fails on it answers 400 (``param``
+    ``chat_template`` for a request's own template, else ``messages``): the
+    request's data or template made it fail."""
+    param = "chat_template" if from_request else "messages"
     try:
-        ids = state.tokenizer.apply_chat_template(rendered, add_generation_prompt=add_generation_prompt,
-                                                  tokenize=True, **kwargs)
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False,
+                                             chat_template=template, **kwargs)
+        ids = _encode(tokenizer, text, add_special_tokens=False)  # as tokenize=True does: the template wrote them
     except KVCacheError as err:  # ChatTemplateError / no template: the conversation is refused
-        raise _bad(f"the chat template refused the messages: {err}", "messages") from None
+        raise _bad(f"the chat template refused the messages: {_show(str(err), 500)}", param) from None
+    except (RecursionError, MemoryError, ArithmeticError, LookupError, TypeError, ValueError) as err:
+        raise _bad(f"the chat template failed on the messages: {type(err).__name__}: {_show(str(err), 500)}",
+                   param) from None
     if not ids:
         raise _bad("the rendered conversation is empty", "messages")
     return list(ids)
@@ -1019,6 +1478,8 @@ class _Job:
             self.live.discard(index)
             metrics.observe_prompt(choice.prompt_tokens, tenant=self.tenant)
             metrics.observe_finished(self.arrival, now, choice.finish_reason, tenant=self.tenant)
+            if choice.finish_reason == "error":  # the engine failed this request alone: an error for its client
+                raise _request_error(getattr(item, "error", None), self.params.cache_salt)
         return text, (choice.finish_reason if item.finished else None)
 
     def usage(self) -> dict:
@@ -1051,6 +1512,17 @@ def _as_api_error(err: BaseException, salt: str | None = None) -> APIError:
         code = "context_length_exceeded" if "never fit" in str(err) else "invalid_value"
         return APIError(400, _redact(f"{type(err).__name__}: {err}", salt), code=code)
     return APIError(500, _redact(f"the engine failed: {type(err).__name__}: {err}", salt), code="internal_error")
+
+
+def _request_error(message: str | None, salt: str | None = None) -> APIError:
+    """The answer to a request the engine finished with ``finish_reason
+    "error"`` (``RequestOutput.error``: its message): 400 when the message
+    says the request itself was invalid (``InvalidArgument: ...``), else 500
+    ``internal_error``; the request's ``salt`` redacted."""
+    message = _redact(message or "the engine failed this request", salt)
+    if message.startswith("InvalidArgument"):
+        return APIError(400, message, code="invalid_value")
+    return APIError(500, f"the engine failed this request: {message}", code="internal_error")
 
 
 def _completion_id(chat: bool) -> str:
@@ -1160,22 +1632,31 @@ def warm_up(engine, *, vocab_size: int | None = None) -> dict:
     memory) compiles at the first swap, and a hybrid model's Gated DeltaNet
     view compiles once more per power of two of prompt pieces packed in one
     step. The records are dropped (``engine.forget``); their full pages stay
-    in the prefix cache. Returns ``{"seconds", "requests", "tokens"}``."""
+    in the prefix cache. A warm-up request the engine finishes with
+    ``finish_reason "error"`` is logged as a warning and counted (``errors``)
+    and the server still becomes ready: a request that fails fails alone.
+    Returns ``{"seconds", "requests", "tokens", "errors"}``."""
     start = time.perf_counter()
     vocab = vocab_size or getattr(engine, "vocab_size", None) or 2
     limit = getattr(engine, "max_model_len", None)
     lengths = engine.stream_lengths() if hasattr(engine, "stream_lengths") else []
-    tokens = requests = 0
+    tokens = requests = errors = 0
     for i, length in enumerate(lengths or [4]):
         if limit is not None:  # a tiny context
             length = max(min(length, limit - 2), 1)
         ids = [1 + (7 * k + 3 * i) % max(vocab - 1, 1) for k in range(length)]
         rid = engine.add_request(ids, 2)
         while engine.has_unfinished():
-            tokens += sum(len(o.new_token_ids) for o in engine.step())
+            for output in engine.step():
+                tokens += len(output.new_token_ids)
+                if output.finished and output.finish_reason == "error":
+                    errors += 1
+                    logger.warning("warm-up request %d (%d prompt tokens) finished with an error: %s; serving "
+                                   "anyway (what it did not compile compiles on first use)", i, length,
+                                   getattr(output, "error", None) or "no message")
         EngineLoop._release(engine, rid)
         requests += 1
-    return {"seconds": time.perf_counter() - start, "requests": requests, "tokens": tokens}
+    return {"seconds": time.perf_counter() - start, "requests": requests, "tokens": tokens, "errors": errors}
 
 
 def _count_compiles(metrics: ServerMetrics) -> None:
@@ -1192,16 +1673,19 @@ def _count_compiles(metrics: ServerMetrics) -> None:
 def run_server(build: Callable[[], tuple[object, object]], *, host: str, port: int,
                served_model_names: Sequence[str], startup_clock: float | None = None,
                log_level: str = "info", on_started: Callable[[object], None] | None = None,
-               api_keys: Mapping[str, str] | APIKeys | None = None) -> None:
+               api_keys: Mapping[str, str] | APIKeys | None = None, trust_request_chat_template: bool = False,
+               render_timeout: float = RENDER_TIMEOUT, max_body_bytes: int = MAX_BODY_BYTES) -> None:
     """Serve until interrupted (uvicorn; SIGINT / SIGTERM stop it).
-    ``api_keys``: as :func:`create_app`'s."""
+    ``api_keys``, ``trust_request_chat_template``, ``render_timeout``,
+    ``max_body_bytes``: as :func:`create_app`'s."""
     import uvicorn
 
     keys = None if api_keys is None else api_keys if isinstance(api_keys, APIKeys) else APIKeys(api_keys)
     metrics = ServerMetrics(tenants=None if keys is None else keys.tenants)
     _count_compiles(metrics)
     app = create_app(build, served_model_names=served_model_names, metrics=metrics, startup_clock=startup_clock,
-                     api_keys=keys)
+                     api_keys=keys, trust_request_chat_template=trust_request_chat_template,
+                     render_timeout=render_timeout, max_body_bytes=max_body_bytes)
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=False,
                             timeout_graceful_shutdown=5)
     server = uvicorn.Server(config)
