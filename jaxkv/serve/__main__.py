@@ -62,6 +62,9 @@ import os  # noqa: E402
 import re  # noqa: E402
 import sys  # noqa: E402
 
+from jaxkv.serve import options  # noqa: E402
+from jaxkv.serve.options import parse_bytes, positive_int  # noqa: E402
+
 logger = logging.getLogger("jaxkv.serve")
 
 
@@ -80,52 +83,6 @@ def _process_age() -> float:
 
 
 _COMMAND_CLOCK -= _process_age()
-
-_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1024, "m": 1000 ** 2, "mb": 1000 ** 2, "mib": 1024 ** 2,
-          "g": 1000 ** 3, "gb": 1000 ** 3, "gib": 1024 ** 3}
-
-
-def parse_bytes(text: str) -> int:
-    """A host memory size: bytes (``1073741824``, ``512MiB``, ``2GB``); no fraction."""
-    value = parse_memory(text)
-    if isinstance(value, float):
-        raise argparse.ArgumentTypeError(f"{text}: give bytes (e.g. 536870912, 512MiB, 2GB), not a fraction")
-    return value
-
-
-def parse_memory(text: str) -> int | float:
-    """``--kv-cache-memory``: bytes (``1073741824``, ``512MiB``, ``2GB``) or
-    a fraction of the device's free memory (``0.5``)."""
-    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*([a-zA-Z]*)\s*", text)
-    if not match or match.group(2).lower() not in _UNITS:
-        raise argparse.ArgumentTypeError(f"{text!r}: give bytes (e.g. 536870912, 512MiB, 2GB) or a fraction of "
-                                         "the free device memory in (0, 1] (e.g. 0.5)")
-    number, unit = match.group(1), match.group(2).lower()
-    if not unit and ("." in number or "e" in number.lower()):
-        value = float(number)
-        if not 0 < value <= 1:
-            raise argparse.ArgumentTypeError(f"{text}: a fraction must be in (0, 1]")
-        return value
-    return int(float(number) * _UNITS[unit])
-
-
-def _positive(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text}: must be >= 1")
-    return value
-
-
-def _fraction(text: str) -> float:
-    """A float in (0, 1]."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r}: give a fraction in (0, 1] (e.g. 0.25)") from None
-    if not 0 < value <= 1:
-        raise argparse.ArgumentTypeError(f"{text}: a fraction must be in (0, 1]")
-    return value
-
 
 def _body_bytes(text: str) -> int:
     """``--max-request-body``: a positive number of bytes (``parse_bytes``)."""
@@ -188,29 +145,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=8000, help="port (default 8000)")
     p.add_argument("--served-model-name", nargs="+", help="the name(s) clients give as 'model' (default: the "
                    "checkpoint's folder or file name without .gguf)")
-    p.add_argument("--max-model-len", type=_positive, help="the longest request, prompt plus output (default: "
-                   "the engine's: min(max_position_embeddings, 4096))")
-    p.add_argument("--kv-cache-memory", type=parse_memory, help="KV cache budget: bytes (512MiB, 2GB) or a "
-                   "fraction of the free device memory (0.5) (default: the engine's)")
-    p.add_argument("--swap-space", type=parse_bytes, help="host memory for preempted requests' KV (bytes or "
-                   "512MiB; default none: preempt by recompute)")
-    p.add_argument("--host-prefix-memory", type=parse_bytes, help="host memory for the prefix cache's host tier "
-                   "(bytes or 2GiB; default none): prefixes evicted from the device go there and come back on a hit")
-    p.add_argument("--max-num-seqs", type=_positive, default=8, help="sequences decoded together (default 8)")
-    p.add_argument("--decode-chunk", type=_positive, help="decode steps per jitted call (default: the engine's)")
-    p.add_argument("--prefill-chunk", type=_positive, help="most prompt tokens per row in one prefill call")
-    p.add_argument("--max-num-batched-tokens", type=_positive, help="token budget of a scheduler iteration "
-                   "(chunked prefill; default: whole prompts at admission)")
+    options.add_arguments(p)  # the engine's flags, from jaxkv.serve.options (one definition each)
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="parameter / activation dtype "
                    "(default: the checkpoint's)")
-    p.add_argument("--tensor-parallel-size", "-tp", type=_positive, default=1, help="split the model and its "
+    p.add_argument("--tensor-parallel-size", "-tp", type=positive_int, default=1, help="split the model and its "
                    "cache over this many of this host's devices (a 'tp' mesh; jaxkv.nn.sharding; default 1)")
-    p.add_argument("--scrub-on-free", action="store_true", help="the engine zeroes every KV block and resets "
-                   "every state row in the call that frees it, so freed memory holds no request's data "
-                   "(Engine(scrub_on_free=True); costs about the bytes it zeroes)")
-    p.add_argument("--prefix-quota", type=_fraction, metavar="FRACTION", help="the share, in (0, 1], of each "
-                   "block group and of the snapshot rows one tenant's (or one namespace's) cached prefixes may hold "
-                   "(Engine(prefix_quota=...); default: no quota)")
     p.add_argument("--api-key", metavar="KEY", help="require 'Authorization: Bearer KEY' on every request but "
                    "/health and /metrics (tenant 'default'; visible in the process list: prefer --api-keys-file)")
     p.add_argument("--api-keys-file", metavar="PATH", help="a JSON object mapping API key -> tenant name: every "
@@ -228,7 +167,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-request-body", type=_body_bytes, default=4 * 2 ** 20, metavar="BYTES", help="the "
                    "largest request body (bytes or 8MiB; default 4MiB, about four 128k-token prompts); a larger "
                    "one gets 413")
-    p.add_argument("--seed", type=int, default=0, help="the engine's seed (requests without 'seed')")
     p.add_argument("--compile-cache-dir", help="the persistent JAX compilation cache's folder (default "
                    "$JAXKV_CACHE_DIR/jax or ~/.cache/jaxkv/jax)")
     p.add_argument("--no-compile-cache", action="store_true", help="turn the persistent compilation cache off")
@@ -256,20 +194,14 @@ def _default_name(path: str) -> str:
 
 
 def engine_options(args) -> dict:
-    """Engine keyword arguments from the command line (only those given)."""
-    options = {"max_seqs": args.max_num_seqs, "seed": args.seed}
-    for name, value in (("max_model_len", args.max_model_len), ("kv_cache_memory", args.kv_cache_memory),
-                        ("decode_chunk", args.decode_chunk), ("prefill_chunk", args.prefill_chunk),
-                        ("max_num_batched_tokens", args.max_num_batched_tokens),
-                        ("host_kv_memory", args.swap_space), ("host_prefix_memory", args.host_prefix_memory),
-                        ("prefix_quota", args.prefix_quota)):
-        if value is not None:
-            options[name] = value
-    if args.scrub_on_free:
-        options["scrub_on_free"] = True
+    """Engine keyword arguments from the command line (only the options
+    given, checked by :mod:`jaxkv.serve.options`; and the mesh)."""
+    given = options.from_cli(args).flat()
+    defaults = options.EngineOptions().flat()
+    kwargs = {name: value for name, value in given.items() if value != defaults[name]}
     if args.tensor_parallel_size > 1:
-        options["mesh"] = tensor_parallel_mesh(args.tensor_parallel_size)
-    return options
+        kwargs["mesh"] = tensor_parallel_mesh(args.tensor_parallel_size)
+    return kwargs
 
 
 def tensor_parallel_mesh(size: int):

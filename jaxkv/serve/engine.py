@@ -59,7 +59,6 @@ from __future__ import annotations
 import collections
 import dataclasses
 import logging
-import numbers
 import time
 from collections.abc import Callable, Hashable, Sequence
 
@@ -72,6 +71,7 @@ from jaxkv.errors import InvalidArgument
 from jaxkv.nn import sharding
 from jaxkv.nn.sampling import GREEDY, SamplingParams
 from jaxkv.serve.build import build_cache
+from jaxkv.serve.options import EngineOptions
 from jaxkv.serve.output import (Counters, EngineProgress, EngineStats, EngineSummary, OutputProcessor,
                                 latency_stats)
 from jaxkv.serve.request import RequestOutput, RequestState, new_request
@@ -82,14 +82,6 @@ __all__ = ["MAX_REQUEST_FAULTS", "WAIT_FOR_PREFIX_TOKENS", "Engine", "EngineProg
            "EngineSummary", "RequestOutput", "RequestState"]
 
 logger = logging.getLogger("jaxkv.serve")
-
-
-def _flag(value, name: str) -> bool:
-    """A yes/no option: a bool (numpy's too), else ``InvalidArgument`` (a
-    string such as ``"no"`` would be true)."""
-    if not isinstance(value, (bool, np.bool_)):
-        raise InvalidArgument(f"{name}={_host.short_repr(value)}: give True or False")
-    return bool(value)
 
 
 class Engine(Scheduler):
@@ -123,83 +115,21 @@ class Engine(Scheduler):
 
     Args:
         model: a model of :class:`jaxkv.nn.AutoModelForCausalLM`'s families.
+        options: an :class:`~jaxkv.serve.options.EngineOptions` (cache,
+            scheduler and tenant options, each defined and documented once
+            in :mod:`jaxkv.serve.options`); default: every default.
+        **kwargs: any option by its name (``max_seqs=16``,
+            ``kv_cache_memory=0.9``, ``scrub_on_free=True``, ...), applied
+            over ``options`` (:meth:`EngineOptions.replace
+            <jaxkv.serve.options.EngineOptions.replace>`); an unknown name is a
+            ``TypeError``.
         tokenizer: a :class:`jaxkv.text.Tokenizer` (or anything with its
             ``decode``): requests' text is detokenized incrementally
             (``RequestOutput.new_text``) and ``stop`` strings work.
-        max_model_len: the longest request, prompt plus output tokens.
-        kv_cache_memory: the cache's device bytes (int), or a fraction in
-            ``(0, 1]`` of the device's free memory.
-        host_kv_memory: bytes of host memory for swapped-out requests
-            (default none: preemption by recomputation): host pages of a
-            paged pool; a hybrid cache's request images (state rows and
-            every group's blocks, :mod:`jaxkv.manager.hybrid_host`).
-        max_seqs: sequence rows (running plus swapped-out requests).
-        num_pages: (paged pool, expert) device KV pages (blocks) including
-            the null page 0.
-        page_size: (paged pool) tokens per page.
-        max_blocks_per_seq: (paged pool, expert) block-table width; a
-            request needs ``ceil((len(prompt) + max_new_tokens) / page_size)``
-            blocks (``max_model_len``'s other spelling).
-        num_host_pages: (paged pool, expert) host pages for swapping (0:
-            preempt by recompute).
-        host_prefix_pages: (paged pool) pages of host memory for the
-            prefix cache's host tier (default None / 0: none): evicted
-            cached prefixes are copied there instead of dropped and a later
-            hit loads them back (:mod:`jaxkv.serve.paged_cache`; a pool
-            apart from the swap pool, in ``host_memory_kind``). Needs
-            ``prefix_cache``; ignored (logged) when every layer is windowed.
-        host_prefix_memory: bytes of host memory for the prefix cache's
-            host tier, any cache: a paged pool's host pages (as
-            ``host_prefix_pages``), a hybrid cache's records evicted from
-            the device, whole (blocks of every group and the state
-            snapshot; :class:`~jaxkv.serve.hybrid_cache.HybridCache`).
-        kv_dtype: (paged pool) pool dtype (default: the model's).
-        host_memory_kind: (paged pool) the swap pool's memory
-            (``create_host_pool``: ``"auto"``, ``"pinned_host"`` or ``"numpy"``).
-        max_context_tokens: (hybrid cache) ``max_model_len``'s other spelling.
-        num_blocks: (hybrid cache, expert) blocks per group (null block
-            included; groups left out: every row at ``max_model_len``).
-        entry_format: (hybrid cache) DeepSeek-V4's ``"lossless"`` or ``"fp8"``.
-        num_snapshots: (hybrid cache) cached prefix snapshots of per-request
-            state (default: see :mod:`jaxkv.serve.sizing`; see
-            :class:`~jaxkv.serve.hybrid_cache.HybridCache`).
-        snapshot_retention: (hybrid cache) which cached snapshot goes
-            first when a new one needs its row: ``"value"`` (default) or
-            ``"lru"`` (:mod:`jaxkv.prefix.snapshot_cache`).
-        snapshot_interval: (hybrid cache) prefill tokens between a
-            request's interval snapshots (default ``max(page, 256)``).
-        prefix_cache: use the radix prefix cache.
-        decode_chunk: decode steps per jitted call.
-        prefill_chunk: most prompt tokens per row in one prefill call (longer
-            uncached tails are prefilled in several calls).
-        scheduler: ``"packed"`` (default): an iteration with prefill work is
-            ONE jitted call over a flat token stream that packs the
-            decode token of every decoding request with prefill pieces of
-            the admitted ones (:mod:`jaxkv.nn.packed`, ragged attention), at
-            most ``max_num_batched_tokens`` tokens, the stream's length
-            bucketed (16, 32, 48, 64, 96, ... up to the budget) so few
-            programs compile; an iteration with only decode work runs the
-            multi-step decode chunk (``decode_chunk`` tokens per request in
-            one call, faster when nothing waits to be prefilled).
-            ``"padded"``: the earlier scheduler, a ``[max_seqs,
-            prefill_chunk]`` prefill call and then a decode chunk per
-            iteration.
-        max_num_batched_tokens: the token budget of a scheduler iteration.
-            Packed scheduler: the stream's tokens, decode tokens included
-            (a prompt piece is cut to what is left of it; at least one
-            prompt token runs per packed step); None: ``prefill_chunk``.
-            Padded scheduler: None prefills admitted prompts whole before
-            the next decode chunk; given, each iteration runs ONE prefill
-            call of at most this many prompt tokens less one per decoding
-            request, then the decode chunk.
-        seed: the engine's PRNG seed; a request without its own ``seed``
-            samples from the stream ``fold_in(key(seed), request id)``.
         detokenizer: ``detokenizer(tokenizer, prompt_ids)`` makes a request's
             incremental detokenizer (``add(ids) -> new text``, optionally
             ``finish() -> held-back text``); default
             :class:`jaxkv.text.IncrementalDetokenizer`.
-        free_bytes: the free device bytes the sizing rule reads (default:
-            :func:`~jaxkv.serve.sizing.device_free_bytes`; for tests).
         mesh: a ``jax.sharding.Mesh`` (axes ``tp``, ``data``, ``expert``;
             :mod:`jaxkv.nn.sharding`): the model is placed with
             ``shard_model`` unless it is on the mesh already, the cache's
@@ -209,73 +139,30 @@ class Engine(Scheduler):
             scheduler is deterministic given its inputs) and each gets every
             request's tokens (``docs/scale.md``). Sizing reads one device's
             memory; the host tiers are refused on a mesh.
-        scrub_on_free: zero every block of every pool (K/V pages and fp8
-            scales, DeepSeek-V4 compressed entries and indexer keys) and
-            reset every state row (snapshot rows; request slots are reset
-            always) in the jitted call that frees it: a finished, aborted
-            or preempted request, an eviction, a sliding window's trim
-            (:mod:`jaxkv.pool.scrub`). Off by default: costs about the
-            bytes it zeroes (README, "Tenants").
-        prefix_quota: a fraction in ``(0, 1]``: the most of each block
-            group (and of the snapshot rows) one owner's cached prefixes
-            may hold (a namespace is its own owner, but the namespaces
-            ``("tenant", name, salt)`` of one tenant count as one); eviction
-            then takes from owners over their fair share first. Running requests are never affected
-            (their blocks are theirs; a pinned prefix is never evicted).
-            None (default): one LRU over every namespace.
-        enable_kv_events: record the prefix cache's events (pages stored
-            and removed, snapshot records) for :meth:`take_kv_events`;
-            each event names its namespace.
+        free_bytes: the free device bytes the sizing rule reads (default:
+            :func:`~jaxkv.serve.sizing.device_free_bytes`; for tests).
 
-    Raises ``InvalidArgument``, naming the argument, for a size or count
-    that is not an integer or is too small (``num_pages < 2``, others
-    ``< 1``, ``num_host_pages < 0``, ``max_model_len < 2``), a
-    ``kv_cache_memory`` that is neither bytes nor a fraction in ``(0, 1]``
-    or holds less than the cache's fixed bytes and a block per group, a
-    ``num_blocks`` that is not a dict of group name to integer ``>= 2`` or
-    names a group the model lacks, a non-integer ``seed``, an unknown
-    ``host_memory_kind``, contradictory sizing options (above), or an
-    option of the other kind of cache.
+    Raises ``InvalidArgument``, naming the option, for a value its rule
+    refuses (:mod:`jaxkv.serve.options`: not an integer, too small, a string
+    for a bool or a number, an unknown choice), a ``kv_cache_memory`` that
+    holds less than the cache's fixed bytes and a block per group, a
+    ``num_blocks`` that names a group the model lacks, a ``kv_dtype`` a pool
+    cannot store, contradictory sizing options (above), or an option of the
+    other kind of cache.
     """
 
-    def __init__(self, model, *, tokenizer=None, max_model_len: int | None = None, kv_cache_memory=None,
-                 host_kv_memory: int | None = None, max_seqs: int = 8, num_pages: int | None = None,
-                 page_size: int = 16, max_blocks_per_seq: int | None = None, num_host_pages: int | None = None,
-                 kv_dtype=None, host_memory_kind: str = "auto", max_context_tokens: int | None = None,
-                 num_blocks: dict[str, int] | None = None, entry_format: str = "lossless",
-                 num_snapshots: int | None = None, snapshot_retention: str = "value",
-                 snapshot_interval: int | None = None, prefix_cache: bool = True, decode_chunk: int = 8,
-                 prefill_chunk: int = 256, max_num_batched_tokens: int | None = None, seed: int = 0,
-                 detokenizer: Callable | None = None, free_bytes: int | None = None, scheduler: str = "packed",
-                 host_prefix_pages: int | None = None, host_prefix_memory: int | None = None, mesh=None,
-                 scrub_on_free: bool = False, prefix_quota: float | None = None, enable_kv_events: bool = False):
-        max_seqs = _host.int_at_least(max_seqs, "max_seqs", 1)
-        decode_chunk = _host.int_at_least(decode_chunk, "decode_chunk", 1)
-        prefill_chunk = _host.int_at_least(prefill_chunk, "prefill_chunk", 1)
-        if max_num_batched_tokens is not None:
-            max_num_batched_tokens = _host.int_at_least(max_num_batched_tokens, "max_num_batched_tokens", 1)
-        if scheduler not in ("packed", "padded"):
-            raise InvalidArgument(f"scheduler={scheduler!r}: choose 'packed' or 'padded'")
-        seed = _host.int_scalar(seed, "seed")
-        scrub_on_free = _flag(scrub_on_free, "scrub_on_free")
-        enable_kv_events = _flag(enable_kv_events, "enable_kv_events")
-        prefix_cache = _flag(prefix_cache, "prefix_cache")
-        if prefix_quota is not None and (not isinstance(prefix_quota, numbers.Real)
-                                         or isinstance(prefix_quota, (bool, np.bool_))):
-            raise InvalidArgument(f"prefix_quota={_host.short_repr(prefix_quota)}: a number in (0, 1], the share of "
-                                  "each block group one tenant's cached prefixes may hold (None: no quota)")
-        if max_model_len is not None:
-            max_model_len = _host.int_at_least(max_model_len, "max_model_len", 2)  # one prompt and one new token
-        if host_memory_kind not in ("auto", "pinned_host", "numpy"):  # checked even when nothing is swapped
-            raise InvalidArgument(f"host_memory_kind={host_memory_kind!r}: choose 'auto', 'pinned_host' or 'numpy'")
-        self.cache = build_cache(
-            model, max_seqs=max_seqs, max_model_len=max_model_len, kv_cache_memory=kv_cache_memory,
-            prefill_chunk=prefill_chunk, prefix_cache=prefix_cache, free_bytes=free_bytes, num_pages=num_pages,
-            page_size=page_size, max_blocks_per_seq=max_blocks_per_seq, num_host_pages=num_host_pages,
-            host_kv_memory=host_kv_memory, kv_dtype=kv_dtype, host_memory_kind=host_memory_kind,
-            max_context_tokens=max_context_tokens, num_blocks=num_blocks, num_snapshots=num_snapshots,
-            snapshot_retention=snapshot_retention, snapshot_interval=snapshot_interval,
-            entry_format=entry_format, host_prefix_pages=host_prefix_pages, host_prefix_memory=host_prefix_memory)
+    def __init__(self, model, options: EngineOptions | None = None, *, tokenizer=None, detokenizer=None,
+                 mesh=None, free_bytes: int | None = None, **kwargs):
+        options = EngineOptions() if options is None else options
+        if not isinstance(options, EngineOptions):
+            raise InvalidArgument(f"options must be an EngineOptions, got {_host.short_repr(options)}")
+        #: The options the engine was built with (checked, :mod:`jaxkv.serve.options`).
+        self.options = options = options.replace(**kwargs) if kwargs else options
+        cache, sched, tenants = options.cache, options.scheduler, options.tenants
+        self.cache = build_cache(model, max_seqs=sched.max_seqs, prefill_chunk=sched.prefill_chunk,
+                                 free_bytes=free_bytes, **dataclasses.asdict(cache))
+        scrub_on_free, prefix_quota = tenants.scrub_on_free, tenants.prefix_quota
+        enable_kv_events = tenants.enable_kv_events
         # What a rebuilt cache gets again (see _recover).
         self._isolation = dict(scrub_on_free=scrub_on_free, prefix_quota=prefix_quota)
         self._kv_events, self._mesh = enable_kv_events, mesh
@@ -292,9 +179,9 @@ class Engine(Scheduler):
         self.tokenizer = tokenizer
         graphdef, params = nnx.split(model)
         super().__init__(self.cache, graphdef, params, OutputProcessor(Counters(), tokenizer, detokenizer),
-                         max_seqs=max_seqs, decode_chunk=decode_chunk, prefill_chunk=prefill_chunk,
-                         max_num_batched_tokens=max_num_batched_tokens, scheduler=scheduler)
-        self.key = jax.random.key(seed)
+                         max_seqs=sched.max_seqs, decode_chunk=sched.decode_chunk, prefill_chunk=sched.prefill_chunk,
+                         max_num_batched_tokens=sched.max_num_batched_tokens, scheduler=sched.scheduler)
+        self.key = jax.random.key(sched.seed)
         self.outputs: dict[int, list] = {}
         self._next_id = 0
 
