@@ -1,14 +1,15 @@
 #!/usr/bin/env bash
 # The GPU checks in one call on a lent GPU machine (see the README, "On a
 # GPU"): the `gpu` tests and aot_check side by side (both mostly compile),
-# then `bench kernels --json` and `bench decode` alone on the card.
+# then `bench kernels --json`, `bench decode` and `bench real_scale` (Llama-3.1-8B
+# shapes, random bf16 weights, --quick: under 5 minutes) alone on the card.
 # Every step has its own time limit and log under $OUT; the last lines are a
 # summary. Usage: bash tools/device_check.sh [steps...] (default: all).
 set -u
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
 OUT=${OUT:-/tmp/device_check}; mkdir -p "$OUT"
 PY=${PY:-python3}
-steps=${*:-"tests aot kernels decode"}
+steps=${*:-"tests aot kernels decode real_scale"}
 summary=()
 
 run_step() {  # name limit_s command...
@@ -37,5 +38,8 @@ for p in "${pids[@]}"; do wait "$p"; done
 [[ -f $OUT/aot.summary ]] && cat "$OUT/aot.summary"
 if [[ $steps == *kernels* ]]; then run_step kernels 320 $PY -m jaxkv.bench kernels --json; fi
 if [[ $steps == *decode* ]]; then run_step decode 150 $PY -m jaxkv.bench decode --json; fi
+if [[ $steps == *real_scale* ]]; then
+  run_step real_scale 300 $PY -m jaxkv.bench real_scale --shapes llama-3.1-8b --quick --json
+fi
 echo "=== summary"; printf '%s\n' "${summary[@]}"
 if [[ -f $OUT/aot.summary ]]; then head -n 1 "$OUT/aot.summary"; fi

@@ -23,6 +23,7 @@ BENCHMARKS = {
     "scaling": "jaxkv.bench.scaling",
     "deployment": "jaxkv.bench.deployment",
     "isolation": "jaxkv.bench.isolation",
+    "real_scale": "jaxkv.bench.real_scale",
 }
 
 
@@ -36,8 +37,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--mesh", action="store_true", help="scaling: every family's decode step on 1, 2, 4, 8 "
                         "CPU devices and across two jax.distributed processes (jaxkv.bench.mesh)")
     parser.add_argument("--plot", help="where a benchmark that draws saves its PNG (memory: bench_memory.png)")
-    args = parser.parse_args(argv)
-    return importlib.import_module(BENCHMARKS[args.name]).main(args)
+    args, rest = parser.parse_known_args(argv)
+    module = importlib.import_module(BENCHMARKS[args.name])
+    if rest:  # a benchmark with options of its own parses them (``parse_extra``); the others refuse them
+        if not hasattr(module, "parse_extra"):
+            parser.error(f"unrecognized arguments: {' '.join(rest)}")
+        args = module.parse_extra(args, rest)
+    return module.main(args)
 
 
 if __name__ == "__main__":
