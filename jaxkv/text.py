@@ -97,8 +97,19 @@ def bytes_to_unicode() -> dict[int, str]:
     return dict(zip(printable, map(chr, chars)))
 
 
+def _require_text_packages() -> None:
+    """``ImportError`` naming the extra that brings them when the text
+    packages (tokenizers, jinja2; the ``text`` extra) are missing."""
+    import importlib.util
+
+    missing = [name for name in ("tokenizers", "jinja2") if importlib.util.find_spec(name) is None]
+    if missing:
+        raise ImportError(f"jaxkv's text needs {', '.join(missing)}: pip install 'jaxkv[text]'")
+
+
 @functools.lru_cache(maxsize=1)
 def _environment():
+    _require_text_packages()
     import jinja2
     import jinja2.ext
     import jinja2.nodes
@@ -401,6 +412,7 @@ class Tokenizer:
         unreadable or invalid file, and a GGUF tokenizer model other than
         ``gpt2``."""
         path = os.fspath(path)
+        _require_text_packages()
         if os.path.isdir(path):
             return cls._from_directory(path)
         if os.path.isfile(path):

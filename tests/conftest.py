@@ -43,7 +43,7 @@ def pytest_collection_modifyitems(config, items):
         if "aot" in item.keywords and not has_plugin:
             item.add_marker(pytest.mark.skip(
                 reason="compile for H100 without a GPU: needs pip install 'jax[cuda12]>=0.10,<0.11' "
-                       "(see README, 'GPU-compile tests')"))
+                       "(see docs/kernels.md)"))
 
 
 import pytest  # noqa: E402

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU checks in one call on a lent GPU machine (see the README, "On a
+# The GPU checks in one call on a lent GPU machine (see docs/gpu.md, "On a
 # GPU"): the `gpu` tests and aot_check side by side (both mostly compile),
 # then `bench kernels --json`, `bench decode` and `bench real_scale` (Llama-3.1-8B
 # shapes, random bf16 weights, --quick: under 5 minutes) alone on the card.

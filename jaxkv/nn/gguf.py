@@ -188,8 +188,8 @@ def _read_gguf(path: str, mtime_ns: int, size: int) -> GGUFFile:
         raise InvalidArgument(f"{path} is not a GGUF file: it starts with {magic!r}, a GGUF file with {GGUF_MAGIC!r}")
     try:
         import gguf
-    except ImportError as e:  # a declared dependency; say so plainly if it was removed
-        raise InvalidArgument(f"reading {path} needs the 'gguf' package (pip install gguf): {e}") from None
+    except ImportError as e:  # an optional dependency: say which extra brings it
+        raise InvalidArgument(f"reading {path} needs the 'gguf' package: pip install 'jaxkv[text]' ({e})") from None
     try:
         reader = gguf.GGUFReader(path, "r")
     except Exception as e:  # noqa: BLE001 -- GGUFReader raises bare ValueError / IndexError on a short file

@@ -6,7 +6,14 @@
   :meth:`Engine.add_request` at any time, :meth:`Engine.step` (one
   scheduler iteration, a :class:`RequestOutput` per request that made
   tokens or finished), :meth:`Engine.abort`, :meth:`Engine.stats`
-  (:class:`EngineStats`); :meth:`Engine.run` loops over ``step``.
+  (:class:`EngineStats`); :meth:`Engine.run` loops over ``step``. Its
+  parts: :mod:`jaxkv.serve.options` (every option, defined and checked
+  once: :class:`EngineOptions`), :mod:`jaxkv.serve.request` (intake and
+  the request's record), :mod:`jaxkv.serve.scheduler` (admission,
+  iterations, preemption, retirement, failure containment),
+  :mod:`jaxkv.serve.reserve` (what a request costs in blocks),
+  :mod:`jaxkv.serve.output` (detokenization, stop strings, outputs,
+  statistics); :mod:`jaxkv.serve.http` the OpenAI server.
 * :mod:`jaxkv.serve.caches`: the cache contract the engine speaks (the
   ``KVCache`` protocol and what the adapters share), one thin adapter per
   cache kind: :mod:`jaxkv.serve.paged_cache` (a paged pool, the radix
@@ -26,7 +33,8 @@
 
 from jaxkv.serve.engine import (Engine, EngineProgress, EngineStats, EngineSummary, RequestOutput,
                                 RequestState)
+from jaxkv.serve.options import CacheOptions, EngineOptions, SchedulerOptions, TenantOptions
 from jaxkv.serve.sizing import CachePlan, GroupPlan
 
-__all__ = ["CachePlan", "Engine", "EngineProgress", "EngineStats", "EngineSummary", "GroupPlan", "RequestOutput",
-           "RequestState"]
+__all__ = ["CacheOptions", "CachePlan", "Engine", "EngineOptions", "EngineProgress", "EngineStats", "EngineSummary",
+           "GroupPlan", "RequestOutput", "RequestState", "SchedulerOptions", "TenantOptions"]

@@ -40,7 +40,7 @@ most ``--max-request-body`` bytes (default 4MiB). See
 go to :class:`jaxkv.serve.Engine` as ``scrub_on_free=True`` and
 ``prefix_quota=FRACTION`` (the share, in (0, 1], of each block group and of
 the snapshot rows that one tenant's cached prefixes may hold, whatever
-salts it sends; README, "Tenants").
+salts it sends; docs/tenants.md).
 
 Example::
 

@@ -369,7 +369,7 @@ class Engine(Scheduler):
         :meth:`run` gives it (``run`` is a loop over ``step``), whenever it
         was added.
 
-        All or nothing (module docstring, "Failures"): a request whose own
+        All or nothing (:mod:`jaxkv.serve.scheduler`, "Failures"): a request whose own
         part fails is finished alone with ``"error"``; any other exception
         is contained (the cache rebuilt empty, the requests in flight
         re-queued with their tokens; logged, counted, kept in

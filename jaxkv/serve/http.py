@@ -175,10 +175,13 @@ import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
 
-from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
-from starlette.background import BackgroundTask
-from starlette.exceptions import HTTPException as StarletteHTTPException
+try:
+    from fastapi import FastAPI, Request
+    from fastapi.responses import JSONResponse, Response, StreamingResponse
+    from starlette.background import BackgroundTask
+    from starlette.exceptions import HTTPException as StarletteHTTPException
+except ImportError as _missing:  # an optional dependency: say which extra brings it
+    raise ImportError(f"the HTTP server needs FastAPI ({_missing}): pip install 'jaxkv[serve]'") from _missing
 
 from jaxkv.errors import InvalidArgument, KVCacheError
 from jaxkv.nn.sampling import SamplingParams

@@ -58,8 +58,11 @@ import dataclasses
 import threading
 from collections.abc import Mapping, Sequence
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+try:
+    from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+except ImportError as _missing:  # an optional dependency: say which extra brings it
+    raise ImportError(f"/metrics needs prometheus_client ({_missing}): pip install 'jaxkv[serve]'") from _missing
 
 __all__ = ["CONTENT_TYPE", "ServerMetrics", "engine_stats_dict"]
 
