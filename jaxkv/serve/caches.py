@@ -34,10 +34,10 @@ defines:
   of every device array it holds now.
 
 Sequence row ``r`` of the engine is row ``r`` of a :class:`PagedCache`'s
-:class:`~jaxkv.BlockSpaceManager` and request slot ``r + 1`` of a
-:class:`HybridCache`'s :class:`~jaxkv.KVCacheManager` (the manager admits
-the lowest free slot and the engine the lowest free row; :meth:`prefill`
-checks that they agree).
+:class:`~jaxkv.BlockSpaceManager` and request slot :func:`slot_of` ``(r) =
+r + 1`` of a :class:`HybridCache`'s :class:`~jaxkv.KVCacheManager` (slot 0
+is the manager's null slot; the manager admits the lowest free slot and the
+engine the lowest free row; :meth:`begin_prefill` checks that they agree).
 
 The adapters: :class:`~jaxkv.serve.paged_cache.PagedCache` (a paged pool
 under a ``BlockSpaceManager``, ``cache_kind`` "paged") and
@@ -73,7 +73,7 @@ from jaxkv.serve.sizing import CachePlan
 
 __all__ = ["FREE", "ON_DEVICE", "STATUS_NAMES", "SWAPPED", "CacheBase", "DecodeResult", "KVCache", "PackedResult",
            "PrefillLane", "PrefixHit", "blocks_from_budget", "decode_chunk", "fixed_ids", "remembers_arguments",
-           "sample_first"]
+           "row_of", "sample_first", "slot_of"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -149,6 +149,17 @@ class PackedResult:
     blocked: np.ndarray
     peak: int
 
+
+
+def slot_of(row: int) -> int:
+    """The hybrid manager's request slot of engine row ``row`` (slot 0 is
+    the manager's null slot): the one place the rule is written."""
+    return row + 1
+
+
+def row_of(slot: int) -> int:
+    """The engine row of the hybrid manager's request slot ``slot``."""
+    return slot - 1
 
 
 def fixed_ids(ids, size: int) -> np.ndarray:
@@ -284,6 +295,12 @@ class CacheBase:
         or a decode step's); ``add_request`` refuses a request whose peak
         exceeds a group's capacity."""
         return np.maximum(self.blocks_for(prompt_len), self.decode_peak(prompt_len, total))
+
+    def first_blocks(self) -> np.ndarray:
+        """Per row, the first block of its table, -1 once a sliding window
+        trimmed it away (the engine then unpins the row's hit). Without a
+        window (``window`` None) nothing is trimmed: zeros."""
+        return np.zeros((self.max_seqs,), np.int64)
 
     def can_evict(self) -> bool:
         """Whether the prefix cache holds a page it could evict now."""
@@ -429,13 +446,18 @@ class KVCache(Protocol):
     groups: tuple[str, ...]
     capacity: np.ndarray
     unit: int
+    hit_grain: int  # a hit's length is a multiple of it (a page; 1 for a hybrid cache's token-grain hits)
     window: int | None
     can_swap: bool
+    scrub: bool
     max_seqs: int
     max_context_tokens: int
     prefill_width: int
     bytes_per_token: float
     plan: CachePlan
+    prefix_cache: object  # its tree (events, inspection)
+    manager: object  # the device bookkeeping (BlockSpaceManager or KVCacheManager), for inspection
+    pool: object  # a paged pool's KV pages (None for a hybrid cache, whose manager holds them)
 
     def free_blocks(self) -> np.ndarray: ...
     def blocks_for(self, num_tokens: int) -> np.ndarray: ...
@@ -451,6 +473,7 @@ class KVCache(Protocol):
     def can_evict(self) -> bool: ...
     def evict(self, shortfall: np.ndarray) -> None: ...
     def begin_prefill(self, lanes: list[PrefillLane]) -> None: ...
+    def add_cut(self, row: int, position: int) -> bool: ...
     def pieces(self, lane: PrefillLane, width: int | None = None) -> list[tuple[int, int]]: ...
     def prefill_step(self, graphdef, params, batch, sampling: RowSampling): ...
     def packed_step(self, graphdef, params, prefill, decode, sampling: RowSampling, key_data: list,

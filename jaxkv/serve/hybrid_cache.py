@@ -28,7 +28,7 @@ from jaxkv.prefix.radix import namespace_key
 from jaxkv.prefix.snapshot_cache import BlockOps, SnapshotCache
 from jaxkv.serve import sizing
 from jaxkv.serve.caches import (CacheBase, DecodeResult, PackedResult, PrefillLane, PrefixHit, blocks_from_budget,
-                                fixed_ids, remembers_arguments, sample_first)
+                                fixed_ids, remembers_arguments, row_of, sample_first, slot_of)
 from jaxkv.serve.sizing import CachePlan, GroupPlan
 
 __all__ = ["HybridCache"]
@@ -530,15 +530,15 @@ class HybridCache(CacheBase):
         host = lane.hit.node
         prefix, kind = self._host_index[host.key][1], self._host_index[host.key][2]
         _, state = self.host_prefixes.get_host(host.key)
-        self.manager = hybrid_host.write_state_rows(self.manager, [lane.row + 1], jax.device_put(state))
+        self.manager = hybrid_host.write_state_rows(self.manager, [slot_of(lane.row)], jax.device_put(state))
         node, tail = host.loaded
         self.prefix_cache.release(node)
         self._drop_references(dict(zip(self.groups, (list(ids) for ids in tail))),
                               "releasing a host hit's load references")
         self._unpin_host(host)
-        tables = {name: np.asarray(jax.device_get(g.tables[lane.row + 1])) for name, g in self.manager.groups.items()}
+        tables = {name: np.asarray(jax.device_get(g.tables[slot_of(lane.row)])) for name, g in self.manager.groups.items()}
         dropped = self.snapshots.dropped
-        self._apply(self.snapshots.store(list(prefix), [tables[name] for name in self.groups], lane.row + 1,
+        self._apply(self.snapshots.store(list(prefix), [tables[name] for name in self.groups], slot_of(lane.row),
                                          kind=kind, namespace=lane.namespace))
         if self.snapshots.dropped == dropped and host.key in self._host_index and not self._host_pins[host.key]:
             self.host_prefixes.discard(host.key)  # on the device again (or it was there already)
@@ -581,8 +581,8 @@ class HybridCache(CacheBase):
         ops = self.snapshots.empty_ops()
         for row, tokens, namespace, kind, hit in items:
             record = getattr(hit.node, "record", None) if hit is not None else None  # (a host hit has none)
-            row_blocks = [tables[name][row + 1] for name in self.groups]
-            ops.extend(self.snapshots.store(tokens, row_blocks, row + 1, kind=kind, namespace=namespace,
+            row_blocks = [tables[name][slot_of(row)] for name in self.groups]
+            ops.extend(self.snapshots.store(tokens, row_blocks, slot_of(row), kind=kind, namespace=namespace,
                                             supersedes=record))
             self._last_snapshot[row] = len(tokens)
             if self.snapshots.spill:  # a later store may spill this record: its row must hold its state by then
@@ -594,11 +594,11 @@ class HybridCache(CacheBase):
 
     def _begin_prefill(self, lanes: list[PrefillLane]) -> None:
         """Take the lanes' request slots (the lowest free ones, which must be
-        their rows + 1: the engine gives out the lowest free rows) and start
+        their rows' slot_of: the engine gives out the lowest free rows) and start
         the hits from their cached prefixes."""
         self.manager, slots, ok = _admit_hybrid(self.manager, len(lanes), self.max_seqs)
         slots, ok = jax.device_get((slots, ok))
-        want = [lane.row + 1 for lane in lanes]
+        want = [slot_of(lane.row) for lane in lanes]
         if not ok or slots[: len(lanes)].tolist() != want:
             raise BookkeepingError(f"hybrid admission gave slots {slots[: len(lanes)].tolist()} (ok={bool(ok)}) "
                                    f"for rows {[lane.row for lane in lanes]}, which need slots {want}")
@@ -632,7 +632,7 @@ class HybridCache(CacheBase):
         blocks = {name: np.full((batch, width), -1, np.int32) for name in self.groups}
         slots, tokens, snapshots = np.full(batch, -1, np.int32), np.zeros(batch, np.int32), np.full(batch, -1, np.int32)
         for i, lane in enumerate(hits):
-            slots[i], tokens[i], snapshots[i] = lane.row + 1, lane.hit.tokens, lane.hit.snapshot
+            slots[i], tokens[i], snapshots[i] = slot_of(lane.row), lane.hit.tokens, lane.hit.snapshot
             for g, name in enumerate(self.groups):
                 blocks[name][i, : len(lane.hit.blocks[g])] = lane.hit.blocks[g]
         self.manager, ok = _attach_prefix(self.manager, slots, blocks, tokens, snapshots)
@@ -662,7 +662,7 @@ class HybridCache(CacheBase):
         return sorted({lane.hit.matched, len(lane.tokens) - 1, *self._extra_cuts[lane.row]})
 
     def _prefill_call(self, graphdef, params, lanes, starts, num_new, tokens, sampling, keys):
-        slots = fixed_ids([lane.row + 1 for lane in lanes], self.max_seqs)
+        slots = fixed_ids([slot_of(lane.row) for lane in lanes], self.max_seqs)
         slots = np.where(num_new > 0, slots, -1).astype(np.int32)
         self.manager, sampled, new_keys, ok, used = _hybrid_prefill(graphdef, params, self.manager, slots, tokens,
                                                                     num_new, sampling, keys)
@@ -696,7 +696,7 @@ class HybridCache(CacheBase):
         self._store(items)
 
     def _seq_id(self, row: int) -> int:
-        return row + 1  # request slot
+        return slot_of(row)
 
     def _packed_call(self, graphdef, params, lanes, num_prefill, sampling, keys, num_tokens):
         # Gated DeltaNet views the prefill lanes as [P, width] (width: the stream's bucket), so P is a power of
@@ -714,7 +714,7 @@ class HybridCache(CacheBase):
                                    f" (pieces {[(lane.start, len(lane.tokens)) for lane in lanes[:num_prefill]]})")
         if ok:
             for lane in lanes[num_prefill:]:  # each decode lane grew by its token
-                self._lens[lane.seq_id - 1] += 1
+                self._lens[row_of(lane.seq_id)] += 1
         # The reserve is all or nothing and does not say which row was short.
         blocked = np.zeros((self.max_seqs,), bool)
         if not ok:
@@ -744,10 +744,10 @@ class HybridCache(CacheBase):
         self._store([(row, tokens, namespace, "turn_end", hit) for row, tokens, namespace, hit in finished
                      if len(tokens) > (hit.tokens if hit is not None else 0)])
         rows = [row for row, *_ in finished]
-        self.manager, ok = self._release(fixed_ids([r + 1 for r in rows], self.max_seqs))
+        self.manager, ok = self._release(fixed_ids([slot_of(r) for r in rows], self.max_seqs))
         if not bool(ok):
             raise BookkeepingError(f"engine bookkeeping failed: releasing rows {rows} (slots "
-                                   f"{[r + 1 for r in rows]}) was refused")
+                                   f"{[slot_of(r) for r in rows]}) was refused")
         for row, *_, hit in finished:
             self.unpin(hit)
             self._lens[row] = self._last_snapshot[row] = 0
@@ -765,16 +765,16 @@ class HybridCache(CacheBase):
         host budget (``host_kv_memory``) or when the image does not fit."""
         if self.host_bytes <= 0:
             return False
-        lens = jax.device_get({name: g.lens[row + 1] for name, g in self.manager.groups.items()})
+        lens = jax.device_get({name: g.lens[slot_of(row)] for name, g in self.manager.groups.items()})
         need = int(self.state_bytes_per_request) + sum(
             pow2_at_least(max(int(lens[name]), 1)) * per for name, per in zip(self.groups, self.group_block_bytes))
         if self.host_used() + need > self.host_bytes:
             return False
         # Copies: the swap donates the manager.
         before = {name: jax.tree.map(jnp.copy, group.allocator) for name, group in self.manager.groups.items()}
-        self.manager, image, ok = hybrid_host.swap_out_request(self.manager, row + 1, keep_slot=True)
+        self.manager, image, ok = hybrid_host.swap_out_request(self.manager, slot_of(row), keep_slot=True)
         if not ok:
-            raise BookkeepingError(f"swapping out row {row} (slot {row + 1}) was refused: the slot is not held")
+            raise BookkeepingError(f"swapping out row {row} (slot {slot_of(row)}) was refused: the slot is not held")
         if self.scrub:  # the row's blocks are on host now: those it held alone go back zeroed
             self.manager = _scrub_since(self.manager, before)
         self._images[row] = image
@@ -787,7 +787,7 @@ class HybridCache(CacheBase):
     def swap_in(self, row: int) -> bool:
         """Bring row ``row``'s image back into its slot (fresh blocks in
         every group, all or nothing); False when a group is short."""
-        self.manager, ok = hybrid_host.swap_in_request(self.manager, self._images[row], row + 1)
+        self.manager, ok = hybrid_host.swap_in_request(self.manager, self._images[row], slot_of(row))
         if ok:
             image = self._images.pop(row)
             if self.scrub:
@@ -802,14 +802,14 @@ class HybridCache(CacheBase):
             raise BookkeepingError(f"row {row} is not swapped out")
         if self.scrub:
             hybrid_host.wipe_host(image)
-        self.manager, ok = self._release(fixed_ids([row + 1], self.max_seqs))
+        self.manager, ok = self._release(fixed_ids([slot_of(row)], self.max_seqs))
         if not bool(ok):
-            raise BookkeepingError(f"freeing swapped-out row {row} (slot {row + 1}) was refused")
+            raise BookkeepingError(f"freeing swapped-out row {row} (slot {slot_of(row)}) was refused")
         self._lens[row] = self._last_snapshot[row] = 0
         self._extra_cuts[row].clear()
 
     def row_status(self) -> np.ndarray:
-        held = np.asarray(jax.device_get(self.manager.slots.ref_count(jnp.arange(1, self.max_seqs + 1)))) > 0
+        held = np.asarray(jax.device_get(self.manager.slots.ref_count(jnp.asarray([slot_of(row) for row in range(self.max_seqs)])))) > 0
         swapped = np.isin(np.arange(self.max_seqs), list(self._images))
         return np.where(held, np.where(swapped, SWAPPED, ON_DEVICE), FREE)
 
