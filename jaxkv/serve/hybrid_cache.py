@@ -4,7 +4,6 @@ snapshots."""
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import logging
 import math
@@ -24,9 +23,9 @@ from jaxkv.nn.packed import PackedBatch, pack
 from jaxkv.nn.sampling import RowSampling
 from jaxkv.nn.steps import hybrid_packed_step, hybrid_prefill_chunk
 from jaxkv.pool.scrub import scrub_hybrid
-from jaxkv.prefix.radix import namespace_key
 from jaxkv.prefix.snapshot_cache import BlockOps, SnapshotCache
 from jaxkv.serve import sizing
+from jaxkv.prefix.snapshot_host import SnapshotHostTier
 from jaxkv.serve.caches import (CacheBase, DecodeResult, PackedResult, PrefillLane, PrefixHit, blocks_from_budget,
                                 fixed_ids, remembers_arguments, row_of, sample_first, slot_of)
 from jaxkv.serve.sizing import CachePlan, GroupPlan
@@ -187,15 +186,11 @@ class HybridCache(CacheBase):
         self.state_bytes_per_request = (self.manager.memory_bytes() - sum(
             block_bytes(s, config) * int(self.capacity[self.groups.index(s.group)] + 1)
             for s in self.manager.schemas if s.group is not None)) / (max_seqs + 1 + self.manager.num_snapshots)
-        self.host_prefixes = (hybrid_host.HostStore(host_prefix_memory, memory_kind="auto")
+        self.host_prefixes = (SnapshotHostTier(hybrid_host.HostStore(host_prefix_memory, memory_kind="auto"))
                               if host_prefix_memory and cached else None)
         self.snapshots = SnapshotCache(self.unit, self.groups, self.blocks_for, cached, retention=retention,
                                        row_bytes=int(self.state_bytes_per_request),
                                        block_bytes=self.group_block_bytes, spill=self.host_prefixes is not None)
-        self._host_index: dict = {}  # host key -> (namespace, tokens, kind, blocks per group), oldest first
-        self._host_pins: collections.Counter = collections.Counter()  # host key -> hits waiting to load it
-        self._next_host_key = 0
-        self.host_loaded_tokens = self.host_stored_tokens = 0
         self.prefix_cache = self.snapshots.tree
         self.hit_grain = 1  # hits end where a snapshot was taken, at any token
         #: Tokens of prefill between interval snapshots of one row.
@@ -209,6 +204,10 @@ class HybridCache(CacheBase):
         self._images: dict = {}  # swapped-out row -> its RequestImage (host memory)
         self.plan = self._plan(budget=None, source="num_blocks (expert option)" if num_blocks else
                                "every sequence row at max_context_tokens")
+
+    # The host tier's counters (benchmarks and tests read them here).
+    host_stored_tokens = property(lambda self: self.host_prefixes.stored_tokens if self.host_prefixes else 0)
+    host_loaded_tokens = property(lambda self: self.host_prefixes.loaded_tokens if self.host_prefixes else 0)
 
     def _host_tiers(self) -> list[str]:
         return ((["host_kv_memory"] if self.can_swap else [])
@@ -386,11 +385,12 @@ class HybridCache(CacheBase):
         ``blocks[g]``: group ``g``'s blocks of the hit; ``copied[g]``: 1
         when the last of them is partly filled (the request gets a copy)."""
         hit = self.snapshots.match(tokens, namespace)
-        best = self._host_candidate(tokens, namespace, hit.tokens) if self.host_prefixes is not None else None
+        best = (self.host_prefixes.candidate(tokens, namespace, hit.tokens) if self.host_prefixes is not None
+                else None)
         if best is not None:  # loaded at admission (begin_prefill), into blocks the admission counted
             self.snapshots.release(hit)
-            self._host_pins[best] += 1
-            length = len(self._host_index[best][1])
+            self.host_prefixes.pin(best)
+            length = len(self.host_prefixes.entry(best)[1])
             return PrefixHit(length, tuple([] for _ in self.groups), _HostHit(best), snapshot=-1, matched=length,
                              loads=self._copied(length))
         return PrefixHit(hit.tokens, hit.blocks, hit if hit.record is not None else None, snapshot=hit.row,
@@ -409,7 +409,7 @@ class HybridCache(CacheBase):
         if id(hit.node) in self._released:
             self._released.discard(id(hit.node))
         elif isinstance(hit.node, _HostHit):  # never admitted: nothing was loaded
-            self._unpin_host(hit.node)
+            self.host_prefixes.unpin(hit.node.key)
         else:
             self.snapshots.release(hit.node)
 
@@ -417,16 +417,15 @@ class HybridCache(CacheBase):
         """Drop every cached prefix: records, pages and host-tier copies
         (their blocks released, scrubbed when on). False, nothing changed,
         while a request holds a hit it has not attached yet."""
-        if self._host_pins:
+        if self.host_prefixes is not None and self.host_prefixes.pinned:
             return False
         try:
             ops = self.snapshots.clear()
         except CacheLocked:
             return False
         self._apply(ops)
-        for key in list(self._host_index):
-            self.host_prefixes.discard(key)
-            del self._host_index[key]
+        if self.host_prefixes is not None:
+            self.host_prefixes.clear()
         return True
 
     def can_evict(self) -> bool:
@@ -460,37 +459,13 @@ class HybridCache(CacheBase):
 
     def _to_host(self, spill) -> None:
         """Copy a record leaving the device (its blocks in every group and
-        its snapshot row) to host memory, making room by dropping the oldest
-        host records; one that cannot fit is not kept."""
+        its snapshot row) to the host tier, which makes room by dropping its
+        oldest records; one that cannot fit is not kept."""
         blocks = {name: _pow2_ids(ids) for name, ids in zip(self.groups, spill.blocks)}
         data = (hybrid_host.read_blocks(self.manager, blocks),
                 hybrid_host.read_state_rows(self.manager, [self.manager.num_slots + spill.row]))
-        need = hybrid_host.tree_nbytes(data)
-        store = self.host_prefixes
-        for oldest in [key for key in self._host_index if not self._host_pins[key]]:
-            if store.free_bytes >= need:
-                break
-            store.discard(oldest)
-            del self._host_index[oldest]
-        if store.free_bytes < need:
-            return
-        key = self._next_host_key
-        self._next_host_key += 1
-        store.put(key, data)
-        self._host_index[key] = (spill.namespace, spill.tokens, spill.kind, [len(ids) for ids in spill.blocks])
-        self.host_stored_tokens += len(spill.tokens)
-
-    def _host_candidate(self, tokens: list, namespace, longer_than: int):
-        """The key of the longest host record that is a prefix of ``tokens``
-        (at most ``len - 1``) longer than ``longer_than`` (None: none)."""
-        limit = len(tokens) - 1
-        best, best_len = None, longer_than
-        wanted = namespace_key(namespace)  # as the trees compare namespaces (True is not 1)
-        for key, (ns, prefix, _, _) in self._host_index.items():
-            if namespace_key(ns) == wanted and best_len < len(prefix) <= limit and \
-                    tuple(tokens[: len(prefix)]) == prefix:
-                best, best_len = key, len(prefix)
-        return best
+        self.host_prefixes.put(spill.namespace, spill.tokens, spill.kind, [len(ids) for ids in spill.blocks], data,
+                               hybrid_host.tree_nbytes(data))
 
     def _load_host_hit(self, lane: PrefillLane) -> PrefillLane:
         """Load ``lane``'s host-tier hit into fresh blocks (the admission
@@ -499,14 +474,14 @@ class HybridCache(CacheBase):
         lane with the hit's blocks, for :meth:`_attach_hits`; its tail
         blocks are this call's until :meth:`_finish_host_hit`."""
         key = lane.hit.node.key
-        prefix, counts = self._host_index[key][1], self._host_index[key][3]
+        _, prefix, _, counts = self.host_prefixes.entry(key)
         self.manager, ids, ok = _take_blocks(self.manager, {name: np.int32(n) for name, n in zip(self.groups, counts)},
                                              width=pow2_at_least(max(max(counts), 1)))
         ids = jax.device_get(ids)
         if not bool(ok):
             raise BookkeepingError(f"loading a {len(prefix)}-token host prefix needs {counts} blocks of groups "
                                    f"{list(self.groups)}; {self.free_blocks().tolist()} free (admission counted them)")
-        blocks, _ = self.host_prefixes.get_host(key)
+        blocks, _ = self.host_prefixes.get(key)
         targets = {name: _pow2_ids(ids[name][:n].tolist()) for name, n in zip(self.groups, counts)}  # as read
         self.manager = hybrid_host.write_blocks(self.manager, targets, jax.device_put(blocks))
         given = [ids[name][:n].tolist() for name, n in zip(self.groups, counts)]
@@ -516,7 +491,7 @@ class HybridCache(CacheBase):
         tail = tuple(given[g][depth * per:] for g, per in enumerate(self.snapshots.blocks_per_page))
         node = self.prefix_cache.pin_prefix(list(prefix[: depth * self.unit]), lane.namespace) if depth else None
         lane.hit.node.loaded = (node, tail)
-        self.host_loaded_tokens += len(prefix)
+        self.host_prefixes.loaded_tokens += len(prefix)
         logger.debug("prefix cache: a %d-token prefix came back from host memory", len(prefix))
         hit_blocks = tuple([b for h in handles for b in self.snapshots.pages[h][g]] + list(tail[g])
                            for g in range(len(self.groups)))
@@ -528,26 +503,21 @@ class HybridCache(CacheBase):
         the device again as a record (its row taken by the retention
         policy) or, failing that, left on host."""
         host = lane.hit.node
-        prefix, kind = self._host_index[host.key][1], self._host_index[host.key][2]
-        _, state = self.host_prefixes.get_host(host.key)
+        _, prefix, kind, _ = self.host_prefixes.entry(host.key)
+        _, state = self.host_prefixes.get(host.key)
         self.manager = hybrid_host.write_state_rows(self.manager, [slot_of(lane.row)], jax.device_put(state))
         node, tail = host.loaded
         self.prefix_cache.release(node)
         self._drop_references(dict(zip(self.groups, (list(ids) for ids in tail))),
                               "releasing a host hit's load references")
-        self._unpin_host(host)
+        self.host_prefixes.unpin(host.key)
         tables = {name: np.asarray(jax.device_get(g.tables[slot_of(lane.row)])) for name, g in self.manager.groups.items()}
         dropped = self.snapshots.dropped
         self._apply(self.snapshots.store(list(prefix), [tables[name] for name in self.groups], slot_of(lane.row),
                                          kind=kind, namespace=lane.namespace))
-        if self.snapshots.dropped == dropped and host.key in self._host_index and not self._host_pins[host.key]:
+        if (self.snapshots.dropped == dropped and host.key in self.host_prefixes
+                and not self.host_prefixes.is_pinned(host.key)):
             self.host_prefixes.discard(host.key)  # on the device again (or it was there already)
-            del self._host_index[host.key]
-
-    def _unpin_host(self, host: "_HostHit") -> None:
-        self._host_pins[host.key] -= 1
-        if not self._host_pins[host.key]:
-            del self._host_pins[host.key]
 
     def _copy_width(self, n: int) -> int:
         return max(self.max_seqs, pow2_at_least(n))
