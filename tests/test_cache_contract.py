@@ -13,9 +13,8 @@ import pytest
 from flax import nnx
 
 from jaxkv.nn import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+from jaxkv.serve.build import build_hybrid_cache, build_paged_cache
 from jaxkv.serve.caches import KVCache
-from jaxkv.serve.hybrid_cache import HybridCache
-from jaxkv.serve.paged_cache import PagedCache
 from tests.test_nn_engine import CONFIG
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -41,13 +40,13 @@ def test_the_engine_uses_only_the_contract():
 def test_both_adapters_provide_every_member(kind):
     if kind == "paged":
         model = LlamaForCausalLM(LlamaConfig.from_hf(CONFIG), rngs=nnx.Rngs(0))
-        cache = PagedCache.build(model, max_seqs=2, page_size=4, max_model_len=32, num_pages=9,
+        cache = build_paged_cache(model, max_seqs=2, page_size=4, max_model_len=32, num_pages=9,
                                  max_blocks_per_seq=None, kv_cache_memory=None, num_host_pages=None,
                                  host_kv_memory=None, kv_dtype=None, prefix_cache=True, prefill_chunk=8,
                                  host_memory_kind="numpy")
     else:
         model = AutoModelForCausalLM.from_pretrained(os.path.join(ROOT, "tests", "fixtures", "qwen3_next", "small"))
-        cache = HybridCache.build(model, max_seqs=2, max_model_len=64, max_context_tokens=None,
+        cache = build_hybrid_cache(model, max_seqs=2, max_model_len=64, max_context_tokens=None,
                                   num_blocks={"full": 8}, kv_cache_memory=None, num_snapshots=2,
                                   entry_format="lossless", prefill_chunk=16, prefix_cache=True)
     absent = sorted(name for name in protocol_members() if not hasattr(cache, name))

@@ -29,7 +29,7 @@ defines:
   SWAPPED per row, for the engine's bookkeeping check);
 * ``bytes_per_token``: KV bytes one token costs (per-request state apart);
   ``plan``: the :class:`~jaxkv.serve.sizing.CachePlan` the cache was built
-  from (:meth:`PagedCache.build` / :meth:`HybridCache.build` apply the one
+  from (:func:`~jaxkv.serve.build.build_paged_cache` / :func:`~jaxkv.serve.build.build_hybrid_cache` apply the one
   sizing rule of :mod:`jaxkv.serve.sizing`), ``device_bytes()``: the bytes
   of every device array it holds now.
 

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxkv._ops import ceil_div, pow2_at_least
-from jaxkv.errors import BookkeepingError, CacheLocked, InvalidArgument
+from jaxkv.errors import BookkeepingError, CacheLocked
 from jaxkv.manager import hybrid_host
 from jaxkv.manager.block_space import FREE, ON_DEVICE, SWAPPED
 from jaxkv.manager.hybrid import KVCacheManager
@@ -24,10 +24,9 @@ from jaxkv.nn.sampling import RowSampling
 from jaxkv.nn.steps import hybrid_packed_step, hybrid_prefill_chunk
 from jaxkv.pool.scrub import scrub_hybrid
 from jaxkv.prefix.snapshot_cache import BlockOps, SnapshotCache
-from jaxkv.serve import sizing
 from jaxkv.prefix.snapshot_host import SnapshotHostTier
-from jaxkv.serve.caches import (CacheBase, DecodeResult, PackedResult, PrefillLane, PrefixHit, blocks_from_budget,
-                                fixed_ids, remembers_arguments, row_of, sample_first, slot_of)
+from jaxkv.serve.caches import (CacheBase, DecodeResult, PackedResult, PrefillLane, PrefixHit, fixed_ids,
+                                remembers_arguments, row_of, sample_first, slot_of)
 from jaxkv.serve.sizing import CachePlan, GroupPlan
 
 __all__ = ["HybridCache"]
@@ -244,90 +243,6 @@ class HybridCache(CacheBase):
             prefix_unit_tokens=self.unit, num_snapshots=self.num_cached_snapshots,
             snapshot_bytes=int(self.state_bytes_per_request), host_pages=0, host_bytes=self.host_bytes,
             device_bytes=self.device_bytes(), budget_bytes=budget, source=source)
-
-    @classmethod
-    def build(cls, model, *, max_seqs: int, max_model_len: int | None, max_context_tokens: int | None,
-              num_blocks: dict | None, kv_cache_memory, num_snapshots: int | None, entry_format: str,
-              prefill_chunk: int, prefix_cache: bool, free_bytes: int | None = None, retention: str = "value",
-              snapshot_interval: int | None = None, host_kv_memory: int | None = None,
-              host_prefix_memory: int | None = None) -> "HybridCache":
-        """The one sizing rule (:mod:`jaxkv.serve.sizing`) for a hybrid cache.
-
-        ``max_model_len`` and ``max_context_tokens`` name the same limit
-        (giving both with different values is refused; default
-        :func:`~jaxkv.serve.sizing.default_max_model_len`). Blocks per group:
-        ``num_blocks`` as given (an expert option; groups it leaves out get
-        every row at full length, as ``KVCacheManager.create`` does;
-        ``kv_cache_memory`` beside it is refused), else from the budget, all
-        groups holding the same tokens. Cached snapshots: ``num_snapshots``,
-        else with a budget ``min(2 * max_seqs, what a quarter of it holds)``
-        (0: no prefix cache), else ``2 * max_seqs``; ``retention`` and
-        ``snapshot_interval`` as in :class:`HybridCache`; ``host_kv_memory``:
-        host bytes for swapped-out rows (None or 0: preempt by recompute);
-        ``host_prefix_memory``: host bytes for prefixes evicted from the
-        device (None or 0: none). A ``max_model_len`` given that a group cannot hold
-        is refused; the default one is lowered to what every group holds."""
-        if max_model_len is not None and max_context_tokens is not None and max_model_len != max_context_tokens:
-            raise InvalidArgument(f"max_model_len={max_model_len} and max_context_tokens={max_context_tokens} "
-                                  "disagree (the same limit: give one of them)")
-        length = max_model_len if max_model_len is not None else max_context_tokens
-        len_given = length is not None
-        if length is None:
-            length = sizing.default_max_model_len(model)
-        if num_blocks is not None and kv_cache_memory is not None:
-            raise InvalidArgument(f"num_blocks={num_blocks} and kv_cache_memory={kv_cache_memory!r} both size the "
-                                  "cache's groups: give one of them")
-        if num_blocks is not None:
-            cache = cls(model, max_seqs=max_seqs, max_context_tokens=length, num_blocks=num_blocks,
-                        entry_format=entry_format, prefill_chunk=prefill_chunk, prefix_cache=prefix_cache,
-                        num_snapshots=num_snapshots, retention=retention, snapshot_interval=snapshot_interval,
-                        host_kv_memory=host_kv_memory or 0, host_prefix_memory=host_prefix_memory or 0)
-            cache.plan = cache._plan(budget=None, source=f"num_blocks={num_blocks} (expert option)")
-            return cache
-        probe = jax.eval_shape(lambda: model.make_cache(1, length, entry_format=entry_format))
-        names = list(probe.groups)
-        per_entry = [(g.tokens_per_entry, g.entries_per_block) for g in probe.groups.values()]
-        tokens_per_block = [g.tokens_per_block for g in probe.groups.values()]
-
-        def blocks_for(n: int) -> list[int]:
-            return [ceil_div(n // tpe, epb) for tpe, epb in per_entry]
-
-        def measure(counts, cached, n):
-            return sizing.tree_bytes(jax.eval_shape(lambda: model.make_cache(
-                max_seqs, n, entry_format=entry_format, num_blocks=dict(zip(names, counts)),
-                num_snapshots=cached)))
-
-        budget_hint = (sizing.resolve_budget(kv_cache_memory, free_bytes=free_bytes)[0] if kv_cache_memory is not None
-                       else sizing.default_budget(free_bytes)[0])
-        if not prefix_cache:
-            cached = 0
-        elif num_snapshots is not None:
-            cached = num_snapshots
-        else:  # a quarter of the budget at most
-            row = measure([2] * len(names), 2, length) - measure([2] * len(names), 1, length)
-            cached = min(2 * max_seqs, budget_hint // 4 // row) if row > 0 else 2 * max_seqs
-            cached = max(int(cached), 0)
-        blocks, budget, source = blocks_from_budget(
-            lambda counts: measure(counts, cached, length), tokens_per_block,
-            [max_seqs * b for b in blocks_for(length)], kv_cache_memory, free_bytes)
-        held = min(b * t for b, t in zip(blocks, tokens_per_block))  # tokens every group holds
-        fits = all(need <= have for need, have in zip(blocks_for(length), blocks))
-        if not fits and len_given:
-            raise InvalidArgument(
-                f"max_model_len={length}: a request of {length} tokens holds {blocks_for(length)} blocks of groups "
-                f"{names}; the groups have {blocks} ({source}); give a smaller max_model_len or more memory")
-        if not fits:
-            logger.info("KV cache: the default max_model_len %d does not fit blocks %s of groups %s; lowered to %d",
-                        length, blocks, names, held)
-            length = held
-        cache = cls(model, max_seqs=max_seqs, max_context_tokens=length, num_blocks=dict(
-            zip(names, (b + 1 for b in blocks))), entry_format=entry_format, prefill_chunk=prefill_chunk,
-            prefix_cache=prefix_cache and cached > 0, num_snapshots=cached if cached else None, retention=retention,
-            snapshot_interval=snapshot_interval, host_kv_memory=host_kv_memory or 0,
-            host_prefix_memory=host_prefix_memory or 0)
-        _, per_block = sizing.affine_bytes(lambda counts: measure(counts, cached, length), len(names))
-        cache.plan = cache._plan(budget=budget, source=source, per_block=per_block)
-        return cache
 
     # ---------------------------------------------------------------- blocks
 

@@ -37,14 +37,14 @@ from jaxkv.errors import BookkeepingError, CacheLocked, InvalidArgument, KVCache
 from jaxkv.manager.block_space import BlockSpaceManager
 from jaxkv.nn.packed import PackedBatch, pack
 from jaxkv.nn.sampling import RowSampling
-from jaxkv.nn.steps import paged_decode_peak, paged_packed_step, paged_peak_blocks, paged_row_blocks, paged_window, prefill_chunk
+from jaxkv.nn.steps import paged_decode_peak, paged_packed_step, paged_row_blocks, paged_window, prefill_chunk
 from jaxkv.pool import host as host_swap
 from jaxkv.pool.kv_pool import KVPool
 from jaxkv.pool.scrub import freed_blocks, scrub_kv_pool
 from jaxkv.prefix import PrefixCacheManager, PrefixCacheStats
 from jaxkv.prefix.radix import HOST
 from jaxkv.serve import sizing
-from jaxkv.serve.caches import (CacheBase, PackedResult, PrefillLane, PrefixHit, blocks_from_budget, fixed_ids,
+from jaxkv.serve.caches import (CacheBase, PackedResult, PrefillLane, PrefixHit, fixed_ids,
                                 remembers_arguments, sample_first)
 from jaxkv.serve.sizing import CachePlan, GroupPlan
 
@@ -223,113 +223,6 @@ class PagedCache(CacheBase):
         """Bytes of every device array of the cache: the pool and the block
         manager (tables and allocators)."""
         return sizing.tree_bytes((self.manager, self.pool))
-
-    @classmethod
-    def build(cls, model, *, max_seqs: int, page_size: int, max_model_len: int | None, num_pages: int | None,
-              max_blocks_per_seq: int | None, kv_cache_memory, num_host_pages: int | None, host_kv_memory,
-              kv_dtype, prefix_cache: bool, prefill_chunk: int, host_memory_kind: str,
-              free_bytes: int | None = None, host_prefix_pages: int | None = None,
-              host_prefix_memory: int | None = None) -> "PagedCache":
-        """The one sizing rule (:mod:`jaxkv.serve.sizing`) for a paged pool.
-
-        ``max_model_len`` (None: from ``max_blocks_per_seq * page_size`` when
-        that is given, else :func:`~jaxkv.serve.sizing.default_max_model_len`)
-        sets the table width ``ceil(max_model_len / page_size)``; giving
-        both with another width is refused. Pages: ``num_pages`` as given
-        (an expert option; ``kv_cache_memory`` beside it is refused), else
-        from the budget. Host pages: ``num_host_pages``, or
-        ``host_kv_memory`` bytes of host memory (not both; default none).
-        ``host_prefix_pages``: pages of the prefix cache's host tier, or
-        ``host_prefix_memory`` bytes of them (not both; None or 0: none;
-        refused with ``prefix_cache`` off). A ``max_model_len``
-        given here that the pool cannot hold is refused; the default one is
-        lowered to what the pool holds (logged)."""
-        window = paged_window(model)
-        if host_prefix_pages and not prefix_cache:
-            raise InvalidArgument(f"host_prefix_pages={host_prefix_pages}: a host tier of the prefix cache needs "
-                                  "prefix_cache=True")
-        len_given = explicit = max_model_len is not None
-        if max_blocks_per_seq is not None:
-            if len_given and ceil_div(max_model_len, page_size) != max_blocks_per_seq:
-                raise InvalidArgument(
-                    f"max_model_len={max_model_len} and max_blocks_per_seq={max_blocks_per_seq} disagree: "
-                    f"{max_model_len} tokens need {ceil_div(max_model_len, page_size)} pages of {page_size} per row "
-                    "(give one of them)")
-            if not len_given:
-                max_model_len = max_blocks_per_seq * page_size
-                len_given = True  # the table width is a limit of its own: never lowered
-        elif max_model_len is None:
-            max_model_len = sizing.default_max_model_len(model)
-        if num_pages is not None and kv_cache_memory is not None:
-            raise InvalidArgument(f"num_pages={num_pages} and kv_cache_memory={kv_cache_memory!r} both size the pool: "
-                                  "give one of them")
-        if num_host_pages is not None and host_kv_memory is not None:
-            raise InvalidArgument(f"num_host_pages={num_host_pages} and host_kv_memory={host_kv_memory!r} both size "
-                                  "the host pool: give one of them")
-        page_bytes = (sizing.tree_bytes(jax.eval_shape(lambda: model.make_pool(3, page_size, dtype=kv_dtype)))
-                      - sizing.tree_bytes(jax.eval_shape(lambda: model.make_pool(2, page_size, dtype=kv_dtype))))
-        if host_kv_memory is not None:
-            host_bytes = _host.int_scalar(host_kv_memory, "host_kv_memory")
-            if host_bytes < 0:
-                raise InvalidArgument(f"host_kv_memory={host_bytes}: bytes must be >= 0")
-            num_host_pages = host_bytes // page_bytes
-            if num_host_pages == 1:  # page 0 is the null page: one page holds nothing
-                num_host_pages = 0
-        num_host_pages = num_host_pages or 0
-        if host_prefix_memory is not None:
-            if host_prefix_pages is not None:
-                raise InvalidArgument(f"host_prefix_pages={host_prefix_pages} and host_prefix_memory="
-                                      f"{host_prefix_memory} both size the prefix cache's host tier: give one of them")
-            host_prefix_pages = host_prefix_memory // page_bytes
-            if host_prefix_pages and not prefix_cache:
-                raise InvalidArgument(f"host_prefix_memory={host_prefix_memory}: a host tier of the prefix cache "
-                                      "needs prefix_cache=True")
-
-        def need(length: int) -> int:  # blocks a request of ``length`` tokens holds at its peak
-            return max(paged_peak_blocks(max(length - 1, 1), length, page_size, window),
-                       paged_peak_blocks(1, length, page_size, window))
-
-        def measure(counts, length):
-            def make():
-                manager = BlockSpaceManager.create(
-                    num_device_blocks=counts[0], num_host_blocks=max(num_host_pages, 2), block_size=page_size,
-                    max_seqs=max_seqs, max_blocks_per_seq=ceil_div(length, page_size), watermark=0.0)
-                return manager, model.make_pool(counts[0], page_size, dtype=kv_dtype)
-            return sizing.tree_bytes(jax.eval_shape(make))
-
-        budget, source = None, f"num_pages={num_pages} (expert option)"
-        if num_pages is None:
-            blocks, budget, source = blocks_from_budget(
-                lambda counts: measure(counts, max_model_len), [page_size], [max_seqs * need(max_model_len)],
-                kv_cache_memory, free_bytes)
-            held = blocks[0] * page_size
-            if need(max_model_len) > blocks[0] and not len_given and held >= 2:
-                logger.info("KV cache: the default max_model_len %d does not fit %d pages of %d; lowered to %d",
-                            max_model_len, blocks[0], page_size, held)
-                max_model_len = held
-                while need(max_model_len) > blocks[0]:  # a window's peak may be a block over the tokens
-                    max_model_len -= 1
-            num_pages = blocks[0] + 1
-        elif need(max_model_len) > num_pages - 1 and not len_given and (num_pages - 1) * page_size >= 2:
-            # The expert pool is smaller than the default length: advertise what it holds, as for a budget.
-            logger.info("KV cache: the default max_model_len %d does not fit num_pages=%d of %d; lowered to %d",
-                        max_model_len, num_pages, page_size, (num_pages - 1) * page_size)
-            max_model_len = (num_pages - 1) * page_size
-            while max_model_len > 2 and need(max_model_len) > num_pages - 1:
-                max_model_len -= 1
-        if explicit and need(max_model_len) > num_pages - 1 and window is None:
-            raise InvalidArgument(
-                f"max_model_len={max_model_len}: a request of {max_model_len} tokens holds {need(max_model_len)} "
-                f"pages of {page_size} at its peak; the pool has {num_pages - 1} ({source}); give a smaller "
-                "max_model_len or more memory")
-        cache = cls(model, num_pages=num_pages, page_size=page_size, max_seqs=max_seqs,
-                    max_blocks_per_seq=ceil_div(max_model_len, page_size), num_host_pages=num_host_pages,
-                    prefix_cache=prefix_cache, kv_dtype=kv_dtype, prefill_chunk=prefill_chunk,
-                    host_memory_kind=host_memory_kind, max_model_len=max_model_len,
-                    host_prefix_pages=host_prefix_pages or 0)
-        _, per_block = sizing.affine_bytes(lambda counts: measure(counts, max_model_len), 1)
-        cache.plan = cache._plan(budget=budget, source=source, per_block=per_block[0])
-        return cache
 
     # ---------------------------------------------------------------- blocks
 
