@@ -83,7 +83,8 @@ def _check(name: str, value, kind: str, choices: tuple, optional: bool):
         return value
     if kind == "groups":  # checked against the model's groups where the cache is built
         if not isinstance(value, Mapping):
-            raise InvalidArgument(f"{name}={_host.short_repr(value)}: a dict of block group name -> blocks")
+            raise InvalidArgument(f"{name}={_host.short_repr(value)} ({type(value).__name__}): expected None or a "
+                                  "dict of block group name -> integer >= 2 (null block included), e.g. {'full': 64}")
         return dict(value)
     if kind == "dtype":  # checked against what a pool stores where the cache is built
         return value
