@@ -18,11 +18,11 @@ from jaxkv.errors import BookkeepingError, CacheLocked
 from jaxkv.manager import hybrid_host
 from jaxkv.manager.block_space import FREE, ON_DEVICE, SWAPPED
 from jaxkv.manager.hybrid import KVCacheManager
+from jaxkv.manager.hybrid_swap import RequestImages, release_blocks_scrubbed, release_scrubbed, reset_rows
 from jaxkv.manager.hybrid_schema import block_bytes
 from jaxkv.nn.packed import PackedBatch, pack
 from jaxkv.nn.sampling import RowSampling
 from jaxkv.nn.steps import hybrid_packed_step, hybrid_prefill_chunk
-from jaxkv.pool.scrub import scrub_hybrid
 from jaxkv.prefix.snapshot_cache import BlockOps, SnapshotCache
 from jaxkv.prefix.snapshot_host import SnapshotHostTier
 from jaxkv.serve.caches import (CacheBase, DecodeResult, PackedResult, PrefillLane, PrefixHit, fixed_ids,
@@ -59,30 +59,6 @@ _attach_prefix = jax.jit(KVCacheManager.attach_prefix, donate_argnums=(0,))
 _copy_state = jax.jit(KVCacheManager.copy_state, donate_argnums=(0,))
 _incref_blocks = jax.jit(KVCacheManager.incref_blocks, donate_argnums=(0,))
 _release_blocks = jax.jit(KVCacheManager.release_blocks, donate_argnums=(0,))
-
-
-# Scrub-on-free (jaxkv.pool.scrub): the same calls, with every block they free zeroed and the
-# snapshot rows let go reset, in the call that frees them.
-@partial(jax.jit, donate_argnums=(0,))
-def _release_scrubbed(manager: KVCacheManager, slots):
-    released, ok = manager.release(slots)
-    return scrub_hybrid(manager, released), ok
-
-
-@partial(jax.jit, donate_argnums=(0,))
-def _release_blocks_scrubbed(manager: KVCacheManager, blocks: dict, rows):
-    released, ok = manager.release_blocks(blocks)
-    return scrub_hybrid(manager, released).reset_state_rows(rows), ok
-
-
-@partial(jax.jit, donate_argnums=(0,))
-def _reset_rows(manager: KVCacheManager, rows):
-    return manager.reset_state_rows(rows)
-
-
-@partial(jax.jit, donate_argnums=(0,))
-def _scrub_since(manager: KVCacheManager, before: dict):
-    return scrub_hybrid(before, manager)
 
 
 @partial(jax.jit, static_argnames=("width",), donate_argnums=(0,))
@@ -200,7 +176,7 @@ class HybridCache(CacheBase):
         self._released: set = set()  # ids of the snapshot hits unpinned at admission (see unpin)
         self.host_bytes = int(host_kv_memory or 0)  # host memory for swapped-out rows
         self.can_swap = self.host_bytes > 0
-        self._images: dict = {}  # swapped-out row -> its RequestImage (host memory)
+        self.images = RequestImages(self.host_bytes, self.state_bytes_per_request, self.group_block_bytes)
         self.plan = self._plan(budget=None, source="num_blocks (expert option)" if num_blocks else
                                "every sequence row at max_context_tokens")
 
@@ -364,7 +340,7 @@ class HybridCache(CacheBase):
         if any(ops.release.values()):
             self._drop_references(ops.release, "releasing evicted prefix blocks", rows=rows)
         elif rows:
-            self.manager = _reset_rows(self.manager, _pow2_ids(rows))
+            self.manager = reset_rows(self.manager, _pow2_ids(rows))
         if ops.copies:
             dst, src = zip(*((self.manager.num_slots + row, source) for row, source in ops.copies.items()))
             self.manager = _copy_state(self.manager, fixed_ids(src, self._copy_width(len(src))),
@@ -450,7 +426,7 @@ class HybridCache(CacheBase):
         """Drop one reference to each of ``blocks``; with scrub-on-free the
         call zeroes what it frees and resets the snapshot ``rows`` let go."""
         if self.scrub:
-            self._block_call(_release_blocks_scrubbed, blocks, what, _pow2_ids(rows))
+            self._block_call(release_blocks_scrubbed, blocks, what, _pow2_ids(rows))
         else:
             self._block_call(_release_blocks, blocks, what)
 
@@ -640,53 +616,29 @@ class HybridCache(CacheBase):
 
     def _release(self, slots):
         """``KVCacheManager.release`` of ``slots`` (scrubbed when on)."""
-        return (_release_scrubbed if self.scrub else _release_hybrid)(self.manager, slots)
+        return (release_scrubbed if self.scrub else _release_hybrid)(self.manager, slots)
 
     def swap_out(self, row: int) -> bool:
-        """Preempt row ``row`` to host memory (:mod:`jaxkv.manager.hybrid_host`):
+        """Preempt row ``row`` to host memory (:class:`~jaxkv.manager.hybrid_swap.RequestImages`):
         its state rows (rings, windows, GDN states) and the data of every
-        block of its tables, in every group; its slot stays held and empty,
-        its blocks lose its reference. False (nothing changed) without a
-        host budget (``host_kv_memory``) or when the image does not fit."""
-        if self.host_bytes <= 0:
-            return False
-        lens = jax.device_get({name: g.lens[slot_of(row)] for name, g in self.manager.groups.items()})
-        need = int(self.state_bytes_per_request) + sum(
-            pow2_at_least(max(int(lens[name]), 1)) * per for name, per in zip(self.groups, self.group_block_bytes))
-        if self.host_used() + need > self.host_bytes:
-            return False
-        # Copies: the swap donates the manager.
-        before = {name: jax.tree.map(jnp.copy, group.allocator) for name, group in self.manager.groups.items()}
-        self.manager, image, ok = hybrid_host.swap_out_request(self.manager, slot_of(row), keep_slot=True)
-        if not ok:
-            raise BookkeepingError(f"swapping out row {row} (slot {slot_of(row)}) was refused: the slot is not held")
-        if self.scrub:  # the row's blocks are on host now: those it held alone go back zeroed
-            self.manager = _scrub_since(self.manager, before)
-        self._images[row] = image
-        return True
+        block of its tables, in every group. False (nothing changed) without
+        a host budget (``host_kv_memory``) or when the image does not fit."""
+        self.manager, ok = self.images.swap_out(self.manager, slot_of(row), scrub=self.scrub)
+        return ok
 
     def host_used(self) -> int:
         """Host bytes the swapped-out rows' images hold."""
-        return sum(hybrid_host.tree_nbytes(image) for image in self._images.values())
+        return self.images.used()
 
     def swap_in(self, row: int) -> bool:
         """Bring row ``row``'s image back into its slot (fresh blocks in
         every group, all or nothing); False when a group is short."""
-        self.manager, ok = hybrid_host.swap_in_request(self.manager, self._images[row], slot_of(row))
-        if ok:
-            image = self._images.pop(row)
-            if self.scrub:
-                jax.block_until_ready(self.manager)  # the image was read before it is wiped
-                hybrid_host.wipe_host(image)
+        self.manager, ok = self.images.swap_in(self.manager, slot_of(row), scrub=self.scrub)
         return ok
 
     def free_swapped(self, row: int) -> None:
         """Drop a swapped-out row's image and free its slot (an aborted request)."""
-        image = self._images.pop(row, None)
-        if image is None:
-            raise BookkeepingError(f"row {row} is not swapped out")
-        if self.scrub:
-            hybrid_host.wipe_host(image)
+        self.images.drop(slot_of(row), scrub=self.scrub)
         self.manager, ok = self._release(fixed_ids([slot_of(row)], self.max_seqs))
         if not bool(ok):
             raise BookkeepingError(f"freeing swapped-out row {row} (slot {slot_of(row)}) was refused")
@@ -694,7 +646,8 @@ class HybridCache(CacheBase):
         self._extra_cuts[row].clear()
 
     def row_status(self) -> np.ndarray:
-        held = np.asarray(jax.device_get(self.manager.slots.ref_count(jnp.asarray([slot_of(row) for row in range(self.max_seqs)])))) > 0
-        swapped = np.isin(np.arange(self.max_seqs), list(self._images))
+        slots = jnp.asarray([slot_of(row) for row in range(self.max_seqs)])
+        held = np.asarray(jax.device_get(self.manager.slots.ref_count(slots))) > 0
+        swapped = np.isin(np.arange(self.max_seqs), [row_of(slot) for slot in self.images.slots()])
         return np.where(held, np.where(swapped, SWAPPED, ON_DEVICE), FREE)
 

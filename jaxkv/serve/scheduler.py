@@ -130,7 +130,8 @@ from jaxkv.serve.output import OutputProcessor
 from jaxkv.serve.request import Request, RequestState
 from jaxkv.serve.reserve import admission_blocks, growth, make_room, no_hit, readmittable
 
-__all__ = ["MAX_REQUEST_FAULTS", "Scheduler", "WAIT_FOR_PREFIX_TOKENS", "stream_buckets"]
+__all__ = ["MAX_REQUEST_FAULTS", "Scheduler", "WAIT_FOR_PREFIX_TOKENS", "check_rows", "row_sampling", "sampling_row",
+           "stream_buckets", "stream_length", "stream_lengths"]
 
 logger = logging.getLogger("jaxkv.serve")
 
@@ -174,6 +175,74 @@ def stream_buckets(tokens: int) -> list[int]:
             if length >= tokens:
                 return out
         n *= 2
+
+
+def stream_lengths(budget: int) -> list[int]:
+    """The packed stream's lengths for a token ``budget``: 16, 32, 48, 64,
+    96, 128, 192, ... (powers of two, and 1.5 times them from 32 on) below
+    the budget, then the budget itself."""
+    return [n for n in stream_buckets(budget) if n < budget] + [budget]
+
+
+def stream_length(tokens: int, lengths: list[int]) -> int:
+    """The smallest of ``lengths`` that holds ``tokens`` real tokens (past
+    the budget only when more requests decode than it holds)."""
+    for length in lengths:
+        if tokens <= length:
+            return length
+    return stream_buckets(tokens)[-1]
+
+
+def sampling_row(req: Request) -> tuple:
+    """``req``'s temperature, top-k and top-p as the device's dtypes
+    (raises for a value they cannot hold: the request's own failure)."""
+    params = req.sampling
+    with np.errstate(over="raise"):  # a float32 overflow is an error here, not an inf
+        return np.float32(params.temperature), np.int32(params.top_k), np.float32(params.top_p)
+
+
+def row_sampling(max_seqs: int, rows: dict, reqs_by_lane: dict) -> RowSampling:
+    """Per-lane sampling arrays from the screened ``rows`` (request id ->
+    :func:`sampling_row`) of the requests ``reqs_by_lane`` (idle lanes:
+    greedy)."""
+    temperature = np.zeros((max_seqs,), np.float32)
+    top_k = np.zeros((max_seqs,), np.int32)
+    top_p = np.ones((max_seqs,), np.float32)
+    for lane, req in reqs_by_lane.items():
+        temperature[lane], top_k[lane], top_p[lane] = rows[req.id]
+    return RowSampling(temperature, top_k, top_p)
+
+
+def check_rows(requests: dict, rows: list, swapped: list, status: np.ndarray) -> None:
+    """Raise ``BookkeepingError`` (with the numbers) when the engine's
+    records disagree with each other or with the cache: a RUNNING
+    request must own its row in the row map and the row must be
+    ON_DEVICE; a SWAPPED one likewise with the row SWAPPED; the row map
+    names no request that is neither. ``status``: the cache's row status."""
+    # Every request holding a row is in the row map or the swapped list
+    # (the second loop checks the map's side), so this stays O(max_seqs)
+    # however many requests the engine has served.
+    holders = {rid for rid in rows if rid is not None} | set(swapped)
+    for req in (requests[rid] for rid in sorted(holders)):
+        if req.state not in (RequestState.RUNNING, RequestState.SWAPPED):
+            raise BookkeepingError(f"request {req.id} holds row {req.row} but is {req.state.name}")
+        want = ON_DEVICE if req.state is RequestState.RUNNING else SWAPPED
+        if not 0 <= req.row < len(rows):
+            raise BookkeepingError(f"request {req.id} is {req.state.name} on row {req.row}, outside "
+                                   f"[0, {len(rows)})")
+        if rows[req.row] != req.id:
+            raise BookkeepingError(f"request {req.id} is {req.state.name} on row {req.row}, but the row map "
+                                   f"gives that row to request {rows[req.row]}")
+        if status[req.row] != want:
+            raise BookkeepingError(f"request {req.id} is {req.state.name} on row {req.row}, but the cache "
+                                   f"has that row {STATUS_NAMES[int(status[req.row])]}")
+    for row, rid in enumerate(rows):
+        if rid is None and status[row] != FREE:
+            raise BookkeepingError(f"row {row} is {STATUS_NAMES[int(status[row])]} in the cache "
+                                   "but no request holds it in the row map")
+        if rid is not None and requests[rid].row != row:
+            raise BookkeepingError(f"row {row} is mapped to request {rid}, which is "
+                                   f"{requests[rid].state.name} on row {requests[rid].row}")
 
 
 class Scheduler:
@@ -296,13 +365,8 @@ class Scheduler:
                 self._error(req, f"its sampling parameters cannot be used: {type(err).__name__}: {err}")
         return rows
 
-    @staticmethod
-    def _sampling_row(req: Request) -> tuple:
-        """``req``'s temperature, top-k and top-p as the device's dtypes
-        (raises for a value they cannot hold)."""
-        params = req.sampling
-        with np.errstate(over="raise"):  # a float32 overflow is an error here, not an inf
-            return np.float32(params.temperature), np.int32(params.top_k), np.float32(params.top_p)
+    #: ``req``'s sampling row (:func:`sampling_row`; an attribute, so a test can inject a fault here).
+    _sampling_row = staticmethod(sampling_row)
 
     def _iterate(self) -> None:
         calls = self._count.model_calls
@@ -404,47 +468,11 @@ class Scheduler:
             return admission_blocks(self.cache, self._requests[rid], no_hit(self.cache), self.decode_chunk)
         return np.zeros(len(self.cache.groups), np.int64)
 
-    def _sampling(self, rows: dict, reqs_by_lane: dict) -> RowSampling:
-        """Per-lane sampling arrays from the :meth:`_screen`-ed ``rows`` of
-        the requests ``reqs_by_lane`` (idle lanes: greedy)."""
-        temperature = np.zeros((self.max_seqs,), np.float32)
-        top_k = np.zeros((self.max_seqs,), np.int32)
-        top_p = np.ones((self.max_seqs,), np.float32)
-        for lane, req in reqs_by_lane.items():
-            temperature[lane], top_k[lane], top_p[lane] = rows[req.id]
-        return RowSampling(temperature, top_k, top_p)
-
     def check_bookkeeping(self) -> None:
-        """Raise ``BookkeepingError`` (with the numbers) when the engine's
-        records disagree with each other or with the cache: a RUNNING
-        request must own its row in the row map and the row must be
-        ON_DEVICE; a SWAPPED one likewise with the row SWAPPED; the row map
-        names no request that is neither. Called before every decode."""
-        status = self.cache.row_status()
-        # Every request holding a row is in the row map or the swapped list
-        # (the second loop checks the map's side), so this stays O(max_seqs)
-        # however many requests the engine has served.
-        holders = {rid for rid in self._rows if rid is not None} | set(self._swapped)
-        for req in (self._requests[rid] for rid in sorted(holders)):
-            if req.state not in (RequestState.RUNNING, RequestState.SWAPPED):
-                raise BookkeepingError(f"request {req.id} holds row {req.row} but is {req.state.name}")
-            want = ON_DEVICE if req.state is RequestState.RUNNING else SWAPPED
-            if not 0 <= req.row < self.max_seqs:
-                raise BookkeepingError(f"request {req.id} is {req.state.name} on row {req.row}, outside "
-                                       f"[0, {self.max_seqs})")
-            if self._rows[req.row] != req.id:
-                raise BookkeepingError(f"request {req.id} is {req.state.name} on row {req.row}, but the row map "
-                                       f"gives that row to request {self._rows[req.row]}")
-            if status[req.row] != want:
-                raise BookkeepingError(f"request {req.id} is {req.state.name} on row {req.row}, but the cache "
-                                       f"has that row {STATUS_NAMES[int(status[req.row])]}")
-        for row, rid in enumerate(self._rows):
-            if rid is None and status[row] != FREE:
-                raise BookkeepingError(f"row {row} is {STATUS_NAMES[int(status[row])]} in the cache "
-                                       "but no request holds it in the row map")
-            if rid is not None and self._requests[rid].row != row:
-                raise BookkeepingError(f"row {row} is mapped to request {rid}, which is "
-                                       f"{self._requests[rid].state.name} on row {self._requests[rid].row}")
+        """:func:`check_rows` of the records against the cache's row status
+        (``BookkeepingError`` with the numbers); called before every device
+        call that decodes."""
+        check_rows(self._requests, self._rows, self._swapped, self.cache.row_status())
 
     def _resume_swapped(self) -> int:
         """Swap requests back in, oldest first, while they fit; how many."""
@@ -577,7 +605,7 @@ class Scheduler:
                 total += end - start
             first, keys, peak = self.cache.prefill_step(self.graphdef, self.params,
                                                         [(req.lane, req.pieces[0]) for req in batch],
-                                                        self._sampling(rows, dict(enumerate(batch))))
+                                                        row_sampling(self.max_seqs, rows, dict(enumerate(batch))))
             for req in batch:  # the pieces ran: consumed only now
                 req.pieces.pop(0)
             self._count_call(self.max_seqs * self.cache.prefill_width, total)
@@ -602,27 +630,12 @@ class Scheduler:
         self._count.slots_computed += slots
         self._count.slots_real += real
 
-    def _stream_length(self, tokens: int) -> int:
-        """The packed stream's bucket for ``tokens`` real tokens: the
-        smallest of :meth:`stream_lengths` that holds them (a length past the
-        budget only when more requests decode than it holds)."""
-        for length in self.stream_lengths():
-            if tokens <= length:
-                return length
-        return stream_buckets(tokens)[-1]
-
     def stream_lengths(self) -> list[int]:
         """The packed stream's lengths a step can compile (one program per
-        length): 16, 32, 48, 64, 96, 128, 192, ... (powers of two, and 1.5
-        times them from 32 on) below the token budget, then the budget itself. ``[]`` for the padded scheduler."""
+        length; :func:`stream_lengths`); ``[]`` for the padded scheduler."""
         if self.scheduler != "packed":
             return []
-        budget = self._token_budget()
-        return [n for n in stream_buckets(budget) if n < budget] + [budget]
-
-    def _token_budget(self) -> int:
-        """The packed scheduler's tokens per step."""
-        return self.max_num_batched_tokens or self.prefill_chunk
+        return stream_lengths(self.max_num_batched_tokens or self.prefill_chunk)
 
     def _packed(self) -> None:
         """ONE packed step: the decode token of every decoding request, then
@@ -637,7 +650,7 @@ class Scheduler:
         decoding = [(row, req) for row, req in decoding if req.id in rows]
         if not self._prefilling:  # every prompt left failed its screening: the next iteration decodes
             return
-        left = max(self._token_budget() - len(decoding), 1)
+        left = max((self.max_num_batched_tokens or self.prefill_chunk) - len(decoding), 1)
         batch = []  # (request, (start, end)): a plan; its pieces are consumed once the call returned
         for req in self._prefilling:
             if left <= 0:
@@ -648,11 +661,11 @@ class Scheduler:
             left -= end - start
         lanes = [req for req, _ in batch] + [req for _, req in decoding]
         total = sum(end - start for _, (start, end) in batch) + len(decoding)
-        length = self._stream_length(total)
+        length = stream_length(total, self.stream_lengths())
         result = self.cache.packed_step(
             self.graphdef, self.params, [(req.lane, piece) for req, piece in batch],
             [(row, req.generated[-1], req.kv_len) for row, req in decoding],
-            self._sampling(rows, dict(enumerate(lanes))), [req.key for req in lanes], length)
+            row_sampling(self.max_seqs, rows, dict(enumerate(lanes))), [req.key for req in lanes], length)
         for req, (_, end) in batch:  # the pieces ran
             if end < req.pieces[0][1]:
                 req.pieces[0] = (end, req.pieces[0][1])  # the rest stays at the head
@@ -711,7 +724,7 @@ class Scheduler:
             eos[row] = req.eos_id
             keys[row] = req.key
         result = self.cache.decode(self.graphdef, self.params, last, active, num_generated, max_new, eos,
-                                   self._sampling(rows, running), keys, self.decode_chunk)
+                                   row_sampling(self.max_seqs, rows, running), keys, self.decode_chunk)
         now = time.perf_counter()
         self._update_peak(result.peak)
         self._count_call(self.max_seqs * int(result.count.max(initial=0)), int(result.count.sum()))
