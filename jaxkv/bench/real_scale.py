@@ -108,6 +108,7 @@ from flax import nnx, traverse_util
 
 from jaxkv._ops import ceil_div, pow2_at_least
 from jaxkv.bench._timing import machine_description, print_json, print_table
+from jaxkv.bench.serve import record_arrival
 from jaxkv.nn.config import LlamaConfig
 from jaxkv.nn.llama import LlamaForCausalLM
 
@@ -765,13 +766,7 @@ def serve_one(model, o, max_seqs: int, clock: _Clock) -> dict:
             r = results[owner[output.request_id]]
             count = len(output.new_token_ids)
             if count:
-                r["tokens"] += count
-                if r["first"] is None:
-                    r["first"] = r["last"] = t
-                    count -= 1
-                if count:
-                    r["gaps"] += [(t - r["last"]) / count] * count
-                    r["last"] = t
+                record_arrival(r, count, t)
                 end = t
             if output.finished:
                 engine.forget(output.request_id)

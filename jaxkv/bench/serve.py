@@ -276,7 +276,7 @@ def _run_in_process(engine, workload) -> tuple[dict, dict]:
         for out in outputs:
             r = results[owner[out.request_id]]
             if out.new_token_ids:
-                _record(r, out.new_text, len(out.new_token_ids), t)
+                record_arrival(r, len(out.new_token_ids), t, out.new_text)
             if out.finished:
                 engine.forget(out.request_id)
                 end = t
@@ -285,11 +285,13 @@ def _run_in_process(engine, workload) -> tuple[dict, dict]:
     return _summarize(workload, results, start, end), results
 
 
-def _record(r: dict, text: str, count: int, t: float) -> None:
-    """``count`` tokens (``text``) of one request arrived at ``t``: the
+def record_arrival(r: dict, count: int, t: float, text: str | None = None) -> None:
+    """``count`` tokens (``text``, kept when given) of one request arrived
+    at ``t`` (``r``: its ``tokens``, ``first``, ``last``, ``gaps``): the
     first one sets its first-token time, the rest share the gap since the
     last arrival evenly (one chunk or SSE event may carry several)."""
-    r["text"].append(text)
+    if text is not None:
+        r["text"].append(text)
     r["tokens"] += count
     if r["first"] is None:
         r["first"] = r["last"] = t
@@ -335,7 +337,7 @@ async def _run_http_async(url: str, model: str, workload) -> tuple[dict, dict]:
                         text = choice.get("text") or ""
                         count = len(text.split())  # one word per token (write_checkpoint's tokenizer)
                         if count:
-                            _record(r, text, count, t)
+                            record_arrival(r, count, t, text)
             r["end"] = time.perf_counter()
             if r["usage"] is None or r["usage"]["completion_tokens"] != r["tokens"]:
                 r["error"] = f"usage {r['usage']} disagrees with the {r['tokens']} streamed tokens"
