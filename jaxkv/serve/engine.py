@@ -18,12 +18,15 @@ between iterations while others run; :meth:`Engine.step` runs ONE
 scheduler iteration and returns a :class:`RequestOutput` per request that
 made tokens (a decode chunk makes up to ``decode_chunk`` per request, all
 reported, in order) or finished in it (``"stop"``, ``"length"``,
-``"abort"``); :meth:`Engine.abort` frees what a request holds at the next
+``"abort"``, ``"error"``: see "Failures" in :mod:`jaxkv.serve.scheduler`);
+:meth:`Engine.abort` frees what a request holds at the next
 iteration; :meth:`Engine.stats` is a snapshot for a metrics endpoint.
 :meth:`Engine.run` is a loop over ``step`` (with a summary), so a request
 streamed through ``step`` gets exactly the tokens ``run`` gives it.
 
-The parts (vLLM v1's split, at jaxkv's size): :mod:`jaxkv.serve.request`
+The parts (vLLM v1's split, at jaxkv's size): :mod:`jaxkv.serve.options`
+(every option, defined and checked once: ``Engine(model, options)`` or
+keywords), :mod:`jaxkv.serve.request`
 (intake: what ``add_request`` checks; the request's record),
 :mod:`jaxkv.serve.scheduler` (:class:`~jaxkv.serve.scheduler.Scheduler`:
 admission, prefill and decode iterations, preemption, retirement, and how
