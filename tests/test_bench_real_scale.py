@@ -46,6 +46,7 @@ def test_tiny_run_reports_every_section(tiny_run):
     for row in result["paged_vs_contiguous"]:
         assert row["paged_tok_s"] > 0 and row["contiguous_tok_s"] > 0 and row["paged_over_contiguous"] > 0
         assert row["first_chunk_tokens_agree"] == 1.0  # the same K/V, float32 softmax: the same greedy tokens
+        assert row["rows_split_at_near_tie"] == 0 and row["split_defect"] is None
     (serving,) = result["serving"]
     assert serving["max_num_seqs"] == 4 and serving["requests"] == REQUESTS
     assert serving["finished"] == REQUESTS and not serving["stopped_at_deadline"]

@@ -23,10 +23,11 @@ after every rebuild), so a cached prefix that served a token nobody
 computed would turn that request's tokens to garbage, not to plausible
 ones.
 
-Default pass: the tiny Llama (paged pool, swap to host) and Qwen3-Next
-(hybrid cache: Gated DeltaNet states and snapshots), a few examples each;
-``long``: many more, and gpt-oss, Gemma 3 and DeepSeek-V4 (window rings,
-compressors) too.
+Default pass: the tiny Llama (paged pool, swap to host; 4 examples) and
+Qwen3-Next (hybrid cache: Gated DeltaNet states and snapshots; one
+scenario); ``long``: 30 Llama examples (200 with ``JAXKV_HYPOTHESIS=long``)
+and three scenarios (six) of every hybrid family: Qwen3-Next, gpt-oss,
+Gemma 3 and DeepSeek-V4 (window rings, compressors).
 """
 
 from __future__ import annotations
@@ -223,9 +224,7 @@ def llama_reference(llama):
 LLAMA = dict(num_pages=10, page_size=PAGE, max_seqs=4, max_blocks_per_seq=8, decode_chunk=4, num_host_pages=6)
 
 
-@settings(max_examples=40 if LONG else 4, deadline=None, derandomize=not LONG)
-@given(seed=st.integers(0, 2**32 - 1), scheduler=st.sampled_from(["packed", "padded"]))
-def test_llama_faults_touch_no_other_request(llama, llama_reference, seed, scheduler):
+def llama_scenario(llama, llama_reference, seed, scheduler):
     rng = np.random.default_rng(seed)
     faults = Faults(rng, p=0.08, q=0.015)
     stems = [tuple(rng.integers(1, CONFIG["vocab_size"], 12).tolist()) for _ in range(2)]
@@ -234,6 +233,19 @@ def test_llama_faults_touch_no_other_request(llama, llama_reference, seed, sched
                            max_num_batched_tokens=int(rng.choice([8, 16])))
     serve_with_faults(engine, llama_reference, rng, faults, prompts=prompts, max_new=REF_NEW,
                       vocab=CONFIG["vocab_size"])
+
+
+@settings(max_examples=4, deadline=None, derandomize=True)
+@given(seed=st.integers(0, 2**32 - 1), scheduler=st.sampled_from(["packed", "padded"]))
+def test_llama_faults_touch_no_other_request(llama, llama_reference, seed, scheduler):
+    llama_scenario(llama, llama_reference, seed, scheduler)
+
+
+@pytest.mark.long
+@settings(max_examples=200 if LONG else 30, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), scheduler=st.sampled_from(["packed", "padded"]))
+def test_llama_faults_touch_no_other_request_wide(llama, llama_reference, seed, scheduler):
+    llama_scenario(llama, llama_reference, seed, scheduler)
 
 
 def test_a_failed_step_leaves_no_uncomputed_page_in_the_prefix_cache(llama, llama_reference):
@@ -357,13 +369,13 @@ def hybrid_subjects():
     return get
 
 
-@pytest.mark.parametrize("name", [n if n == "qwen3_next/small" else pytest.param(n, marks=pytest.mark.long)
-                                  for n in HYBRID])
-def test_hybrid_faults_touch_no_other_request(hybrid_subjects, name):
+@pytest.mark.parametrize("name, seeds", [("qwen3_next/small", 1)] + [
+    pytest.param(n, 6 if LONG else 3, marks=pytest.mark.long, id=f"{n}-wide") for n in HYBRID])
+def test_hybrid_faults_touch_no_other_request(hybrid_subjects, name, seeds):
     model, reference = hybrid_subjects(name)
     options, (low, high), new = HYBRID[name]
     vocab = min(model.config.vocab_size, 256)
-    for seed in range(6 if LONG else 1):
+    for seed in range(seeds):
         rng = np.random.default_rng(1000 + seed)
         faults = Faults(rng, p=0.06, q=0.015)
         stems = [tuple(rng.integers(2, vocab, high).tolist()) for _ in range(2)]
