@@ -23,7 +23,8 @@ from jaxkv import _host
 from jaxkv.errors import InvalidArgument
 from jaxkv.nn.sampling import SamplingParams
 
-__all__ = ["Request", "RequestOutput", "RequestState", "find_stop", "new_request"]
+__all__ = ["Request", "RequestOutput", "RequestState", "check_token_ids", "find_stop", "new_request"]
+
 
 class RequestState(enum.Enum):
     """Where a request is in its life cycle (see the module docstring)."""
