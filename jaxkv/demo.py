@@ -31,7 +31,7 @@ compile on 2 CPU cores), in the folder ``python -m jaxkv.serve`` uses:
 ``$JAXKV_CACHE_DIR/jax``, else ``$XDG_CACHE_HOME/jaxkv/jax``, else
 ``~/.cache/jaxkv/jax``; ``--compile-cache-dir DIR`` picks another,
 ``--no-compile-cache`` turns it off (the server's helper,
-:func:`jaxkv.serve.http.configure_compile_cache`, caches every program,
+:func:`jaxkv.serve.compile_cache.configure_compile_cache`, caches every program,
 however small). A second run reads the compiled programs from there.
 (``python -m jaxkv.allocator_tour`` is the allocator tour.)
 """
@@ -390,7 +390,7 @@ def run_checkpoint(path: str, prompts: list[str] | None, max_new: int, *, temper
 
 
 def main(argv: list[str] | None = None) -> None:
-    from jaxkv.serve.http import configure_compile_cache, default_compile_cache_dir  # the server's folder and rule
+    from jaxkv.serve.compile_cache import configure_compile_cache, default_compile_cache_dir  # the server's rule
 
     parser = argparse.ArgumentParser(prog="python -m jaxkv.demo", description=__doc__.splitlines()[0])
     parser.add_argument("--random", action="store_true",

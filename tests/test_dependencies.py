@@ -23,6 +23,19 @@ def test_the_library_imports_no_optional_package():
     assert out.stdout.strip() == "[]", out.stdout
 
 
+def test_the_demo_needs_no_server_package():
+    """The README's first command installs the ``text`` extra only: the
+    demo's own imports (its compile-cache setup included) must not need
+    fastapi and the other server packages (they are blocked here)."""
+    code = ("import sys\nfor m in ('fastapi', 'uvicorn', 'prometheus_client', 'starlette'):\n    sys.modules[m] = None\n"
+            "import jaxkv.demo\nfrom jaxkv.serve.compile_cache import configure_compile_cache, default_compile_cache_dir\n"
+            "print(default_compile_cache_dir() != '')")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
+    assert out.returncode == 0 and out.stdout.strip() == "True", out.stdout + out.stderr
+    with open(os.path.join(ROOT, "jaxkv", "demo.py"), encoding="utf-8") as f:
+        assert "jaxkv.serve.http" not in f.read(), "the demo imports the HTTP server's module"
+
+
 def test_the_extras_declare_them():
     with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
         project = tomllib.load(f)["project"]

@@ -16,7 +16,7 @@ in ``$JAXKV_CACHE_DIR/jax``, else ``$XDG_CACHE_HOME/jaxkv/jax``, else
 ``~/.cache/jaxkv/jax`` (``--compile-cache-dir DIR`` picks another folder,
 ``--no-compile-cache`` turns it off): a second start reads the compiled
 programs from there instead of compiling them. Every program is cached,
-however small (see :func:`jaxkv.serve.http.configure_compile_cache`).
+however small (see :func:`jaxkv.serve.compile_cache.configure_compile_cache`).
 
 **API keys and tenants.** ``--api-keys-file keys.json`` (a JSON object,
 API key -> tenant name) and / or ``--api-key KEY`` (one key, tenant

@@ -167,7 +167,6 @@ import hmac
 import json
 import logging
 import math
-import os
 import queue
 import re
 import threading
@@ -185,6 +184,7 @@ except ImportError as _missing:  # an optional dependency: say which extra bring
 
 from jaxkv.errors import InvalidArgument, KVCacheError
 from jaxkv.nn.sampling import SamplingParams
+from jaxkv.serve.compile_cache import configure_compile_cache, default_compile_cache_dir  # noqa: F401 - re-exported
 from jaxkv.serve.metrics import CONTENT_TYPE, ServerMetrics
 
 __all__ = ["MAX_N", "OPEN_PATHS", "APIError", "APIKeys", "EngineLoop", "ServerState", "configure_compile_cache",
@@ -219,36 +219,6 @@ FLOAT32_TINY = 1.1754943508222875e-38
 
 
 # ------------------------------------------------------------ compile cache
-
-
-def default_compile_cache_dir() -> str:
-    """Where the persistent JAX compilation cache lives by default:
-    ``$JAXKV_CACHE_DIR/jax`` when ``JAXKV_CACHE_DIR`` is set, else
-    ``$XDG_CACHE_HOME/jaxkv/jax``, else ``~/.cache/jaxkv/jax``."""
-    root = os.environ.get("JAXKV_CACHE_DIR")
-    if not root:
-        root = os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"),
-                            "jaxkv")
-    return os.path.join(root, "jax")
-
-
-def configure_compile_cache(path: str | None) -> int:
-    """Turn on JAX's persistent compilation cache in folder ``path`` (None:
-    leave it off) and cache every program, however small or quick to compile
-    (``jax_persistent_cache_min_compile_time_secs = 0``,
-    ``jax_persistent_cache_min_entry_size_bytes = -1``: JAX's defaults skip
-    programs compiled in under a second, i.e. most of a small model's on
-    CPU). Call before anything is compiled. Returns the number of entries
-    already in the folder (0: a cold start)."""
-    if path is None:
-        return 0
-    import jax
-
-    os.makedirs(path, exist_ok=True)
-    jax.config.update("jax_compilation_cache_dir", path)
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-    jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
-    return sum(1 for name in os.listdir(path) if not name.startswith("."))
 
 
 # ------------------------------------------------------------ errors
