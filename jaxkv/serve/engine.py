@@ -162,8 +162,8 @@ class Engine(Scheduler):
         #: The options the engine was built with (checked, :mod:`jaxkv.serve.options`).
         self.options = options = options.replace(**kwargs) if kwargs else options
         cache, sched, tenants = options.cache, options.scheduler, options.tenants
-        self.cache = build_cache(model, max_seqs=sched.max_seqs, prefill_chunk=sched.prefill_chunk,
-                                 free_bytes=free_bytes, **dataclasses.asdict(cache))
+        self.cache = build_cache(model, cache, max_seqs=sched.max_seqs, prefill_chunk=sched.prefill_chunk,
+                                 free_bytes=free_bytes)
         scrub_on_free, prefix_quota = tenants.scrub_on_free, tenants.prefix_quota
         enable_kv_events = tenants.enable_kv_events
         # What a rebuilt cache gets again (see _recover).
