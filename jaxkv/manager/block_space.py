@@ -121,9 +121,33 @@ class BlockSpaceManager:
             watermark_blocks=int(watermark * num_device_blocks),
         )
 
+    #: One block table per row (:class:`~jaxkv.manager.rows.RowCache`).
+    ROW_TABLES = True
+
     @property
     def max_seqs(self) -> int:
         return self.block_tables.shape[0]
+
+    # ------------------------------------------------ rows (RowCache)
+
+    @property
+    def blocks_in_use(self) -> Int[Array, ""]:
+        """Device blocks with at least one owner."""
+        return self.device.num_used
+
+    def free_rows(self, rows: Ids, *, keep: bool = False) -> tuple["BlockSpaceManager", Ok]:
+        """:meth:`free` (a row is held by its blocks alone, so ``keep`` frees
+        it too: a free row is what :meth:`fork` forks into)."""
+        del keep
+        return self.free(rows)
+
+    def fork_rows(self, src: Ids, dst: Ids) -> tuple["BlockSpaceManager", Ok]:
+        """:meth:`fork` (rows are this manager's own ids)."""
+        return self.fork(src, dst)
+
+    def block_totals(self) -> tuple[int, int]:
+        """``(free, total)`` device blocks, read to the host."""
+        return int(self.device.num_free), self.device.capacity
 
     @property
     def max_blocks_per_seq(self) -> int:

@@ -74,6 +74,7 @@ from jaxkv.manager.hybrid_schema import (
     build_schemas,
 )
 from jaxkv.manager.layer_handle import LayerCacheHandle
+from jaxkv.manager.rows import slot_of
 from jaxkv.pool.compressed import CompressedLayerCache
 from jaxkv.pool.gdn_pool import GDNPool
 from jaxkv.pool.kv_pool import KVPool
@@ -217,10 +218,31 @@ class KVCacheManager:
     def num_slots(self) -> int:
         return self.slots.num_blocks
 
+    # ------------------------------------------------ rows (RowCache)
+
+    #: A table per group, not per row (:class:`~jaxkv.manager.rows.RowCache`).
+    ROW_TABLES = False
+
     @property
     def blocks_in_use(self) -> Int[Array, ""]:
         """Blocks held by requests, summed over every group."""
         return sum((g.allocator.num_used for g in self.groups.values()), jnp.int32(0))
+
+    def free_rows(self, rows, *, keep: bool = False) -> tuple["KVCacheManager", Ok]:
+        """Rows ``rows`` are slots :func:`~jaxkv.manager.rows.slot_of`:
+        :meth:`clear` them (``keep``: held, empty) or :meth:`release` them."""
+        slots = slot_of(rows)
+        return self.clear(slots) if keep else self.release(slots)
+
+    def fork_rows(self, src, dst) -> tuple["KVCacheManager", Ok]:
+        """:meth:`fork` of the rows' slots (the children held already)."""
+        return self.fork(slot_of(src), slot_of(dst))
+
+    def block_totals(self) -> tuple[int, int]:
+        """``(free, total)`` blocks summed over the groups, read to the host."""
+        groups = self.groups.values()
+        return (int(sum(int(g.allocator.num_free) for g in groups)),
+                int(sum(int(g.allocator.capacity) for g in groups)))
 
     def memory_bytes(self) -> int:
         """Bytes of every array the manager owns (pools, states, tables,
@@ -333,6 +355,9 @@ class KVCacheManager:
         ``slots`` that ``advanced`` this step and now holds a multiple of
         ``capture_every`` tokens into its staging snapshot ``slot - 1``
         (skipped entirely when no row is on a boundary). A no-op otherwise.
+        jaxkv's own steps (``jaxkv.nn.steps``, the engine) never call it: a
+        caller that enables ``capture_every`` calls it after each of its
+        steps.
 
         Ids outside the request slots ``1 .. max_requests`` (-1 padding, the
         null slot 0, other negatives, snapshot rows and anything past them)

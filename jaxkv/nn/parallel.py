@@ -56,7 +56,7 @@ from jaxtyping import Array, Bool, Float, Int
 from jaxkv._ops import ceil_div, pow2_at_least
 from jaxkv.errors import InvalidArgument, KVCacheOOM
 from jaxkv.manager.block_space import BlockSpaceManager
-from jaxkv.manager.hybrid import KVCacheManager
+from jaxkv.manager.rows import slot_of
 from jaxkv.nn.packed import cache_kind
 from jaxkv.nn.sampling import GREEDY, SamplingParams
 from jaxkv.nn.steps import (DecodeState, decode_logits, decode_loop, decode_step, hybrid_prefill_chunk,
@@ -100,8 +100,8 @@ def prefill_one(graphdef, params, manager: BlockSpaceManager, pool: KVPool, prom
     """Admit row 0 for the prompt and run it through the model; returns the
     manager, pool, the last prompt position's logits ``[V]`` and ``ok``.
     (A hybrid manager's rows are admitted already: row 0 is slot 1.)"""
-    if isinstance(manager, KVCacheManager):
-        manager, last, ok = hybrid_prefill_chunk(graphdef, params, manager, jnp.ones((1,), jnp.int32), prompt,
+    if pool is None:  # the manager holds its K/V: a hybrid cache
+        manager, last, ok = hybrid_prefill_chunk(graphdef, params, manager, slot_of(jnp.zeros((1,), jnp.int32)), prompt,
                                                  jnp.reshape(length, (1,)).astype(jnp.int32))
         return manager, pool, last[0], ok
     row0 = jnp.zeros((1,), jnp.int32)
@@ -157,14 +157,12 @@ def setup_prompt(model, prompt, rows: int, max_new_tokens: int, page_size: int,
     return PromptSetup(jnp.asarray(padded), jnp.asarray(len(prompt), jnp.int32), manager, pool, num_pages)
 
 
-def _out_of_blocks(setup: PromptSetup, manager, needed: int, what: str) -> KVCacheOOM:
+def _out_of_blocks(manager, needed: int, what: str) -> KVCacheOOM:
     """The error of a failed prefill or decode: free and total blocks of the
     paged pool, or summed over a hybrid manager's groups."""
-    if isinstance(manager, KVCacheManager):
-        free = int(sum(int(g.allocator.num_free) for g in manager.groups.values()))
-        total = int(sum(int(g.allocator.capacity) for g in manager.groups.values()))
-        return KVCacheOOM(needed, free, total, unit="blocks", detail=f"{what} (groups {list(manager.groups)})")
-    return KVCacheOOM(needed, int(manager.device.num_free), setup.num_pages - 1, unit="blocks", detail=what)
+    free, total = manager.block_totals()
+    groups = "" if manager.ROW_TABLES else f" (groups {list(manager.groups)})"
+    return KVCacheOOM(needed, free, total, unit="blocks", detail=what + groups)
 
 
 # --------------------------------------------------------- parallel sampling
@@ -184,28 +182,13 @@ def prefill_fork(graphdef, params, manager: BlockSpaceManager, pool: KVPool, pro
     n = keys.shape[0]
     manager, pool, last_logits, ok = prefill_one(graphdef, params, manager, pool, prompt, length)
     if n > 1:
-        manager, forked = _fork_rows(manager, jnp.zeros((n - 1,), jnp.int32), jnp.arange(1, n, dtype=jnp.int32))
+        manager, forked = manager.fork_rows(jnp.zeros((n - 1,), jnp.int32), jnp.arange(1, n, dtype=jnp.int32))
         ok &= forked
     logits = jnp.broadcast_to(last_logits, (n, last_logits.shape[-1]))
     return start_decoding(manager, pool, logits, keys, sampling, eos_id, max_new=max_new, ok=ok,
-                          keep_final_tables=not isinstance(manager, KVCacheManager))
+                          keep_final_tables=manager.ROW_TABLES)
 
 
-def _fork_rows(manager, src, dst):
-    """Fork rows ``src`` into rows ``dst`` (-1 skipped) of either manager."""
-    if isinstance(manager, KVCacheManager):
-        return manager.fork(jnp.where(src >= 0, src + 1, -1), jnp.where(dst >= 0, dst + 1, -1))
-    return manager.fork(src, dst)
-
-
-def _free_rows(manager, rows, *, keep: bool):
-    """Free rows ``rows`` (-1 skipped). A hybrid manager's rows are slots held
-    to the end: with ``keep`` they are cleared (blocks and state given back,
-    the slot kept for a fork), else released."""
-    if isinstance(manager, KVCacheManager):
-        slots = jnp.where(rows >= 0, rows + 1, -1)
-        return manager.clear(slots) if keep else manager.release(slots)
-    return manager.free(rows)
 
 
 #: One decode step of every running row (:func:`jaxkv.nn.steps.decode_step`).
@@ -237,10 +220,10 @@ def parallel_sample(model, prompt, n: int, max_new_tokens: int, *, sampling: Sam
     state = prefill_fork(graphdef, params, setup.manager, setup.pool, setup.padded, setup.length,
                          sequence_keys(seed, n), eos_id, sampling, max_new=max_new_tokens)
     if not bool(state.ok):
-        raise _out_of_blocks(setup, state.manager, ceil_div(int(setup.length), page_size), "the prompt's prefill")
+        raise _out_of_blocks(state.manager, ceil_div(int(setup.length), page_size), "the prompt's prefill")
     state = decode_loop(graphdef, params, state, sampling)
     if not bool(state.ok):
-        raise _out_of_blocks(setup, state.manager, int(jnp.sum(state.blocked)), "decode ran out of KV blocks")
+        raise _out_of_blocks(state.manager, int(jnp.sum(state.blocked)), "decode ran out of KV blocks")
     tokens, counts = jax.device_get((state.tokens, state.num_generated))
     return ParallelOutput([tokens[i, : counts[i]].tolist() for i in range(n)], state)
 
@@ -336,9 +319,9 @@ def _beam_rows(parents, active):
     same = parents[:, None] == parents[None, :]
     first = jnp.sum(same & (lane[None, :] < lane[:, None]), axis=1) == 0
     is_parent = jnp.zeros((b,), bool).at[parents].set(True)
-    free_rows = jnp.argsort(is_parent, stable=True)  # rows no beam continues first, ascending
+    spare = jnp.argsort(is_parent, stable=True)  # rows no beam continues first, ascending
     other = jnp.cumsum(~first) - 1
-    rows = jnp.where(first, parents, free_rows[jnp.clip(other, 0, b - 1)])
+    rows = jnp.where(first, parents, spare[jnp.clip(other, 0, b - 1)])
     dropped = jnp.where(active & ~is_parent, lane, -1)
     return rows, dropped, jnp.where(first, -1, parents), jnp.where(first, -1, rows)
 
@@ -347,8 +330,8 @@ def _beam_body(graphdef, params, state: BeamState) -> BeamState:
     b = state.scores.shape[0]
     state, (scores, parents, tokens, histories) = _beam_select(state)
     rows, dropped, fork_src, fork_dst = _beam_rows(parents, state.active)
-    manager, freed = _free_rows(state.manager, dropped, keep=True)
-    manager, forked = _fork_rows(manager, fork_src, fork_dst)  # shares the parents' blocks
+    manager, freed = state.manager.free_rows(dropped, keep=True)
+    manager, forked = manager.fork_rows(fork_src, fork_dst)  # shares the parents' blocks
     last = jnp.zeros((b,), jnp.int32).at[rows].set(tokens)
     manager, pool, logits, _, appended = decode_logits(graphdef, params, manager, state.pool, last,
                                                        jnp.ones((b,), bool))  # CoW of shared last pages
@@ -369,7 +352,7 @@ def beam_loop(graphdef, params, state: BeamState):
     state = jax.lax.while_loop(lambda s: (s.step < max_new - 1) & s.ok,
                                lambda s: _beam_body(graphdef, params, s), state)
     state, (scores, _, _, histories) = _beam_select(state)
-    manager, freed = _free_rows(state.manager, jnp.where(state.active, jnp.arange(scores.shape[0]), -1), keep=False)
+    manager, freed = state.manager.free_rows(jnp.where(state.active, jnp.arange(scores.shape[0]), -1), keep=False)
     return state.replace(manager=manager, ok=state.ok & freed), (scores, histories)
 
 
@@ -396,10 +379,10 @@ def beam_search_output(model, prompt, num_beams: int, max_new_tokens: int, *, le
     state = beam_prefill(graphdef, params, setup.manager, setup.pool, setup.padded, setup.length, eos_id,
                          np.float32(length_penalty), num_beams=num_beams, max_new=max_new_tokens)
     if not bool(state.ok):
-        raise _out_of_blocks(setup, state.manager, ceil_div(int(setup.length), page_size), "the prompt's prefill")
+        raise _out_of_blocks(state.manager, ceil_div(int(setup.length), page_size), "the prompt's prefill")
     state, (scores, histories) = beam_loop(graphdef, params, state)
     if not bool(state.ok):
-        raise _out_of_blocks(setup, state.manager, 1, "beam search ran out of KV blocks")
+        raise _out_of_blocks(state.manager, 1, "beam search ran out of KV blocks")
     scores, histories, hyp_scores, hyp_tokens, hyp_lens = jax.device_get(
         (scores, histories, state.hyp_scores, state.hyp_tokens, state.hyp_lens))
     final = [(hyp_tokens[i, : hyp_lens[i]].tolist(), float(hyp_scores[i]))

@@ -27,7 +27,8 @@ K/V in a :class:`~jaxkv.KVPool` whose blocks a
 :class:`~jaxkv.BlockSpaceManager` hands out (row ``b`` is sequence ``b``). A
 hybrid-cache model (DeepSeek-V4: it has ``make_cache``) keeps everything in
 a :class:`~jaxkv.KVCacheManager` (``pool`` is None): row ``b`` is request
-slot ``b + 1`` (a fresh manager admits slots lowest first), each decode step
+slot ``b + 1`` (a fresh manager admits slots lowest first; the rule and the
+row operations both managers give are :mod:`jaxkv.manager.rows`), each decode step
 reserves one token per running row (``KVCacheManager.reserve``, all or
 nothing) and a finished row's slot and blocks are released in the step it
 finishes. :func:`hybrid_prefill_chunk` is its prefill.
@@ -58,6 +59,7 @@ from jaxtyping import Array, Bool, Float, Int
 from jaxkv.errors import InvalidArgument
 from jaxkv.manager.block_space import BlockSpaceManager
 from jaxkv.manager.hybrid import KVCacheManager
+from jaxkv.manager.rows import slot_of
 from jaxkv.nn.packed import PackedBatch
 from jaxkv.nn.sampling import RowSampling, SamplingParams, sample, split_keys
 from jaxkv.pool.kv_pool import KVPool
@@ -117,12 +119,12 @@ def hybrid_prefill_chunk(graphdef, params, manager: KVCacheManager, slots: Int[A
     lane) and run ``tokens[b, :num_new[b]]`` through the hybrid model at the
     slot's next positions. Returns ``(manager, logits, ok)``: ``logits[b]``
     of row ``b``'s last new token; all or nothing (``ok`` False: nothing
-    reserved or written)."""
+    reserved or written). No snapshot is captured (see
+    :func:`hybrid_packed_step`)."""
     manager, starts, ok = manager.reserve(slots, num_new, max_new_tokens=tokens.shape[1])
     model = nnx.merge(graphdef, params)
     logits, manager = model(tokens, manager, jnp.where(ok, slots, -1), jnp.maximum(starts, 0),
                             jnp.where(ok, num_new, 0))
-    manager = manager.capture(slots, ok & (num_new > 0))  # a boundary snapshot, if the manager keeps them
     last = jnp.take_along_axis(logits, jnp.maximum(num_new - 1, 0)[:, None, None], axis=1)[:, 0]
     return manager, last, ok
 
@@ -131,16 +133,10 @@ def _hybrid_decode_logits(graphdef, params, manager: KVCacheManager, last, activ
     """:func:`decode_logits` for a hybrid-cache model (row ``b`` = slot ``b + 1``).
     ``blocked`` marks every row that was to run when the reserve failed (the
     manager's reserve is all or nothing and does not say which row was short)."""
-    slots = jnp.where(active, jnp.arange(1, last.shape[0] + 1, dtype=jnp.int32), -1)
+    slots = slot_of(jnp.where(active, jnp.arange(last.shape[0], dtype=jnp.int32), -1))
     manager, last_logits, ok = hybrid_prefill_chunk(graphdef, params, manager, slots, last[:, None],
                                                     active.astype(jnp.int32))
     return manager, None, last_logits, active & ~ok, ok
-
-
-def _blocks_in_use(manager) -> Int[Array, ""]:
-    if isinstance(manager, KVCacheManager):
-        return manager.blocks_in_use
-    return manager.device.num_used
 
 
 def decode_logits(graphdef, params, manager: BlockSpaceManager, pool: KVPool, last: Int[Array, " B"],
@@ -159,7 +155,7 @@ def decode_logits(graphdef, params, manager: BlockSpaceManager, pool: KVPool, la
     ``scrub`` (static): zero the blocks the window trim frees before the
     append can hand them out again (:mod:`jaxkv.pool.scrub`).
     """
-    if isinstance(manager, KVCacheManager):
+    if pool is None:  # the manager holds its K/V: a hybrid cache
         return _hybrid_decode_logits(graphdef, params, manager, last, active)
     batch = last.shape[0]
     seqs = jnp.where(active, jnp.arange(batch, dtype=jnp.int32), -1)
@@ -291,7 +287,7 @@ class DecodeState:
         0); ``max_new`` and ``eos_id`` broadcast to the batch."""
         last = jnp.asarray(last, jnp.int32)
         batch = last.shape[0]
-        if keep_final_tables and isinstance(manager, KVCacheManager):
+        if keep_final_tables and not manager.ROW_TABLES:
             raise InvalidArgument("keep_final_tables needs a BlockSpaceManager (a hybrid cache has a table per group)")
         return cls(
             manager=manager, pool=pool, tokens=jnp.full((batch, width), -1, jnp.int32),
@@ -302,7 +298,7 @@ class DecodeState:
             blocked=jnp.zeros((batch,), bool),
             final_tables=jnp.full((batch, manager.max_blocks_per_seq), -1, jnp.int32) if keep_final_tables else None,
             final_lens=jnp.zeros((batch,), jnp.int32) if keep_final_tables else None,
-            peak_used=_blocks_in_use(manager),
+            peak_used=manager.blocks_in_use,
             ok=jnp.asarray(ok, bool))
 
 
@@ -319,9 +315,7 @@ def _finish(state: DecodeState, done: Bool[Array, " B"], free_finished: bool) ->
     lanes = jnp.arange(done.shape[0], dtype=jnp.int32)
 
     def free(manager):
-        if isinstance(manager, KVCacheManager):
-            return manager.release(jnp.where(done, lanes + 1, -1))[0]  # done rows hold their slot: cannot fail
-        return manager.free(jnp.where(done, lanes, -1))[0]  # done rows are ON_DEVICE: cannot fail
+        return manager.free_rows(jnp.where(done, lanes, -1))[0]  # done rows are held: cannot fail
 
     # Most steps finish no row: skip the free's scatters then (a decode step
     # at batch 1 is a few hundred small kernels; these are a tenth of them).
@@ -373,7 +367,7 @@ def decode_body(graphdef, params, state: DecodeState, sampling: SamplingParams |
         manager=manager, pool=pool, tokens=state.tokens.at[jnp.arange(batch), column].set(new, mode="drop"),
         written=state.written + running, num_generated=num_generated, last=jnp.where(running, new, state.last),
         keys=keys, step=state.step + 1, blocked=jnp.where(ok, state.blocked, now_blocked),
-        peak_used=jnp.maximum(state.peak_used, _blocks_in_use(manager)), ok=state.ok & ok)
+        peak_used=jnp.maximum(state.peak_used, manager.blocks_in_use), ok=state.ok & ok)
     done = running & ((new == state.eos_id) | (num_generated >= state.max_new))
     return _finish(state, done, free_finished)
 
@@ -468,9 +462,12 @@ def hybrid_packed_step(graphdef, params, manager: KVCacheManager, batch: PackedB
     slots): ``reserve`` the prefill lanes' tokens (their blocks were
     preallocated: ``prefill_ok`` False is a bookkeeping bug), then the
     decode lanes' (all or nothing; on failure they drop out), run the model
-    (``forward_packed``), capture boundary snapshots, and draw a token for
-    the lanes of ``batch.sample`` that ran. Returns ``(manager, tokens [S],
-    keys, prefill_ok, decode_ok, blocks in use)``."""
+    (``forward_packed``), and draw a token for the lanes of ``batch.sample``
+    that ran. Returns ``(manager, tokens [S], keys, prefill_ok, decode_ok,
+    blocks in use)``. Nothing here snapshots: the engine keeps its snapshots
+    at prompt-piece ends (:mod:`jaxkv.serve.hybrid_cache`); a caller that
+    built its manager with ``capture_every`` calls ``manager.capture`` after
+    its own steps."""
     decode = batch.decode_lanes
     prefill = ~decode & (batch.q_lens > 0) & (batch.seq_ids >= 0)
     manager, _, prefill_ok = manager.reserve(jnp.where(prefill, batch.seq_ids, -1), jnp.where(prefill, batch.q_lens, 0),
@@ -482,6 +479,5 @@ def hybrid_packed_step(graphdef, params, manager: KVCacheManager, batch: PackedB
                                               batch.positions, -1))
     logits, manager = nnx.merge(graphdef, params).forward_packed(batch, manager)
     ran = (batch.q_lens > 0) & jnp.where(decode, decode_ok, prefill_ok)
-    manager = manager.capture(jnp.where(ran, batch.seq_ids, -1), ran)
     tokens, keys = _sample_lanes(logits, keys, sampling, batch.sample & ran)
     return manager, tokens, keys, prefill_ok, decode_ok, manager.blocks_in_use

@@ -35,7 +35,7 @@ defines:
 
 Sequence row ``r`` of the engine is row ``r`` of a :class:`PagedCache`'s
 :class:`~jaxkv.BlockSpaceManager` and request slot :func:`slot_of` ``(r) =
-r + 1`` of a :class:`HybridCache`'s :class:`~jaxkv.KVCacheManager` (slot 0
+r + 1`` (:mod:`jaxkv.manager.rows`, where the rule is written once) of a :class:`HybridCache`'s :class:`~jaxkv.KVCacheManager` (slot 0
 is the manager's null slot; the manager admits the lowest free slot and the
 engine the lowest free row; :meth:`begin_prefill` checks that they agree).
 
@@ -64,6 +64,7 @@ import numpy as np
 
 from jaxkv.errors import InvalidArgument, KVCacheOOM
 from jaxkv.manager.block_space import FREE, ON_DEVICE, STATUS_NAMES, SWAPPED
+from jaxkv.manager.rows import row_of, slot_of
 from jaxkv.nn import sharding
 from jaxkv.nn.packed import PackedLane
 from jaxkv.nn.sampling import RowSampling, sample, split_keys
@@ -149,17 +150,6 @@ class PackedResult:
     blocked: np.ndarray
     peak: int
 
-
-
-def slot_of(row: int) -> int:
-    """The hybrid manager's request slot of engine row ``row`` (slot 0 is
-    the manager's null slot): the one place the rule is written."""
-    return row + 1
-
-
-def row_of(slot: int) -> int:
-    """The engine row of the hybrid manager's request slot ``slot``."""
-    return slot - 1
 
 
 def fixed_ids(ids, size: int) -> np.ndarray:

@@ -18,7 +18,7 @@ between iterations while others run; :meth:`Engine.step` runs ONE
 scheduler iteration and returns a :class:`RequestOutput` per request that
 made tokens (a decode chunk makes up to ``decode_chunk`` per request, all
 reported, in order) or finished in it (``"stop"``, ``"length"``,
-``"abort"``, ``"error"``: see "Failures" in :mod:`jaxkv.serve.scheduler`);
+``"abort"``, ``"error"``: see :mod:`jaxkv.serve.faults`);
 :meth:`Engine.abort` frees what a request holds at the next
 iteration; :meth:`Engine.stats` is a snapshot for a metrics endpoint.
 :meth:`Engine.run` is a loop over ``step`` (with a summary), so a request
@@ -372,7 +372,7 @@ class Engine(Scheduler):
         :meth:`run` gives it (``run`` is a loop over ``step``), whenever it
         was added.
 
-        All or nothing (:mod:`jaxkv.serve.scheduler`, "Failures"): a request whose own
+        All or nothing (:mod:`jaxkv.serve.faults`): a request whose own
         part fails is finished alone with ``"error"``; any other exception
         is contained (the cache rebuilt empty, the requests in flight
         re-queued with their tokens; logged, counted, kept in

@@ -19,15 +19,16 @@ from jaxkv.manager import hybrid_host
 from jaxkv.manager.block_space import FREE, ON_DEVICE, SWAPPED
 from jaxkv.manager.hybrid import KVCacheManager
 from jaxkv.manager.hybrid_swap import RequestImages, release_blocks_scrubbed, release_scrubbed, reset_rows
-from jaxkv.manager.hybrid_schema import block_bytes
 from jaxkv.nn.packed import PackedBatch, pack
 from jaxkv.nn.sampling import RowSampling
 from jaxkv.nn.steps import hybrid_packed_step, hybrid_prefill_chunk
 from jaxkv.prefix.snapshot_cache import BlockOps, SnapshotCache
 from jaxkv.prefix.snapshot_host import SnapshotHostTier
+from jaxkv.prefix.snapshot_points import SnapshotPoints
 from jaxkv.serve.caches import (CacheBase, DecodeResult, PackedResult, PrefillLane, PrefixHit, fixed_ids,
                                 remembers_arguments, row_of, sample_first, slot_of)
-from jaxkv.serve.sizing import CachePlan, GroupPlan
+from jaxkv.serve import sizing
+from jaxkv.serve.sizing import CachePlan
 
 __all__ = ["HybridCache"]
 
@@ -111,19 +112,12 @@ class HybridCache(CacheBase):
     which holds the tree of ``unit``-token pages and the snapshot records;
     this adapter applies the device work it returns). A snapshot is a copy
     of a request's state rows (SWA window, compressor and indexer rings,
-    GDN states) at an exact token position, taken where the request's
-    state is exactly there, with no capture inside the jitted steps:
-
-    * at the end of a prefill piece that ends on a *cut* (:meth:`_cuts`):
-      the branch point where the prompt parts from everything cached, the
-      prompt's last token but one (a repeat of the prompt hits all of it
-      but the token that yields logits), and a point another request waits
-      for (:meth:`add_cut`);
-    * at the end of a prefill piece ``interval`` tokens or more past the
-      row's last snapshot (a later request sharing a long prefix hits near
-      where it parts);
-    * when a request retires, finished or preempted: its exact length (the
-      next turn of a conversation hits all of it).
+    GDN states) at an exact token position, taken between device calls with
+    no capture inside the jitted steps: at the end of a prefill piece that
+    :class:`~jaxkv.prefix.snapshot_points.SnapshotPoints` chooses (a cut the
+    pieces are made to end on, or an interval), and when a request retires,
+    finished or preempted, at its exact length (the next turn of a
+    conversation hits all of it).
 
     A hit shares the whole blocks by reference and gets a private copy of
     each group's partly filled last block (copy on write, in
@@ -152,15 +146,9 @@ class HybridCache(CacheBase):
         self.groups = tuple(groups)
         self.capacity = np.asarray([g.allocator.capacity for g in groups.values()], np.int64)
         self._per_block = [(g.tokens_per_entry, g.entries_per_block) for g in groups.values()]
-        config = self.manager.config
-        self.bytes_per_token = sum(block_bytes(s, config) / s.tokens_per_block
-                                   for s in self.manager.schemas if s.group is not None)
-        self.group_block_bytes = [sum(block_bytes(s, config) for s in self.manager.schemas if s.group == name)
-                                  for name in self.groups]
-        # What cannot be shared per token: rings, windows, recurrent state (and tables), per state row.
-        self.state_bytes_per_request = (self.manager.memory_bytes() - sum(
-            block_bytes(s, config) * int(self.capacity[self.groups.index(s.group)] + 1)
-            for s in self.manager.schemas if s.group is not None)) / (max_seqs + 1 + self.manager.num_snapshots)
+        costs = sizing.hybrid_bytes(self.manager)
+        self.bytes_per_token, self.group_block_bytes = costs.per_token, list(costs.per_block)
+        self.state_bytes_per_request = costs.per_state_row
         self.host_prefixes = (SnapshotHostTier(hybrid_host.HostStore(host_prefix_memory, memory_kind="auto"))
                               if host_prefix_memory and cached else None)
         self.snapshots = SnapshotCache(self.unit, self.groups, self.blocks_for, cached, retention=retention,
@@ -168,11 +156,9 @@ class HybridCache(CacheBase):
                                        block_bytes=self.group_block_bytes, spill=self.host_prefixes is not None)
         self.prefix_cache = self.snapshots.tree
         self.hit_grain = 1  # hits end where a snapshot was taken, at any token
-        #: Tokens of prefill between interval snapshots of one row.
-        self.interval = max(self.unit, 256) if snapshot_interval is None else snapshot_interval
-        self._lens = [0] * max_seqs  # per row: tokens in the cache
-        self._last_snapshot = [0] * max_seqs  # per row: where its last snapshot was taken
-        self._extra_cuts: list[set] = [set() for _ in range(max_seqs)]  # per row: points others wait for
+        #: Where each row is snapshotted (its length, last snapshot and cuts).
+        self.points = SnapshotPoints(max_seqs, max(self.unit, 256) if snapshot_interval is None else snapshot_interval,
+                                     enabled=cached > 0)
         self._released: set = set()  # ids of the snapshot hits unpinned at admission (see unpin)
         self.host_bytes = int(host_kv_memory or 0)  # host memory for swapped-out rows
         self.can_swap = self.host_bytes > 0
@@ -206,19 +192,9 @@ class HybridCache(CacheBase):
         return self.manager.memory_bytes()
 
     def _plan(self, *, budget, source, per_block: list[int] | None = None) -> CachePlan:
-        config = self.manager.config
-        groups = []
-        for g, (name, group) in enumerate(self.manager.groups.items()):
-            storage = sum(block_bytes(s, config) for s in self.manager.schemas if s.group == name)
-            cost = storage if per_block is None else int(per_block[g])
-            blocks = int(self.capacity[g])
-            groups.append(GroupPlan(name, blocks, group.tokens_per_block, blocks * group.tokens_per_block,
-                                    storage / group.tokens_per_block, cost, cost * (blocks + 1)))
-        return CachePlan(
-            cache="hybrid", max_model_len=self.max_context_tokens, max_seqs=self.max_seqs, groups=tuple(groups),
-            prefix_unit_tokens=self.unit, num_snapshots=self.num_cached_snapshots,
-            snapshot_bytes=int(self.state_bytes_per_request), host_pages=0, host_bytes=self.host_bytes,
-            device_bytes=self.device_bytes(), budget_bytes=budget, source=source)
+        return sizing.hybrid_plan(self.manager, max_seqs=self.max_seqs, max_model_len=self.max_context_tokens,
+                                  unit=self.unit, num_snapshots=self.num_cached_snapshots, host_bytes=self.host_bytes,
+                                  budget=budget, source=source, per_block=per_block)
 
     # ---------------------------------------------------------------- blocks
 
@@ -445,7 +421,7 @@ class HybridCache(CacheBase):
             row_blocks = [tables[name][slot_of(row)] for name in self.groups]
             ops.extend(self.snapshots.store(tokens, row_blocks, slot_of(row), kind=kind, namespace=namespace,
                                             supersedes=record))
-            self._last_snapshot[row] = len(tokens)
+            self.points.stored(row, len(tokens))
             if self.snapshots.spill:  # a later store may spill this record: its row must hold its state by then
                 self._apply(ops)
                 ops = self.snapshots.empty_ops()
@@ -464,7 +440,7 @@ class HybridCache(CacheBase):
             raise BookkeepingError(f"hybrid admission gave slots {slots[: len(lanes)].tolist()} (ok={bool(ok)}) "
                                    f"for rows {[lane.row for lane in lanes]}, which need slots {want}")
         for lane in lanes:
-            self._lens[lane.row] = self._last_snapshot[lane.row] = lane.hit.tokens
+            self.points.start(lane.row, lane.hit.tokens)
         loaded = [self._load_host_hit(lane) if isinstance(lane.hit.node, _HostHit) else lane for lane in lanes]
         self._attach_hits([lane for lane in loaded if lane.hit.tokens])
         for lane in loaded:  # attached: the slot holds the blocks and the state, the record needs no pin
@@ -505,22 +481,14 @@ class HybridCache(CacheBase):
     def add_cut(self, row: int, position: int) -> bool:
         """Snapshot row ``row`` when its prefill reaches ``position``
         (another request waits for that prefix). Returns whether the
-        engine must cut the row's prefill pieces there (True: a snapshot
-        needs a piece to end exactly at ``position``)."""
-        if not self.num_cached_snapshots or position <= self._lens[row]:
-            return False
-        self._extra_cuts[row].add(position)
-        return True
+        engine must cut the row's prefill pieces there
+        (:meth:`SnapshotPoints.add_cut`)."""
+        return self.points.add_cut(row, position)
 
     def _cuts(self, lane: PrefillLane) -> list[int]:
         """Where a prefill piece must end so that the state there is
-        snapshotted: the branch point (where the prompt parts from what is
-        cached: later requests sharing that prefix hit it), the prompt's
-        last token but one (a repeat of the prompt hits it) and the points
-        other requests wait for (:meth:`add_cut`)."""
-        if not self.num_cached_snapshots:
-            return []
-        return sorted({lane.hit.matched, len(lane.tokens) - 1, *self._extra_cuts[lane.row]})
+        snapshotted (:meth:`SnapshotPoints.cuts`)."""
+        return self.points.cuts(lane.row, lane.hit.matched, len(lane.tokens))
 
     def _prefill_call(self, graphdef, params, lanes, starts, num_new, tokens, sampling, keys):
         slots = fixed_ids([slot_of(lane.row) for lane in lanes], self.max_seqs)
@@ -542,18 +510,9 @@ class HybridCache(CacheBase):
             if not num_new[i]:
                 continue
             end = int(starts[i]) + int(num_new[i])
-            self._lens[lane.row] = end
-            if not self.num_cached_snapshots or end >= len(lane.tokens):
-                continue
-            cuts = self._cuts(lane)
-            if end in cuts:
-                kind = "prompt_end" if end == len(lane.tokens) - 1 else "branch"
-            elif end - self._last_snapshot[lane.row] >= self.interval:
-                kind = "interval"
-            else:
-                continue
-            self._extra_cuts[lane.row].discard(end)
-            items.append((lane.row, lane.tokens[:end], lane.namespace, kind, lane.hit))
+            kind = self.points.piece_ran(lane.row, end, lane.hit.matched, len(lane.tokens))
+            if kind is not None:
+                items.append((lane.row, lane.tokens[:end], lane.namespace, kind, lane.hit))
         self._store(items)
 
     def _seq_id(self, row: int) -> int:
@@ -575,7 +534,7 @@ class HybridCache(CacheBase):
                                    f" (pieces {[(lane.start, len(lane.tokens)) for lane in lanes[:num_prefill]]})")
         if ok:
             for lane in lanes[num_prefill:]:  # each decode lane grew by its token
-                self._lens[row_of(lane.seq_id)] += 1
+                self.points.grew(row_of(lane.seq_id), 1)
         # The reserve is all or nothing and does not say which row was short.
         blocked = np.zeros((self.max_seqs,), bool)
         if not ok:
@@ -593,7 +552,7 @@ class HybridCache(CacheBase):
         result = super().decode(graphdef, params, last, active, num_generated, max_new, eos_id, sampling, key_data,
                                 num_steps)
         for row in np.flatnonzero(active):  # each token written is one step
-            self._lens[row] += int(result.count[row])
+            self.points.grew(row, int(result.count[row]))
         return result
 
     def retire(self, finished: list) -> None:
@@ -611,8 +570,7 @@ class HybridCache(CacheBase):
                                    f"{[slot_of(r) for r in rows]}) was refused")
         for row, *_, hit in finished:
             self.unpin(hit)
-            self._lens[row] = self._last_snapshot[row] = 0
-            self._extra_cuts[row].clear()
+            self.points.clear(row)
 
     def _release(self, slots):
         """``KVCacheManager.release`` of ``slots`` (scrubbed when on)."""
@@ -642,8 +600,7 @@ class HybridCache(CacheBase):
         self.manager, ok = self._release(fixed_ids([slot_of(row)], self.max_seqs))
         if not bool(ok):
             raise BookkeepingError(f"freeing swapped-out row {row} (slot {slot_of(row)}) was refused")
-        self._lens[row] = self._last_snapshot[row] = 0
-        self._extra_cuts[row].clear()
+        self.points.clear(row)
 
     def row_status(self) -> np.ndarray:
         slots = jnp.asarray([slot_of(row) for row in range(self.max_seqs)])

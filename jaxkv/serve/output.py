@@ -50,7 +50,7 @@ class EngineStats:
     calls computed, and how many of them were padding: idle lanes, the
     bucket's tail, rows finished inside a decode chunk), ``step_failures``
     (steps that raised inside and were contained: the cache rebuilt, the
-    requests in flight re-queued; see :mod:`jaxkv.serve.scheduler`, "Failures") and
+    requests in flight re-queued; see :mod:`jaxkv.serve.faults`) and
     ``failed_requests`` (requests finished with ``"error"``). ``cache_usage``:
     the cache's usage per group now (:class:`EngineSummary`). Since the
     previous :meth:`Engine.stats` call (drained by each call; at most the

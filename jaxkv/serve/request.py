@@ -4,7 +4,7 @@ record the scheduler moves through its life cycle, and what one step
 reports per request (:class:`RequestOutput`).
 
 Intake refuses, naming the argument, whatever could fail later inside a
-step (:mod:`jaxkv.serve.scheduler`, "Failures"): token ids
+step (:mod:`jaxkv.serve.faults`): token ids
 outside the vocabulary, counts and seeds that are not integers a device
 type holds, sampling that is not a :class:`~jaxkv.nn.sampling.SamplingParams`
 (which checks its own fields), stop strings without a tokenizer, and a

@@ -1,7 +1,7 @@
-"""The scheduler: who holds a row, what each iteration runs, and how a
-failure is contained (:class:`Scheduler`, the core that
-:class:`~jaxkv.serve.Engine` fronts; the cache contract it speaks is
-:mod:`jaxkv.serve.caches`).
+"""The scheduler: who holds a row and what each iteration runs
+(:class:`Scheduler`, the core that :class:`~jaxkv.serve.Engine` fronts; the
+cache contract it speaks is :mod:`jaxkv.serve.caches`, how it contains a
+failure :mod:`jaxkv.serve.faults`).
 
 Requests arrive over time (``arrival_step``: the scheduler iteration from
 which a request may be admitted; one added later than that iteration is
@@ -86,32 +86,7 @@ Request life cycle (:class:`RequestState`)::
        |                  SWAPPED                            |
        +------------- abort (from any state) ----------------+
 
-**Failures: a step is all or nothing.** (DESIGN.md, principle 8.)
-
-* A request whose own part of a step fails (its sampling parameters cannot
-  be put on the device, its detokenizer raises) is finished alone, with
-  ``finish_reason="error"`` and the message in ``RequestOutput.error``;
-  what it computed stays computed (its pages may serve later hits), what
-  it did not compute is never inserted (prompt pieces are consumed only
-  after the call that ran them returned). The others go on.
-* Any other exception inside :meth:`step` (a jitted call, the cache's
-  bookkeeping, retirement, a swap, an engine bug) is contained: the engine
-  lets go of the whole cache and builds it again empty
-  (:meth:`~jaxkv.serve.caches.CacheBase.rebuilt`; same sizes, no device
-  array of the old one kept), finishes the requests whose last token was
-  already given out, and puts every request that held a row back at the
-  front of the queue, oldest admission first, as a recompute preemption
-  does: it keeps its tokens and is prefilled again. So no request's tokens
-  change (a recomputation gives the same tokens), the prefix cache starts
-  empty and can hold no token that was not computed, and nothing leaks.
-  ``step`` logs the exception (logger ``jaxkv.serve``, ERROR, with its
-  traceback), counts it (``EngineStats.step_failures``, the last one in
-  :attr:`Engine.last_failure`) and returns the outputs the step made
-  before it. A request in flight at :data:`MAX_REQUEST_FAULTS` such
-  failures is finished with ``"error"``, so a fault that repeats cannot
-  keep the engine busy forever.
-* ``KVCacheOOM`` from "nothing can run" is not a failure of a step but of
-  the fit rule, and is raised as before.
+**Failures: a step is all or nothing** (:mod:`jaxkv.serve.faults`).
 """
 
 from __future__ import annotations
@@ -119,13 +94,13 @@ from __future__ import annotations
 import collections
 import logging
 import time
-import traceback
 
 import numpy as np
 
-from jaxkv.errors import BookkeepingError, KVCacheOOM
+from jaxkv.errors import BookkeepingError
 from jaxkv.nn.sampling import RowSampling
 from jaxkv.serve.caches import FREE, ON_DEVICE, STATUS_NAMES, SWAPPED, PrefillLane
+from jaxkv.serve.faults import MAX_REQUEST_FAULTS, FaultContainment, sampling_row
 from jaxkv.serve.output import OutputProcessor
 from jaxkv.serve.request import Request, RequestState
 from jaxkv.serve.reserve import admission_blocks, growth, make_room, no_hit, readmittable
@@ -139,9 +114,6 @@ logger = logging.getLogger("jaxkv.serve")
 #: prefilled that shares them (:meth:`Scheduler._wait_for_prefix`).
 WAIT_FOR_PREFIX_TOKENS = 32
 
-#: Failed steps a request may be in flight for before it is finished with
-#: ``"error"`` (each failure re-queues it; see "Failures" above).
-MAX_REQUEST_FAULTS = 3
 
 
 def _common_prefix(a: list, b: list) -> int:
@@ -193,14 +165,6 @@ def stream_length(tokens: int, lengths: list[int]) -> int:
     return stream_buckets(tokens)[-1]
 
 
-def sampling_row(req: Request) -> tuple:
-    """``req``'s temperature, top-k and top-p as the device's dtypes
-    (raises for a value they cannot hold: the request's own failure)."""
-    params = req.sampling
-    with np.errstate(over="raise"):  # a float32 overflow is an error here, not an inf
-        return np.float32(params.temperature), np.int32(params.top_k), np.float32(params.top_p)
-
-
 def row_sampling(max_seqs: int, rows: dict, reqs_by_lane: dict) -> RowSampling:
     """Per-lane sampling arrays from the screened ``rows`` (request id ->
     :func:`sampling_row`) of the requests ``reqs_by_lane`` (idle lanes:
@@ -245,7 +209,7 @@ def check_rows(requests: dict, rows: list, swapped: list, status: np.ndarray) ->
                                    f"{requests[rid].state.name} on row {requests[rid].row}")
 
 
-class Scheduler:
+class Scheduler(FaultContainment):
     """The engine's core (module docstring): the requests' records, the row
     map and queues, and one scheduler iteration at a time over ``cache``.
     :class:`~jaxkv.serve.Engine` builds it and adds the public calls
@@ -278,95 +242,11 @@ class Scheduler:
         self._count = output.counters
         self._hit_blocks = np.zeros(len(cache.groups), np.int64)
         self._peak = 0
-        #: The last exception a step contained (see "Failures"), None before any.
-        self.last_failure: BaseException | None = None
+        self.last_failure: BaseException | None = None  # (FaultContainment)
 
     def _configure_cache(self) -> None:
         """Apply the engine's options to a new or rebuilt ``self.cache``
         (the engine's: isolation, events, mesh placement)."""
-
-    def _run_iteration(self) -> None:
-        """Aborts, then one iteration, its failures contained (module
-        docstring): only ``KVCacheOOM`` from "nothing can run" escapes."""
-        try:
-            self._process_aborts()
-            if self._live:
-                self._iterate()
-        except KVCacheOOM:  # the fit rule failed, not the step: nothing moved
-            raise
-        except Exception as err:  # noqa: BLE001 - contained: see "Failures"
-            self._recover(err)
-
-    def _recover(self, err: Exception) -> None:
-        """Contain ``err``, raised inside a step (module docstring,
-        "Failures"): whatever it left half done, in the cache or in these
-        records, is dropped. Requests already given their last token are
-        finished; every other request that held a row (or was being
-        admitted) goes back to the front of the queue, oldest admission
-        first, with its tokens (a request in flight at
-        :data:`MAX_REQUEST_FAULTS` failures is finished with ``"error"``);
-        then the cache is rebuilt empty."""
-        self._count.step_failures += 1
-        self.last_failure = err
-        held = [req for req in (self._requests[rid] for rid in sorted(self._live))
-                if req.row >= 0 or req.state in (RequestState.RUNNING, RequestState.SWAPPED)]
-        logger.error("engine step failed (%s: %s); rebuilding the cache and re-queueing %d request(s)",
-                     type(err).__name__, err, len(held), exc_info=err)
-        traceback.clear_frames(err.__traceback__)  # the frames' locals may hold the old cache's arrays
-        requeue = []
-        for req in sorted(held, key=lambda r: (r.order, r.id)):
-            req.row, req.hit, req.shared, req.lane, req.pieces = -1, None, None, None, []
-            req.state = RequestState.WAITING
-            if req.finish_reason is not None:  # its last token was given out before the failure
-                self._finish(req, req.finish_reason)
-                continue
-            req.faults += 1
-            if req.faults >= MAX_REQUEST_FAULTS:
-                self._error(req, f"the engine failed {req.faults} times while this request was in flight "
-                                 f"(last: {type(err).__name__}: {err})")
-                continue
-            requeue.append(req.id)
-        # Every live request not finished is queued once: the re-queued ones
-        # first, then any an admission had taken out of the queue, then the
-        # queue as it was.
-        queued = set(self._waiting)
-        taken = [rid for rid in sorted(self._live) if rid not in queued and rid not in requeue]
-        self._waiting = collections.deque(
-            requeue + taken + [rid for rid in self._waiting if rid in self._live and rid not in requeue])
-        self._rows = [None] * self.max_seqs
-        self._prefilling, self._swapped = [], []
-        self.cache = self.cache.rebuilt()
-        self._configure_cache()
-
-    def _error(self, req: Request, message: str) -> None:
-        """Finish ``req`` alone with ``"error"`` (``message`` says why): a
-        running one gives back its row and blocks as an aborted one does
-        (only what it computed may stay in the prefix cache)."""
-        req.error, req.finish_reason = message, "error"
-        logger.warning("request %d failed: %s", req.id, message)
-        self._count.failed_requests += 1
-        if req in self._prefilling:
-            self._prefilling.remove(req)
-        if req.state is RequestState.RUNNING:
-            self._retire([req], final=False, requeue=False)
-        elif req.state is RequestState.WAITING and req.id in self._waiting:
-            self._waiting.remove(req.id)
-        self._finish(req, "error")
-
-    def _screen(self, reqs) -> dict:
-        """Each request's sampling row as the device takes it (``{id: row}``);
-        a request whose parameters cannot be put there is finished with
-        ``"error"`` (:meth:`_error`) and left out."""
-        rows = {}
-        for req in list(reqs):
-            try:
-                rows[req.id] = self._sampling_row(req)
-            except Exception as err:  # noqa: BLE001 - this request's own failure
-                self._error(req, f"its sampling parameters cannot be used: {type(err).__name__}: {err}")
-        return rows
-
-    #: ``req``'s sampling row (:func:`sampling_row`; an attribute, so a test can inject a fault here).
-    _sampling_row = staticmethod(sampling_row)
 
     def _iterate(self) -> None:
         calls = self._count.model_calls

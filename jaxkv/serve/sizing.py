@@ -56,6 +56,7 @@ import jax
 import numpy as np
 
 from jaxkv.errors import InvalidArgument
+from jaxkv.manager.hybrid_schema import block_bytes
 
 __all__ = ["CPU_DEFAULT_MAX_MODEL_LEN", "CPU_FREE_BYTES", "DEFAULT_MAX_MODEL_LEN", "DEFAULT_MEMORY_FRACTION", "CachePlan", "GroupPlan",
            "default_max_model_len", "device_free_bytes", "resolve_budget", "solve", "tree_bytes"]
@@ -247,3 +248,46 @@ def affine_bytes(measure: Callable[[list[int]], int], num_groups: int) -> tuple[
         counts[g] = 3
         per_block.append(measure(counts) - base)
     return base - 2 * sum(per_block), per_block
+
+
+@dataclasses.dataclass(frozen=True)
+class HybridBytes:
+    """What a hybrid :class:`~jaxkv.KVCacheManager` costs, from its shapes:
+    ``per_token`` K/V (or compressed-entry) bytes of one token across every
+    group; ``per_block[g]`` the storage bytes of one block of group ``g``
+    (all its layers); ``per_state_row`` what cannot be shared per token
+    (rings, windows, recurrent state, tables) per state row (request
+    slots, the null slot and snapshot rows alike)."""
+
+    per_token: float
+    per_block: tuple[int, ...]
+    per_state_row: float
+
+
+def hybrid_bytes(manager) -> HybridBytes:
+    """The :class:`HybridBytes` of ``manager`` (static shapes only)."""
+    config, schemas = manager.config, manager.schemas
+    per_block = tuple(sum(block_bytes(s, config) for s in schemas if s.group == name) for name in manager.groups)
+    capacity = {name: g.allocator.capacity for name, g in manager.groups.items()}
+    blocks = sum(block_bytes(s, config) * (capacity[s.group] + 1) for s in schemas if s.group is not None)
+    return HybridBytes(per_token=sum(block_bytes(s, config) / s.tokens_per_block for s in schemas if s.group is not None),
+                       per_block=per_block,
+                       per_state_row=(manager.memory_bytes() - blocks) / (manager.num_slots + manager.num_snapshots))
+
+
+def hybrid_plan(manager, *, max_seqs: int, max_model_len: int, unit: int, num_snapshots: int, host_bytes: int,
+                budget: int | None, source: str, per_block: Sequence[int] | None = None) -> CachePlan:
+    """The :class:`CachePlan` of a hybrid cache over ``manager``; ``per_block``:
+    the measured device bytes one more block of each group costs (default:
+    its storage alone)."""
+    costs = hybrid_bytes(manager)
+    groups = []
+    for g, (name, group) in enumerate(manager.groups.items()):
+        cost = costs.per_block[g] if per_block is None else int(per_block[g])
+        blocks = int(group.allocator.capacity)
+        groups.append(GroupPlan(name, blocks, group.tokens_per_block, blocks * group.tokens_per_block,
+                                costs.per_block[g] / group.tokens_per_block, cost, cost * (blocks + 1)))
+    return CachePlan(cache="hybrid", max_model_len=max_model_len, max_seqs=max_seqs, groups=tuple(groups),
+                     prefix_unit_tokens=unit, num_snapshots=num_snapshots, snapshot_bytes=int(costs.per_state_row),
+                     host_pages=0, host_bytes=host_bytes, device_bytes=manager.memory_bytes(), budget_bytes=budget,
+                     source=source)
