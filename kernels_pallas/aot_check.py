@@ -24,7 +24,8 @@ included. It prints one row per configuration:
 The default matrix covers what users run (DeepSeek-V4 and V3.2 gathers at
 real sizes, GQA bf16/fp8 at head dims 64-512, page sizes 16 and 64, batch
 1/8/64 at 1k-128k context, windows and soft caps, MLA 576/512 at 16 and 128
-heads, float32 pages, a stacked pool read by layer; the ragged kernel on
+heads, float32 pages, a stacked pool read by a static and a traced layer
+(also under ``lax.scan`` over the layers); the ragged kernel on
 mixed, prefill-heavy and decode-only packed steps over the same axes, sinks
 included: :func:`ragged_cases`); ``--full`` takes the whole product of the
 decode kernel's axes (about 800 compiles).
@@ -212,8 +213,28 @@ def _case_params(dtype, head_dim, dv, heads, kv_heads, page_size, shape: dict, o
     return params
 
 
+def _by_layer(call, layer, layers, num_args):
+    """``(fn, extra args)`` of a case's call ``call(*args, layer=...)``:
+    ``layer`` None or an int is passed as is; ``"traced"`` makes the layer
+    one more (int32 scalar) argument of the compiled function; ``"scan"``
+    runs ``call`` under ``lax.scan`` over all ``layers`` with the loop index
+    as the layer (a decoder scanned over stacked layers), summing the outputs."""
+    if layer == "traced":
+        return (lambda *a: call(*a[:num_args], layer=a[num_args])), (_sds((), jnp.int32),)
+    if layer == "scan":
+        def scanned(*a):
+            def step(acc, i):
+                return acc + call(*a, layer=i).astype(jnp.float32), None
+            first = jax.eval_shape(lambda *b: call(*b, layer=0), *a)
+            return jax.lax.scan(step, jnp.zeros(first.shape, jnp.float32), jnp.arange(layers, dtype=jnp.int32))[0]
+        return scanned, ()
+    return (lambda *a: call(*a, layer=layer)), ()
+
+
 def _attention_case(*, dtype, head_dim, page_size, batch, context, kv_heads=8, heads=32, window=None, cap=None,
                     mla_value_dim=None, layers=None, layer=None, **knobs):
+    """A paged_attention call; ``layer`` None, an int, ``"traced"`` or
+    ``"scan"`` (:func:`_by_layer`) of a stacked pool of ``layers``."""
     from kernels_pallas.paged_attention import paged_attention
 
     dtype = jnp.dtype(dtype)
@@ -224,18 +245,19 @@ def _attention_case(*, dtype, head_dim, page_size, batch, context, kv_heads=8, h
     def build():
         k, v, ks, vs = pool()
 
-        def fn(q, k, v, t, n, ks, vs):
+        def call(q, k, v, t, n, ks, vs, *, layer):
             return paged_attention(q, k, v, t, n, ks, vs, layer=layer, sliding_window=window,
                                    logit_soft_cap=cap, mla_value_dim=mla_value_dim, **knobs)
 
+        fn, extra = _by_layer(call, layer, layers, 7)
         return fn, (_sds((batch, heads, head_dim), q_dtype), k, v, _sds((batch, width), jnp.int32),
-                    _sds((batch,), jnp.int32), ks, vs)
+                    _sds((batch,), jnp.int32), ks, vs, *extra)
 
     kind = "mla" if mla_value_dim is not None else "gqa"
     params = _case_params(dtype, head_dim, dv, heads, kv_heads, page_size, dict(B=batch, ctx=context),
                           dict(window=window, cap=cap), layers, layer, knobs)
     name = f"attn_{kind} " + " ".join(f"{k}={v}" for k, v in params.items())
-    plan_kwargs = dict(mla_value_dim=mla_value_dim, layer=layer, **knobs)
+    plan_kwargs = dict(mla_value_dim=mla_value_dim, layer=None if layer is None else 0, **knobs)
     return Case(name, f"paged_attention_{kind}", build, params, plan_kwargs)
 
 
@@ -254,18 +276,20 @@ def _ragged_case(*, dtype, head_dim, page_size, tokens, seqs, context, kv_heads=
         k, v, ks, vs = pool()
         sink = _sds((heads,), jnp.float32) if sinks else None
 
-        def fn(q, k, v, t, n, cu, ks, vs, sink):
+        def call(q, k, v, t, n, cu, ks, vs, sink, *, layer):
             return ragged_paged_attention(q, k, v, t, n, cu, ks, vs, layer=layer, sliding_window=window,
                                           logit_soft_cap=cap, sinks=sink, mla_value_dim=mla_value_dim, **knobs)
 
+        fn, extra = _by_layer(call, layer, layers, 9)
         return fn, (_sds((tokens, heads, head_dim), q_dtype), k, v, _sds((seqs, width), jnp.int32),
-                    _sds((seqs,), jnp.int32), _sds((seqs + 1,), jnp.int32), ks, vs, sink)
+                    _sds((seqs,), jnp.int32), _sds((seqs + 1,), jnp.int32), ks, vs, sink, *extra)
 
     kind = "mla" if mla_value_dim is not None else "gqa"
     params = _case_params(dtype, head_dim, dv, heads, kv_heads, page_size, dict(T=tokens, S=seqs, kv=context),
                           dict(window=window, cap=cap, sinks=sinks or None), layers, layer, knobs)
     name = f"ragged_{kind} " + " ".join(f"{k}={v}" for k, v in params.items())
-    plan_kwargs = dict(mla_value_dim=mla_value_dim, layer=layer, soft_cap=bool(cap), sinks=sinks, **knobs)
+    plan_kwargs = dict(mla_value_dim=mla_value_dim, layer=None if layer is None else 0, soft_cap=bool(cap),
+                       sinks=sinks, **knobs)
     return Case(name, f"ragged_paged_attention_{kind}", build, params, plan_kwargs)
 
 
@@ -274,7 +298,7 @@ def ragged_cases() -> list[Case]:
     decodes + prefill pieces), a prefill-heavy step (8 x 256), decodes only
     (64 x 1) at head dims 64-512, bf16/fp8/float32 pages, page sizes 16 and
     64, windows, soft caps, sinks, MLA 576/512 at 16 and 128 heads, a
-    stacked pool read by layer."""
+    stacked pool read by a static and a traced layer (also under ``lax.scan``)."""
     out = []
     steps = ((512, 64, 4096), (2048, 8, 8192), (64, 64, 16384))
     for i, (dt, d) in enumerate(itertools.product(("bfloat16", "float8_e4m3fn"), (64, 128, 256, 512))):
@@ -291,6 +315,14 @@ def ragged_cases() -> list[Case]:
     out.append(_ragged_case(dtype="float32", head_dim=128, page_size=16, tokens=512, seqs=64, context=4096))
     out.append(_ragged_case(dtype="bfloat16", head_dim=128, page_size=16, tokens=512, seqs=64, context=4096,
                             layers=4, layer=2))
+    # A traced layer (also a lax.scan over stacked layers), read in place too:
+    # the kernel bodies of static cases above (their measured.json keys).
+    out.append(_ragged_case(dtype="bfloat16", head_dim=128, page_size=16, tokens=512, seqs=64, context=4096,
+                            layers=4, layer="traced"))
+    out.append(_ragged_case(dtype="float8_e4m3fn", head_dim=128, page_size=64, tokens=64, seqs=64, context=16384,
+                            window=4096, cap=30.0, sinks=True, layers=4, layer="scan"))
+    out.append(_ragged_case(dtype="float8_e4m3fn", head_dim=576, mla_value_dim=512, page_size=64, tokens=256,
+                            seqs=16, context=8192, heads=16, kv_heads=1, layers=4, layer="traced"))
     return out
 
 
@@ -330,6 +362,14 @@ def cases(full: bool = False) -> list[Case]:
     # A layer of a stacked 4-layer pool read in place.
     out.append(_attention_case(dtype="bfloat16", head_dim=128, page_size=16, batch=8, context=8192,
                                layers=4, layer=2))
+    # A traced layer (also a lax.scan over stacked layers), read in place too:
+    # bf16, fp8, MLA, the kernel bodies of static cases above (their measured.json keys).
+    out.append(_attention_case(dtype="bfloat16", head_dim=128, page_size=16, batch=8, context=8192,
+                               layers=4, layer="traced"))
+    out.append(_attention_case(dtype="float8_e4m3fn", head_dim=128, page_size=16, batch=8, context=8192,
+                               window=4096, layers=4, layer="scan"))
+    out.append(_attention_case(dtype="float8_e4m3fn", head_dim=576, mla_value_dim=512, page_size=64, batch=8,
+                               context=8192, heads=128, kv_heads=1, layers=4, layer="traced"))
     out.extend(ragged_cases())
     return out
 
@@ -508,6 +548,10 @@ def record(results: list[Result], spec: _gpu.GpuSpec, path: str = MEASURED) -> N
     table = json.load(open(path)) if os.path.exists(path) else {}
     entries = table.setdefault(f"sm_{spec.sm}", {})
     for r in results:
+        if "layer=traced" in r.name or "layer=scan" in r.name:
+            # The same key as the static layer's kernel (one more scalar
+            # load): measured.json keeps the static kernel's numbers.
+            continue
         if r.status == "ok" and r.planned and r.registers is not None:
             entries[r.planned["key"]] = {"smem_bytes": r.smem_bytes, "registers": r.registers}
     table[f"sm_{spec.sm}"] = dict(sorted(entries.items()))

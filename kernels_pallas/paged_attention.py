@@ -9,7 +9,10 @@ Algorithm. The grid is ``(head_blocks, B * KVH, k_splits)`` (head blocks
 fastest, so the programs that read the same pages run together; block sizes,
 pipeline depth and ``k_splits`` come from :func:`plan`, sized to the target
 GPU's shared memory and SMs). Pages and scales may be the whole stacked
-``[L, ...]`` pool with a static ``layer``, picked by the block specs. The block table
+``[L, ...]`` pool with a ``layer``, read in place: a static one is picked by
+the block specs; a traced one (a ``lax.scan`` index) is a one-element input
+the kernel loads and adds, times the layer stride, to its page and scale
+loads (the blocks keep the whole layer axis). The block table
 is padded to ``k_splits * pages_per_split`` columns (with page 0, and every
 entry clamped into ``[0, P)``) and split into ``k_splits`` equal ranges of
 pages. Each program takes ``block_h`` query rows of one KV head's GQA group
@@ -82,7 +85,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 from jaxtyping import Array, Float, Int
 
-from kernels_pallas.reference import attention_scalars, paged_decode_attention
+from kernels_pallas.reference import attention_scalars, paged_decode_attention, split_layer, traced_layer
 from kernels_pallas.errors import KernelArgumentError
 from kernels_pallas import _dispatch, _gpu
 
@@ -124,7 +127,7 @@ def dot_nn(a, b):
 
 
 def attend_block(carry, q_tiles, page_ids, valid, allowed, k_ref, v_ref, ks_ref, vs_ref, *, k_chunks, v_chunks,
-                 block, dtype, sm_scale, cap, use_cap, mla):
+                 block, dtype, sm_scale, cap, use_cap, mla, layer=None):
     """One compute block of the online softmax both attention kernels run
     (this decode kernel and :mod:`kernels_pallas.ragged_kernel`): load the
     block's K tiles of ``page_ids`` (zeroed where not ``valid``: isolation
@@ -132,19 +135,24 @@ def attend_block(carry, q_tiles, page_ids, valid, allowed, k_ref, v_ref, ks_ref,
     per-token K scales, soft cap, mask by ``allowed`` (``[rows, block]``),
     update the running max ``m``, sum ``l`` and the float32 accumulators
     (one per V chunk; in MLA mode the value chunks are the first K tiles).
+    ``layer``: None when the block specs picked the layer (a static one), or
+    the traced layer index (an int32 scalar loaded in the kernel) when the
+    refs keep the whole layer axis: then every page and scale load indexes
+    it, i.e. adds ``layer * layer_stride`` to its pointers.
     Returns the new ``(m, l, accs)`` from ``carry``."""
     m_prev, l_prev, accs = carry
     f32 = jnp.float32
+    lead = () if layer is None else (layer,)
     logits, k_tiles = None, []
     for q_tile, (c0, n) in zip(q_tiles, k_chunks):
-        k = k_ref[page_ids, :, pl.ds(c0, n)].reshape(block, n).astype(dtype)
+        k = k_ref[(*lead, page_ids, slice(None), pl.ds(c0, n))].reshape(block, n).astype(dtype)
         k = jnp.where(valid[:, None], k, jnp.zeros_like(k))  # isolation: before the dot
         k_tiles.append(k)
         part = dot_nt(q_tile, k)
         logits = part if logits is None else logits + part
     k_scale = None
     if ks_ref is not None:
-        k_scale = jnp.where(valid, ks_ref[page_ids].reshape(block).astype(f32), 0.0)
+        k_scale = jnp.where(valid, ks_ref[(*lead, page_ids)].reshape(block).astype(f32), 0.0)
         logits = logits * (sm_scale * k_scale)[None, :]
     else:
         logits = logits * sm_scale
@@ -162,7 +170,7 @@ def attend_block(carry, q_tiles, page_ids, valid, allowed, k_ref, v_ref, ks_ref,
     if mla:
         v_scale = k_scale
     elif vs_ref is not None:
-        v_scale = jnp.where(valid, vs_ref[page_ids].reshape(block).astype(f32), 0.0)
+        v_scale = jnp.where(valid, vs_ref[(*lead, page_ids)].reshape(block).astype(f32), 0.0)
     else:
         v_scale = None
     if v_scale is not None:
@@ -174,7 +182,7 @@ def attend_block(carry, q_tiles, page_ids, valid, allowed, k_ref, v_ref, ks_ref,
         if mla:
             v = k_tiles[j]  # the value chunks are the first K chunks, already masked
         else:
-            v = v_ref[page_ids, :, pl.ds(c0, n)].reshape(block, n).astype(dtype)
+            v = v_ref[(*lead, page_ids, slice(None), pl.ds(c0, n))].reshape(block, n).astype(dtype)
             v = jnp.where(valid[:, None], v, jnp.zeros_like(v))
         new_accs.append(correction[:, None] * accs[j] + dot_nn(p, v))
     return m_next, l_next, tuple(new_accs)
@@ -182,7 +190,7 @@ def attend_block(carry, q_tiles, page_ids, valid, allowed, k_ref, v_ref, ks_ref,
 
 def _kernel(*refs, n_poisoned, page_size, ppcb, pages_per_split, k_chunks, v_chunks, mla, use_cap):
     # The first n_poisoned inputs are the NaN-filled outputs aliased in interpret mode.
-    (bounds_ref, params_ref, table_ref, q_ref, k_ref, ks_ref, v_ref, vs_ref,
+    (bounds_ref, params_ref, layer_ref, table_ref, q_ref, k_ref, ks_ref, v_ref, vs_ref,
      o_ref, m_ref, l_ref) = refs[n_poisoned:]
     ps, f32 = page_size, jnp.float32
     block = ppcb * ps
@@ -190,6 +198,8 @@ def _kernel(*refs, n_poisoned, page_size, ppcb, pages_per_split, k_chunks, v_chu
     dtype = q_ref.dtype  # both dots take their operands in q.dtype
     start, end = bounds_ref[0], bounds_ref[1]  # attended positions [start, end)
     sm_scale, cap = params_ref[0], params_ref[1]
+    # A traced layer: the page refs keep the layer axis, indexed per load.
+    layer = None if layer_ref is None else layer_ref[0]
     q_tiles = [q_ref[:, pl.ds(c0, n)] for c0, n in k_chunks]
 
     # Pages of this split holding attended positions: [lo, hi). All values
@@ -209,7 +219,7 @@ def _kernel(*refs, n_poisoned, page_size, ppcb, pages_per_split, k_chunks, v_chu
         valid = (pos >= start) & (pos < end)
         return attend_block(carry, q_tiles, page_ids, valid, valid[None, :], k_ref, v_ref, ks_ref, vs_ref,
                             k_chunks=k_chunks, v_chunks=v_chunks, block=block, dtype=dtype, sm_scale=sm_scale, cap=cap,
-                            use_cap=use_cap, mla=mla)
+                            use_cap=use_cap, mla=mla, layer=layer)
 
     init = (jnp.full((rows,), MASK_VALUE, f32), jnp.zeros((rows,), f32),
             tuple(jnp.zeros((rows, n), f32) for _, n in v_chunks))
@@ -222,12 +232,17 @@ def _kernel(*refs, n_poisoned, page_size, ppcb, pages_per_split, k_chunks, v_chu
 
 @functools.partial(jax.jit, static_argnames=("layer", "use_cap", "mla_value_dim", "shape", "interpret"))
 def _pallas_impl(q, k_pages, v_pages, block_tables, lengths, k_scales, v_scales,
-                 sm_scale, window, cap, *, layer, use_cap, mla_value_dim, shape, interpret):
+                 sm_scale, window, cap, layer_index, *, layer, use_cap, mla_value_dim, shape, interpret):
     """The kernel launch and the split merge. Pages and scales carry a
-    leading layer axis (``[L, KVH, P, ps, ...]``); the kernel's block specs
-    pick ``layer``, so no layer is ever sliced out (copied) in XLA."""
+    leading layer axis (``[L, KVH, P, ps, ...]``), so no layer is ever sliced
+    out (copied) in XLA: a static ``layer`` (``layer_index`` None) is picked
+    by the kernel's block specs; a traced one (``layer`` None, ``layer_index``
+    an int32 scalar) reaches the kernel as a 1-element input, the block specs
+    keep the whole layer axis and every page and scale load indexes it. A
+    traced layer outside ``[0, L)`` attends nothing (zero lengths: the output
+    is zeros, no page is loaded) and is clamped, so no load can leave the pool."""
     b, h, dk = q.shape
-    _, kvh, num_pages, ps, _ = k_pages.shape
+    num_layers, kvh, num_pages, ps, _ = k_pages.shape
     width = block_tables.shape[1]
     mla = v_pages is None
     dv = mla_value_dim if mla else v_pages.shape[-1]
@@ -244,6 +259,10 @@ def _pallas_impl(q, k_pages, v_pages, block_tables, lengths, k_scales, v_scales,
     table = jnp.pad(block_tables.astype(i32), ((0, 0), (0, k_splits * pages_per_split - width)))
     table = jnp.clip(table, 0, num_pages - 1)
     length = jnp.maximum(lengths.astype(i32), 0)
+    layer_arg = None
+    if layer is None:
+        layer_index, length = traced_layer(layer_index, num_layers, length)
+        layer_arg = layer_index.reshape(1)
     # len >= 0 and 1 <= W <= INT32_MAX, so len - W cannot overflow.
     bounds = jnp.stack([jnp.maximum(length - window, 0), jnp.minimum(length, width * ps)], axis=1)
     params = jnp.stack([sm_scale, cap]).astype(f32)
@@ -264,9 +283,12 @@ def _pallas_impl(q, k_pages, v_pages, block_tables, lengths, k_scales, v_scales,
     def full(*shape):  # the whole array, same block for every program
         return pl.BlockSpec(shape, lambda *_: (0,) * len(shape))
 
-    def per_head(x):  # [L, KVH, P, ...] -> this program's layer and KV head
-        return None if x is None else pl.BlockSpec(
-            (None, None, *x.shape[2:]), lambda hb, r, si: (layer, r % kvh) + (0,) * (x.ndim - 2))
+    def per_head(x):  # [L, KVH, P, ...] -> this program's layer (static) or all layers, and KV head
+        if x is None:
+            return None
+        if layer is None:  # traced: the kernel indexes the layer axis with layer_arg
+            return pl.BlockSpec((x.shape[0], None, *x.shape[2:]), lambda hb, r, si: (0, r % kvh) + (0,) * (x.ndim - 2))
+        return pl.BlockSpec((None, None, *x.shape[2:]), lambda hb, r, si: (layer, r % kvh) + (0,) * (x.ndim - 2))
 
     out_shape = [jax.ShapeDtypeStruct((b, kvh, k_splits, g_pad, dv), f32),
                  jax.ShapeDtypeStruct((b, kvh, k_splits, g_pad), f32),
@@ -279,11 +301,12 @@ def _pallas_impl(q, k_pages, v_pages, block_tables, lengths, k_scales, v_scales,
     in_specs = [
         pl.BlockSpec((None, 2), lambda hb, r, si: (r // kvh, 0)),  # bounds
         full(2),  # sm_scale, cap
+        None if layer_arg is None else full(1),  # a traced layer
         pl.BlockSpec((None, table.shape[1]), lambda hb, r, si: (r // kvh, 0)),  # table row
         pl.BlockSpec((None, None, block_h, dk), lambda hb, r, si: (r // kvh, r % kvh, hb, 0)),  # q rows
         per_head(k_pages), per_head(k_scales), per_head(v_pages), per_head(v_scales),
     ]
-    args = [bounds, params, table, qg, k_pages, k_scales, v_pages, v_scales]
+    args = [bounds, params, layer_arg, table, qg, k_pages, k_scales, v_pages, v_scales]
     poisoned, aliases = [], {}
     if interpret:
         # Outputs start as NaN so an element the kernel forgets to write shows up.
@@ -572,9 +595,10 @@ def paged_attention(
     Arguments, masking rules, isolation guarantee, output and errors are
     those of :func:`kernels_pallas.reference.paged_decode_attention` (``layer``
     included: pass the whole stacked ``[L, KVH, P, ps, D]`` pool and a
-    static layer index, and the kernel reads that layer in place; slicing
-    ``pool[layer]`` first would make XLA copy the layer before the call),
-    plus:
+    layer index, a Python int or a traced int32 scalar such as a
+    ``lax.scan`` index, and the kernel reads that layer in place; slicing
+    ``pool[layer]`` first would make XLA copy the layer before the call. A
+    traced layer outside ``[0, L)`` gives zeros), plus:
 
     Args:
       pages_per_compute_block: pages per kernel loop step, a power of two with
@@ -595,15 +619,18 @@ def paged_attention(
         float8 pools of 2 to 4 GiB also run the reference (with a
         :class:`~kernels_pallas._dispatch.KernelFallbackWarning`).
 
-    Works inside ``jax.jit``; ``sliding_window``, ``sm_scale`` and
-    ``logit_soft_cap`` may be traced scalars (they reach the kernel as data;
-    only whether a soft cap is given is static). On the Pallas path
-    ``layer`` must be a Python int.
+    Works inside ``jax.jit`` and ``jax.lax.scan``; ``layer``,
+    ``sliding_window``, ``sm_scale`` and ``logit_soft_cap`` may be traced
+    scalars (they reach the kernel as data; only whether a soft cap is given
+    and whether the layer is a Python int are static: a Python int compiles
+    to the same kernel as before traced layers were accepted, a traced one
+    to a kernel with one more scalar load).
 
     Raises:
-      KernelArgumentError: as the reference, or kernel knobs out of range, or
-        (on the Pallas path) a page size that is not a power of two, a
-        traced ``layer``, or inputs the target GPU cannot take
+      KernelArgumentError: as the reference (a Python int ``layer`` out of
+        range, a ``layer`` that is not an integer scalar included), or
+        kernel knobs out of range, or (on the Pallas path) a page size that
+        is not a power of two, or inputs the target GPU cannot take
         (:class:`SharedMemoryExceeded` when no block fits its shared memory;
         the default dispatch runs the reference then, with a warning).
     """
@@ -625,9 +652,7 @@ def paged_attention(
         k_pages, v_pages, k_scales, v_scales = (
             None if x is None else x[None] for x in (k_pages, v_pages, k_scales, v_scales))
         layer = 0
-    elif not isinstance(layer, (int, np.integer)):
-        raise KernelArgumentError(f"the Pallas kernel needs a static (Python int) layer, got {type(layer).__name__}; "
-                              f"pass implementation='reference' for a traced layer index")
+    static_layer, layer_index = split_layer(layer)
     knobs = dict(mla_value_dim=mla_value_dim, layer=0, pages_per_compute_block=pages_per_compute_block,
                  k_splits=k_splits, block_h=block_h, soft_cap=logit_soft_cap is not None)
     try:
@@ -643,6 +668,6 @@ def paged_attention(
             raise
     sm, window, cap, use_cap = attention_scalars(q.shape[-1], sm_scale, sliding_window, logit_soft_cap)
     return _pallas_impl(
-        q, k_pages, v_pages, block_tables, lengths, k_scales, v_scales, sm, window, cap,
-        layer=int(layer), use_cap=use_cap, mla_value_dim=None if v_pages is not None else int(mla_value_dim),
+        q, k_pages, v_pages, block_tables, lengths, k_scales, v_scales, sm, window, cap, layer_index,
+        layer=static_layer, use_cap=use_cap, mla_value_dim=None if v_pages is not None else int(mla_value_dim),
         shape=shape, interpret=bool(interpret))

@@ -112,8 +112,11 @@ def ragged_paged_attention(
       logit_soft_cap: ``cap > 0`` or None. sinks: ``[H]`` float logits or None.
       mla_value_dim: the value width in MLA mode.
       layer: None, or the layer of the stacked pool (pages ``[L, KVH, P,
-        ps, D]``, scales ``[L, KVH, P, ps]``) to attend, read in place; a
-        Python int on the Pallas path (the reference also takes a traced one).
+        ps, D]``, scales ``[L, KVH, P, ps]``) to attend, read in place (no
+        copy of the layer): a Python int (outside ``[0, L)`` it raises) or
+        an integer scalar array, e.g. traced (the loop index of a
+        ``lax.scan`` over the layers), on both paths; a traced layer outside
+        ``[0, L)`` attends nothing (zeros).
       block_q: query tokens per block (>= 1), the tiling of both the
         reference and the kernel; default: the average query length ``T /
         S`` rounded up to a power of two, at most 16 in the reference
@@ -140,9 +143,10 @@ def ragged_paged_attention(
         multiple of KV heads, head dims, ranks and lengths of the tables,
         lengths and ``cu_q_lens``, scales missing for fp8 or misshaped,
         sinks not float ``[H]``, MLA arguments inconsistent, ``block_q <
-        1``, ``sliding_window < 1``, ``logit_soft_cap <= 0``, a layer out of
-        range), and on the Pallas path a traced ``layer``, a page size that
-        is not a power of two or kernel knobs out of range.
+        1``, ``sliding_window < 1``, ``logit_soft_cap <= 0``, a Python int
+        layer out of range, a layer that is not an integer scalar), and on
+        the Pallas path a page size that is not a power of two or kernel
+        knobs out of range.
     """
     pallas = _dispatch.choose("ragged_paged_attention", implementation, interpret,
                               {"k_pages": k_pages, "v_pages": v_pages})

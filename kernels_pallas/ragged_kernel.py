@@ -71,7 +71,6 @@ import warnings
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
@@ -93,7 +92,7 @@ from kernels_pallas.paged_attention import (
 from kernels_pallas.paged_attention import kernel_key as _decode_kernel_key
 from kernels_pallas.ragged_reference import (clean_cu_q_lens, max_query_blocks, ragged_paged_attention_reference,
                                              ragged_query_blocks)
-from kernels_pallas.reference import attention_scalars
+from kernels_pallas.reference import attention_scalars, split_layer, traced_layer
 
 __all__ = ["RaggedShape", "default_block_q", "kernel_key", "plan_ragged", "ragged_paged_attention_pallas"]
 
@@ -247,7 +246,8 @@ def plan_ragged(q, k_pages, v_pages, block_tables, kv_lens, *, mla_value_dim=Non
 def _kernel(*refs, n_poisoned, page_size, ppcb, width, num_pages, group, heads, kv_heads, row_blocks, block_rows,
             k_chunks, v_chunks, mla, use_cap, use_sinks):
     # The first n_poisoned inputs are the NaN-filled outputs aliased in interpret mode.
-    (meta_ref, params_ref, table_ref, q_ref, sinks_ref, k_ref, ks_ref, v_ref, vs_ref, o_ref) = refs[n_poisoned:]
+    (meta_ref, params_ref, layer_ref, table_ref, q_ref, sinks_ref, k_ref, ks_ref, v_ref, vs_ref,
+     o_ref) = refs[n_poisoned:]
     ps, f32, i32 = page_size, jnp.float32, jnp.int32
     block = ppcb * ps
     dtype = q_ref.dtype
@@ -257,6 +257,8 @@ def _kernel(*refs, n_poisoned, page_size, ppcb, width, num_pages, group, heads, 
     seq, tok0, n_rows, pos0 = meta_ref[0], meta_ref[1], meta_ref[2], meta_ref[3]
     kv_end, window = meta_ref[4], meta_ref[5]
     sm_scale, cap = params_ref[0], params_ref[1]
+    # A traced layer: the page refs keep the layer axis, indexed per load.
+    layer = None if layer_ref is None else layer_ref[0]
 
     # This program's rows: token r = lr // g of the block, query head kh * g + lr % g.
     lr = hb * block_rows + lax.broadcasted_iota(i32, (block_rows,), 0)
@@ -299,7 +301,7 @@ def _kernel(*refs, n_poisoned, page_size, ppcb, width, num_pages, group, heads, 
 
         return attend_block(carry, q_tiles, page_ids, valid, allowed, k_ref, v_ref, ks_ref, vs_ref,
                             k_chunks=k_chunks, v_chunks=v_chunks, block=block, dtype=dtype, sm_scale=sm_scale, cap=cap,
-                            use_cap=use_cap, mla=mla)
+                            use_cap=use_cap, mla=mla, layer=layer)
 
     init = (jnp.full((block_rows,), MASK_VALUE, f32), jnp.zeros((block_rows,), f32),
             tuple(jnp.zeros((block_rows, n), f32) for _, n in v_chunks))
@@ -329,12 +331,17 @@ def _kernel(*refs, n_poisoned, page_size, ppcb, width, num_pages, group, heads, 
 @functools.partial(jax.jit, static_argnames=("layer", "use_cap", "use_sinks", "mla_value_dim", "shape",
                                              "interpret"))
 def _pallas_impl(q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens, k_scales, v_scales, sinks, sm_scale,
-                 window, cap, *, layer, use_cap, use_sinks, mla_value_dim, shape, interpret):
-    """The launch. Pages and scales carry a leading layer axis; the block
-    specs pick ``layer`` and the program's KV head, so nothing is copied."""
+                 window, cap, layer_index, *, layer, use_cap, use_sinks, mla_value_dim, shape, interpret):
+    """The launch. Pages and scales carry a leading layer axis, so nothing is
+    copied: the block specs pick the program's KV head and a static
+    ``layer`` (``layer_index`` None); a traced one (``layer`` None,
+    ``layer_index`` an int32 scalar) reaches the kernel as a 1-element input,
+    the block specs keep the whole layer axis and every page and scale load
+    indexes it. A traced layer outside ``[0, L)`` attends nothing (zero
+    ``kv_lens``: zeros out, no page loaded) and is clamped."""
 
     t, h, dk = q.shape
-    _, kvh, num_pages, ps, _ = k_pages.shape
+    num_layers, kvh, num_pages, ps, _ = k_pages.shape
     num_seqs, width = block_tables.shape
     mla = v_pages is None
     dv = mla_value_dim if mla else v_pages.shape[-1]
@@ -342,6 +349,10 @@ def _pallas_impl(q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens, k_scales
     bq, ppcb, rb = shape.block_q, shape.pages_per_compute_block, shape.row_blocks
     nb = shape.num_query_blocks
     i32, f32 = jnp.int32, jnp.float32
+    layer_arg = None
+    if layer is None:
+        layer_index, kv_lens = traced_layer(layer_index, num_layers, kv_lens)
+        layer_arg = layer_index.reshape(1)
 
     # Query blocks (jnp, before the launch): sequence, first token, real
     # rows, first position; the window rides along as data. The padding
@@ -376,9 +387,14 @@ def _pallas_impl(q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens, k_scales
     def full(x):
         return pl.BlockSpec(x.shape, lambda pid: (0,) * x.ndim)
 
-    def per_head(x):  # [L, KVH, P, ...] -> this program's layer and KV head
-        return None if x is None else pl.BlockSpec(
-            (None, None, *x.shape[2:]), lambda pid: (layer, lax.rem(lax.div(pid, rb), kvh)) + (0,) * (x.ndim - 2))
+    def per_head(x):  # [L, KVH, P, ...] -> this program's layer (static) or all layers, and KV head
+        if x is None:
+            return None
+        if layer is None:  # traced: the kernel indexes the layer axis with layer_arg
+            return pl.BlockSpec((x.shape[0], None, *x.shape[2:]),
+                                lambda pid: (0, lax.rem(lax.div(pid, rb), kvh)) + (0,) * (x.ndim - 2))
+        return pl.BlockSpec((None, None, *x.shape[2:]),
+                            lambda pid: (layer, lax.rem(lax.div(pid, rb), kvh)) + (0,) * (x.ndim - 2))
 
     # Interpret mode: a spare last row for the rows a program does not own
     # (its masked store writes the old values back, and a clamped index
@@ -387,10 +403,10 @@ def _pallas_impl(q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens, k_scales
     out_specs = pl.BlockSpec(out_shape.shape, lambda pid: (0, 0))
     in_specs = [
         pl.BlockSpec((None, _META), lambda pid: (nb - 1 - lax.div(pid, rb * kvh), 0)),  # this block's metadata
-        full(params), full(table), full(q_flat), full(sinks_f),
+        full(params), None if layer_arg is None else full(layer_arg), full(table), full(q_flat), full(sinks_f),
         per_head(k_pages), per_head(k_scales), per_head(v_pages), per_head(v_scales),
     ]
-    args = [meta, params, table, q_flat, sinks_f, k_pages, k_scales, v_pages, v_scales]
+    args = [meta, params, layer_arg, table, q_flat, sinks_f, k_pages, k_scales, v_pages, v_scales]
     poisoned, aliases = [], {}
     if interpret:
         # The output starts as NaN so a row the kernel forgets to write shows up.
@@ -458,13 +474,17 @@ def ragged_paged_attention_pallas(
       interpret: run through Pallas' interpreter (CPU); the output starts
         NaN-poisoned there.
 
-    ``sliding_window``, ``sm_scale`` and ``logit_soft_cap`` may be traced
-    (they reach the kernel as data; whether a cap or sinks are given is
-    static). ``layer`` must be a Python int.
+    ``layer``, ``sliding_window``, ``sm_scale`` and ``logit_soft_cap`` may
+    be traced (they reach the kernel as data; whether a cap or sinks are
+    given, and whether the layer is a Python int, is static). A Python int
+    layer is picked by the block specs; a traced one (e.g. a ``lax.scan``
+    index) is loaded by the kernel and indexes the pages' layer axis, still
+    in place; out of range it attends nothing (zeros).
 
     Raises:
-      KernelArgumentError: as the reference, a traced ``layer``, a page size
-        that is not a power of two, knobs out of range, or
+      KernelArgumentError: as the reference (a Python int ``layer`` out of
+        range, a ``layer`` that is not an integer scalar included), a page
+        size that is not a power of two, knobs out of range, or
         :class:`~kernels_pallas.paged_attention.SharedMemoryExceeded`.
     """
 
@@ -479,9 +499,7 @@ def ragged_paged_attention_pallas(
         k_pages, v_pages, k_scales, v_scales = (
             None if x is None else x[None] for x in (k_pages, v_pages, k_scales, v_scales))
         layer = 0
-    elif not isinstance(layer, (int, np.integer)):
-        raise KernelArgumentError(f"the Pallas kernel needs a static (Python int) layer, got {type(layer).__name__}; "
-                                  f"pass implementation='reference' for a traced layer index")
+    static_layer, layer_index = split_layer(layer)
     sm, window, cap, use_cap = attention_scalars(q.shape[-1], sm_scale, sliding_window, logit_soft_cap)
     dv = int(mla_value_dim) if v_pages is None else v_pages.shape[-1]
     if q.shape[0] == 0:
@@ -500,6 +518,6 @@ def ragged_paged_attention_pallas(
         else:
             raise
     return _pallas_impl(
-        q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens, k_scales, v_scales, sinks, sm, window, cap,
-        layer=int(layer), use_cap=use_cap, use_sinks=sinks is not None,
+        q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens, k_scales, v_scales, sinks, sm, window, cap, layer_index,
+        layer=static_layer, use_cap=use_cap, use_sinks=sinks is not None,
         mla_value_dim=None if v_pages is not None else int(mla_value_dim), shape=shape, interpret=bool(interpret))

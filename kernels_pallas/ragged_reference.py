@@ -13,12 +13,11 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jaxtyping import Array, Float, Int
 
 from kernels_pallas._dispatch import FP8_DTYPES
 from kernels_pallas.errors import KernelArgumentError
-from kernels_pallas.reference import attention_scalars
+from kernels_pallas.reference import attention_scalars, check_stacked, split_layer, traced_layer
 
 __all__ = [
     "clean_cu_q_lens",
@@ -278,9 +277,11 @@ def ragged_paged_attention_reference(
         stacked = tuple(None if x is None else x[None] for x in stacked)  # a free reshape
         layer = 0
     else:
-        _check_stacked(layer, *stacked)
+        check_stacked(layer, *stacked)
     one = [None if x is None else jax.ShapeDtypeStruct(x.shape[1:], x.dtype) for x in stacked]
     _check(q, one[0], one[1], block_tables, kv_lens, cu_q_lens, one[2], one[3], sinks, mla_value_dim)
+    if split_layer(layer)[0] is None:  # traced: clamped, and out of range it attends nothing
+        layer, kv_lens = traced_layer(layer, stacked[0].shape[0], kv_lens)
     if block_q is None:
         block_q = reference_block_q(q.shape[0], block_tables.shape[0])
     if int(block_q) < 1:
@@ -295,20 +296,3 @@ def ragged_paged_attention_reference(
                            use_sinks=sinks is not None,
                            mla_value_dim=None if mla_value_dim is None else int(mla_value_dim),
                            block_q=int(block_q), chunk_tokens=_CHUNK_TOKENS)
-
-
-def _check_stacked(layer, k_pages, v_pages, k_scales, v_scales):
-    """Checks of a stacked ``[L, ...]`` pool read with ``layer=``."""
-    if k_pages.ndim != 5:
-        raise KernelArgumentError(f"with layer=, k_pages must be the stacked pool [layers, kv_heads, num_pages, "
-                                  f"page_size, head_dim], got shape {tuple(k_pages.shape)}")
-    num_layers = k_pages.shape[0]
-    for name, x, rank in (("v_pages", v_pages, 5), ("k_scales", k_scales, 4), ("v_scales", v_scales, 4)):
-        if x is not None and (x.ndim != rank or x.shape[0] != num_layers):
-            raise KernelArgumentError(f"with layer=, {name} must be stacked like k_pages ({num_layers} layers, "
-                                      f"rank {rank}), got shape {tuple(x.shape)}")
-    if isinstance(layer, (int, np.integer)) and not 0 <= layer < num_layers:
-        raise KernelArgumentError(f"layer {layer} is out of range for a pool of {num_layers} layers")
-    if not isinstance(layer, (int, np.integer)) and not (
-            jnp.ndim(layer) == 0 and jnp.issubdtype(jnp.result_type(layer), jnp.integer)):
-        raise KernelArgumentError(f"layer must be an int or an integer scalar, got {layer!r}")

@@ -52,7 +52,8 @@ from jaxtyping import Array, Float, Int
 from kernels_pallas._dispatch import FP8_DTYPES
 from kernels_pallas.errors import KernelArgumentError
 
-__all__ = ["attention_scalars", "dense_decode_attention", "gather_pages", "paged_decode_attention"]
+__all__ = ["attention_scalars", "check_stacked", "dense_decode_attention", "gather_pages", "paged_decode_attention",
+           "split_layer", "traced_layer"]
 
 _INT32_MAX = int(np.iinfo(np.int32).max)
 _HIGHEST = jax.lax.Precision.HIGHEST
@@ -246,7 +247,11 @@ def paged_decode_attention(
       layer: None, or the layer to attend when pages and scales are the
         whole stacked pool (``KVPool``'s ``[L, KVH, P, ps, D]`` and
         ``[L, KVH, P, ps]``): the pool is passed as is and the layer picked
-        inside, so a kernel can read it in place. Static or traced.
+        inside, so a kernel can read it in place. A Python or NumPy int
+        (static; outside ``[0, L)`` it raises) or an integer scalar array,
+        e.g. traced (the loop index of a ``lax.scan`` over the layers): one
+        outside ``[0, L)`` attends nothing, so the output is zeros (as for
+        ``len == 0``), and no load leaves the pool.
 
     Returns:
       ``[B, H, Dv]`` in ``q.dtype``. Query head ``i`` uses KV head
@@ -262,10 +267,16 @@ def paged_decode_attention(
     Raises:
       KernelArgumentError: static shapes that cannot work (H not a multiple of KVH,
         q/K head dim mismatch, block_tables not rank 2, batch mismatches, scale
-        shapes, missing fp8 scales, MLA arguments inconsistent).
+        shapes, missing fp8 scales, MLA arguments inconsistent, a stacked
+        pool misshaped or a static ``layer`` out of range, a ``layer`` that
+        is not an integer scalar).
     """
     if layer is not None:
-        k_pages, v_pages, k_scales, v_scales = _pick_layer(layer, k_pages, v_pages, k_scales, v_scales)
+        check_stacked(layer, k_pages, v_pages, k_scales, v_scales)
+        if split_layer(layer)[0] is None:  # traced: clamped, and out of range it attends nothing
+            layer, lengths = traced_layer(layer, k_pages.shape[0], lengths)
+        k_pages, v_pages, k_scales, v_scales = (
+            None if x is None else x[layer] for x in (k_pages, v_pages, k_scales, v_scales))
     if k_pages.ndim != 4:
         raise KernelArgumentError(
             f"k_pages must be [kv_heads, num_pages, page_size, head_dim], got shape {tuple(k_pages.shape)}")
@@ -313,19 +324,49 @@ def paged_decode_attention(
                        sm, window, cap, use_cap=use_cap, mla_value_dim=mla_value_dim)
 
 
-def _pick_layer(layer, k_pages, v_pages, k_scales, v_scales):
-    """One layer of stacked ``[L, ...]`` pages and scales (checked)."""
+def split_layer(layer) -> tuple[int | None, Int[Array, ""] | None]:
+    """``(int, None)`` for a static layer (a Python or NumPy int), ``(None,
+    layer)`` for any other (a traced or device integer scalar). The kernels
+    pick a static layer with their block specs and index a traced one
+    inside the kernel."""
+    if isinstance(layer, (int, np.integer)):
+        return int(layer), None
+    return None, layer
+
+
+def check_stacked(layer, k_pages, v_pages, k_scales, v_scales) -> None:
+    """Checks of a stacked ``[L, ...]`` pool read with ``layer=`` (the
+    references' and kernels' own): ranks and layer counts, a static layer in
+    ``[0, L)``, any other layer an integer scalar.
+
+    Raises:
+      KernelArgumentError: as above.
+    """
     if k_pages.ndim != 5:
         raise KernelArgumentError(f"with layer=, k_pages must be the stacked pool [layers, kv_heads, num_pages, "
-                              f"page_size, head_dim], got shape {tuple(k_pages.shape)}")
+                                  f"page_size, head_dim], got shape {tuple(k_pages.shape)}")
     num_layers = k_pages.shape[0]
     for name, x, rank in (("v_pages", v_pages, 5), ("k_scales", k_scales, 4), ("v_scales", v_scales, 4)):
         if x is not None and (x.ndim != rank or x.shape[0] != num_layers):
             raise KernelArgumentError(f"with layer=, {name} must be stacked like k_pages ({num_layers} layers, "
-                                  f"rank {rank}), got shape {tuple(x.shape)}")
-    if isinstance(layer, (int, np.integer)) and not 0 <= layer < num_layers:
-        raise KernelArgumentError(f"layer {layer} is out of range for a pool of {num_layers} layers")
-    return tuple(None if x is None else x[layer] for x in (k_pages, v_pages, k_scales, v_scales))
+                                      f"rank {rank}), got shape {tuple(x.shape)}")
+    static, _ = split_layer(layer)
+    if static is not None:
+        if not 0 <= static < num_layers:
+            raise KernelArgumentError(f"layer {layer} is out of range for a pool of {num_layers} layers")
+    elif not (jnp.ndim(layer) == 0 and jnp.issubdtype(jnp.result_type(layer), jnp.integer)):
+        raise KernelArgumentError(f"layer must be an int or an integer scalar, got {layer!r}")
+
+
+def traced_layer(layer, num_layers: int, lengths):
+    """A traced layer's semantics, shared by the references and the kernels:
+    ``(clamped layer, lengths)``, the layer clamped into ``[0, L)`` (so every
+    load stays in the pool) and ``lengths`` zeroed when it was out of range
+    (so nothing is attended and the output is zeros)."""
+    layer = jnp.asarray(layer, jnp.int32)
+    ok = (layer >= 0) & (layer < num_layers)
+    lengths = jnp.asarray(lengths)
+    return jnp.clip(layer, 0, num_layers - 1), jnp.where(ok, lengths, jnp.zeros_like(lengths))
 
 
 def dense_decode_attention(

@@ -14,8 +14,6 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-pytestmark = pytest.mark.aot
-
 
 @functools.cache
 def _h100_results():

@@ -121,7 +121,8 @@ def test_stacked_pool_reaches_the_kernel_unsliced():
 
 def test_layer_of_a_stacked_pool_matches_the_layer_alone():
     """Interpreted kernel and reference, static and traced layer, against the
-    reference on the one layer passed alone (NaN in the other layers)."""
+    reference on the one layer passed alone (NaN in the other layers).
+    More on traced layers (scan, fp8, MLA): test_kernels_traced_layer.py."""
     rng = np.random.default_rng()
     layers, kvh, pages, ps, d, b, h = 3, 2, 6, 4, 16, 2, 4
     k = rng.standard_normal((layers, kvh, pages, ps, d)).astype(np.float32)
@@ -145,8 +146,13 @@ def test_layer_of_a_stacked_pool_matches_the_layer_alone():
         paged_decode_attention(*stacked, layer=3)
     with pytest.raises(KernelArgumentError, match="stacked pool"):
         paged_decode_attention(q, jnp.asarray(k[0]), jnp.asarray(v[0]), table, lengths, layer=0)
-    with pytest.raises(KernelArgumentError, match="static"):
-        jax.jit(lambda l, *a: paged_attention(*a, layer=l, implementation="pallas"))(jnp.int32(0), *stacked)
+    # A traced layer on the Pallas path: that layer too, in place; out of range it attends nothing.
+    traced_kernel = jax.jit(lambda l, *a: paged_attention(*a, layer=l, interpret=True))
+    np.testing.assert_allclose(np.asarray(traced_kernel(jnp.int32(layer), *stacked)), np.asarray(alone),
+                               rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(np.asarray(traced_kernel(jnp.int32(layers), *stacked)), 0.0)
+    with pytest.raises(KernelArgumentError, match="out of range"):
+        paged_attention(*stacked, layer=3, interpret=True)
 
 
 # --------------------------------------------------------------------------
