@@ -5,6 +5,7 @@ machine; ``long`` explores far more (``JAXKV_HYPOTHESIS=long pytest -m slow``).
 """
 
 import os
+import re
 
 # Compile time dominates this suite (hundreds of small XLA programs on a
 # 2-core CPU): LLVM -O0 compiles about a third faster and the programs are
@@ -12,6 +13,7 @@ import os
 # i.e. after this file; subprocesses (the examples) inherit it.
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0").strip()
 
+import pytest  # noqa: E402
 from hypothesis import HealthCheck, settings  # noqa: E402
 
 _COMMON = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
@@ -26,12 +28,218 @@ def _cuda_plugin() -> bool:
     return cuda_plugin_available()
 
 
+# ============================================================================ which tests are in which pass
+#
+# The README's command (``python -m pytest -q -n 2``) runs every test not marked ``long`` (pyproject's
+# ``addopts = "-m 'not long'"``); ``.ci/run`` then runs ``pytest -m long``, then ``-m aot``; ``-m gpu``
+# runs on a GPU machine (docs/testing.md). The ``long`` and ``aot`` marks are given HERE, by the rules of
+# RULES below, never in the test files: a row gives the mark, the cost class, the tests it takes, and why.
+#
+# Tests are named by node id under tests/ (what ``pytest --collect-only -q`` prints, less ``tests/``):
+# ``*`` stands for any text; a pattern without ``[...]`` takes every case of a test, one with ``[...]``
+# the cases whose id matches; a pattern starting with ``!`` takes back what the row's other patterns
+# took. A row may also be a function of the item. A pattern that matches nothing in a module that was
+# collected stops the run (exit 4), so a renamed test cannot slip into the default pass unnoticed.
+#
+# The cost classes of ``long`` (the costs are a 2-core CPU's: compile time dominates):
+#   wide twin     the wider run of a default test (more seeds, draws, hypothesis examples), named so:
+#                 ``test_*_wide``, ``test_*_long``, ``test_*_sweep``, or a case ``*-wide``
+#   wide parity   transformers' tokens on every drawn configuration (tests/fixtures/parity/README.md)
+#   other cases   a test run over families, dtypes or layouts: one case by default, the others long
+#   program       a whole program end to end: a demo, an example, a benchmark, a server process
+#   fuzz          engine fuzz and state machines beyond the one the default pass runs
+#   second route  a costlier second check of a behaviour the default pass checks elsewhere
+#
+# Not here: ``gpu`` marks a kernel test's ``compiled`` case (KERNEL_MODES in tests/util.py) and
+# test_nn_generate's Pallas test, and ``slow`` the bounded hypothesis state machines where they are built
+# (``pytest.mark.slow(Machine.TestCase)``).
+
+
+def _drawn_configuration(item) -> bool:
+    """test_parity_*.py: a case of the ``name`` parameter that is not in the
+    module's ``DEFAULT`` (a dict family -> name, or a list of names)."""
+    callspec = getattr(item, "callspec", None)
+    if not item.path.name.startswith("test_parity_") or callspec is None or "name" not in callspec.params:
+        return False
+    default = item.module.DEFAULT
+    return callspec.params["name"] not in (default.values() if isinstance(default, dict) else default)
+
+
+RULES = (
+    # mark, cost class, tests, why
+    ("long", "wide twin", ("*_wide", "*_long", "*_sweep", "*[*-wide]"),
+     "more seeds, draws or hypothesis examples than the default tests of the same module"),
+    ("long", "wide parity", _drawn_configuration,
+     "test_parity_configs, test_parity_dsv4: by default each family's DEFAULT configuration (none for "
+     "DeepSeek-V4, whose tokens meet transformers by default in test_nn_deepseek_v4)"),
+    ("long", "wide parity", ("test_parity_configs.py::test_engine_equals_transformers[qwen3_next_*]",
+                             "test_parity_configs.py::test_engine_equals_transformers[dsv3_*]"),
+     "the engine's parity run is Llama's default configuration; DeepSeek-V3 on the engine: "
+     "test_nn_qwen3_next_dsv3.test_dsv3_runs_on_the_engine"),
+
+    ("long", "other cases", ("test_engine_families.py::test_engine_tokens_equal_transformers_under_preemption"
+                             "[gemma3/small]",
+                             "test_engine_families.py::test_engine_tokens_equal_transformers_under_preemption"
+                             "[qwen3_next/small]"),
+     "gpt-oss by default (Gemma 3 runs the same window-ring code)"),
+    ("long", "other cases", ("test_engine_families.py::test_hybrid_prefix_hits_give_the_cold_tokens",),
+     "every family; the gpt-oss engine fuzz (test_fuzz_engine_hybrid) checks hits against cold runs by default"),
+    ("long", "other cases", ("test_engine_sizing.py::test_engine_with_no_sizing_argument_serves_every_family"
+                             "[dsv4/small]",),
+     "Qwen3-Next covers the hybrid cache's sizing rule by default"),
+    ("long", "other cases", ("test_hybrid_host.py::test_swapped_request_decodes_as_if_never_swapped"
+                             "[deepseek_v4]",),
+     "Qwen3-Next by default"),
+    ("long", "other cases", ("test_hybrid_prefix_tiers.py::test_a_prefix_dropped_to_host_comes_back_exact",),
+     "DeepSeek-V4 (every group's blocks and its rings through the host tier), its only case"),
+    ("long", "other cases", ("test_isolation.py::test_poisoned_and_reused_blocks_never_reach_a_live_sequence[*]",
+                             "!test_isolation.py::test_poisoned_and_reused_blocks_never_reach_a_live_sequence"
+                             "[bfloat16]",
+                             "test_isolation.py::test_manager_tables_feed_jax_pallas_paged_attention"
+                             "[float8_e4m3fn]"),
+     "bfloat16 (float32) by default: every pool stores raw bits alike"),
+    ("long", "other cases", ("test_mesh.py::test_one_process_eight_devices",
+                             "!test_mesh.py::test_one_process_eight_devices[parity/llama_0]"),
+     "a Llama on eight CPU devices by default"),
+    ("long", "other cases", ("test_parallel_hybrid.py::test_each_sample_replays_an_unshared_no_cache_run",
+                             "!test_parallel_hybrid.py::test_each_sample_replays_an_unshared_no_cache_run"
+                             "[gpt_oss/small]"),
+     "gpt-oss by default (window rings, sinks and paged blocks forked)"),
+    ("long", "other cases", ("test_tenants.py::test_hybrid_scrub_leaves_no_byte_of_finished_requests",
+                             "!test_tenants.py::test_hybrid_scrub_leaves_no_byte_of_finished_requests"
+                             "[qwen3_next/small]"),
+     "Qwen3-Next (GDN states and full-attention pages) by default"),
+    ("long", "other cases", ("test_nn_gemma3.py::test_cached_steps_equal_no_cache_recompute[paged]",
+                             "test_window_cache.py::test_interleaved_cache_matches_float64_attention[paged]"),
+     "the ring layout by default; gpt-oss's model tests check the paged one"),
+    ("long", "other cases", ("test_nn_deepseek_v4.py::test_greedy_tokens_equal_transformers",
+                             "test_nn_deepseek_v4.py::test_fp8_entries_bound",
+                             "test_nn_qwen3_next_dsv3.py::test_dsv3_pool_dtype_bounds"),
+     "schedules and pool formats beyond the default ones: DeepSeek-V4's ``small`` meets transformers by "
+     "default (test_chunked_prefill_crosses_ring_compression_and_block_boundaries), DeepSeek-V3's fp8 pool "
+     "in test_dsv3_fp8_pool_decode_equals_fp8_recompute"),
+
+    ("long", "program", ("test_demo.py::*", "!test_demo.py::test_random_flag_serves_the_random_model"),
+     "the demo's runs; by default test_gguf checks SmolLM2's tokens and test_random_flag the demo's dispatch"),
+    ("long", "program", ("test_examples.py::test_example_runs[continuous_batching.py]",
+                         "test_examples.py::test_example_runs[deepseek_v4_checkpoint.py]",
+                         "test_examples.py::test_example_runs[fork_sampling_beam.py]",
+                         "test_examples.py::test_example_runs[openai_client.py]",
+                         "test_examples.py::test_example_runs[qwen3_next_checkpoint.py]",
+                         "test_examples.py::test_example_runs[swap_under_pressure.py]"),
+     "what these show is tested by default elsewhere (swap, recompute, checkpoints, batching, forks); "
+     "openai_client.py starts a server (20-50 s), which test_server covers by default"),
+    ("long", "program", ("test_bench_smoke.py::test_benchmark_runs_and_prints_json[decode]",
+                         "test_bench_smoke.py::test_benchmark_runs_and_prints_json[hybrid]",
+                         "test_bench_smoke.py::test_benchmark_runs_and_prints_json[memory]",
+                         "test_bench_smoke.py::test_benchmark_runs_and_prints_json[serve]",
+                         "test_bench_smoke.py::test_scaling_mesh_runs_every_device_count_and_two_processes"),
+     "the slower benchmarks in quick mode (``serve``: two schedulers on two families, ~55 s; the mesh: "
+     "subprocesses on 1, 2 and 4 devices and two jax.distributed processes, ~1.5 min)"),
+    ("long", "program", ("test_bench_isolation.py::test_scrub_cost_tables",
+                         "test_bench_isolation.py::test_salted_tenants_are_at_chance_through_the_http_server"),
+     "~1 min each; the engine part of the salted-tenant check runs by default, scrub-on-free in test_tenants"),
+    ("long", "program", ("test_server.py::test_503_while_starting_then_second_start_is_faster",
+                         "test_server.py::test_bench_serve_http_quick",
+                         "test_server.py::test_smollm2_greedy_chat_equals_transformers"),
+     "server processes and the HTTP load bench; the server's other tests run by default, test_gguf checks "
+     "SmolLM2's tokens through generate"),
+    ("long", "program", ("test_mesh.py::test_two_processes",),
+     "two jax.distributed processes; one process on eight devices runs by default"),
+
+    ("long", "fuzz", ("test_fuzz_engine_hybrid.py::*",
+                      "!test_fuzz_engine_hybrid.py::test_gpt_oss_engine_matches_generate[device]"),
+     "the default pass fuzzes one hybrid engine against generate: gpt-oss, device tiers"),
+    ("long", "fuzz", ("test_fuzz_host_paths.py::TestWindowMachine::*",
+                      "test_fuzz_host_paths.py::TestSnapshotMachine::*"),
+     "the window and snapshot host-path machines; the prefix-pin machine runs by default"),
+
+    ("long", "second route", ("test_engine_families.py::test_hybrid_engine_preempts_by_swap_and_gives_"
+                              "transformers_tokens",),
+     "test_hybrid_host checks that swapped rows decode as if never swapped"),
+    ("long", "second route", ("test_engine_families.py::test_windowed_requests_longer_than_the_pool_run_in_"
+                              "window_memory",),
+     "test_engine_admission admits such a request"),
+    ("long", "second route", ("test_hybrid_prefix_tiers.py::test_three_host_hits_in_one_admission_with_one_"
+                              "snapshot_row",),
+     "more host-tier hits in one admission"),
+    ("long", "second route", ("test_nn_deepseek_v4.py::test_fp8_cache_decode_equals_fp8_recompute",
+                              "test_nn_qwen3_next_dsv3.py::test_dsv3_forks_like_llama",
+                              "test_nn_gemma3.py::test_fp8_pages_and_exact_rings_keep_transformers_tokens",
+                              "test_nn_gemma3.py::test_bfloat16_stays_near_float32"),
+     "formats and forks of a family beyond its default tests (gpt-oss's bf16 test runs by default)"),
+    ("long", "second route", ("test_packed_hybrid.py::test_dsv4_packed_steps_equal_unpacked_steps",),
+     "Qwen3-Next's packed steps run by default"),
+    ("long", "second route", ("test_parallel_hybrid.py::test_beam_search_matches_brute_force",),
+     "the sampled forks of the same families run by default"),
+    ("long", "second route", ("test_tenants.py::test_scrub_zeroes_blocks_a_sliding_window_trims",
+                              "test_tenants.py::test_snapshot_quota_keeps_a_tenant_hitting_while_another_floods"),
+     "the paged scrub and the paged flood run by default; these add the window trim and the snapshot quota"),
+    ("long", "second route", ("test_inplace_hybrid.py::test_hybrid_cache_step_is_in_place",
+                              "test_kernel_tables.py::test_tpu_ragged_reference_decode",
+                              "test_gguf.py::test_smollm2_config"),
+     "the pieces are checked by default (each in-place write, the table exports, SmolLM2's tokens)"),
+
+    ("aot", "compile without a GPU", ("test_kernels_aot.py::*", "*::test_aot_*"),
+     "kernels compiled for H100/A100 through XLA's GPU pipeline; they skip without the CUDA plugin"),
+)
+
+
+def _glob(pattern: str) -> re.Pattern:
+    return re.compile(".*".join(map(re.escape, pattern.split("*"))))
+
+
+class _Row:
+    """A row of RULES: its mark and whether it takes an item; each pattern
+    counts the items it matched (a pattern that matches none is stale)."""
+
+    def __init__(self, mark, tests):
+        self.mark, self.test = mark, tests if callable(tests) else None
+        patterns = () if callable(tests) else tests
+        self.take = [_Pattern(p) for p in patterns if not p.startswith("!")]
+        self.back = [_Pattern(p[1:]) for p in patterns if p.startswith("!")]
+
+    def __call__(self, item) -> bool:
+        if self.test is not None:
+            return self.test(item)
+        took = [p for p in self.take if p(item)]  # every pattern sees every item: each counts its own
+        return bool(took) and not [p for p in self.back if p(item)]
+
+
+class _Pattern:
+    """A node-id pattern of RULES (see above), counting what it matched."""
+
+    def __init__(self, text):
+        self.text, self.case, self.hits = text, "[" in text, 0
+        self.module = text.split("::")[0]
+        self.rx = re.compile(".*".join(map(re.escape, text.split("*"))))
+
+    def __call__(self, item) -> bool:
+        full = item.nodeid.removeprefix("tests/")
+        hit = bool(self.rx.fullmatch(full if self.case else full.split("[", 1)[0]))
+        self.hits += hit
+        return hit
+
+
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
-    """``gpu`` tests need a GPU JAX can run on; ``aot`` tests need the CUDA
+    """Marks from RULES first (``-m`` deselects after this hook), then:
+    ``gpu`` tests need a GPU JAX can run on; ``aot`` tests need the CUDA
     plugin (``pip install 'jax[cuda12]>=0.10,<0.11'``), no GPU. Without
     them, they skip and say why."""
     import jax
-    import pytest
+
+    rows = [_Row(mark, tests) for mark, _, tests, _ in RULES]
+    for item in items:
+        for mark in sorted({row.mark for row in rows if row(item)}):
+            item.add_marker(mark)
+    # A pattern that names a collected module but matches none of its tests is stale (a test renamed or
+    # gone): say so, unless only some tests were asked for (``path::name`` arguments).
+    collected = {item.path.name for item in items}
+    if not any("::" in arg for arg in config.args):
+        stale = [p.text for row in rows for p in row.take + row.back if p.module in collected and not p.hits]
+        if stale:
+            raise pytest.UsageError("tests/conftest.py: these patterns of RULES match no test: " + ", ".join(stale))
 
     wants_gpu = any("gpu" in item.keywords for item in items)
     has_gpu = wants_gpu and jax.default_backend() == "gpu"
@@ -44,9 +252,6 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.skip(
                 reason="compile for H100 without a GPU: needs pip install 'jax[cuda12]>=0.10,<0.11' "
                        "(see docs/kernels.md)"))
-
-
-import pytest  # noqa: E402
 
 
 @pytest.fixture(autouse=True, scope="module")

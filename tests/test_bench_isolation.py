@@ -58,7 +58,6 @@ def test_classifier_statistics():
 
 
 
-@pytest.mark.long  # CI time: ~1 min of compiles; scrub-on-free's behaviour is tested in test_tenants by default
 def test_scrub_cost_tables(capsys):
     """The option's cost tables (the second part of the bench): a row per
     pages freed, with the scrubbed call's time, and serving runs whose
@@ -72,7 +71,6 @@ def test_scrub_cost_tables(capsys):
     assert "scrub_on_free" in capsys.readouterr().out
 
 
-@pytest.mark.long  # CI time: ~1 min (a server subprocess); the engine part runs by default above
 def test_salted_tenants_are_at_chance_through_the_http_server(capsys):
     """The same check through ``python -m jaxkv.serve`` (``cache_salt`` per
     tenant, TTFT to the first streamed chunk): different salts at chance and

@@ -9,10 +9,9 @@ from jaxkv.bench.__main__ import main
 
 
 # ``serve`` (two schedulers on two families, ~55 s), ``decode``, ``hybrid`` and ``memory`` run in the long
-# pass (CI time).
-@pytest.mark.parametrize("name", ["alloc", "pool", "prefix", *(pytest.param(n, marks=pytest.mark.long) for n in
-                                                                ("decode", "hybrid", "serve", "memory")),
-                                  "kernels", "scaling"])
+# pass (tests/conftest.py).
+@pytest.mark.parametrize("name", ["alloc", "pool", "prefix", "decode", "hybrid", "serve", "memory", "kernels",
+                                  "scaling"])
 def test_benchmark_runs_and_prints_json(name, capsys, tmp_path):
     plot = tmp_path / "plot.png"
     assert main([name, "--quick", "--json", "--plot", str(plot)]) == 0
@@ -23,7 +22,6 @@ def test_benchmark_runs_and_prints_json(name, capsys, tmp_path):
         assert plot.exists() or "matplotlib is not installed" in out
 
 
-@pytest.mark.long  # subprocesses on 1, 2 and 4 CPU devices and two jax.distributed processes (~1.5 min)
 def test_scaling_mesh_runs_every_device_count_and_two_processes(capsys):
     assert main(["scaling", "--mesh", "--quick", "--json"]) == 0
     results = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["results"]

@@ -35,9 +35,6 @@ FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures")
 SMOLLM2 = find_smollm2()
 
 
-# CI time: the long pass runs it; by default test_gguf checks SmolLM2's tokens against transformers and the
-# tests below run the demo's other paths.
-@pytest.mark.long
 @pytest.mark.skipif(SMOLLM2 is None, reason=SMOLLM2_INSTALL)
 def test_chat_demo_streams_transformers_greedy_answers_on_smollm2(capsys):
     from jaxkv.text import Tokenizer
@@ -69,7 +66,6 @@ def test_chat_demo_streams_transformers_greedy_answers_on_smollm2(capsys):
     assert "answers:" in out and str(summary) in out and "12 times 12 is 120." in out
 
 
-@pytest.mark.long  # CI time (the README test command stays under 15 min on 2 cores)
 def test_without_the_wheel_the_demo_says_how_to_get_it_and_serves_the_random_model(monkeypatch, capsys):
     monkeypatch.setattr(demo, "find_smollm2", lambda: None)
     demo.main(["--requests", "3", "--no-compile-cache"])
@@ -86,7 +82,6 @@ def test_random_flag_serves_the_random_model(monkeypatch):
     assert calls == [5]
 
 
-@pytest.mark.long  # CI time (the README test command stays under 15 min on 2 cores)
 def test_model_gguf_with_a_chat_template_gets_the_chat_conversations(tmp_path, capsys):
     config = LlamaConfig(vocab_size=len(tiny_vocab()[0]), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                          num_attention_heads=2, num_key_value_heads=1, head_dim=16,
@@ -100,7 +95,6 @@ def test_model_gguf_with_a_chat_template_gets_the_chat_conversations(tmp_path, c
     assert out.count(" arrives (") == n and f"requests {n} | generated tokens " in out
 
 
-@pytest.mark.long  # CI time (the README test command stays under 15 min on 2 cores)
 def test_model_hybrid_checkpoint_serves_token_id_prompts(capsys):
     demo.main(["--model", os.path.join(FIXTURES, "qwen3_next/small"), "--prompt", "3,17,42", "--max-new-tokens",
                "2", "--no-compile-cache"])

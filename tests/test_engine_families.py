@@ -46,12 +46,7 @@ def _fixture(name):
         return AutoModelForCausalLM.from_pretrained(path), json.load(f)
 
 
-# Gemma 3 runs the same window-ring code as gpt-oss here, Qwen3-Next's engine
-# is fuzzed against generate by default (test_fuzz_engine_hybrid): both in the
-# long pass (CI time).
-@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.long) if n.startswith(("gemma3", "qwen3_next"))
-                                  else n
-                                  for n in sorted(CASES)])
+@pytest.mark.parametrize("name", sorted(CASES))
 def test_engine_tokens_equal_transformers_under_preemption(name):
     model, expected = _fixture(name)
     num_blocks, chunk, second_hits = CASES[name]
@@ -85,7 +80,6 @@ def test_engine_tokens_equal_transformers_under_preemption(name):
     assert int(engine.manager.slots.num_free) == engine.manager.max_requests
 
 
-@pytest.mark.long  # CI time: swapped rows decode as if never swapped by default (test_hybrid_host)
 def test_hybrid_engine_preempts_by_swap_and_gives_transformers_tokens():
     """With host memory for request images, the hybrid engine preempts by
     swap (every group's blocks and the GDN states to host and back) and the
@@ -124,7 +118,6 @@ def test_hybrid_engine_refuses_what_it_cannot_do():
     engine.add_request([1] * 60, 4)  # exactly fits
 
 
-@pytest.mark.long  # CI time: test_engine_admission admits such a request by default
 def test_windowed_requests_longer_than_the_pool_run_in_window_memory():
     """Mistral with a 6-token window on every layer, pages of 4, 5 blocks:
     each request holds 36 tokens (9 blocks) by its end, which only fits
@@ -155,13 +148,9 @@ PREFIX_CASES = {  # fixture -> (shared prompt length, new tokens, blocks per gro
     "gpt_oss/small": (70, 12, None),  # window 8: every hit restores rings that crossed the window many times
     "gemma3/small": (70, 12, None),
 }
-# CI time: every case in the long pass; by default the gpt-oss fuzz (test_fuzz_engine_hybrid) checks its
-# hits against cold runs, and test_hybrid_prefix_tiers checks hybrid hits through the host tier.
 
 
-# Qwen3-Next's hits on the engine are also checked by the preemption test above
-# (its second pass); its case here runs in the long pass (CI time).
-@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.long) for n in sorted(PREFIX_CASES)])
+@pytest.mark.parametrize("name", sorted(PREFIX_CASES))
 def test_hybrid_prefix_hits_give_the_cold_tokens(name):
     """Repeat a prompt, extend it inside its last block, diverge in the
     middle of a cached page, and a second turn appending to the first turn:

@@ -241,7 +241,6 @@ def test_llama_faults_touch_no_other_request(llama, llama_reference, seed, sched
     llama_scenario(llama, llama_reference, seed, scheduler)
 
 
-@pytest.mark.long
 @settings(max_examples=200 if LONG else 30, deadline=None)
 @given(seed=st.integers(0, 2**32 - 1), scheduler=st.sampled_from(["packed", "padded"]))
 def test_llama_faults_touch_no_other_request_wide(llama, llama_reference, seed, scheduler):
@@ -370,7 +369,7 @@ def hybrid_subjects():
 
 
 @pytest.mark.parametrize("name, seeds", [("qwen3_next/small", 1)] + [
-    pytest.param(n, 6 if LONG else 3, marks=pytest.mark.long, id=f"{n}-wide") for n in HYBRID])
+    pytest.param(n, 6 if LONG else 3, id=f"{n}-wide") for n in HYBRID])
 def test_hybrid_faults_touch_no_other_request(hybrid_subjects, name, seeds):
     model, reference = hybrid_subjects(name)
     options, (low, high), new = HYBRID[name]

@@ -55,8 +55,8 @@ def slack(engine) -> int:
     return sum(g.bytes_per_block for g in engine.cache_plan.groups)
 
 
-# DeepSeek-V4 in the long pass (CI time; Qwen3-Next covers the hybrid cache's rule here).
-@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.long) if n == "dsv4/small" else n for n in FAMILIES])
+# DeepSeek-V4 in the long pass (tests/conftest.py; Qwen3-Next covers the hybrid cache's rule here).
+@pytest.mark.parametrize("name", FAMILIES)
 def test_engine_with_no_sizing_argument_serves_every_family(name, caplog):
     """``Engine(model)``: ``max_model_len`` = min(max_position_embeddings,
     1024 on the CPU, 4096 elsewhere), every sequence row at that length (the

@@ -29,14 +29,8 @@ def test_every_example_is_listed():
     assert sorted(p.name for p in EXAMPLES.glob("*.py")) == sorted(EXPECTED)
 
 
-# CI time: what these show is tested by default elsewhere (swap, recompute, checkpoints, batching, forks).
-# openai_client.py starts a server (20-50 s on a 2-core CPU); tests/test_server.py covers the server by default.
-LONG = ("swap_under_pressure.py", "qwen3_next_checkpoint.py", "deepseek_v4_checkpoint.py", "continuous_batching.py",
-        "fork_sampling_beam.py", "openai_client.py")
-
-
-@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.long) if n in LONG else n
-                                  for n in sorted(EXPECTED)])
+# Six of them run in the long pass (tests/conftest.py).
+@pytest.mark.parametrize("name", sorted(EXPECTED))
 def test_example_runs(name):
     done = subprocess.run([sys.executable, str(EXAMPLES / name)], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]

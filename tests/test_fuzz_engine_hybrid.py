@@ -227,7 +227,6 @@ def _prompts(seed, count, length, vocab):
     return [tuple(rng.integers(2, vocab, length).tolist()) for _ in range(count)]
 
 
-@pytest.mark.long  # CI time: a regression scenario (one bug), the Qwen3-Next fuzz below runs by default
 def test_qwen3_next_rows_retiring_together_never_share_a_snapshot(qwen):
     """Three rows whose prefill pieces end on their cut (the prompt's last
     token but one) in one packed step, and which retire together, with two
@@ -279,11 +278,7 @@ def _qwen_pressure():
 QWEN_HOST = dict(QWEN, num_snapshots=1, host_prefix_memory=1 << 24, host_kv_memory=1 << 24)
 
 
-# The long pass (CI time): the gpt-oss fuzz below runs the same engine paths by default, and
-# test_hybrid_prefix_tiers the host tiers.
-@pytest.mark.parametrize("options", [pytest.param(QWEN, marks=pytest.mark.long),
-                                     pytest.param(QWEN_HOST, marks=pytest.mark.long)],
-                         ids=["device", "host tiers"])
+@pytest.mark.parametrize("options", [QWEN, QWEN_HOST], ids=["device", "host tiers"])
 @settings(max_examples=200 if LONG else 2)
 @given(scenario=qwen_scenarios())
 @example(scenario=_qwen_pressure())
@@ -306,9 +301,7 @@ def gptoss():
     return Subject("gpt_oss/small", model, _reference(model, QWEN_LENGTHS, QWEN_NEW))
 
 
-# The host tiers (rings to host and back) in the long pass: CI time.
-@pytest.mark.parametrize("options", [QWEN, pytest.param(QWEN_HOST, marks=pytest.mark.long)],
-                         ids=["device", "host tiers"])
+@pytest.mark.parametrize("options", [QWEN, QWEN_HOST], ids=["device", "host tiers"])
 @settings(max_examples=200 if LONG else 2)
 @given(scenario=qwen_scenarios())
 @example(scenario=_qwen_pressure())
@@ -333,7 +326,6 @@ def dsv4():
     return Subject("dsv4/small", model, _reference(model, DSV4_LENGTHS, DSV4_NEW))
 
 
-@pytest.mark.long  # ~60 s of compiles; the Qwen3-Next test above checks the same rule by its tokens
 def test_dsv4_rows_retiring_together_never_share_a_snapshot(dsv4):
     """DeepSeek-V4's rings and windows: three rows retiring together with
     one snapshot row (each later turn end of the batch takes the row the
@@ -365,7 +357,6 @@ def _reassigned_in_one_call(events, calls) -> bool:
     return stored > sum(len(dst) for dst in calls)
 
 
-@pytest.mark.long
 @settings(max_examples=100 if LONG else 4)
 @given(data=st.data())
 def test_dsv4_engine_matches_generate(dsv4, data):
@@ -426,7 +417,6 @@ def _window_edge():
     return (first, second), None
 
 
-@pytest.mark.long  # CI time (the README test command stays under 15 min on 2 cores)
 @settings(max_examples=200 if LONG else 4)
 @given(scenario=window_scenarios())
 @example(scenario=_window_edge())
@@ -453,7 +443,6 @@ def paged_models(mistral):
     return _Models(window=mistral.model, full=LlamaForCausalLM(LlamaConfig.from_hf(CONFIG), rngs=nnx.Rngs(0)))
 
 
-@pytest.mark.long  # CI time (the README test command stays under 15 min on 2 cores)
 @settings(max_examples=300 if LONG else 12)
 @given(kind=st.sampled_from(["window", "full"]),
        sizes=st.lists(st.tuples(st.integers(1, 24), st.integers(1, 24), st.integers(0, 3)), min_size=1, max_size=6),
@@ -490,7 +479,6 @@ def test_an_accepted_request_finishes(paged_models, kind, sizes, shared, budget,
     check_no_leak(engine)
 
 
-@pytest.mark.long  # CI time (the README test command stays under 15 min on 2 cores)
 @settings(max_examples=100 if LONG else 4)
 @given(sizes=st.lists(st.tuples(st.integers(1, 60), st.integers(1, 24), st.integers(0, 3)), min_size=1, max_size=5),
        shared=st.booleans(), budget=st.sampled_from([None, 20]), seed=st.integers(0, 2**16))

@@ -282,7 +282,7 @@ class WindowMachine(SpaceMachine):
 
 
 # Sizes from the hypothesis profile (tests/conftest.py): ci 30 x 60, long 400 x 100.
-TestWindowMachine = pytest.mark.long(pytest.mark.slow(WindowMachine.TestCase))  # CI time
+TestWindowMachine = pytest.mark.slow(WindowMachine.TestCase)  # the long pass (tests/conftest.py)
 
 
 # ==========================================================================
@@ -772,7 +772,7 @@ class SnapshotMachine(RuleBasedStateMachine):
             np.testing.assert_array_equal(np.asarray(leaf), mirror, err_msg=f"state leaf {i} differs from the model")
 
 
-TestSnapshotMachine = pytest.mark.long(pytest.mark.slow(SnapshotMachine.TestCase))  # CI time
+TestSnapshotMachine = pytest.mark.slow(SnapshotMachine.TestCase)  # the long pass (tests/conftest.py)
 
 
 # ==========================================================================

@@ -32,9 +32,8 @@ def _fixture(name):
         return AutoModelForCausalLM.from_pretrained(path), json.load(f)
 
 
-# DeepSeek-V4 (every group's blocks and its rings through the host tier) runs in the long pass (CI time); the
-# Qwen3-Next test below covers the same path on the default run.
-@pytest.mark.parametrize("name", [pytest.param("dsv4/small", marks=pytest.mark.long)])
+# DeepSeek-V4: every group's blocks and its rings through the host tier.
+@pytest.mark.parametrize("name", ["dsv4/small"])
 def test_a_prefix_dropped_to_host_comes_back_exact(name):
     model, expected = _fixture(name)
     engine = Engine(model, max_seqs=2, max_context_tokens=512, decode_chunk=4, prefill_chunk=64, num_snapshots=2,
@@ -64,7 +63,6 @@ def test_a_prefix_dropped_to_host_comes_back_exact(name):
     check_hybrid_no_leak(engine)
 
 
-@pytest.mark.long  # CI time: the other host-tier hits run by default
 def test_three_host_hits_in_one_admission_with_one_snapshot_row():
     """One snapshot row, three conversations continued together: their
     turn ends wait on host; each continuation's is loaded at admission into

@@ -119,7 +119,6 @@ def test_gdn_pool_writes_are_in_place(gdn_pool):
     _check(lambda p, s, d: p.copy_states(s, d), (gdn_pool, ids, jnp.asarray([7, 8, 9], jnp.int32)), min_bytes)
 
 
-@pytest.mark.long  # CI time (the README test command stays under 15 min on 2 cores)
 def test_hybrid_cache_step_is_in_place():
     """A whole decode step of the hybrid cache (reserve in every group, then
     each layer's SWA, compressor and indexer writes; fp8 entries) on the

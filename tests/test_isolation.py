@@ -107,9 +107,7 @@ def _poison(scenario, value):
     return KVPool.from_arrays(typed["k_pages"], typed["v_pages"], typed.get("k_scales"), typed.get("v_scales"))
 
 
-# bfloat16 by default, the others in the long pass (CI time): every pool stores raw bits alike.
-@pytest.mark.parametrize("dtype", [pytest.param(jnp.float32, marks=pytest.mark.long), jnp.bfloat16,
-                                   pytest.param(jnp.float8_e4m3fn, marks=pytest.mark.long)],
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float8_e4m3fn],
                          ids=lambda d: jnp.dtype(d).name)
 def test_poisoned_and_reused_blocks_never_reach_a_live_sequence(dtype):
     rng = np.random.default_rng()
@@ -146,7 +144,7 @@ def test_poisoned_and_reused_blocks_never_reach_a_live_sequence(dtype):
     assert all(seq in s.written for seq in survivors)
 
 
-@pytest.mark.parametrize("dtype", [jnp.float32, pytest.param(jnp.float8_e4m3fn, marks=pytest.mark.long)],  # CI time
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.float8_e4m3fn],
                          ids=lambda d: jnp.dtype(d).name)
 def test_manager_tables_feed_jax_pallas_paged_attention(dtype):
     rng = np.random.default_rng()

@@ -186,7 +186,6 @@ def random_kv(rng, kvh, num_pages, ps, dim):
     return k, v
 
 
-@pytest.mark.long  # CI time (the README test command stays under 15 min on 2 cores)
 def test_tpu_ragged_reference_decode():
     rng = np.random.default_rng()
     batch, max_pages, ps, num_pages, kvh, group, dim = 4, 5, 4, 16, 2, 2, 8

@@ -10,7 +10,7 @@ localhost (CPU collectives over gloo), each bounded by a timeout and
 killed if it outlives it.
 
 CI time: the one-process Llama case runs by default; every other family
-and the two-process runs in the long pass (which CI runs too).
+and the two-process runs in the long pass (tests/conftest.py; CI runs it too).
 """
 
 from __future__ import annotations
@@ -53,9 +53,8 @@ def check_same_tokens(results: list, processes: int, devices: int, *, latent_cac
     assert all(r["sharded"] == results[0]["sharded"] for r in results)  # every process got every token
 
 
-ONE_PROCESS = ["parity/llama_0"] + [pytest.param(name, marks=pytest.mark.long) for name in (
-    "dsv3/small", "dsv4/small", "qwen3_next/small", "gpt_oss/small", "gemma3/small")]
-TWO_PROCESSES = [pytest.param(name, marks=pytest.mark.long)
+ONE_PROCESS = ["parity/llama_0", "dsv3/small", "dsv4/small", "qwen3_next/small", "gpt_oss/small", "gemma3/small"]
+TWO_PROCESSES = [name
                  for name in ("parity/llama_0", "qwen3_next/small", "dsv4/small")]
 
 

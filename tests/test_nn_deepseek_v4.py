@@ -95,15 +95,9 @@ def _dense_logits(model, tokens, entry_format):
 
 # ``small`` is left out here: test_chunked_prefill_crosses_ring_compression_and_block_boundaries
 # runs it through generate and test_engine_families through the engine (CI time).
-# ``small_bf16`` (the same schedule as ``small``, in bf16 weights), ``real_rates`` and
-# ``defaults_yarn`` run in the long pass (CI time; the configuration parity
-# suite's default DeepSeek-V4 run covers real rates with YaRN).
-LONG_SCHEDULES = ("small_bf16", "real_rates", "defaults_yarn", "small_fp8")  # CI time: fp8 entries also by
-# test_fp8_cache_decode_equals_fp8_recompute in the long pass and the engine fuzz
-
-
-@pytest.mark.parametrize("name", [pytest.param(name, marks=pytest.mark.long) if name in LONG_SCHEDULES else name
-                                  for name in SCHEDULES if name != "small"])
+# ``small_bf16`` (the same schedule as ``small``, in bf16 weights), ``real_rates``,
+# ``defaults_yarn`` and ``small_fp8``: the long pass (tests/conftest.py).
+@pytest.mark.parametrize("name", [name for name in SCHEDULES if name != "small"])
 def test_greedy_tokens_equal_transformers(name):
     """Every prompt of the schedule in ONE batch (mixed lengths), prefill
     then the jitted decode loop through the lossless cache: transformers'
@@ -136,7 +130,6 @@ def test_cached_equals_no_cache_recompute_lossless_chunks():
 # ----------------------------------------------------------------------------- fp8 entries
 
 
-@pytest.mark.long  # CI time (the README test command stays under 15 min on 2 cores)
 def test_fp8_cache_decode_equals_fp8_recompute():
     """Greedy decoding through the fp8 cache picks, at every step, the
     argmax of the no-cache forward that rounds through the same fp8 format."""
@@ -149,7 +142,6 @@ def test_fp8_cache_decode_equals_fp8_recompute():
         assert logits.argmax(-1).tolist() == tokens
 
 
-@pytest.mark.long  # CI time: test_fp8_cache_decode_equals_fp8_recompute checks the fp8 cache in the default run
 @pytest.mark.parametrize("name", ("small",))  # real_rates measured too (below); not run in CI, for time
 def test_fp8_entries_bound(name):
     """The fp8 format's cost, teacher-forced through the cache along

@@ -148,7 +148,6 @@ def test_prompt_logits_and_greedy_equal_transformers(name):
         assert seq[len(prompt):] == greedy
 
 
-@pytest.mark.long  # CI time
 def test_fp8_pages_and_exact_rings_keep_transformers_tokens():
     """``entry_format="fp8"``: the global layers' pages in float8_e4m3fn with
     per-token scales, the window rings in the compute dtype, prompts
@@ -174,7 +173,6 @@ def test_generate_through_the_ring_cache_equals_transformers():
     assert out.tokens == expected["greedy"]
 
 
-@pytest.mark.long  # CI time: gpt-oss's bf16 test runs by default
 def test_bfloat16_stays_near_float32():
     """The bf16 model (params and compute) follows the float32 one."""
     tokens = jnp.asarray(np.random.default_rng().integers(0, 256, 24), jnp.int32)
@@ -191,8 +189,8 @@ def _sequences(rng, model, lengths):
     return [rng.integers(0, model.config.vocab_size, n).tolist() for n in lengths]
 
 
-# The paged layout in the long pass (CI time): gpt-oss checks it by default.
-@pytest.mark.parametrize("window_cache", ["ring", pytest.param("paged", marks=pytest.mark.long)])
+# The paged layout in the long pass (tests/conftest.py): gpt-oss checks it by default.
+@pytest.mark.parametrize("window_cache", ["ring", "paged"])
 def test_cached_steps_equal_no_cache_recompute(window_cache):
     """Two requests at once: prompts of 37 and 23 tokens (4.6 and 2.9
     windows) prefilled 6 tokens per step (the shorter one idles once its

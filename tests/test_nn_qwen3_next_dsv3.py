@@ -141,7 +141,6 @@ def test_dsv3_cached_absorbed_equals_expanded_no_cache():
         assert logits.argmax(-1).tolist() == tokens
 
 
-@pytest.mark.long  # CI time: test_dsv3_fp8_pool_decode_equals_fp8_recompute checks the fp8 pool by default
 @pytest.mark.parametrize("kv_dtype", ("float8_e4m3fn",))  # bf16 measured too (docstring), not run in CI
 def test_dsv3_pool_dtype_bounds(kv_dtype):
     """An MLA pool stored in bf16 or fp8 (per-token scales) against a
@@ -185,7 +184,6 @@ def test_dsv3_fp8_pool_decode_equals_fp8_recompute():
 # ----------------------------------------------------------------------------- forking and serving
 
 
-@pytest.mark.long  # CI time (the README test command stays under 15 min on 2 cores)
 def test_dsv3_forks_like_llama():
     """The MLA rows are blocks like any K/V: greedy samples of sample_n all
     equal generate's tokens, and beam search runs."""

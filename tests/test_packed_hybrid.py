@@ -241,7 +241,6 @@ def _crossings(history, ratio):
 # ----------------------------------------------------------------------------- DeepSeek-V4
 
 
-@pytest.mark.long  # CI time (the README test command stays under 15 min on 2 cores)
 def test_dsv4_packed_steps_equal_unpacked_steps():
     """A (44-token prompt in pieces) beside B and C decoding: every lane's
     logits and every greedy token as the unpacked step. Context up to 50
@@ -273,7 +272,6 @@ def test_qwen3_next_packed_steps_equal_unpacked_steps():
 # ----------------------------------------------------------------------------- wide sweeps
 
 
-@pytest.mark.long
 @pytest.mark.parametrize("family", ["dsv4", "qwen3_next"])
 @pytest.mark.parametrize("seed", range(10, 22))
 def test_packed_steps_equal_unpacked_steps_sweep(family, seed):

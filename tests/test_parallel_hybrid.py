@@ -23,9 +23,8 @@ from tests.test_nn_parallel import assert_same_beams, reference_beam_search
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures")
 # gpt-oss forks window rings, sinks and paged blocks; Qwen3-Next Gated DeltaNet
 # states; Gemma 3 rings again; DeepSeek-V4 its SWA and compressor rings and
-# compressed blocks (the last three in the long pass: CI time).
-FAMILIES = ["gpt_oss/small"] + [pytest.param(name, marks=pytest.mark.long)
-                                for name in ("qwen3_next/small", "gemma3/small", "dsv4/small")]
+# compressed blocks (the last three in the long pass: tests/conftest.py).
+FAMILIES = ["gpt_oss/small", "qwen3_next/small", "gemma3/small", "dsv4/small"]
 WIDTH = 64
 SAMPLING = SamplingParams(temperature=0.9, top_k=20, top_p=0.9)
 
@@ -70,7 +69,6 @@ def test_each_sample_replays_an_unshared_no_cache_run(family):
     assert int(manager.blocks_in_use) == 0 and int(manager.slots.num_free) == manager.max_requests
 
 
-@pytest.mark.long  # CI time: the sampled forks above run by default
 def test_beam_search_matches_brute_force(family):
     model, dense = family
     prompt = np.random.default_rng().integers(1, model.config.vocab_size, 13).tolist()

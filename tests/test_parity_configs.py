@@ -19,8 +19,9 @@ prefill crosses the windows and pages too). The tokens must equal
 transformers' exactly.
 
 CI time: the default run takes ONE configuration per family (``DEFAULT``: the
-one furthest from the older fixtures); the others are marked ``long``
-(``pytest -m long``, run by ``.ci/run`` after the README's command).
+one furthest from the older fixtures); the others are in the ``long`` pass
+(the rule in tests/conftest.py; ``pytest -m long``, run by ``.ci/run`` after
+the README's command).
 """
 
 from __future__ import annotations
@@ -50,10 +51,8 @@ ENGINE_ROWS = 3
 
 
 def _names():
-    found = sorted(n for n in os.listdir(ROOT) if os.path.isdir(os.path.join(ROOT, n)) and n.rsplit("_", 1)[0]
-                   in FAMILIES)
-    return [pytest.param(n, id=n) if n in DEFAULT.values() else pytest.param(n, id=n, marks=pytest.mark.long)
-            for n in found]
+    return sorted(n for n in os.listdir(ROOT) if os.path.isdir(os.path.join(ROOT, n)) and n.rsplit("_", 1)[0]
+                  in FAMILIES)
 
 
 NAMES = _names()
@@ -73,7 +72,7 @@ def _fixture(name):
 
 
 def test_every_family_has_a_default_and_long_configurations():
-    names = [p.values[0] for p in NAMES]
+    names = NAMES
     for family, default in DEFAULT.items():
         assert default in names
         assert sum(n.rsplit("_", 1)[0] == family for n in names) >= 4, family
@@ -89,15 +88,9 @@ def test_generate_equals_transformers(name):
     assert out.tokens == expected["greedy"]
 
 
-# The engine's default run: Llama here; Qwen3-Next's engine parity with
-# transformers is test_engine_families' (under preemption) and DeepSeek-V3's
-# test_nn_qwen3_next_dsv3.test_dsv3_runs_on_the_engine, so their
-# configurations here join the long pass (CI time).
-ENGINE_NAMES = [pytest.param(p.values[0], id=p.id, marks=pytest.mark.long)
-                if p.id in (DEFAULT["qwen3_next"], DEFAULT["dsv3"]) else p for p in NAMES]
-
-
-@pytest.mark.parametrize("name", ENGINE_NAMES)
+# The engine's default run: Llama's configuration only; Qwen3-Next's and
+# DeepSeek-V3's configurations here are in the long pass (tests/conftest.py).
+@pytest.mark.parametrize("name", NAMES)
 def test_engine_equals_transformers(name):
     model, expected = _fixture(name)
     prompts, new = expected["prompts"], expected["max_new_tokens"]

@@ -10,9 +10,10 @@ configuration runs through ``generate`` (all prompts in one batch) and the
 engine (prompts arriving together, decoded in chunks, prefilled in pieces),
 and both must give transformers' tokens exactly.
 
-The README's test command runs one configuration (``DEFAULT``); the others are
-marked ``long`` (``.ci/run`` runs them after it): each configuration is its
-own set of compiled programs.
+The README's test command runs the configurations in ``DEFAULT``; the others
+are in the ``long`` pass (the rule in tests/conftest.py; ``.ci/run`` runs it
+after the README's command): each configuration is its own set of compiled
+programs.
 """
 
 from __future__ import annotations
@@ -33,10 +34,6 @@ CONFIGS = sorted(os.path.basename(p) for p in glob.glob(os.path.join(PARITY, "ds
 DEFAULT: list[str] = []
 
 
-def _cases():
-    return [pytest.param(name, marks=() if name in DEFAULT else pytest.mark.long) for name in CONFIGS]
-
-
 def _load(name):
     path = os.path.join(PARITY, name)
     with open(os.path.join(path, "expected.json"), encoding="utf-8") as f:
@@ -51,7 +48,7 @@ def test_the_drawn_configurations_are_there():
         assert len(expected["prompts"]) >= 2 and min(expected["min_margin"]) >= 0.05, name
 
 
-@pytest.mark.parametrize("name", _cases())
+@pytest.mark.parametrize("name", CONFIGS)
 def test_generate_and_engine_give_transformers_tokens(name):
     model, expected = _load(name)
     prompts, want, n_new = expected["prompts"], expected["greedy"], expected["max_new_tokens"]

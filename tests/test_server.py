@@ -438,7 +438,6 @@ def test_no_compiles_after_warm_up(server, client):
 # ------------------------------------------------------------------ start-up
 
 
-@pytest.mark.long  # CI time (the README test command stays under 15 min on 2 cores)
 def test_503_while_starting_then_second_start_is_faster(checkpoint, tmp_path):
     """/health and the routes answer 503 (OpenAI JSON) until ready; a second
     start with the same compilation cache reads programs instead of
@@ -472,7 +471,6 @@ def test_503_while_starting_then_second_start_is_faster(checkpoint, tmp_path):
 # ------------------------------------------------------------------ the load bench
 
 
-@pytest.mark.long  # CI time: the server's own tests above run in the default pass
 def test_bench_serve_http_quick(capsys):
     """``python -m jaxkv.bench serve --http --quick --json``: streaming
     clients over loopback against the in-process engine, the same text on
@@ -489,7 +487,6 @@ def test_bench_serve_http_quick(capsys):
 # ------------------------------------------------------------------ the real model
 
 
-@pytest.mark.long  # ~40 s; tests/test_gguf.py checks the same tokens through generate in the default run
 def test_smollm2_greedy_chat_equals_transformers(tmp_path):
     from jaxkv.nn.gguf import find_smollm2
 

@@ -367,7 +367,6 @@ def test_property_hostile_bodies_are_4xx_and_the_server_stays_live(server):
     assert metric(metrics(server), "jaxkv_http_errors_total", status="500") == 0
 
 
-@pytest.mark.long
 def test_property_hostile_bodies_long(server):
     """The same, wider (``pytest -m long``; ``JAXKV_HYPOTHESIS=long`` widens
     it further)."""

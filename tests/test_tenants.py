@@ -133,7 +133,6 @@ def test_scrub_reaches_the_host_tiers(llama):
     assert _nonzero_pages(cache.host_pool) == [] and _nonzero_pages(cache.prefix_host_pool) == []
 
 
-@pytest.mark.long  # CI time: the default test above covers the paged scrub; this adds the window trim
 def test_scrub_zeroes_blocks_a_sliding_window_trims():
     """Mistral, a 6-token window on every layer: decode gives back the
     blocks that left the window (and the next append may take one back in
@@ -174,10 +173,9 @@ def _differs_from_fresh(model, cache) -> list[str]:
     return out
 
 
-# CI time: Qwen3-Next (GDN states + full-attention pages) by default; DeepSeek-V4's compressed entries,
-# indexer keys and rings, and gpt-oss's window rings, in the long pass.
-@pytest.mark.parametrize("name", ["qwen3_next/small", pytest.param("dsv4/small", marks=pytest.mark.long),
-                                  pytest.param("gpt_oss/small", marks=pytest.mark.long)])
+# Qwen3-Next (GDN states + full-attention pages) by default; DeepSeek-V4's compressed entries,
+# indexer keys and rings, and gpt-oss's window rings, in the long pass (tests/conftest.py).
+@pytest.mark.parametrize("name", ["qwen3_next/small", "dsv4/small", "gpt_oss/small"])
 def test_hybrid_scrub_leaves_no_byte_of_finished_requests(name):
     """A hybrid cache with few snapshot rows (records dropped and their rows
     reused while requests run), scrub-on-free on: transformers' tokens, and
@@ -243,7 +241,6 @@ def test_prefix_quota_keeps_a_tenant_hitting_while_another_floods(llama):
     assert _flood(llama, None, rng) == [0, 0, 0]
 
 
-@pytest.mark.long  # CI time: the paged flood above runs by default; the snapshot quota shares its eviction code
 def test_snapshot_quota_keeps_a_tenant_hitting_while_another_floods():
     """The hybrid cache (Qwen3-Next, GDN snapshots): tenant A's records are
     capped at half the snapshot rows and its pages at half the pool; B's

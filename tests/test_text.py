@@ -603,7 +603,6 @@ def test_one_at_a_time_random_smollm2(data):
     check_one_at_a_time(data, smollm2(), _smollm2_partial(), [0, 1, 2, 5], _whole_char_ids("smollm2"))
 
 
-@pytest.mark.long  # CI time: the wide pass of the two tests above
 @pytest.mark.parametrize("which", ["tiny", pytest.param("smollm2", marks=needs_smollm2)])
 @settings(max_examples=3000 if LONG else 600)
 @given(data=st.data())

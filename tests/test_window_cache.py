@@ -118,8 +118,8 @@ STEPS = [[(0, 11), (1, 3)], [(0, 1), (1, 7)], [(0, 1), (1, 1)], [(0, 6), (1, 1)]
          [(0, 2), (1, 1)]]
 
 
-# The paged layout in the long pass (CI time): its sinks path is also covered by the gpt-oss model tests.
-@pytest.mark.parametrize("window_cache", ["ring", pytest.param("paged", marks=pytest.mark.long)])
+# The paged layout in the long pass (tests/conftest.py): its sinks path is also covered by the gpt-oss model tests.
+@pytest.mark.parametrize("window_cache", ["ring", "paged"])
 def test_interleaved_cache_matches_float64_attention(window_cache):
     rng = np.random.default_rng()
     _run(window_cache, STEPS, cap=None, with_sinks=True, rng=rng, check_bounded=window_cache == "ring")
