@@ -98,6 +98,9 @@ RULES = (
                              "test_isolation.py::test_manager_tables_feed_jax_pallas_paged_attention"
                              "[float8_e4m3fn]"),
      "bfloat16 (float32) by default: every pool stores raw bits alike"),
+    ("long", "other cases", ("test_scan_layers.py::test_a_scanned_llama_is_the_unrolled_one[5-None]",
+                             "test_scan_layers.py::test_a_scanned_llama_is_the_unrolled_one[6-windows1]"),
+     "the interleaved-window Llama (a pattern of two) and DeepSeek-V3 (a dense head) by default"),
     ("long", "other cases", ("test_mesh.py::test_one_process_eight_devices",
                              "!test_mesh.py::test_one_process_eight_devices[parity/llama_0]"),
      "a Llama on eight CPU devices by default"),

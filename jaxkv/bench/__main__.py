@@ -24,6 +24,7 @@ BENCHMARKS = {
     "deployment": "jaxkv.bench.deployment",
     "isolation": "jaxkv.bench.isolation",
     "real_scale": "jaxkv.bench.real_scale",
+    "compile_depth": "jaxkv.bench.compile_depth",
 }
 
 

@@ -57,6 +57,7 @@ from jaxkv.nn.layers import (Experts, Linear, RMSNorm, SwiGLU, fuse_experts, loa
                              read_checkpoint, save_checkpoint)
 from jaxkv.nn.llama import LlamaDecoderLayer
 from jaxkv.nn.packed import PackedBatch, packed_logits
+from jaxkv.nn.scan import DecoderStack
 from jaxkv.pool.kv_pool import KVPool, dequantize, quantize_fp8
 from kernels_pallas import paged_attention
 from kernels_pallas.ragged_attention import ragged_paged_attention
@@ -248,7 +249,6 @@ class DeepseekV3DecoderLayer(LlamaDecoderLayer):
                                 precision=precision))
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, param_dtype=param_dtype)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, param_dtype=param_dtype)
-        self.layer = int(layer)
 
 
 class DeepseekV3ForCausalLM(nnx.Module):
@@ -265,16 +265,19 @@ class DeepseekV3ForCausalLM(nnx.Module):
     cache_kind = "paged"
 
     def __init__(self, config: DeepseekV3Config, *, rngs: nnx.Rngs, dtype=_F32, param_dtype=_F32, precision=None,
-                 implementation: str | None = None, interpret: bool = False):
+                 implementation: str | None = None, interpret: bool = False, scan_layers: bool = True):
         check_implementation(implementation, interpret)
         c = config
         self.config = c
         self.dtype = jnp.dtype(dtype)
         self.param_dtype = jnp.dtype(param_dtype)
         self.embed_tokens = nnx.Dict(weight=param((c.vocab_size, c.hidden_size), rngs, param_dtype, std=1.0))
-        self.layers = nnx.List([DeepseekV3DecoderLayer(c, i, rngs=rngs, param_dtype=param_dtype, precision=precision,
-                                                       implementation=implementation, interpret=bool(interpret))
-                                for i in range(c.num_hidden_layers)])
+        # The dense layers before first_k_dense_replace stay outside the scan of the MoE layers.
+        self.layers = DecoderStack(
+            c.num_hidden_layers,
+            lambda i, rngs: DeepseekV3DecoderLayer(c, i, rngs=rngs, param_dtype=param_dtype, precision=precision,
+                                                   implementation=implementation, interpret=bool(interpret)),
+            signature=c.is_moe_layer, rngs=rngs, scan=scan_layers)
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, param_dtype=param_dtype)
         if not c.tie_word_embeddings:
             self.lm_head = Linear(c.hidden_size, c.vocab_size, rngs=rngs, param_dtype=param_dtype,
@@ -297,9 +300,13 @@ class DeepseekV3ForCausalLM(nnx.Module):
         self._check_pool(pool)
         x = self._embed(tokens)
         starts, num_new = jnp.asarray(starts, jnp.int32), jnp.asarray(num_new, jnp.int32)
-        for layer in self.layers:
-            x, pool = layer(x, positions, pool, jnp.asarray(slots, jnp.int32), block_tables, starts, num_new,
-                            mode=mode)
+        slots = jnp.asarray(slots, jnp.int32)
+
+        def step(layer, i, carry):
+            x, pool = carry
+            return layer(x, positions, pool, i, slots, block_tables, starts, num_new, mode=mode)
+
+        x, pool = self.layers.run(step, (x, pool))
         return self.logits_from_hidden(x), pool
 
     def forward_packed(self, batch: PackedBatch, pool: KVPool) -> tuple[Float[Array, "S V"], KVPool]:
@@ -315,8 +322,7 @@ class DeepseekV3ForCausalLM(nnx.Module):
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
         x = self._embed(tokens)
-        for layer in self.layers:
-            x = layer.forward_dense(x, positions, kv_dtype=kv_dtype)
+        x = self.layers.run(lambda layer, i, x: layer.forward_dense(x, positions, kv_dtype=kv_dtype), x)
         return self.logits_from_hidden(x)
 
     def make_pool(self, num_pages: int, page_size: int, dtype=None) -> KVPool:
@@ -339,7 +345,8 @@ class DeepseekV3ForCausalLM(nnx.Module):
     @classmethod
     def from_hf_state_dict(cls, config: DeepseekV3Config, tensors: dict[str, np.ndarray], *, dtype=None,
                            param_dtype=None, precision=None, implementation: str | None = None,
-                           interpret: bool = False, source: str = "state dict") -> DeepseekV3ForCausalLM:
+                           interpret: bool = False, source: str = "state dict",
+                           scan_layers: bool = True) -> DeepseekV3ForCausalLM:
         """Build the model from transformers-named arrays (per-expert tensors
         fused as transformers' loader fuses them). Raises ``InvalidArgument``
         naming a missing, misshapen or unexpected tensor."""
@@ -347,7 +354,7 @@ class DeepseekV3ForCausalLM(nnx.Module):
         dtype = jnp.dtype(dtype or param_dtype)
         abstract = nnx.eval_shape(lambda: cls(config, rngs=nnx.Rngs(0), dtype=dtype, param_dtype=param_dtype,
                                               precision=precision, implementation=implementation,
-                                              interpret=interpret))
+                                              interpret=interpret, scan_layers=scan_layers))
         tensors = fuse_experts(tensors, config.n_routed_experts, source=source)
 
         def name_of(path):
@@ -360,12 +367,14 @@ class DeepseekV3ForCausalLM(nnx.Module):
 
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike, *, dtype=None, param_dtype=None, precision=None,
-                        implementation: str | None = None, interpret: bool = False) -> DeepseekV3ForCausalLM:
+                        implementation: str | None = None, interpret: bool = False,
+                        scan_layers: bool = True) -> DeepseekV3ForCausalLM:
         """Load a local transformers checkpoint directory (sharded or not;
         FP8 block-quantized weights dequantized at load)."""
         raw, tensors = read_checkpoint(path)
         return cls.from_hf_state_dict(DeepseekV3Config.from_hf(raw), tensors, dtype=dtype, param_dtype=param_dtype, precision=precision,
-                                      implementation=implementation, interpret=interpret, source=os.fspath(path))
+                                      implementation=implementation, interpret=interpret, source=os.fspath(path),
+                                      scan_layers=scan_layers)
 
     def hf_state_dict(self) -> dict[str, np.ndarray]:
         """Parameters under transformers' names (fused experts)."""

@@ -375,7 +375,7 @@ def gguf_llama_tensors(g: GGUFFile, config=None) -> dict[str, np.ndarray]:
 
 
 def load_gguf_model(path: str | os.PathLike, *, dtype=None, param_dtype=None, precision=None,
-                    implementation: str | None = None, interpret: bool = False):
+                    implementation: str | None = None, interpret: bool = False, scan_layers: bool = True):
     """A :class:`~jaxkv.nn.LlamaForCausalLM` from GGUF file ``path``:
     :func:`read_gguf`, :func:`gguf_llama_config`, :func:`gguf_llama_tensors`,
     then :meth:`LlamaForCausalLM.from_hf_state_dict`. Tensors are dequantized
@@ -394,4 +394,4 @@ def load_gguf_model(path: str | os.PathLike, *, dtype=None, param_dtype=None, pr
         param_dtype = jnp.float32 if dtype is None else dtype
     return LlamaForCausalLM.from_hf_state_dict(config, tensors, dtype=dtype, param_dtype=param_dtype,
                                                precision=precision, source=g.path, implementation=implementation,
-                                               interpret=interpret)
+                                               interpret=interpret, scan_layers=scan_layers)

@@ -30,6 +30,7 @@ import numpy as np
 from flax import nnx, traverse_util
 
 from jaxkv.errors import InvalidArgument
+from jaxkv.nn.scan import layer_paths
 
 __all__ = ["Experts", "Linear", "RMSNorm", "SwiGLU", "ZeroCenteredRMSNorm", "fuse_experts", "load_state", "named_state", "param",
            "read_checkpoint", "save_checkpoint", "unit_rms"]
@@ -218,19 +219,29 @@ def load_state(abstract: nnx.Module, tensors: dict[str, np.ndarray], name_of, *,
 
     graphdef, state = nnx.split(abstract)
     flat = traverse_util.flatten_dict(nnx.to_pure_dict(state))
+    per_layer = layer_paths(abstract)
     loaded, used = {}, set()
-    for path, spec in flat.items():
+
+    def tensor(path, shape):
         name = name_of(".".join(str(p) for p in path))
         if name not in tensors:
-            raise InvalidArgument(f"checkpoint ({source}) is missing tensor {label(name)} (shape {tuple(spec.shape)})")
+            raise InvalidArgument(f"checkpoint ({source}) is missing tensor {label(name)} (shape {tuple(shape)})")
         arr = np.asarray(tensors[name])
-        if tuple(arr.shape) != tuple(spec.shape):
+        if tuple(arr.shape) != tuple(shape):
             raise InvalidArgument(f"checkpoint tensor {label(name)} has shape {tuple(arr.shape)}, expected "
-                                  f"{tuple(spec.shape)} ({source})")
+                                  f"{tuple(shape)} ({source})")
         if check is not None:
             check(name, arr)
         used.add(name)
-        loaded[path] = jnp.asarray(arr.astype(np.float32) if arr.dtype.kind == "f" else arr, dtype=spec.dtype)
+        return arr.astype(np.float32) if arr.dtype.kind == "f" else arr
+
+    for path, spec in flat.items():
+        paths = per_layer(path)
+        if isinstance(paths, list):  # stacked layers (jaxkv.nn.scan): one checkpoint tensor per row
+            arr = np.stack([tensor(one, spec.shape[1:]) for one in paths])
+        else:
+            arr = tensor(paths, spec.shape)
+        loaded[path] = jnp.asarray(arr, dtype=spec.dtype)
     extra = sorted(origin.get(n, n) for n in tensors if n not in used and not ignored(n))
     if extra:
         more = f" and {len(extra) - 5} more" if len(extra) > 5 else ""
@@ -241,9 +252,17 @@ def load_state(abstract: nnx.Module, tensors: dict[str, np.ndarray], name_of, *,
 
 
 def named_state(model: nnx.Module, name_of=lambda path: path) -> dict[str, np.ndarray]:
-    """Every variable of ``model`` as numpy, under ``name_of(dotted path)``."""
+    """Every variable of ``model`` as numpy, under ``name_of(dotted path)``
+    (the path with its layers unrolled: a stacked variable gives one entry
+    per layer, :mod:`jaxkv.nn.scan`)."""
     flat = traverse_util.flatten_dict(nnx.to_pure_dict(nnx.state(model)))
-    return {name_of(".".join(str(p) for p in path)): np.asarray(jax.device_get(v)) for path, v in flat.items()}
+    per_layer = layer_paths(model)
+    out = {}
+    for path, value in flat.items():
+        value, paths = np.asarray(jax.device_get(value)), per_layer(path)
+        for one, row in zip(paths, value) if isinstance(paths, list) else [(paths, value)]:
+            out[name_of(".".join(str(p) for p in one))] = row
+    return out
 
 
 def save_checkpoint(path, config: dict, tensors: dict[str, np.ndarray]) -> None:

@@ -39,6 +39,7 @@ from jaxkv.errors import InvalidArgument
 from jaxkv.nn.attention import PagedAttention, RMSNorm, check_implementation
 from jaxkv.nn.checkpoint import dequantize_checkpoint, load_tensors, read_config
 from jaxkv.nn.packed import PackedBatch, packed_logits
+from jaxkv.nn.scan import DecoderStack, layer_paths
 from jaxkv.nn.config import LlamaConfig
 from jaxkv.pool.kv_pool import KVPool
 
@@ -78,10 +79,11 @@ class LlamaDecoderLayer(nnx.Module):
         self.post_attention_layernorm = norm()
         self.mlp = LlamaMLP(config.hidden_size, config.intermediate_size, bias=config.mlp_bias, dtype=dtype,
                             param_dtype=param_dtype, precision=precision, rngs=rngs)
-        self.layer = int(layer)
 
-    def __call__(self, x, positions, pool, slots, block_tables, starts, num_new, *, mode, batch=None):
-        attn, pool = self.self_attn(self.input_layernorm(x), positions, pool, self.layer, slots, block_tables,
+    def __call__(self, x, positions, pool, layer, slots, block_tables, starts, num_new, *, mode, batch=None):
+        """``layer``: this layer's index in the pool (a Python int, or traced
+        under the model's scan)."""
+        attn, pool = self.self_attn(self.input_layernorm(x), positions, pool, layer, slots, block_tables,
                                     starts, num_new, mode=mode, batch=batch)
         x = x + attn
         return x + self.mlp(self.post_attention_layernorm(x)), pool
@@ -105,13 +107,19 @@ class LlamaForCausalLM(nnx.Module):
     of :mod:`kernels_pallas` (None: the Pallas kernel on GPU, the ``jnp``
     reference elsewhere); ``InvalidArgument`` for any other value. They are
     static: each choice traces its own program.
+
+    ``scan_layers`` (default True): layers of the same sliding window run
+    under one ``lax.scan`` (:class:`~jaxkv.nn.scan.DecoderStack`), so
+    compile time does not grow with depth; False unrolls them. The weights,
+    checkpoints and tokens are the same either way.
     """
 
     #: The cache contract (:func:`jaxkv.nn.packed.cache_kind`): a paged ``KVPool`` (``make_pool``).
     cache_kind = "paged"
 
     def __init__(self, config: LlamaConfig, *, rngs: nnx.Rngs, dtype=jnp.float32, param_dtype=jnp.float32,
-                 precision=None, implementation: str | None = None, interpret: bool = False):
+                 precision=None, implementation: str | None = None, interpret: bool = False,
+                 scan_layers: bool = True):
         check_implementation(implementation, interpret)
         self.config = config
         self.implementation = implementation
@@ -121,11 +129,12 @@ class LlamaForCausalLM(nnx.Module):
         self.precision = precision
         self.embed_tokens = nnx.Embed(config.vocab_size, config.hidden_size, dtype=dtype, param_dtype=param_dtype,
                                       rngs=rngs)
-        self.layers = nnx.List([
-            LlamaDecoderLayer(config, i, dtype=dtype, param_dtype=param_dtype, precision=precision,
-                              implementation=implementation, interpret=interpret, rngs=rngs)
-            for i in range(config.num_hidden_layers)
-        ])
+        self.scan_layers = bool(scan_layers)
+        self.layers = DecoderStack(
+            config.num_hidden_layers,
+            lambda i, rngs: LlamaDecoderLayer(config, i, dtype=dtype, param_dtype=param_dtype, precision=precision,
+                                              implementation=implementation, interpret=interpret, rngs=rngs),
+            signature=config.layer_sliding_window, rngs=rngs, scan=scan_layers)
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, dtype=dtype, param_dtype=param_dtype)
         if not config.tie_word_embeddings:
             self.lm_head = nnx.Linear(config.hidden_size, config.vocab_size, use_bias=False, dtype=dtype,
@@ -166,8 +175,12 @@ class LlamaForCausalLM(nnx.Module):
         """
         self._check_pool(pool)
         x = self.embed_tokens(jnp.asarray(tokens, jnp.int32))
-        for layer in self.layers:
-            x, pool = layer(x, positions, pool, slots, block_tables, starts, num_new, mode=mode)
+
+        def step(layer, i, carry):
+            x, pool = carry
+            return layer(x, positions, pool, i, slots, block_tables, starts, num_new, mode=mode)
+
+        x, pool = self.layers.run(step, (x, pool))
         return self.logits_from_hidden(x), pool
 
     def forward_packed(self, batch: PackedBatch, pool: KVPool) -> tuple[Float[Array, "S V"], KVPool]:
@@ -192,8 +205,7 @@ class LlamaForCausalLM(nnx.Module):
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
         x = self.embed_tokens(tokens)
-        for layer in self.layers:
-            x = layer.forward_dense(x, positions, kv_dtype=kv_dtype)
+        x = self.layers.run(lambda layer, i, x: layer.forward_dense(x, positions, kv_dtype=kv_dtype), x)
         return self.logits_from_hidden(x)
 
     # ---------------------------------------------------------------- pool
@@ -222,16 +234,20 @@ class LlamaForCausalLM(nnx.Module):
         """Parameters as numpy arrays under transformers' names and layouts
         (Linear weights ``[out, in]``), in ``param_dtype``."""
         out = {}
+        per_layer = layer_paths(self)
         for path, value in _flat_params(self).items():
-            name, transpose = _hf_name(path)
             arr = np.asarray(jax.device_get(value))
-            out[name] = np.ascontiguousarray(arr.T) if transpose else arr
+            paths = per_layer(path)
+            for one, row in zip(paths, arr) if isinstance(paths, list) else [(paths, arr)]:  # stacked: its rows
+                name, transpose = _hf_name(one)
+                out[name] = np.ascontiguousarray(row.T) if transpose else row
         return out
 
     @classmethod
     def from_hf_state_dict(cls, config: LlamaConfig, tensors: dict[str, np.ndarray], *, dtype=None,
                            param_dtype=None, precision=None, source: str = "state dict",
-                           implementation: str | None = None, interpret: bool = False) -> LlamaForCausalLM:
+                           implementation: str | None = None, interpret: bool = False,
+                        scan_layers: bool = True) -> LlamaForCausalLM:
         """Build the model from transformers-named arrays (no random init).
         ``param_dtype`` default: ``config.torch_dtype`` (float32 if unset);
         ``dtype`` default: ``param_dtype``. Raises ``InvalidArgument`` naming a
@@ -242,14 +258,16 @@ class LlamaForCausalLM(nnx.Module):
             dtype = param_dtype
         abstract = nnx.eval_shape(lambda: cls(config, rngs=nnx.Rngs(0), dtype=dtype, param_dtype=param_dtype,
                                               precision=precision, implementation=implementation,
-                                              interpret=interpret))
+                                              interpret=interpret, scan_layers=scan_layers))
         graphdef, state = nnx.split(abstract)
         flat = traverse_util.flatten_dict(nnx.to_pure_dict(state))
         used = set()
         loaded = {}
-        for path, spec in flat.items():
+        per_layer = layer_paths(abstract)
+
+        def tensor(path, shape):
             name, transpose = _hf_name(path)
-            want = tuple(spec.shape[::-1]) if transpose else tuple(spec.shape)
+            want = tuple(shape[::-1]) if transpose else tuple(shape)
             if name not in tensors:
                 raise InvalidArgument(f"checkpoint ({source}) is missing tensor {name!r} (shape {want})")
             arr = np.asarray(tensors[name])
@@ -257,7 +275,15 @@ class LlamaForCausalLM(nnx.Module):
                 raise InvalidArgument(
                     f"checkpoint tensor {name!r} has shape {tuple(arr.shape)}, expected {want} ({source})")
             used.add(name)
-            loaded[path] = jnp.asarray(arr.T if transpose else arr, dtype=spec.dtype)
+            return arr.T if transpose else arr
+
+        for path, spec in flat.items():
+            paths = per_layer(path)
+            if isinstance(paths, list):  # stacked layers: one checkpoint tensor per row
+                arr = np.stack([tensor(one, spec.shape[1:]) for one in paths])
+            else:
+                arr = tensor(paths, spec.shape)
+            loaded[path] = jnp.asarray(arr, dtype=spec.dtype)
         extra = sorted(
             n for n in tensors
             if n not in used and not n.endswith(_IGNORED_SUFFIXES)
@@ -273,7 +299,8 @@ class LlamaForCausalLM(nnx.Module):
 
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike, *, dtype=None, param_dtype=None, precision=None,
-                        implementation: str | None = None, interpret: bool = False) -> LlamaForCausalLM:
+                        implementation: str | None = None, interpret: bool = False,
+                        scan_layers: bool = True) -> LlamaForCausalLM:
         """Load a local Hugging Face checkpoint directory: ``config.json`` and
         its safetensors files (:func:`jaxkv.nn.checkpoint.load_tensors`: the
         shards ``model.safetensors.index.json`` names, else every
@@ -288,7 +315,8 @@ class LlamaForCausalLM(nnx.Module):
         config = LlamaConfig.from_hf(raw_config)
         tensors = dequantize_checkpoint(load_tensors(path), raw_config.get("quantization_config"))
         return cls.from_hf_state_dict(config, tensors, dtype=dtype, param_dtype=param_dtype, precision=precision,
-                                      source=path, implementation=implementation, interpret=interpret)
+                                      source=path, implementation=implementation, interpret=interpret,
+                                      scan_layers=scan_layers)
 
     def save_pretrained(self, path: str | os.PathLike, *, num_shards: int = 1) -> None:
         """Write ``config.json`` and the weights in transformers' layout:

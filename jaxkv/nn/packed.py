@@ -220,6 +220,10 @@ def packed_logits(model, batch: PackedBatch, pool, x):
         raise InvalidArgument("a paged packed step needs the batch's slots and block_tables (filled on device)")
     model._check_pool(pool)
     positions, slots = batch.positions[None], batch.slots[None]
-    for layer in model.layers:
-        x, pool = layer(x, positions, pool, slots, None, None, None, mode="ragged", batch=batch)
+
+    def step(layer, i, carry):
+        x, pool = carry
+        return layer(x, positions, pool, i, slots, None, None, None, mode="ragged", batch=batch)
+
+    x, pool = model.layers.run(step, (x, pool))  # a DecoderStack: scanned where layers repeat
     return model.logits_from_hidden(x[:, batch.last_tokens])[0], pool

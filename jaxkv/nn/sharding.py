@@ -51,6 +51,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxkv.errors import InvalidArgument
+from jaxkv.nn.scan import STACKED, is_stacked
 
 __all__ = ["batch_spec", "cache_sharding", "fetch", "is_placed", "param_spec", "placement_report", "pool_sharding",
            "prepare", "put", "replicate", "shard_cache", "shard_model", "shard_pool"]
@@ -96,7 +97,13 @@ def _split(shape, axis: int, mesh_axis, mesh: Mesh) -> P:
 def param_spec(path: tuple[str, ...], shape: tuple[int, ...], mesh: Mesh, *, tp_axis: str = "tp",
                expert_axis: str | None = None) -> P:
     """The partition spec of the parameter at ``path`` (module names, then
-    ``weight`` / ``kernel`` / ``bias`` / ...) of ``shape`` on ``mesh``."""
+    ``weight`` / ``kernel`` / ``bias`` / ...) of ``shape`` on ``mesh``. A
+    parameter of stacked layers (:func:`jaxkv.nn.scan.is_stacked`) follows
+    the rule of one layer's, its leading layer axis whole."""
+    if is_stacked(path):
+        inner = param_spec(tuple(p for p in path if p != STACKED), tuple(shape[1:]), mesh, tp_axis=tp_axis,
+                           expert_axis=expert_axis)
+        return P(None, *inner)
     names, leaf, ndim = set(path), (path[-1] if path else ""), len(shape)
     if "indexer" in names:  # DeepSeek-V4's indexer: its query heads and their weights over tp
         if names & {"q_b_proj", "weights_proj"} and leaf == "weight":

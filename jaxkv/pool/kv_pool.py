@@ -281,13 +281,14 @@ class KVPool:
             return k, k[..., : self.kv_lora_rank]
         return k, _read(self.v_bits, self.v_scales, self.dtype, layer, flat, self.page_size, dtype)
 
-    def layer_arrays(self, layer: int) -> tuple[Array, Array | None, Array | None, Array | None]:
+    def layer_arrays(self, layer: int | Int[Array, ""]) -> tuple[Array, Array | None, Array | None, Array | None]:
         """``(k_pages, v_pages, k_scales, v_scales)`` of one layer, each
         ``[heads, num_pages, page_size, ...]``: the arguments of a paged
-        attention kernel."""
+        attention kernel. A traced ``layer`` (a model's layer scan) is
+        clamped into range (a slice of the stacked arrays; kernels that can
+        should take the whole pool and the layer instead, which reads it in
+        place)."""
         layer = self._check_layer(layer)
-        if not isinstance(layer, int):
-            raise InvalidArgument(f"layer_arrays takes a Python int layer, got {type(layer).__name__}")
         pick = lambda a: None if a is None else a[layer]  # noqa: E731
         typed = lambda a: None if a is None else from_bits(a[layer], self.dtype)  # noqa: E731
         return typed(self.k_bits), typed(self.v_bits), pick(self.k_scales), pick(self.v_scales)

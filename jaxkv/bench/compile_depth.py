@@ -1,0 +1,141 @@
+"""``python -m jaxkv.bench compile_depth``: cold compile time against depth,
+with the decoder layers under one ``lax.scan`` (``scan_layers=True``, the
+default) and unrolled (``False``), in the same run.
+
+Subjects, per family and depth (random weights, small widths: compile time
+follows the program's size in layers, not the widths):
+
+* ``generate``: the first call of :func:`jaxkv.nn.generate` (one prompt of
+  :data:`PROMPT` tokens, :data:`NEW` new tokens): its prefill and its decode
+  loop compile; the figure is the first call's wall time less a second,
+  warm call's;
+* ``engine``: an :class:`~jaxkv.serve.Engine`'s first request to completion
+  (the packed step at the buckets it uses, the decode chunk), less a second
+  identical request's.
+
+The table gives seconds and each depth's ratio to the shallowest depth of
+the same mode (an untimed first round compiles what does not depend on the
+model); the issue's target is 48 and 80 layers within 1.5x of 2.
+JAX's persistent compilation cache is off for the run (a hit would hide the
+compile).
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import jax
+import numpy as np
+from flax import nnx
+
+from jaxkv.bench._timing import machine_description, print_json, print_table
+
+__all__ = ["main", "measure"]
+
+PROMPT, NEW = 24, 4
+DEPTHS = (2, 30, 80)
+QUICK_DEPTHS = (2, 6)
+
+_LLAMA = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+              head_dim=16, rms_norm_eps=1e-5, rope_theta=10000.0, max_position_embeddings=256,
+              tie_word_embeddings=False, torch_dtype="float32", model_type="llama")
+
+
+def _llama(layers: int, scan: bool):
+    from jaxkv.nn import LlamaConfig, LlamaForCausalLM
+
+    return LlamaForCausalLM(LlamaConfig.from_hf(dict(_LLAMA, num_hidden_layers=layers)), rngs=nnx.Rngs(0),
+                            scan_layers=scan)
+
+
+#: family -> builder(layers, scan) of a random-weight model.
+FAMILIES = {"llama": _llama}
+
+
+def _timed(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def measure(family: str, layers: int, scan: bool) -> dict:
+    """Seconds of compile in ``generate`` and in an engine's first request
+    (first call less a warm one), and the tokens each produced."""
+    from jaxkv.nn.generate import generate
+    from jaxkv.serve import Engine
+
+    model = FAMILIES[family](layers, scan)
+    prompt = np.random.default_rng(layers).integers(1, model.config.vocab_size, PROMPT).tolist()
+    out = {}
+
+    def run_generate():
+        out["generate_tokens"] = generate(model, [prompt], NEW).tokens[0]
+
+    cold = _timed(run_generate)
+    out["generate_s"] = cold - _timed(run_generate)
+    engine = Engine(model, max_seqs=2, page_size=16, max_model_len=64, prefill_chunk=32, decode_chunk=4)
+
+    def run_engine():
+        rid = engine.add_request(prompt, max_new_tokens=NEW)
+        engine.run()
+        out["engine_tokens"] = list(engine.outputs[rid])
+
+    cold = _timed(run_engine)
+    out["engine_s"] = cold - _timed(run_engine)
+    return out
+
+
+def parse_extra(args, rest):
+    parser = argparse.ArgumentParser(prog="python -m jaxkv.bench compile_depth")
+    parser.add_argument("--depths", type=lambda s: tuple(int(x) for x in s.split(",")), default=None,
+                        help="comma-separated layer counts (default 2,30,80; --quick: 2,6)")
+    parser.add_argument("--families", default="llama", help=f"comma-separated, of {sorted(FAMILIES)}")
+    extra = parser.parse_args(rest)
+    args.depths, args.families = extra.depths, extra.families
+    return args
+
+
+def main(args) -> int:
+    jax.config.update("jax_enable_compilation_cache", False)
+    depths = getattr(args, "depths", None) or (QUICK_DEPTHS if args.quick else DEPTHS)
+    families = (getattr(args, "families", None) or "llama").split(",")
+    rows, results, mismatched = [], [], []
+    for family in families:
+        # Untimed: the engine's programs that do not depend on the model (admission, bookkeeping) compile
+        # once per process; without this the first row would pay for them.
+        measure(family, depths[0], False)
+        for scan in (False, True):
+            base = None
+            for layers in depths:
+                got = measure(family, layers, scan)
+                base = base or got
+                results.append(dict(family=family, layers=layers, scan=scan, generate_s=got["generate_s"],
+                                    engine_s=got["engine_s"]))
+                rows.append([family, "scan" if scan else "unrolled", layers, f"{got['generate_s']:.2f}",
+                             f"{got['generate_s'] / base['generate_s']:.2f}x", f"{got['engine_s']:.2f}",
+                             f"{got['engine_s'] / base['engine_s']:.2f}x"])
+                if scan:
+                    unrolled = next(r for r in results if r["family"] == family and r["layers"] == layers
+                                    and not r["scan"])
+                    rows[-1].append(f"{unrolled['generate_s'] / got['generate_s']:.1f}x")
+                    rows[-1].append(f"{unrolled['engine_s'] / got['engine_s']:.1f}x")
+                    results[-1]["tokens"] = (got["generate_tokens"], got["engine_tokens"])
+                    same = next(r for r in results if r["family"] == family and r["layers"] == layers
+                                and not r["scan"]).get("tokens")
+                    if same is not None and same != results[-1]["tokens"]:
+                        mismatched.append((family, layers))
+                else:
+                    rows[-1] += ["", ""]
+                    results[-1]["tokens"] = (got["generate_tokens"], got["engine_tokens"])
+    print_table(f"cold compile seconds against depth (first call less a warm one; ratio to {depths[0]} layers); "
+                f"{machine_description()}",
+                ["family", "mode", "layers", "generate s", "vs shallowest", "engine 1st request s",
+                 "vs shallowest", "generate: unrolled/scan", "engine: unrolled/scan"], rows)
+    if mismatched:
+        print(f"TOKENS DIFFER between scan and unrolled: {mismatched}")
+    if args.json:
+        print_json({"benchmark": "compile_depth", "machine": machine_description(),
+                    "results": [{k: v for k, v in r.items() if k != "tokens"} for r in results],
+                    "mismatched": mismatched})
+    return 1 if mismatched else 0

@@ -1,0 +1,193 @@
+"""Decoder layers under one ``lax.scan``: compile time that does not grow with depth.
+
+A model unrolled in Python hands XLA one copy of the layer per layer: an
+80-layer program is 80 times the HLO of one, and compile time follows. A
+:class:`DecoderStack` keeps the layers of one structure *stacked* (every
+parameter with a leading axis, one entry per repetition) and runs them under
+one :func:`jax.lax.scan`, so the program holds the layer once.
+
+Layers need not all be alike. Each layer has a *signature* (whatever makes
+its structure or its static configuration differ: a sliding window, a dense
+or MoE MLP, a layer kind); the stack finds the plan that leaves the fewest
+layers outside the scan:
+
+* ``head``: leading layers that break the pattern (DeepSeek's first dense
+  layers), unrolled;
+* ``period`` x ``reps``: the repeating pattern (one layer for a uniform
+  model; six for Gemma 3's five window layers and one global), scanned
+  ``reps`` times, the scan's body running the ``period`` layers in order;
+* ``tail``: what is left when the pattern does not divide the rest,
+  unrolled.
+
+Invariants: layer ``i`` of the model is ``head[i]`` for ``i < len(head)``,
+``stacked[j]`` at repetition ``r`` for ``i = len(head) + r * period + j``,
+and ``tail[k]`` for the rest; every layer of one ``stacked[j]`` has the
+signature of the others; the parameters are exactly those of the unrolled
+layers (built in layer order from the same ``rngs``, so a model built with
+``scan=False`` from the same seed has equal weights).
+
+Checkpoints keep naming layers one by one: :func:`layer_paths` maps a
+stacked parameter's path to the per-layer paths of its rows (loaders stack
+them, savers split them), and sharding rules apply to a stacked parameter
+with its leading axis left whole (:func:`is_stacked`).
+
+The layer index a layer's step receives is a Python int outside the scan
+and a traced int32 inside it: whatever it indexes (a KV pool's layer axis,
+a hybrid cache's layer) must accept a traced index.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable, Sequence
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxkv.errors import InvalidArgument
+
+__all__ = ["DecoderStack", "is_stacked", "layer_paths", "scan_plan"]
+
+#: The attribute under which a stack keeps its stacked layers (a path
+#: component that marks a stacked parameter).
+STACKED = "stacked"
+#: Longest repeating pattern searched for.
+MAX_PERIOD = 16
+
+
+def scan_plan(signatures: Sequence[Hashable], *, max_period: int = MAX_PERIOD) -> tuple[int, int, int]:
+    """``(head, period, reps)`` for layers of these signatures: the plan
+    leaving the fewest layers unrolled (``head`` plus the tail), then the
+    shortest period; ``reps >= 2`` or no scan at all (``(len, 0, 0)``)."""
+    n = len(signatures)
+    best = (n, 0, 0)
+    best_key = (n, 0)
+    for head in range(n):
+        rest = n - head
+        for period in range(1, min(max_period, rest // 2) + 1):
+            reps = 1
+            while head + (reps + 1) * period <= n and all(
+                    signatures[head + reps * period + j] == signatures[head + j] for j in range(period)):
+                reps += 1
+            if reps < 2:
+                continue
+            key = (n - reps * period, period)
+            if key < best_key:
+                best, best_key = (head, period, reps), key
+        if best_key[0] <= head:  # no later head can leave fewer layers out
+            break
+    return best
+
+
+def _stack(modules: list) -> nnx.Module:
+    """One module whose every variable stacks those of ``modules`` (alike)
+    on a new leading axis."""
+    parts = [nnx.split(m) for m in modules]
+    graphdef = parts[0][0]
+    if any(p[0] != graphdef for p in parts):
+        raise InvalidArgument("layers of one signature must have the same structure to be stacked")
+    stacked = jax.tree.map(lambda *leaves: jnp.stack(leaves), *(p[1] for p in parts))
+    return nnx.merge(graphdef, stacked)
+
+
+class DecoderStack(nnx.Module):
+    """The decoder layers of a model: ``make(i, rngs)`` builds layer ``i``,
+    ``signature(i)`` tells which layers are alike (module docstring).
+    ``scan=False`` unrolls every layer (``head`` holds them all)."""
+
+    def __init__(self, num_layers: int, make: Callable[[int, nnx.Rngs], nnx.Module],
+                 signature: Callable[[int], Hashable], *, rngs: nnx.Rngs, scan: bool = True):
+        layers = [make(i, rngs) for i in range(num_layers)]  # in layer order: the same draws as unrolled
+        head, period, reps = scan_plan([signature(i) for i in range(num_layers)]) if scan else (num_layers, 0, 0)
+        self.num_layers, self.head_len, self.period, self.reps = num_layers, head, period, reps
+        self.head = nnx.List(layers[:head])
+        self.stacked = nnx.List([_stack(layers[head + j: head + period * reps: period]) for j in range(period)])
+        self.tail = nnx.List(layers[head + period * reps:])
+
+    def __len__(self) -> int:
+        return self.num_layers
+
+    def run(self, step: Callable, carry):
+        """``carry = step(layer, i, carry)`` for every layer ``i`` in order
+        (``i`` traced inside the scan)."""
+        for i, layer in enumerate(self.head):
+            carry = step(layer, i, carry)
+        if self.reps:
+            parts = [nnx.split(block) for block in self.stacked]
+            graphdefs = [graphdef for graphdef, _ in parts]
+            first = self.head_len
+
+            def body(carry, xs):
+                rep, states = xs
+                for j, (graphdef, state) in enumerate(zip(graphdefs, states)):
+                    carry = step(nnx.merge(graphdef, state), first + rep * self.period + j, carry)
+                return carry, None
+
+            carry, _ = jax.lax.scan(body, carry, (jnp.arange(self.reps, dtype=jnp.int32),
+                                                  [state for _, state in parts]))
+        start = self.head_len + self.period * self.reps
+        for k, layer in enumerate(self.tail):
+            carry = step(layer, start + k, carry)
+        return carry
+
+    def layer(self, i: int) -> nnx.Module:
+        """Layer ``i`` as a module of its own. A stacked layer's row is a
+        copy, for reading: writes to it are lost (write through :meth:`parts`)."""
+        if not 0 <= i < self.num_layers:
+            raise InvalidArgument(f"layer {i} out of range: the model has {self.num_layers} layers")
+        if i < self.head_len:
+            return self.head[i]
+        start = self.head_len + self.period * self.reps
+        if i >= start:
+            return self.tail[i - start]
+        rep, j = divmod(i - self.head_len, self.period)
+        graphdef, state = nnx.split(self.stacked[j])
+        return nnx.merge(graphdef, jax.tree.map(lambda a: a[rep], state))
+
+    __getitem__ = layer
+
+    def parts(self) -> list[nnx.Module]:
+        """The modules as stored: the head layers, each stacked column (its
+        variables with the leading repetitions axis), the tail layers. Write
+        through these (a stacked row from :meth:`layer` is a copy)."""
+        return [*self.head, *self.stacked, *self.tail]
+
+    def __iter__(self):
+        return (self.layer(i) for i in range(self.num_layers))
+
+    def layer_of(self, rest: tuple) -> tuple[tuple, ...] | list[tuple]:
+        """``rest``: a parameter path below the stack (``("stacked", j,
+        ...)``, ``("head", k, ...)``, ``("tail", k, ...)``) -> its per-layer
+        path ``(i, ...)``, or for a stacked parameter the list of them, one
+        per row."""
+        part, index, *below = rest
+        index = int(index)
+        if part == STACKED:
+            return [(self.head_len + r * self.period + index, *below) for r in range(self.reps)]
+        if part == "head":
+            return (index, *below)
+        return (self.head_len + self.period * self.reps + index, *below)
+
+
+def is_stacked(path: Sequence[str]) -> bool:
+    """Whether a parameter path (module names as strings) is a stacked
+    parameter of a :class:`DecoderStack` (its leading axis: the repetitions)."""
+    return STACKED in tuple(str(p) for p in path)
+
+
+def layer_paths(model: nnx.Module) -> Callable[[tuple], tuple | list[tuple]]:
+    """A function mapping a variable path of ``model`` (the keys of
+    ``flatten_dict(to_pure_dict(nnx.state(model)))``) to the path it has
+    with its layers unrolled (``(..., "layers", i, ...)``), or, for a
+    stacked parameter of a :class:`DecoderStack`, to the list of those of
+    its rows. Paths outside a stack map to themselves."""
+    stacks = {tuple(path): node for path, node in nnx.iter_graph(model) if isinstance(node, DecoderStack)}
+
+    def paths(path: tuple) -> tuple | list[tuple]:
+        for prefix, stack in stacks.items():
+            if path[: len(prefix)] == prefix and len(path) > len(prefix) + 1:
+                found = stack.layer_of(path[len(prefix):])
+                return [prefix + rest for rest in found] if isinstance(found, list) else prefix + found
+        return path
+
+    return paths
