@@ -136,6 +136,7 @@ RULES = (
                          "test_bench_smoke.py::test_benchmark_runs_and_prints_json[hybrid]",
                          "test_bench_smoke.py::test_benchmark_runs_and_prints_json[memory]",
                          "test_bench_smoke.py::test_benchmark_runs_and_prints_json[serve]",
+                         "test_bench_smoke.py::test_benchmark_runs_and_prints_json[compile_depth]",
                          "test_bench_smoke.py::test_scaling_mesh_runs_every_device_count_and_two_processes"),
      "the slower benchmarks in quick mode (``serve``: two schedulers on two families, ~55 s; the mesh: "
      "subprocesses on 1, 2 and 4 devices and two jax.distributed processes, ~1.5 min)"),

@@ -36,6 +36,17 @@ bounded by ``--render-timeout`` seconds (default 10); a request body is at
 most ``--max-request-body`` bytes (default 4MiB). See
 :mod:`jaxkv.serve.http` (Hostile requests).
 
+**Defaults sized for the device.** ``--max-num-seqs``,
+``--max-num-batched-tokens`` and ``--decode-chunk`` left out are derived
+at start-up from the device, the KV budget and the model
+(:func:`jaxkv.serve.build.resolve_options`; the rule in
+:mod:`jaxkv.serve.sizing`): on a GPU up to 256 sequences and 8192 batched
+tokens (vLLM's defaults on an H100; fewer when the cache holds less, one
+device's share on ``--tensor-parallel-size``) and 16 decode steps per
+call; on a CPU 8 sequences, ``--prefill-chunk`` (256) tokens and 8 steps.
+The derived values are logged (``scheduler default (gpu): ...``) with the
+numbers behind them. A flag given always wins.
+
 **Engine options.** ``--scrub-on-free`` and ``--prefix-quota FRACTION``
 go to :class:`jaxkv.serve.Engine` as ``scrub_on_free=True`` and
 ``prefix_quota=FRACTION`` (the share, in (0, 1], of each block group and of
@@ -195,10 +206,11 @@ def _default_name(path: str) -> str:
 
 def engine_options(args) -> dict:
     """Engine keyword arguments from the command line (only the options
-    given, checked by :mod:`jaxkv.serve.options`; and the mesh)."""
-    given = options.from_cli(args).flat()
-    defaults = options.EngineOptions().flat()
-    kwargs = {name: value for name, value in given.items() if value != defaults[name]}
+    given, checked by :mod:`jaxkv.serve.options`; and the mesh). A flag
+    given is kept even when it equals a default: ``--max-num-seqs 8`` on a
+    GPU means 8 rows, not the derived default."""
+    checked = options.from_cli(args).flat()
+    kwargs = {name: value for name, value in checked.items() if getattr(args, name, None) is not None}
     if args.tensor_parallel_size > 1:
         kwargs["mesh"] = tensor_parallel_mesh(args.tensor_parallel_size)
     return kwargs
@@ -256,6 +268,7 @@ def main(argv: list[str] | None = None) -> int:
         import jax
 
         from jaxkv.nn import AutoModelForCausalLM
+        from jaxkv.serve.build import resolve_options
         from jaxkv.serve.engine import Engine
         from jaxkv.text import Tokenizer
 
@@ -265,7 +278,11 @@ def main(argv: list[str] | None = None) -> int:
         t1 = time.perf_counter()
         tokenizer = Tokenizer.from_pretrained(args.tokenizer or model_path)
         t2 = time.perf_counter()
-        engine = Engine(model, tokenizer=tokenizer, **engine_options(args))
+        kwargs = engine_options(args)
+        mesh = kwargs.pop("mesh", None)
+        # The options left out derived for the device (logged; engine.options holds them).
+        engine_opts = resolve_options(model, options.EngineOptions.from_kwargs(**kwargs), mesh=mesh)
+        engine = Engine(model, engine_opts, tokenizer=tokenizer, mesh=mesh)
         t3 = time.perf_counter()
         warm = {"seconds": 0.0, "requests": 0, "tokens": 0}
         if not args.no_warmup:

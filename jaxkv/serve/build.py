@@ -1,12 +1,21 @@
 """Which cache a model gets and how big: the adapter of its ``cache_kind``
 (:func:`jaxkv.nn.packed.cache_kind`), sized by the one rule of
 :mod:`jaxkv.serve.sizing` (:func:`build_paged_cache`,
-:func:`build_hybrid_cache`). The engine calls :func:`build_cache` and then
-speaks only the contract of :mod:`jaxkv.serve.caches`."""
+:func:`build_hybrid_cache`), and the scheduler options derived for the
+device (:func:`resolve_options`). The engine calls :func:`resolve_options`
+and :func:`build_cache` and then speaks only the contract of
+:mod:`jaxkv.serve.caches`.
+
+On a mesh (``mesh=``) both count one device's share: the bytes a block
+costs are what one device holds of it (:func:`jaxkv.serve.sizing.device_bytes`
+over :func:`jaxkv.nn.sharding.cache_sharding`: a KV pool's heads split over
+``tp``, bookkeeping and latent caches whole), against one device's budget
+(the least free memory of the mesh's devices)."""
 
 from __future__ import annotations
 
 import collections.abc
+import dataclasses
 import logging
 
 import jax
@@ -15,28 +24,35 @@ from jaxkv import _host
 from jaxkv._ops import ceil_div
 from jaxkv.errors import InvalidArgument
 from jaxkv.manager.block_space import BlockSpaceManager
+from jaxkv.nn import sharding
 from jaxkv.nn.packed import cache_kind
 from jaxkv.nn.steps import paged_peak_blocks, paged_window
 from jaxkv.serve import sizing
 from jaxkv.serve.caches import KVCache, blocks_from_budget
 from jaxkv.serve.hybrid_cache import HybridCache
-from jaxkv.serve.options import CacheOptions
+from jaxkv.serve.options import CacheOptions, EngineOptions, is_derived
 from jaxkv.serve.paged_cache import PagedCache
 
-__all__ = ["build_cache", "build_hybrid_cache", "build_paged_cache"]
+__all__ = ["build_cache", "build_hybrid_cache", "build_paged_cache", "derive_scheduler_defaults", "resolve_options"]
 
 logger = logging.getLogger("jaxkv.serve")
 
 
 def build_cache(model, options: CacheOptions, *, max_seqs: int, prefill_chunk: int,
-                free_bytes: int | None = None) -> KVCache:
+                free_bytes: int | None = None, mesh=None) -> KVCache:
     """The cache for ``model`` by its ``cache_kind`` (:mod:`jaxkv.nn.packed`):
     a :class:`~jaxkv.serve.hybrid_cache.HybridCache` or a
     :class:`~jaxkv.serve.paged_cache.PagedCache`, sized by the one rule of
     :mod:`jaxkv.serve.sizing` from ``options`` (checked when they were made:
-    :mod:`jaxkv.serve.options`). An option of the other kind of cache is
-    refused (``InvalidArgument`` naming it and the options that apply)."""
+    :mod:`jaxkv.serve.options`). ``mesh``: the mesh the cache will be
+    placed on (the caller places it): sized by one device's share (module
+    docstring), its plan's bytes per device; ``free_bytes`` default then
+    the least free memory of the mesh's devices. An option of the other kind
+    of cache is refused (``InvalidArgument`` naming it and the options that
+    apply)."""
     o = options
+    if free_bytes is None and mesh is not None:
+        free_bytes = sizing.mesh_free_bytes(mesh)
     if cache_kind(model) == "hybrid":
         given = [name for name, value in (("num_pages", o.num_pages), ("max_blocks_per_seq", o.max_blocks_per_seq),
                                           ("kv_dtype", o.kv_dtype)) if value is not None]
@@ -51,7 +67,7 @@ def build_cache(model, options: CacheOptions, *, max_seqs: int, prefill_chunk: i
             num_blocks=_block_counts(o.num_blocks), kv_cache_memory=o.kv_cache_memory, num_snapshots=o.num_snapshots,
             entry_format=o.entry_format, prefill_chunk=prefill_chunk, prefix_cache=o.prefix_cache,
             free_bytes=free_bytes, retention=o.snapshot_retention, snapshot_interval=o.snapshot_interval,
-            host_kv_memory=o.host_kv_memory, host_prefix_memory=o.host_prefix_memory)
+            host_kv_memory=o.host_kv_memory, host_prefix_memory=o.host_prefix_memory, mesh=mesh)
     given = [name for name, value in (("max_context_tokens", o.max_context_tokens), ("num_blocks", o.num_blocks),
                                       ("num_snapshots", o.num_snapshots), ("snapshot_interval", o.snapshot_interval))
              if value is not None] + (["snapshot_retention"] if o.snapshot_retention != "value" else [])
@@ -64,7 +80,42 @@ def build_cache(model, options: CacheOptions, *, max_seqs: int, prefill_chunk: i
         max_blocks_per_seq=o.max_blocks_per_seq, kv_cache_memory=o.kv_cache_memory,
         num_host_pages=o.num_host_pages, host_kv_memory=o.host_kv_memory, kv_dtype=o.kv_dtype,
         prefix_cache=o.prefix_cache, prefill_chunk=prefill_chunk, host_memory_kind=o.host_memory_kind,
-        free_bytes=free_bytes, host_prefix_pages=o.host_prefix_pages, host_prefix_memory=o.host_prefix_memory)
+        free_bytes=free_bytes, host_prefix_pages=o.host_prefix_pages, host_prefix_memory=o.host_prefix_memory,
+        mesh=mesh)
+
+
+def _pool_bytes(pool, mesh) -> int:
+    """Bytes one device holds of a KV pool (``mesh`` None: all of it)."""
+    if mesh is None:
+        return sizing.tree_bytes(pool)
+    return sizing.device_bytes(pool, sharding.pool_sharding(pool, mesh))
+
+
+def _paged_bytes(tree, mesh) -> int:
+    """Bytes one device holds of a paged cache's ``(manager, pool)``: the
+    manager (bookkeeping) replicated, the pool split by its heads."""
+    manager, pool = tree
+    return sizing.tree_bytes(manager) + _pool_bytes(pool, mesh)
+
+
+def _hybrid_bytes(manager, mesh) -> int:
+    """Bytes one device holds of a hybrid cache's ``KVCacheManager``."""
+    if mesh is None:
+        return sizing.tree_bytes(manager)
+    return sizing.device_bytes(manager, sharding.cache_sharding(manager, mesh))
+
+
+def _mesh_words(mesh) -> str:
+    return "x".join(f"{name}={size}" for name, size in dict(mesh.shape).items())
+
+
+def _per_device_plan(plan: sizing.CachePlan, mesh, device_total: int, ratios) -> sizing.CachePlan:
+    """``plan`` with one device's bytes: the cache's device bytes, and each
+    group's bytes per token over ``ratios[g]`` (its whole block's bytes over
+    one device's share)."""
+    groups = tuple(dataclasses.replace(g, bytes_per_token=g.bytes_per_token / r) for g, r in zip(plan.groups, ratios))
+    return dataclasses.replace(plan, groups=groups, device_bytes=int(device_total),
+                               source=f"{plan.source}; bytes per device of a {_mesh_words(mesh)} mesh")
 
 
 def _block_counts(value) -> dict[str, int] | None:
@@ -96,7 +147,7 @@ def build_paged_cache(model, *, max_seqs: int, page_size: int, max_model_len: in
           max_blocks_per_seq: int | None, kv_cache_memory, num_host_pages: int | None, host_kv_memory,
           kv_dtype, prefix_cache: bool, prefill_chunk: int, host_memory_kind: str,
           free_bytes: int | None = None, host_prefix_pages: int | None = None,
-          host_prefix_memory: int | None = None) -> PagedCache:
+          host_prefix_memory: int | None = None, mesh=None) -> PagedCache:
     """The one sizing rule (:mod:`jaxkv.serve.sizing`) for a paged pool.
 
     ``max_model_len`` (None: from ``max_blocks_per_seq * page_size`` when
@@ -110,7 +161,8 @@ def build_paged_cache(model, *, max_seqs: int, page_size: int, max_model_len: in
     ``host_prefix_memory`` bytes of them (not both; None or 0: none;
     refused with ``prefix_cache`` off). A ``max_model_len``
     given here that the pool cannot hold is refused; the default one is
-    lowered to what the pool holds (logged)."""
+    lowered to what the pool holds (logged). ``mesh``: bytes are one
+    device's (the pool split by heads; :func:`build_cache`)."""
     window = paged_window(model)
     if host_prefix_pages and not prefix_cache:
         raise InvalidArgument(f"host_prefix_pages={host_prefix_pages}: a host tier of the prefix cache needs "
@@ -162,7 +214,7 @@ def build_paged_cache(model, *, max_seqs: int, page_size: int, max_model_len: in
                 num_device_blocks=counts[0], num_host_blocks=max(num_host_pages, 2), block_size=page_size,
                 max_seqs=max_seqs, max_blocks_per_seq=ceil_div(length, page_size), watermark=0.0)
             return manager, model.make_pool(counts[0], page_size, dtype=kv_dtype)
-        return sizing.tree_bytes(jax.eval_shape(make))
+        return _paged_bytes(jax.eval_shape(make), mesh)
 
     budget, source = None, f"num_pages={num_pages} (expert option)"
     if num_pages is None:
@@ -196,6 +248,11 @@ def build_paged_cache(model, *, max_seqs: int, page_size: int, max_model_len: in
                 host_prefix_pages=host_prefix_pages or 0)
     _, per_block = sizing.affine_bytes(lambda counts: measure(counts, max_model_len), 1)
     cache.plan = cache._plan(budget=budget, source=source, per_block=per_block[0])
+    if mesh is not None:
+        pools = [jax.eval_shape(lambda n=n: model.make_pool(n, page_size, dtype=kv_dtype)) for n in (2, 3)]
+        ratio = ((sizing.tree_bytes(pools[1]) - sizing.tree_bytes(pools[0]))
+                 / max(_pool_bytes(pools[1], mesh) - _pool_bytes(pools[0], mesh), 1))
+        cache.plan = _per_device_plan(cache.plan, mesh, measure([num_pages], max_model_len), [ratio])
     return cache
 
 
@@ -203,7 +260,7 @@ def build_hybrid_cache(model, *, max_seqs: int, max_model_len: int | None, max_c
           num_blocks: dict | None, kv_cache_memory, num_snapshots: int | None, entry_format: str,
           prefill_chunk: int, prefix_cache: bool, free_bytes: int | None = None, retention: str = "value",
           snapshot_interval: int | None = None, host_kv_memory: int | None = None,
-          host_prefix_memory: int | None = None) -> HybridCache:
+          host_prefix_memory: int | None = None, mesh=None) -> HybridCache:
     """The one sizing rule (:mod:`jaxkv.serve.sizing`) for a hybrid cache.
 
     ``max_model_len`` and ``max_context_tokens`` name the same limit
@@ -219,7 +276,9 @@ def build_hybrid_cache(model, *, max_seqs: int, max_model_len: int | None, max_c
     host bytes for swapped-out rows (None or 0: preempt by recompute);
     ``host_prefix_memory``: host bytes for prefixes evicted from the
     device (None or 0: none). A ``max_model_len`` given that a group cannot hold
-    is refused; the default one is lowered to what every group holds."""
+    is refused; the default one is lowered to what every group holds.
+    ``mesh``: bytes are one device's (:func:`build_cache`; the expert
+    ``num_blocks`` are used as given)."""
     if max_model_len is not None and max_context_tokens is not None and max_model_len != max_context_tokens:
         raise InvalidArgument(f"max_model_len={max_model_len} and max_context_tokens={max_context_tokens} "
                               "disagree (the same limit: give one of them)")
@@ -245,10 +304,10 @@ def build_hybrid_cache(model, *, max_seqs: int, max_model_len: int | None, max_c
     def blocks_for(n: int) -> list[int]:
         return [ceil_div(n // tpe, epb) for tpe, epb in per_entry]
 
-    def measure(counts, cached, n):
-        return sizing.tree_bytes(jax.eval_shape(lambda: model.make_cache(
+    def measure(counts, cached, n, on=mesh):
+        return _hybrid_bytes(jax.eval_shape(lambda: model.make_cache(
             max_seqs, n, entry_format=entry_format, num_blocks=dict(zip(names, counts)),
-            num_snapshots=cached)))
+            num_snapshots=cached)), on)
 
     budget_hint = (sizing.resolve_budget(kv_cache_memory, free_bytes=free_bytes)[0] if kv_cache_memory is not None
                    else sizing.default_budget(free_bytes)[0])
@@ -280,4 +339,119 @@ def build_hybrid_cache(model, *, max_seqs: int, max_model_len: int | None, max_c
         host_prefix_memory=host_prefix_memory or 0)
     _, per_block = sizing.affine_bytes(lambda counts: measure(counts, cached, length), len(names))
     cache.plan = cache._plan(budget=budget, source=source, per_block=per_block)
+    if mesh is not None:
+        _, whole = sizing.affine_bytes(lambda counts: measure(counts, cached, length, None), len(names))
+        cache.plan = _per_device_plan(cache.plan, mesh, measure([b + 1 for b in blocks], cached, length),
+                                      [w / max(d, 1) for w, d in zip(whole, per_block)])
     return cache
+
+
+# ------------------------------------------------------- scheduler defaults
+
+#: The scheduler options derived for the device when the user leaves them out.
+DERIVED_OPTIONS = ("max_seqs", "max_num_batched_tokens", "decode_chunk")
+
+
+def _platform(mesh) -> str:
+    """The platform of ``mesh``'s devices (an ``AbstractMesh`` has none:
+    this process's first device's)."""
+    if isinstance(mesh, jax.sharding.Mesh):
+        return mesh.devices.flat[0].platform
+    return jax.devices()[0].platform
+
+
+def derive_scheduler_defaults(model, options: EngineOptions, *, mesh=None, free_bytes: int | None = None,
+                              platform: str | None = None) -> sizing.SchedulerDefaults:
+    """What :func:`jaxkv.serve.sizing.scheduler_defaults` calls for on this
+    device with ``model`` and ``options`` (a ``max_seqs`` given is kept):
+    the platform (``platform``, default that of ``mesh``'s devices, else of
+    ``jax.devices()[0]``); on a CPU nothing more is read. Else the numbers
+    are measured from the shapes the cache would have (``jax.eval_shape``;
+    nothing is allocated), on ``mesh`` one device's share (a ``Mesh`` or an
+    ``AbstractMesh``): the budget (``kv_cache_memory``, default
+    :data:`~jaxkv.serve.sizing.DEFAULT_MEMORY_FRACTION` of the free memory,
+    ``free_bytes`` or the mesh's least; with the expert ``num_pages`` /
+    ``num_blocks``, the bytes of those blocks), the bytes one token costs
+    whole and on one device (their ratio is the split), the bytes one more
+    sequence row costs (table row, per-request state), and ``max_model_len``
+    (given, else :func:`~jaxkv.serve.sizing.default_max_model_len`). A
+    hybrid cache with a prefix cache leaves a quarter of the budget to its
+    snapshots, as its sizing does."""
+    platform = _platform(mesh) if platform is None else platform
+    sched, o = options.scheduler, options.cache
+    given_rows = None if is_derived(sched.max_seqs) else int(sched.max_seqs)
+    if platform == "cpu":
+        return sizing.scheduler_defaults("cpu", 1, 1.0, 1, max_seqs=given_rows)
+    if free_bytes is None and mesh is not None:
+        free_bytes = sizing.mesh_free_bytes(mesh)
+    length = o.max_model_len if o.max_model_len is not None else o.max_context_tokens
+    if length is None and o.max_blocks_per_seq is not None:
+        length = o.max_blocks_per_seq * o.page_size
+    if length is None:
+        length = sizing.default_max_model_len(model, platform)
+    if o.kv_cache_memory is not None:
+        budget = sizing.resolve_budget(o.kv_cache_memory, free_bytes=free_bytes)[0]
+    else:
+        budget = sizing.default_budget(free_bytes)[0]
+    if cache_kind(model) == "hybrid":
+        probe = jax.eval_shape(lambda: model.make_cache(1, length, entry_format=o.entry_format))
+        names = list(probe.groups)
+        tokens_per_block = [g.tokens_per_block for g in probe.groups.values()]
+
+        def measure(rows, counts, snapshots, on):
+            return _hybrid_bytes(jax.eval_shape(lambda: model.make_cache(
+                rows, length, entry_format=o.entry_format, num_blocks=dict(zip(names, counts)),
+                num_snapshots=snapshots)), on)
+
+        device = sizing.affine_bytes(lambda counts: measure(1, counts, 0, mesh), len(names))[1]
+        whole = device if mesh is None else sizing.affine_bytes(lambda c: measure(1, c, 0, None), len(names))[1]
+        per_token = sum(b / t for b, t in zip(device, tokens_per_block))
+        per_token_whole = sum(b / t for b, t in zip(whole, tokens_per_block))
+        row = measure(2, [2] * len(names), 1, mesh) - measure(1, [2] * len(names), 1, mesh)
+        if o.prefix_cache:
+            budget = budget * 3 // 4
+        held = min(((int(n) - 1) * tokens_per_block[names.index(g)] for g, n in (o.num_blocks or {}).items()
+                    if g in names), default=None)
+        if held is not None:  # expert block counts: the tokens the groups given hold
+            budget, row = max(int(held * per_token), 1), 0
+    else:
+        pools = [jax.eval_shape(lambda n=n: model.make_pool(n, o.page_size, dtype=o.kv_dtype)) for n in (2, 3)]
+        page_whole = sizing.tree_bytes(pools[1]) - sizing.tree_bytes(pools[0])
+        page_device = _pool_bytes(pools[1], mesh) - _pool_bytes(pools[0], mesh)
+        per_token, per_token_whole = page_device / o.page_size, page_whole / o.page_size
+
+        def manager(rows):
+            return sizing.tree_bytes(jax.eval_shape(lambda: BlockSpaceManager.create(
+                num_device_blocks=2, num_host_blocks=2, block_size=o.page_size, max_seqs=rows,
+                max_blocks_per_seq=ceil_div(length, o.page_size), watermark=0.0)))
+
+        row = manager(2) - manager(1)
+        if o.num_pages is not None:
+            budget, row = max((o.num_pages - 1) * page_device, 1), 0
+    split = per_token_whole / per_token if per_token > 0 else 1.0
+    return sizing.scheduler_defaults(platform, int(budget), per_token_whole, length, max(split, 1.0),
+                                     bytes_per_row=row, max_seqs=given_rows)
+
+
+def resolve_options(model, options: EngineOptions, *, mesh=None, free_bytes: int | None = None,
+                    platform: str | None = None) -> EngineOptions:
+    """``options`` with the scheduler options the user left out
+    (:data:`DERIVED_OPTIONS` still :class:`~jaxkv.serve.options.Derived`, or
+    None) set for this device (:func:`derive_scheduler_defaults`; the rule in
+    :mod:`jaxkv.serve.sizing`), each derivation logged at INFO on the
+    ``jaxkv.serve`` logger with its numbers. Options given stay as given;
+    ``options`` with nothing left to derive comes back unchanged (so calling
+    this twice is calling it once). The engine calls it before it builds
+    its cache, so ``engine.options`` holds the values it runs with."""
+    open_options = [name for name in DERIVED_OPTIONS if is_derived(getattr(options.scheduler, name))]
+    if not open_options:
+        return options
+    defaults = derive_scheduler_defaults(model, options, mesh=mesh, free_bytes=free_bytes, platform=platform)
+    values = {name: defaults.values()[name] for name in open_options}
+    current = options.scheduler
+    if all(type(getattr(current, name)) is type(value) and getattr(current, name) == value
+           for name, value in values.items()):
+        return options  # resolved already (a CPU's None token budget stays None): nothing to log again
+    for line in defaults.lines(open_options):
+        logger.info("%s", line)
+    return options.replace(**values)

@@ -73,7 +73,7 @@ from jaxkv import _host
 from jaxkv.errors import InvalidArgument
 from jaxkv.nn import sharding
 from jaxkv.nn.sampling import GREEDY, SamplingParams
-from jaxkv.serve.build import build_cache
+from jaxkv.serve.build import build_cache, resolve_options
 from jaxkv.serve.options import EngineOptions
 from jaxkv.serve.output import (Counters, EngineProgress, EngineStats, EngineSummary, OutputProcessor,
                                 latency_stats)
@@ -140,8 +140,10 @@ class Engine(Scheduler):
             jitted step runs across the mesh. Under ``jax.distributed`` every
             process builds the same engine and makes the same calls (the
             scheduler is deterministic given its inputs) and each gets every
-            request's tokens (``docs/scale.md``). Sizing reads one device's
-            memory; the host tiers are refused on a mesh.
+            request's tokens (``docs/scale.md``). The cache and the derived
+            scheduler defaults are sized by one device's share (its budget,
+            what it holds of a split cache); the host tiers are refused on
+            a mesh.
         free_bytes: the free device bytes the sizing rule reads (default:
             :func:`~jaxkv.serve.sizing.device_free_bytes`; for tests).
 
@@ -159,11 +161,13 @@ class Engine(Scheduler):
         options = EngineOptions() if options is None else options
         if not isinstance(options, EngineOptions):
             raise InvalidArgument(f"options must be an EngineOptions, got {_host.short_repr(options)}")
-        #: The options the engine was built with (checked, :mod:`jaxkv.serve.options`).
-        self.options = options = options.replace(**kwargs) if kwargs else options
+        options = options.replace(**kwargs) if kwargs else options
+        #: The options the engine runs with (checked, :mod:`jaxkv.serve.options`; the scheduler options
+        #: left out derived for the device and logged, :func:`~jaxkv.serve.build.resolve_options`).
+        self.options = options = resolve_options(model, options, mesh=mesh, free_bytes=free_bytes)
         cache, sched, tenants = options.cache, options.scheduler, options.tenants
         self.cache = build_cache(model, cache, max_seqs=sched.max_seqs, prefill_chunk=sched.prefill_chunk,
-                                 free_bytes=free_bytes)
+                                 free_bytes=free_bytes, mesh=mesh)
         scrub_on_free, prefix_quota = tenants.scrub_on_free, tenants.prefix_quota
         enable_kv_events = tenants.enable_kv_events
         # What a rebuilt cache gets again (see _recover).

@@ -11,6 +11,18 @@ coerced. Deeper checks that need the model (a ``max_model_len`` the cache
 cannot hold, a ``num_blocks`` group the model lacks, a ``kv_dtype`` a pool
 cannot store) are made where the cache is built, with the numbers.
 
+**Derived defaults.** ``max_seqs`` and ``decode_chunk`` default to a
+:class:`Derived` int, and ``max_num_batched_tokens`` to None: values the
+engine derives for its device at start-up
+(:func:`jaxkv.serve.build.resolve_options`, the rule in
+:func:`jaxkv.serve.sizing.scheduler_defaults`): on an accelerator from the
+KV budget and the model (up to 256 sequence rows and 8192 batched tokens,
+vLLM's defaults on an H100, 16 decode steps per call), on a CPU the small
+values (8 rows, a ``prefill_chunk`` of 256 tokens per iteration, 8 decode
+steps). A ``Derived`` is the CPU's value as an int, so code that reads an
+unresolved option gets the CPU's behaviour; a value the user gives is a
+plain int and always wins, whatever it is (``max_seqs=8`` on a GPU is 8).
+
 ``Engine(model, options)`` takes one; ``Engine(model, max_seqs=16, ...)``
 (flat keywords, any field of any group) is the same as
 ``Engine(model, EngineOptions.from_kwargs(max_seqs=16, ...))``. The server's
@@ -31,8 +43,35 @@ import numpy as np
 from jaxkv import _host
 from jaxkv.errors import InvalidArgument
 
-__all__ = ["CacheOptions", "EngineOptions", "SchedulerOptions", "TenantOptions", "add_arguments", "from_cli",
+__all__ = ["CacheOptions", "Derived", "EngineOptions", "SchedulerOptions", "TenantOptions", "add_arguments", "from_cli",
            "parse_bytes", "parse_memory", "positive_int"]
+
+
+class Derived(int):
+    """An option's default that the engine derives for its device at start-up
+    (:func:`jaxkv.serve.build.resolve_options`); as an int it is the CPU's
+    value. A value the user gives is a plain int, never a ``Derived``, so it
+    always wins, even when it equals the CPU's."""
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return f"Derived({int(self)})"
+
+
+def is_derived(value) -> bool:
+    """Whether ``value`` is a default still to be derived (a :class:`Derived`,
+    or None for ``max_num_batched_tokens``)."""
+    return value is None or isinstance(value, Derived)
+
+
+def default_text(field) -> str:
+    """A field's default in words (``--help``, docstrings, :func:`describe`)."""
+    if isinstance(field.default, Derived):
+        return f"derived ({int(field.default)} on a CPU)"
+    if field.name == "max_num_batched_tokens":
+        return "derived (None, prefill_chunk, on a CPU)"
+    return repr(field.default)
 
 
 def _option(default, kind: str, doc: str, *, flag: str | None = None, choices: tuple = ()):
@@ -98,6 +137,8 @@ class _Checked:
     def __post_init__(self):
         for field in dataclasses.fields(self):
             value = getattr(self, field.name)
+            if isinstance(value, Derived):  # a default, kept as the marker (resolve_options derives it)
+                continue
             if field.metadata.get("kind") is not None:
                 object.__setattr__(self, field.name, _check(field.name, value, field.metadata["kind"],
                                                             field.metadata["choices"], field.default is None))
@@ -152,15 +193,19 @@ class CacheOptions(_Checked):
 
 @dataclasses.dataclass(frozen=True)
 class SchedulerOptions(_Checked):
-    max_seqs: int = _option(8, "count", "sequence rows: requests running or swapped out at once",
-                            flag="--max-num-seqs")
-    decode_chunk: int = _option(8, "count", "decode steps per jitted call (one lax.while_loop)",
-                                flag="--decode-chunk")
+    max_seqs: int = _option(Derived(8), "count", "sequence rows: requests running or swapped out at once "
+                            "(default: on an accelerator min(256, the rows the KV budget holds 1024 tokens each, "
+                            "rounded down to a multiple of 8); on a CPU 8)", flag="--max-num-seqs")
+    decode_chunk: int = _option(Derived(8), "count", "decode steps per jitted call (one lax.while_loop; a "
+                                "request that arrives meanwhile waits for it; default 16 on an accelerator, 8 on "
+                                "a CPU)", flag="--decode-chunk")
     prefill_chunk: int = _option(256, "count", "most prompt tokens per row in one prefill call (longer uncached "
                                  "tails take several)", flag="--prefill-chunk")
     max_num_batched_tokens: int | None = _option(
         None, "count", "the token budget of a scheduler iteration: the packed stream's tokens, decode tokens "
-        "included (default prefill_chunk); with the padded scheduler, one prefill call's prompt tokens",
+        "included (default: on an accelerator min(8192, the tokens the KV cache holds, max_seqs * "
+        "max_model_len), at least max_seqs; on a CPU prefill_chunk); with the padded scheduler, one prefill "
+        "call's prompt tokens",
         flag="--max-num-batched-tokens")
     scheduler: str = _option("packed", "choice", "packed: an iteration with prefill work is ONE jitted call over "
                              "a flat stream of decode tokens and prompt pieces; padded: a [max_seqs, "
@@ -231,13 +276,13 @@ def describe() -> str:
     lines = []
     for group, cls in _GROUPS.items():
         for f in dataclasses.fields(cls):
-            lines.append(f"{group}.{f.name} = {f.default!r}: {f.metadata['doc']}")
+            lines.append(f"{group}.{f.name} = {default_text(f)}: {f.metadata['doc']}")
     return "\n".join(lines)
 
 
 for _cls in _GROUPS.values():  # the class docstrings are the fields' documentation
     _cls.__doc__ = "Fields (each checked when made; see the module docstring):\n\n" + "\n".join(
-        f"* ``{f.name}`` (default ``{f.default!r}``): {f.metadata['doc']}." for f in dataclasses.fields(_cls))
+        f"* ``{f.name}`` (default ``{default_text(f)}``): {f.metadata['doc']}." for f in dataclasses.fields(_cls))
 
 
 # ------------------------------------------------------------ command line
@@ -303,7 +348,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             if f.metadata["kind"] == "flag":
                 parser.add_argument(flag, dest=f.name, action="store_true", default=None, help=f.metadata["doc"])
             else:
-                default = "" if f.default is None else f" (default {f.default!r})"
+                default = "" if f.default is None or is_derived(f.default) else f" (default {f.default!r})"
                 parser.add_argument(flag, dest=f.name, type=_ARG_TYPES[f.metadata["kind"]], default=None,
                                     metavar=flag.lstrip("-").replace("-", "_").upper(),
                                     help=f"{f.metadata['doc']}{default}")

@@ -44,6 +44,63 @@ less than one block per group below it. Before that:
 The result is a :class:`CachePlan` (``engine.cache_plan``), logged at
 start-up on the ``jaxkv.serve`` logger, one INFO line per group: the tokens
 it holds, its bytes per token and the prefix-hit unit.
+
+**On a mesh** every figure is one device's: the budget is one device's
+(the least free memory of the mesh's devices), and the bytes a block costs
+are what one device holds of it, each array divided as its sharding
+divides it (:func:`device_bytes`, :func:`jaxkv.nn.sharding.cache_sharding`):
+a KV pool whose heads split over ``tp`` costs each device ``1/tp`` of a
+block, so the same per-device budget buys ``tp`` times the tokens; a
+latent cache (MLA pages, DeepSeek-V4's entries), replicated, buys the same
+tokens as on one device. The plan's bytes are then per device too.
+
+**Scheduler defaults** (issue 41; :func:`scheduler_defaults`, a pure
+function of the numbers so that a test can call it with a GPU's): the
+platform decides. On a CPU the small defaults stay (``max_seqs`` 8, a
+token budget of ``prefill_chunk`` (256) per iteration, ``decode_chunk``
+8): a 2-core CPU gains nothing from wider batches and the pure-JAX
+attention pays for every padded row. On an accelerator (any other
+platform: ``gpu``, ``tpu``), with ``T`` the tokens the KV budget holds on
+one device (the budget over one device's bytes per token: the model's
+bytes per token over the ``split`` of a head-split cache):
+
+* ``max_seqs = min(GPU_MAX_SEQS (256), floor(budget / (bytes_per_row +
+  min(max_model_len, TYPICAL_CONTEXT (1024)) * bytes_per_token)))``,
+  rounded down to a multiple of 8 from 8 up, at least 1: as many rows as
+  the cache gives a typical chat context each (prompt plus answer), up to
+  vLLM's 256. A row the cache cannot fill only pads: every decode call
+  computes ``max_seqs`` lanes, and each row costs its per-request state
+  (``bytes_per_row``: a block-table row; a hybrid cache's SWA rings and
+  GDN states, large for Qwen3-Next). Multiples of 8 keep the decode
+  matmuls' batch dimension tensor-core aligned (a single batch shape is
+  compiled whatever the value, so nothing else needs rounding).
+* ``max_num_batched_tokens = max(min(GPU_MAX_NUM_BATCHED_TOKENS (8192), T,
+  max_seqs * max_model_len), max_seqs)``: vLLM's server default on an
+  H100, but never more than the cache can hold in flight (a packed step's
+  prompt tokens all need cache slots), and at least one token per row (a
+  packed step carries every decoding row's token). The packed stream
+  compiles one program per bucket up to it (16, 32, 48, ..., 6144, 8192:
+  18 programs at 8192).
+* ``decode_chunk = GPU_DECODE_CHUNK (16)``. A decode chunk is one jitted
+  ``lax.while_loop`` of that many steps and one host round trip (the
+  ``[max_seqs, decode_chunk]`` tokens come back, the host does its
+  ``O(max_seqs)`` bookkeeping: a few ms at 256 rows). A decode step reads
+  the weights and the rows' K/V once: on an H100 (3.35 TB/s) roughly 1-3
+  ms for a 1B model and 10-30 ms for an 8B model at a full batch (an
+  estimate from those bytes, not measured here), so 16 steps keep the
+  host's share near 10% or below where 8 would not for small models. The
+  price is latency: a request that arrives during a chunk waits for it (at
+  most 16 steps: tens of ms on a small model, ~0.3 s on an 8B model at a
+  full batch; while prompts are being prefilled the engine runs packed
+  steps of one token per row instead), and a row that finishes mid-chunk
+  idles to its end. The admission reserve (each running row's growth over
+  one chunk) is 16 tokens a row, well under 1% of a GPU's cache.
+
+Options the user gives always win (a plain int; the defaults are
+:class:`~jaxkv.serve.options.Derived` markers); the derived values, with
+the numbers behind them, are logged at start-up
+(:meth:`SchedulerDefaults.lines`) and are the values of the engine's
+``options``.
 """
 
 from __future__ import annotations
@@ -57,9 +114,12 @@ import numpy as np
 
 from jaxkv.errors import InvalidArgument
 from jaxkv.manager.hybrid_schema import block_bytes
+from jaxkv.serve.options import SchedulerOptions
 
-__all__ = ["CPU_DEFAULT_MAX_MODEL_LEN", "CPU_FREE_BYTES", "DEFAULT_MAX_MODEL_LEN", "DEFAULT_MEMORY_FRACTION", "CachePlan", "GroupPlan",
-           "default_max_model_len", "device_free_bytes", "resolve_budget", "solve", "tree_bytes"]
+__all__ = ["CPU_DEFAULT_MAX_MODEL_LEN", "CPU_FREE_BYTES", "DEFAULT_MAX_MODEL_LEN", "DEFAULT_MEMORY_FRACTION",
+           "GPU_DECODE_CHUNK", "GPU_MAX_NUM_BATCHED_TOKENS", "GPU_MAX_SEQS", "TYPICAL_CONTEXT", "CachePlan",
+           "GroupPlan", "SchedulerDefaults", "default_max_model_len", "device_bytes", "device_free_bytes",
+           "mesh_free_bytes", "resolve_budget", "scheduler_defaults", "solve", "tree_bytes"]
 
 #: ``max_model_len`` when none is given: ``min(config.max_position_embeddings, DEFAULT_MAX_MODEL_LEN)``.
 DEFAULT_MAX_MODEL_LEN = 4096
@@ -69,11 +129,47 @@ CPU_DEFAULT_MAX_MODEL_LEN = 1024
 DEFAULT_MEMORY_FRACTION = 0.8
 #: What stands for "free memory" on a device whose ``memory_stats()`` says nothing (the CPU): 1 GiB.
 CPU_FREE_BYTES = 1 << 30
+#: An accelerator's most sequence rows by default (vLLM's ``--max-num-seqs`` on an H100).
+GPU_MAX_SEQS = 256
+#: An accelerator's token budget per scheduler iteration by default (vLLM's server on an H100).
+GPU_MAX_NUM_BATCHED_TOKENS = 8192
+#: An accelerator's decode steps per jitted call by default (see the module docstring).
+GPU_DECODE_CHUNK = 16
+#: The context each sequence row should have room for when ``max_seqs`` is derived (prompt plus answer
+#: of a typical chat turn; ``max_model_len`` when that is shorter).
+TYPICAL_CONTEXT = 1024
 
 
 def tree_bytes(tree) -> int:
     """Bytes of every array leaf of ``tree`` (arrays or ``jax.ShapeDtypeStruct``)."""
     return int(sum(math.prod(leaf.shape) * np.dtype(leaf.dtype).itemsize for leaf in jax.tree.leaves(tree)))
+
+
+def _parts(sharding) -> int:
+    """Into how many pieces a ``NamedSharding`` (its ``spec`` over its
+    mesh's axis sizes; a ``Mesh`` or an ``AbstractMesh``) cuts an array."""
+    shape = dict(sharding.mesh.shape)
+    parts = 1
+    for entry in sharding.spec:
+        for name in (() if entry is None else (entry,) if isinstance(entry, str) else entry):
+            parts *= int(shape[name])
+    return parts
+
+
+def device_bytes(tree, shardings=None) -> int:
+    """Bytes ONE device holds of ``tree``'s arrays when placed by
+    ``shardings`` (a ``NamedSharding`` per leaf, shaped like ``tree``; None:
+    every array whole, :func:`tree_bytes`): each leaf's bytes over the
+    pieces its sharding cuts it into (the rules of :mod:`jaxkv.nn.sharding`
+    split a dimension only where the axis divides it, so this is exact)."""
+    if shardings is None:
+        return tree_bytes(tree)
+    leaves = jax.tree.leaves(tree)
+    specs = jax.tree.leaves(shardings, is_leaf=lambda x: isinstance(x, jax.sharding.Sharding))
+    if len(leaves) != len(specs):
+        raise ValueError(f"device_bytes: {len(leaves)} arrays but {len(specs)} shardings")
+    return int(sum(math.prod(leaf.shape) * np.dtype(leaf.dtype).itemsize // _parts(spec)
+                   for leaf, spec in zip(leaves, specs)))
 
 
 def device_free_bytes(device=None) -> int | None:
@@ -99,6 +195,23 @@ def default_max_model_len(model, platform: str | None = None) -> int:
     cap = CPU_DEFAULT_MAX_MODEL_LEN if platform == "cpu" else DEFAULT_MAX_MODEL_LEN
     positions = getattr(getattr(model, "config", None), "max_position_embeddings", None)
     return cap if not positions else min(int(positions), cap)
+
+
+def mesh_free_bytes(mesh) -> int | None:
+    """The least free bytes of ``mesh``'s devices of this process (the
+    budget every device can afford); None when one keeps no statistics (the
+    CPU) or the mesh has no devices (an ``AbstractMesh``)."""
+    if not isinstance(mesh, jax.sharding.Mesh):  # an AbstractMesh has no devices
+        return None
+    free = []
+    for device in mesh.devices.flat:
+        if getattr(device, "process_index", 0) != jax.process_index():
+            continue
+        value = device_free_bytes(device)
+        if value is None:
+            return None
+        free.append(value)
+    return min(free) if free else None
 
 
 def resolve_budget(kv_cache_memory, *, free_bytes: int | None = None) -> tuple[int, str]:
@@ -163,6 +276,83 @@ def solve(budget: int, fixed: int, per_block: Sequence[int], tokens_per_block: S
         else:
             hi = mid - 1
     return [lo // t for t in tokens_per_block]
+
+
+@dataclasses.dataclass(frozen=True)
+class SchedulerDefaults:
+    """The scheduler options a platform and a KV budget call for
+    (:func:`scheduler_defaults`; the rule is in the module docstring).
+    ``max_num_batched_tokens`` None: ``prefill_chunk`` (the CPU's);
+    ``tokens``: the tokens the budget holds on one device (None on a CPU,
+    where nothing is measured); ``reasons``: each value's derivation, in
+    words with the numbers (:meth:`lines`)."""
+
+    platform: str
+    max_seqs: int
+    max_num_batched_tokens: int | None
+    decode_chunk: int
+    tokens: int | None
+    reasons: tuple[str, ...]
+
+    def values(self) -> dict:
+        """The derived options by name."""
+        return dict(max_seqs=self.max_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
+                    decode_chunk=self.decode_chunk)
+
+    def lines(self, names=None) -> list[str]:
+        """The start-up log: one line per derived option (of ``names``, when
+        given: the options left to derive; a CPU's one line names them all)."""
+        keep = [r for r in self.reasons if names is None or r.split("=", 1)[0] in names] or list(self.reasons[:1])
+        return [f"scheduler default ({self.platform}): {reason}" for reason in keep]
+
+
+def scheduler_defaults(platform: str, budget_bytes: int, bytes_per_token: float, max_model_len: int,
+                       split: float = 1, *, bytes_per_row: float = 0,
+                       max_seqs: int | None = None) -> SchedulerDefaults:
+    """``max_seqs``, ``max_num_batched_tokens`` and ``decode_chunk`` for a
+    device of ``platform`` (``jax.Device.platform``: ``"cpu"`` keeps the
+    small defaults; any other gets the accelerator rule of the module
+    docstring) whose KV budget is ``budget_bytes`` (one device's), for a
+    model whose cache costs ``bytes_per_token`` per token on one device
+    unsplit, split ``split`` ways on a mesh (``tp`` when the KV heads split
+    over ``tp``, 1 when the cache is replicated; a fraction between for a
+    cache split in part), ``bytes_per_row`` per sequence row on one device
+    (per-request state, a block-table row), with requests of at most
+    ``max_model_len`` tokens. ``max_seqs``: a value the user gave (it bounds
+    the token budget; the returned ``max_seqs`` is then that value). Pure:
+    nothing is measured or allocated."""
+    defaults = SchedulerOptions()  # the CPU's values are the options' own defaults
+    if platform == "cpu":
+        rows = int(defaults.max_seqs) if max_seqs is None else int(max_seqs)
+        return SchedulerDefaults(platform, rows, None, int(defaults.decode_chunk), None, (
+            f"max_seqs={rows}, max_num_batched_tokens=None (prefill_chunk, {defaults.prefill_chunk}), "
+            f"decode_chunk={int(defaults.decode_chunk)}: a CPU keeps the small defaults",))
+    if budget_bytes < 1 or bytes_per_token <= 0 or max_model_len < 1 or split < 1:
+        raise InvalidArgument(f"scheduler_defaults: budget_bytes={budget_bytes}, bytes_per_token={bytes_per_token}, "
+                              f"max_model_len={max_model_len}, split={split}: need a budget >= 1 byte, bytes per "
+                              "token > 0, max_model_len >= 1 and split >= 1")
+    per_token = bytes_per_token / split
+    tokens = int(budget_bytes // per_token)
+    typical = min(max_model_len, TYPICAL_CONTEXT)
+    row = bytes_per_row + typical * per_token
+    fit = int(budget_bytes // row)
+    where = (f"{budget_bytes} budget bytes / {per_token:g} bytes per token"
+             + (f" ({bytes_per_token:g} split {split:g} ways)" if split > 1 else "") + f" = {tokens} tokens")
+    if max_seqs is None:
+        rows = min(GPU_MAX_SEQS, fit)
+        rows = max(rows - rows % 8 if rows >= 8 else rows, 1)
+        why_rows = (f"max_seqs={rows}: min({GPU_MAX_SEQS}, {fit} rows of {typical} tokens"
+                    + (f" and {bytes_per_row:g} bytes of per-row state" if bytes_per_row else "")
+                    + f" in {where}), a multiple of 8, at least 1")
+    else:
+        rows = int(max_seqs)
+        why_rows = f"max_seqs={rows}: given"
+    batched = max(min(GPU_MAX_NUM_BATCHED_TOKENS, tokens, rows * max_model_len), rows)
+    why_batched = (f"max_num_batched_tokens={batched}: max(min({GPU_MAX_NUM_BATCHED_TOKENS}, {tokens} tokens the "
+                   f"cache holds, {rows} rows * max_model_len {max_model_len}), {rows} rows)")
+    why_chunk = (f"decode_chunk={GPU_DECODE_CHUNK}: one jitted call and host round trip per {GPU_DECODE_CHUNK} "
+                 "decode steps (dispatch and O(max_seqs) host work amortized; arrivals wait at most one chunk)")
+    return SchedulerDefaults(platform, rows, batched, GPU_DECODE_CHUNK, tokens, (why_rows, why_batched, why_chunk))
 
 
 @dataclasses.dataclass(frozen=True)
