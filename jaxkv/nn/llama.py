@@ -247,7 +247,7 @@ class LlamaForCausalLM(nnx.Module):
     def from_hf_state_dict(cls, config: LlamaConfig, tensors: dict[str, np.ndarray], *, dtype=None,
                            param_dtype=None, precision=None, source: str = "state dict",
                            implementation: str | None = None, interpret: bool = False,
-                        scan_layers: bool = True) -> LlamaForCausalLM:
+                           scan_layers: bool = True) -> LlamaForCausalLM:
         """Build the model from transformers-named arrays (no random init).
         ``param_dtype`` default: ``config.torch_dtype`` (float32 if unset);
         ``dtype`` default: ``param_dtype``. Raises ``InvalidArgument`` naming a

@@ -101,7 +101,8 @@ def prefill_one(graphdef, params, manager: BlockSpaceManager, pool: KVPool, prom
     manager, pool, the last prompt position's logits ``[V]`` and ``ok``.
     (A hybrid manager's rows are admitted already: row 0 is slot 1.)"""
     if pool is None:  # the manager holds its K/V: a hybrid cache
-        manager, last, ok = hybrid_prefill_chunk(graphdef, params, manager, slot_of(jnp.zeros((1,), jnp.int32)), prompt,
+        row0 = slot_of(jnp.zeros((1,), jnp.int32))
+        manager, last, ok = hybrid_prefill_chunk(graphdef, params, manager, row0, prompt,
                                                  jnp.reshape(length, (1,)).astype(jnp.int32))
         return manager, pool, last[0], ok
     row0 = jnp.zeros((1,), jnp.int32)
