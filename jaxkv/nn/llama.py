@@ -14,6 +14,12 @@ Hugging Face checkpoint maps onto it mechanically::
     model.norm.weight                                norm.weight
     lm_head.weight                                   lm_head.kernel           (absent when tied)
 
+(the NNX paths as unrolled; with ``scan_layers`` the layers of one sliding
+window are stacked, ``layers.stacked.{j}.<...>`` holding layers ``j``,
+``j + p``, ... as rows: :mod:`jaxkv.nn.scan`, whose :func:`layer_paths`
+the loader and ``hf_state_dict`` use, so checkpoints keep naming layers one
+by one)
+
 A minimal paged prefill + decode (see ``tests/test_nn_llama.py`` for a full
 one with a :class:`~jaxkv.BlockSpaceManager`)::
 
