@@ -92,6 +92,7 @@ def main(argv=None) -> None:
     from jaxkv.nn.generate import decode_loop, decode_step, start_hybrid, start_paged
     from jaxkv.nn.packed import cache_kind
     from jaxkv.nn.sampling import GREEDY
+    from jaxkv.nn.scan import DecoderStack
 
     model = build_model(args.family)
     total = len(jax.devices())
@@ -129,11 +130,15 @@ def main(argv=None) -> None:
             best = min(best, time.perf_counter() - t0)
         times[name] = best / args.steps * 1e6
     layers = model.config.num_hidden_layers
+    # The layers the program holds: a scanned stack (jaxkv.nn.scan) holds its repeating pattern once, in the
+    # loop body, and its head and tail outside; each of them runs its collectives once per layer it stands for.
+    stack = model.layers
+    in_program = stack.head_len + stack.period + len(stack.tail) if isinstance(stack, DecoderStack) else layers
     if jax.process_index() == 0:
         print(json.dumps({"family": args.family, "devices": total, "processes": jax.process_count(),
                           "us_loop": times["loop"], "us_per_step": times["per_step"], "layers": layers,
                           "collectives": collectives,
-                          "all_reduce_per_layer": collectives["all-reduce"] / layers}), flush=True)
+                          "all_reduce_per_layer": collectives["all-reduce"] / in_program}), flush=True)
     if args.num_processes > 1:
         jax.distributed.shutdown()
 
