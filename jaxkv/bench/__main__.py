@@ -25,6 +25,7 @@ BENCHMARKS = {
     "isolation": "jaxkv.bench.isolation",
     "real_scale": "jaxkv.bench.real_scale",
     "compile_depth": "jaxkv.bench.compile_depth",
+    "engine_aot": "jaxkv.bench.engine_aot",
 }
 
 
