@@ -53,6 +53,29 @@ p50/p99 (a chunk's gap spread over its tokens), requests lost (an error, or
 fewer tokens than asked: must be 0), and the HTTP / in-process throughput
 ratio; the two paths must stream the same text (seeded requests). Exits 1
 when a request is lost or the texts differ.
+
+``--host-overhead`` (:func:`host_overhead_main`): the scheduler's host
+cost per iteration. Each :meth:`~jaxkv.serve.Engine.step` is timed whole,
+and every jitted call the caches make (the module-level jitted functions of
+:mod:`jaxkv.serve.caches`, :mod:`~jaxkv.serve.paged_cache` and
+:mod:`~jaxkv.serve.hybrid_cache`: the model steps and the bookkeeping
+calls) is timed to ``block_until_ready`` while the bench runs
+(:class:`DeviceTimer`); host time = step wall time - the time inside those
+calls. Two phases per row count (``--rows``, default 16, 64 and 256;
+``--quick`` 4 and 8), on a tiny random Llama (paged cache) and a tiny
+Qwen3-Next (hybrid cache, Gated DeltaNet and full attention), each on a
+fresh engine of ``max_seqs`` = rows after an untimed warm-up that compiles
+its programs: **decode**, every row decoding (steady state: ``decode_chunk``
+4 steps per iteration, nothing arriving, nothing finishing); **packed**,
+rows - 2 requests decoding while two 24-token prompts arrive before every
+iteration (each runs in the iteration's ONE packed step, gets its token and
+finishes: the rows stay full, every iteration admits two and retires two).
+Reported per family, phase and row count: host ms per iteration (median
+and p90 over ``--iterations``, default 30, ``--quick`` 4), device ms per
+iteration (median), jitted calls per iteration, and the host median over
+the smallest row count's (the issue's target: at most 4x from 16 to 256
+rows, and at most 2 ms per iteration at 256). ``--profile``: cProfile of
+the timed steps at the largest row count, the top host functions.
 """
 
 from __future__ import annotations
@@ -66,7 +89,8 @@ from jaxkv.bench._timing import machine_description, print_json, print_table
 from jaxkv.nn import LlamaConfig, LlamaForCausalLM, SamplingParams
 from jaxkv.serve import Engine
 
-__all__ = ["ServerProcess", "http_main", "http_workload", "main", "poisson_workload", "write_checkpoint"]
+__all__ = ["DeviceTimer", "ServerProcess", "host_overhead_main", "host_overhead_run", "http_main", "http_workload",
+           "main", "parse_extra", "poisson_workload", "write_checkpoint"]
 
 CONFIG = dict(model_type="llama", vocab_size=2048, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
               num_attention_heads=4, num_key_value_heads=2, head_dim=32, rms_norm_eps=1e-6, rope_theta=10000.0,
@@ -159,6 +183,8 @@ def _table(title: str, family: str, model, workload, names, engine_args: dict, r
 def main(args) -> int:
     if getattr(args, "http", False):
         return http_main(args)
+    if getattr(args, "host_overhead", False):
+        return host_overhead_main(args)
     from jaxkv.bench.prefix_families import family_models
 
     num_requests = 8 if args.quick else 64
@@ -492,3 +518,254 @@ def http_main(args) -> int:
                     "ready_seconds_cold": starts[0], "ready_seconds_warm": starts[1] if len(starts) > 1 else None,
                     "http_to_in_process_throughput": http_ratio, "results": payload})
     return 0 if same and lost == 0 else 1
+
+
+# ------------------------------------------------------------------ --host-overhead
+
+#: The modules whose module-level jitted functions :class:`DeviceTimer` times.
+DEVICE_MODULES = ("jaxkv.serve.caches", "jaxkv.serve.paged_cache", "jaxkv.serve.hybrid_cache")
+HOST_ROWS = (16, 64, 256)
+HOST_ROWS_QUICK = (4, 8)
+HOST_ARRIVALS = 2  # prompts arriving before every packed-phase iteration
+HOST_PROMPT = 24  # tokens per prompt
+HOST_CHUNK = 4  # decode_chunk
+HOST_WARMUP = 3  # untimed iterations after the programs compiled
+HOST_MAX_ITERATIONS = 1000  # the most timed iterations a phase may ask for
+
+
+class DeviceTimer:
+    """While entered: every module-level jitted function of
+    :data:`DEVICE_MODULES` is replaced by a wrapper that waits for its
+    results (``block_until_ready``) and adds its wall time to ``seconds``
+    and its name to ``calls``; restored on exit. The engine's calls go
+    through the modules' globals, so they are timed without a change to
+    the engine (its results are the same: only when the host waits moves)."""
+
+    def __init__(self):
+        self.seconds = 0.0  # wall time inside the calls
+        self.cpu_seconds = 0.0  # this thread's CPU time inside them (time.thread_time)
+        self.calls: list[str] = []
+        self._saved: list = []
+
+    @staticmethod
+    def jitted(obj) -> bool:
+        return callable(obj) and hasattr(obj, "lower") and hasattr(obj, "trace")
+
+    def reset(self) -> None:
+        self.seconds, self.cpu_seconds, self.calls = 0.0, 0.0, []
+
+    def __enter__(self) -> "DeviceTimer":
+        import importlib
+        import time
+
+        import jax
+
+        for name in DEVICE_MODULES:
+            module = importlib.import_module(name)
+            for attr, fn in list(vars(module).items()):
+                if not self.jitted(fn):
+                    continue
+
+                def timed(*args, _fn=fn, _attr=attr, **kwargs):
+                    start, cpu = time.perf_counter(), time.thread_time()
+                    try:
+                        return jax.block_until_ready(_fn(*args, **kwargs))
+                    finally:
+                        self.seconds += time.perf_counter() - start
+                        self.cpu_seconds += time.thread_time() - cpu
+                        self.calls.append(_attr)
+
+                self._saved.append((module, attr, fn))
+                setattr(module, attr, timed)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for module, attr, fn in reversed(self._saved):
+            setattr(module, attr, fn)
+        self._saved = []
+
+
+def _host_models(names=None) -> dict:
+    """The bench's families (``names``: the first words of those wanted;
+    None: all): ``name -> (model builder, engine options for a row
+    count and the tokens a request holds)``. The models are :func:`jaxkv.bench.prefix_families.family_models`'
+    tiny Llama and Qwen3-Next, built alone."""
+    from jaxkv.nn import LlamaConfig, LlamaForCausalLM, Qwen3NextForCausalLM
+    from jaxkv.nn.qwen3_next_config import Qwen3NextConfig
+
+    def llama():
+        return LlamaForCausalLM(LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128,
+                                            num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                                            head_dim=32), rngs=nnx.Rngs(0))
+
+    def qwen():
+        return Qwen3NextForCausalLM(Qwen3NextConfig.from_hf(dict(
+            model_type="qwen3_next", vocab_size=512, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+            num_attention_heads=2, num_key_value_heads=1, head_dim=32, linear_key_head_dim=16,
+            linear_value_head_dim=16, linear_num_key_heads=2, linear_num_value_heads=2, moe_intermediate_size=32,
+            shared_expert_intermediate_size=32, num_experts=4, num_experts_per_tok=2,
+            layer_types=["linear_attention", "full_attention"])), rngs=nnx.Rngs(0))
+
+    def paged(rows: int, context: int) -> dict:
+        pages = -(-context // 16)
+        return dict(num_pages=rows * (pages + 1) + 16, page_size=16, max_blocks_per_seq=pages, max_seqs=rows,
+                    decode_chunk=HOST_CHUNK, max_num_batched_tokens=rows * HOST_PROMPT)
+
+    def hybrid(rows: int, context: int) -> dict:
+        return dict(max_model_len=context, max_seqs=rows, decode_chunk=HOST_CHUNK,
+                    max_num_batched_tokens=rows * HOST_PROMPT)
+
+    families = {"llama (paged)": (llama, paged), "qwen3-next (hybrid)": (qwen, hybrid)}
+    return {name: f for name, f in families.items() if names is None or name.split(" ")[0] in names}
+
+
+def _time_steps(engine, timer: DeviceTimer, iterations: int, before_step, profile=None) -> dict:
+    """``iterations`` timed ``engine.step()`` calls (``before_step()`` runs
+    untimed before each): per iteration host seconds (wall - device), host
+    CPU seconds (the thread's CPU time, less its CPU time inside the
+    calls: what other processes on a shared machine do not inflate),
+    device seconds, jitted calls and whether it ran a packed step."""
+    import time
+
+    host, host_cpu, device, calls, packed = [], [], [], [], []
+    for _ in range(iterations):
+        before_step()
+        timer.reset()
+        if profile is not None:
+            profile.enable()
+        start, cpu = time.perf_counter(), time.thread_time()
+        engine.step()
+        wall, cpu = time.perf_counter() - start, time.thread_time() - cpu
+        if profile is not None:
+            profile.disable()
+        host.append(wall - timer.seconds)
+        host_cpu.append(cpu - timer.cpu_seconds)
+        device.append(timer.seconds)
+        calls.append(len(timer.calls))
+        packed.append(any(name.endswith("_packed") for name in timer.calls))
+    return {"host": host, "host_cpu": host_cpu, "device": device, "calls": calls, "packed": packed}
+
+
+def host_overhead_run(model, options, rows: int, iterations: int, rng, timer: DeviceTimer,
+                      profile=None) -> dict:
+    """Both phases (module docstring) at ``rows`` rows on one fresh engine:
+    ``{"decode": figures, "packed": figures}`` (:func:`_time_steps`'s, plus
+    the rows each timed step runs; the packed phase's only from the
+    iterations that ran a packed step). Every row is admitted and prefilled
+    in one packed step (the token budget holds every prompt), the decode
+    phase timed, then two decoders are aborted and the packed phase timed:
+    one engine compiles each program once."""
+    vocab = model.config.vocab_size
+    new = 2 * (HOST_WARMUP + iterations) * HOST_CHUNK + 8  # never finishes while timed
+    engine = Engine(model, **options(rows, HOST_PROMPT + new))
+    decoders = [engine.add_request(rng.integers(3, vocab, HOST_PROMPT).tolist(), new) for _ in range(rows)]
+    while engine._prefilling or engine._waiting:  # admit and prefill them all
+        engine.step()
+    out = {}
+    for phase in ("decode", "packed"):
+        running = []
+
+        def before_step(phase=phase, running=running):
+            held = sum(rid is not None for rid in engine._rows)
+            if phase == "packed":  # prompts arrive as rows free up, at most HOST_ARRIVALS per iteration
+                for _ in range(min(HOST_ARRIVALS, rows - held - len(engine._waiting))):
+                    engine.add_request(rng.integers(3, vocab, HOST_PROMPT).tolist(), 1)
+            running.append(min(rows, held + len(engine._waiting)))  # the rows this step runs
+
+        if phase == "packed":
+            for rid in decoders[-HOST_ARRIVALS:]:
+                engine.abort(rid)
+        _time_steps(engine, timer, HOST_WARMUP, before_step)  # compiles what the phase runs first
+        running.clear()
+        figures = _time_steps(engine, timer, iterations, before_step, profile)
+        figures["running"] = running
+        if phase == "packed":  # only the iterations that ran the packed step
+            keep = [i for i, packed in enumerate(figures["packed"]) if packed]
+            figures = {k: [v[i] for i in keep] for k, v in figures.items()}
+        out[phase] = figures
+    return out
+
+
+def parse_extra(args, rest: list[str]):
+    """``--host-overhead`` and its options (``python -m jaxkv.bench``'s hook)."""
+    import argparse
+
+    p = argparse.ArgumentParser(prog="python -m jaxkv.bench serve")
+    p.add_argument("--host-overhead", action="store_true", help="the scheduler's host ms per iteration "
+                   "(jaxkv.bench.serve.host_overhead_main)")
+    p.add_argument("--rows", help="--host-overhead: comma list of row counts (default 16,64,256; --quick 4,8)")
+    p.add_argument("--iterations", type=int, help="--host-overhead: timed iterations per phase (default 30)")
+    p.add_argument("--families", help="--host-overhead: comma list of llama,qwen3-next (default both)")
+    p.add_argument("--profile", action="store_true", help="--host-overhead: cProfile the largest row count")
+    for name, value in vars(p.parse_args(rest)).items():
+        setattr(args, name, value)
+    return args
+
+
+def host_overhead_main(args) -> int:
+    """``python -m jaxkv.bench serve --host-overhead`` (module docstring)."""
+    profiles: dict = {}
+    rows_list = (tuple(int(r) for r in args.rows.split(",")) if getattr(args, "rows", None)
+                 else HOST_ROWS_QUICK if args.quick else HOST_ROWS)
+    if min(rows_list) <= HOST_ARRIVALS:
+        raise SystemExit(f"--rows: at least {HOST_ARRIVALS + 1} rows (the packed phase decodes rows - "
+                         f"{HOST_ARRIVALS} while {HOST_ARRIVALS} prompts arrive)")
+    iterations = getattr(args, "iterations", None) or (4 if args.quick else 30)
+    if not 1 <= iterations <= HOST_MAX_ITERATIONS:
+        raise SystemExit(f"--iterations: 1 .. {HOST_MAX_ITERATIONS}")
+    wanted = getattr(args, "families", None)
+    families = _host_models(wanted.split(",") if wanted else None)
+    profile_rows = max(rows_list) if getattr(args, "profile", False) else None
+    results = {}
+    with DeviceTimer() as timer:
+        for family, (build, options) in families.items():
+            model = build()
+            for n in rows_list:
+                profile = None
+                if n == profile_rows:
+                    import cProfile
+
+                    profile = profiles[family] = cProfile.Profile()
+                results[family, n] = host_overhead_run(model, options, n, iterations, np.random.default_rng(n),
+                                                       timer, profile)
+    rows, payload = [], []
+    for family in families:
+        for phase in ("decode", "packed"):
+            base = None
+            for n in rows_list:
+                run = results[family, n][phase]
+                host = np.asarray(run["host"]) * 1e3
+                if not host.size:
+                    raise SystemExit(f"{family} {phase} at {n} rows: no iteration ran a packed step")
+                p50, p90 = float(np.median(host)), float(np.percentile(host, 90))
+                cpu = float(np.median(run["host_cpu"])) * 1e3
+                device = float(np.median(run["device"])) * 1e3
+                calls = float(np.mean(run["calls"]))
+                running = float(np.mean(run["running"]))
+                base = p50 if base is None else base
+                rows.append([family, phase, n, f"{running:.0f}", f"{p50:.2f}", f"{p90:.2f}", f"{cpu:.2f}",
+                             f"{device:.1f}", f"{calls:.1f}", f"{p50 / base:.2f}"])
+                payload.append({"family": family, "phase": phase, "rows": n, "running": running,
+                                "iterations": len(host), "host_ms_p50": p50, "host_ms_p90": p90,
+                                "host_cpu_ms_p50": cpu, "device_ms_p50": device,
+                                "device_calls_per_iteration": calls, "host_ratio_to_smallest": p50 / base})
+    machine = machine_description()
+    small, large = min(rows_list), max(rows_list)
+    print_table(f"scheduler host time per iteration (Engine.step wall time - time inside the jitted calls), "
+                f"median and p90 of {iterations} iterations, tiny random models, decode_chunk {HOST_CHUNK} "
+                f"on {machine}", ["family", "phase", "rows", "running", "host ms p50", "host ms p90",
+                                  "host CPU ms p50", "device ms p50", "calls/iter", f"host / at {small}"], rows)
+    print("\nTargets (issue 41): host <= 2 ms per iteration at 256 rows; host at 256 rows <= 4x host at 16.")
+    for r in payload:
+        if r["rows"] == large and large != small:
+            print(f"{r['family']} {r['phase']}: host {r['host_ms_p50']:.2f} ms at {large} rows, "
+                  f"{r['host_ratio_to_smallest']:.2f}x the {small}-row figure")
+    for family, profile in profiles.items():
+        import pstats
+
+        print(f"\ncProfile of {family}'s timed steps (both phases) at {profile_rows} rows, by own time:")
+        pstats.Stats(profile).sort_stats("tottime").print_stats(25)
+    if args.json:
+        print_json({"benchmark": "serve", "mode": "host_overhead", "machine": machine, "rows": list(rows_list),
+                    "iterations": iterations, "results": payload})
+    return 0

@@ -8,12 +8,18 @@ defines:
 * ``groups`` / ``capacity`` / :meth:`free_blocks`: the block groups (one for
   a paged pool; one per kind and ratio for a hybrid cache), how many blocks
   each can hand out and how many are free now (numpy ``[G]`` vectors: the
-  engine adds and compares them group by group);
+  engine adds and compares them group by group). The free counts are
+  mirrored on the host (as is the row status): read with the results of
+  the jitted call that changed them (one transfer), kept until the device
+  state is replaced again, and checked against the device by
+  :meth:`CacheBase.check_host_mirror`;
 * :meth:`blocks_for` ``(num_tokens)``: the blocks a request holding that
   many tokens needs in each group; :meth:`peak_blocks` (the fit rule of
   ``add_request``) and :meth:`growth` (what admission and the running
   requests reserve), which count the same decode steps, a sliding window's
-  trimming included (``window``, :meth:`decode_peak`, :meth:`held_blocks`);
+  trimming included (``window``, :meth:`decode_peak`, :meth:`held_blocks`;
+  and their ``*_many`` forms over arrays of requests, equal row by row,
+  with which the engine reserves for every running request at once);
   and :meth:`oom` to turn a shortfall into a ``KVCacheOOM`` naming the
   short group;
 * :meth:`match` / :meth:`unpin` / :meth:`evict` / :meth:`can_evict`: what a
@@ -25,8 +31,10 @@ defines:
   stream of prompt pieces and decode tokens, :mod:`jaxkv.nn.packed`),
   :meth:`decode` (``decode_chunk`` steps in one jitted loop), :meth:`retire` (insert finished pages into the prefix cache, free
   rows), :meth:`swap_out` / :meth:`swap_in` (``can_swap`` False: the engine
-  preempts by recomputation), :meth:`row_status` (FREE / ON_DEVICE /
-  SWAPPED per row, for the engine's bookkeeping check);
+  preempts by recomputation), :meth:`end_step` (what a packed step
+  deferred: one call at its end), :meth:`row_status` (FREE / ON_DEVICE /
+  SWAPPED per row, for the engine's bookkeeping check; mirrored on the host
+  like the free counts);
 * ``bytes_per_token``: KV bytes one token costs (per-request state apart);
   ``plan``: the :class:`~jaxkv.serve.sizing.CachePlan` the cache was built
   from (:func:`~jaxkv.serve.build.build_paged_cache` / :func:`~jaxkv.serve.build.build_hybrid_cache` apply the one
@@ -59,22 +67,21 @@ from functools import partial
 from typing import Protocol
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
-from jaxkv.errors import InvalidArgument, KVCacheOOM
+from jaxkv.errors import BookkeepingError, InvalidArgument, KVCacheOOM
 from jaxkv.manager.block_space import FREE, ON_DEVICE, STATUS_NAMES, SWAPPED
 from jaxkv.manager.rows import row_of, slot_of
 from jaxkv.nn import sharding
-from jaxkv.nn.packed import PackedLane
+from jaxkv.nn.packed import PackedBatch, PackedLane
 from jaxkv.nn.sampling import RowSampling, sample, split_keys
 from jaxkv.nn.steps import DecodeState, run_decode
 from jaxkv.serve import sizing
 from jaxkv.serve.sizing import CachePlan
 
 __all__ = ["FREE", "ON_DEVICE", "STATUS_NAMES", "SWAPPED", "CacheBase", "DecodeResult", "KVCache", "PackedResult",
-           "PrefillLane", "PrefixHit", "blocks_from_budget", "decode_chunk", "fixed_ids", "remembers_arguments",
-           "row_of", "sample_first", "slot_of"]
+           "PrefillLane", "PrefixHit", "blocks_from_budget", "decode_chunk", "fixed_ids", "pack_stream",
+           "remembers_arguments", "row_of", "sample_first", "slot_of", "unwrap_keys", "wrap_keys"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -152,11 +159,92 @@ class PackedResult:
 
 
 
+@functools.cache
+def _key_codecs():
+    # Jitted (one dispatch, not an eager op's) and made on first use, so they
+    # are host helpers, not a module's jitted steps.
+    return jax.jit(jax.random.wrap_key_data), jax.jit(jax.random.key_data)
+
+
+def wrap_keys(data) -> jax.Array:
+    """``jax.random.wrap_key_data(data)``: typed PRNG keys from key data."""
+    return _key_codecs()[0](data)
+
+
+def unwrap_keys(keys) -> jax.Array:
+    """``jax.random.key_data(keys)``: the key data of typed PRNG keys."""
+    return _key_codecs()[1](keys)
+
+
 def fixed_ids(ids, size: int) -> np.ndarray:
     """``ids`` padded with -1 to ``size`` (one compiled shape per call site)."""
     out = np.full((size,), -1, np.int32)
     out[: len(ids)] = ids
     return out
+
+
+def pack_stream(prefill: list[PackedLane], decode_seq_ids, decode_tokens, decode_positions, *, num_lanes: int,
+                num_tokens: int, num_prefill_lanes: int, max_prefill_len: int) -> PackedBatch:
+    """:func:`jaxkv.nn.packed.pack` of the lanes ``prefill`` followed by one
+    decode lane ``PackedLane(decode_seq_ids[j], [decode_tokens[j]],
+    decode_positions[j])`` per entry of the decode arrays, with ``num_prefill
+    = len(prefill)``: the same batch (same checks, same values), the decode
+    lanes (one per running request) written with array operations instead
+    of a loop. Its arrays are numpy arrays: the jitted step takes them as
+    its arguments (one transfer in its dispatch, not one call per array)."""
+    num_prefill = len(prefill)
+    decode_tokens = np.asarray(decode_tokens, np.int64).reshape(-1)
+    decode_positions = np.asarray(decode_positions, np.int64).reshape(-1)
+    decode_seq_ids = np.asarray(decode_seq_ids, np.int64).reshape(-1)
+    num_decode = decode_tokens.size
+    if not 0 <= num_prefill <= num_prefill_lanes:
+        raise InvalidArgument(f"num_prefill={num_prefill} must be in [0, num_prefill_lanes={num_prefill_lanes}]")
+    if num_prefill + num_decode > num_lanes:
+        raise InvalidArgument(f"{num_prefill + num_decode} lanes for a batch of {num_lanes}")
+    total = sum(len(lane.tokens) for lane in prefill) + num_decode
+    if total > num_tokens:
+        raise InvalidArgument(f"the lanes bring {total} tokens, more than the batch's {num_tokens}")
+    token_ids = np.zeros((num_tokens,), np.int32)
+    positions = np.full((num_tokens,), -1, np.int32)
+    token_lanes = np.zeros((num_tokens,), np.int32)
+    cu = np.zeros((num_lanes + 1,), np.int32)
+    kv_lens = np.zeros((num_lanes,), np.int32)
+    seq_ids = np.full((num_lanes,), -1, np.int32)
+    sample = np.zeros((num_lanes,), bool)
+    at = 0
+    for i, lane in enumerate(prefill):
+        n = len(lane.tokens)
+        bound = max_prefill_len if i < num_prefill_lanes else 1
+        if n > bound:
+            raise InvalidArgument(f"lane {i} brings {n} tokens; lanes of its class take at most {bound} "
+                                  f"({num_prefill_lanes} prefill lanes of {max_prefill_len})")
+        token_ids[at:at + n] = lane.tokens
+        positions[at:at + n] = np.arange(lane.start, lane.start + n)
+        token_lanes[at:at + n] = i
+        kv_lens[i] = lane.start + n
+        seq_ids[i] = lane.seq_id
+        sample[i] = lane.sample and n > 0
+        at += n
+        cu[i + 1] = at
+    if num_decode:
+        bounds = np.where(np.arange(num_prefill, num_prefill + num_decode) < num_prefill_lanes, max_prefill_len, 1)
+        if (bounds < 1).any():  # a decode lane brings one token
+            i = num_prefill + int(np.flatnonzero(bounds < 1)[0])
+            raise InvalidArgument(f"lane {i} brings 1 tokens; lanes of its class take at most {max_prefill_len} "
+                                  f"({num_prefill_lanes} prefill lanes of {max_prefill_len})")
+        lanes = np.arange(num_prefill, num_prefill + num_decode)
+        token_ids[at:at + num_decode] = decode_tokens
+        positions[at:at + num_decode] = decode_positions
+        token_lanes[at:at + num_decode] = lanes
+        kv_lens[lanes] = decode_positions + 1
+        seq_ids[lanes] = decode_seq_ids
+        sample[lanes] = True
+        cu[lanes + 1] = at + np.arange(1, num_decode + 1)
+        at += num_decode
+    cu[num_prefill + num_decode + 1:] = at
+    return PackedBatch(token_ids=token_ids, positions=positions, token_lanes=token_lanes, cu_q_lens=cu,
+                       kv_lens=kv_lens, seq_ids=seq_ids, sample=sample, num_prefill=np.asarray(num_prefill, np.int32),
+                       num_prefill_lanes=int(num_prefill_lanes), max_prefill_len=int(max_prefill_len))
 
 
 
@@ -207,6 +295,70 @@ class CacheBase:
     window: int | None = None  # every layer's sliding window, when decode trims blocks out of it
     #: Zero every block (and reset every state row) in the jitted call that frees it (:mod:`jaxkv.pool.scrub`).
     scrub: bool = False
+
+    # ------------------------------------------------------------ host mirror
+    # The device bookkeeping (``manager``) is replaced, never changed in place,
+    # by every call that changes it. Assigning it drops the host's copy of its
+    # free counts and row status; the calls that change it read them again in
+    # the same transfer as their results (``_host_leaves``, ``_mirror``), and
+    # ``free_blocks`` / ``row_status`` read the device only when the last
+    # change did not (e.g. a swap). So the scheduler's questions between two
+    # device calls cost no device read.
+
+    @property
+    def manager(self):
+        return self._manager
+
+    @manager.setter
+    def manager(self, value) -> None:
+        self._manager = value
+        self._host = self._host_tables = None
+
+    def _host_leaves(self, manager) -> tuple:
+        """The device arrays of ``manager`` the host mirrors, to read with a
+        call's results: ``(free blocks per group [scalars], the row status's
+        source)``."""
+        raise NotImplementedError
+
+    def _mirror(self, leaves) -> None:
+        """Mirror :meth:`_host_leaves` of the ``manager`` just assigned, as
+        read on the host (with a call's results)."""
+        free, status = leaves
+        self._host = (np.asarray(free, np.int64).reshape(-1), np.asarray(status))
+
+    def _host_view(self) -> tuple:
+        if self.__dict__.get("_host") is None:
+            self._mirror(jax.device_get(self._host_leaves(self._manager)))
+        return self._host
+
+    def free_blocks(self) -> np.ndarray:
+        """Free blocks per group now (the host's mirror)."""
+        return self._host_view()[0].copy()
+
+    def row_status(self) -> np.ndarray:
+        """FREE / ON_DEVICE / SWAPPED per sequence row (the host's mirror)."""
+        return self._status_from(self._host_view()[1])
+
+    def _status_from(self, source: np.ndarray) -> np.ndarray:
+        """The row status from its source array (:meth:`_host_leaves`)."""
+        raise NotImplementedError
+
+    def check_host_mirror(self) -> None:
+        """``BookkeepingError`` (with the numbers) when the host's mirror of
+        the free counts or the row status disagrees with the device (a
+        debug check: :meth:`~jaxkv.serve.Engine.check_bookkeeping` calls
+        it)."""
+        mirror = self.__dict__.get("_host")
+        if mirror is None:
+            return
+        free, status = jax.device_get(self._host_leaves(self._manager))
+        free, status = np.asarray(free, np.int64).reshape(-1), np.asarray(status)
+        if not np.array_equal(mirror[0], free):
+            raise BookkeepingError(f"the host's free-block counts {mirror[0].tolist()} disagree with the device's "
+                                   f"{free.tolist()} (groups {list(self.groups)})")
+        if not np.array_equal(mirror[1], status):
+            raise BookkeepingError(f"the host's row status {self._status_from(mirror[1]).tolist()} disagrees with the "
+                                   f"device's {self._status_from(status).tolist()}")
 
     def place_on(self, mesh) -> None:
         """Put the device state on ``mesh`` (:mod:`jaxkv.nn.sharding`: heads
@@ -304,13 +456,39 @@ class CacheBase:
         ``blocks_for(num_tokens + steps) - held``."""
         return np.maximum(self.blocks_for(num_tokens + steps) - held, 0)
 
+    # The same arithmetic over many requests at once (``num_tokens`` and
+    # ``steps``: int arrays ``[n]``; ``held`` and ``shared``: ``[n, G]``;
+    # results ``[n, G]``), equal row by row to the methods above: the
+    # engine's reserve over every running request costs array operations,
+    # not a call per request.
+
+    def blocks_for_many(self, num_tokens: np.ndarray) -> np.ndarray:
+        """:meth:`blocks_for` of each entry of ``num_tokens``."""
+        out = np.zeros((len(num_tokens), len(self.groups)), np.int64)
+        for i, n in enumerate(np.asarray(num_tokens).tolist()):
+            out[i] = self.blocks_for(n)
+        return out
+
+    def held_blocks_many(self, num_tokens: np.ndarray) -> np.ndarray:
+        """:meth:`held_blocks` of each entry of ``num_tokens``."""
+        return self.blocks_for_many(num_tokens)
+
+    def decode_peak_many(self, first: np.ndarray, last: np.ndarray) -> np.ndarray:
+        """:meth:`decode_peak` of each pair ``(first[i], last[i])``."""
+        return np.where((np.asarray(last) > np.asarray(first))[:, None], self.blocks_for_many(last), 0)
+
+    def growth_many(self, num_tokens: np.ndarray, steps: np.ndarray, held: np.ndarray,
+                    shared: np.ndarray) -> np.ndarray:
+        """:meth:`growth` of each request."""
+        return np.maximum(self.blocks_for_many(np.asarray(num_tokens) + np.asarray(steps)) - held, 0)
+
     def _keys(self, key_data: list) -> jax.Array:
         """Typed keys ``[max_seqs]`` from per-lane key data (idle lanes: zeros)."""
         data = np.zeros((self.max_seqs, *self._key_shape), np.uint32)
-        for lane, k in enumerate(key_data):
-            if k is not None:
-                data[lane] = k
-        return jax.random.wrap_key_data(jnp.asarray(data))
+        lanes = [lane for lane, k in enumerate(key_data) if k is not None]
+        if lanes:
+            data[lanes] = np.array([key_data[lane] for lane in lanes], np.uint32)
+        return wrap_keys(data)
 
     _key_shape = jax.random.key_data(jax.random.key(0)).shape
 
@@ -365,17 +543,33 @@ class CacheBase:
         decode rows in order."""
         lanes = [PackedLane(self._seq_id(lane.row), lane.tokens[start:end], start, end == len(lane.tokens))
                  for lane, (start, end) in prefill]
-        lanes += [PackedLane(self._seq_id(row), [token], position) for row, token, position in decode]
-        result = self._packed_call(graphdef, params, lanes, len(prefill), sampling, self._keys(key_data), num_tokens)
+        rows, tokens, positions = np.asarray(decode, np.int64).reshape(-1, 3).T
+        result = self._packed_call(graphdef, params, lanes, (self._seq_ids(rows), tokens, positions), sampling,
+                                   self._keys(key_data), num_tokens, want_tables=self._wants_tables(prefill))
         self._after_prefill([lane for lane, _ in prefill], [start for _, (start, _) in prefill],
-                            [end - start for _, (start, end) in prefill])
+                            [end - start for _, (start, end) in prefill], defer=True)
         return result
 
-    def _after_prefill(self, lanes: list[PrefillLane], starts, num_new) -> None:
-        """Host bookkeeping after prefill pieces ran (a hybrid cache's snapshots)."""
+    def _after_prefill(self, lanes: list[PrefillLane], starts, num_new, defer: bool = False) -> None:
+        """Host bookkeeping after prefill pieces ran (a hybrid cache's
+        snapshots; ``defer``: device work may wait for :meth:`end_step`)."""
+
+    def end_step(self) -> None:
+        """Device work a packed step deferred (:meth:`_after_prefill`) and
+        its retirement did not do; the scheduler calls it at the end of
+        every packed step."""
+
+    def _wants_tables(self, prefill: list[tuple[PrefillLane, tuple[int, int]]]) -> bool:
+        """Whether :meth:`_after_prefill` will read the block tables after
+        these pieces ran (then the packed call reads them with its results)."""
+        return False
 
     def _seq_id(self, row: int) -> int:
         return row
+
+    def _seq_ids(self, rows: np.ndarray) -> np.ndarray:
+        """:meth:`_seq_id` of each of ``rows`` (int array)."""
+        return rows
 
     def decode(self, graphdef, params, last, active, num_generated, max_new, eos_id, sampling: RowSampling,
                key_data: list, num_steps: int) -> DecodeResult:
@@ -385,9 +579,10 @@ class CacheBase:
         state = decode_chunk(graphdef, params, manager, pool, last, active, num_generated, max_new, eos_id,
                              sampling, self._keys(key_data), num_steps=num_steps, scrub=self.scrub)
         self._decode_done(state.manager, state.pool)
-        out, count, finished, ok, blocked, peak, keys = jax.device_get(
+        out, count, finished, ok, blocked, peak, keys, host = jax.device_get(
             (state.tokens, state.written, state.finished, state.ok, state.blocked, state.peak_used,
-             jax.random.key_data(state.keys)))
+             unwrap_keys(state.keys), self._host_leaves(self.manager)))
+        self._mirror(host)
         return DecodeResult(out, count, finished, np.asarray(keys), bool(ok), blocked, int(peak))
 
     def oom(self, need: np.ndarray, detail: str) -> KVCacheOOM:
@@ -450,10 +645,15 @@ class KVCache(Protocol):
     pool: object  # a paged pool's KV pages (None for a hybrid cache, whose manager holds them)
 
     def free_blocks(self) -> np.ndarray: ...
+    def check_host_mirror(self) -> None: ...
     def blocks_for(self, num_tokens: int) -> np.ndarray: ...
     def peak_blocks(self, prompt_len: int, total: int) -> np.ndarray: ...
     def held_blocks(self, num_tokens: int) -> np.ndarray: ...
     def growth(self, num_tokens: int, steps: int, held: np.ndarray, shared: np.ndarray) -> np.ndarray: ...
+    def blocks_for_many(self, num_tokens: np.ndarray) -> np.ndarray: ...
+    def held_blocks_many(self, num_tokens: np.ndarray) -> np.ndarray: ...
+    def growth_many(self, num_tokens: np.ndarray, steps: np.ndarray, held: np.ndarray,
+                    shared: np.ndarray) -> np.ndarray: ...
     def blocks_in_use(self) -> int: ...
     def limits(self) -> str: ...
     def oom(self, need: np.ndarray, detail: str) -> KVCacheOOM: ...
@@ -471,6 +671,7 @@ class KVCache(Protocol):
     def decode(self, graphdef, params, last, active, num_generated, max_new, eos_id, sampling: RowSampling,
                key_data: list, num_steps: int) -> DecodeResult: ...
     def retire(self, finished: list) -> None: ...
+    def end_step(self) -> None: ...
     def swap_out(self, row: int) -> bool: ...
     def swap_in(self, row: int) -> bool: ...
     def free_swapped(self, row: int) -> None: ...

@@ -19,14 +19,15 @@ from jaxkv.manager import hybrid_host
 from jaxkv.manager.block_space import FREE, ON_DEVICE, SWAPPED
 from jaxkv.manager.hybrid import KVCacheManager
 from jaxkv.manager.hybrid_swap import RequestImages, release_blocks_scrubbed, release_scrubbed, reset_rows
-from jaxkv.nn.packed import PackedBatch, pack
+from jaxkv.nn.packed import PackedBatch
 from jaxkv.nn.sampling import RowSampling
 from jaxkv.nn.steps import hybrid_packed_step, hybrid_prefill_chunk
 from jaxkv.prefix.snapshot_cache import BlockOps, SnapshotCache
 from jaxkv.prefix.snapshot_host import SnapshotHostTier
 from jaxkv.prefix.snapshot_points import SnapshotPoints
 from jaxkv.serve.caches import (CacheBase, DecodeResult, PackedResult, PrefillLane, PrefixHit, fixed_ids,
-                                remembers_arguments, row_of, sample_first, slot_of)
+                                pack_stream, remembers_arguments, row_of, sample_first, slot_of,
+                                unwrap_keys)
 from jaxkv.serve import sizing
 from jaxkv.serve.sizing import CachePlan
 
@@ -198,8 +199,8 @@ class HybridCache(CacheBase):
 
     # ---------------------------------------------------------------- blocks
 
-    def free_blocks(self) -> np.ndarray:
-        return np.asarray(jax.device_get([g.allocator.num_free for g in self.manager.groups.values()]), np.int64)
+    def _host_leaves(self, manager) -> tuple:
+        return [g.allocator.num_free for g in manager.groups.values()], manager.slots.ref_counts
 
     def blocks_for(self, num_tokens: int) -> np.ndarray:
         """Blocks a request of ``num_tokens`` holds per group (a compressed
@@ -207,8 +208,15 @@ class HybridCache(CacheBase):
         return np.asarray([ceil_div(num_tokens // per_entry, per_block) for per_entry, per_block in self._per_block],
                           np.int64)
 
+    def blocks_for_many(self, num_tokens: np.ndarray) -> np.ndarray:
+        num_tokens = np.asarray(num_tokens, np.int64)
+        out = np.zeros((num_tokens.size, len(self._per_block)), np.int64)
+        for g, (per_entry, per_block) in enumerate(self._per_block):
+            out[:, g] = ceil_div(num_tokens // per_entry, per_block)
+        return out
+
     def blocks_in_use(self) -> int:
-        return int(self.manager.blocks_in_use)
+        return int((self.capacity - self.free_blocks()).sum())  # the manager's blocks_in_use
 
     def limits(self) -> str:
         return (f"max_model_len={self.max_context_tokens} tokens per request (max_context_tokens="
@@ -395,6 +403,8 @@ class HybridCache(CacheBase):
         width = pow2_at_least(max(len(ids) for ids in blocks.values()))
         padded = {name: fixed_ids(ids, width) for name, ids in blocks.items()}
         self.manager, ok = fn(self.manager, padded, *extra)
+        ok, host = jax.device_get((ok, self._host_leaves(self.manager)))
+        self._mirror(host)
         if not bool(ok):
             raise BookkeepingError(f"{what} was refused: {blocks}")
 
@@ -454,6 +464,8 @@ class HybridCache(CacheBase):
         lengths = np.zeros((self.max_seqs,), np.int32)
         lengths[: len(lanes)] = [len(lane.tokens) for lane in lanes]
         self.manager, ok = _preallocate_hybrid(self.manager, fixed_ids(want, self.max_seqs), lengths)
+        ok, host = jax.device_get((ok, self._host_leaves(self.manager)))
+        self._mirror(host)
         if not bool(ok):
             need = sum(self.blocks_for(len(lane.tokens)) for lane in lanes)
             raise BookkeepingError(f"engine admission failed: rows {[lane.row for lane in lanes]} need "
@@ -495,14 +507,14 @@ class HybridCache(CacheBase):
         slots = np.where(num_new > 0, slots, -1).astype(np.int32)
         self.manager, sampled, new_keys, ok, used = _hybrid_prefill(graphdef, params, self.manager, slots, tokens,
                                                                     num_new, sampling, keys)
-        sampled, ok, used, new_keys = jax.device_get((sampled, ok, used, jax.random.key_data(new_keys)))
+        sampled, ok, used, new_keys = jax.device_get((sampled, ok, used, unwrap_keys(new_keys)))
         if not ok:  # every prompt's blocks were taken at admission
             raise BookkeepingError(f"engine prefill refused rows {[lane.row for lane in lanes]} (pieces "
                                    f"{list(zip(starts[: len(lanes)].tolist(), num_new[: len(lanes)].tolist()))})")
         self._after_prefill(lanes, starts, num_new)
         return sampled, np.asarray(new_keys), int(used)
 
-    def _after_prefill(self, lanes, starts, num_new) -> None:
+    def _after_prefill(self, lanes, starts, num_new, defer: bool = False) -> None:
         """Snapshot the rows whose piece ended on a cut, or an interval past
         their last snapshot (before a later piece moves their state on)."""
         items = []
@@ -518,27 +530,33 @@ class HybridCache(CacheBase):
     def _seq_id(self, row: int) -> int:
         return slot_of(row)
 
-    def _packed_call(self, graphdef, params, lanes, num_prefill, sampling, keys, num_tokens):
+    def _seq_ids(self, rows: np.ndarray) -> np.ndarray:
+        return np.where(rows >= 0, rows + 1, -1)  # slot_of
+
+    def _packed_call(self, graphdef, params, prefill, decode, sampling, keys, num_tokens, *, want_tables=False):
         # Gated DeltaNet views the prefill lanes as [P, width] (width: the stream's bucket), so P is a power of
         # two; a model without such layers never looks at P, which then stays fixed (one program per bucket).
+        num_prefill = len(prefill)
         rows = (min(pow2_at_least(max(num_prefill, 1)), self.max_seqs) if self.manager.gdn is not None
                 else self.max_seqs)
-        batch = pack(lanes, num_lanes=self.max_seqs, num_tokens=num_tokens, num_prefill_lanes=rows,
-                     max_prefill_len=num_tokens, num_prefill=num_prefill)
+        batch = pack_stream(prefill, *decode, num_lanes=self.max_seqs, num_tokens=num_tokens, num_prefill_lanes=rows,
+                            max_prefill_len=num_tokens)
         self.manager, tokens, keys, prefill_ok, ok, used = _hybrid_packed(graphdef, params, self.manager, batch,
                                                                           sampling, keys)
-        tokens, keys, prefill_ok, ok, used = jax.device_get((tokens, jax.random.key_data(keys), prefill_ok, ok,
-                                                             used))
+        tokens, keys, prefill_ok, ok, used, host = jax.device_get(
+            (tokens, unwrap_keys(keys), prefill_ok, ok, used, self._host_leaves(self.manager)))
+        self._mirror(host)
         if not prefill_ok:  # every prompt's blocks were taken at admission
-            raise BookkeepingError(f"engine packed prefill refused slots {[lane.seq_id for lane in lanes[:num_prefill]]}"
-                                   f" (pieces {[(lane.start, len(lane.tokens)) for lane in lanes[:num_prefill]]})")
+            raise BookkeepingError(f"engine packed prefill refused slots {[lane.seq_id for lane in prefill]}"
+                                   f" (pieces {[(lane.start, len(lane.tokens)) for lane in prefill]})")
+        num_decode = len(decode[0])
         if ok:
-            for lane in lanes[num_prefill:]:  # each decode lane grew by its token
-                self.points.grew(row_of(lane.seq_id), 1)
+            for slot in decode[0].tolist():  # each decode lane grew by its token
+                self.points.grew(row_of(slot), 1)
         # The reserve is all or nothing and does not say which row was short.
         blocked = np.zeros((self.max_seqs,), bool)
         if not ok:
-            blocked[num_prefill:len(lanes)] = True
+            blocked[num_prefill:num_prefill + num_decode] = True
         return PackedResult(tokens, np.asarray(keys), bool(ok), blocked, int(used))
 
     def _decode_view(self):
@@ -551,8 +569,9 @@ class HybridCache(CacheBase):
                num_steps) -> DecodeResult:
         result = super().decode(graphdef, params, last, active, num_generated, max_new, eos_id, sampling, key_data,
                                 num_steps)
-        for row in np.flatnonzero(active):  # each token written is one step
-            self.points.grew(row, int(result.count[row]))
+        count = result.count.tolist()
+        for row in np.flatnonzero(active).tolist():  # each token written is one step
+            self.points.grew(row, count[row])
         return result
 
     def retire(self, finished: list) -> None:
@@ -565,6 +584,8 @@ class HybridCache(CacheBase):
                      if len(tokens) > (hit.tokens if hit is not None else 0)])
         rows = [row for row, *_ in finished]
         self.manager, ok = self._release(fixed_ids([slot_of(r) for r in rows], self.max_seqs))
+        ok, host = jax.device_get((ok, self._host_leaves(self.manager)))
+        self._mirror(host)
         if not bool(ok):
             raise BookkeepingError(f"engine bookkeeping failed: releasing rows {rows} (slots "
                                    f"{[slot_of(r) for r in rows]}) was refused")
@@ -602,9 +623,11 @@ class HybridCache(CacheBase):
             raise BookkeepingError(f"freeing swapped-out row {row} (slot {slot_of(row)}) was refused")
         self.points.clear(row)
 
-    def row_status(self) -> np.ndarray:
-        slots = jnp.asarray([slot_of(row) for row in range(self.max_seqs)])
-        held = np.asarray(jax.device_get(self.manager.slots.ref_count(slots))) > 0
+    def _status_from(self, counts: np.ndarray) -> np.ndarray:
+        """From the slot allocator's reference counts (``slots.ref_count``'s
+        rule on the host) and the swapped-out rows' images."""
+        slots = np.arange(1, self.max_seqs + 1)  # slot_of each row
+        held = np.where(slots < counts.size, counts[np.minimum(slots, counts.size - 1)], 0) > 0
         swapped = np.isin(np.arange(self.max_seqs), [row_of(slot) for slot in self.images.slots()])
         return np.where(held, np.where(swapped, SWAPPED, ON_DEVICE), FREE)
 

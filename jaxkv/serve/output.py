@@ -263,6 +263,8 @@ class OutputProcessor:
         complete; returns whether the request is finished (its
         ``finish_reason`` set). ``device_done``: the device stopped the row
         (EOS or length), which the same checks find."""
+        if req.detok is None:  # no text: the first stop id, or max_new_tokens (the loop below, without text)
+            return self._take_ids(req, tokens, now, device_done)
         taken, reason, cut = [], None, None
         longest = max(map(len, req.stop), default=0)
         for token in tokens:
@@ -307,6 +309,55 @@ class OutputProcessor:
             entry = self.pending.setdefault(req.id, [[], "", False])
             entry[0] += taken
             entry[1] += text
+        if reason is not None:
+            req.finish_reason = reason
+        return reason is not None
+
+    def take_all(self, items, now: float) -> list:
+        """For each ``(req, tokens, device_done, key)`` of ``items``, in
+        order: ``req.key = key`` (its key data advanced by the call), then
+        :meth:`take` (one call per step, not per request). Returns the
+        requests it finished, in order."""
+        finished = []
+        take_ids, take = self._take_ids, self.take
+        for req, tokens, device_done, key in items:
+            req.key = key
+            if (take_ids if req.detok is None else take)(req, tokens, now, device_done):
+                finished.append(req)
+        return finished
+
+    def _take_ids(self, req: Request, tokens: list, now: float, device_done: bool) -> bool:
+        """:meth:`take` for a request without a detokenizer (no text, no
+        stop strings): the same tokens, reason and records, in one pass."""
+        reason, room, stop_ids = None, req.max_new - len(req.generated), req.stop_ids
+        taken = tokens
+        for i, token in enumerate(tokens):
+            if token in stop_ids:
+                reason = "stop"
+            elif i + 1 >= room:
+                reason = "length"
+            else:
+                continue
+            taken = tokens[: i + 1]
+            break
+        if reason is None and device_done:  # the checks above find what the device found; this only guards it
+            reason = "length" if len(req.generated) + len(taken) >= req.max_new else "stop"
+        req.generated += taken
+        count = len(taken)
+        if count and req.first_token_at is not None:  # record_tokens' common case, inline
+            self.counters.generated += count
+            gaps = [(now - req.last_token_at) / count] * count
+            req.gaps += gaps
+            self.itl_samples.extend(gaps)
+            req.last_token_at = now
+        else:
+            self.record_tokens(req, count, now)
+        if taken:  # a row a stalled decode gave nothing has nothing to say
+            entry = self.pending.get(req.id)
+            if entry is None:
+                self.pending[req.id] = [list(taken), "", False]
+            else:
+                entry[0] += taken
         if reason is not None:
             req.finish_reason = reason
         return reason is not None

@@ -23,6 +23,7 @@ pages the prefix cache evicts. Invariants:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import time
 from functools import partial
@@ -35,7 +36,7 @@ from jaxkv._ops import ceil_div, pow2_at_least
 from jaxkv.alloc.block import BlockAllocator
 from jaxkv.errors import BookkeepingError, CacheLocked, InvalidArgument, KVCacheOOM
 from jaxkv.manager.block_space import BlockSpaceManager
-from jaxkv.nn.packed import PackedBatch, pack
+from jaxkv.nn.packed import PackedBatch
 from jaxkv.nn.sampling import RowSampling
 from jaxkv.nn.steps import paged_decode_peak, paged_packed_step, paged_row_blocks, paged_window, prefill_chunk
 from jaxkv.pool import host as host_swap
@@ -44,8 +45,8 @@ from jaxkv.pool.scrub import freed_blocks, scrub_kv_pool
 from jaxkv.prefix import PrefixCacheManager, PrefixCacheStats
 from jaxkv.prefix.radix import HOST
 from jaxkv.serve import sizing
-from jaxkv.serve.caches import (CacheBase, PackedResult, PrefillLane, PrefixHit, fixed_ids,
-                                remembers_arguments, sample_first)
+from jaxkv.serve.caches import (CacheBase, PackedResult, PrefillLane, PrefixHit, fixed_ids, pack_stream,
+                                remembers_arguments, sample_first, unwrap_keys)
 from jaxkv.serve.sizing import CachePlan, GroupPlan
 
 __all__ = ["HostTierRate", "PagedCache", "PagedPrefixStats", "host_tier_rate"]
@@ -136,9 +137,16 @@ class HostTierRate:
 # go through the manager's swap_*_or_raise). They get the manager with this
 # placeholder host allocator, so engines that differ only in ``num_host_pages``
 # share compiled programs; the real host allocator is put back afterwards. A
-# fresh placeholder each call: the manager is donated.
+# fresh placeholder each call: the manager is donated. (Made by one jitted call:
+# the same arrays as an eager ``BlockAllocator.create(2)``, without a dispatch
+# per array op on the host path of every step.)
+@functools.cache
+def _placeholder_host():
+    return jax.jit(lambda: BlockAllocator.create(2))
+
+
 def _device_view(manager: BlockSpaceManager) -> BlockSpaceManager:
-    return manager.replace(host=BlockAllocator.create(2))
+    return manager.replace(host=_placeholder_host()())
 
 
 # ------------------------------------------------------------ shared prefill loop
@@ -192,6 +200,7 @@ class PagedCache(CacheBase):
         self.unit = page_size
         self.hit_grain = page_size  # hits are whole pages
         self._insert_at: list[set] = [set() for _ in range(max_seqs)]  # per row: prefixes others wait for
+        self._pending_incref: list = []  # the tree's references to pages a packed step inserted (end_step)
         self.groups = ("pages",)
         self.capacity = np.asarray([self.manager.device.capacity], np.int64)
         leaves = jax.tree.leaves(self.pool)
@@ -226,11 +235,41 @@ class PagedCache(CacheBase):
 
     # ---------------------------------------------------------------- blocks
 
-    def free_blocks(self) -> np.ndarray:
-        return np.asarray([int(self.manager.device.num_free)], np.int64)
+    def _host_leaves(self, manager) -> tuple:
+        return [manager.device.num_free], manager.status
+
+    def _status_from(self, source: np.ndarray) -> np.ndarray:
+        return source.copy()
 
     def blocks_for(self, num_tokens: int) -> np.ndarray:
         return np.asarray([ceil_div(num_tokens, self.page_size)], np.int64)
+
+    def blocks_for_many(self, num_tokens: np.ndarray) -> np.ndarray:
+        return ceil_div(np.asarray(num_tokens, np.int64), self.page_size)[:, None]
+
+    def held_blocks_many(self, num_tokens: np.ndarray) -> np.ndarray:
+        """:func:`jaxkv.nn.steps.paged_row_blocks` of each entry."""
+        num_tokens = np.asarray(num_tokens, np.int64)
+        held = ceil_div(num_tokens, self.page_size)
+        if self.window is None:
+            return held[:, None]
+        trimmed = np.maximum(num_tokens - self.window, 0) // self.page_size
+        return np.where(num_tokens < 1, held, held - trimmed)[:, None]
+
+    def decode_peak_many(self, first: np.ndarray, last: np.ndarray) -> np.ndarray:
+        first, last = np.asarray(first, np.int64), np.asarray(last, np.int64)
+        if self.window is None:
+            return np.where(last > first, ceil_div(last, self.page_size), 0)[:, None]
+        return np.asarray([paged_decode_peak(f, l, self.page_size, self.window)  # (a window: rarely many rows)
+                           for f, l in zip(first.tolist(), last.tolist())], np.int64).reshape(-1, 1)
+
+    def growth_many(self, num_tokens: np.ndarray, steps: np.ndarray, held: np.ndarray,
+                    shared: np.ndarray) -> np.ndarray:
+        if self.window is None:
+            return super().growth_many(num_tokens, steps, held, shared)
+        num_tokens = np.asarray(num_tokens, np.int64)
+        peak = self.decode_peak_many(num_tokens, num_tokens + np.asarray(steps, np.int64))
+        return np.maximum(peak - np.maximum(held - shared, 0), 0)
 
     def decode_peak(self, first: int, last: int) -> np.ndarray:
         """With a window on every layer a step holds only the blocks of the
@@ -253,10 +292,10 @@ class PagedCache(CacheBase):
 
     def first_blocks(self) -> np.ndarray:
         """Each row's first table entry (-1: none, or trimmed out of the window)."""
-        return np.asarray(jax.device_get(self.manager.block_tables[:, 0]))
+        return self._block_tables()[:, 0].copy()
 
     def blocks_in_use(self) -> int:
-        return int(self.manager.device.num_used)
+        return int(self.capacity[0] - self.free_blocks()[0])  # the allocator's num_used
 
     def limits(self) -> str:
         return (f"max_model_len={self.max_context_tokens} tokens per request (max_blocks_per_seq="
@@ -413,17 +452,19 @@ class PagedCache(CacheBase):
         self._insert_at[row].add(position)
         return False
 
-    def _after_prefill(self, lanes: list[PrefillLane], starts, num_new) -> None:
+    def _after_prefill(self, lanes: list[PrefillLane], starts, num_new, defer: bool = False) -> None:
         """Insert the prompt pages of rows whose piece passed a point another
         request waits for, or ended the prompt (requests arriving while
         this one decodes hit them), in one device call. Not for a pool
-        whose every layer is windowed."""
+        whose every layer is windowed. ``defer`` (a packed step): the
+        tree's references to the new pages are taken by the step's next
+        device call that changes references (its retirement's, or
+        :meth:`end_step`'s), unless blocks are released now too."""
         waiting = [(lane, int(starts[i]) + int(num_new[i])) for i, lane in enumerate(lanes) if num_new[i]]
-        waiting = [(lane, end) for lane, end in waiting
-                   if end >= len(lane.tokens) or any(end >= p for p in self._insert_at[lane.row])]
+        waiting = [(lane, end) for lane, end in waiting if self._inserts_at(lane, end)]
         if not waiting or self.prefix_cache.disable or self.window is not None:
             return  # a windowed pool caches at retire only: decode trims a prefix out of the row
-        tables = np.asarray(jax.device_get(self.manager.block_tables))
+        tables = self._block_tables()
         incref = []
         for lane, end in waiting:
             self._insert_at[lane.row] = {p for p in self._insert_at[lane.row] if p > end}
@@ -432,8 +473,34 @@ class PagedCache(CacheBase):
                 incref += self.prefix_cache.insert(lane.tokens[: pages * self.page_size],
                                                    tables[lane.row, :pages].tolist(), lane.namespace).new_blocks
         release = self._trim(lane.namespace for lane, _ in waiting)
-        if incref or release:
+        if defer and not release:
+            self._pending_incref += incref
+        elif incref or release:
             self.update(incref=incref, release=release)
+
+    def end_step(self) -> None:
+        """Take the references :meth:`_after_prefill` deferred, if the
+        step's retirement did not (one call, as before the deferral)."""
+        if self._pending_incref:
+            self.update()
+
+    def _inserts_at(self, lane: PrefillLane, end: int) -> bool:
+        """Whether a piece of ``lane`` ending at ``end`` inserts its pages
+        (:meth:`_after_prefill`): it ends the prompt or passes a point
+        another request waits for."""
+        return end >= len(lane.tokens) or any(end >= p for p in self._insert_at[lane.row])
+
+    def _wants_tables(self, prefill) -> bool:
+        if self.prefix_cache.disable or self.window is not None:
+            return False
+        return any(end > start and self._inserts_at(lane, end) for lane, (start, end) in prefill)
+
+    def _block_tables(self) -> np.ndarray:
+        """The block tables on the host: read once per change of the
+        manager (or with the packed call's results, :meth:`_wants_tables`)."""
+        if self.__dict__.get("_host_tables") is None:
+            self._host_tables = np.asarray(jax.device_get(self.manager.block_tables))
+        return self._host_tables
 
     # ---------------------------------------------------------------- steps
 
@@ -441,6 +508,7 @@ class PagedCache(CacheBase):
         """``admit_with_prefix``: each row's cached blocks (one more owner
         each; host-tier pages of its hit loaded first) then fresh blocks for
         the rest of its prompt."""
+        self.end_step()  # (nothing deferred outside a packed step; kept exact anyway)
         batch = self.max_seqs
         rows = fixed_ids([lane.row for lane in lanes], batch)
         prefix = np.full((batch, self.max_blocks_per_seq), -1, np.int32)
@@ -451,6 +519,8 @@ class PagedCache(CacheBase):
         host = self.manager.host
         manager, ok = _admit_paged(_device_view(self.manager), rows, prefix, lengths)
         self.manager = manager.replace(host=host)
+        ok, host = jax.device_get((ok, self._host_leaves(manager)))
+        self._mirror(host)
         if not bool(ok):  # the engine checked rows and blocks: this is a bug, not memory pressure
             raise BookkeepingError(
                 f"engine admission failed: rows {[lane.row for lane in lanes]} with "
@@ -462,19 +532,24 @@ class PagedCache(CacheBase):
         rows = np.where(num_new > 0, fixed_ids([lane.row for lane in lanes], self.max_seqs), -1).astype(np.int32)
         self.pool, sampled, new_keys = _paged_prefill(graphdef, params, _device_view(self.manager), self.pool, rows,
                                                       starts, num_new, tokens, sampling, keys)
-        sampled, new_keys = jax.device_get((sampled, jax.random.key_data(new_keys)))
+        sampled, new_keys = jax.device_get((sampled, unwrap_keys(new_keys)))
         self._after_prefill(lanes, starts, num_new)
         return sampled, np.asarray(new_keys), self.blocks_in_use()
 
-    def _packed_call(self, graphdef, params, lanes, num_prefill, sampling, keys, num_tokens):
-        batch = pack(lanes, num_lanes=self.max_seqs, num_tokens=num_tokens, num_prefill_lanes=self.max_seqs,
-                     max_prefill_len=num_tokens, num_prefill=num_prefill)  # fixed classes: one program per bucket
+    def _packed_call(self, graphdef, params, prefill, decode, sampling, keys, num_tokens, *, want_tables=False):
+        batch = pack_stream(prefill, *decode, num_lanes=self.max_seqs, num_tokens=num_tokens,
+                            num_prefill_lanes=self.max_seqs, max_prefill_len=num_tokens)  # one program per bucket
         host = self.manager.host
         manager, self.pool, tokens, keys, ok, blocked, used = _paged_packed(
             graphdef, params, _device_view(self.manager), self.pool, batch, sampling, keys, window=self.window,
             scrub=self.scrub)
         self.manager = manager.replace(host=host)
-        tokens, keys, ok, blocked, used = jax.device_get((tokens, jax.random.key_data(keys), ok, blocked, used))
+        tokens, keys, ok, blocked, used, host, tables = jax.device_get(
+            (tokens, unwrap_keys(keys), ok, blocked, used, self._host_leaves(manager),
+             manager.block_tables if want_tables else None))
+        self._mirror(host)
+        if want_tables:
+            self._host_tables = np.asarray(tables)
         return PackedResult(tokens, np.asarray(keys), bool(ok), blocked, int(used))
 
     def _decode_view(self):
@@ -490,7 +565,7 @@ class PagedCache(CacheBase):
         (the tree increfs the pages it keeps), free the rows, unpin."""
         if not finished:
             return
-        tables = np.asarray(jax.device_get(self.manager.block_tables))
+        tables = self._block_tables()
         incref = []
         for row, tokens, namespace, _ in finished:
             full_pages = len(tokens) // self.page_size
@@ -507,7 +582,10 @@ class PagedCache(CacheBase):
     def update(self, *, incref=(), rows=(), release=()) -> None:
         """One jitted call: incref ``incref``, free sequence ``rows``, release
         ``release``; fixed-size id arrays so it compiles once."""
+        # References deferred by this step's prefill (_after_prefill) first: the tree holds those pages already.
+        incref, self._pending_incref = self._pending_incref + list(incref), []
         host = self.manager.host
+        tables = None if len(rows) else self.__dict__.get("_host_tables")  # no row freed: the tables stay as they are
         ids = (fixed_ids(incref, self.max_seqs * self.max_blocks_per_seq), fixed_ids(rows, self.max_seqs),
                fixed_ids(release, int(self.capacity[0]) + 1))
         if self.scrub:
@@ -515,6 +593,10 @@ class PagedCache(CacheBase):
         else:
             manager, ok = _retire_paged(_device_view(self.manager), *ids)
         self.manager = manager.replace(host=host)
+        ok, host = jax.device_get((ok, self._host_leaves(manager)))
+        self._mirror(host)
+        if bool(ok) and tables is not None:
+            self._host_tables = tables
         if not bool(ok):
             raise BookkeepingError(
                 f"engine bookkeeping failed: incref {len(incref)} blocks {list(incref)[:8]}, "
@@ -522,6 +604,7 @@ class PagedCache(CacheBase):
                 f"({int(self.free_blocks()[0])} of {int(self.capacity[0])} blocks free)")
 
     def swap_out(self, row: int) -> bool:
+        self.end_step()  # (nothing deferred outside a packed step; kept exact anyway)
         before = self.manager.device
         try:
             self.manager, self.host_pool = self.manager.swap_out_or_raise(self.pool, self.host_pool, [row])
@@ -533,11 +616,13 @@ class PagedCache(CacheBase):
 
     def free_swapped(self, row: int) -> None:
         """Free a swapped-out row and its host blocks (an aborted request)."""
+        self.end_step()  # (nothing deferred outside a packed step; kept exact anyway)
         before = self.manager.host
         self.manager = self.manager.free_or_raise([row])
         self._clear_swap_pages(before)
 
     def swap_in(self, row: int) -> bool:
+        self.end_step()  # (nothing deferred outside a packed step; kept exact anyway)
         before = self.manager.host
         try:
             self.manager, self.pool = self.manager.swap_in_or_raise(self.pool, self.host_pool, [row])
@@ -552,9 +637,6 @@ class PagedCache(CacheBase):
         if self.scrub:
             freed = np.flatnonzero(np.asarray(jax.device_get(freed_blocks(before, self.manager.host, null=False))))
             self.host_pool = host_swap.clear_host_pages(self.host_pool, freed)
-
-    def row_status(self) -> np.ndarray:
-        return np.asarray(jax.device_get(self.manager.status))
 
 
 # ------------------------------------------------------------ hybrid cache

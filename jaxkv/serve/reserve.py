@@ -17,7 +17,7 @@ import numpy as np
 from jaxkv.serve.caches import PrefixHit
 from jaxkv.serve.request import Request
 
-__all__ = ["admission_blocks", "growth", "make_room", "no_hit", "readmittable", "steps_ahead"]
+__all__ = ["admission_blocks", "growth", "growth_total", "make_room", "no_hit", "readmittable", "steps_ahead"]
 
 
 def steps_ahead(cache, req: Request, decode_chunk: int) -> int:
@@ -42,6 +42,30 @@ def growth(cache, req: Request, decode_chunk: int) -> np.ndarray:
     # Decoding: the fewest blocks it can hold at kv_len (a row not trimmed
     # yet holds more, so this over-reserves by at most the trim).
     return cache.growth(req.kv_len, steps, cache.held_blocks(req.kv_len), req.shared)
+
+
+def growth_total(cache, reqs: list, decode_chunk: int) -> np.ndarray:
+    """The sum of :func:`growth` over ``reqs`` (RUNNING requests), computed
+    with array operations over them (the cache's ``*_many`` arithmetic,
+    equal row by row to its per-request methods): the running requests'
+    reserve costs the host a pass over their records, not a call per
+    request and group."""
+    groups = len(cache.groups)
+    if not reqs:
+        return np.zeros(groups, np.int64)
+    n = len(reqs)
+    columns = np.asarray([(len(r.prompt), len(r.generated), r.max_new, bool(r.pieces) or not r.generated)
+                          for r in reqs], np.int64).reshape(n, 4)
+    prompt, generated, max_new, prefilling = columns.T
+    prefilling = prefilling.astype(bool)
+    shared = np.asarray([r.shared for r in reqs], np.int64).reshape(n, groups)
+    left = np.maximum(max_new - generated, 0)
+    steps = left if cache.window is not None else np.minimum(decode_chunk, left)  # steps_ahead
+    tokens = prompt + generated
+    # Still prefilling: its whole prompt's blocks, untrimmed; decoding: the fewest blocks it holds at kv_len.
+    num = np.where(prefilling, tokens, tokens - 1)
+    held = np.where(prefilling[:, None], cache.blocks_for_many(num), cache.held_blocks_many(num))
+    return cache.growth_many(num, steps, held, shared).sum(axis=0).astype(np.int64)
 
 
 def admission_blocks(cache, req: Request, hit, decode_chunk: int) -> np.ndarray:

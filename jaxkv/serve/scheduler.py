@@ -103,10 +103,10 @@ from jaxkv.serve.caches import FREE, ON_DEVICE, STATUS_NAMES, SWAPPED, PrefillLa
 from jaxkv.serve.faults import MAX_REQUEST_FAULTS, FaultContainment, sampling_row
 from jaxkv.serve.output import OutputProcessor
 from jaxkv.serve.request import Request, RequestState
-from jaxkv.serve.reserve import admission_blocks, growth, make_room, no_hit, readmittable
+from jaxkv.serve.reserve import admission_blocks, growth, growth_total, make_room, no_hit, readmittable
 
-__all__ = ["MAX_REQUEST_FAULTS", "Scheduler", "WAIT_FOR_PREFIX_TOKENS", "check_rows", "row_sampling", "sampling_row",
-           "stream_buckets", "stream_length", "stream_lengths"]
+__all__ = ["MAX_REQUEST_FAULTS", "Scheduler", "WAIT_FOR_PREFIX_TOKENS", "cached_sampling_row", "check_rows",
+           "row_sampling", "sampling_row", "stream_buckets", "stream_length", "stream_lengths"]
 
 logger = logging.getLogger("jaxkv.serve")
 
@@ -172,9 +172,56 @@ def row_sampling(max_seqs: int, rows: dict, reqs_by_lane: dict) -> RowSampling:
     temperature = np.zeros((max_seqs,), np.float32)
     top_k = np.zeros((max_seqs,), np.int32)
     top_p = np.ones((max_seqs,), np.float32)
-    for lane, req in reqs_by_lane.items():
-        temperature[lane], top_k[lane], top_p[lane] = rows[req.id]
+    if reqs_by_lane:
+        lanes = np.fromiter(reqs_by_lane, np.int64, len(reqs_by_lane))
+        values = [rows[req.id] for req in reqs_by_lane.values()]
+        temperature[lanes] = [v[0] for v in values]
+        top_k[lanes] = [v[1] for v in values]
+        top_p[lanes] = [v[2] for v in values]
     return RowSampling(temperature, top_k, top_p)
+
+
+#: ``sampling_row``'s results by sampling parameters (``SamplingParams`` is
+#: frozen: the same object converts the same way), so a running request's
+#: row is not converted again every iteration: ``id -> (params, row)``, the
+#: object kept so that its id stays its own; bounded (cleared when full).
+_SAMPLING_ROWS: dict = {}
+_SAMPLING_ROWS_MAX = 4096
+
+
+def cached_sampling_row(req: Request) -> tuple:
+    """:func:`sampling_row` of ``req``, remembered per sampling-parameters
+    object (a conversion that raises is never remembered: it raises again)."""
+    params = req.sampling
+    entry = _SAMPLING_ROWS.get(id(params))
+    if entry is not None and entry[0] is params:
+        return entry[1]
+    row = sampling_row(req)
+    if len(_SAMPLING_ROWS) >= _SAMPLING_ROWS_MAX:
+        _SAMPLING_ROWS.clear()
+    _SAMPLING_ROWS[id(params)] = (params, row)
+    return row
+
+
+_WANT_STATUS = {RequestState.RUNNING: ON_DEVICE, RequestState.SWAPPED: SWAPPED}
+
+
+def _rows_agree(requests: dict, rows: list, swapped: list, status: np.ndarray) -> bool:
+    """Whether :func:`check_rows` finds nothing (one pass over the rows:
+    the common case, every iteration); False sends it to find what."""
+    status = np.asarray(status).tolist()
+    if len(status) != len(rows):
+        return False
+    for row, rid in enumerate(rows):
+        if rid is None:
+            if status[row] != FREE:
+                return False
+            continue
+        req = requests.get(rid)
+        if req is None or req.row != row or _WANT_STATUS.get(req.state) != status[row]:
+            return False
+    return all(rid in requests and 0 <= requests[rid].row < len(rows) and rows[requests[rid].row] == rid
+               for rid in swapped)
 
 
 def check_rows(requests: dict, rows: list, swapped: list, status: np.ndarray) -> None:
@@ -183,6 +230,8 @@ def check_rows(requests: dict, rows: list, swapped: list, status: np.ndarray) ->
     request must own its row in the row map and the row must be
     ON_DEVICE; a SWAPPED one likewise with the row SWAPPED; the row map
     names no request that is neither. ``status``: the cache's row status."""
+    if _rows_agree(requests, rows, swapped, status):
+        return
     # Every request holding a row is in the row map or the swapped list
     # (the second loop checks the map's side), so this stays O(max_seqs)
     # however many requests the engine has served.
@@ -243,6 +292,10 @@ class Scheduler(FaultContainment):
         self._hit_blocks = np.zeros(len(cache.groups), np.int64)
         self._peak = 0
         self.last_failure: BaseException | None = None  # (FaultContainment)
+
+    #: ``req``'s sampling row (:func:`cached_sampling_row`: converted once per distinct parameters; an
+    #: attribute, so a test can inject a fault here, as :class:`FaultContainment` says).
+    _sampling_row = staticmethod(cached_sampling_row)
 
     def _configure_cache(self) -> None:
         """Apply the engine's options to a new or rebuilt ``self.cache``
@@ -334,12 +387,11 @@ class Scheduler(FaultContainment):
         their next decode chunk (a windowed model's: until they finish) when
         admitting or resuming, so that a request is not brought in only to
         force an immediate preemption (swap in / swap out thrash)."""
-        # The row map, not every request ever added: O(max_seqs) per call.
-        reserve = np.zeros(len(self.cache.groups), np.int64)
-        for rid in self._rows:
-            if rid is not None and self._requests[rid].state is RequestState.RUNNING:
-                reserve += growth(self.cache, self._requests[rid], self.decode_chunk)
-        return reserve
+        # The row map, not every request ever added; array operations over
+        # the running requests, not a call per request (growth_total).
+        running = [req for req in (self._requests[rid] for rid in self._rows if rid is not None)
+                   if req.state is RequestState.RUNNING]
+        return growth_total(self.cache, running, self.decode_chunk)
 
     def _blocks_wanted(self) -> np.ndarray:
         for rid in self._swapped:
@@ -349,9 +401,16 @@ class Scheduler(FaultContainment):
         return np.zeros(len(self.cache.groups), np.int64)
 
     def check_bookkeeping(self) -> None:
-        """:func:`check_rows` of the records against the cache's row status
-        (``BookkeepingError`` with the numbers); called before every device
-        call that decodes."""
+        """:func:`check_rows` of the records against the cache's row status,
+        and the cache's host mirror of its free blocks and row status
+        against the device (:meth:`~jaxkv.serve.caches.CacheBase.check_host_mirror`):
+        ``BookkeepingError`` with the numbers. Every device call that
+        decodes is preceded by the first check (:meth:`_check_rows`, on the
+        row status the cache's last device call read with its results)."""
+        self.cache.check_host_mirror()
+        self._check_rows()
+
+    def _check_rows(self) -> None:
         check_rows(self._requests, self._rows, self._swapped, self.cache.row_status())
 
     def _resume_swapped(self) -> int:
@@ -378,10 +437,12 @@ class Scheduler(FaultContainment):
     def _admit(self) -> int:
         """Admit and prefill arrived requests in order while rows and blocks
         allow; returns how many."""
+        if not self._waiting or self._requests[self._waiting[0]].arrival > self._step or None not in self._rows:
+            return 0  # nobody arrived, or no row is free: nothing below would run
         free_rows = [row for row in range(self.max_seqs) if self._rows[row] is None]
         admitted = []  # PrefillLane per admitted request, in lane order
         reserved = np.zeros(len(self.cache.groups), np.int64)  # blocks the batch will take, growth included
-        running = self._growth_reserve()  # the requests admitted before this batch
+        running = None  # the requests admitted before this batch: their reserve, taken before the first admission
         deferred = []  # waiting requests that wait for a prefix being prefilled, in order
         while self._waiting and free_rows:
             req = self._requests[self._waiting[0]]
@@ -393,6 +454,8 @@ class Scheduler(FaultContainment):
                 self.cache.unpin(hit)
                 deferred.append(self._waiting.popleft())
                 continue
+            if running is None:
+                running = self._growth_reserve()
             want = admission_blocks(self.cache, req, hit, self.decode_chunk)
             if not make_room(self.cache, reserved + want + running):
                 self.cache.unpin(hit)
@@ -523,9 +586,9 @@ class Scheduler(FaultContainment):
         oldest admission first, while the budget lasts (a piece longer than
         what is left is cut; at least one prompt token runs). A request
         whose last piece ran gets its first token, a decoding one its next."""
-        self.check_bookkeeping()
-        decoding = [(row, self._requests[rid]) for row, rid in enumerate(self._rows)
-                    if rid is not None and self._decoding(self._requests[rid])]
+        self._check_rows()
+        decoding = [(row, req) for row, req in ((row, self._requests[rid]) for row, rid in enumerate(self._rows)
+                                                if rid is not None) if self._decoding(req)]
         rows = self._screen([req for _, req in decoding] + self._prefilling)
         decoding = [(row, req) for row, req in decoding if req.id in rows]
         if not self._prefilling:  # every prompt left failed its screening: the next iteration decodes
@@ -555,19 +618,19 @@ class Scheduler(FaultContainment):
         self._update_peak(result.peak)
         self._count_call(length, total if result.decode_ok else total - len(decoding))
         finished = []
+        tokens = result.tokens.tolist()
         for lane, (req, _) in enumerate(batch):
             if req.pieces:
                 continue
             self._prefilling.remove(req)
             req.key = result.keys[lane]
-            if self.output.take(req, [int(result.tokens[lane])], now):
+            if self.output.take(req, [tokens[lane]], now):
                 finished.append(req)
         if result.decode_ok:
-            for lane, (_, req) in enumerate(decoding, start=len(batch)):
-                req.key = result.keys[lane]
-                if self.output.take(req, [int(result.tokens[lane])], now):
-                    finished.append(req)
+            finished += self.output.take_all([(req, [tokens[lane]], False, result.keys[lane])
+                                              for lane, (_, req) in enumerate(decoding, start=len(batch))], now)
         self._retire(finished, final=True)
+        self.cache.end_step()  # what the step deferred and its retirement did not do
         self._release_trimmed_hits(req for _, req in decoding if req.state is RequestState.RUNNING)
         if not result.decode_ok:
             logger.debug("packed step: decode lanes stalled for blocks")
@@ -580,39 +643,42 @@ class Scheduler(FaultContainment):
         return req.state is RequestState.RUNNING and not req.pieces
 
     def _decode(self) -> None:
-        running = {row: self._requests[rid] for row, rid in enumerate(self._rows)
-                   if rid is not None and self._decoding(self._requests[rid])}
+        requests, state = self._requests, RequestState.RUNNING
+        running = {row: req for row, req in ((row, requests[rid]) for row, rid in enumerate(self._rows)
+                                             if rid is not None) if req.state is state and not req.pieces}
         if not running:
             return
-        self.check_bookkeeping()
+        self._check_rows()
         rows = self._screen(running.values())
-        running = {row: req for row, req in running.items() if req.id in rows}
+        if len(rows) < len(running):
+            running = {row: req for row, req in running.items() if req.id in rows}
         if not running:
             return
         batch = self.max_seqs
+        index = np.fromiter(running, np.int64, len(running))
+        reqs = list(running.values())
         last = np.zeros((batch,), np.int32)
         active = np.zeros((batch,), bool)
         num_generated = np.zeros((batch,), np.int32)
         max_new = np.zeros((batch,), np.int32)
         eos = np.full((batch,), -1, np.int32)
         keys = [None] * batch
+        last[index] = [req.generated[-1] for req in reqs]
+        active[index] = True
+        num_generated[index] = [len(req.generated) for req in reqs]
+        max_new[index] = [req.max_new for req in reqs]
+        eos[index] = [req.eos_id for req in reqs]
         for row, req in running.items():
-            last[row] = req.generated[-1]
-            active[row] = True
-            num_generated[row] = len(req.generated)
-            max_new[row] = req.max_new
-            eos[row] = req.eos_id
             keys[row] = req.key
         result = self.cache.decode(self.graphdef, self.params, last, active, num_generated, max_new, eos,
                                    row_sampling(self.max_seqs, rows, running), keys, self.decode_chunk)
         now = time.perf_counter()
         self._update_peak(result.peak)
         self._count_call(self.max_seqs * int(result.count.max(initial=0)), int(result.count.sum()))
-        finished = []
-        for row, req in running.items():
-            req.key = result.keys[row]
-            if self.output.take(req, result.tokens[row, : result.count[row]].tolist(), now, bool(result.finished[row])):
-                finished.append(req)
+        tokens, counts, done = result.tokens.tolist(), result.count.tolist(), result.finished.tolist()
+        keys = result.keys
+        finished = self.output.take_all([(req, tokens[row][: counts[row]], done[row], keys[row])
+                                         for row, req in running.items()], now)
         self._retire(finished, final=True)
         self._release_trimmed_hits(req for req in running.values() if req.state is RequestState.RUNNING)
         if not result.ok:
