@@ -52,7 +52,7 @@ from jaxtyping import Array, Bool, Int
 
 from jaxkv.errors import InvalidArgument
 
-__all__ = ["CACHE_KINDS", "PackedBatch", "PackedLane", "cache_kind", "pack", "packed_logits"]
+__all__ = ["CACHE_KINDS", "PackedBatch", "PackedLane", "cache_kind", "host_arrays", "pack", "packed_logits", "write_lanes"]
 
 
 #: What a model keeps its cache in: ``"paged"`` (a :class:`~jaxkv.KVPool`
@@ -182,13 +182,30 @@ def pack(lanes: Sequence[PackedLane], *, num_lanes: int, num_tokens: int, num_pr
     total = sum(len(lane.tokens) for lane in lanes)
     if total > num_tokens:
         raise InvalidArgument(f"the lanes bring {total} tokens, more than the batch's {num_tokens}")
-    token_ids = np.zeros((num_tokens,), np.int32)
-    positions = np.full((num_tokens,), -1, np.int32)
-    token_lanes = np.zeros((num_tokens,), np.int32)
-    cu = np.zeros((num_lanes + 1,), np.int32)
-    kv_lens = np.zeros((num_lanes,), np.int32)
-    seq_ids = np.full((num_lanes,), -1, np.int32)
-    sample = np.zeros((num_lanes,), bool)
+    arrays = host_arrays(num_lanes, num_tokens)
+    token_ids, positions, token_lanes, cu, kv_lens, seq_ids, sample = arrays
+    at = write_lanes(lanes, arrays, num_prefill_lanes=num_prefill_lanes, max_prefill_len=max_prefill_len)
+    cu[len(lanes) + 1:] = at
+    return PackedBatch(token_ids=jnp.asarray(token_ids), positions=jnp.asarray(positions),
+                       token_lanes=jnp.asarray(token_lanes), cu_q_lens=jnp.asarray(cu), kv_lens=jnp.asarray(kv_lens),
+                       seq_ids=jnp.asarray(seq_ids), sample=jnp.asarray(sample),
+                       num_prefill=jnp.asarray(num_prefill, jnp.int32), num_prefill_lanes=int(num_prefill_lanes), max_prefill_len=int(max_prefill_len))
+
+
+def host_arrays(num_lanes: int, num_tokens: int) -> tuple[np.ndarray, ...]:
+    """A packed batch's arrays, empty, on the host: ``(token_ids,
+    positions, token_lanes, cu_q_lens, kv_lens, seq_ids, sample)``."""
+    return (np.zeros((num_tokens,), np.int32), np.full((num_tokens,), -1, np.int32),
+            np.zeros((num_tokens,), np.int32), np.zeros((num_lanes + 1,), np.int32), np.zeros((num_lanes,), np.int32),
+            np.full((num_lanes,), -1, np.int32), np.zeros((num_lanes,), bool))
+
+
+def write_lanes(lanes: Sequence[PackedLane], arrays: tuple, *, num_prefill_lanes: int, max_prefill_len: int) -> int:
+    """Write ``lanes`` as lanes ``0..`` of the :func:`host_arrays`
+    ``arrays`` (``InvalidArgument`` for a lane over its class's bound: the
+    first ``num_prefill_lanes`` take up to ``max_prefill_len`` tokens, the
+    others one). Returns the tokens written."""
+    token_ids, positions, token_lanes, cu, kv_lens, seq_ids, sample = arrays
     at = 0
     for i, lane in enumerate(lanes):
         n = len(lane.tokens)
@@ -204,11 +221,7 @@ def pack(lanes: Sequence[PackedLane], *, num_lanes: int, num_tokens: int, num_pr
         sample[i] = lane.sample and n > 0
         at += n
         cu[i + 1] = at
-    cu[len(lanes) + 1:] = at
-    return PackedBatch(token_ids=jnp.asarray(token_ids), positions=jnp.asarray(positions),
-                       token_lanes=jnp.asarray(token_lanes), cu_q_lens=jnp.asarray(cu), kv_lens=jnp.asarray(kv_lens),
-                       seq_ids=jnp.asarray(seq_ids), sample=jnp.asarray(sample),
-                       num_prefill=jnp.asarray(num_prefill, jnp.int32), num_prefill_lanes=int(num_prefill_lanes), max_prefill_len=int(max_prefill_len))
+    return at
 
 
 def packed_logits(model, batch: PackedBatch, pool, x):

@@ -73,7 +73,7 @@ from jaxkv.errors import BookkeepingError, InvalidArgument, KVCacheOOM
 from jaxkv.manager.block_space import FREE, ON_DEVICE, STATUS_NAMES, SWAPPED
 from jaxkv.manager.rows import row_of, slot_of
 from jaxkv.nn import sharding
-from jaxkv.nn.packed import PackedBatch, PackedLane
+from jaxkv.nn.packed import PackedBatch, PackedLane, host_arrays, write_lanes
 from jaxkv.nn.sampling import RowSampling, sample, split_keys
 from jaxkv.nn.steps import DecodeState, run_decode
 from jaxkv.serve import sizing
@@ -204,28 +204,9 @@ def pack_stream(prefill: list[PackedLane], decode_seq_ids, decode_tokens, decode
     total = sum(len(lane.tokens) for lane in prefill) + num_decode
     if total > num_tokens:
         raise InvalidArgument(f"the lanes bring {total} tokens, more than the batch's {num_tokens}")
-    token_ids = np.zeros((num_tokens,), np.int32)
-    positions = np.full((num_tokens,), -1, np.int32)
-    token_lanes = np.zeros((num_tokens,), np.int32)
-    cu = np.zeros((num_lanes + 1,), np.int32)
-    kv_lens = np.zeros((num_lanes,), np.int32)
-    seq_ids = np.full((num_lanes,), -1, np.int32)
-    sample = np.zeros((num_lanes,), bool)
-    at = 0
-    for i, lane in enumerate(prefill):
-        n = len(lane.tokens)
-        bound = max_prefill_len if i < num_prefill_lanes else 1
-        if n > bound:
-            raise InvalidArgument(f"lane {i} brings {n} tokens; lanes of its class take at most {bound} "
-                                  f"({num_prefill_lanes} prefill lanes of {max_prefill_len})")
-        token_ids[at:at + n] = lane.tokens
-        positions[at:at + n] = np.arange(lane.start, lane.start + n)
-        token_lanes[at:at + n] = i
-        kv_lens[i] = lane.start + n
-        seq_ids[i] = lane.seq_id
-        sample[i] = lane.sample and n > 0
-        at += n
-        cu[i + 1] = at
+    arrays = host_arrays(num_lanes, num_tokens)
+    token_ids, positions, token_lanes, cu, kv_lens, seq_ids, sample = arrays
+    at = write_lanes(prefill, arrays, num_prefill_lanes=num_prefill_lanes, max_prefill_len=max_prefill_len)
     if num_decode:
         bounds = np.where(np.arange(num_prefill, num_prefill + num_decode) < num_prefill_lanes, max_prefill_len, 1)
         if (bounds < 1).any():  # a decode lane brings one token
