@@ -32,12 +32,15 @@ from kernels_pallas.gather import (
     gather_swa_kv,
     gather_swa_kv_reference,
 )
+from kernels_pallas._gpu import H100, building_for  # the H100 target, for compiling without a GPU
 from kernels_pallas.errors import KernelArgumentError
 from kernels_pallas.paged_attention import paged_attention
 from kernels_pallas.ragged_attention import ragged_paged_attention, ragged_paged_attention_reference
 from kernels_pallas.reference import dense_decode_attention, paged_decode_attention
 
 __all__ = [
+    "H100",
+    "building_for",
     "DSV32_FP8",
     "DSV4_FP8",
     "CompressedEntries",

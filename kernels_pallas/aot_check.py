@@ -70,7 +70,7 @@ def cuda_available() -> bool:
     return _gpu.cuda_plugin_available()
 
 
-def _target_config(spec: _gpu.GpuSpec) -> str:
+def target_config(spec: _gpu.GpuSpec) -> str:
     major, minor = spec.compute_capability
     return f"""
 gpu_device_info {{
@@ -105,7 +105,7 @@ def topology_device(target: str):
     """A compile-only device of the ``target`` GPU (no GPU needed)."""
     from jax.experimental import topologies
 
-    topology = topologies.get_topology_desc(platform="cuda", target_config=_target_config(TARGETS[target]),
+    topology = topologies.get_topology_desc(platform="cuda", target_config=target_config(TARGETS[target]),
                                             topology="1x1x1")
     return topology.devices[0]
 

@@ -19,10 +19,10 @@ import pytest
 
 GB = 10**9
 
-#: Llama-3.1-8B's programs copy the whole pool today: BlockSpaceManager.append_slots passes the pool through two
-#: predicated ``jax.lax.cond``s (the block take and its copy-on-write), and XLA:GPU copies a conditional's
-#: operand that one branch updates in place (``copy`` of ``pool.k_bits`` and ``pool.v_bits`` in both branches,
-#: then back into the donated output). An index ``lax.switch`` is not copied.
+#: The known defect (docs/gpu.md, issue 41): BlockSpaceManager.append_slots passes the pool through two
+#: predicated ``jax.lax.cond``s (the block take and its copy-on-write), and XLA:GPU copies the pool in both
+#: branches of each and back into the donated output; an index ``jax.lax.switch`` of the same branches is not
+#: copied. Until it is fixed, the Llama test expects exactly that defect (any other fails it).
 APPEND_SLOTS_COPIES = ("XLA:GPU copies the KV pool through the predicated lax.cond of "
                        "BlockSpaceManager.append_slots (docs/gpu.md, issue 41)")
 
@@ -47,20 +47,19 @@ def _sane(setup, results) -> None:
         assert r.output_bytes >= r.cache_bytes and r.alias_bytes >= 0.9 * r.cache_bytes, (r.program, r.alias_bytes)
 
 
-def test_aot_llama_programs_take_and_return_the_pool():
+def test_aot_llama_programs_update_the_pool_in_place():
     setup, results = _results("Llama-3.1-8B")
     assert setup.kind == "paged" and setup.max_seqs == 256 and setup.max_num_batched_tokens == 8192
     assert 40 * GB < setup.cache_bytes < 64 * GB  # the pool fills the H100 beside 16 GB of weights
     assert [r.program for r in results] == ["packed[16]", "packed[8192]", "decode chunk x16"]
     _sane(setup, results)
-
-
-@pytest.mark.xfail(strict=True, reason=APPEND_SLOTS_COPIES)
-def test_aot_llama_programs_hold_no_copy_of_the_pool():
-    setup, results = _results("Llama-3.1-8B")
+    defects = [r for r in results if r.verdict != "ok"]
+    if defects and all(r.verdict == "POOL-SIZED TEMP" and all(line.startswith("copy ") for line in r.cache_buffers)
+                       and any("block_space.py" in line for line in r.cache_buffers) for r in defects):
+        pytest.xfail(APPEND_SLOTS_COPIES)
     for r in results:
         assert r.temp_bytes < 0.5 * r.cache_bytes, (r.program, r.temp_bytes / GB, r.cache_buffers or r.largest)
-        assert r.verdict == "ok", (r.program, r.verdict)
+        assert r.verdict == "ok" and r.peak_bytes < 80 * GB, (r.program, r.verdict, r.peak_bytes / GB)
 
 
 def test_aot_hybrid_decode_chunk_updates_its_cache_in_place():

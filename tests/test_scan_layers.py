@@ -73,7 +73,7 @@ def _same_model(scanned, unrolled, rng, tmp_path):
     a, b = scanned.hf_state_dict(), unrolled.hf_state_dict()
     assert a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)
     tokens = jnp.asarray(rng.integers(0, scanned.config.vocab_size, (2, 19)))
-    np.testing.assert_allclose(scanned.forward_dense(tokens), unrolled.forward_dense(tokens), rtol=2e-5, atol=2e-5)
+    np.testing.assert_allclose(scanned.forward_dense(tokens), unrolled.forward_dense(tokens), rtol=1e-4, atol=1e-4)
     prompts = [rng.integers(1, scanned.config.vocab_size, int(rng.integers(3, 30))).tolist() for _ in range(2)]
     assert generate(scanned, prompts, 6).tokens == generate(unrolled, prompts, 6).tokens
     scanned.save_pretrained(tmp_path)

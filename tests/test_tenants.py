@@ -95,7 +95,9 @@ def test_paged_scrub_leaves_no_byte_of_finished_requests(llama, scrub):
     counts = np.asarray(jax.device_get(engine.cache.manager.device.ref_counts))
     free = {int(b) for b in np.flatnonzero(counts == 0)}
     dirty_free = sorted(free & set(_nonzero_pages(engine.cache.pool)) - {0})
-    assert dirty_free == [] if scrub else dirty_free
+    # (No control here: whether some page was freed while the cache held others depends on the drawn
+    # prompts; the control is after the eviction below, where every page has been freed.)
+    assert not scrub or dirty_free == []
     engine.cache.evict(engine.cache.capacity)  # the tree lets every page go
     assert engine.cache.blocks_in_use() == 0
     left = _nonzero_pages(engine.cache.pool)

@@ -171,7 +171,7 @@ def _devices(tp: int) -> list:
     if tp == 1:
         return [aot_check.topology_device("h100")]
     topology = topologies.get_topology_desc(platform="cuda", topology=f"1x1x{tp}",
-                                            target_config=aot_check._target_config(aot_check.TARGETS["h100"]))
+                                            target_config=aot_check.target_config(aot_check.TARGETS["h100"]))
     return list(topology.devices)
 
 
@@ -247,7 +247,13 @@ def build(spec: ModelSpec) -> Setup:
         mesh_name = f"tp={spec.tp} H100"
     graphdef, state = nnx.split(model)
     if mesh is not None:
-        _, specs = sharding._param_specs(model, mesh, "tp", "expert")  # noqa: SLF001  shard_model's own specs
+        def names(path):  # module names of a state path, as shard_model reads them
+            keys = (str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path)
+            return tuple(n for n in keys if n != "value")
+
+        specs = jax.tree_util.tree_map_with_path(
+            lambda path, leaf: sharding.param_spec(names(path), tuple(leaf.shape), mesh, tp_axis="tp",
+                                                   expert_axis="expert"), state)
         params_sharding = jax.tree.map(lambda s: NamedSharding(mesh, s), specs, is_leaf=lambda x: isinstance(x, P))
     params = _placed(state, params_sharding)
     weights = _device_bytes(params)
@@ -355,8 +361,8 @@ def programs(setup: Setup, which=None, *, prefill: bool = False) -> list[tuple[s
     ``"packed:N"``, ``"packed:first"``, ``"packed:last"``, ``"decode"``,
     ``"prefill"``."""
     from jaxkv.serve.caches import decode_chunk
-    from jaxkv.serve.hybrid_cache import _hybrid_packed, _hybrid_prefill
-    from jaxkv.serve.paged_cache import _paged_packed, _paged_prefill
+    from jaxkv.serve.hybrid_cache import jitted_packed as _hybrid_packed, jitted_prefill as _hybrid_prefill
+    from jaxkv.serve.paged_cache import jitted_packed as _paged_packed, jitted_prefill as _paged_prefill
 
     buckets = setup.buckets
     if which is None:
@@ -568,14 +574,14 @@ def big_buffers(hlo: str, min_bytes: int) -> list[Buffer]:
 
 def compile_program(setup: Setup, label: str, fn, args: tuple, kwargs: dict) -> Result:
     """Trace, lower and compile one program for H100 (:mod:`kernels_pallas`
-    shaped for it: :func:`kernels_pallas._gpu.building_for`) and read its
+    shaped for it: :func:`kernels_pallas.building_for`) and read its
     memory analysis; a failure is reported in the result."""
-    from kernels_pallas import _gpu
+    from kernels_pallas import H100, building_for
 
     started = time.perf_counter()
     result = Result(setup.spec.name, setup.mesh_name, label, 0.0, 0, 0, 0, 0, setup.cache_bytes)
     try:
-        with _gpu.building_for(_gpu.H100):
+        with building_for(H100):
             lowered = fn.trace(*args, **kwargs).lower(lowering_platforms=("cuda",))
         compiled = lowered.compile()
     except Exception as e:  # noqa: BLE001  the error is the report
@@ -697,8 +703,11 @@ def main(args=None) -> int:
         if setup.spec.name not in setups:
             setups[setup.spec.name] = _describe(setup)
             print(setups[setup.spec.name], flush=True)
-        print(f"  {result.program}: {result.seconds:.1f} s, temp {result.temp_bytes / GB:.3g} GB, "
-              f"{result.verdict}" + (f" ({result.error})" if result.error else ""), flush=True)
+        figures = ", ".join(f"{name} {value / GB:.3g}" for name, value in (
+            ("argument", result.argument_bytes), ("output", result.output_bytes), ("temp", result.temp_bytes),
+            ("alias", result.alias_bytes), ("cache", result.cache_bytes), ("peak", result.peak_bytes)))
+        print(f"  {result.program}: {result.seconds:.1f} s; GB {figures}; {result.verdict}"
+              + (f" ({result.error})" if result.error else ""), flush=True)
         for line in _explained(result):
             print(f"    {line}", flush=True)
 

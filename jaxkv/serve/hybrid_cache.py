@@ -31,7 +31,7 @@ from jaxkv.serve.caches import (CacheBase, DecodeResult, PackedResult, PrefillLa
 from jaxkv.serve import sizing
 from jaxkv.serve.sizing import CachePlan
 
-__all__ = ["HybridCache"]
+__all__ = ["HybridCache", "jitted_packed", "jitted_prefill"]
 
 logger = logging.getLogger("jaxkv.serve")
 
@@ -631,3 +631,7 @@ class HybridCache(CacheBase):
         swapped = np.isin(np.arange(self.max_seqs), [row_of(slot) for slot in self.images.slots()])
         return np.where(held, np.where(swapped, SWAPPED, ON_DEVICE), FREE)
 
+
+#: The engine's jitted steps of this cache kind, by public name (``jaxkv.bench.engine_aot`` compiles them
+#: at real sizes without a GPU).
+jitted_packed, jitted_prefill = _hybrid_packed, _hybrid_prefill

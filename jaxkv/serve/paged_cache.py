@@ -49,7 +49,7 @@ from jaxkv.serve.caches import (CacheBase, PackedResult, PrefillLane, PrefixHit,
                                 remembers_arguments, sample_first, unwrap_keys)
 from jaxkv.serve.sizing import CachePlan, GroupPlan
 
-__all__ = ["HostTierRate", "PagedCache", "PagedPrefixStats", "host_tier_rate"]
+__all__ = ["HostTierRate", "PagedCache", "PagedPrefixStats", "host_tier_rate", "jitted_packed", "jitted_prefill"]
 
 logger = logging.getLogger("jaxkv.serve")
 
@@ -698,3 +698,8 @@ def host_tier_rate(cache, num_pages: int, *, repeats: int = 3) -> HostTierRate:
     return HostTierRate(num_pages=num_pages, bytes=nbytes, offload_gbps=nbytes / max(offload_s, 1e-12) / 1e9,
                         load_gbps=nbytes / max(load_s, 1e-12) / 1e9,
                         memory_kind="pinned_host" if host_swap.is_pinned(scratch) else "numpy")
+
+
+#: The engine's jitted steps of this cache kind, by public name (``jaxkv.bench.engine_aot`` compiles them
+#: at real sizes without a GPU).
+jitted_packed, jitted_prefill = _paged_packed, _paged_prefill
