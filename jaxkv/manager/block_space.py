@@ -331,16 +331,19 @@ class BlockSpaceManager:
             copy_dst = jnp.where(cow & ok, new_ids[:, 0], -1)
             # Only steps with a copy-on-write touch the pool: the copy reads a
             # page of every layer per batch lane, far too much for every step.
-            pool = jax.lax.cond(
-                jnp.any(cow & ok), lambda p: p.copy_pages(copy_src, copy_dst)[0], lambda p: p, pool
+            # An index switch, not a predicated cond: XLA:GPU copies the operand of a predicated conditional
+            # that a branch updates in place (the whole pool, every step; a switch's it updates in place).
+            pool = jax.lax.switch(
+                jnp.any(cow & ok).astype(jnp.int32), [lambda p: p, lambda p: p.copy_pages(copy_src, copy_dst)[0]], pool
             )
             device, _ = device.release(copy_src)  # drops this sequence's share; never frees
             return device, tables, pool, ok
 
         # Most steps take no block (page_size - 1 of every page_size decode
         # steps): they skip the acquire, the table scatter and the release.
-        device, tables, pool, ok = jax.lax.cond(
-            valid & (total > 0), take_blocks, lambda d, t, p: (d, t, p, valid), self.device, self.block_tables, pool)
+        device, tables, pool, ok = jax.lax.switch(
+            (valid & (total > 0)).astype(jnp.int32), [lambda d, t, p: (d, t, p, valid), take_blocks], self.device,
+            self.block_tables, pool)
         seq_lens = self.seq_lens.at[jnp.where(ok & given, rows, self.max_seqs)].add(n, mode="drop")
 
         position = lens[:, None] + jnp.arange(n, dtype=jnp.int32)
