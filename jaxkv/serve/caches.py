@@ -61,6 +61,7 @@ on its own key alone (see :meth:`jaxkv.serve.Engine.add_request`'s ``seed``).
 
 from __future__ import annotations
 
+import abc
 import dataclasses
 import functools
 from functools import partial
@@ -265,7 +266,7 @@ def remembers_arguments(init):
     return wrapper
 
 
-class CacheBase:
+class CacheBase(abc.ABC):
     """What both caches share: the fixed-width chunked prefill loop and the
     decode chunk; subclasses supply the per-chunk jitted call."""
 
@@ -295,11 +296,11 @@ class CacheBase:
         self._manager = value
         self._host = self._host_tables = None
 
+    @abc.abstractmethod
     def _host_leaves(self, manager) -> tuple:
         """The device arrays of ``manager`` the host mirrors, to read with a
         call's results: ``(free blocks per group [scalars], the row status's
-        source)``."""
-        raise NotImplementedError
+        source)``; each adapter says which."""
 
     def _mirror(self, leaves) -> None:
         """Mirror :meth:`_host_leaves` of the ``manager`` just assigned, as
@@ -320,9 +321,10 @@ class CacheBase:
         """FREE / ON_DEVICE / SWAPPED per sequence row (the host's mirror)."""
         return self._status_from(self._host_view()[1])
 
+    @abc.abstractmethod
     def _status_from(self, source: np.ndarray) -> np.ndarray:
-        """The row status from its source array (:meth:`_host_leaves`)."""
-        raise NotImplementedError
+        """The row status from its source array (:meth:`_host_leaves`); each
+        adapter says how."""
 
     def check_host_mirror(self) -> None:
         """``BookkeepingError`` (with the numbers) when the host's mirror of
