@@ -44,6 +44,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pl_triton
 from jaxtyping import Array, Bool, Float, Int
@@ -98,9 +99,11 @@ def _ring_rows(i, slot, pos, window, num_slots):
 # --------------------------------------------------------------------------
 
 
-def _emit_tile(rows, valid, nope_ref, scales_ref, rope_ref, out_ref, valid_ref, out_row, tile0, fmt):
+def _emit_tile(rows, valid, nope_ref, scales_ref, rope_ref, out_ref, valid_ref, out_row, tile0, fmt, lead=()):
     """Dequantize pool ``rows`` ([TILE] int32) into
     ``out_ref[out_row, tile0:tile0+TILE]``; invalid rows become zeros.
+    ``lead``: ``(layer,)`` when the pool refs keep a leading layer axis
+    (a stacked pool read in place: every load indexes the layer), else ``()``.
 
     Every load is issued before the first store: the loads are independent,
     so the GPU keeps them all in flight at once (a load-store-load chain would
@@ -108,9 +111,9 @@ def _emit_tile(rows, valid, nope_ref, scales_ref, rope_ref, out_ref, valid_ref, 
     tile = pl.ds(tile0, rows.shape[0])
     keep = valid[:, None]
     group_cols = [pl.ds(g * fmt.group_size, fmt.group_size) for g in range(fmt.num_groups)]
-    groups = [(cols, nope_ref[rows, cols], scales_ref[rows, g])  # [TILE, group] values, [TILE] scales
+    groups = [(cols, nope_ref[(*lead, rows, cols)], scales_ref[(*lead, rows, g)])  # [TILE, group], [TILE] scales
               for g, cols in enumerate(group_cols)]
-    ropes = [(pl.ds(fmt.nope_dim + start, size), rope_ref[rows, pl.ds(start, size)])
+    ropes = [(pl.ds(fmt.nope_dim + start, size), rope_ref[(*lead, rows, pl.ds(start, size))])
              for start, size in _dispatch.pow2_chunks(fmt.rope_dim)]
     for cols, values, raw_scale in groups:
         if fmt.scale_kind == "ue8m0":
@@ -125,8 +128,16 @@ def _emit_tile(rows, valid, nope_ref, scales_ref, rope_ref, out_ref, valid_ref, 
     valid_ref[out_row, tile] = valid.astype(valid_ref.dtype)
 
 
-def _compressed_kernel(token_rows_ref, limits_ref, indices_ref, table_ref, nope_ref, scales_ref, rope_ref,
-                       *outs, fmt, entries_per_page, num_pages):
+def _lead(refs, layered):
+    """``(lead, refs)``: a layered kernel's first input is the ``[1]`` layer
+    index (clamped into the pool by the wrapper), which every pool load
+    takes as its leading index."""
+    return ((refs[0][0],), refs[1:]) if layered else ((), refs)
+
+
+def _compressed_kernel(*refs, fmt, entries_per_page, num_pages, layered=False):
+    lead, refs = _lead(refs, layered)
+    token_rows_ref, limits_ref, indices_ref, table_ref, nope_ref, scales_ref, rope_ref, *outs = refs
     out_ref, valid_ref = outs[-2:]  # leading outs are the interpret-mode poison inputs
     t, k = pl.program_id(0), pl.program_id(1)
     tile0 = k * TILE
@@ -134,27 +145,30 @@ def _compressed_kernel(token_rows_ref, limits_ref, indices_ref, table_ref, nope_
     row = token_rows_ref[t]
     rows, valid = _paged_rows(entry, limits_ref[t], lambda lp: table_ref[row, lp], table_ref.shape[1],
                               entries_per_page, num_pages)
-    _emit_tile(rows, valid, nope_ref, scales_ref, rope_ref, out_ref, valid_ref, t, tile0, fmt)
+    _emit_tile(rows, valid, nope_ref, scales_ref, rope_ref, out_ref, valid_ref, t, tile0, fmt, lead)
 
 
-def _all_kernel(num_entries_ref, table_ref, nope_ref, scales_ref, rope_ref, *outs,
-                fmt, entries_per_page, num_pages):
+def _all_kernel(*refs, fmt, entries_per_page, num_pages, layered=False):
+    lead, refs = _lead(refs, layered)
+    num_entries_ref, table_ref, nope_ref, scales_ref, rope_ref, *outs = refs
     out_ref, valid_ref = outs[-2:]
     b, k = pl.program_id(0), pl.program_id(1)
     tile0 = k * TILE
     entry = tile0 + jnp.arange(TILE, dtype=jnp.int32)
     rows, valid = _paged_rows(entry, num_entries_ref[b], lambda lp: table_ref[b, lp], table_ref.shape[1],
                               entries_per_page, num_pages)
-    _emit_tile(rows, valid, nope_ref, scales_ref, rope_ref, out_ref, valid_ref, b, tile0, fmt)
+    _emit_tile(rows, valid, nope_ref, scales_ref, rope_ref, out_ref, valid_ref, b, tile0, fmt, lead)
 
 
-def _swa_kernel(slots_ref, positions_ref, nope_ref, scales_ref, rope_ref, *outs, fmt, window, num_slots):
+def _swa_kernel(*refs, fmt, window, num_slots, layered=False):
+    lead, refs = _lead(refs, layered)
+    slots_ref, positions_ref, nope_ref, scales_ref, rope_ref, *outs = refs
     out_ref, valid_ref = outs[-2:]
     b, k = pl.program_id(0), pl.program_id(1)
     tile0 = k * TILE
     i = tile0 + jnp.arange(TILE, dtype=jnp.int32)
     rows, valid = _ring_rows(i, slots_ref[b], positions_ref[b], window, num_slots)
-    _emit_tile(rows, valid, nope_ref, scales_ref, rope_ref, out_ref, valid_ref, b, tile0, fmt)
+    _emit_tile(rows, valid, nope_ref, scales_ref, rope_ref, out_ref, valid_ref, b, tile0, fmt, lead)
 
 
 def _launch(kernel, inputs, num_out_rows, padded_width, fmt, interpret):
@@ -186,43 +200,56 @@ def _launch(kernel, inputs, num_out_rows, padded_width, fmt, interpret):
 
 
 def _flat(entries: CompressedEntries):
-    """Pool arrays with the leading two dims merged into one row axis."""
-    rows = entries.shape[0] * entries.shape[1]  # explicit: a 0-wide RoPE part cannot infer -1
-    return tuple(a.reshape(rows, a.shape[-1]) for a in (entries.nope, entries.scales, entries.rope))
+    """Pool arrays with their last two leading dims merged into one row axis
+    (a stacked pool keeps its layer axis first: ``[L, rows, ...]``)."""
+    *layers, a, b = entries.shape
+    rows = a * b  # explicit: a 0-wide RoPE part cannot infer -1
+    return tuple(x.reshape(*layers, rows, x.shape[-1]) for x in (entries.nope, entries.scales, entries.rope))
+
+
+def _layer_input(layer):
+    """The ``[1]`` int32 input of a layered kernel (None: an unstacked pool)."""
+    return () if layer is None else (jnp.asarray(layer, jnp.int32).reshape(1),)
 
 
 def _padded(width):
     return max(TILE, _dispatch.ceil_div(width, TILE) * TILE)
 
 
+# ``layer``: None for an unstacked pool, else the (clamped) layer index of a
+# stacked one, a traced input: one compiled kernel serves every layer.
+
+
 @functools.partial(jax.jit, static_argnames=("interpret",))
-def _compressed_pallas(pages, block_table, token_rows, indices, limits, *, interpret):
+def _compressed_pallas(pages, block_table, token_rows, indices, limits, layer, *, interpret):
     num_tokens, k = indices.shape
     width = _padded(k)
     indices = jnp.pad(indices, ((0, 0), (0, width - k)), constant_values=-1)
-    kernel = functools.partial(_compressed_kernel, fmt=pages.fmt, entries_per_page=pages.shape[1],
-                               num_pages=pages.shape[0])
-    out, valid = _launch(kernel, (token_rows, limits, indices, block_table, *_flat(pages)),
+    kernel = functools.partial(_compressed_kernel, fmt=pages.fmt, entries_per_page=pages.shape[-1],
+                               num_pages=pages.shape[-2], layered=layer is not None)
+    out, valid = _launch(kernel, (*_layer_input(layer), token_rows, limits, indices, block_table, *_flat(pages)),
                          num_tokens, width, pages.fmt, interpret)
     return out[:, :k], valid[:, :k] == 1
 
 
 @functools.partial(jax.jit, static_argnames=("max_entries", "interpret"))
-def _all_pallas(pages, block_table, num_entries, *, max_entries, interpret):
+def _all_pallas(pages, block_table, num_entries, layer, *, max_entries, interpret):
     width = _padded(max_entries)
-    kernel = functools.partial(_all_kernel, fmt=pages.fmt, entries_per_page=pages.shape[1],
-                               num_pages=pages.shape[0])
-    out, valid = _launch(kernel, (num_entries, block_table, *_flat(pages)),
+    kernel = functools.partial(_all_kernel, fmt=pages.fmt, entries_per_page=pages.shape[-1],
+                               num_pages=pages.shape[-2], layered=layer is not None)
+    out, valid = _launch(kernel, (*_layer_input(layer), num_entries, block_table, *_flat(pages)),
                          block_table.shape[0], width, pages.fmt, interpret)
     return out[:, :max_entries], valid[:, :max_entries] == 1
 
 
 @functools.partial(jax.jit, static_argnames=("interpret",))
-def _swa_pallas(ring, slots, positions, *, interpret):
-    num_slots, window = ring.shape
+def _swa_pallas(ring, slots, positions, layer, *, interpret):
+    num_slots, window = ring.shape[-2:]
     width = _padded(window)
-    kernel = functools.partial(_swa_kernel, fmt=ring.fmt, window=window, num_slots=num_slots)
-    out, valid = _launch(kernel, (slots, positions, *_flat(ring)), slots.shape[0], width, ring.fmt, interpret)
+    kernel = functools.partial(_swa_kernel, fmt=ring.fmt, window=window, num_slots=num_slots,
+                               layered=layer is not None)
+    out, valid = _launch(kernel, (*_layer_input(layer), slots, positions, *_flat(ring)), slots.shape[0], width,
+                         ring.fmt, interpret)
     return out[:, :window], valid[:, :window] == 1
 
 
@@ -231,9 +258,10 @@ def _swa_pallas(ring, slots, positions, *, interpret):
 # --------------------------------------------------------------------------
 
 
-def _dequantized_rows(entries: CompressedEntries, rows, valid):
+def _dequantized_rows(entries: CompressedEntries, rows, valid, layer=None):
     nope, scales, rope = _flat(entries)
-    picked = CompressedEntries.from_parts(nope[rows], scales[rows], rope[rows], entries.fmt)
+    at = rows if layer is None else (layer, rows)  # a stacked pool: gathered at its layer, never sliced out
+    picked = CompressedEntries.from_parts(nope[at], scales[at], rope[at], entries.fmt)
     return jnp.where(valid[..., None], picked.dequantize(), jnp.zeros((), entries.fmt.out_dtype))
 
 
@@ -243,27 +271,27 @@ def _table_lookup(tables):
 
 
 @jax.jit
-def _compressed_reference(pages, block_table, token_rows, indices, limits):
+def _compressed_reference(pages, block_table, token_rows, indices, limits, layer):
     tables = block_table[token_rows]  # each token's copy of its request's row
     rows, valid = _paged_rows(indices, limits[:, None], _table_lookup(tables), tables.shape[1],
-                              pages.shape[1], pages.shape[0])
-    return _dequantized_rows(pages, rows, valid), valid
+                              pages.shape[-1], pages.shape[-2])
+    return _dequantized_rows(pages, rows, valid, layer), valid
 
 
 @functools.partial(jax.jit, static_argnames=("max_entries",))
-def _all_reference(pages, block_table, num_entries, *, max_entries):
+def _all_reference(pages, block_table, num_entries, layer, *, max_entries):
     entry = jnp.broadcast_to(jnp.arange(max_entries, dtype=jnp.int32), (block_table.shape[0], max_entries))
     rows, valid = _paged_rows(entry, num_entries[:, None], _table_lookup(block_table), block_table.shape[1],
-                              pages.shape[1], pages.shape[0])
-    return _dequantized_rows(pages, rows, valid), valid
+                              pages.shape[-1], pages.shape[-2])
+    return _dequantized_rows(pages, rows, valid, layer), valid
 
 
 @jax.jit
-def _swa_reference(ring, slots, positions):
-    num_slots, window = ring.shape
+def _swa_reference(ring, slots, positions, layer):
+    num_slots, window = ring.shape[-2:]
     i = jnp.arange(window, dtype=jnp.int32)[None, :]
     rows, valid = _ring_rows(i, slots[:, None], positions[:, None], window, num_slots)
-    return _dequantized_rows(ring, rows, valid), valid
+    return _dequantized_rows(ring, rows, valid, layer), valid
 
 
 # --------------------------------------------------------------------------
@@ -284,13 +312,34 @@ def _int_array(x, name, shape):
     return x.astype(jnp.int32)
 
 
-def _check_pool(entries, what, leading_names):
+def _check_pool(entries, what, leading_names, layer=None):
     if not isinstance(entries, CompressedEntries):
         raise KernelArgumentError(f"{what} must be CompressedEntries, got {type(entries).__name__}")
-    if len(entries.shape) != 2 or min(entries.shape) < 1:
+    if layer is not None:
+        leading_names = ("layers", *leading_names)
+    if len(entries.shape) != len(leading_names) or min(entries.shape) < 1:
         raise KernelArgumentError(
-            f"{what} must have leading shape [{', '.join(leading_names)}], got {list(entries.shape)}")
+            f"{what} must have leading shape [{', '.join(leading_names)}]"
+            + (" (layer= reads a stacked pool)" if layer is not None else "") + f", got {list(entries.shape)}")
     entries.check(what)
+
+
+def _layer_index(layer, entries):
+    """``(layer, ok)`` of a stacked pool's ``layer`` (None: unstacked, ok):
+    clamped into ``[0, L)`` so no load leaves the pool; ``ok`` False for a
+    layer outside it, whose reads the caller turns invalid (zeros). A Python
+    int out of range raises."""
+    if layer is None:
+        return None, True
+    num_layers = entries.shape[0]
+    if isinstance(layer, (int, np.integer)) and not isinstance(layer, bool):
+        if not 0 <= layer < num_layers:
+            raise KernelArgumentError(f"layer {int(layer)} out of range: the pool has {num_layers} layers")
+    layer = jnp.asarray(layer)
+    if layer.ndim != 0 or not jnp.issubdtype(layer.dtype, jnp.integer):
+        raise KernelArgumentError(f"layer must be an integer scalar, got {layer.dtype}{list(layer.shape)}")
+    layer = layer.astype(jnp.int32)
+    return jnp.clip(layer, 0, num_layers - 1), (layer >= 0) & (layer < num_layers)
 
 
 def _check_table(block_table, rows=None):
@@ -310,6 +359,7 @@ def gather_compressed_kv(
     token_rows: Int[Array, " T"] | None = None,
     *,
     num_entries: Int[Array, " T"] | None = None,
+    layer: int | Int[Array, ""] | None = None,
     implementation: str | None = None,
     interpret: bool = False,
 ) -> tuple[Float[Array, "T K D"], Bool[Array, "T K"]]:
@@ -329,13 +379,19 @@ def gather_compressed_kv(
       num_entries: ``[T]`` int, entries visible to each token; ids at or past
         it are invalid. For the causal rule pass ``(position + 1) // ratio``.
         None: no limit beyond the table.
+      layer: None, or the layer of a stacked pool (``pages`` leading shape
+        ``[L, num_pages, entries_per_page]``), a Python int or a traced
+        int32 scalar (a ``lax.scan`` index): that layer is read in place
+        (slicing ``pages[layer]`` first would copy it). A traced layer
+        outside ``[0, L)`` reads nothing (all invalid).
       implementation, interpret: see :mod:`kernels_pallas._dispatch`.
 
     Returns:
       ``(kv, valid)``: bf16 ``[T, K, nope + rope]`` (row ``[t, k]`` = entry
       ``indices[t, k]`` dequantized, zeros where invalid) and bool ``[T, K]``.
     """
-    _check_pool(pages, "pages", ("num_pages", "entries_per_page"))
+    _check_pool(pages, "pages", ("num_pages", "entries_per_page"), layer)
+    layer, layer_ok = _layer_index(layer, pages)
     block_table = _check_table(block_table)
     indices = jnp.asarray(indices)
     if indices.ndim != 2 or indices.shape[1] < 1:
@@ -352,9 +408,10 @@ def gather_compressed_kv(
         limits = jnp.full((num_tokens,), _BIG, jnp.int32)
     else:
         limits = _int_array(num_entries, "num_entries", (num_tokens,))
+    limits = jnp.where(layer_ok, limits, 0)
     if _dispatch.choose("gather_compressed_kv", implementation, interpret, _arrays(pages)):
-        return _compressed_pallas(pages, block_table, token_rows, indices, limits, interpret=interpret)
-    return _compressed_reference(pages, block_table, token_rows, indices, limits)
+        return _compressed_pallas(pages, block_table, token_rows, indices, limits, layer, interpret=interpret)
+    return _compressed_reference(pages, block_table, token_rows, indices, limits, layer)
 
 
 def gather_all_compressed_kv(
@@ -363,6 +420,7 @@ def gather_all_compressed_kv(
     num_entries: Int[Array, " B"],
     *,
     max_entries: int,
+    layer: int | Int[Array, ""] | None = None,
     implementation: str | None = None,
     interpret: bool = False,
 ) -> tuple[Float[Array, "B N D"], Bool[Array, "B N"]]:
@@ -375,21 +433,24 @@ def gather_all_compressed_kv(
       num_entries: ``[B]`` int, completed entries per request (at decode
         position ``pos`` with ratio ``r``: ``(pos + 1) // r``).
       max_entries: static ``N``, the padded output width.
+      layer: a stacked pool's layer, read in place (see
+        :func:`gather_compressed_kv`).
 
     Returns:
       ``(kv, valid)``: bf16 ``[B, N, nope + rope]``, row ``[b, j]`` = entry
       ``j`` for ``j < num_entries[b]`` (and a valid table entry), zeros
       after; bool ``[B, N]``.
     """
-    _check_pool(pages, "pages", ("num_pages", "entries_per_page"))
+    _check_pool(pages, "pages", ("num_pages", "entries_per_page"), layer)
+    layer, layer_ok = _layer_index(layer, pages)
     block_table = _check_table(block_table)
     max_entries = int(max_entries)
     if max_entries < 1:
         raise KernelArgumentError(f"max_entries must be >= 1, got {max_entries}")
-    num_entries = _int_array(num_entries, "num_entries", (block_table.shape[0],))
+    num_entries = jnp.where(layer_ok, _int_array(num_entries, "num_entries", (block_table.shape[0],)), 0)
     if _dispatch.choose("gather_all_compressed_kv", implementation, interpret, _arrays(pages)):
-        return _all_pallas(pages, block_table, num_entries, max_entries=max_entries, interpret=interpret)
-    return _all_reference(pages, block_table, num_entries, max_entries=max_entries)
+        return _all_pallas(pages, block_table, num_entries, layer, max_entries=max_entries, interpret=interpret)
+    return _all_reference(pages, block_table, num_entries, layer, max_entries=max_entries)
 
 
 def gather_swa_kv(
@@ -397,6 +458,7 @@ def gather_swa_kv(
     slots: Int[Array, " B"],
     positions: Int[Array, " B"],
     *,
+    layer: int | Int[Array, ""] | None = None,
     implementation: str | None = None,
     interpret: bool = False,
 ) -> tuple[Float[Array, "B W D"], Bool[Array, "B W"]]:
@@ -408,6 +470,8 @@ def gather_swa_kv(
       slots: ``[B]`` int, each request's ring slot (out of range: all invalid).
       positions: ``[B]`` int, the newest position written to each ring (the
         decode token's own position once its entry is written); -1 = empty.
+      layer: a stacked ring's layer (``ring`` leading shape ``[L,
+        num_slots, W]``), read in place (see :func:`gather_compressed_kv`).
 
     Returns:
       ``(kv, valid)``: bf16 ``[B, W, nope + rope]`` where, with ``n =
@@ -415,15 +479,17 @@ def gather_swa_kv(
       first) and rows ``i >= n`` are zeros (ring slots not yet written before
       the ring first fills, so never stale data); bool ``[B, W]``.
     """
-    _check_pool(ring, "ring", ("num_slots", "window"))
+    _check_pool(ring, "ring", ("num_slots", "window"), layer)
+    layer, layer_ok = _layer_index(layer, ring)
     slots = jnp.asarray(slots)
     if slots.ndim != 1:
         raise KernelArgumentError(f"slots must be [batch], got shape {tuple(slots.shape)}")
     slots = _int_array(slots, "slots", slots.shape)
     positions = _int_array(positions, "positions", slots.shape)
+    slots = jnp.where(layer_ok, slots, -1)  # a layer outside the stack: every row invalid
     if _dispatch.choose("gather_swa_kv", implementation, interpret, _arrays(ring)):
-        return _swa_pallas(ring, slots, positions, interpret=interpret)
-    return _swa_reference(ring, slots, positions)
+        return _swa_pallas(ring, slots, positions, layer, interpret=interpret)
+    return _swa_reference(ring, slots, positions, layer)
 
 
 def gather_compressed_kv_reference(pages, block_table, indices, token_rows=None, *, num_entries=None):

@@ -174,6 +174,9 @@ RULES = (
      "formats and forks of a family beyond its default tests (gpt-oss's bf16 test runs by default)"),
     ("long", "second route", ("test_packed_hybrid.py::test_dsv4_packed_steps_equal_unpacked_steps",),
      "Qwen3-Next's packed steps run by default"),
+    ("long", "second route", ("test_scan_layers.py::test_a_scanned_qwen3_next_serves_as_the_unrolled_one",),
+     "the scanned Qwen3-Next's cached steps and generate meet the unrolled model's by default; this adds the "
+     "engine's packed step (~3 min on 2 cores)"),
     ("long", "second route", ("test_parallel_hybrid.py::test_beam_search_matches_brute_force",),
      "the sampled forks of the same families run by default"),
     ("long", "second route", ("test_tenants.py::test_scrub_zeroes_blocks_a_sliding_window_trims",

@@ -17,13 +17,15 @@ REQUESTS, NEW_TOKENS = 6, 8
 @pytest.fixture(scope="module")
 def tiny_run():
     """One in-process run at ``--shapes tiny`` (small batches, context 64, few
-    requests): ``(exit status, stdout, the JSON payload)``."""
+    requests), as ``bench serve --shapes`` (which is ``bench real_scale``):
+    ``(exit status, stdout, the JSON payload)``."""
     import contextlib
     import io
 
     buf = io.StringIO()
     with contextlib.redirect_stdout(buf):
-        rc = main(["real_scale", "--shapes", "tiny", "--json", "--batches", "1,2", "--contiguous-batches", "1,2",
+        # "serve --shapes" is the issue's name for real_scale
+        rc = main(["serve", "--shapes", "tiny", "--json", "--batches", "1,2", "--contiguous-batches", "1,2",
                    "--context", "64", "--steps", "8", "--repeats", "2", "--requests", str(REQUESTS),
                    "--prompt-len", "16,48", "--new-tokens", str(NEW_TOKENS), "--max-num-seqs", "4",
                    "--decode-chunk", "4"])

@@ -88,8 +88,12 @@ def test_the_gpu_rule_fills_the_device(bytes_per_token, budget, split, expected)
     # the rows it gives each hold a typical context, and the token budget fits the cache
     assert d.max_seqs * sizing.TYPICAL_CONTEXT <= max(d.tokens, sizing.TYPICAL_CONTEXT)
     assert d.max_num_batched_tokens <= max(d.tokens, d.max_seqs)
-    assert len(d.lines()) == 3 and all(line.startswith("scheduler default (gpu): ") for line in d.lines())
+    assert len(d.lines()) == 4 and all(line.startswith("scheduler default (gpu): ") for line in d.lines())
     assert str(d.max_seqs) in d.lines()[0] and str(d.tokens) in d.lines()[0]
+    # a row's prefill may take the whole token budget (packed); the padded scheduler keeps 256
+    assert d.prefill_chunk == d.max_num_batched_tokens and f"prefill_chunk={d.prefill_chunk}" in d.lines()[3]
+    padded = sizing.scheduler_defaults("gpu", budget, bytes_per_token, 4096, split, packed=False)
+    assert padded.prefill_chunk == 256 and padded.max_num_batched_tokens == d.max_num_batched_tokens
 
 
 def test_the_gpu_rule_counts_rows_lengths_and_a_given_max_seqs():
@@ -117,13 +121,14 @@ def test_the_cpu_keeps_the_small_defaults():
     for budget, per_token in ((H100_BUDGET, LLAMA_8B_TOKEN), (GiB, 256)):
         d = sizing.scheduler_defaults("cpu", budget, per_token, 4096, 8)
         assert (d.max_seqs, d.max_num_batched_tokens, d.decode_chunk, d.tokens) == (8, None, 8, None)
-        assert d.values() == dict(max_seqs=8, max_num_batched_tokens=None, decode_chunk=8)
+        assert d.values() == dict(max_seqs=8, max_num_batched_tokens=None, decode_chunk=8, prefill_chunk=256)
     assert sizing.scheduler_defaults("cpu", GiB, 256, 4096, max_seqs=3).max_seqs == 3
     # the CPU's values are the options' own defaults, as ints that mark them derived
     options = SchedulerOptions()
     assert isinstance(options.max_seqs, Derived) and options.max_seqs == 8
     assert isinstance(options.decode_chunk, Derived) and options.decode_chunk == 8
     assert options.max_num_batched_tokens is None and options.prefill_chunk == 256
+    assert isinstance(options.prefill_chunk, Derived)
     # a value given is a plain int, even the CPU's own
     given = SchedulerOptions(max_seqs=8, decode_chunk=8)
     assert type(given.max_seqs) is int and type(given.decode_chunk) is int
@@ -158,7 +163,7 @@ def test_derived_from_llama_8b_shapes_on_an_h100_and_on_meshes():
     assert d.tokens == 16000 and d.max_seqs == 8 and d.max_num_batched_tokens == 8192
     # a CPU measures nothing
     d = derive_scheduler_defaults(model, EngineOptions(), platform="cpu")
-    assert d.values() == dict(max_seqs=8, max_num_batched_tokens=None, decode_chunk=8)
+    assert d.values() == dict(max_seqs=8, max_num_batched_tokens=None, decode_chunk=8, prefill_chunk=256)
 
 
 def test_a_hybrid_cache_counts_its_per_row_state_and_snapshots():
@@ -183,11 +188,11 @@ def test_resolve_options_derives_what_is_left_out_and_keeps_what_is_given(caplog
     with caplog.at_level(logging.INFO, logger="jaxkv.serve"):
         resolved = resolve_options(model, EngineOptions(), platform="gpu", free_bytes=free)
     s = resolved.scheduler
-    assert (s.max_seqs, s.max_num_batched_tokens, s.decode_chunk) == (256, 8192, 16)
+    assert (s.max_seqs, s.max_num_batched_tokens, s.decode_chunk, s.prefill_chunk) == (256, 8192, 16, 8192)
     assert type(s.max_seqs) is int and type(s.decode_chunk) is int  # resolved: nothing left to derive
     assert resolve_options(model, resolved, platform="gpu") is resolved  # twice is once
     logged = [r.getMessage() for r in caplog.records if r.getMessage().startswith("scheduler default (gpu)")]
-    assert len(logged) == 3 and "max_seqs=256" in logged[0] and "491520 tokens" in logged[0]
+    assert len(logged) == 4 and "max_seqs=256" in logged[0] and "491520 tokens" in logged[0]
     # given options win, even when they equal the CPU's defaults; only the others are derived
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="jaxkv.serve"):
@@ -196,7 +201,12 @@ def test_resolve_options_derives_what_is_left_out_and_keeps_what_is_given(caplog
     assert (given.scheduler.max_seqs, given.scheduler.decode_chunk) == (8, 4)
     assert given.scheduler.max_num_batched_tokens == 8192
     logged = [r.getMessage() for r in caplog.records if "scheduler default" in r.getMessage()]
-    assert len(logged) == 1 and "max_num_batched_tokens=8192" in logged[0]  # only what was derived
+    assert len(logged) == 2 and "max_num_batched_tokens=8192" in logged[0]  # only what was derived
+    assert given.scheduler.prefill_chunk == 8192 and "prefill_chunk=8192" in logged[1]
+    given = resolve_options(model, EngineOptions.from_kwargs(prefill_chunk=512), platform="gpu", free_bytes=free)
+    assert given.scheduler.prefill_chunk == 512 and given.scheduler.max_num_batched_tokens == 8192
+    padded = resolve_options(model, EngineOptions.from_kwargs(scheduler="padded"), platform="gpu", free_bytes=free)
+    assert padded.scheduler.prefill_chunk == 256  # its prefill call is [max_seqs, prefill_chunk] tokens
     given = resolve_options(model, EngineOptions.from_kwargs(max_num_batched_tokens=512), platform="gpu",
                             free_bytes=free)
     assert given.scheduler.max_num_batched_tokens == 512 and given.scheduler.max_seqs == 256
@@ -208,8 +218,8 @@ def test_resolve_options_derives_what_is_left_out_and_keeps_what_is_given(caplog
     assert (cpu.scheduler.max_seqs, cpu.scheduler.max_num_batched_tokens, cpu.scheduler.decode_chunk) == (8, None, 8)
     assert type(cpu.scheduler.max_seqs) is int
     assert [r.getMessage() for r in caplog.records if "scheduler default" in r.getMessage()] == [
-        "scheduler default (cpu): max_seqs=8, max_num_batched_tokens=None (prefill_chunk, 256), decode_chunk=8: "
-        "a CPU keeps the small defaults"]  # logged once
+        "scheduler default (cpu): max_seqs=8, max_num_batched_tokens=None (prefill_chunk, 256), decode_chunk=8, "
+        "prefill_chunk=256: a CPU keeps the small defaults"]  # logged once
 
 
 def test_a_cpu_engine_keeps_the_small_defaults_and_runs_gpu_derived_ones():

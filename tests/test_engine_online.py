@@ -389,3 +389,16 @@ def test_hybrid_engine_streams_and_aborts_give_back_every_block_and_slot():
     drain(engine, streams)
     assert streamed(streams[first]) == greedy[1][:new] and streamed(streams[second]) == greedy[2][:new]
     check_free()
+
+
+def test_request_output_fast_path_is_the_dataclass():
+    """``RequestOutput._make`` (the engine's per-step outputs) builds what
+    the constructor builds: equal, same hash and repr, still frozen."""
+    import dataclasses
+
+    args = (7, (1, 2, 3), True, "stop", "abc", 4, None)
+    made, built = RequestOutput._make(*args), RequestOutput(*args)
+    assert made == built and hash(made) == hash(built) and repr(made) == repr(built)
+    assert dataclasses.astuple(made) == args
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        made.finished = False

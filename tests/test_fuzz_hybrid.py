@@ -802,7 +802,8 @@ class HybridFuzz(RuleBasedStateMachine):
             assert int(group.allocator.num_free) == NUM_BLOCKS[name] - 1 - len(owned) == self._group_free(name), name
         blank = [s for s in range(1, NUM_SLOTS) if s not in self.reqs or not self.reqs[s].written]
         for s in blank:
-            for layer, cache in enumerate(m.layers):
+            for layer in range(len(m.schemas)):
+                cache = m.layer_cache(layer)
                 if cache is None:
                     continue
                 assert not np.asarray(cache.swa.nope[s]).astype(np.float32).any(), f"slot {s}: SWA ring, layer {layer}"

@@ -75,11 +75,9 @@ def state_leaves(manager: KVCacheManager) -> list:
     first (SWA and compressor rings of each layer, GDN recurrent and conv
     states), cut to the manager's state rows."""
     out = []
-    for cache in manager.layers:
-        if cache is None:
-            continue
-        out += [cache.swa.nope_bits, cache.swa.scales, cache.swa.rope_bits]
-        out += [getattr(cache, n) for n in ("comp_kv", "comp_score", "index_kv", "index_score")
+    for cache in manager.v4_stores:  # stacked [layers, rows, ...]: rows first
+        out += [jnp.moveaxis(x, 1, 0) for x in (cache.swa.nope_bits, cache.swa.scales, cache.swa.rope_bits)]
+        out += [jnp.moveaxis(getattr(cache, n), 1, 0) for n in ("comp_kv", "comp_score", "index_kv", "index_score")
                 if getattr(cache, n) is not None]
     rows = manager.num_slots + manager.num_snapshots
     out = [leaf[:rows] for leaf in out]
@@ -109,19 +107,17 @@ def stamp(manager: KVCacheManager, rows, key) -> KVCacheManager:
         new = _random_like(next(keys), tuple(shape), arr.dtype)
         return arr.at[target].set(new, mode="drop") if axis == 0 else arr.at[:, target].set(new, mode="drop")
 
-    layers = []
-    for cache in manager.layers:
-        if cache is not None:
-            swa = cache.swa.replace(nope_bits=fill(cache.swa.nope_bits), scales=fill(cache.swa.scales),
-                                    rope_bits=fill(cache.swa.rope_bits))
-            rings = {n: fill(getattr(cache, n)) for n in ("comp_kv", "comp_score", "index_kv", "index_score")
-                     if getattr(cache, n) is not None}
-            cache = cache.replace(swa=swa, **rings)
-        layers.append(cache)
+    stores = []
+    for cache in manager.v4_stores:  # stacked [layers, rows, ...]
+        swa = cache.swa.replace(nope_bits=fill(cache.swa.nope_bits, 1), scales=fill(cache.swa.scales, 1),
+                                rope_bits=fill(cache.swa.rope_bits, 1))
+        rings = {n: fill(getattr(cache, n), 1) for n in ("comp_kv", "comp_score", "index_kv", "index_score")
+                 if getattr(cache, n) is not None}
+        stores.append(cache.replace(swa=swa, **rings))
     gdn = manager.gdn
     if gdn is not None:
         gdn = gdn.replace(recurrent_state=fill(gdn.recurrent_state, 1), conv_bits=fill(gdn.conv_bits, 1))
-    return manager.replace(layers=tuple(layers), gdn=gdn)
+    return manager.replace(v4_stores=tuple(stores), gdn=gdn)
 
 
 hybrid_admit = jax.jit(lambda m, n: m.admit(n, max_n=ROWS))

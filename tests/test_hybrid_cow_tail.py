@@ -9,7 +9,7 @@ block, full attention and MLA in fp8 with scales, SWA, linear). Every
 block-indexed array is filled with fresh random bits (never zeros) before
 a check, and the expectations are computed here, in numpy, from the layout
 the manager documents: a leaf's group and block axis come from its path
-(``layers[i].entries`` / ``index_keys``: the layer's group, axis 0;
+(``v4_stores[c].entries`` / ``index_keys``: the store class's group, axis 1;
 ``full_pool`` / ``mla_pool``: the ``full`` / ``mla`` group, axis 2), a
 group's block count and partly filled last block from ``tokens_per_entry``
 and ``entries_per_block`` as written below, not from ``BlockGroup``.
@@ -27,7 +27,7 @@ import numpy as np
 import pytest
 
 from jaxkv.errors import InvalidArgument
-from jaxkv.manager.hybrid import KVCacheManager
+from jaxkv.manager.hybrid import KVCacheManager, v4_layout
 from jaxkv.manager.hybrid_schema import (
     AttentionKind,
     HybridConfig,
@@ -103,8 +103,8 @@ def new_manager(name: str) -> KVCacheManager:
 def block_leaf(manager: KVCacheManager, path) -> tuple[str, int] | None:
     """``(group, block axis)`` of a leaf indexed by block id, else None."""
     keys = [getattr(k, "name", getattr(k, "idx", getattr(k, "key", None))) for k in path]
-    if keys[0] == "layers" and keys[2] in ("entries", "index_keys"):
-        return manager.schemas[keys[1]].group, 0
+    if keys[0] == "v4_stores" and keys[2] in ("entries", "index_keys"):  # stacked: [layers, blocks, ...]
+        return v4_layout(manager.schemas)[0][keys[1]].group, 1
     if keys[0] in ("full_pool", "mla_pool"):
         return keys[0].split("_")[0], 2
     return None
@@ -269,15 +269,16 @@ def write_next_jit(name: str):
                 block = m.groups[schema.group].tables[slot, e // schema.entries_per_block]
                 row = block * schema.entries_per_block + e % schema.entries_per_block
                 # No block there (a group whose blocks are all full): past the pool, dropped.
-                row = jnp.reshape(jnp.where(block >= 0, row, m.layers[i].entries.nope_bits.shape[0]
+                store, layer = m.v4_store_of(i)
+                cache = m.v4_stores[store]
+                row = jnp.reshape(jnp.where(block >= 0, row, cache.entries.nope_bits.shape[1]
                                             * schema.entries_per_block), (1,))
-                cache = m.layers[i]
                 new = {"entries": store_entries(cache.entries, row, 3.0 + jax.random.normal(
-                    next(keys), (1, cache.entries.fmt.head_dim)))}
+                    next(keys), (1, cache.entries.fmt.head_dim)), layer=layer)}
                 if cache.index_keys is not None:
                     new["index_keys"] = store_entries(cache.index_keys, row, 3.0 + jax.random.normal(
-                        next(keys), (1, cache.index_keys.fmt.head_dim)))
-                m = m.replace(layers=m.layers[:i] + (cache.replace(**new),) + m.layers[i + 1:])
+                        next(keys), (1, cache.index_keys.fmt.head_dim)), layer=layer)
+                m = m.replace(v4_stores=m.v4_stores[:store] + (cache.replace(**new),) + m.v4_stores[store + 1:])
         return m
 
     return jax.jit(step)

@@ -248,7 +248,8 @@ def _v4_references(params, xs):
 def _check_released(seed, group_names):
     def check(manager, slot):
         """A released slot holds nothing and its state is initial again."""
-        for layer, cache in enumerate(manager.layers):
+        for layer in range(len(manager.schemas)):
+            cache = manager.layer_cache(layer)
             if cache is None:
                 continue
             swa = np.asarray(cache.swa.nope[slot].astype(jnp.float32))

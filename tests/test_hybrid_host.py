@@ -21,7 +21,7 @@ import pytest
 from flax import nnx
 
 from jaxkv.errors import InvalidArgument, InvalidId, KVCacheOOM
-from jaxkv.manager.hybrid import KVCacheManager
+from jaxkv.manager.hybrid import KVCacheManager, v4_layout
 from jaxkv.manager.hybrid_host import (
     HostStore,
     RequestImage,
@@ -95,7 +95,7 @@ def _randomized(manager: KVCacheManager, seed: int) -> KVCacheManager:
     gdn = manager.gdn
     if gdn is not None:
         gdn = gdn.replace(recurrent_state=fill(gdn.recurrent_state), conv_bits=fill(gdn.conv_bits))
-    return manager.replace(layers=fill(manager.layers), full_pool=fill(manager.full_pool),
+    return manager.replace(v4_stores=fill(manager.v4_stores), full_pool=fill(manager.full_pool),
                            mla_pool=fill(manager.mla_pool), gdn=gdn)
 
 
@@ -108,47 +108,50 @@ def _state_arrays(manager) -> dict[str, tuple[np.ndarray, int]]:
     """Every per-request array, named, with its row axis (written out field
     by field, not by tree_map)."""
     out = {}
-    for i, c in enumerate(manager.layers):
-        if c is None:
-            continue
-        for name, arr in _entries_parts(f"L{i}.swa", c.swa).items():
-            out[name] = (np.array(arr), 0)
+    for i, c in enumerate(manager.v4_stores):  # stacked DeepSeek-V4 stores: [layers, rows, ...]
+        for name, arr in _entries_parts(f"S{i}.swa", c.swa).items():
+            out[name] = (np.array(arr), 1)
         for field in ("comp_kv", "comp_score", "index_kv", "index_score"):
             if getattr(c, field) is not None:
-                out[f"L{i}.{field}"] = (np.array(getattr(c, field)), 0)
+                out[f"S{i}.{field}"] = (np.array(getattr(c, field)), 1)
     if manager.gdn is not None:
         out["gdn.recurrent"] = (np.array(manager.gdn.recurrent_state), 1)
         out["gdn.conv"] = (np.array(manager.gdn.conv_bits), 1)
+    if manager.window_pool is not None:
+        for field in ("k_bits", "v_bits", "pos"):
+            out[f"window.{field}"] = (np.array(getattr(manager.window_pool, field)), 1)
     return out
 
 
 def _state_view(manager, rows) -> dict[str, tuple[object, int]]:
     """The same names for a StateRows pytree."""
     out = {}
-    for i, c in enumerate(rows.layers):
-        if c is None:
-            continue
+    assert len(rows.v4_stores) == len(manager.v4_stores)
+    for i, c in enumerate(rows.v4_stores):
         assert c.entries is None and c.index_keys is None
-        for name, arr in _entries_parts(f"L{i}.swa", c.swa).items():
-            out[name] = (arr, 0)
+        for name, arr in _entries_parts(f"S{i}.swa", c.swa).items():
+            out[name] = (arr, 1)
         for field in ("comp_kv", "comp_score", "index_kv", "index_score"):
             if getattr(c, field) is not None:
-                out[f"L{i}.{field}"] = (getattr(c, field), 0)
+                out[f"S{i}.{field}"] = (getattr(c, field), 1)
     if rows.gdn_recurrent is not None:
         out["gdn.recurrent"] = (rows.gdn_recurrent, 1)
         out["gdn.conv"] = (rows.gdn_conv_bits, 1)
+    if rows.window is not None:
+        for field in ("k_bits", "v_bits", "pos"):
+            out[f"window.{field}"] = (getattr(rows.window, field), 1)
     return out
 
 
 def _block_arrays(manager) -> dict[str, dict[str, tuple[np.ndarray, int]]]:
     """Per group, every array indexed by its block ids, with the block axis."""
     out = {name: {} for name in manager.groups}
-    for i, (s, c) in enumerate(zip(manager.schemas, manager.layers)):
-        if c is not None and c.entries is not None:
-            parts = _entries_parts(f"L{i}.entries", c.entries)
+    for i, (s, c) in enumerate(zip(v4_layout(manager.schemas)[0], manager.v4_stores)):
+        if c.entries is not None:
+            parts = _entries_parts(f"S{i}.entries", c.entries)
             if c.index_keys is not None:
-                parts.update(_entries_parts(f"L{i}.index", c.index_keys))
-            out[s.group].update({n: (np.array(a), 0) for n, a in parts.items()})
+                parts.update(_entries_parts(f"S{i}.index", c.index_keys))
+            out[s.group].update({n: (np.array(a), 1) for n, a in parts.items()})
     for group, pool in (("full", manager.full_pool), ("mla", manager.mla_pool)):
         if pool is not None:
             for field in ("k_bits", "v_bits", "k_scales", "v_scales"):
@@ -161,13 +164,12 @@ def _block_view(manager, data) -> dict[str, dict[str, object]]:
     out = {}
     for group, g in data.groups.items():
         view = {}
-        layers = [i for i, (s, c) in enumerate(zip(manager.schemas, manager.layers))
-                  if s.group == group and c is not None]
-        assert len(layers) == len(g.layers)
-        for i, lb in zip(layers, g.layers):
-            view.update(_entries_parts(f"L{i}.entries", lb.entries))
+        stores = manager.v4_group_stores(group)
+        assert len(stores) == len(g.stores)
+        for i, lb in zip(stores, g.stores):
+            view.update(_entries_parts(f"S{i}.entries", lb.entries))
             if lb.index_keys is not None:
-                view.update(_entries_parts(f"L{i}.index", lb.index_keys))
+                view.update(_entries_parts(f"S{i}.index", lb.index_keys))
         if g.pages is not None:
             for field in ("k_bits", "v_bits", "k_scales", "v_scales"):
                 if getattr(g.pages, field) is not None:
@@ -237,8 +239,9 @@ def test_state_rows_round_trip_bit_exact(kind):
         assert _same(np.moveaxis(after[name][0], axis, 0), want), name
     _assert_tree_equal(blocks_before, _host_copy((manager.groups, manager.full_pool, manager.mla_pool,
                                                  manager.slots, manager.seq_lens)))
-    stores = [i for i, c in enumerate(manager.layers) if c is not None]
-    stores += [len(manager.schemas) + 2] if manager.gdn is not None else []
+    stores = list(range(len(manager.v4_stores)))
+    stores += [len(manager.v4_stores) + 2] if manager.gdn is not None else []
+    stores += [len(manager.v4_stores) + 3] if manager.window_pool is not None else []
     want_epochs = epochs.copy()
     want_epochs[stores] += 1
     assert np.array_equal(np.asarray(manager.write_epochs), want_epochs)

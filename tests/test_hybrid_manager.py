@@ -82,9 +82,9 @@ def test_v4_flash_like_budget_and_memory_bytes_by_hand():
     hca = swa_ring + blocks * 1 * entry + 2 * slots * 128 * 512 * 4
     group = (slots * 2 + slots) * 4 + ((blocks - 1) + 1 + blocks) * 4  # table, lens; allocator stack, top, counts
     slot_state = ((slots - 1) + 1 + slots) * 4 + slots * 4  # slot allocator + seq_lens
-    epochs = (7 + 3) * 4  # write_epochs: one int32 per store (7 layers; full, MLA, GDN pools)
+    epochs = (3 + 4) * 4  # write_epochs: one int32 per store (SWA, CSA, HCA classes; full, MLA, GDN, window pools)
     expected = 2 * swa_ring + 3 * csa + 2 * hca + 2 * group + slot_state + epochs
-    assert manager.memory_bytes() == expected == 5_799_370
+    assert manager.memory_bytes() == expected == 5_799_358
 
 
 def test_qwen3_next_like_budget_and_memory_bytes_by_hand():
@@ -101,7 +101,7 @@ def test_qwen3_next_like_budget_and_memory_bytes_by_hand():
     group = slots * 16 * 4 + slots * 4 + ((pages - 1) + 1 + pages) * 4
     slot_state = ((slots - 1) + 1 + slots) * 4 + slots * 4
     assert manager.gdn.memory_bytes() == gdn
-    epochs = (8 + 3) * 4  # write_epochs: one int32 per store (8 layers; full, MLA, GDN pools)
+    epochs = (0 + 4) * 4  # write_epochs: one int32 per store (no DeepSeek-V4 class; full, MLA, GDN, window pools)
     assert manager.memory_bytes() == kv + gdn + group + slot_state + epochs
 
 
@@ -171,7 +171,8 @@ def _small_manager():
 
 
 def _check_free_slot_is_reset(manager, slot):
-    for layer, cache in enumerate(manager.layers):
+    for layer in range(len(manager.schemas)):
+        cache = manager.layer_cache(layer)
         if cache is None:
             continue
         assert not np.asarray(cache.swa.nope[slot]).astype(np.float32).any(), (layer, slot)
@@ -336,7 +337,7 @@ def test_chunked_compression_equals_token_by_token():
     chunked = run([5, 1, 33, 40, 7, 40, 24])
     single = run([1] * tokens)
     for layer in (0, 1, 2):
-        a, b = chunked.layers[layer], single.layers[layer]
+        a, b = chunked.layer_cache(layer), single.layer_cache(layer)
         for name in ("swa", "entries", "index_keys"):
             if getattr(a, name) is not None:
                 for part in ("nope", "scales", "rope"):

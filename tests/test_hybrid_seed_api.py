@@ -5,8 +5,9 @@
   contents;
 * ``LayerCacheHandle.num_query_heads`` / ``head_dim`` per kind;
 * partial block-budget overrides (one group given, the others computed);
-* handles: DeepSeek-V4 layers' handles are independent; handles of a
-  shared pool are written back one at a time, and a stale one is refused.
+* handles: every store is shared by the layers of its kind (DeepSeek-V4's:
+  of its store class), so handles of a store are written back one at a
+  time, and a stale one is refused.
 """
 
 from __future__ import annotations
@@ -145,7 +146,7 @@ def test_partial_block_budget_computes_the_groups_not_given():
     assert {n: g.allocator.num_blocks for n, g in computed.groups.items()} == {"csa4": 7, "hca32": 7, "full": 193}
     partial = _manager(num_blocks={"csa4": 5})
     assert {n: g.allocator.num_blocks for n, g in partial.groups.items()} == {"csa4": 5, "hca32": 7, "full": 193}
-    assert partial.layers[1].entries.nope.shape[0] == 5 and partial.layers[2].entries.nope.shape[0] == 7
+    assert partial.layer_cache(1).entries.nope.shape[0] == 5 and partial.layer_cache(2).entries.nope.shape[0] == 7
     assert partial.full_pool.num_pages == 193
     with pytest.raises(InvalidArgument, match=r"\['hca128'\]"):
         _manager(num_blocks={"hca128": 5})
@@ -162,24 +163,28 @@ def _entries_roundtrip(x):
     return np.asarray(CompressedEntries.quantize(jnp.asarray(x), TINY).dequantize(), np.float32)
 
 
-def test_handles_of_different_v4_layers_are_independent():
-    """Two SWA layers' handles acquired together, both written, both
-    written back in either order: each layer's ring holds its own entries."""
+def test_v4_layers_of_one_class_share_a_store_one_handle_at_a_time():
+    """Two SWA layers are one store class (one stacked ring): handles
+    acquired and written back one at a time keep each layer's entries in
+    its own row; a handle acquired before the other's update is stale and
+    refused (it would undo that write)."""
     schedule = [LayerSpec(0, AttentionKind.SWA), LayerSpec(1, AttentionKind.SWA)]
     manager = KVCacheManager.create(CONFIG, schedule, 2, max_context_tokens=CONTEXT)
+    assert len(manager.v4_stores) == 1 and [manager.v4_store_of(i) for i in (0, 1)] == [(0, 0), (0, 1)]
     manager, slots = manager.admit_or_raise(1)
     manager, _ = manager.reserve_or_raise(slots, [1])
     rng = np.random.default_rng()
     xs = [rng.normal(size=(1, 80)).astype(np.float32) for _ in range(2)]
-    h0, h1 = (manager.acquire(layer, slots, [0]).write_swa(jnp.asarray(x)) for layer, x in enumerate(xs))
-    for order in ((h0, h1), (h1, h0)):
-        m = manager
-        for h in order:
-            m = m.update(h)
-        for layer, x in enumerate(xs):
-            ring = m.layers[layer].swa
-            got = np.asarray(ring.dequantize(), np.float32)[slots[0], 0]  # position 0 at row 0 % window
-            np.testing.assert_array_equal(got, _entries_roundtrip(x)[0])
+    stale = manager.acquire(1, slots, [0]).write_swa(jnp.asarray(xs[1]))
+    m = manager
+    for layer, x in enumerate(xs):
+        m = m.update(m.acquire(layer, slots, [0]).write_swa(jnp.asarray(x)))
+    for layer, x in enumerate(xs):
+        ring = m.layer_cache(layer).swa
+        got = np.asarray(ring.dequantize(), np.float32)[slots[0], 0]  # position 0 at row 0 % window
+        np.testing.assert_array_equal(got, _entries_roundtrip(x)[0])
+    with pytest.raises(InvalidArgument, match="stale handle of layer 1"):
+        m.update(stale)
 
 
 def _full_manager():

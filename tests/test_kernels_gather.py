@@ -264,6 +264,45 @@ def test_gather_swa_kv_before_and_after_wraparound(fmt, interpret):
     assert valid.sum(1).tolist() == [0, 1, window - 2, window, window, 0]
 
 
+@pytest.mark.parametrize("interpret", KERNEL_MODES)
+def test_gathers_read_a_stacked_pool_at_a_traced_layer(interpret):
+    """``layer=``: a stacked ``[L, ...]`` pool read at a (traced) layer
+    gives exactly what the gather of that layer's own pool gives, for the
+    kernel and the reference; a traced layer outside ``[0, L)`` reads
+    nothing (all invalid, zeros); a Python int out of range raises."""
+    rng = np.random.default_rng()
+    fmt = DSV4_FP8
+    layers = 3
+    stacked = jax.tree.map(lambda *a: jnp.stack(a), *[_paged_pool(rng, fmt) for _ in range(layers)])
+    rings = _random_entries(rng, fmt, (layers, 5, 12))
+    table = _random_table(rng, 3, 4)
+    indices = rng.integers(-1, 16, (5, 9)).astype(np.int32)
+    token_rows = rng.integers(0, 3, 5).astype(np.int32)
+    limits = rng.integers(0, 18, 5).astype(np.int32)
+    num_entries = rng.integers(0, 18, 3).astype(np.int32)
+    slots, positions = np.array([0, 2, 4, 1], np.int32), np.array([3, 30, -1, 11], np.int32)
+
+    def gathers(pages, ring, **kw):
+        return (gather_compressed_kv(pages, table, indices, token_rows, num_entries=limits, **kw),
+                gather_all_compressed_kv(pages, table, num_entries, max_entries=11, **kw),
+                gather_swa_kv(ring, slots, positions, **kw))
+
+    at = jax.jit(lambda p, r, layer: gathers(p, r, layer=layer, interpret=interpret))
+    for layer in range(layers):
+        one = [jax.tree.map(lambda a: a[layer], x) for x in (stacked, rings)]
+        want = gathers(*one, implementation="reference")
+        for got in (at(stacked, rings, jnp.int32(layer)), gathers(stacked, rings, layer=layer,
+                                                                  implementation="reference")):
+            for g, w in zip(got, want):
+                _assert_same(g, w)
+    for out, valid in at(stacked, rings, jnp.int32(layers)):
+        assert not np.asarray(valid).any() and not _bits(out).any()
+    with pytest.raises(KernelArgumentError, match="layer 3 out of range"):
+        gather_swa_kv(rings, slots, positions, layer=layers)
+    with pytest.raises(KernelArgumentError, match=r"leading shape \[layers, num_slots, window\]"):
+        gather_swa_kv(jax.tree.map(lambda a: a[0], rings), slots, positions, layer=0)  # an unstacked ring
+
+
 # --------------------------------------------------------------------------
 # Dispatch and argument errors.
 # --------------------------------------------------------------------------

@@ -68,16 +68,26 @@ def test_float32_dots_are_ieee_not_tf32():
 # --------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("layered", [False, True], ids=["pool", "stacked"])
 @pytest.mark.parametrize("fmt", [DSV4_FP8, DSV32_FP8], ids=lambda f: f.name)
-def test_gathers_issue_all_loads_before_any_store(fmt):
+def test_gathers_issue_all_loads_before_any_store(fmt, layered):
+    """Also for a stacked pool read at a traced layer (``layer=``: the
+    kernels index the layer axis in every load, a hybrid cache's layers
+    under a scan)."""
     table = sds((4, 9), I32)
+    lead = (3,) if layered else ()
+    layer = {"layer": sds((), I32)} if layered else {}
+
+    def lower(fn, *args):
+        return _lower(lambda *a: fn(*a[:len(args)], **dict(zip(layer, a[len(args):]))), *args, *layer.values())
+
     lowered = [
-        _lower(lambda p, t, i, r: gather_compressed_kv(p, t, i, r, implementation="pallas"),
-               _entries(fmt, (100, 32)), table, sds((16, 64), I32), sds((16,), I32)),
-        _lower(lambda p, t, n: gather_all_compressed_kv(p, t, n, max_entries=64, implementation="pallas"),
-               _entries(fmt, (100, 32)), table, sds((4,), I32)),
-        _lower(lambda r, s, p: gather_swa_kv(r, s, p, implementation="pallas"),
-               _entries(fmt, (10, 128)), sds((4,), I32), sds((4,), I32)),
+        lower(lambda p, t, i, r, **kw: gather_compressed_kv(p, t, i, r, implementation="pallas", **kw),
+              _entries(fmt, lead + (100, 32)), table, sds((16, 64), I32), sds((16,), I32)),
+        lower(lambda p, t, n, **kw: gather_all_compressed_kv(p, t, n, max_entries=64, implementation="pallas", **kw),
+              _entries(fmt, lead + (100, 32)), table, sds((4,), I32)),
+        lower(lambda r, s, p, **kw: gather_swa_kv(r, s, p, implementation="pallas", **kw),
+              _entries(fmt, lead + (10, 128)), sds((4,), I32), sds((4,), I32)),
     ]
     for low in lowered:
         (call,) = triton_calls(low)

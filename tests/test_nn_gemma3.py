@@ -161,7 +161,7 @@ def test_fp8_pages_and_exact_rings_keep_transformers_tokens():
                    prefill_chunk_size=8)
     assert out.tokens == expected["greedy"]
     manager = out.state.manager
-    assert manager.full_pool.k_pages.dtype == jnp.float8_e4m3fn and manager.layers[0].k.dtype == jnp.float32
+    assert manager.full_pool.k_pages.dtype == jnp.float8_e4m3fn and manager.window_pool.dtype == jnp.float32
 
 
 def test_generate_through_the_ring_cache_equals_transformers():

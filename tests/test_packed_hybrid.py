@@ -194,7 +194,7 @@ def _assert_same_cache(packed, unpacked):
     padding may write there, and nothing reads them."""
     def contents(m):
         kept = {"seq_lens": m.seq_lens, "tables": {name: g.tables for name, g in m.groups.items()},
-                "layers": [None if c is None else jax.tree.map(lambda x: x[1:], c) for c in m.layers]}
+                "v4_stores": [jax.tree.map(lambda x: x[:, 1:], c) for c in m.v4_stores]}  # [layers, rows, ...]
         if m.full_pool is not None:  # [layers, heads, pages, page_size, dim]
             kept["full"] = jax.tree.map(lambda x: x[:, :, 1:], (m.full_pool.k_bits, m.full_pool.v_bits))
         if m.gdn is not None:  # [layers, slots, ...]

@@ -89,11 +89,10 @@ def test_fork_and_clear_on_the_manager():
                                 dtype=jnp.float32, page_size=4)
     manager, slots, _ = manager.admit(3, max_n=3)
     manager, _, ok = manager.reserve(jnp.asarray([1]), jnp.asarray([10]), max_new_tokens=16)
-    ring = manager.layers[0]
+    ring = manager.window_pool
     rng = np.random.default_rng()
     values = jnp.asarray(rng.normal(size=(10, 2, 8)), jnp.float32)
-    manager = manager.replace(layers=(ring.write(jnp.ones(10, jnp.int32), jnp.arange(10), values, values),
-                                      None))
+    manager = manager.replace(window_pool=ring.write(0, jnp.ones(10, jnp.int32), jnp.arange(10), values, values))
     before = manager
     fork, clear = jax.jit(type(manager).fork), jax.jit(type(manager).clear)  # eager: hundreds of dispatches
     for parents, children in (([1, 1], [1, 2]), ([4, 1], [2, 3]), ([1, 1], [2, 2]), ([0, 1], [2, 3])):
@@ -109,13 +108,13 @@ def test_fork_and_clear_on_the_manager():
         assert table[:2].tolist() == parent[:2].tolist() and table[2] != parent[2]
         assert int(manager.seq_lens[child]) == 10
         for name in ("k_bits", "v_bits", "pos"):
-            np.testing.assert_array_equal(np.asarray(getattr(manager.layers[0], name)[child]),
-                                          np.asarray(getattr(manager.layers[0], name)[1]))
+            np.testing.assert_array_equal(np.asarray(getattr(manager.window_pool, name)[0, child]),
+                                          np.asarray(getattr(manager.window_pool, name)[0, 1]))
     assert np.asarray(full.allocator.ref_count(jnp.asarray(parent[:2]))).tolist() == [3, 3]
     in_use = int(manager.blocks_in_use)
     manager, ok = clear(manager, jnp.asarray([2, -1]))
     assert bool(ok) and int(manager.blocks_in_use) == in_use - 1  # its copied last page; shared ones stay
     assert int(manager.seq_lens[2]) == 0 and int(manager.slots.ref_count(jnp.asarray(2))) == 1
-    assert np.all(np.asarray(manager.layers[0].pos[2]) == -1)
+    assert np.all(np.asarray(manager.window_pool.pos[0, 2]) == -1)
     _, ok = clear(manager, jnp.asarray([2, 2]))
     assert not bool(ok)

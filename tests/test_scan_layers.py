@@ -4,20 +4,25 @@ split, and a scanned model against the same model unrolled (built from the
 same seed: equal weights) on random token streams: the same greedy tokens,
 logits equal to float32 summation order, checkpoints saved and loaded the
 same; for a uniform Llama, Qwen2-style windows on some layers (a head or a
-pattern outside one run) and DeepSeek-V3's dense head before its MoE layers."""
+pattern outside one run), DeepSeek-V3's dense head before its MoE layers
+and Qwen3-Next's Gated DeltaNet / full-attention pattern over the hybrid
+cache (a traced layer index acquiring its layer's handle)."""
 
 from __future__ import annotations
 
 import os
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
 
-from jaxkv.nn import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+from jaxkv.nn import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, Qwen3NextConfig, Qwen3NextForCausalLM
 from jaxkv.nn.generate import generate
+from jaxkv.nn.layers import named_state
 from jaxkv.nn.scan import DecoderStack, scan_plan
+from jaxkv.serve import Engine
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures")
 
@@ -99,3 +104,93 @@ def test_a_scanned_deepseek_v3_keeps_its_dense_head(tmp_path):
     c = scanned.config
     assert scanned.layers.head_len == c.first_k_dense_replace and scanned.layers.reps >= 2
     _same_model(scanned, unrolled, np.random.default_rng(), tmp_path)
+
+
+def _qwen3_next(rng, seed: int, scan: bool = True) -> Qwen3NextForCausalLM:
+    """A random small Qwen3-Next: the default pattern (three Gated DeltaNet
+    layers, one full attention) ``reps`` times plus a tail of 1-3 layers,
+    MoE every ``decoder_sparse_step`` layers, maybe a dense first layer
+    (a head outside the scan)."""
+    reps, tail = 2, int(rng.integers(1, 4))  # compile time follows the unrolled twin's depth
+    config = Qwen3NextConfig(
+        vocab_size=101, hidden_size=32, intermediate_size=24, num_hidden_layers=4 * reps + tail,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, linear_key_head_dim=8, linear_value_head_dim=8,
+        linear_num_key_heads=2, linear_num_value_heads=4, num_experts=4, num_experts_per_tok=2,
+        moe_intermediate_size=16, shared_expert_intermediate_size=16, decoder_sparse_step=int(rng.integers(1, 3)),
+        mlp_only_layers=(0,) if rng.random() < 0.5 else ())
+    return Qwen3NextForCausalLM(config, rngs=nnx.Rngs(seed), scan_layers=scan)
+
+
+_reserve = jax.jit(lambda manager, slots, n, width: manager.reserve(slots, n, max_new_tokens=width),
+                   static_argnums=(3,))
+_step = nnx.jit(lambda m, tokens, manager, slots, starts, n: m(tokens, manager, slots, starts, n))
+_dense = nnx.jit(lambda m, tokens: m.forward_dense(tokens))
+
+
+def _cached_logits(model, tokens, chunk):
+    """``tokens`` through a fresh cache: a prefill of ``chunk`` tokens, then
+    one token per step (the recurrent form); the logits at every position."""
+    manager, slots, _ = model.make_cache(1, 64).admit(1, max_n=1)
+    out = []
+    for start, width in [(0, chunk)] + [(t, 1) for t in range(chunk, len(tokens))]:
+        manager, starts, ok = _reserve(manager, slots, jnp.asarray([width]), width)
+        assert bool(ok)
+        piece = jnp.asarray(np.asarray(tokens[start:start + width], np.int32)[None])
+        logits, manager = _step(model, piece, manager, slots, starts, jnp.asarray([width]))
+        out.append(np.asarray(logits[0]))
+    return np.concatenate(out)
+
+
+def test_a_scanned_qwen3_next_is_the_unrolled_one(tmp_path):
+    rng = np.random.default_rng()
+    seed = int(rng.integers(1 << 20))
+    scanned = _qwen3_next(np.random.default_rng(seed), seed)
+    unrolled = _qwen3_next(np.random.default_rng(seed), seed, scan=False)
+    c, stack = scanned.config, scanned.layers
+    assert stack.reps >= 2 and stack.period == 4 and stack.head_len + len(stack.tail) > 0, (c, stack.head_len)
+    assert unrolled.layers.reps == 0
+    # Reading a stacked row gives the unrolled layer (its kind and its weights).
+    i = stack.head_len + stack.period + 1
+    assert scanned.layers[i].kind == unrolled.layers[i].kind == c.layer_types[i]
+    a, b = named_state(scanned), named_state(unrolled)
+    assert a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)
+    # Through the hybrid cache (prefill: the chunked form; then decode steps) and with no cache.
+    tokens = rng.integers(0, c.vocab_size, 40)
+    # Jitted, the dense forwards are one program's arithmetic either way (measured: bit-equal); the cached
+    # steps fuse the cache's reads and writes differently under the scan (measured: at most 1.5e-5 on
+    # logits of magnitude ~4; a layer reading another layer's state moves them by O(1)).
+    np.testing.assert_allclose(_cached_logits(scanned, tokens, 33), _cached_logits(unrolled, tokens, 33),
+                               rtol=1e-5, atol=5e-5)
+    np.testing.assert_allclose(_dense(scanned, tokens), _dense(unrolled, tokens), rtol=1e-6, atol=1e-6)
+    prompts = [rng.integers(1, c.vocab_size, int(rng.integers(3, 30))).tolist() for _ in range(2)]
+    assert generate(scanned, prompts, 6).tokens == generate(unrolled, prompts, 6).tokens
+    # Checkpoints name layers one by one: the same file either way, loaded back scanned.
+    scanned.save_pretrained(tmp_path / "scanned")
+    unrolled.save_pretrained(tmp_path / "unrolled")
+    saved = [_load_safetensors(tmp_path / name / "model.safetensors") for name in ("scanned", "unrolled")]
+    assert saved[0].keys() == saved[1].keys() and all(np.array_equal(saved[0][k], saved[1][k]) for k in saved[0])
+    loaded = Qwen3NextForCausalLM.from_pretrained(tmp_path / "scanned")
+    assert (loaded.layers.head_len, loaded.layers.reps) == (stack.head_len, stack.reps)
+    np.testing.assert_array_equal(_dense(loaded, tokens), _dense(scanned, tokens))
+
+
+def test_a_scanned_qwen3_next_serves_as_the_unrolled_one():
+    """The engine's packed step (``forward_packed``: the Gated DeltaNet on
+    the batch's segments) over the stack: the unrolled model's tokens."""
+    rng = np.random.default_rng()
+    seed = int(rng.integers(1 << 20))
+    models = [_qwen3_next(np.random.default_rng(seed), seed, scan) for scan in (True, False)]
+    prompts = [rng.integers(1, 101, int(rng.integers(3, 50))).tolist() for _ in range(3)]
+    outputs = []
+    for model in models:
+        engine = Engine(model, max_seqs=2, page_size=16, max_model_len=64, prefill_chunk=32, decode_chunk=4)
+        ids = [engine.add_request(p, max_new_tokens=5) for p in prompts]
+        engine.run()
+        outputs.append([list(engine.outputs[r]) for r in ids])
+    assert outputs[0] == outputs[1] and all(len(o) == 5 for o in outputs[0])
+
+
+def _load_safetensors(path) -> dict[str, np.ndarray]:
+    from safetensors.numpy import load_file
+
+    return load_file(str(path))

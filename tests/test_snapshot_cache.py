@@ -258,3 +258,36 @@ def test_records_without_a_page_give_their_tail_blocks_back_under_pressure():
     cache.release(hit)
     assert sorted(cache.evict_blocks([2, 1]).release["pages2"]) == sorted(stored.incref["pages2"])
     assert not cache.records
+
+
+def test_match_finds_by_first_token_what_a_scan_of_every_record_finds():
+    """A root holds one child page per distinct first page and one record
+    per prompt shorter than a page: ``match`` reads only those that begin
+    with the query's next token (an index), and its hit and branch point
+    are those of a scan over every stored sequence."""
+    import random
+
+    rng = random.Random(0)
+    blocks = Blocks()
+    cache = SnapshotCache(UNIT, GROUPS, blocks_for, num_snapshots=64)
+    stored = set()
+    for i in range(48):
+        seq = [rng.randrange(1, 5) for _ in range(rng.randrange(1, 11))]
+        cache.store(seq, blocks.row(seq + [99]), source=i, kind="branch")
+        stored.add(tuple(seq))
+    cache.check_invariants()
+    for _ in range(200):
+        query = [rng.randrange(1, 5) for _ in range(rng.randrange(2, 12))]
+        limit = len(query) - 1
+
+        def common(seq):
+            n = 0
+            while n < min(len(seq), limit) and seq[n] == query[n]:
+                n += 1
+            return n
+
+        hit = cache.match(query)
+        assert hit.tokens == max((len(s) for s in stored if len(s) <= limit and common(s) == len(s)), default=0)
+        assert hit.branch == max(common(s) for s in stored), query
+        cache.release(hit)
+    cache.check_invariants()

@@ -69,3 +69,15 @@ def test_a_cut_behind_the_row_is_refused():
     points.start(0, 40)
     assert not points.add_cut(0, 40) and not points.add_cut(0, 12)
     assert points.add_cut(0, 41)
+
+
+def test_grew_many_is_grew_of_each_row():
+    one, many = SnapshotPoints(6, 8, enabled=True), SnapshotPoints(6, 8, enabled=True)
+    for p in (one, many):
+        p.start(1, 5)
+        p.start(4, 2)
+    for row, n in ((1, 3), (4, 1), (0, 2)):
+        one.grew(row, n)
+    many.grew_many([1, 4, 0], np.array([3, 1, 2]))
+    assert [one.length(r) for r in range(6)] == [many.length(r) for r in range(6)] == [2, 8, 0, 0, 3, 0]
+    assert all(type(many.length(r)) is int for r in range(6))

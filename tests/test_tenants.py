@@ -166,7 +166,7 @@ def _differs_from_fresh(model, cache) -> list[str]:
     fresh = model.make_cache(cache.max_seqs, cache.max_context_tokens, num_snapshots=cache.num_cached_snapshots,
                              num_blocks={name: int(n) + 1 for name, n in zip(cache.groups, cache.capacity)})
     out = []
-    for part in ("full_pool", "mla_pool", "gdn", "layers"):
+    for part in ("full_pool", "mla_pool", "gdn", "v4_stores", "window_pool"):
         for (path, mine), (_, new) in zip(jax.tree_util.tree_leaves_with_path(getattr(cache.manager, part)),
                                           jax.tree_util.tree_leaves_with_path(getattr(fresh, part))):
             name = part + jax.tree_util.keystr(path)

@@ -104,8 +104,7 @@ def _run(window_cache, steps, *, cap, with_sinks, rng, check_bounded=False):
         for r, n in step:
             length[r] += n
         if check_bounded:
-            ring = manager.layers[0]
-            held = np.asarray(ring.pos)[np.asarray(slots)]
+            held = np.asarray(manager.window_pool.pos[0])[np.asarray(slots)]
             for r in range(2):
                 live = held[r][held[r] >= 0]
                 assert sorted(live) == list(range(max(0, length[r] - WINDOW), length[r])), (r, live, length[r])
@@ -134,8 +133,9 @@ def test_ring_holds_window_tokens_and_layout():
                                 window=WINDOW, dtype=jnp.bfloat16, window_cache="ring")
     assert [s.kind for s in manager.schemas] == [AttentionKind.WINDOW, AttentionKind.FULL]
     assert list(manager.groups) == ["full"]  # the window layer takes no blocks
-    ring = manager.layers[0]
-    assert ring.k.shape == (manager.num_slots, KV_HEADS, WINDOW, DIM) and ring.k.dtype == jnp.bfloat16
+    ring = manager.window_pool
+    k, _, _ = ring.read(0, jnp.arange(manager.num_slots))
+    assert ring.k_bits.shape == (1, manager.num_slots, KV_HEADS, WINDOW, DIM) and k.dtype == jnp.bfloat16
     assert ring.k_bits.dtype == jnp.uint16  # stored as bits: scatters update in place on CPU
     paged = interleaved_cache(SLIDING, 3, 4096, num_kv_heads=KV_HEADS, head_dim=DIM, num_query_heads=HEADS,
                               window=WINDOW, dtype=jnp.bfloat16, window_cache="paged")
@@ -156,20 +156,24 @@ def test_ring_resets_on_release_and_moves_through_snapshots_and_host():
     _, manager = _step(manager, slots, positions, ids, q, k, v, jnp.zeros(HEADS), layer=0, window=WINDOW, cap=None,
                        with_sinks=False)
     slot = int(slots[0])
-    ring = manager.layers[0]
-    np.testing.assert_array_equal(np.sort(np.asarray(ring.pos[slot])), np.arange(4, 9))
-    np.testing.assert_array_equal(np.asarray(ring.k[slot][:, np.arange(4, 9) % WINDOW]),
-                                  np.asarray(k[4:9]).transpose(1, 0, 2))
+
+    def row(manager, r):  # (k, v, pos) of state row r of the window layer
+        return [np.asarray(a[0]) for a in manager.window_pool.read(0, jnp.asarray([r]))]
+
+    ring_k, _, ring_pos = row(manager, slot)
+    np.testing.assert_array_equal(np.sort(ring_pos), np.arange(4, 9))
+    np.testing.assert_array_equal(ring_k[:, np.arange(4, 9) % WINDOW], np.asarray(k[4:9]).transpose(1, 0, 2))
     # Into a snapshot row and out to the host and back into another row.
     snapshot = manager.num_slots
     manager = manager.copy_state(jnp.asarray([slot]), jnp.asarray([snapshot]))
     rows = read_state_rows(manager, jnp.asarray([snapshot]))
     manager, _ = manager.release(slots)
-    assert np.all(np.asarray(manager.layers[0].pos[slot]) == -1)
-    assert not np.any(np.asarray(manager.layers[0].k[slot]))
+    released_k, _, released_pos = row(manager, slot)
+    assert np.all(released_pos == -1) and not np.any(released_k)
     manager = write_state_rows(manager, jnp.asarray([snapshot + 1]), rows)
-    np.testing.assert_array_equal(np.asarray(manager.layers[0].k[snapshot + 1]), np.asarray(ring.k[slot]))
-    np.testing.assert_array_equal(np.asarray(manager.layers[0].pos[snapshot + 1]), np.asarray(ring.pos[slot]))
+    back_k, _, back_pos = row(manager, snapshot + 1)
+    np.testing.assert_array_equal(back_k, ring_k)
+    np.testing.assert_array_equal(back_pos, ring_pos)
 
 
 def test_errors_name_the_problem():
@@ -205,6 +209,6 @@ def test_a_decode_step_updates_the_ring_in_place():
 
     q, kv = jnp.ones((4, 8, 64), jnp.bfloat16), jnp.ones((4, 4, 64), jnp.bfloat16)
     hlo = jax.jit(step, donate_argnums=0).lower(manager, q, kv, kv).compile().as_text()
-    ring = jax.tree.leaves(manager.layers[0])
+    ring = jax.tree.leaves(manager.window_pool)
     assert pool_sized_updates(hlo, min(a.nbytes for a in ring)) == 3
     assert pool_sized_copies(hlo, shapes=[a.shape for a in ring]) == []

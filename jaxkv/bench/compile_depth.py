@@ -49,8 +49,75 @@ def _llama(layers: int, scan: bool):
                             scan_layers=scan)
 
 
+def _window_types(layers: int, period: int) -> tuple[str, ...]:
+    """Every ``period``-th layer global, the rest sliding; the last layer
+    global when none is (the ring cache needs a paged layer)."""
+    types = ["full_attention" if (i + 1) % period == 0 else "sliding_attention" for i in range(layers)]
+    types[-1] = "full_attention" if "full_attention" not in types else types[-1]
+    return tuple(types)
+
+
+def _gemma3(layers: int, scan: bool):
+    """Gemma 3's pattern (five window layers, one global)."""
+    from jaxkv.nn import Gemma3ForCausalLM
+    from jaxkv.nn.gemma3_config import Gemma3Config
+
+    config = Gemma3Config(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+                          num_attention_heads=4, num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=16,
+                          sliding_window=16, layer_types=_window_types(layers, 6), max_position_embeddings=256)
+    return Gemma3ForCausalLM(config, rngs=nnx.Rngs(0), scan_layers=scan)
+
+
+def _gpt_oss(layers: int, scan: bool):
+    """gpt-oss's alternation (window, full)."""
+    from jaxkv.nn import GptOssForCausalLM
+    from jaxkv.nn.gpt_oss_config import GptOssConfig
+
+    config = GptOssConfig(vocab_size=256, hidden_size=64, intermediate_size=64, num_hidden_layers=layers,
+                          num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=4,
+                          num_experts_per_tok=2, sliding_window=16, layer_types=_window_types(layers, 2),
+                          max_position_embeddings=256)
+    return GptOssForCausalLM(config, rngs=nnx.Rngs(0), scan_layers=scan)
+
+
+def _qwen3_next(layers: int, scan: bool):
+    """Qwen3-Next's pattern (three Gated DeltaNet layers, one full
+    attention; the last layer full when none is: the hybrid cache's full
+    group needs one), MoE on every layer."""
+    from jaxkv.nn import Qwen3NextConfig, Qwen3NextForCausalLM
+
+    types = ["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(layers)]
+    types[-1] = "full_attention" if "full_attention" not in types else types[-1]
+    config = Qwen3NextConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+                             num_attention_heads=4, num_key_value_heads=2, head_dim=16, linear_key_head_dim=16,
+                             linear_value_head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
+                             num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                             shared_expert_intermediate_size=32, layer_types=tuple(types),
+                             max_position_embeddings=256)
+    return Qwen3NextForCausalLM(config, rngs=nnx.Rngs(0), scan_layers=scan)
+
+
+def _deepseek_v4(layers: int, scan: bool):
+    """DeepSeek-V4's pattern after its hash-routed first layer: CSA and HCA
+    layers alternating (rates 4 and 16), top-k routed MoE; the fixture's
+    widths (``tests/fixtures/dsv4/small``)."""
+    from jaxkv.nn import DeepseekV4ForCausalLM
+    from jaxkv.nn.deepseek_v4_config import DeepseekV4Config
+
+    types = tuple("compressed_sparse_attention" if i % 2 == 0 else "heavily_compressed_attention"
+                  for i in range(layers))
+    config = DeepseekV4Config(vocab_size=256, hidden_size=64, moe_intermediate_size=32, num_hidden_layers=layers,
+                              num_attention_heads=4, head_dim=128, q_lora_rank=32, num_experts_per_tok=2,
+                              n_routed_experts=4, layer_types=types, compress_rates=(4, 16),
+                              mlp_layer_types=("hash_moe",) + ("moe",) * (layers - 1), sliding_window=16,
+                              o_groups=2, o_lora_rank=32, index_n_heads=2, index_topk=4, partial_rotary_factor=0.5,
+                              max_position_embeddings=256)
+    return DeepseekV4ForCausalLM(config, rngs=nnx.Rngs(0), scan_layers=scan)
+
+
 #: family -> builder(layers, scan) of a random-weight model.
-FAMILIES = {"llama": _llama}
+FAMILIES = {"llama": _llama, "gemma3": _gemma3, "gpt_oss": _gpt_oss, "qwen3_next": _qwen3_next,
+            "deepseek_v4": _deepseek_v4}
 
 
 def _timed(fn) -> float:
@@ -65,6 +132,9 @@ def measure(family: str, layers: int, scan: bool) -> dict:
     from jaxkv.nn.generate import generate
     from jaxkv.serve import Engine
 
+    # A model with no repeating pattern (2 layers of a window family) is the same program scanned or not: without
+    # this its second build would be a cache hit, not a compile.
+    jax.clear_caches()
     model = FAMILIES[family](layers, scan)
     prompt = np.random.default_rng(layers).integers(1, model.config.vocab_size, PROMPT).tolist()
     out = {}

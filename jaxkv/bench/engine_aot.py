@@ -245,6 +245,9 @@ def build(spec: ModelSpec) -> Setup:
         mesh = Mesh(np.asarray(devices), ("tp",))
         replicated = NamedSharding(mesh, P())
         mesh_name = f"tp={spec.tp} H100"
+    # The routed experts learn where shard_model's specs put them (their grouped matmuls run on each
+    # device's own experts under shard_map): a static attribute, so before the graph definition is taken.
+    sharding.place_experts(model, mesh, tp_axis="tp", expert_axis="expert")
     graphdef, state = nnx.split(model)
     if mesh is not None:
         def names(path):  # module names of a state path, as shard_model reads them

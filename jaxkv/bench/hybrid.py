@@ -75,7 +75,7 @@ def memory_rows(num_layers: int, budget_gib: float):
     one, two = (_hybrid_shape(schedule, n, CONTEXT) for n in (1, 2))
     per_request = _bytes(two) - _bytes(one)  # one more 128k request: its blocks, table rows, state
     # Fixed state: every per-slot array (SWA rings, compressor rings) / slots.
-    state = sum(_bytes([c.swa, c.comp_kv, c.comp_score, c.index_kv, c.index_score]) for c in two.layers) // 3
+    state = sum(_bytes([c.swa, c.comp_kv, c.comp_score, c.index_kv, c.index_score]) for c in two.v4_stores) // 3
     head_dim = HybridConfig().head_dim
     full_pool = jax.eval_shape(lambda: KVPool.create_mla(num_pages=CONTEXT // 16 + 1, page_size=16,
                                                          num_layers=num_layers, kv_lora_rank=head_dim - 64,
@@ -258,7 +258,7 @@ def model_rows(steps: int, repeats: int, rng, batch: int = 8, prompt_len: int = 
     graphdef, params, state = start_hybrid(dsv4, prompts, max_new, entry_format="fp8")
     manager = state.manager
     paged = sum(block_bytes(s, manager.config) / s.tokens_per_block for s in manager.schemas if s.group)
-    ring = sum(_bytes([c.swa, c.comp_kv, c.comp_score, c.index_kv, c.index_score]) for c in manager.layers)
+    ring = sum(_bytes([c.swa, c.comp_kv, c.comp_score, c.index_kv, c.index_score]) for c in manager.v4_stores)
     dsv4_state_bytes = ring // manager.num_slots
     values = jnp.asarray(rng.normal(size=(steps, batch, 4 * dsv4.config.head_dim)), jnp.float32)
     slots = jnp.arange(1, batch + 1, dtype=jnp.int32)

@@ -130,10 +130,10 @@ def main(argv=None) -> None:
             best = min(best, time.perf_counter() - t0)
         times[name] = best / args.steps * 1e6
     layers = model.config.num_hidden_layers
-    # The layers the program holds: a scanned stack (jaxkv.nn.scan) holds its repeating pattern once, in the
-    # loop body, and its head and tail outside; each of them runs its collectives once per layer it stands for.
+    # The layers the program holds: a scanned stack (jaxkv.nn.scan) holds one layer per run of its pattern, in
+    # the loop body, and its head and tail outside; each of them runs its collectives once per layer it stands for.
     stack = model.layers
-    in_program = stack.head_len + stack.period + len(stack.tail) if isinstance(stack, DecoderStack) else layers
+    in_program = stack.layers_in_program if isinstance(stack, DecoderStack) else layers
     if jax.process_index() == 0:
         print(json.dumps({"family": args.family, "devices": total, "processes": jax.process_count(),
                           "us_loop": times["loop"], "us_per_step": times["per_step"], "layers": layers,

@@ -55,7 +55,7 @@ def compress_step(ring_kv: Float[Array, "slots rows width"], ring_score: Float[A
                   pool: CompressedEntries, table: Int[Array, "slots M"], slots: Int[Array, " T"],
                   positions: Int[Array, " T"], request_ids: Int[Array, " T"], newest: Int[Array, " T"],
                   kv: Float[Array, "T width"], score: Float[Array, "T width"], *, ratio: int, overlap: int,
-                  finish: Callable | None = None
+                  finish: Callable | None = None, layer=None
                   ) -> tuple[Float[Array, "slots rows width"], Float[Array, "slots rows width"], CompressedEntries]:
     """Advance a compressor by this step's tokens and store completed entries.
 
@@ -63,11 +63,18 @@ def compress_step(ring_kv: Float[Array, "slots rows width"], ring_score: Float[A
     request's newest position in the step (:func:`last_position`), ``table``
     the layer group's block table. ``finish(pooled, entry_index)`` (static)
     turns each pooled vector into the stored entry (default: stored as
-    pooled). Returns ``(ring_kv, ring_score, pool)``.
+    pooled). ``layer`` (an int or a traced int32): the rings and the pool
+    are stacked (``[L, slots, rows, width]``, ``[L, num_blocks, E]``) and
+    layer ``layer`` is read and written in place (gathers and scatters at
+    ``[layer, ...]``; nothing is sliced out). Returns ``(ring_kv,
+    ring_score, pool)``.
     """
     num_tokens, width = kv.shape
     rows = overlap * ratio
     d = width // overlap
+    at = () if layer is None else (layer,)  # the leading index of every ring / pool access
+    num_slots = ring_kv.shape[len(at)]
+    pool_blocks, epb = pool.shape[len(at):]
     active = (slots >= 0) & (positions >= 0)
     completes = active & ((positions + 1) % ratio == 0)
 
@@ -81,14 +88,15 @@ def compress_step(ring_kv: Float[Array, "slots rows width"], ring_score: Float[A
         src = t - (pos - q)
         src_c = jnp.clip(src, 0, num_tokens - 1)
         here = (src >= 0) & (request_ids[src_c] == request_ids[:, None]) & (positions[src_c] == q)
-        slot = jnp.clip(slots, 0, ring_kv.shape[0] - 1)
+        slot = jnp.clip(slots, 0, num_slots - 1)
         block = jnp.arange(rows, dtype=jnp.int32) // ratio  # row j feeds channel block j // ratio
 
         def pick(from_step, from_ring):
             """``[T, rows, d]``: each row's channel block, from the step or the
             ring (only that block is gathered: half the bytes with overlap 2)."""
             step_rows = from_step.reshape(num_tokens, overlap, d)[src_c, block]
-            ring_rows = from_ring.reshape(from_ring.shape[0], rows, overlap, d)[slot[:, None], q % rows, block]
+            split = from_ring.reshape(from_ring.shape[:-2] + (rows, overlap, d))  # a view: no copy
+            ring_rows = split[(*at, slot[:, None], q % rows, block)]
             return jnp.where(here[..., None], step_rows, ring_rows)
 
         src_kv = pick(kv, ring_kv)
@@ -100,28 +108,31 @@ def compress_step(ring_kv: Float[Array, "slots rows width"], ring_score: Float[A
         e = (positions + 1) // ratio - 1
         if finish is not None:
             entry = finish(entry, jnp.maximum(e, 0))
-        epb = pool.shape[1]
         page = table[slot, jnp.clip(e // epb, 0, table.shape[1] - 1)]
         store = completes & (page >= 0) & (e // epb < table.shape[1])
-        # Rows past the pool (pool.shape[0] * epb) are dropped by the scatter.
-        pool = store_entries(pool, jnp.where(store, page * epb + e % epb, pool.shape[0] * epb), entry)
+        # Rows past the pool (pool_blocks * epb) are dropped by the scatter.
+        pool = store_entries(pool, jnp.where(store, page * epb + e % epb, pool_blocks * epb), entry, layer=layer)
         return pool, entry[:, :1].astype(kv.dtype)
 
     # Only a step in which some token completes an entry pools its rows (a
     # decode step of an HCA layer completes one in 128): the others skip
     # reading the ring. ``read`` depends on every ring row read (see below).
-    pool, read = jax.lax.cond(jnp.any(completes), pool_and_store,
-                              lambda pool: (pool, jnp.zeros((num_tokens, 1), kv.dtype)), pool)
+    # An index switch, not a predicated cond: XLA:GPU copies the operand of a
+    # predicated conditional that a branch updates in place (the whole entry
+    # pool, every step; a switch's it updates in place).
+    pool, read = jax.lax.switch(jnp.any(completes).astype(jnp.int32),
+                                [lambda pool: (pool, jnp.zeros((num_tokens, 1), kv.dtype)), pool_and_store], pool)
 
     # The ring keeps each request's newest `rows` positions of this step.
     keep = active & (positions > newest - rows)
-    ring_slot = jnp.where(keep, slots, ring_kv.shape[0])  # out of range: dropped
+    ring_slot = jnp.where(keep, slots, num_slots)  # out of range: dropped
     # The rows not kept are dropped, so their values are free: taking them
     # from `read` makes the writes depend on the ring rows read above. XLA's
     # CPU backend otherwise copies the whole ring (twice) to keep the old rows
     # for reads it may not order before the scatters.
-    ring_kv = ring_kv.at[ring_slot, positions % rows].set(jnp.where(keep[:, None], kv, read), mode="drop")
-    ring_score = ring_score.at[ring_slot, positions % rows].set(jnp.where(keep[:, None], score, read), mode="drop")
+    ring_at = (*at, ring_slot, positions % rows)
+    ring_kv = ring_kv.at[ring_at].set(jnp.where(keep[:, None], kv, read), mode="drop")
+    ring_score = ring_score.at[ring_at].set(jnp.where(keep[:, None], score, read), mode="drop")
     return ring_kv, ring_score, pool
 
 

@@ -39,8 +39,15 @@ entries past ``lens[s]`` are -1; a free slot holds no block, ``seq_lens`` 0,
 compressor rings at their initial value and zeroed SWA rings and GDN state;
 allocated + free blocks = total in every group; a failed operation changes
 nothing; ``write_epochs[store]`` counts the write-backs of each store
-(one per DeepSeek-V4 or window layer, then the full pool, the MLA pool, the
-GDN pool).
+(one per DeepSeek-V4 store class, then the full pool, the MLA pool, the
+GDN pool, the window pool).
+
+Every store is stacked (a leading layer axis), DeepSeek-V4's too: its
+layers are grouped into *store classes* (layers whose schemas are equal but
+for the layer index: same kind, group, ratio and formats), each one
+:class:`CompressedLayerCache` with a row per layer of the class. So a layer
+reached by a traced index (a model whose layers run under one ``lax.scan``)
+reads and writes its arrays in place, whatever its kind.
 
 The pieces live beside this module: :mod:`jaxkv.manager.block_group`
 (allocator + table of a group), :mod:`jaxkv.manager.layer_handle` (the
@@ -51,6 +58,8 @@ handle), :mod:`jaxkv.manager.dsv4_compressor` (DeepSeek-V4's pooling rule),
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import operator
 
 import jax
@@ -81,19 +90,39 @@ from jaxkv.pool.kv_pool import KVPool
 from jaxkv.pool.window import WindowLayerCache
 from jaxkv.types import Ok
 
-__all__ = ["BlockGroup", "CompressedLayerCache", "KVCacheManager", "LayerCacheHandle"]
+__all__ = ["BlockGroup", "CompressedLayerCache", "KVCacheManager", "LayerCacheHandle", "v4_layout"]
 
 _V4_KINDS = (AttentionKind.SWA, AttentionKind.CSA, AttentionKind.HCA)
-#: Kinds whose layer owns its arrays (one store per layer): DeepSeek-V4's
-#: and the window layers' rings.
-_LAYER_KINDS = _V4_KINDS + (AttentionKind.WINDOW,)
-#: Shared stores after the per-layer ones, in ``write_epochs`` order.
-_SHARED_STORES = (AttentionKind.FULL, AttentionKind.MLA, AttentionKind.LINEAR)
+#: Shared stores after the DeepSeek-V4 store classes, in ``write_epochs``
+#: order: one array per kind with a leading layer axis (the layer's rank
+#: among its kind), so a layer reached by a traced index (layers under a
+#: scan) reads and writes it in place.
+_SHARED_STORES = (AttentionKind.FULL, AttentionKind.MLA, AttentionKind.LINEAR, AttentionKind.WINDOW)
 
-#: A layer's cache arrays as the manager holds them: DeepSeek-V4 kinds own a
-#: :class:`CompressedLayerCache`, window layers a :class:`WindowLayerCache`;
-#: full/MLA/linear layers own none (their arrays are in the shared pools).
-LayerCache = CompressedLayerCache | WindowLayerCache | None
+
+@functools.lru_cache(maxsize=64)
+def v4_layout(schemas: tuple[LayerCacheSchema, ...]) -> tuple[tuple[LayerCacheSchema, ...], tuple[int, ...],
+                                                              tuple[int, ...]]:
+    """The DeepSeek-V4 store classes of a schedule: ``(classes, store,
+    row)``: ``classes[c]`` the schema of class ``c``'s first layer (classes
+    in order of first layer), and per layer of the schedule its class
+    ``store[i]`` and its row in it ``row[i]`` (both -1 for a layer of
+    another kind). Layers of one class have equal schemas but for
+    ``layer_idx``, so they stack."""
+    keys, classes, store, row = [], [], [], []
+    for schema in schemas:
+        if schema.kind not in _V4_KINDS:
+            store.append(-1)
+            row.append(-1)
+            continue
+        key = dataclasses.replace(schema, layer_idx=0)
+        if key not in keys:
+            keys.append(key)
+            classes.append(schema)
+        c = keys.index(key)
+        row.append(store.count(c))
+        store.append(c)
+    return tuple(classes), tuple(store), tuple(row)
 
 
 @struct.dataclass
@@ -105,15 +134,19 @@ class KVCacheManager:
       seq_lens: int32 ``[num_slots]`` tokens reserved per slot.
       groups: ``{group name: BlockGroup}`` (``"csa4"``, ``"hca128"``,
         ``"full"``, ``"mla"``), in schedule order of first use.
-      layers: per layer, its :class:`CompressedLayerCache` (SWA/CSA/HCA),
-        :class:`WindowLayerCache` (window) or None (full/MLA/linear),
-        ``len(schemas)`` entries.
+      v4_stores: one stacked :class:`CompressedLayerCache` per DeepSeek-V4
+        store class (:func:`v4_layout`), layer ``i`` at row ``row[i]`` of
+        store ``store[i]`` (:meth:`v4_store_of`; read one layer with
+        :meth:`layer_cache`); empty without SWA/CSA/HCA layers.
       full_pool, mla_pool: one :class:`~jaxkv.KVPool` for all full-attention
         (resp. MLA) layers, layer index = the layer's rank among them.
       gdn: one :class:`~jaxkv.GDNPool` for all linear layers.
-      write_epochs: int32 ``[len(schemas) + 3]``, write-backs per store (each
-        DeepSeek-V4 or window layer, then the full, MLA and GDN pools): ``update``
-        refuses a handle acquired before the last write-back of its store.
+      window_pool: one :class:`WindowLayerCache` for all window layers'
+        rings, layer index = the layer's rank among them.
+      write_epochs: int32 ``[len(v4_stores) + 4]``, write-backs per store
+        (each DeepSeek-V4 store class, then the full, MLA, GDN and window pools):
+        ``update`` refuses a handle acquired before the last write-back of
+        its store.
       schemas, config: static.
       num_snapshots: static; per-request state (SWA, window and compressor rings,
         GDN states) has this many extra rows after the slots: snapshot ``i``
@@ -128,10 +161,11 @@ class KVCacheManager:
     slots: BlockAllocator
     seq_lens: Int[Array, " slots"]
     groups: dict[str, BlockGroup]
-    layers: tuple[LayerCache, ...]
+    v4_stores: tuple[CompressedLayerCache, ...]
     full_pool: KVPool | None
     mla_pool: KVPool | None
     gdn: GDNPool | None
+    window_pool: WindowLayerCache | None
     write_epochs: Int[Array, " stores"]
     schemas: tuple[LayerCacheSchema, ...] = struct.field(pytree_node=False)
     config: HybridConfig = struct.field(pytree_node=False)
@@ -185,9 +219,15 @@ class KVCacheManager:
                 max_blocks = ceil_div(max_context_tokens, s.tokens_per_block)
                 groups[s.group] = BlockGroup.create(num_blocks[s.group], num_slots, max_blocks,
                                                     s.tokens_per_entry, s.entries_per_block)
-        layers = tuple(_layer_cache(s, config, num_slots + num_snapshots, num_blocks.get(s.group, 0)) for s in schemas)
+        classes, store_of, _ = v4_layout(schemas)
+        v4_stores = tuple(_store_cache(s, config, num_slots + num_snapshots, num_blocks.get(s.group, 0),
+                                       store_of.count(c)) for c, s in enumerate(classes))
         count = {k: sum(s.kind == k for s in schemas) for k in AttentionKind}
-        full_pool = mla_pool = gdn = None
+        full_pool = mla_pool = gdn = window_pool = None
+        if count[AttentionKind.WINDOW]:
+            window_pool = WindowLayerCache.create(num_slots + num_snapshots, config.window, config.num_kv_heads,
+                                                  config.kv_head_dim, config.window_dtype or config.kv_dtype,
+                                                  num_layers=count[AttentionKind.WINDOW])
         if count[AttentionKind.FULL]:
             full_pool = KVPool.create(num_pages=num_blocks["full"], page_size=config.page_size,
                                       num_layers=count[AttentionKind.FULL], k_heads=config.num_kv_heads,
@@ -203,9 +243,9 @@ class KVCacheManager:
                                  num_k_heads=config.linear_num_k_heads, dtype=config.linear_dtype,
                                  max_track_slots=max(max_track_slots, num_snapshots))
         return cls(slots=BlockAllocator.create(num_slots, lowest_first=True),
-                   seq_lens=jnp.zeros((num_slots,), jnp.int32), groups=groups, layers=layers,
-                   full_pool=full_pool, mla_pool=mla_pool, gdn=gdn,
-                   write_epochs=jnp.zeros((len(schemas) + len(_SHARED_STORES),), jnp.int32),
+                   seq_lens=jnp.zeros((num_slots,), jnp.int32), groups=groups, v4_stores=v4_stores,
+                   full_pool=full_pool, mla_pool=mla_pool, gdn=gdn, window_pool=window_pool,
+                   write_epochs=jnp.zeros((len(v4_stores) + len(_SHARED_STORES),), jnp.int32),
                    schemas=schemas, config=config, num_snapshots=num_snapshots, capture_every=capture_every)
 
     # ---------------------------------------------------------------- facts
@@ -249,14 +289,51 @@ class KVCacheManager:
         allocators), from static shapes."""
         return sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree.leaves(self))
 
-    def _rank(self, layer: int) -> int:
-        kind = self.schemas[layer].kind
-        return sum(s.kind == kind for s in self.schemas[:layer])
+    def _rank(self, layer, like: int):
+        """Index of ``layer`` in its store: its row in its DeepSeek-V4 store
+        class, or its rank among the layers of its kind (shared pools). A
+        static lookup for an int, a table read for a traced index
+        (``like``: a static layer of the same store)."""
+        kind = self.schemas[like].kind
+        if kind in _V4_KINDS:
+            ranks = list(v4_layout(self.schemas)[2])
+        else:
+            ranks = [sum(s.kind == kind for s in self.schemas[:i]) for i in range(len(self.schemas))]
+        if isinstance(layer, jax.core.Tracer):
+            return jnp.asarray(ranks, jnp.int32)[layer]
+        return ranks[layer]
 
     def _store(self, layer: int) -> int:
         """Index in ``write_epochs`` of the store ``layer`` writes back to."""
         kind = self.schemas[layer].kind
-        return layer if kind in _LAYER_KINDS else len(self.schemas) + _SHARED_STORES.index(kind)
+        if kind in _V4_KINDS:
+            return v4_layout(self.schemas)[1][layer]
+        return len(self.v4_stores) + _SHARED_STORES.index(kind)
+
+    def v4_store_of(self, layer: int) -> tuple[int, int]:
+        """``(store, row)``: DeepSeek-V4 layer ``layer``'s arrays are row
+        ``row`` of ``v4_stores[store]``. ``InvalidArgument`` for a layer out
+        of range or of another kind."""
+        schema = self._check_layer(layer)
+        if schema.kind not in _V4_KINDS:
+            raise InvalidArgument(f"layer {layer} ({schema.kind.value}) is not a DeepSeek-V4 layer: its arrays "
+                                  "are in a shared pool")
+        _, store, row = v4_layout(self.schemas)
+        return store[schema.layer_idx], row[schema.layer_idx]
+
+    def layer_cache(self, layer: int) -> CompressedLayerCache | None:
+        """DeepSeek-V4 layer ``layer``'s arrays as a one-layer
+        :class:`CompressedLayerCache` (no layer axis), or None for a layer of
+        another kind: a copy, for reading (tests, host tools); steps write
+        the stacked stores through their handles."""
+        if self._check_layer(layer).kind not in _V4_KINDS:
+            return None
+        store, row = self.v4_store_of(layer)
+        return self.v4_stores[store].layer(row)
+
+    def v4_group_stores(self, group: str) -> list[int]:
+        """Indices of the DeepSeek-V4 stores whose layers are in ``group``."""
+        return [c for c, s in enumerate(v4_layout(self.schemas)[0]) if s.group == group]
 
     def _check_layer(self, layer: int) -> LayerCacheSchema:
         """The schema of ``layer`` (a static int), or ``InvalidArgument``."""
@@ -302,11 +379,13 @@ class KVCacheManager:
     def _reset(self, ids) -> "KVCacheManager":
         """Initial per-request state for ``ids`` (-1 entries skipped)."""
         targets = jnp.where(ids >= 0, ids, self.num_slots + self.num_snapshots)  # out of range: dropped
-        layers = tuple(None if c is None else c.reset(targets) for c in self.layers)
+        stores = tuple(c.reset(targets) for c in self.v4_stores)
         gdn = self.gdn
         if gdn is not None:
             gdn, _ = gdn.reset_states(jnp.where(ids >= 0, ids, -1))
-        return self.replace(seq_lens=self.seq_lens.at[targets].set(0, mode="drop"), layers=layers, gdn=gdn)
+        window = None if self.window_pool is None else self.window_pool.reset(targets)
+        return self.replace(seq_lens=self.seq_lens.at[targets].set(0, mode="drop"), v4_stores=stores, gdn=gdn,
+                            window_pool=window)
 
     def reset_state_rows(self, rows) -> "KVCacheManager":
         """Initial state (zeroed SWA, window and GDN states, compressor rings
@@ -344,11 +423,12 @@ class KVCacheManager:
         pair = pair & ids_distinct(dst, pair, rows)  # else none: all layers agree with the GDN pool's refusal
         source = jnp.where(pair, src, 0)
         target = jnp.where(pair, dst, rows)  # out of range: dropped
-        layers = tuple(None if c is None else c.copy_rows(source, target) for c in self.layers)
+        stores = tuple(c.copy_rows(source, target) for c in self.v4_stores)
         gdn = self.gdn
         if gdn is not None:
             gdn, _ = gdn.copy_states(jnp.where(pair, src, -1), jnp.where(pair, dst, -1))
-        return self.replace(layers=layers, gdn=gdn)
+        window = None if self.window_pool is None else self.window_pool.copy_rows(source, target)
+        return self.replace(v4_stores=stores, gdn=gdn, window_pool=window)
 
     def capture(self, slots, advanced) -> "KVCacheManager":
         """With ``capture_every`` > 0: copy the state of every slot of
@@ -526,14 +606,14 @@ class KVCacheManager:
             pairs[name] = (s, d, pair)
         copies = {name: (jnp.where(pair & distinct, s, -1), jnp.where(pair & distinct, d, -1))
                   for name, (s, d, pair) in pairs.items()}
-        layers = []
-        for schema, cache in zip(self.schemas, self.layers):
-            if cache is not None and schema.group is not None:
+        stores = []
+        for schema, cache in zip(v4_layout(self.schemas)[0], self.v4_stores):
+            if schema.group is not None:
                 s, d = copies[schema.group]
                 num_blocks = self.groups[schema.group].allocator.num_blocks
                 # Skipped pairs read block 0 and write past the blocks (dropped).
                 cache = cache.copy_blocks(jnp.where(d >= 0, s, 0), jnp.where(d >= 0, d, num_blocks))
-            layers.append(cache)
+            stores.append(cache)
         pools = {}
         for kind, pool in ((AttentionKind.FULL, self.full_pool), (AttentionKind.MLA, self.mla_pool)):
             if pool is not None:
@@ -541,7 +621,7 @@ class KVCacheManager:
                 s, d = copies[next(x.group for x in self.schemas if x.kind == kind)]
                 pool, _ = pool.copy_pages(s, d)  # -1 pairs are skipped; the rest are in range and distinct
             pools[kind] = pool
-        return self.replace(layers=tuple(layers), full_pool=pools[AttentionKind.FULL],
+        return self.replace(v4_stores=tuple(stores), full_pool=pools[AttentionKind.FULL],
                             mla_pool=pools[AttentionKind.MLA])
 
     def incref_blocks(self, blocks: dict) -> tuple["KVCacheManager", Ok]:
@@ -671,8 +751,8 @@ class KVCacheManager:
 
     # ---------------------------------------------------------------- layers
 
-    def acquire(self, layer: int, request_slots, positions, request_ids=None, *,
-                implementation: str | None = None) -> LayerCacheHandle:
+    def acquire(self, layer, request_slots, positions, request_ids=None, *,
+                implementation: str | None = None, like: int | None = None) -> LayerCacheHandle:
         """The handle of ``layer`` for one step (no allocation, no host sync).
 
         ``request_slots`` ``[B]``; ``positions`` ``[T]``; ``request_ids``
@@ -680,9 +760,24 @@ class KVCacheManager:
         decoding one token per request). Rows whose slot is not held become
         padding (-1), and so do tokens at positions the request has not
         reserved (outside ``[0, seq_lens[slot])``): they write and read nothing.
+
+        ``layer`` is an int, or a traced int32 for a layer under a scan
+        (:meth:`jaxkv.nn.scan.DecoderStack.run`); then ``like`` names a
+        static layer of the same store (the scan's column), whose schema the
+        handle takes. The caller guarantees the traced layer is in
+        ``like``'s store: of its kind, and for a DeepSeek-V4 layer of its
+        store class (:func:`v4_layout`; a layer under a scan's column is,
+        when the model's layer signature captures its kind and ratio).
         """
-        schema = self._check_layer(layer)
-        layer = schema.layer_idx
+        traced = isinstance(layer, jax.core.Tracer)
+        if traced:
+            if like is None:
+                raise InvalidArgument("acquire of a traced layer index needs like=<a static layer of its kind>")
+            schema = self._check_layer(like)
+            layer = jnp.asarray(layer, jnp.int32)
+        else:
+            schema = self._check_layer(layer)
+            layer = like = schema.layer_idx
         request_slots = jnp.asarray(request_slots, jnp.int32).reshape(-1)
         positions = jnp.asarray(positions, jnp.int32).reshape(-1)
         if request_ids is None:
@@ -703,17 +798,21 @@ class KVCacheManager:
         positions = jnp.where((token_slots >= 0) & (positions >= 0) & (positions < reserved), positions, -1)
         group = self.groups.get(schema.group)
         kind = schema.kind
+        rank = self._rank(layer, like)
         return LayerCacheHandle(
             request_slots=request_slots, positions=positions, request_ids=request_ids,
-            cache=self.layers[layer],
+            cache=(self.window_pool if kind == AttentionKind.WINDOW
+                   else self.v4_stores[self._store(like)] if kind in _V4_KINDS else None),
             kv_pool={AttentionKind.FULL: self.full_pool, AttentionKind.MLA: self.mla_pool}.get(kind),
             gdn=self.gdn if kind == AttentionKind.LINEAR else None,
             block_table=None if group is None else group.tables,
             block_lens=None if group is None else group.lens,
-            epoch=self.write_epochs[self._store(layer)],
+            epoch=self.write_epochs[self._store(like)],
             schema=schema,
-            kv_layer=self._rank(layer) if kind in (AttentionKind.FULL, AttentionKind.MLA) else -1,
-            gdn_layer=self._rank(layer) if kind == AttentionKind.LINEAR else -1,
+            kv_layer=rank if kind in (AttentionKind.FULL, AttentionKind.MLA) else -1,
+            gdn_layer=rank if kind == AttentionKind.LINEAR else -1,
+            window_layer=rank if kind == AttentionKind.WINDOW else -1,
+            cache_layer=rank if kind in _V4_KINDS else -1,
             implementation=implementation)
 
     def update(self, handle: LayerCacheHandle) -> "KVCacheManager":
@@ -721,8 +820,8 @@ class KVCacheManager:
         K/V or GDN pool) and count the write-back.
 
         One handle per store at a time (see :mod:`jaxkv.manager.layer_handle`):
-        a handle acquired before another handle of the same store (the same
-        DeepSeek-V4 layer, or any layer of the shared full/MLA/GDN pool) was
+        a handle acquired before another handle of the same store (any layer
+        of the same DeepSeek-V4 store class or shared full/MLA/GDN/window pool) was
         written back is stale, and writing it back would undo that write.
         Refused with ``InvalidArgument`` when called eagerly and under
         :func:`jaxkv.checked`; inside a plain ``jit`` the check cannot
@@ -730,7 +829,7 @@ class KVCacheManager:
         """
         layer = handle.schema.layer_idx
         kind = handle.schema.kind
-        store = self._store(layer)
+        store = self._store(layer)  # a traced layer's handle carries its like's schema: the same store
         current = self.write_epochs[store]
         fresh = handle.epoch == current
         if not isinstance(fresh, jax.core.Tracer) and not bool(fresh):
@@ -740,12 +839,14 @@ class KVCacheManager:
         require(fresh, InvalidArgument, f"stale handle of layer {layer} ({kind.value}): acquired at write-back "
                 "{} of its store, which is now at {}", handle.epoch, current)
         out = self.replace(write_epochs=self.write_epochs.at[store].add(1))
-        if kind in _LAYER_KINDS:
-            return out.replace(layers=self.layers[:layer] + (handle.cache,) + self.layers[layer + 1:])
+        if kind in _V4_KINDS:
+            return out.replace(v4_stores=self.v4_stores[:store] + (handle.cache,) + self.v4_stores[store + 1:])
         if kind == AttentionKind.FULL:
             return out.replace(full_pool=handle.kv_pool)
         if kind == AttentionKind.MLA:
             return out.replace(mla_pool=handle.kv_pool)
+        if kind == AttentionKind.WINDOW:
+            return out.replace(window_pool=handle.cache)
         return out.replace(gdn=handle.gdn)
 
     # ---------------------------------------------------------------- host paths
@@ -882,15 +983,13 @@ _release_jit = jax.jit(KVCacheManager.release)
 _allocate_block_jit = jax.jit(KVCacheManager.allocate_block, static_argnames=("layer",))
 
 
-def _layer_cache(schema: LayerCacheSchema, config: HybridConfig, num_slots: int, num_blocks: int) -> LayerCache:
-    """The arrays of one layer as its schema says (None: full/MLA/linear)."""
-    if schema.kind == AttentionKind.WINDOW:
-        return WindowLayerCache.create(num_slots, schema.window, config.num_kv_heads, schema.head_dim,
-                                       config.window_dtype or config.kv_dtype)
-    if schema.kind not in _V4_KINDS:
-        return None
+def _store_cache(schema: LayerCacheSchema, config: HybridConfig, num_slots: int, num_blocks: int,
+                 num_layers: int) -> CompressedLayerCache:
+    """The stacked arrays of a DeepSeek-V4 store class of ``num_layers``
+    layers, as its schema says."""
     return CompressedLayerCache.create(
         schema.entry_format, num_slots, schema.window, num_blocks=num_blocks,
         entries_per_block=schema.entries_per_block if schema.group is not None else 0,
         compressor_rows=schema.compressor_rows, compressor_width=schema.compressor_width,
-        index_format=schema.index_format, index_compressor_width=schema.index_compressor_width)
+        index_format=schema.index_format, index_compressor_width=schema.index_compressor_width,
+        num_layers=num_layers)

@@ -93,9 +93,10 @@ __all__ = [
     "write_state_rows",
 ]
 
-#: Offsets of the shared stores in ``write_epochs`` after the per-layer ones
-#: (``KVCacheManager``'s order: full pool, MLA pool, GDN pool).
-_FULL_STORE, _MLA_STORE, _GDN_STORE = 0, 1, 2
+#: Offsets of the shared stores in ``write_epochs`` after the DeepSeek-V4
+#: store classes (``KVCacheManager``'s order: full pool, MLA pool, GDN pool,
+#: window pool).
+_FULL_STORE, _MLA_STORE, _GDN_STORE, _WINDOW_STORE = 0, 1, 2, 3
 _PAGED_KINDS = {AttentionKind.FULL: "full_pool", AttentionKind.MLA: "mla_pool"}
 
 
@@ -107,30 +108,34 @@ class StateRows:
     """The per-request state of ``n`` rows in every layer.
 
     Fields:
-      layers: per layer of the schedule, a
+      v4_stores: per DeepSeek-V4 store class of the manager
+        (``KVCacheManager.v4_stores``), a stacked
         :class:`~jaxkv.pool.compressed.CompressedLayerCache` holding only
-        the rows' per-request arrays (``swa`` ``[n, window, ...]``,
-        ``comp_kv`` / ``comp_score`` ``[n, rows, width]``, ``index_kv`` /
-        ``index_score``; its ``entries`` and ``index_keys`` are None), a
-        :class:`~jaxkv.pool.window.WindowLayerCache` of the rows' K/V rings
-        (a window layer), or None for a full / MLA / linear layer.
+        the rows' per-request arrays in every layer of the class (``swa``
+        ``[L, n, window, ...]``, ``comp_kv`` / ``comp_score`` ``[L, n,
+        rows, width]``, ``index_kv`` / ``index_score``; its ``entries`` and
+        ``index_keys`` are None); empty without such layers.
+      window: a :class:`~jaxkv.pool.window.WindowLayerCache` of the rows'
+        K/V rings in every window layer (``[window_layers, n, ...]``), or
+        None without window layers.
       gdn_recurrent: float32 ``[gdn_layers, n, v_heads, v_dim, k_dim]``, or
         None without linear layers.
       gdn_conv_bits: ``[gdn_layers, n, conv_dim, kernel - 1]`` in the GDN
         pool's storage dtype, or None.
     """
 
-    layers: tuple[CompressedLayerCache | WindowLayerCache | None, ...]
+    v4_stores: tuple[CompressedLayerCache, ...]
+    window: WindowLayerCache | None
     gdn_recurrent: Float[Array, "gdn_layers n v_heads v_dim k_dim"] | None
     gdn_conv_bits: Shaped[Array, "gdn_layers n conv_dim conv_width"] | None
 
 
 @struct.dataclass
 class LayerBlocks:
-    """One DeepSeek-V4 layer's data of ``n`` blocks.
+    """The data of ``n`` blocks in every layer of one DeepSeek-V4 store class.
 
     Fields:
-      entries: compressed entries ``[n, entries_per_block, ...]``.
+      entries: compressed entries ``[L, n, entries_per_block, ...]``.
       index_keys: CSA indexer keys, same layout, or None (HCA).
     """
 
@@ -143,14 +148,15 @@ class GroupBlocks:
     """Every layer's data of ``n`` blocks of one group.
 
     Fields:
-      layers: the group's DeepSeek-V4 layers in schedule order (empty for
-        ``"full"`` / ``"mla"``).
+      stores: the group's DeepSeek-V4 store classes in the manager's order
+        (:meth:`KVCacheManager.v4_group_stores`; empty for ``"full"`` /
+        ``"mla"``), each stacked over its layers.
       pages: for ``"full"`` / ``"mla"``, the pool's pages as a
         :class:`~jaxkv.KVPool` of ``n`` pages (every layer, K, V, scales);
         else None.
     """
 
-    layers: tuple[LayerBlocks, ...]
+    stores: tuple[LayerBlocks, ...]
     pages: KVPool | None
 
 
@@ -205,11 +211,13 @@ def _gather_rows(manager: KVCacheManager, rows: Int[Array, " n"]) -> StateRows:
     """Rows ``rows`` of every per-request array; an id that is not a row
     (-1 padding, out of range) reads row 0, the padding slot."""
     safe = jnp.where((rows >= 0) & (rows < _num_rows(manager)), rows, 0)
-    layers = tuple(None if c is None else jax.tree.map(lambda a: a[safe], c.row_state()) for c in manager.layers)
+    stores = tuple(jax.tree.map(lambda a: a[:, safe], c.row_state()) for c in manager.v4_stores)
+    window = None if manager.window_pool is None else manager.window_pool.take_rows(safe)
     gdn = manager.gdn
     if gdn is None:
-        return StateRows(layers=layers, gdn_recurrent=None, gdn_conv_bits=None)
-    return StateRows(layers=layers, gdn_recurrent=gdn.recurrent_state[:, safe], gdn_conv_bits=gdn.conv_bits[:, safe])
+        return StateRows(v4_stores=stores, window=window, gdn_recurrent=None, gdn_conv_bits=None)
+    return StateRows(v4_stores=stores, window=window, gdn_recurrent=gdn.recurrent_state[:, safe],
+                     gdn_conv_bits=gdn.conv_bits[:, safe])
 
 
 def _scatter_rows(manager: KVCacheManager, rows: Int[Array, " n"], data: StateRows) -> KVCacheManager:
@@ -219,16 +227,17 @@ def _scatter_rows(manager: KVCacheManager, rows: Int[Array, " n"], data: StateRo
     total = _num_rows(manager)
     valid = (rows >= 1) & (rows < total)
     target = jnp.where(valid, rows, total)  # out of range: the scatter drops it
-    layers = []
-    for cache, rows_data in zip(manager.layers, data.layers):
-        if cache is None:
-            layers.append(None)
-            continue
-        written = jax.tree.map(lambda a, d: a.at[target].set(d, mode="drop"), cache.row_state(), rows_data)
-        layers.append(cache.with_row_state(written))
+    v4 = []
+    for cache, rows_data in zip(manager.v4_stores, data.v4_stores):
+        written = jax.tree.map(lambda a, d: a.at[:, target].set(d, mode="drop"), cache.row_state(), rows_data)
+        v4.append(cache.with_row_state(written))
     any_row = jnp.any(valid).astype(jnp.int32)
-    stores = [i for i, c in enumerate(manager.layers) if c is not None]
-    out = manager.replace(layers=tuple(layers))
+    shared = len(manager.v4_stores)
+    stores = list(range(shared))
+    out = manager.replace(v4_stores=tuple(v4))
+    if manager.window_pool is not None:
+        out = out.replace(window_pool=manager.window_pool.put_rows(target, data.window))
+        stores.append(shared + _WINDOW_STORE)
     gdn = manager.gdn
     if gdn is not None:
         # The GDN pool may have more track slots than the manager has
@@ -238,7 +247,7 @@ def _scatter_rows(manager: KVCacheManager, rows: Int[Array, " n"], data: StateRo
         out = out.replace(gdn=gdn.replace(
             recurrent_state=gdn.recurrent_state.at[:, gdn_target].set(data.gdn_recurrent, mode="drop"),
             conv_bits=gdn.conv_bits.at[:, gdn_target].set(data.gdn_conv_bits, mode="drop")))
-        stores.append(len(manager.schemas) + _GDN_STORE)
+        stores.append(shared + _GDN_STORE)
     return _bump(out, stores, any_row)
 
 
@@ -247,11 +256,6 @@ def _bump(manager: KVCacheManager, stores: list[int], by: Int[Array, ""]) -> KVC
     if not stores:
         return manager
     return manager.replace(write_epochs=manager.write_epochs.at[jnp.asarray(stores, jnp.int32)].add(by))
-
-
-def _group_layers(manager: KVCacheManager, group: str) -> list[int]:
-    """The DeepSeek-V4 layers of ``group``, in schedule order."""
-    return [i for i, (s, c) in enumerate(zip(manager.schemas, manager.layers)) if s.group == group and c is not None]
 
 
 def _group_pool(manager: KVCacheManager, group: str) -> str | None:
@@ -281,19 +285,19 @@ def _gather_blocks(manager: KVCacheManager, blocks: dict[str, Int[Array, " n"]])
     for name, ids in blocks.items():
         limit = manager.groups[name].allocator.num_blocks
         safe = jnp.where((ids >= 1) & (ids < limit), ids, 0)
-        layers = tuple(LayerBlocks(entries=_take(manager.layers[i].entries, safe, 0),
-                                   index_keys=_take(manager.layers[i].index_keys, safe, 0))
-                       for i in _group_layers(manager, name))
+        stores = tuple(LayerBlocks(entries=_take(manager.v4_stores[c].entries, safe, 1),
+                                   index_keys=_take(manager.v4_stores[c].index_keys, safe, 1))
+                       for c in manager.v4_group_stores(name))
         pool_name = _group_pool(manager, name)
         pages = None if pool_name is None else _take(getattr(manager, pool_name), safe, 2)
-        groups[name] = GroupBlocks(layers=layers, pages=pages)
+        groups[name] = GroupBlocks(stores=stores, pages=pages)
     return BlockData(groups=groups)
 
 
 def _scatter_blocks(manager: KVCacheManager, blocks: dict[str, Int[Array, " n"]], data: BlockData) -> KVCacheManager:
     """Block ``blocks[g][i] <- data.groups[g]`` row ``i`` in every layer of
     each group; ids outside ``[1, num_blocks)`` (-1 padding) are skipped."""
-    layers = list(manager.layers)
+    v4 = list(manager.v4_stores)
     out = manager
     for name, ids in blocks.items():
         limit = manager.groups[name].allocator.num_blocks
@@ -302,17 +306,17 @@ def _scatter_blocks(manager: KVCacheManager, blocks: dict[str, Int[Array, " n"]]
         any_block = jnp.any(valid).astype(jnp.int32)
         group_data = data.groups[name]
         stores = []
-        for i, layer_data in zip(_group_layers(manager, name), group_data.layers):
-            cache = layers[i]
-            layers[i] = cache.replace(entries=_put(cache.entries, target, 0, layer_data.entries),
-                                      index_keys=_put(cache.index_keys, target, 0, layer_data.index_keys))
-            stores.append(i)
+        for c, store_data in zip(manager.v4_group_stores(name), group_data.stores):
+            cache = v4[c]
+            v4[c] = cache.replace(entries=_put(cache.entries, target, 1, store_data.entries),
+                                  index_keys=_put(cache.index_keys, target, 1, store_data.index_keys))
+            stores.append(c)
         pool_name = _group_pool(manager, name)
         if pool_name is not None:
             out = out.replace(**{pool_name: _put(getattr(out, pool_name), target, 2, group_data.pages)})
-            stores.append(len(manager.schemas) + (_FULL_STORE if pool_name == "full_pool" else _MLA_STORE))
+            stores.append(len(manager.v4_stores) + (_FULL_STORE if pool_name == "full_pool" else _MLA_STORE))
         out = _bump(out, stores, any_block)
-    return out.replace(layers=tuple(layers))
+    return out.replace(v4_stores=tuple(v4))
 
 
 def _swap_out(manager: KVCacheManager, slot: Int[Array, ""], rows: Int[Array, " r"],
@@ -330,8 +334,8 @@ def _swap_out(manager: KVCacheManager, slot: Int[Array, ""], rows: Int[Array, " 
 
 def _width(group_data: GroupBlocks) -> int:
     """Block rows in ``group_data`` (static: its leading block axis)."""
-    if group_data.layers:
-        return group_data.layers[0].entries.nope_bits.shape[0]
+    if group_data.stores:
+        return group_data.stores[0].entries.nope_bits.shape[1]
     return group_data.pages.k_bits.shape[2]
 
 

@@ -20,15 +20,17 @@ puts back. Each kind of layer reads and writes through its own methods:
   :meth:`~LayerCacheHandle.attend_window` reads, attends and writes the
   layer's K/V ring in one call.
 
-The write-back rule. A DeepSeek-V4 layer's handle carries only that layer's
-arrays, so handles of different such layers are independent. Full/MLA
-layers share one stacked :class:`~jaxkv.KVPool` and linear layers one
-:class:`~jaxkv.GDNPool` (so a kernel reads a layer in place), and a handle
-carries the whole shared pool: writing back a handle whose pool is older
-than the manager's would undo another layer's writes, and writing back only
-the handle's layer would copy the pool. So, per store (one per DeepSeek-V4
-layer, one per shared pool): **acquire, write and update one handle at a
-time**; handles that are only read need no update. ``epoch`` records the
+The write-back rule. Every store is stacked, so that a layer reached by a
+traced index (layers under a ``lax.scan``) reads and writes its arrays in
+place: full/MLA layers share one :class:`~jaxkv.KVPool`, linear layers one
+:class:`~jaxkv.GDNPool`, window layers one :class:`~jaxkv.pool.window.WindowLayerCache`,
+and the DeepSeek-V4 layers of one store class (same kind, group, ratio and
+formats) one :class:`~jaxkv.pool.compressed.CompressedLayerCache`; a handle
+carries the whole store and its layer's row in it. Writing back a handle
+whose store is older than the manager's would undo another layer's writes,
+and writing back only the handle's layer would copy the store. So, per
+store: **acquire, write and update one handle at a time**; handles that are
+only read need no update. ``epoch`` records the
 store's write-back count at acquire; ``update`` refuses a stale handle
 (another handle of the same store was written back since) with
 ``InvalidArgument`` when called eagerly, and under :func:`jaxkv.checked`.
@@ -81,10 +83,19 @@ class LayerCacheHandle:
       positions: int32 ``[T]`` position of each token of the step.
       request_ids: int32 ``[T]`` batch row of each token; a request's tokens
         are consecutive positions (one per request when decoding).
-      cache: the layer's :class:`CompressedLayerCache` (SWA/CSA/HCA layers).
+      cache: the :class:`CompressedLayerCache` of the layer's store class,
+        used at row ``cache_layer`` (SWA/CSA/HCA layers), or the
+        :class:`WindowLayerCache` of every window layer, used at layer
+        ``window_layer`` (window layers).
       kv_pool: the :class:`~jaxkv.KVPool` of the full or MLA layers, used at
         layer ``kv_layer`` (full/MLA layers).
       gdn: the :class:`~jaxkv.GDNPool`, used at layer ``gdn_layer`` (linear).
+      kv_layer, gdn_layer, window_layer, cache_layer: the layer's index in
+        its shared store (its rank among the layers of its kind, or of its
+        DeepSeek-V4 store class; -1 for the other stores): an int, or a
+        traced int32 when the layer runs under a scan (:mod:`jaxkv.nn.scan`).
+        Every op indexes the store at it directly (gathers at, scatters
+        into ``[layer, ...]``), never slicing the layer out.
       block_table, block_lens: the layer's group (``[num_slots, M]``, ``[num_slots]``).
       epoch: int32 scalar, write-backs of the layer's store when acquired
         (``update`` refuses a stale handle).
@@ -102,8 +113,10 @@ class LayerCacheHandle:
     block_lens: Int[Array, " slots"] | None
     epoch: Int[Array, ""]
     schema: LayerCacheSchema = struct.field(pytree_node=False)
-    kv_layer: int = struct.field(pytree_node=False, default=-1)
-    gdn_layer: int = struct.field(pytree_node=False, default=-1)
+    kv_layer: Int[Array, ""] | int = -1
+    gdn_layer: Int[Array, ""] | int = -1
+    window_layer: Int[Array, ""] | int = -1
+    cache_layer: Int[Array, ""] | int = -1
     implementation: str | None = struct.field(pytree_node=False, default=None)
 
     # ---------------------------------------------------------------- facts
@@ -160,16 +173,16 @@ class LayerCacheHandle:
         XLA copies the whole ring to keep the old rows for the read. (The
         dependency costs nothing: only rows the write drops take its value.)
         """
-        self._need("SWA ring", self.cache is not None)
+        self._need("SWA ring", isinstance(self.cache, CompressedLayerCache))
         ring = self.cache.swa
         self._check_rows("kv", kv, ring.fmt.head_dim)
-        num_slots, window = ring.shape
+        _, num_slots, window = ring.shape
         active = (self.token_slots >= 0) & (self.positions >= 0) & (self.positions > self._newest() - window)
         rows = jnp.where(active, self.token_slots * window + self.positions % window,
                          num_slots * window)  # past the ring: dropped
         if after is not None:
             kv = jnp.where(active[:, None], kv, after.reshape(-1)[:1].astype(kv.dtype))
-        return self.replace(cache=self.cache.replace(swa=store_entries(ring, rows, kv)))
+        return self.replace(cache=self.cache.replace(swa=store_entries(ring, rows, kv, layer=self.cache_layer)))
 
     def gather_swa(self, kv: Float[Array, "T D"] | None = None
                    ) -> tuple[Float[Array, "T W D"], Bool[Array, "T W"]]:
@@ -189,14 +202,15 @@ class LayerCacheHandle:
           in the step, ring rows that a later token of the step overwrote
           come back invalid.
         """
-        self._need("SWA ring", self.cache is not None)
-        ring = self.cache.swa
-        window = ring.shape[1]
+        self._need("SWA ring", isinstance(self.cache, CompressedLayerCache))
+        ring, layer = self.cache.swa, self.cache_layer
+        window = ring.shape[2]
         i = jnp.arange(window, dtype=jnp.int32)[None, :]
         count = jnp.clip(self.positions + 1, 0, window)[:, None]
         row_pos = self.positions[:, None] - count + 1 + i  # position of output row i
         if kv is None:
-            out, valid = gather_swa_kv(ring, self.token_slots, self.positions, implementation=self.implementation)
+            out, valid = gather_swa_kv(ring, self.token_slots, self.positions, layer=layer,
+                                       implementation=self.implementation)
             fresh = row_pos > (self._newest() - window)[:, None]
             return jnp.where(fresh[..., None], out, 0).astype(out.dtype), valid & fresh
         self._check_rows("kv", kv, ring.fmt.head_dim)
@@ -206,7 +220,8 @@ class LayerCacheHandle:
         real = (self.token_slots >= 0) & (self.positions >= 0)
         first = -jax.ops.segment_max(jnp.where(real, -self.positions, -INT32_MAX),
                                      self.request_ids, num_segments=self.request_slots.shape[0])[self.request_ids]
-        old, old_valid = gather_swa_kv(ring, self.token_slots, first - 1, implementation=self.implementation)
+        old, old_valid = gather_swa_kv(ring, self.token_slots, first - 1, layer=layer,
+                                       implementation=self.implementation)
         old_count = jnp.clip(first, 0, window)[:, None]  # old row j holds position first - old_count + j
         j = jnp.clip(row_pos - (first[:, None] - old_count), 0, window - 1)
         from_ring = jnp.take_along_axis(old, j[..., None], axis=1)
@@ -232,13 +247,13 @@ class LayerCacheHandle:
         :mod:`jaxkv.manager.dsv4_compressor` for the pooling rule and
         ``finish``, the model's transform of a pooled vector before it is
         stored). :meth:`KVCacheManager.reserve` must have allocated the blocks."""
-        self._need("compressor", self.cache is not None and self.cache.comp_kv is not None)
+        self._need("compressor", isinstance(self.cache, CompressedLayerCache) and self.cache.comp_kv is not None)
         return self._advance(kv, score, self.schema.compressor_width, "comp_kv", "comp_score", "entries", finish)
 
     def compress_index(self, kv: Float[Array, "T Wi"], score: Float[Array, "T Wi"], finish=None
                        ) -> "LayerCacheHandle":
         """The same for the CSA indexer's keys (``[T, overlap * index_dim]``)."""
-        self._need("indexer", self.cache is not None and self.cache.index_kv is not None)
+        self._need("indexer", isinstance(self.cache, CompressedLayerCache) and self.cache.index_kv is not None)
         return self._advance(kv, score, self.schema.index_compressor_width, "index_kv", "index_score", "index_keys",
                              finish)
 
@@ -249,31 +264,34 @@ class LayerCacheHandle:
         new_kv, new_score, new_pool = compress_step(
             getattr(c, ring_kv), getattr(c, ring_score), getattr(c, pool), self.block_table, self.token_slots,
             self.positions, self.request_ids, self._newest(), kv.astype(jnp.float32), score.astype(jnp.float32),
-            ratio=self.schema.compress_ratio, overlap=self.schema.overlap, finish=finish)
+            ratio=self.schema.compress_ratio, overlap=self.schema.overlap, finish=finish, layer=self.cache_layer)
         return self.replace(cache=c.replace(**{ring_kv: new_kv, ring_score: new_score, pool: new_pool}))
 
     def gather_compressed(self, indices: Int[Array, "T K"]) -> tuple[Float[Array, "T K D"], Bool[Array, "T K"]]:
         """CSA: each token's selected entries (-1 = none), causally limited
         (:func:`kernels_pallas.gather_compressed_kv`)."""
-        self._need("compressed entries", self.cache is not None and self.cache.entries is not None)
+        self._need("compressed entries", isinstance(self.cache, CompressedLayerCache)
+                   and self.cache.entries is not None)
         return gather_compressed_kv(self.cache.entries, self.block_table, indices,
                                     jnp.clip(self.token_slots, 0, None),
                                     num_entries=jnp.where(self.token_slots >= 0, self.num_entries(), 0),
-                                    implementation=self.implementation)
+                                    layer=self.cache_layer, implementation=self.implementation)
 
     def gather_all_compressed(self, max_entries: int) -> tuple[Float[Array, "T N D"], Bool[Array, "T N"]]:
         """HCA: every entry each token may see, in order, padded to ``max_entries``."""
-        self._need("compressed entries", self.cache is not None and self.cache.entries is not None)
+        self._need("compressed entries", isinstance(self.cache, CompressedLayerCache)
+                   and self.cache.entries is not None)
         return gather_all_compressed_kv(self.cache.entries, self._token_tables(), self.num_entries(),
-                                        max_entries=max_entries, implementation=self.implementation)
+                                        max_entries=max_entries, layer=self.cache_layer,
+                                        implementation=self.implementation)
 
     def index_keys(self, max_entries: int) -> tuple[Float[Array, "T N Di"], Bool[Array, "T N"]]:
         """CSA: every indexer key each token may see (for top-k scoring)."""
-        self._need("indexer", self.cache is not None and self.cache.index_keys is not None)
+        self._need("indexer", isinstance(self.cache, CompressedLayerCache) and self.cache.index_keys is not None)
         # The reference gather: indexer keys have no RoPE part, which the
         # Pallas gather (built for 64 RoPE values) does not take.
         return gather_all_compressed_kv(self.cache.index_keys, self._token_tables(), self.num_entries(),
-                                        max_entries=max_entries, implementation="reference")
+                                        max_entries=max_entries, layer=self.cache_layer, implementation="reference")
 
     # ---------------------------------------------------------------- full / MLA
 
@@ -343,9 +361,9 @@ class LayerCacheHandle:
         would read them). Returns ``(out [T, H, Dv] in q.dtype, handle)``;
         padding tokens get zeros."""
         self._need("window ring", isinstance(self.cache, WindowLayerCache))
-        ring = self.cache
+        ring, layer = self.cache, self.window_layer
         num_tokens = self.positions.shape[0]
-        kv_heads, head_dim = ring.k_bits.shape[1], ring.k_bits.shape[3]
+        kv_heads, head_dim = ring.num_kv_heads, ring.head_dim
         if k.shape != (num_tokens, kv_heads, head_dim) or v.shape != k.shape[:2] + v.shape[2:]:
             raise InvalidArgument(f"layer {self.schema.layer_idx}: k/v must be [{num_tokens} tokens, "
                                   f"{kv_heads} kv heads, {head_dim}], got {list(k.shape)} and {list(v.shape)}")
@@ -371,7 +389,7 @@ class LayerCacheHandle:
 
         def attend_block(args):
             qb, rows_b, pos_b, first_b, lo_b, real_b, ids_b = args
-            ring_k, ring_v, ring_pos = ring.k[rows_b], ring.v[rows_b], ring.pos[rows_b]  # [block, KVH, W, D]
+            ring_k, ring_v, ring_pos = ring.read(layer, rows_b)  # [block, KVH, W, D]
             ring_ok = real_b[:, None] & (ring_pos >= 0) & (ring_pos < first_b[:, None]) & (ring_pos > lo_b[:, None])
             step_ok = (real_b[:, None] & (ids_b[:, None] == self.request_ids[None, :]) & real[None, :]
                        & (positions[None, :] <= pos_b[:, None]) & (positions[None, :] > lo_b[:, None]))
@@ -390,7 +408,7 @@ class LayerCacheHandle:
         after = out[:, :1, :1]
         k_w = jnp.where(keep[:, None, None], k_step, after.astype(k_step.dtype))
         v_w = jnp.where(keep[:, None, None], v_step, after.astype(v_step.dtype))
-        written = ring.write(target, jnp.where(keep, positions, after[:, 0, 0].astype(jnp.int32)), k_w, v_w)
+        written = ring.write(layer, target, jnp.where(keep, positions, after[:, 0, 0].astype(jnp.int32)), k_w, v_w)
         return jnp.where(real[:, None, None], out, 0).astype(q.dtype), self.replace(cache=written)
 
 

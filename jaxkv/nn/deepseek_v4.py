@@ -49,6 +49,18 @@ layers pick the top ``num_experts_per_tok`` of score + ``e_score_correction_bias
 normalized, scaled by ``routed_scaling_factor``; experts are SwiGLU with
 clamped pre-activations (``swiglu_limit``), run as grouped matmuls
 (``lax.ragged_dot``), plus the shared expert.
+
+Layers under a scan. With ``scan_layers`` (the default) the decoder layers
+run under one ``lax.scan`` over stacked parameters
+(:class:`~jaxkv.nn.scan.DecoderStack`), so compile time does not grow with
+depth. A layer's signature is its attention kind and its MLP kind (hash or
+top-k routing): everything a layer module holds as static structure (the
+compressor and indexer, the compression rate, the hash table), so layers of
+one signature have identical graphdefs; the leading hash-routed layers that
+break the pattern stay unrolled. The cache follows: the manager stacks the
+arrays of the layers of one store class (same kind and ratio), and a layer
+reached by the scan's traced index reads and writes its row of them in
+place (:meth:`~jaxkv.KVCacheManager.acquire` with ``like=``).
 """
 
 from __future__ import annotations
@@ -73,6 +85,7 @@ from jaxkv.nn.deepseek_v4_config import DeepseekV4Config
 from jaxkv.nn.layers import (Experts, Linear, RMSNorm, SwiGLU, fuse_experts, load_state, named_state, param,
                              read_checkpoint, save_checkpoint, unit_rms)
 from jaxkv.nn.packed import PackedBatch
+from jaxkv.nn.scan import DecoderStack
 from kernels_pallas.formats import CompressedEntries, EntryFormat
 
 __all__ = ["DeepseekV4ForCausalLM", "ENTRY_FORMATS", "entry_formats", "module_tensors"]
@@ -485,22 +498,32 @@ class DeepseekV4ForCausalLM(nnx.Module):
     pooling and the hyper-connection weights run in float32; logits are
     float32. ``implementation`` / ``interpret`` choose the gather kernels by
     :mod:`kernels_pallas`'s rule (None: Pallas on GPU, the reference elsewhere).
+    ``scan_layers`` (default True): layers of the same attention and MLP
+    kind run under one ``lax.scan`` (the module docstring), so compile time
+    does not grow with depth; False unrolls them (same weights from the
+    same seed, same tokens).
     """
 
     #: The cache contract (:func:`jaxkv.nn.packed.cache_kind`): a hybrid ``KVCacheManager`` (``make_cache``).
     cache_kind = "hybrid"
 
     def __init__(self, config: DeepseekV4Config, *, rngs: nnx.Rngs, dtype=_F32, param_dtype=_F32,
-                 precision=None, implementation: str | None = None):
+                 precision=None, implementation: str | None = None, scan_layers: bool = True):
         check_implementation(implementation, False)
         c = config
         self.config = c
         self.dtype = jnp.dtype(dtype)
         self.param_dtype = jnp.dtype(param_dtype)
         self.implementation = implementation
+        self.scan_layers = bool(scan_layers)
         self.embed_tokens = nnx.Dict(weight=param((c.vocab_size, c.hidden_size), rngs, param_dtype, std=1.0))
-        self.layers = nnx.List([DeepseekV4DecoderLayer(c, i, rngs=rngs, param_dtype=param_dtype, precision=precision)
-                                for i in range(c.num_hidden_layers)])
+        # The signature: every static difference between layers (attention
+        # kind, hence compressor / indexer / rate; hash or top-k routing,
+        # hence the tid2eid table): layers of one signature stack.
+        self.layers = DecoderStack(
+            c.num_hidden_layers,
+            lambda i, r: DeepseekV4DecoderLayer(c, i, rngs=r, param_dtype=param_dtype, precision=precision),
+            signature=lambda i: (c.layer_types[i], c.mlp_layer_types[i]), rngs=rngs, scan=scan_layers)
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, param_dtype=param_dtype)
         self.hc_head = nnx.Dict(hc_fn=param((c.hc_mult, c.hc_mult * c.hidden_size), rngs, param_dtype, std=0.02),
                                 hc_base=param((c.hc_mult,), rngs, param_dtype, fill=0.0),
@@ -588,14 +611,16 @@ class DeepseekV4ForCausalLM(nnx.Module):
         streams before ``hc_head``."""
         self._check_cache(manager)
         tokens = jnp.asarray(tokens, jnp.int32)
-        streams = self._embed(tokens)
-        for i, layer in enumerate(self.layers):
-            handle = manager.acquire(i, slots, positions, request_ids, implementation=self.implementation)
+
+        def step(layer, i, like, carry):  # i: traced under the layer scan; like: a static layer of its signature
+            streams, manager = carry
+            handle = manager.acquire(i, slots, positions, request_ids, implementation=self.implementation,
+                                     like=like)
             mix, x = layer.attention_input(streams)
             y, handle = layer.self_attn(x, handle)
-            manager = manager.update(handle)
-            streams = layer.after_attention(streams, mix, y, tokens)
-        return streams, manager
+            return layer.after_attention(streams, mix, y, tokens), manager.update(handle)
+
+        return self.layers.run(step, (self._embed(tokens), manager), with_like=True)
 
     def forward_dense(self, tokens: Int[Array, " T"], *, entry_format: str = "lossless") -> Float[Array, "T V"]:
         """One sequence from scratch with no cache (positions ``0 .. T-1``),
@@ -605,26 +630,29 @@ class DeepseekV4ForCausalLM(nnx.Module):
         token sees only entries whose window it completes or follows)."""
         tokens = jnp.asarray(tokens, jnp.int32).reshape(-1)
         fmt, index_fmt = entry_formats(self.config, entry_format, self.dtype)
-        streams = self._embed(tokens)
-        for layer in self.layers:
+
+        def step(layer, i, streams):
             mix, x = layer.attention_input(streams)
-            streams = layer.after_attention(streams, mix, layer.self_attn.forward_dense(x, fmt, index_fmt), tokens)
-        return self._logits(streams)
+            return layer.after_attention(streams, mix, layer.self_attn.forward_dense(x, fmt, index_fmt), tokens)
+
+        return self._logits(self.layers.run(step, self._embed(tokens)))
 
     # ---------------------------------------------------- HF checkpoints
 
     @classmethod
     def from_hf_state_dict(cls, config: DeepseekV4Config, tensors: dict[str, np.ndarray], *, dtype=None,
                            param_dtype=None, precision=None, implementation: str | None = None,
-                           source: str = "state dict") -> DeepseekV4ForCausalLM:
+                           source: str = "state dict", scan_layers: bool = True) -> DeepseekV4ForCausalLM:
         """Build the model from transformers-named arrays. ``param_dtype``
         default: float32 (bf16 checkpoints are upcast); ``dtype`` default:
-        ``param_dtype``. Raises ``InvalidArgument`` naming a missing,
-        misshapen or unexpected tensor."""
+        ``param_dtype``; ``scan_layers`` as in the constructor (the
+        checkpoint's per-layer tensors are stacked). Raises
+        ``InvalidArgument`` naming a missing, misshapen or unexpected tensor."""
         param_dtype = jnp.dtype(param_dtype or jnp.float32)
         dtype = jnp.dtype(dtype or param_dtype)
         abstract = nnx.eval_shape(lambda: cls(config, rngs=nnx.Rngs(0), dtype=dtype, param_dtype=param_dtype,
-                                              precision=precision, implementation=implementation))
+                                              precision=precision, implementation=implementation,
+                                              scan_layers=scan_layers))
         raw, tensors = tensors, module_tensors(tensors, config.n_routed_experts, source)
 
         def check(name, arr):
@@ -638,13 +666,14 @@ class DeepseekV4ForCausalLM(nnx.Module):
 
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike, *, dtype=None, param_dtype=None, precision=None,
-                        implementation: str | None = None) -> DeepseekV4ForCausalLM:
+                        implementation: str | None = None, scan_layers: bool = True) -> DeepseekV4ForCausalLM:
         """Load a local transformers checkpoint directory (``config.json`` and
         its safetensors, sharded or not; FP8 block-quantized weights with
         ``weight_scale_inv`` are dequantized at load)."""
         raw, tensors = read_checkpoint(path)
-        return cls.from_hf_state_dict(DeepseekV4Config.from_hf(raw), tensors, dtype=dtype, param_dtype=param_dtype, precision=precision,
-                                      implementation=implementation, source=os.fspath(path))
+        return cls.from_hf_state_dict(DeepseekV4Config.from_hf(raw), tensors, dtype=dtype, param_dtype=param_dtype,
+                                      precision=precision, implementation=implementation, source=os.fspath(path),
+                                      scan_layers=scan_layers)
 
     def hf_state_dict(self) -> dict[str, np.ndarray]:
         """Parameters under the module names of transformers' model (fused

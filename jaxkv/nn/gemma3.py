@@ -62,6 +62,7 @@ from jaxkv.nn.layers import (
     save_checkpoint,
 )
 from jaxkv.nn.rope import apply_rope, rope_inv_freq
+from jaxkv.nn.scan import DecoderStack
 from jaxkv.nn.window_cache import InterleavedWindowModel, attend_through_cache, config_cache
 
 __all__ = ["Gemma3ForCausalLM", "cache_for"]
@@ -175,10 +176,14 @@ class Gemma3ForCausalLM(InterleavedWindowModel, nnx.Module):
     """Gemma 3 text over a :class:`~jaxkv.KVCacheManager` (see the module
     docstring): global layers' K/V paged, sliding layers' K/V in per-request
     rings (or paged). ``implementation`` chooses the attention kernel by
-    :mod:`kernels_pallas`'s rule."""
+    :mod:`kernels_pallas`'s rule. ``scan_layers`` (default True): the
+    layers run under one ``lax.scan`` over their repeating pattern of
+    window and global layers (:class:`~jaxkv.nn.scan.DecoderStack`), so
+    compile time does not grow with depth; False unrolls them (same
+    weights from the same seed, same tokens)."""
 
     def __init__(self, config: Gemma3Config, *, rngs: nnx.Rngs, dtype=_F32, param_dtype=_F32, precision=None,
-                 implementation: str | None = None):
+                 implementation: str | None = None, scan_layers: bool = True):
         check_implementation(implementation, False)
         c = config
         self.config = c
@@ -186,8 +191,10 @@ class Gemma3ForCausalLM(InterleavedWindowModel, nnx.Module):
         self.param_dtype = jnp.dtype(param_dtype)
         self.implementation = implementation
         self.embed_tokens = nnx.Dict(weight=param((c.vocab_size, c.hidden_size), rngs, param_dtype, std=1.0))
-        self.layers = nnx.List([Gemma3DecoderLayer(c, i, rngs=rngs, param_dtype=param_dtype, precision=precision)
-                                for i in range(c.num_hidden_layers)])
+        self.layers = DecoderStack(
+            c.num_hidden_layers,
+            lambda i, r: Gemma3DecoderLayer(c, i, rngs=r, param_dtype=param_dtype, precision=precision),
+            signature=c.is_sliding, rngs=rngs, scan=scan_layers)
         self.norm = ZeroCenteredRMSNorm(c.hidden_size, c.rms_norm_eps, param_dtype=param_dtype)
         if not c.tie_word_embeddings:
             self.lm_head = Linear(c.hidden_size, c.vocab_size, rngs=rngs, param_dtype=param_dtype, precision=precision)
@@ -213,8 +220,7 @@ class Gemma3ForCausalLM(InterleavedWindowModel, nnx.Module):
         """One sequence from position 0 with no cache (dense causal attention,
         the sliding layers masked to their window). Returns ``[T, vocab]`` float32."""
         x = self._embed(jnp.asarray(tokens, jnp.int32).reshape(1, -1))
-        for layer in self.layers:
-            x = layer.finish(x, layer.self_attn.dense(layer.input_layernorm(x)))
+        x = self.layers.run(lambda layer, i, x: layer.finish(x, layer.self_attn.dense(layer.input_layernorm(x))), x)
         return self._logits(x)[0]
 
     # ---------------------------------------------------- HF checkpoints
@@ -222,14 +228,15 @@ class Gemma3ForCausalLM(InterleavedWindowModel, nnx.Module):
     @classmethod
     def from_hf_state_dict(cls, config: Gemma3Config, tensors: dict[str, np.ndarray], *, dtype=None,
                            param_dtype=None, precision=None, implementation: str | None = None,
-                           source: str = "state dict") -> Gemma3ForCausalLM:
+                           source: str = "state dict", scan_layers: bool = True) -> Gemma3ForCausalLM:
         """Build the model from transformers-named arrays (``model.*``,
         ``lm_head.weight`` when untied). Raises ``InvalidArgument`` naming a
         missing, misshapen or unexpected tensor."""
         param_dtype = jnp.dtype(param_dtype or jnp.float32)
         dtype = jnp.dtype(dtype or param_dtype)
         abstract = nnx.eval_shape(lambda: cls(config, rngs=nnx.Rngs(0), dtype=dtype, param_dtype=param_dtype,
-                                              precision=precision, implementation=implementation))
+                                              precision=precision, implementation=implementation,
+                                              scan_layers=scan_layers))
         tied = config.tie_word_embeddings
         return load_state(abstract, tensors, lambda p: p if p.startswith("lm_head.") else "model." + p,
                           family="gemma3_text", source=source,
@@ -237,11 +244,12 @@ class Gemma3ForCausalLM(InterleavedWindowModel, nnx.Module):
 
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike, *, dtype=None, param_dtype=None, precision=None,
-                        implementation: str | None = None) -> Gemma3ForCausalLM:
+                        implementation: str | None = None, scan_layers: bool = True) -> Gemma3ForCausalLM:
         """Load a local transformers checkpoint directory (sharded or not)."""
         raw, tensors = read_checkpoint(path)
         return cls.from_hf_state_dict(Gemma3Config.from_hf(raw), tensors, dtype=dtype, param_dtype=param_dtype,
-                                      precision=precision, implementation=implementation, source=os.fspath(path))
+                                      precision=precision, implementation=implementation, source=os.fspath(path),
+                                      scan_layers=scan_layers)
 
     def save_pretrained(self, path: str | os.PathLike) -> None:
         """``config.json`` + ``model.safetensors`` under transformers' names."""

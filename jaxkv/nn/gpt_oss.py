@@ -64,13 +64,16 @@ from jaxkv.errors import InvalidArgument
 from jaxkv.nn.attention import check_implementation
 from jaxkv.nn.gpt_oss_config import GptOssConfig
 from jaxkv.nn.layers import (
+    ExpertPlacement,
     Linear,
     RMSNorm,
     load_state,
     named_state,
+    on_local_experts,
     param,
     save_checkpoint,
 )
+from jaxkv.nn.scan import DecoderStack
 from jaxkv.nn.window_cache import InterleavedWindowModel, attend_through_cache, config_cache
 
 __all__ = ["FP4_VALUES", "GptOssForCausalLM", "cache_for", "dequantize_mxfp4", "dequantize_mxfp4_experts"]
@@ -238,27 +241,42 @@ class GptOssExperts(nnx.Module):
         self.alpha = float(c.swiglu_alpha)
         self.limit = float(c.swiglu_limit)
         self.precision = precision
+        # Set by jaxkv.nn.sharding.place_experts when the expert axis is split over a mesh.
+        self.placement: ExpertPlacement | None = None
 
     def __call__(self, x, experts, weights):
         """``sum_k weights[:, k] * expert[experts[:, k]](x)`` (``x [N, D]``,
         ``experts`` / ``weights`` ``[N, k]``): token copies sorted by
-        expert, one ``ragged_dot`` per projection."""
+        expert, one ``ragged_dot`` per projection; on a mesh that splits the
+        experts, each device's own experts under ``shard_map``
+        (:func:`~jaxkv.nn.layers.on_local_experts`)."""
+        params = (self.gate_up_proj[...], self.gate_up_proj_bias[...], self.down_proj[...], self.down_proj_bias[...])
+        if self.placement is None:
+            return self._routed(x, experts, weights, *params)
+        return on_local_experts(self._routed, self.placement, x, experts, weights, params)
+
+    def _routed(self, x, experts, weights, gate_up_proj, gate_up_bias, down_proj, down_bias, local=None):
+        """The grouped matmuls over the experts of the given weights;
+        ``local`` (``[N, k]`` bool, under ``on_local_experts``): which copies
+        go to these experts (the others, their ids out of range, count in no
+        group and add nothing)."""
         k = experts.shape[1]
-        num_experts = self.gate_up_proj.shape[0]
+        num_experts = gate_up_proj.shape[0]
         flat = experts.reshape(-1)
         order = jnp.argsort(flat, stable=True)
         token, chosen = order // k, flat[order]
-        sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)
-        gate_up = jax.lax.ragged_dot(x[token], self.gate_up_proj[...].astype(x.dtype), sizes,
-                                     precision=self.precision)
-        gate_up = gate_up + self.gate_up_proj_bias[...].astype(x.dtype)[chosen]
+        sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)  # ids >= num_experts: not counted
+        gate_up = jax.lax.ragged_dot(x[token], gate_up_proj.astype(x.dtype), sizes, precision=self.precision)
+        gate_up = gate_up + gate_up_bias.astype(x.dtype)[chosen]
         gate, up = gate_up[..., 0::2], gate_up[..., 1::2]
         gate = jnp.minimum(gate, self.limit)
         up = jnp.clip(up, -self.limit, self.limit)
         glu = gate * jax.nn.sigmoid(gate * self.alpha)
-        out = jax.lax.ragged_dot((up + 1) * glu, self.down_proj[...].astype(x.dtype), sizes, precision=self.precision)
-        out = out + self.down_proj_bias[...].astype(x.dtype)[chosen]
+        out = jax.lax.ragged_dot((up + 1) * glu, down_proj.astype(x.dtype), sizes, precision=self.precision)
+        out = out + down_bias.astype(x.dtype)[chosen]
         out = out * weights.reshape(-1)[order][:, None].astype(out.dtype)
+        if local is not None:  # the copies of other devices' experts (sorted last: rows past the groups)
+            out = jnp.where(local.reshape(-1)[order][:, None], out, jnp.zeros_like(out))
         return jnp.zeros_like(x).at[token].add(out)
 
 
@@ -298,10 +316,14 @@ class GptOssDecoderLayer(nnx.Module):
 class GptOssForCausalLM(InterleavedWindowModel, nnx.Module):
     """gpt-oss over a :class:`~jaxkv.KVCacheManager` (module docstring).
     ``implementation`` chooses the paged attention kernel by
-    :mod:`kernels_pallas`'s rule."""
+    :mod:`kernels_pallas`'s rule. ``scan_layers`` (default True): the
+    alternating window and full layers run under one ``lax.scan`` over
+    their pattern (:class:`~jaxkv.nn.scan.DecoderStack`), so compile time
+    does not grow with depth; False unrolls them (same weights from the
+    same seed, same tokens)."""
 
     def __init__(self, config: GptOssConfig, *, rngs: nnx.Rngs, dtype=_F32, param_dtype=_F32, precision=None,
-                 implementation: str | None = None):
+                 implementation: str | None = None, scan_layers: bool = True):
         check_implementation(implementation, False)
         c = config
         self.config = c
@@ -309,8 +331,10 @@ class GptOssForCausalLM(InterleavedWindowModel, nnx.Module):
         self.param_dtype = jnp.dtype(param_dtype)
         self.implementation = implementation
         self.embed_tokens = nnx.Dict(weight=param((c.vocab_size, c.hidden_size), rngs, param_dtype, std=1.0))
-        self.layers = nnx.List([GptOssDecoderLayer(c, i, rngs=rngs, param_dtype=param_dtype, precision=precision)
-                                for i in range(c.num_hidden_layers)])
+        self.layers = DecoderStack(
+            c.num_hidden_layers,
+            lambda i, r: GptOssDecoderLayer(c, i, rngs=r, param_dtype=param_dtype, precision=precision),
+            signature=lambda i: c.layer_types[i], rngs=rngs, scan=scan_layers)
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, param_dtype=_F32)
         if not c.tie_word_embeddings:
             self.lm_head = Linear(c.hidden_size, c.vocab_size, rngs=rngs, param_dtype=param_dtype, precision=precision)
@@ -337,9 +361,9 @@ class GptOssForCausalLM(InterleavedWindowModel, nnx.Module):
         squeeze = tokens.ndim == 1
         tokens = tokens.reshape(-1, tokens.shape[-1])
         positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
-        x = self._embed(tokens)
-        for layer in self.layers:
-            x = layer.finish(x, layer.self_attn.dense(layer.input_layernorm(x), positions))
+        x = self.layers.run(
+            lambda layer, i, x: layer.finish(x, layer.self_attn.dense(layer.input_layernorm(x), positions)),
+            self._embed(tokens))
         logits = self._logits(x)
         return logits[0] if squeeze else logits
 
@@ -348,14 +372,15 @@ class GptOssForCausalLM(InterleavedWindowModel, nnx.Module):
     @classmethod
     def from_hf_state_dict(cls, config: GptOssConfig, tensors: dict[str, np.ndarray], *, dtype=None,
                            param_dtype=None, precision=None, implementation: str | None = None,
-                           source: str = "state dict") -> GptOssForCausalLM:
+                           source: str = "state dict", scan_layers: bool = True) -> GptOssForCausalLM:
         """Build the model from transformers-named arrays (MXFP4 expert pairs
         ``*_blocks`` / ``*_scales`` dequantized). Raises ``InvalidArgument``
         naming a missing, misshapen or unexpected tensor."""
         param_dtype = jnp.dtype(param_dtype or jnp.float32)
         dtype = jnp.dtype(dtype or param_dtype)
         abstract = nnx.eval_shape(lambda: cls(config, rngs=nnx.Rngs(0), dtype=dtype, param_dtype=param_dtype,
-                                              precision=precision, implementation=implementation))
+                                              precision=precision, implementation=implementation,
+                                              scan_layers=scan_layers))
         tensors = dequantize_mxfp4_experts(tensors, source=source)
         tied = config.tie_word_embeddings
         return load_state(abstract, tensors, lambda p: p if p.startswith("lm_head.") else "model." + p,
@@ -364,7 +389,7 @@ class GptOssForCausalLM(InterleavedWindowModel, nnx.Module):
 
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike, *, dtype=None, param_dtype=None, precision=None,
-                        implementation: str | None = None) -> GptOssForCausalLM:
+                        implementation: str | None = None, scan_layers: bool = True) -> GptOssForCausalLM:
         """Load a local transformers checkpoint directory (sharded or not;
         MXFP4 experts dequantized to float32 first, then cast)."""
         from jaxkv.nn.checkpoint import dequantize_checkpoint, load_tensors, read_config
@@ -382,7 +407,7 @@ class GptOssForCausalLM(InterleavedWindowModel, nnx.Module):
                                   f"quantization_config is {json.dumps(quant)} (want quant_method 'mxfp4')")
         tensors = dequantize_checkpoint(tensors, quant)
         return cls.from_hf_state_dict(config, tensors, dtype=dtype, param_dtype=param_dtype, precision=precision,
-                                      implementation=implementation, source=os.fspath(path))
+                                      implementation=implementation, source=os.fspath(path), scan_layers=scan_layers)
 
     def save_pretrained(self, path: str | os.PathLike) -> None:
         """``config.json`` + ``model.safetensors`` under transformers' names

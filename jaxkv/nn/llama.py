@@ -15,8 +15,8 @@ Hugging Face checkpoint maps onto it mechanically::
     lm_head.weight                                   lm_head.kernel           (absent when tied)
 
 (the NNX paths as unrolled; with ``scan_layers`` the layers of one sliding
-window are stacked, ``layers.stacked.{j}.<...>`` holding layers ``j``,
-``j + p``, ... as rows: :mod:`jaxkv.nn.scan`, whose :func:`layer_paths`
+window are stacked, ``layers.stacked.{u}.<...>`` holding the layers of run
+``u`` of the repeating pattern as rows: :mod:`jaxkv.nn.scan`, whose :func:`layer_paths`
 the loader and ``hf_state_dict`` use, so checkpoints keep naming layers one
 by one)
 

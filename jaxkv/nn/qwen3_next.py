@@ -44,6 +44,15 @@ The whole step (every layer, both kinds) is one jittable call:
 runs a packed step (:class:`~jaxkv.nn.packed.PackedBatch`): one flat stream
 of prefill pieces and decode tokens, the Gated DeltaNet's conv and delta rule
 on the batch's per-lane-class segments.
+
+With ``scan_layers`` (the default) the decoder layers run under one
+``lax.scan`` (:class:`~jaxkv.nn.scan.DecoderStack`): a layer's signature is
+its kind and whether its MLP is MoE, so the usual three Gated DeltaNet
+layers and one full-attention layer form the scanned pattern, and layers
+that break it (``mlp_only_layers``, a depth the pattern does not divide)
+stay unrolled. Inside the scan the layer index is traced; the cache is
+acquired with ``like=`` the static layer of the same column. Checkpoints
+name layers one by one either way (``load_state``/``named_state``).
 """
 
 from __future__ import annotations
@@ -66,6 +75,7 @@ from jaxkv.nn.layers import (Experts, Linear, SwiGLU, ZeroCenteredRMSNorm, fuse_
 from jaxkv.nn.packed import PackedBatch
 from jaxkv.nn.qwen3_next_config import Qwen3NextConfig
 from jaxkv.nn.rope import apply_rope, rope_inv_freq
+from jaxkv.nn.scan import DecoderStack
 
 __all__ = ["Qwen3NextForCausalLM", "cache_for", "chunk_gated_delta_rule", "recurrent_gated_delta_rule"]
 
@@ -358,13 +368,20 @@ class Qwen3NextForCausalLM(nnx.Module):
     """Qwen3-Next over a :class:`~jaxkv.KVCacheManager` (see the module
     docstring): full-attention K/V in its paged ``full`` group, Gated
     DeltaNet states in its ``GDNPool``. ``implementation`` chooses the
-    paged attention kernel by :mod:`kernels_pallas`'s rule."""
+    paged attention kernel by :mod:`kernels_pallas`'s rule.
+
+    ``scan_layers`` (default True): layers of the same kind and MLP run
+    under one ``lax.scan`` (module docstring), so compile time does not
+    grow with depth; False unrolls them. Weights, checkpoints and tokens
+    are the same either way (layers are built in order from the same
+    ``rngs``). ``model.layers[i]`` reads layer ``i``; write through
+    ``model.layers.parts()``."""
 
     #: The cache contract (:func:`jaxkv.nn.packed.cache_kind`): a hybrid ``KVCacheManager`` (``make_cache``).
     cache_kind = "hybrid"
 
     def __init__(self, config: Qwen3NextConfig, *, rngs: nnx.Rngs, dtype=_F32, param_dtype=_F32, precision=None,
-                 implementation: str | None = None):
+                 implementation: str | None = None, scan_layers: bool = True):
         check_implementation(implementation, False)
         c = config
         self.config = c
@@ -372,8 +389,12 @@ class Qwen3NextForCausalLM(nnx.Module):
         self.param_dtype = jnp.dtype(param_dtype)
         self.implementation = implementation
         self.embed_tokens = nnx.Dict(weight=param((c.vocab_size, c.hidden_size), rngs, param_dtype, std=1.0))
-        self.layers = nnx.List([Qwen3NextDecoderLayer(c, i, rngs=rngs, param_dtype=param_dtype, precision=precision)
-                                for i in range(c.num_hidden_layers)])
+        self.scan_layers = bool(scan_layers)
+        # A layer's structure follows its kind and its MLP (MoE or dense): alike layers stack.
+        self.layers = DecoderStack(
+            c.num_hidden_layers,
+            lambda i, rngs: Qwen3NextDecoderLayer(c, i, rngs=rngs, param_dtype=param_dtype, precision=precision),
+            signature=lambda i: (c.layer_types[i], c.is_moe_layer(i)), rngs=rngs, scan=scan_layers)
         self.norm = ZeroCenteredRMSNorm(c.hidden_size, c.rms_norm_eps, param_dtype=param_dtype)
         if not c.tie_word_embeddings:
             self.lm_head = Linear(c.hidden_size, c.vocab_size, rngs=rngs, param_dtype=param_dtype, precision=precision)
@@ -487,16 +508,23 @@ class Qwen3NextForCausalLM(nnx.Module):
         handle) -> (y, handle)`` runs a Gated DeltaNet layer in the
         caller's row layout. Returns ``(x before the final norm, manager)``."""
         self._check_cache(manager)
-        for i, layer in enumerate(self.layers):
-            handle = manager.acquire(i, slots, positions.reshape(-1), request_ids, implementation=self.implementation)
+        flat_positions = positions.reshape(-1)
+
+        def step(layer, i, like, carry):
+            # ``i`` is traced under the scan: the handle takes its schema from
+            # ``like`` (a static layer of the same column, so of the same kind),
+            # and ``layer.kind`` is the module's static attribute, never ``i``'s.
+            x, manager = carry
+            handle = manager.acquire(i, slots, flat_positions, request_ids, implementation=self.implementation,
+                                     like=like)
             h = layer.input_layernorm(x)
             if layer.kind == "linear_attention":
                 mixed, handle = linear(layer.linear_attn, h, handle)
             else:
                 mixed, handle = layer.self_attn.through_cache(h, positions, handle)
-            manager = manager.update(handle)
-            x = layer.finish(x, mixed)
-        return x, manager
+            return layer.finish(x, mixed), manager.update(handle)
+
+        return self.layers.run(step, (x, manager), with_like=True)
 
     def forward_dense(self, tokens: Int[Array, " T"]) -> Float[Array, "T V"]:
         """One sequence from scratch with no cache: the GDN layers in the
@@ -506,7 +534,8 @@ class Qwen3NextForCausalLM(nnx.Module):
         t = tokens.shape[1]
         positions = jnp.arange(t, dtype=jnp.int32)[None, :]
         x = self._embed(tokens)
-        for layer in self.layers:
+
+        def step(layer, i, x):
             h = layer.input_layernorm(x)
             if layer.kind == "linear_attention":
                 conv, state = layer.linear_attn.zero_states(1, self.dtype)
@@ -521,22 +550,24 @@ class Qwen3NextForCausalLM(nnx.Module):
                 probs = jax.nn.softmax(jnp.where(causal, logits, -jnp.inf), axis=-1)
                 attended = jnp.einsum("bhts,bshd->bthd", probs, v).astype(h.dtype)
                 mixed = attn.output(attended, gate)
-            x = layer.finish(x, mixed)
-        return self._logits(x)[0]
+            return layer.finish(x, mixed)
+
+        return self._logits(self.layers.run(step, x))[0]
 
     # ---------------------------------------------------- HF checkpoints
 
     @classmethod
     def from_hf_state_dict(cls, config: Qwen3NextConfig, tensors: dict[str, np.ndarray], *, dtype=None,
                            param_dtype=None, precision=None, implementation: str | None = None,
-                           source: str = "state dict") -> Qwen3NextForCausalLM:
+                           source: str = "state dict", scan_layers: bool = True) -> Qwen3NextForCausalLM:
         """Build the model from transformers-named arrays (per-expert tensors
         fused as transformers' loader does). Raises ``InvalidArgument``
         naming a missing, misshapen or unexpected tensor."""
         param_dtype = jnp.dtype(param_dtype or jnp.float32)
         dtype = jnp.dtype(dtype or param_dtype)
         abstract = nnx.eval_shape(lambda: cls(config, rngs=nnx.Rngs(0), dtype=dtype, param_dtype=param_dtype,
-                                              precision=precision, implementation=implementation))
+                                              precision=precision, implementation=implementation,
+                                              scan_layers=scan_layers))
         tensors = fuse_experts(tensors, config.num_experts, source=source) if config.num_experts else tensors
         tied = config.tie_word_embeddings
         return load_state(abstract, tensors, lambda p: p if p.startswith("lm_head.") else "model." + p,
@@ -546,11 +577,12 @@ class Qwen3NextForCausalLM(nnx.Module):
 
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike, *, dtype=None, param_dtype=None, precision=None,
-                        implementation: str | None = None) -> Qwen3NextForCausalLM:
+                        implementation: str | None = None, scan_layers: bool = True) -> Qwen3NextForCausalLM:
         """Load a local transformers checkpoint directory (sharded or not)."""
         raw, tensors = read_checkpoint(path)
-        return cls.from_hf_state_dict(Qwen3NextConfig.from_hf(raw), tensors, dtype=dtype, param_dtype=param_dtype, precision=precision,
-                                      implementation=implementation, source=os.fspath(path))
+        return cls.from_hf_state_dict(Qwen3NextConfig.from_hf(raw), tensors, dtype=dtype, param_dtype=param_dtype,
+                                      precision=precision, implementation=implementation, source=os.fspath(path),
+                                      scan_layers=scan_layers)
 
     def save_pretrained(self, path: str | os.PathLike) -> None:
         """``config.json`` + ``model.safetensors`` under transformers' names (fused experts)."""

@@ -19,12 +19,20 @@ layers outside the scan:
 * ``tail``: what is left when the pattern does not divide the rest,
   unrolled.
 
+Within the pattern, consecutive layers of one signature form a *run*
+(Gemma 3's period is a run of five window layers and a run of one global
+layer), and a run longer than one layer is an inner ``lax.scan`` in the
+outer scan's body: the program holds one layer per run, not per period
+position, so a long period costs no more compile time than a short one.
+
 Invariants: layer ``i`` of the model is ``head[i]`` for ``i < len(head)``,
-``stacked[j]`` at repetition ``r`` for ``i = len(head) + r * period + j``,
-and ``tail[k]`` for the rest; every layer of one ``stacked[j]`` has the
-signature of the others; the parameters are exactly those of the unrolled
-layers (built in layer order from the same ``rngs``, so a model built with
-``scan=False`` from the same seed has equal weights).
+row ``r * n + k`` of ``stacked[u]`` for ``i = len(head) + r * period +
+start + k`` (run ``u`` covering period positions ``start .. start + n - 1``,
+repetition ``r``, ``0 <= k < n``), and ``tail[k]`` for the rest; every
+layer of one ``stacked[u]`` has the signature of the others; the parameters
+are exactly those of the unrolled layers (built in layer order from the
+same ``rngs``, so a model built with ``scan=False`` from the same seed has
+equal weights).
 
 Checkpoints keep naming layers one by one: :func:`layer_paths` maps a
 stacked parameter's path to the per-layer paths of its rows (loaders stack
@@ -46,7 +54,7 @@ from flax import nnx
 
 from jaxkv.errors import InvalidArgument
 
-__all__ = ["DecoderStack", "is_stacked", "layer_paths", "scan_plan"]
+__all__ = ["DecoderStack", "is_stacked", "layer_paths", "pattern_runs", "scan_plan"]
 
 #: The attribute under which a stack keeps its stacked layers (a path
 #: component that marks a stacked parameter).
@@ -90,6 +98,17 @@ def _stack(modules: list) -> nnx.Module:
     return nnx.merge(graphdef, stacked)
 
 
+def pattern_runs(signatures: Sequence[Hashable]) -> tuple[tuple[int, int], ...]:
+    """``((start, length), ...)``: the runs of consecutive equal signatures
+    of one period, in order."""
+    runs, start = [], 0
+    for j in range(1, len(signatures) + 1):
+        if j == len(signatures) or signatures[j] != signatures[start]:
+            runs.append((start, j - start))
+            start = j
+    return tuple(runs)
+
+
 class DecoderStack(nnx.Module):
     """The decoder layers of a model: ``make(i, rngs)`` builds layer ``i``,
     ``signature(i)`` tells which layers are alike (module docstring).
@@ -98,37 +117,76 @@ class DecoderStack(nnx.Module):
     def __init__(self, num_layers: int, make: Callable[[int, nnx.Rngs], nnx.Module],
                  signature: Callable[[int], Hashable], *, rngs: nnx.Rngs, scan: bool = True):
         layers = [make(i, rngs) for i in range(num_layers)]  # in layer order: the same draws as unrolled
-        head, period, reps = scan_plan([signature(i) for i in range(num_layers)]) if scan else (num_layers, 0, 0)
+        signatures = [signature(i) for i in range(num_layers)]
+        head, period, reps = scan_plan(signatures) if scan else (num_layers, 0, 0)
         self.num_layers, self.head_len, self.period, self.reps = num_layers, head, period, reps
+        self.runs = pattern_runs(signatures[head: head + period]) if reps else ()
         self.head = nnx.List(layers[:head])
-        self.stacked = nnx.List([_stack(layers[head + j: head + period * reps: period]) for j in range(period)])
+        self.stacked = nnx.List([
+            _stack([layers[head + r * period + start + k] for r in range(reps) for k in range(length)])
+            for start, length in self.runs])
         self.tail = nnx.List(layers[head + period * reps:])
 
     def __len__(self) -> int:
         return self.num_layers
 
-    def run(self, step: Callable, carry):
+    @property
+    def layers_in_program(self) -> int:
+        """Layers the program holds: the head, one per run, the tail."""
+        return self.head_len + len(self.runs) + len(self.tail)
+
+    def run(self, step: Callable, carry, *, with_like: bool = False):
         """``carry = step(layer, i, carry)`` for every layer ``i`` in order
-        (``i`` traced inside the scan)."""
+        (``i`` traced inside the scan).
+
+        ``with_like``: ``step(layer, i, like, carry)``, where ``like`` is a
+        static layer index whose layer has the signature of layer ``i``
+        (``i`` itself outside the scan, the run's first layer inside):
+        what a step needs to look up static facts of a traced layer (its
+        cache's kind, :meth:`jaxkv.KVCacheManager.acquire`'s ``like``)."""
+        def call(layer, i, like, carry):
+            return step(layer, i, like, carry) if with_like else step(layer, i, carry)
+
         for i, layer in enumerate(self.head):
-            carry = step(layer, i, carry)
+            carry = call(layer, i, i, carry)
         if self.reps:
             parts = [nnx.split(block) for block in self.stacked]
             graphdefs = [graphdef for graphdef, _ in parts]
+            # Rows r * n + k as [reps, n, ...]: the outer scan takes a repetition, an inner one its run.
+            states = [jax.tree.map(lambda a, n=length: a.reshape((self.reps, n) + a.shape[1:]), state)
+                      for (_, state), (_, length) in zip(parts, self.runs)]
             first = self.head_len
 
             def body(carry, xs):
                 rep, states = xs
-                for j, (graphdef, state) in enumerate(zip(graphdefs, states)):
-                    carry = step(nnx.merge(graphdef, state), first + rep * self.period + j, carry)
+                base = first + rep * self.period
+                for graphdef, state, (start, length) in zip(graphdefs, states, self.runs):
+                    like = first + start
+                    if length == 1:
+                        carry = call(nnx.merge(graphdef, jax.tree.map(lambda a: a[0], state)), base + start, like,
+                                     carry)
+                        continue
+
+                    def inner(carry, xs, graphdef=graphdef, start=start, like=like):
+                        k, layer_state = xs
+                        return call(nnx.merge(graphdef, layer_state), base + start + k, like, carry), None
+
+                    carry, _ = jax.lax.scan(inner, carry, (jnp.arange(length, dtype=jnp.int32), state))
                 return carry, None
 
-            carry, _ = jax.lax.scan(body, carry, (jnp.arange(self.reps, dtype=jnp.int32),
-                                                  [state for _, state in parts]))
+            carry, _ = jax.lax.scan(body, carry, (jnp.arange(self.reps, dtype=jnp.int32), states))
         start = self.head_len + self.period * self.reps
         for k, layer in enumerate(self.tail):
-            carry = step(layer, start + k, carry)
+            carry = call(layer, start + k, start + k, carry)
         return carry
+
+    def _row(self, i: int) -> tuple[int, int]:
+        """``(run, row)`` of a layer ``i`` inside the scan."""
+        rep, j = divmod(i - self.head_len, self.period)
+        for u, (start, length) in enumerate(self.runs):
+            if start <= j < start + length:
+                return u, rep * length + j - start
+        raise AssertionError("the runs cover the period")
 
     def layer(self, i: int) -> nnx.Module:
         """Layer ``i`` as a module of its own. A stacked layer's row is a
@@ -140,15 +198,15 @@ class DecoderStack(nnx.Module):
         start = self.head_len + self.period * self.reps
         if i >= start:
             return self.tail[i - start]
-        rep, j = divmod(i - self.head_len, self.period)
-        graphdef, state = nnx.split(self.stacked[j])
-        return nnx.merge(graphdef, jax.tree.map(lambda a: a[rep], state))
+        u, row = self._row(i)
+        graphdef, state = nnx.split(self.stacked[u])
+        return nnx.merge(graphdef, jax.tree.map(lambda a: a[row], state))
 
     __getitem__ = layer
 
     def parts(self) -> list[nnx.Module]:
-        """The modules as stored: the head layers, each stacked column (its
-        variables with the leading repetitions axis), the tail layers. Write
+        """The modules as stored: the head layers, each stacked run (its
+        variables with a leading rows axis), the tail layers. Write
         through these (a stacked row from :meth:`layer` is a copy)."""
         return [*self.head, *self.stacked, *self.tail]
 
@@ -156,14 +214,16 @@ class DecoderStack(nnx.Module):
         return (self.layer(i) for i in range(self.num_layers))
 
     def layer_of(self, rest: tuple) -> tuple[tuple, ...] | list[tuple]:
-        """``rest``: a parameter path below the stack (``("stacked", j,
+        """``rest``: a parameter path below the stack (``("stacked", u,
         ...)``, ``("head", k, ...)``, ``("tail", k, ...)``) -> its per-layer
         path ``(i, ...)``, or for a stacked parameter the list of them, one
         per row."""
         part, index, *below = rest
         index = int(index)
         if part == STACKED:
-            return [(self.head_len + r * self.period + index, *below) for r in range(self.reps)]
+            start, length = self.runs[index]
+            return [(self.head_len + r * self.period + start + k, *below)
+                    for r in range(self.reps) for k in range(length)]
         if part == "head":
             return (index, *below)
         return (self.head_len + self.period * self.reps + index, *below)

@@ -17,7 +17,12 @@ Axis names (a mesh may have any subset; a missing axis means "not split"):
   ...]``) split their expert axis over ``expert x tp`` (every device of the
   two axes holds ``E / (expert * tp)`` whole experts), or over whichever of
   the two divides ``E``; without an ``expert`` axis over ``tp`` (expert
-  parallelism inside the tensor-parallel group).
+  parallelism inside the tensor-parallel group). The partitioner cannot
+  split a ragged dot by its groups (it would gather every expert's weights
+  in every MoE layer), so :func:`shard_model` also tells each experts
+  module its axes (:func:`place_experts`): its grouped matmuls then run
+  under ``shard_map``, each device on its own experts for every token, and
+  a ``psum`` adds the devices' parts.
 * ``data``: batch rows (:func:`batch_spec`: prompts of :func:`generate`).
 
 Replicated, by design: embeddings, norms, routers, DeepSeek-V4's
@@ -27,9 +32,10 @@ compressed entries and rings), as vLLM and SGLang do for MLA under tensor
 parallelism; allocator and manager bookkeeping. A dimension the axis does
 not divide stays whole (:func:`placement_report` lists where).
 
-The jitted steps need no change: given inputs placed this way, XLA's SPMD
-partitioner runs them across the mesh (any placement gives the same
-numbers up to summation order; these choose where the collectives go).
+The jitted steps need no change (the experts' placement aside): given
+inputs placed this way, XLA's SPMD partitioner runs them across the mesh
+(any placement gives the same numbers up to summation order; these choose
+where the collectives go).
 
 **Multi-process.** Under ``jax.distributed`` a process addresses only its
 own devices, so :func:`put` builds every global array the multi-controller
@@ -53,8 +59,8 @@ from jax.sharding import PartitionSpec as P
 from jaxkv.errors import InvalidArgument
 from jaxkv.nn.scan import STACKED, is_stacked
 
-__all__ = ["batch_spec", "cache_sharding", "fetch", "is_placed", "param_spec", "placement_report", "pool_sharding",
-           "prepare", "put", "replicate", "shard_cache", "shard_model", "shard_pool"]
+__all__ = ["batch_spec", "cache_sharding", "fetch", "is_placed", "param_spec", "place_experts", "placement_report",
+           "pool_sharding", "prepare", "put", "replicate", "shard_cache", "shard_model", "shard_pool"]
 
 # Module names whose parameters split their output features (axis 0 of a
 # transformers-layout ``weight [out, in]`` and of a bias, the last axis of a
@@ -141,12 +147,45 @@ def shard_model(model, mesh: Mesh, *, tp_axis: str = "tp", expert_axis: str | No
     """Place ``model``'s parameters on ``mesh`` (module docstring: heads and
     MLP features over ``tp_axis``, experts over ``expert_axis`` or else
     ``tp_axis``), in place; returns the model. Works for every family and in
-    every process of a multi-process run (each places its own shards)."""
+    every process of a multi-process run (each places its own shards). The
+    routed-experts modules learn where their experts went
+    (:func:`place_experts`)."""
     _check_axes(mesh, tp_axis)
     state, specs = _param_specs(model, mesh, tp_axis, expert_axis)
     nnx.update(model, put(state, jax.tree.map(lambda spec: NamedSharding(mesh, spec), specs,
                                               is_leaf=lambda x: isinstance(x, P))))
+    place_experts(model, mesh, tp_axis=tp_axis, expert_axis=expert_axis)
     return model
+
+
+def place_experts(model, mesh: Mesh | None, *, tp_axis: str = "tp", expert_axis: str | None = "expert") -> int:
+    """Tell every routed-experts module of ``model`` (a module with a
+    ``placement`` attribute and a ``gate_up_proj`` parameter:
+    :class:`jaxkv.nn.layers.Experts`) the mesh axes :func:`param_spec` splits
+    its expert axis over (an :class:`~jaxkv.nn.layers.ExpertPlacement`), so
+    its grouped matmuls run on each device's own experts under ``shard_map``
+    instead of gathering every expert; ``None`` where they stay whole (or
+    ``mesh`` is None: one device). A static attribute: take the graph
+    definition (``nnx.split``) after this. :func:`shard_model` calls it; a
+    caller placing parameters with :func:`param_spec` itself calls it too.
+    Returns how many modules got a placement."""
+    from jaxkv.nn.layers import ExpertPlacement
+
+    placed = 0
+    for path, node in nnx.iter_graph(model):
+        if not isinstance(node, nnx.Module) or not hasattr(node, "placement") or not hasattr(node, "gate_up_proj"):
+            continue
+        placement = None
+        if mesh is not None:
+            names = _names(path) + ("gate_up_proj",)
+            spec = param_spec(names, tuple(node.gate_up_proj.shape), mesh, tp_axis=tp_axis, expert_axis=expert_axis)
+            entry = spec[1 if is_stacked(names) else 0]  # a stacked parameter's axis 0: its layers
+            axes = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+            if axes and int(np.prod([mesh.shape[a] for a in axes])) > 1:
+                placement = ExpertPlacement(mesh, axes)
+        node.placement = placement
+        placed += placement is not None
+    return placed
 
 
 def placement_report(model, mesh: Mesh, *, tp_axis: str = "tp", expert_axis: str | None = "expert") -> dict:
@@ -205,8 +244,8 @@ def _cache_leaf_spec(names: tuple[str, ...], shape, mesh: Mesh, tp_axis: str) ->
         return _split(shape, 1, tp_axis, mesh)
     if "gdn" in names and leaf in ("recurrent_state", "conv_bits"):
         return _split(shape, 2, tp_axis, mesh)
-    if "layers" in names and leaf in ("k_bits", "v_bits") and len(shape) == 4:  # a window ring [rows, KVH, W, D]
-        return _split(shape, 1, tp_axis, mesh)
+    if "window_pool" in names and leaf in ("k_bits", "v_bits"):  # window rings [layers, rows, KVH, W, D]
+        return _split(shape, 2, tp_axis, mesh)
     return P(*([None] * len(shape)))
 
 

@@ -120,9 +120,10 @@ class InterleavedWindowModel:
     ``make_cache``, the cache check, the cached step ``model(tokens, manager,
     slots, starts, num_new)`` and the packed step. A model provides
     ``config`` (as :func:`config_cache` reads it), ``dtype``,
-    ``implementation``, ``layers`` (each with ``input_layernorm``,
-    ``self_attn.through_cache(h, positions, handle) -> (y, handle)`` and
-    ``finish(x, y)``), ``_embed(tokens)`` and ``_logits(x)``."""
+    ``implementation``, ``layers`` (a :class:`~jaxkv.nn.scan.DecoderStack`
+    of layers with ``input_layernorm``, ``self_attn.through_cache(h,
+    positions, handle) -> (y, handle)`` and ``finish(x, y)``),
+    ``_embed(tokens)`` and ``_logits(x)``."""
 
     #: The cache contract (:func:`jaxkv.nn.packed.cache_kind`): a hybrid ``KVCacheManager`` (``make_cache``).
     cache_kind = "hybrid"
@@ -191,9 +192,12 @@ class InterleavedWindowModel:
         request row ``request_ids[t]`` of ``slots``). Returns ``(x before
         the final norm, manager)``."""
         self._check_cache(manager)
-        for i, layer in enumerate(self.layers):
-            handle = manager.acquire(i, slots, positions.reshape(-1), request_ids, implementation=self.implementation)
+
+        def step(layer, i, like, carry):  # i: traced under the layer scan; like: a static layer of its kind
+            x, manager = carry
+            handle = manager.acquire(i, slots, positions.reshape(-1), request_ids, implementation=self.implementation,
+                                     like=like)
             mixed, handle = layer.self_attn.through_cache(layer.input_layernorm(x), positions, handle)
-            manager = manager.update(handle)
-            x = layer.finish(x, mixed)
-        return x, manager
+            return layer.finish(x, mixed), manager.update(handle)
+
+        return self.layers.run(step, (x, manager), with_like=True)

@@ -113,22 +113,22 @@ def scrub_hybrid(before, after):
     keys (state rows are reset by the operations that let them go)."""
     if not isinstance(before, dict):
         before = {name: group.allocator for name, group in before.groups.items()}
-    layers = list(after.layers)
+    stores = list(after.v4_stores)
     pools = {"full": after.full_pool, "mla": after.mla_pool}
     for name, group in after.groups.items():
         freed = freed_blocks(before[name], group.allocator)
         if pools.get(name) is not None:
             pools[name] = scrub_kv_pool(pools[name], freed)
-        for i, schema in enumerate(after.schemas):
-            cache = layers[i]
-            if schema.group != name or getattr(cache, "entries", None) is None:
+        for i in after.v4_group_stores(name):  # stacked [L, num_blocks, ...]: blocks are axis 1
+            cache = stores[i]
+            if cache.entries is None:
                 continue
             parts = [cache.entries] + ([cache.index_keys] if cache.index_keys is not None else [])
             leaves = [x for p in parts for x in (p.nope_bits, p.scales, p.rope_bits)]
             fills = [f for p in parts for f in (0, p.fmt.unit_scale, 0)]
-            zeroed = zero_blocks(leaves, [0] * len(leaves), freed, fills)
+            zeroed = zero_blocks(leaves, [1] * len(leaves), freed, fills)
             entries = cache.entries.replace(nope_bits=zeroed[0], scales=zeroed[1], rope_bits=zeroed[2])
             index_keys = (cache.index_keys.replace(nope_bits=zeroed[3], scales=zeroed[4], rope_bits=zeroed[5])
                           if cache.index_keys is not None else None)
-            layers[i] = cache.replace(entries=entries, index_keys=index_keys)
-    return after.replace(layers=tuple(layers), full_pool=pools["full"], mla_pool=pools["mla"])
+            stores[i] = cache.replace(entries=entries, index_keys=index_keys)
+    return after.replace(v4_stores=tuple(stores), full_pool=pools["full"], mla_pool=pools["mla"])

@@ -1,24 +1,34 @@
-"""WindowLayerCache: the K/V ring of one sliding-window attention layer.
+"""WindowLayerCache: the K/V rings of the sliding-window attention layers.
 
 Interleaved models (gpt-oss: every other layer attends a window of 128
 tokens; Gemma 3: five window layers to one global) give a window layer no
 use for a key older than its window. Such a layer keeps, per request state
 row, a ring of the K and V of its last ``window`` tokens instead of paged
-blocks::
+blocks. One cache holds the rings of every window layer of a model, a
+leading layer axis first (the layer index: the layer's rank among the
+window layers), as :class:`~jaxkv.KVPool` holds every full-attention
+layer's pages::
 
-    k_bits  [num_rows, num_kv_heads, window, head_dim]   position p at [row, :, p % window]
-    v_bits  [num_rows, num_kv_heads, window, head_dim]
-    pos     [num_rows, window] int32                      position held there, -1: empty
+    k_bits  [num_layers, num_rows, num_kv_heads, window, head_dim]   position p at [layer, row, :, p % window]
+    v_bits  [num_layers, num_rows, num_kv_heads, window, head_dim]
+    pos     [num_layers, num_rows, window] int32                      position held there, -1: empty
 
 (heads before the window, as the paged pool's ``[KVH, P, ps, D]``: a
 gathered row is ``[KVH, W, D]``, the layout attention's batched dot wants,
 so no transpose of it is made)
 
-so its memory per request is ``window`` tokens however long the request
-grows. A ring row is per-request state like DeepSeek-V4's SWA ring or a
-Gated DeltaNet state: the hybrid manager resets it on admission and
-release, copies it into snapshot rows (prefix caching restores a window
-layer from a snapshot) and moves it to host with the other state rows.
+so its memory per request is ``window`` tokens per layer however long the
+request grows. Why one stacked cache and not one per layer: a model whose
+layers run under one ``lax.scan`` (:mod:`jaxkv.nn.scan`) reaches its layer
+with a traced index, and a scatter at ``[layer, rows, ...]`` into the
+scan's carry updates the rings in place, where slicing one layer's rings
+out and back would copy them every layer of every step.
+
+A ring row is per-request state like DeepSeek-V4's SWA ring or a Gated
+DeltaNet state: the hybrid manager resets it (in every layer) on admission
+and release, copies it into snapshot rows (prefix caching restores the
+window layers from a snapshot) and moves it to host with the other state
+rows.
 
 ``pos`` makes a row self-describing: a read masks slots by the position they
 hold, not by arithmetic on the request's length, so a restored or copied row
@@ -26,8 +36,8 @@ can never show a key from another request or from outside its window.
 
 Invariants (checked by tests after every operation):
 
-* after ``reset(targets)`` those rows hold zeros and ``pos == -1``; no other
-  row changes;
+* after ``reset(targets)`` those rows hold zeros and ``pos == -1`` in every
+  layer; no other row changes;
 * every array is updated by ``.at[...]`` scatters in ``mode="drop"`` (an
   out-of-range row is a skipped write), so a caller that donates the cache
   into its jitted step updates it in place; 16- and 8-bit values are stored
@@ -46,74 +56,87 @@ from kernels_pallas.bits import bits_dtype, from_bits, to_bits
 
 __all__ = ["WindowLayerCache"]
 
+#: The state rows' axis in every array.
+ROW_AXIS = 1
+
 
 @struct.dataclass
 class WindowLayerCache:
-    """The ring of one window layer (see the module docstring)."""
+    """The rings of every window layer (see the module docstring)."""
 
-    k_bits: Shaped[Array, "rows kvh window d"]
-    v_bits: Shaped[Array, "rows kvh window d"]
-    pos: Int[Array, "rows window"]
+    k_bits: Shaped[Array, "layers rows kvh window d"]
+    v_bits: Shaped[Array, "layers rows kvh window d"]
+    pos: Int[Array, "layers rows window"]
     dtype: object = struct.field(pytree_node=False)
 
     @classmethod
-    def create(cls, num_rows: int, window: int, num_kv_heads: int, head_dim: int, dtype) -> "WindowLayerCache":
-        """Every row empty (zeros, ``pos`` -1)."""
-        if min(num_rows, window, num_kv_heads, head_dim) < 1:
-            raise InvalidArgument(f"a window ring needs rows, window, kv heads and head_dim >= 1, got "
-                                  f"{num_rows}, {window}, {num_kv_heads}, {head_dim}")
-        shape = (num_rows, num_kv_heads, window, head_dim)
+    def create(cls, num_rows: int, window: int, num_kv_heads: int, head_dim: int, dtype, *,
+               num_layers: int = 1) -> "WindowLayerCache":
+        """Every row of every layer empty (zeros, ``pos`` -1)."""
+        if min(num_layers, num_rows, window, num_kv_heads, head_dim) < 1:
+            raise InvalidArgument(f"window rings need layers, rows, window, kv heads and head_dim >= 1, got "
+                                  f"{num_layers}, {num_rows}, {window}, {num_kv_heads}, {head_dim}")
+        shape = (num_layers, num_rows, num_kv_heads, window, head_dim)
         storage = bits_dtype(dtype)
         return cls(k_bits=jnp.zeros(shape, storage), v_bits=jnp.zeros(shape, storage),
-                   pos=jnp.full((num_rows, window), -1, jnp.int32), dtype=jnp.dtype(dtype))
+                   pos=jnp.full((num_layers, num_rows, window), -1, jnp.int32), dtype=jnp.dtype(dtype))
 
     @property
-    def window(self) -> int:
-        return self.k_bits.shape[2]
-
-    @property
-    def num_rows(self) -> int:
+    def num_layers(self) -> int:
         return self.k_bits.shape[0]
 
     @property
-    def k(self):
-        """The K ring as ``dtype`` (a bitcast view)."""
-        return from_bits(self.k_bits, self.dtype)
+    def num_rows(self) -> int:
+        return self.k_bits.shape[1]
 
     @property
-    def v(self):
-        return from_bits(self.v_bits, self.dtype)
+    def num_kv_heads(self) -> int:
+        return self.k_bits.shape[2]
 
-    def write(self, rows: Int[Array, " T"], positions: Int[Array, " T"], k, v) -> "WindowLayerCache":
-        """Token ``t``'s K/V ``[T, KVH, D]`` into ``[rows[t], :, positions[t]
-        % window]``; a row out of range (the caller's way to skip a token)
-        is dropped. Two tokens naming one slot: undefined which wins
-        (callers write each request's newest ``window`` tokens only)."""
+    @property
+    def window(self) -> int:
+        return self.k_bits.shape[3]
+
+    @property
+    def head_dim(self) -> int:
+        return self.k_bits.shape[4]
+
+    def read(self, layer, rows: Int[Array, " n"]):
+        """``(k, v [n, KVH, W, D] in dtype, pos [n, W])`` of rows ``rows``
+        (in range) of ``layer`` (an int or a traced int32)."""
+        return (from_bits(self.k_bits[layer, rows], self.dtype), from_bits(self.v_bits[layer, rows], self.dtype),
+                self.pos[layer, rows])
+
+    def write(self, layer, rows: Int[Array, " T"], positions: Int[Array, " T"], k, v) -> "WindowLayerCache":
+        """Token ``t``'s K/V ``[T, KVH, D]`` into ``[layer, rows[t], :,
+        positions[t] % window]``; a row out of range (the caller's way to
+        skip a token) is dropped. Two tokens naming one slot: undefined
+        which wins (callers write each request's newest ``window`` tokens
+        only)."""
         slot = jnp.where(positions >= 0, positions % self.window, 0)
-        return self.replace(k_bits=self.k_bits.at[rows, :, slot].set(to_bits(k, self.dtype), mode="drop"),
-                            v_bits=self.v_bits.at[rows, :, slot].set(to_bits(v, self.dtype), mode="drop"),
-                            pos=self.pos.at[rows, slot].set(positions, mode="drop"))
+        return self.replace(k_bits=self.k_bits.at[layer, rows, :, slot].set(to_bits(k, self.dtype), mode="drop"),
+                            v_bits=self.v_bits.at[layer, rows, :, slot].set(to_bits(v, self.dtype), mode="drop"),
+                            pos=self.pos.at[layer, rows, slot].set(positions, mode="drop"))
 
     def copy_rows(self, source: Int[Array, " n"], target: Int[Array, " n"]) -> "WindowLayerCache":
-        """Rows ``target[i] <- source[i]`` (out-of-range targets dropped); all
-        sources are read before any target is written."""
-        return self.replace(**{name: getattr(self, name).at[target].set(getattr(self, name)[source], mode="drop")
+        """Rows ``target[i] <- source[i]`` in every layer (out-of-range
+        targets dropped); all sources are read before any target is written."""
+        return self.replace(**{name: getattr(self, name).at[:, target].set(getattr(self, name)[:, source],
+                                                                             mode="drop")
                                for name in ("k_bits", "v_bits", "pos")})
 
-    def copy_blocks(self, source, target) -> "WindowLayerCache":
-        """A ring has no blocks: unchanged (the manager's block copies skip it)."""
-        return self
-
     def reset(self, targets: Int[Array, " n"]) -> "WindowLayerCache":
-        """Rows ``targets`` empty again (out-of-range entries dropped)."""
-        return self.replace(k_bits=self.k_bits.at[targets].set(0, mode="drop"),
-                            v_bits=self.v_bits.at[targets].set(0, mode="drop"),
-                            pos=self.pos.at[targets].set(-1, mode="drop"))
+        """Rows ``targets`` empty again in every layer (out-of-range entries dropped)."""
+        return self.replace(k_bits=self.k_bits.at[:, targets].set(0, mode="drop"),
+                            v_bits=self.v_bits.at[:, targets].set(0, mode="drop"),
+                            pos=self.pos.at[:, targets].set(-1, mode="drop"))
 
-    def row_state(self) -> "WindowLayerCache":
-        """The per-request part: all of it."""
-        return self
+    def take_rows(self, rows: Int[Array, " n"]) -> "WindowLayerCache":
+        """Rows ``rows`` (in range) of every layer, as a cache of ``n`` rows."""
+        return self.replace(k_bits=self.k_bits[:, rows], v_bits=self.v_bits[:, rows], pos=self.pos[:, rows])
 
-    def with_row_state(self, rows: "WindowLayerCache") -> "WindowLayerCache":
-        """This cache with its per-request arrays replaced by ``rows``'."""
-        return rows
+    def put_rows(self, targets: Int[Array, " n"], data: "WindowLayerCache") -> "WindowLayerCache":
+        """Row ``targets[i] <- data`` row ``i`` in every layer (out-of-range
+        targets dropped)."""
+        return self.replace(**{name: getattr(self, name).at[:, targets].set(getattr(data, name), mode="drop")
+                               for name in ("k_bits", "v_bits", "pos")})

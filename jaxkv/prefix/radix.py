@@ -122,12 +122,16 @@ class Node:
     version)`` pair (slot mode). ``lock`` counts holders (see module doc).
     """
 
-    __slots__ = ("children", "key", "last_access", "lock", "namespace", "parent", "pins", "tier", "value")
+    __slots__ = ("by_first", "children", "key", "last_access", "lock", "namespace", "parent", "pins", "tier",
+                 "value")
 
     def __init__(self, key: bytes, value: Any, parent: Node | None, namespace: Hashable, tier: int = DEVICE):
         self.key = key
         self.value = value
         self.children: dict[bytes, Node] = {}
+        # first token's bytes -> the keys of ``children`` that begin with it (insertion-ordered set): a
+        # token-grain lookup (RadixTree.children_from) reads the few children that can share a token.
+        self.by_first: dict[bytes, dict[bytes, None]] = {}
         self.parent = parent
         self.lock = 0  # pins held at this node or below it
         self.pins = 0  # pins held at exactly this node (what ``unlock`` may undo)
@@ -277,14 +281,14 @@ class RadixTree:
         node.key = node.key[cut:]
         node.value = tail_value
         node.parent = upper
-        upper.children[node.key[: self.unit_bytes]] = node
+        self._link(upper, node)
         self.num_nodes += 1
         return upper
 
     def add_child(self, parent: Node, key: bytes, value: Any, tier: int = DEVICE) -> Node:
         child = Node(key, value, parent, parent.namespace, tier)
         child.last_access = self.clock
-        parent.children[key[: self.unit_bytes]] = child
+        self._link(parent, child)
         self.num_nodes += 1
         units = len(key) // self.unit_bytes
         if tier == DEVICE:
@@ -295,10 +299,30 @@ class RadixTree:
         self.push_if_leaf(child)
         return child
 
+    def _link(self, parent: Node, child: Node) -> None:
+        """Put ``child`` under ``parent`` (its first unit is the key)."""
+        unit_key = child.key[: self.unit_bytes]
+        parent.children[unit_key] = child
+        parent.by_first.setdefault(unit_key[:TOKEN_BYTES], {})[unit_key] = None
+
+    def children_from(self, node: Node, token: int) -> list[Node]:
+        """The children of ``node`` whose run begins with ``token`` (a dict
+        lookup, not a scan of every child: a root holds one per distinct
+        first page)."""
+        if not -INT32_MAX - 1 <= token <= INT32_MAX:
+            return []
+        keys = node.by_first.get(np.int32(token).tobytes(), ())
+        return [node.children[key] for key in keys]
+
     def remove_leaf(self, node: Node) -> None:
         """Detach a childless, unlocked node; its parent may become a leaf."""
         parent = node.parent
-        del parent.children[node.key[: self.unit_bytes]]
+        unit_key = node.key[: self.unit_bytes]
+        del parent.children[unit_key]
+        same = parent.by_first[unit_key[:TOKEN_BYTES]]
+        del same[unit_key]
+        if not same:
+            del parent.by_first[unit_key[:TOKEN_BYTES]]
         node.parent = None
         self.num_nodes -= 1
         units = self.units(node)
@@ -498,7 +522,13 @@ class RadixTree:
         per_namespace: dict = {}
         for key, root in self.roots.items():
             assert root.lock == 1 and root.pins >= 0 and root.parent is None and namespace_key(root.namespace) == key
-            for node in self.nodes(root.namespace):
+            for node in [root, *self.nodes(root.namespace)]:
+                firsts: dict = {}
+                for k in node.children:
+                    firsts.setdefault(k[:TOKEN_BYTES], {})[k] = None
+                assert node.by_first == firsts, (node, "children by first token")
+                if node is root:
+                    continue
                 count += 1
                 assert namespace_key(node.namespace) == key
                 assert len(node.key) % self.unit_bytes == 0 and node.key

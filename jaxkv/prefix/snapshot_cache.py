@@ -217,6 +217,9 @@ class SnapshotCache:
         self.pages: dict[int, tuple] = {}  # page handle -> (block ids of each group)
         self.records: dict[int, SnapshotRecord] = {}
         self._at: dict[Hashable, list[int]] = collections.defaultdict(list)  # key -> record ids
+        # (key, first tail token or None) -> record ids, in the order of ``_at``: a lookup finds the records
+        # whose tail can match a query without scanning every record at its key (a root holds one per prompt).
+        self._at_first: dict[tuple, list[int]] = collections.defaultdict(list)
         self._free_rows = list(range(num_snapshots - 1, -1, -1))
         self._next_handle = 1
         self._next_record = 1
@@ -263,18 +266,22 @@ class SnapshotCache:
         for depth in range(len(handles), -1, -1):
             if best is not None and best.tokens >= depth * self.unit + self.unit - 1:
                 break  # no record at this depth or above can be longer
-            for rid in self._at.get(self._key(depth, handles, namespace), ()):
+            for rid in self._candidates(self._key(depth, handles, namespace), tokens, depth * self.unit):
                 record = self.records[rid]
                 if record.tokens <= limit and (best is None or record.tokens > best.tokens) and \
                         tuple(tokens[depth * self.unit:record.tokens]) == record.tail_tokens:
                     best = record
         # Token grain: past the whole pages, the longest run shared with a child page or a record's tail there.
+        # Only a tail or child page that begins with the query's next token shares any (found by key, not a scan).
         start = len(handles) * self.unit
         rest = tokens[start:limit]
-        shared = [self.records[rid].tail_tokens for rid in self._at.get(self._key(len(handles), handles, namespace), ())]
-        if found.node is not None:
-            shared += [child.tokens()[: self.unit].tolist() for child in found.node.children.values()
-                       if child.tier == DEVICE]
+        shared = []
+        if rest:
+            key = self._key(len(handles), handles, namespace)
+            shared = [self.records[rid].tail_tokens for rid in self._at_first.get((key, rest[0]), ())]
+            if found.node is not None:
+                shared += [child.tokens()[: self.unit].tolist()
+                           for child in self.tree.tree.children_from(found.node, rest[0]) if child.tier == DEVICE]
         branch = start + max((_common(rest, other) for other in shared), default=0)
         if best is None:
             return SnapshotHit(0, tuple([] for _ in self.groups), -1, None, None, branch)
@@ -288,6 +295,16 @@ class SnapshotCache:
         blocks = tuple([b for h in handles[:depth] for b in self.pages[h][g]] + list(best.tail[g])
                        for g in range(len(self.groups)))
         return SnapshotHit(best.tokens, blocks, best.row, best.id, node, max(branch, best.tokens))
+
+    def _candidates(self, key: Hashable, tokens: list, start: int) -> list[int]:
+        """The ids of the records at ``key`` whose tail may be
+        ``tokens[start:...]``: an empty tail, or one beginning with
+        ``tokens[start]`` (in ``_at``'s order: ids ascend)."""
+        empty = self._at_first.get((key, None), [])
+        if start >= len(tokens):
+            return empty
+        first = self._at_first.get((key, tokens[start]), [])
+        return sorted(empty + first) if empty and first else empty or first
 
     def release(self, hit: SnapshotHit | None) -> None:
         """Undo the pins of :meth:`match`'s ``hit`` (None: nothing)."""
@@ -376,6 +393,7 @@ class SnapshotCache:
         self._next_record += 1
         self.records[record.id] = record
         self._at[key].append(record.id)
+        self._at_first[key, _first(record.tail_tokens)].append(record.id)
         self.stored += 1
         self.events.append(("stored", record.id, record.tokens, record.namespace))
         return record
@@ -515,6 +533,10 @@ class SnapshotCache:
         self._at[record.key].remove(record.id)
         if not self._at[record.key]:
             del self._at[record.key]
+        first = (record.key, _first(record.tail_tokens))
+        self._at_first[first].remove(record.id)
+        if not self._at_first[first]:
+            del self._at_first[first]
         self._free_rows.append(record.row)
         ops.cleared.append(record.row)
         self.evicted += 1
@@ -631,6 +653,13 @@ class SnapshotCache:
         keyed = sorted(rid for ids in self._at.values() for rid in ids)
         if keyed != sorted(self.records):
             raise BookkeepingError(f"records keyed {keyed} != records {sorted(self.records)}")
+        by_first = {first: ids for first, ids in self._at_first.items()}
+        want = collections.defaultdict(list)
+        for key, ids in self._at.items():
+            for rid in ids:
+                want[key, _first(self.records[rid].tail_tokens)].append(rid)
+        if by_first != dict(want):
+            raise BookkeepingError("the records' index by first tail token disagrees with their keys")
         for record in self.records.values():
             if not isinstance(record.key, tuple) and record.key not in self.pages:
                 raise BookkeepingError(f"record {record.id} is keyed at page {record.key}, which is gone")
@@ -645,6 +674,11 @@ class SnapshotCache:
                                            f"blocks, {int(need[g])} - {record.depth} pages expected")
             if record.pins < 0:
                 raise BookkeepingError(f"record {record.id} has {record.pins} pins")
+
+
+def _first(tail: tuple):
+    """A record's index entry: its first tail token (None: no tail)."""
+    return tail[0] if tail else None
 
 
 def _common(a: Sequence[int], b: Sequence[int]) -> int:

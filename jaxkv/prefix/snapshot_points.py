@@ -24,6 +24,8 @@ added. Nothing here touches the device.
 
 from __future__ import annotations
 
+import numpy as np
+
 __all__ = ["SnapshotPoints"]
 
 
@@ -34,12 +36,12 @@ class SnapshotPoints:
     def __init__(self, num_rows: int, interval: int, *, enabled: bool):
         self.interval = int(interval)
         self.enabled = bool(enabled)
-        self._length = [0] * num_rows
+        self._length = np.zeros(num_rows, np.int64)  # an array: a decode chunk grows every row at once (grew_many)
         self._last = [0] * num_rows
         self._waited: list[set] = [set() for _ in range(num_rows)]
 
     def length(self, row: int) -> int:
-        return self._length[row]
+        return int(self._length[row])
 
     def start(self, row: int, tokens: int) -> None:
         """Row ``row`` starts from a hit of ``tokens`` (its state is a
@@ -55,6 +57,10 @@ class SnapshotPoints:
     def grew(self, row: int, tokens: int) -> None:
         """Decode steps appended ``tokens`` to the row."""
         self._length[row] += tokens
+
+    def grew_many(self, rows, tokens) -> None:
+        """:meth:`grew` of each ``rows[i]`` by ``tokens[i]`` (distinct rows)."""
+        self._length[np.asarray(rows, np.int64)] += np.asarray(tokens, np.int64)
 
     def stored(self, row: int, length: int) -> None:
         """A snapshot of the row was taken at ``length``."""

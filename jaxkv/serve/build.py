@@ -349,7 +349,7 @@ def build_hybrid_cache(model, *, max_seqs: int, max_model_len: int | None, max_c
 # ------------------------------------------------------- scheduler defaults
 
 #: The scheduler options derived for the device when the user leaves them out.
-DERIVED_OPTIONS = ("max_seqs", "max_num_batched_tokens", "decode_chunk")
+DERIVED_OPTIONS = ("max_seqs", "max_num_batched_tokens", "decode_chunk", "prefill_chunk")
 
 
 def _platform(mesh) -> str:
@@ -380,8 +380,9 @@ def derive_scheduler_defaults(model, options: EngineOptions, *, mesh=None, free_
     platform = _platform(mesh) if platform is None else platform
     sched, o = options.scheduler, options.cache
     given_rows = None if is_derived(sched.max_seqs) else int(sched.max_seqs)
+    packed = sched.scheduler == "packed"
     if platform == "cpu":
-        return sizing.scheduler_defaults("cpu", 1, 1.0, 1, max_seqs=given_rows)
+        return sizing.scheduler_defaults("cpu", 1, 1.0, 1, max_seqs=given_rows, packed=packed)
     if free_bytes is None and mesh is not None:
         free_bytes = sizing.mesh_free_bytes(mesh)
     length = o.max_model_len if o.max_model_len is not None else o.max_context_tokens
@@ -430,7 +431,7 @@ def derive_scheduler_defaults(model, options: EngineOptions, *, mesh=None, free_
             budget, row = max((o.num_pages - 1) * page_device, 1), 0
     split = per_token_whole / per_token if per_token > 0 else 1.0
     return sizing.scheduler_defaults(platform, int(budget), per_token_whole, length, max(split, 1.0),
-                                     bytes_per_row=row, max_seqs=given_rows)
+                                     bytes_per_row=row, max_seqs=given_rows, packed=packed)
 
 
 def resolve_options(model, options: EngineOptions, *, mesh=None, free_bytes: int | None = None,

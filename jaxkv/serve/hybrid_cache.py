@@ -550,9 +550,9 @@ class HybridCache(CacheBase):
             raise BookkeepingError(f"engine packed prefill refused slots {[lane.seq_id for lane in prefill]}"
                                    f" (pieces {[(lane.start, len(lane.tokens)) for lane in prefill]})")
         num_decode = len(decode[0])
-        if ok:
-            for slot in decode[0].tolist():  # each decode lane grew by its token
-                self.points.grew(row_of(slot), 1)
+        if ok:  # each decode lane's row grew by its token
+            rows = [row_of(slot) for slot in decode[0].tolist()]
+            self.points.grew_many(rows, np.ones(len(rows), np.int64))
         # The reserve is all or nothing and does not say which row was short.
         blocked = np.zeros((self.max_seqs,), bool)
         if not ok:
@@ -569,9 +569,8 @@ class HybridCache(CacheBase):
                num_steps) -> DecodeResult:
         result = super().decode(graphdef, params, last, active, num_generated, max_new, eos_id, sampling, key_data,
                                 num_steps)
-        count = result.count.tolist()
-        for row in np.flatnonzero(active).tolist():  # each token written is one step
-            self.points.grew(row, count[row])
+        rows = np.flatnonzero(active)
+        self.points.grew_many(rows, result.count[rows])  # each token written is one step
         return result
 
     def retire(self, finished: list) -> None:
@@ -628,8 +627,12 @@ class HybridCache(CacheBase):
         rule on the host) and the swapped-out rows' images."""
         slots = np.arange(1, self.max_seqs + 1)  # slot_of each row
         held = np.where(slots < counts.size, counts[np.minimum(slots, counts.size - 1)], 0) > 0
-        swapped = np.isin(np.arange(self.max_seqs), [row_of(slot) for slot in self.images.slots()])
-        return np.where(held, np.where(swapped, SWAPPED, ON_DEVICE), FREE)
+        status = np.where(held, ON_DEVICE, FREE)
+        # Indexing the few swapped rows, not np.isin over every row (this runs before every decoding call).
+        swapped = np.asarray([row_of(slot) for slot in self.images.slots()], np.int64)
+        swapped = swapped[(swapped >= 0) & (swapped < self.max_seqs)]
+        status[swapped[held[swapped]]] = SWAPPED
+        return status
 
 
 #: The engine's jitted steps of this cache kind, by public name (``jaxkv.bench.engine_aot`` compiles them

@@ -199,8 +199,9 @@ class SchedulerOptions(_Checked):
     decode_chunk: int = _option(Derived(8), "count", "decode steps per jitted call (one lax.while_loop; a "
                                 "request that arrives meanwhile waits for it; default 16 on an accelerator, 8 on "
                                 "a CPU)", flag="--decode-chunk")
-    prefill_chunk: int = _option(256, "count", "most prompt tokens per row in one prefill call (longer uncached "
-                                 "tails take several)", flag="--prefill-chunk")
+    prefill_chunk: int = _option(Derived(256), "count", "most prompt tokens per row in one prefill call (longer "
+                                 "uncached tails take several; default: on an accelerator with the packed "
+                                 "scheduler max_num_batched_tokens, else 256)", flag="--prefill-chunk")
     max_num_batched_tokens: int | None = _option(
         None, "count", "the token budget of a scheduler iteration: the packed stream's tokens, decode tokens "
         "included (default: on an accelerator min(8192, the tokens the KV cache holds, max_seqs * "

@@ -331,7 +331,10 @@ class OutputProcessor:
         stop strings): the same tokens, reason and records, in one pass."""
         reason, room, stop_ids = None, req.max_new - len(req.generated), req.stop_ids
         taken = tokens
-        for i, token in enumerate(tokens):
+        # The common case, every decoding request every step: no stop id among the tokens and room for them
+        # all (one set operation); else find the first token that ends it.
+        ends = len(tokens) >= room or (stop_ids and not stop_ids.isdisjoint(tokens))
+        for i, token in enumerate(tokens if ends else ()):
             if token in stop_ids:
                 reason = "stop"
             elif i + 1 >= room:
@@ -370,9 +373,10 @@ class OutputProcessor:
         """This step's :class:`RequestOutput` per request that moved, in the
         order they first did; the pending entries are drained."""
         out = []
+        make = RequestOutput._make
         for rid, (tokens, text, finished) in self.pending.items():
             req = requests[rid]
-            out.append(RequestOutput(rid, tuple(tokens), finished, req.finish_reason if finished else None, text,
-                                     req.cached_tokens, req.error if finished else None))
+            out.append(make(rid, tuple(tokens), finished, req.finish_reason if finished else None, text,
+                            req.cached_tokens, req.error if finished else None))
         self.pending = {}
         return out

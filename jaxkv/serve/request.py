@@ -63,6 +63,19 @@ class RequestOutput:
     cached_tokens: int = 0
     error: str | None = None
 
+    @classmethod
+    def _make(cls, request_id: int, new_token_ids: tuple, finished: bool, finish_reason: str | None,
+              new_text: str, cached_tokens: int, error: str | None) -> "RequestOutput":
+        """The same object as the constructor's, for the engine's per-step
+        outputs (one per request that moved: 256 a step at 256 rows). A
+        frozen dataclass's ``__init__`` sets each field through
+        ``object.__setattr__``; this fills the instance dict at once (the
+        fields, equality, hash and repr are the dataclass's)."""
+        out = object.__new__(cls)
+        out.__dict__.update(request_id=request_id, new_token_ids=new_token_ids, finished=finished,
+                            finish_reason=finish_reason, new_text=new_text, cached_tokens=cached_tokens, error=error)
+        return out
+
 
 @dataclasses.dataclass
 class Request:

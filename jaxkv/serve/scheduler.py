@@ -590,7 +590,10 @@ class Scheduler(FaultContainment):
         decoding = [(row, req) for row, req in ((row, self._requests[rid]) for row, rid in enumerate(self._rows)
                                                 if rid is not None) if self._decoding(req)]
         rows = self._screen([req for _, req in decoding] + self._prefilling)
-        decoding = [(row, req) for row, req in decoding if req.id in rows]
+        # A decoding request that screening finished leaves the batch (``_prefilling`` lost its own already);
+        # the common case, none, skips the pass.
+        if len(rows) < len(decoding) + len(self._prefilling):
+            decoding = [(row, req) for row, req in decoding if req.id in rows]
         if not self._prefilling:  # every prompt left failed its screening: the next iteration decodes
             return
         left = max((self.max_num_batched_tokens or self.prefill_chunk) - len(decoding), 1)
@@ -656,18 +659,17 @@ class Scheduler(FaultContainment):
             return
         batch = self.max_seqs
         index = np.fromiter(running, np.int64, len(running))
-        reqs = list(running.values())
+        # One pass over the records, then one assignment per array (not a pass per field).
+        columns = np.array([(req.generated[-1], len(req.generated), req.max_new, req.eos_id)
+                            for req in running.values()], np.int64)
         last = np.zeros((batch,), np.int32)
         active = np.zeros((batch,), bool)
         num_generated = np.zeros((batch,), np.int32)
         max_new = np.zeros((batch,), np.int32)
         eos = np.full((batch,), -1, np.int32)
         keys = [None] * batch
-        last[index] = [req.generated[-1] for req in reqs]
+        last[index], num_generated[index], max_new[index], eos[index] = columns.T
         active[index] = True
-        num_generated[index] = [len(req.generated) for req in reqs]
-        max_new[index] = [req.max_new for req in reqs]
-        eos[index] = [req.eos_id for req in reqs]
         for row, req in running.items():
             keys[row] = req.key
         result = self.cache.decode(self.graphdef, self.params, last, active, num_generated, max_new, eos,

@@ -95,6 +95,13 @@ bytes per token over the ``split`` of a head-split cache):
   steps of one token per row instead), and a row that finishes mid-chunk
   idles to its end. The admission reserve (each running row's growth over
   one chunk) is 16 tokens a row, well under 1% of a GPU's cache.
+* ``prefill_chunk = max_num_batched_tokens`` with the packed scheduler
+  (the default): the most prompt tokens one row brings to one iteration,
+  so a prompt that fits the token budget is prefilled in one step and its
+  first token comes one iteration after admission (vLLM's chunked prefill
+  gives one request the whole budget too); 256 would cut a 2k-token prompt
+  into eight iterations. With the padded scheduler it stays 256: its
+  prefill call is ``[max_seqs, prefill_chunk]`` tokens whatever the prompts.
 
 Options the user gives always win (a plain int; the defaults are
 :class:`~jaxkv.serve.options.Derived` markers); the derived values, with
@@ -293,11 +300,12 @@ class SchedulerDefaults:
     decode_chunk: int
     tokens: int | None
     reasons: tuple[str, ...]
+    prefill_chunk: int = 256
 
     def values(self) -> dict:
         """The derived options by name."""
         return dict(max_seqs=self.max_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
-                    decode_chunk=self.decode_chunk)
+                    decode_chunk=self.decode_chunk, prefill_chunk=self.prefill_chunk)
 
     def lines(self, names=None) -> list[str]:
         """The start-up log: one line per derived option (of ``names``, when
@@ -308,7 +316,7 @@ class SchedulerDefaults:
 
 def scheduler_defaults(platform: str, budget_bytes: int, bytes_per_token: float, max_model_len: int,
                        split: float = 1, *, bytes_per_row: float = 0,
-                       max_seqs: int | None = None) -> SchedulerDefaults:
+                       max_seqs: int | None = None, packed: bool = True) -> SchedulerDefaults:
     """``max_seqs``, ``max_num_batched_tokens`` and ``decode_chunk`` for a
     device of ``platform`` (``jax.Device.platform``: ``"cpu"`` keeps the
     small defaults; any other gets the accelerator rule of the module
@@ -319,14 +327,18 @@ def scheduler_defaults(platform: str, budget_bytes: int, bytes_per_token: float,
     cache split in part), ``bytes_per_row`` per sequence row on one device
     (per-request state, a block-table row), with requests of at most
     ``max_model_len`` tokens. ``max_seqs``: a value the user gave (it bounds
-    the token budget; the returned ``max_seqs`` is then that value). Pure:
-    nothing is measured or allocated."""
+    the token budget; the returned ``max_seqs`` is then that value).
+    ``packed``: the scheduler is the packed one (``prefill_chunk`` follows
+    the token budget; the padded one keeps 256). Pure: nothing is measured
+    or allocated."""
     defaults = SchedulerOptions()  # the CPU's values are the options' own defaults
+    chunk = int(defaults.prefill_chunk)
     if platform == "cpu":
         rows = int(defaults.max_seqs) if max_seqs is None else int(max_seqs)
         return SchedulerDefaults(platform, rows, None, int(defaults.decode_chunk), None, (
-            f"max_seqs={rows}, max_num_batched_tokens=None (prefill_chunk, {defaults.prefill_chunk}), "
-            f"decode_chunk={int(defaults.decode_chunk)}: a CPU keeps the small defaults",))
+            f"max_seqs={rows}, max_num_batched_tokens=None (prefill_chunk, {chunk}), "
+            f"decode_chunk={int(defaults.decode_chunk)}, prefill_chunk={chunk}: a CPU keeps the small defaults",),
+            chunk)
     if budget_bytes < 1 or bytes_per_token <= 0 or max_model_len < 1 or split < 1:
         raise InvalidArgument(f"scheduler_defaults: budget_bytes={budget_bytes}, bytes_per_token={bytes_per_token}, "
                               f"max_model_len={max_model_len}, split={split}: need a budget >= 1 byte, bytes per "
@@ -352,7 +364,12 @@ def scheduler_defaults(platform: str, budget_bytes: int, bytes_per_token: float,
                    f"cache holds, {rows} rows * max_model_len {max_model_len}), {rows} rows)")
     why_chunk = (f"decode_chunk={GPU_DECODE_CHUNK}: one jitted call and host round trip per {GPU_DECODE_CHUNK} "
                  "decode steps (dispatch and O(max_seqs) host work amortized; arrivals wait at most one chunk)")
-    return SchedulerDefaults(platform, rows, batched, GPU_DECODE_CHUNK, tokens, (why_rows, why_batched, why_chunk))
+    prefill = batched if packed else chunk
+    why_prefill = (f"prefill_chunk={prefill}: " + ("the token budget: a prompt that fits it is prefilled in one "
+                                                   "iteration" if packed else
+                                                   "the padded scheduler's [max_seqs, prefill_chunk] call keeps 256"))
+    return SchedulerDefaults(platform, rows, batched, GPU_DECODE_CHUNK, tokens,
+                             (why_rows, why_batched, why_chunk, why_prefill), prefill)
 
 
 @dataclasses.dataclass(frozen=True)
