@@ -101,6 +101,8 @@ RULES = (
     ("long", "other cases", ("test_scan_layers.py::test_a_scanned_llama_is_the_unrolled_one[5-None]",
                              "test_scan_layers.py::test_a_scanned_llama_is_the_unrolled_one[6-windows1]"),
      "the interleaved-window Llama (a pattern of two) and DeepSeek-V3 (a dense head) by default"),
+    ("long", "other cases", ("test_scan_interleaved.py::test_a_scanned_interleaved_model_is_the_unrolled_one[gpt_oss]",),
+     "Gemma 3 by default (its pattern is two runs, an inner scan; gpt-oss's alternation is runs of one)"),
     ("long", "other cases", ("test_mesh.py::test_one_process_eight_devices",
                              "!test_mesh.py::test_one_process_eight_devices[parity/llama_0]"),
      "a Llama on eight CPU devices by default"),

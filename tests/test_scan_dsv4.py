@@ -27,10 +27,7 @@ from jaxkv.manager.hybrid import v4_layout
 from jaxkv.nn.checkpoint import read_config
 from jaxkv.nn.deepseek_v4 import DeepseekV4ForCausalLM
 from jaxkv.nn.deepseek_v4_config import DeepseekV4Config
-from jaxkv.nn.generate import generate
-from jaxkv.nn.layers import named_state
-from jaxkv.nn.scan import DecoderStack, scan_plan
-from tests.util import pool_sized_copies, pool_sized_updates
+from tests.util import assert_scanned_is_unrolled, pool_sized_copies, pool_sized_updates
 
 FIXTURE = os.path.join(os.path.dirname(__file__), "fixtures", "dsv4", "small")
 SWA, CSA, HCA = "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"
@@ -64,25 +61,9 @@ def test_a_scanned_deepseek_v4_is_the_unrolled_one(tmp_path):
     rng = np.random.default_rng()
     config, scanned, unrolled = _models(rng)
     signatures = [(config.layer_types[i], config.mlp_layer_types[i]) for i in range(config.num_hidden_layers)]
-    assert isinstance(scanned.layers, DecoderStack)
-    assert (scanned.layers.head_len, scanned.layers.period, scanned.layers.reps) == scan_plan(signatures)
-    assert scanned.layers.reps >= 2 and unrolled.layers.reps == 0, config.layer_types
-    a, b = named_state(scanned), named_state(unrolled)
-    assert a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)
-
-    tokens = jnp.asarray(rng.integers(0, config.vocab_size, 29))
-    np.testing.assert_allclose(scanned.forward_dense(tokens), unrolled.forward_dense(tokens), rtol=1e-4, atol=1e-4)
     prompts = [rng.integers(2, config.vocab_size, int(rng.integers(3, 22))).tolist() for _ in range(2)]
-    for kw in ({}, {"prefill_chunk_size": 5, "entry_format": "fp8"}):
-        want = generate(unrolled, prompts, 6, **kw).tokens
-        assert generate(scanned, prompts, 6, **kw).tokens == want, (config.layer_types, kw)
-
-    scanned.save_pretrained(tmp_path)
-    loaded = DeepseekV4ForCausalLM.from_pretrained(tmp_path)
-    assert (loaded.layers.head_len, loaded.layers.period, loaded.layers.reps) == (
-        scanned.layers.head_len, scanned.layers.period, scanned.layers.reps)
-    np.testing.assert_array_equal(loaded.forward_dense(tokens), scanned.forward_dense(tokens))
-    assert DeepseekV4ForCausalLM.from_pretrained(tmp_path, scan_layers=False).layers.reps == 0
+    assert_scanned_is_unrolled(scanned, unrolled, signatures, rng, tmp_path, dense_tokens=29, prompts=prompts,
+                               new_tokens=6, generate_kws=({}, {"prefill_chunk_size": 5, "entry_format": "fp8"}))
 
 
 def test_the_cache_stacks_the_layers_of_one_store_class():

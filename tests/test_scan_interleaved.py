@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import os
 
-import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
@@ -23,10 +22,8 @@ from flax import nnx
 from jaxkv.nn import Gemma3ForCausalLM, GptOssForCausalLM
 from jaxkv.nn.checkpoint import read_config
 from jaxkv.nn.gemma3_config import Gemma3Config
-from jaxkv.nn.generate import generate
 from jaxkv.nn.gpt_oss_config import GptOssConfig
-from jaxkv.nn.layers import named_state
-from jaxkv.nn.scan import DecoderStack, scan_plan
+from tests.util import assert_scanned_is_unrolled
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures")
 
@@ -62,21 +59,6 @@ def test_a_scanned_interleaved_model_is_the_unrolled_one(family, tmp_path):
     scanned = cls(config, rngs=nnx.Rngs(seed))
     unrolled = cls(config, rngs=nnx.Rngs(seed), scan_layers=False)
     signatures = [config.is_sliding(i) for i in range(config.num_hidden_layers)]
-    assert isinstance(scanned.layers, DecoderStack)
-    assert (scanned.layers.head_len, scanned.layers.period, scanned.layers.reps) == scan_plan(signatures)
-    assert scanned.layers.reps >= 2 and unrolled.layers.reps == 0, config.layer_types
-    a, b = named_state(scanned), named_state(unrolled)
-    assert a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)
-
-    tokens = jnp.asarray(rng.integers(0, config.vocab_size, 23))
-    np.testing.assert_allclose(scanned.forward_dense(tokens), unrolled.forward_dense(tokens), rtol=1e-4, atol=1e-4)
     prompts = [rng.integers(1, config.vocab_size, int(rng.integers(3, 25))).tolist() for _ in range(3)]
-    for window_cache_kw in ({}, {"prefill_chunk_size": 5}):
-        want = generate(unrolled, prompts, 7, **window_cache_kw).tokens
-        assert generate(scanned, prompts, 7, **window_cache_kw).tokens == want, (config.layer_types, window_cache_kw)
-
-    scanned.save_pretrained(tmp_path)
-    loaded = cls.from_pretrained(tmp_path)
-    assert (loaded.layers.period, loaded.layers.reps) == (scanned.layers.period, scanned.layers.reps)
-    np.testing.assert_array_equal(loaded.forward_dense(tokens), scanned.forward_dense(tokens))
-    assert cls.from_pretrained(tmp_path, scan_layers=False).layers.reps == 0
+    assert_scanned_is_unrolled(scanned, unrolled, signatures, rng, tmp_path, dense_tokens=23, prompts=prompts,
+                               new_tokens=7, generate_kws=({}, {"prefill_chunk_size": 5}))

@@ -137,3 +137,38 @@ def pool_sized_updates(hlo_text: str, min_bytes: int) -> int:
     ``min_bytes``: a check that the parser saw the writes at all."""
     return sum(1 for insts in _parse_hlo(hlo_text).values() for _, op, sizes, *_ in insts
                if op in ("scatter", "dynamic-update-slice") and sizes and max(sizes) >= min_bytes)
+
+
+def assert_scanned_is_unrolled(scanned, unrolled, signatures, rng, tmp_path, *, dense_tokens: int, prompts,
+                               new_tokens: int, generate_kws=({},)):
+    """A model with its layers under a scan (``jaxkv.nn.scan``) against the
+    same model unrolled (built from the same seed): the plan of its
+    ``signatures``, equal weights under equal names, dense logits to float32
+    summation order on ``dense_tokens`` random tokens, the same greedy
+    tokens from ``generate`` for ``prompts`` with each of ``generate_kws``,
+    and a checkpoint saved and loaded back scanned (the same plan and
+    logits) and unrolled."""
+    import jax.numpy as jnp
+
+    from jaxkv.nn.generate import generate
+    from jaxkv.nn.layers import named_state
+    from jaxkv.nn.scan import DecoderStack, scan_plan
+
+    stack = scanned.layers
+    assert isinstance(stack, DecoderStack)
+    assert (stack.head_len, stack.period, stack.reps) == scan_plan(signatures)
+    assert stack.reps >= 2 and unrolled.layers.reps == 0, signatures
+    a, b = named_state(scanned), named_state(unrolled)
+    assert a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)
+    tokens = jnp.asarray(rng.integers(0, scanned.config.vocab_size, dense_tokens))
+    np.testing.assert_allclose(scanned.forward_dense(tokens), unrolled.forward_dense(tokens), rtol=1e-4, atol=1e-4)
+    for kw in generate_kws:
+        want = generate(unrolled, prompts, new_tokens, **kw).tokens
+        assert generate(scanned, prompts, new_tokens, **kw).tokens == want, (signatures, kw)
+    scanned.save_pretrained(tmp_path)
+    cls = type(scanned)
+    loaded = cls.from_pretrained(tmp_path)
+    assert (loaded.layers.head_len, loaded.layers.period, loaded.layers.reps) == (stack.head_len, stack.period,
+                                                                                   stack.reps)
+    np.testing.assert_array_equal(loaded.forward_dense(tokens), scanned.forward_dense(tokens))
+    assert cls.from_pretrained(tmp_path, scan_layers=False).layers.reps == 0
