@@ -515,7 +515,6 @@ class DeepseekV4ForCausalLM(nnx.Module):
         self.dtype = jnp.dtype(dtype)
         self.param_dtype = jnp.dtype(param_dtype)
         self.implementation = implementation
-        self.scan_layers = bool(scan_layers)
         self.embed_tokens = nnx.Dict(weight=param((c.vocab_size, c.hidden_size), rngs, param_dtype, std=1.0))
         # The signature: every static difference between layers (attention
         # kind, hence compressor / indexer / rate; hash or top-k routing,

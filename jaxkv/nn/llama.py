@@ -135,7 +135,6 @@ class LlamaForCausalLM(nnx.Module):
         self.precision = precision
         self.embed_tokens = nnx.Embed(config.vocab_size, config.hidden_size, dtype=dtype, param_dtype=param_dtype,
                                       rngs=rngs)
-        self.scan_layers = bool(scan_layers)
         self.layers = DecoderStack(
             config.num_hidden_layers,
             lambda i, rngs: LlamaDecoderLayer(config, i, dtype=dtype, param_dtype=param_dtype, precision=precision,

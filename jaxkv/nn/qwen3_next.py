@@ -389,7 +389,6 @@ class Qwen3NextForCausalLM(nnx.Module):
         self.param_dtype = jnp.dtype(param_dtype)
         self.implementation = implementation
         self.embed_tokens = nnx.Dict(weight=param((c.vocab_size, c.hidden_size), rngs, param_dtype, std=1.0))
-        self.scan_layers = bool(scan_layers)
         # A layer's structure follows its kind and its MLP (MoE or dense): alike layers stack.
         self.layers = DecoderStack(
             c.num_hidden_layers,
