@@ -681,9 +681,17 @@ def _percentiles(values) -> tuple[float, float]:
 
 
 def _engine_options(config, o, max_seqs: int) -> tuple[dict, dict]:
-    """``Engine`` keyword arguments for ``max_seqs`` rows, and what they were sized from."""
+    """``Engine`` keyword arguments for ``max_seqs`` rows, and what they were
+    sized from. ``max_seqs`` 0 (``--max-num-seqs auto``): only the
+    scheduler and ``max_model_len`` are given; rows, token budget, chunks
+    and the KV budget are the engine's own defaults for this device
+    (:func:`jaxkv.serve.sizing.scheduler_defaults`), read back from
+    ``engine.options`` once it is built."""
     lo, hi = o.prompt_len
     max_model_len = hi + o.new_tokens
+    if max_seqs == AUTO:
+        return dict(max_model_len=max_model_len, scheduler=o.scheduler), {
+            "kv_bytes_wanted": None, "kv_bytes": None, "free_bytes": _free_bytes(), "temporaries_estimate": None}
     bpt = _kv_bytes_per_token(config)
     want = max_seqs * (ceil_div(max_model_len, PAGE_SIZE) + 1) * PAGE_SIZE * bpt + (4 << 20)
     options = dict(max_seqs=max_seqs, max_model_len=max_model_len, decode_chunk=o.decode_chunk, scheduler=o.scheduler)
@@ -723,20 +731,31 @@ def _bucket_count(budget: int) -> int:
 
 
 def _warm_up(engine, vocab: int, prompt_len: int) -> int:
-    """Compile the engine's programs: one 2-token greedy request per packed
-    stream length (the padded scheduler: one request). Returns requests run."""
+    """Compile the engine's programs: 2-token greedy requests that make each
+    packed stream length (one request, or several at once where the length
+    is more than one request may take; the padded scheduler: one request),
+    then one that decodes past two decode chunks. Returns requests run."""
     lengths = list(engine.stream_lengths()) if getattr(engine, "scheduler", "padded") == "packed" and hasattr(
         engine, "stream_lengths") else []
     count = 0
     limit = getattr(engine, "max_model_len", None) or (prompt_len + 2)
-    for i, length in enumerate(lengths or [min(prompt_len, 64)]):
-        length = max(1, min(length, limit - 2))
-        ids = [1 + (7 * k + 3 * i + 11) % max(vocab - 1, 1) for k in range(length)]
-        rid = engine.add_request(ids, 2)
+    chunk = int(engine.options.scheduler.decode_chunk)
+    # The last request decodes past two chunks: the decode chunk's program compiles here, not in the timed run.
+    plan = [(length, 2) for length in lengths or [min(prompt_len, 64)]] + [(16, 2 * chunk + 2)]
+    rows = int(engine.options.scheduler.max_seqs)
+    for i, (length, new) in enumerate(plan):
+        # A stream longer than one request may be (max_model_len) is filled by several at once.
+        per = max(1, limit - new)
+        pieces = [per] * (length // per) + ([length % per] if length % per else [])
+        rids = []
+        for j, piece in enumerate(pieces[:rows]):
+            ids = [1 + (7 * k + 3 * i + 5 * j + 11) % max(vocab - 1, 1) for k in range(piece)]
+            rids.append(engine.add_request(ids, new))
         while engine.has_unfinished():
             engine.step()
-        engine.forget(rid)
-        count += 1
+        for rid in rids:
+            engine.forget(rid)
+        count += len(rids)
     return count
 
 
@@ -750,6 +769,14 @@ def serve_one(model, o, max_seqs: int, clock: _Clock) -> dict:
     t0 = time.perf_counter()
     c0, n0 = _compiles()
     engine = Engine(model, **options)
+    if max_seqs == AUTO:  # what the engine derived for this device
+        sched = engine.options.scheduler
+        options.update(max_seqs=int(sched.max_seqs), decode_chunk=int(sched.decode_chunk),
+                       prefill_chunk=int(sched.prefill_chunk),
+                       max_num_batched_tokens=None if sched.max_num_batched_tokens is None
+                       else int(sched.max_num_batched_tokens))
+        sizing_info["kv_bytes"] = int(engine.cache_plan.device_bytes)
+        max_seqs = options["max_seqs"]
     warm = _warm_up(engine, config.vocab_size, o.prompt_len[0])
     warm_s = time.perf_counter() - t0
     warm_compile_s, warm_compiles = _compiles()[0] - c0, _compiles()[1] - n0
@@ -819,6 +846,15 @@ def _ints(text: str) -> tuple[int, ...]:
     return tuple(int(x) for x in str(text).replace(" ", "").split(",") if x)
 
 
+#: ``--max-num-seqs auto``: the engine derives its scheduler options (GPU defaults on a GPU).
+AUTO = 0
+
+
+def _rows(text: str) -> tuple[int, ...]:
+    """``--max-num-seqs``: a comma list of row counts, ``auto`` among them."""
+    return tuple(AUTO if x == "auto" else int(x) for x in str(text).replace(" ", "").split(",") if x)
+
+
 def _pair(text: str) -> tuple[int, int]:
     values = _ints(str(text).replace("-", ","))
     if len(values) == 1:
@@ -841,7 +877,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt-len", type=_pair, help="serving prompt lengths MIN,MAX (default 512,2048)")
     p.add_argument("--new-tokens", type=int, help="serving new tokens per request (default 256)")
     p.add_argument("--rate", type=float, help="serving Poisson arrivals per second (0: all at once; default 0)")
-    p.add_argument("--max-num-seqs", type=_ints, help="serving engine rows (default 64,256; --quick 64)")
+    p.add_argument("--max-num-seqs", type=_rows, help="serving engine rows (default 64,256; --quick 64); auto: "
+                   "the engine's own defaults for the device (rows, token budget, chunks, KV budget)")
     p.add_argument("--scheduler", choices=("padded", "packed"), default="padded")
     p.add_argument("--prefill-chunk", type=int, help="serving prefill width (padded default 8192/max_num_seqs)")
     p.add_argument("--max-num-batched-tokens", type=int, help="packed scheduler token budget (default 2*rows, >=256)")
@@ -939,8 +976,8 @@ def run_shape(shape: str, o, clock: _Clock) -> dict:
         compiled = [p for p in clock.phases if p.get("compiles")]
         compile_est = (max(p["compile_seconds"] / p["compiles"] for p in compiled) * 1.5 if compiled else 10.0)
         for max_seqs in o.max_num_seqs:
-            programs = 2 if o.scheduler == "padded" else 1 + _bucket_count(
-                o.max_num_batched_tokens or max(256, 2 * max_seqs))
+            budget = o.max_num_batched_tokens or (8192 if max_seqs == AUTO else max(256, 2 * max_seqs))
+            programs = 2 if o.scheduler == "padded" else 1 + _bucket_count(budget)
             need = 30.0 + programs * compile_est
             if clock.left() < need:
                 note = (f"serving at max_num_seqs {max_seqs} skipped: {clock.left():.0f} s to the deadline, it needs "
@@ -949,10 +986,10 @@ def run_shape(shape: str, o, clock: _Clock) -> dict:
                 print(f"note: {note}")
                 continue
             try:
-                with clock.phase(f"{shape}: serve {max_seqs} rows"), _noting_warnings(out):
+                with clock.phase(f"{shape}: serve {'auto' if max_seqs == AUTO else max_seqs} rows"), _noting_warnings(out):
                     row = serve_one(model, o, max_seqs, clock)
                 out["serving"].append(row)
-                print(f"serving max_num_seqs {max_seqs}: {_rate(row['output_tok_s'])} output tok/s, "
+                print(f"serving max_num_seqs {row['max_num_seqs']}: {_rate(row['output_tok_s'])} output tok/s, "
                       f"{row['finished']}/{row['requests']} finished", flush=True)
             except Exception as err:  # noqa: BLE001
                 _record_error(out, f"{shape}: serve {max_seqs}", err)
