@@ -10,7 +10,7 @@ set -u
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
 OUT=${OUT:-/tmp/device_check}; mkdir -p "$OUT"
 PY=${PY:-python3}
-steps=${*:-"tests aot kernels decode real_scale"}
+steps=${*:-"tests aot kernels decode engine_local real_scale"}
 summary=()
 
 run_step() {  # name limit_s command...
@@ -39,10 +39,16 @@ for p in "${pids[@]}"; do wait "$p"; done
 [[ -f $OUT/aot.summary ]] && cat "$OUT/aot.summary"
 if [[ $steps == *kernels* ]]; then run_step kernels 320 $PY -m jaxkv.bench kernels --json; fi
 if [[ $steps == *decode* ]]; then run_step decode 150 $PY -m jaxkv.bench decode --json; fi
+if [[ $steps == *engine_local* ]]; then  # the engine's programs compiled by this machine's XLA: temporaries
+  for loop in scan unroll; do
+    run_step engine_local_$loop 75 $PY -m jaxkv.bench engine_aot --local --models Llama-3.1-8B --buckets 16 \
+      --layer-loop $loop
+  done
+fi
 if [[ $steps == *real_scale* ]]; then
   # The engine as a GPU user gets it: packed scheduler, rows / token budget / chunks / KV budget derived.
-  run_step real_scale 390 $PY -m jaxkv.bench real_scale --shapes llama-3.1-8b --quick --no-contiguous \
-    --scheduler packed --max-num-seqs auto --requests 256 --deadline 330 --json
+  run_step real_scale ${REAL_SCALE_S:-390} $PY -m jaxkv.bench real_scale --shapes llama-3.1-8b --quick \
+    --no-contiguous --scheduler packed --max-num-seqs auto --requests 256 --deadline $(( ${REAL_SCALE_S:-390} - 60 )) --json
 fi
 echo "=== summary"; printf '%s\n' "${summary[@]}"
 if [[ -f $OUT/aot.summary ]]; then head -n 1 "$OUT/aot.summary"; fi

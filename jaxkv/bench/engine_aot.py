@@ -162,12 +162,25 @@ class Setup:
         return stream_lengths(self.max_num_batched_tokens)
 
 
+#: Compile for this process's own GPUs instead of a deviceless H100 (``--local``, on a GPU machine: the
+#: XLA of the JAX installed there, which may copy what another version does not).
+LOCAL = {"on": False}
+#: How the models' decoder stacks walk their layers (``--layer-loop``; :func:`jaxkv.nn.scan.set_layer_loop`):
+#: by default what ``"auto"`` gives on a GPU, the unrolled walk.
+LAYER_LOOP = {"loop": "unroll"}
+
+
 def _devices(tp: int) -> list:
-    """``tp`` compile-only H100s of one host."""
+    """``tp`` compile-only H100s of one host (``--local``: this process's
+    first ``tp`` devices)."""
     from jax.experimental import topologies
 
     from kernels_pallas import aot_check
 
+    if LOCAL["on"]:
+        if len(jax.devices()) < tp:
+            raise RuntimeError(f"--local: {tp} devices needed, {len(jax.devices())} here")
+        return jax.devices()[:tp]
     if tp == 1:
         return [aot_check.topology_device("h100")]
     topology = topologies.get_topology_desc(platform="cuda", topology=f"1x1x{tp}",
@@ -234,7 +247,9 @@ def build(spec: ModelSpec) -> Setup:
     from jaxkv.serve.caches import blocks_from_budget
     from jaxkv.serve.options import CacheOptions
 
-    model = model_and_cache(spec.config)[0]
+    from jaxkv.nn.scan import set_layer_loop
+
+    model = set_layer_loop(model_and_cache(spec.config)[0], LAYER_LOOP["loop"])
     devices = _devices(spec.tp)
     if spec.tp == 1:
         mesh, one = None, SingleDeviceSharding(devices[0])
@@ -648,6 +663,10 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--buckets", default="all",
                         help="packed buckets: all (default), ends (smallest and largest), or comma-separated lengths")
     parser.add_argument("--prefill", action="store_true", help="also the padded scheduler's prefill call")
+    parser.add_argument("--layer-loop", choices=("scan", "unroll"), default="unroll",
+                        help="how the decoder stacks walk their layers (default unroll: what a GPU runs)")
+    parser.add_argument("--local", action="store_true",
+                        help="compile for this machine's own GPUs (their JAX's XLA) instead of a deviceless H100")
     return parser
 
 
@@ -692,7 +711,12 @@ def main(args=None) -> int:
         parser.add_argument("--json", action="store_true")
         parser.add_argument("--quick", action="store_true")
         args = parser.parse_args(args)
-    if not cuda_available():
+    LAYER_LOOP["loop"] = getattr(args, "layer_loop", "unroll")
+    LOCAL["on"] = bool(getattr(args, "local", False))
+    if LOCAL["on"] and jax.default_backend() != "gpu":
+        print(f"--local compiles for this machine's GPUs: the default backend is {jax.default_backend()}")
+        return 2
+    if not LOCAL["on"] and not cuda_available():
         print("engine_aot compiles for H100 without a GPU: it needs pip install 'jax[cuda12]>=0.10,<0.11' "
               "(and JAX_PLATFORMS=cpu on a machine without a GPU)")
         return 2
@@ -718,7 +742,9 @@ def main(args=None) -> int:
     results = run(models.split(",") if models else None, quick=args.quick, prefill=getattr(args, "prefill", False),
                   buckets=buckets, on_result=progress)
     total = time.perf_counter() - started
-    print_table(f"The engine's programs compiled for H100 (deviceless, jax {jax.__version__}); bytes per device "
+    target = f"{jax.devices()[0].device_kind}, local" if LOCAL["on"] else "H100 (deviceless"
+    print_table(f"The engine's programs compiled for {target}, jax {jax.__version__}, layers {LAYER_LOOP['loop']}); "
+                "bytes per device "
                 f"from compiled.memory_analysis(); {total:.0f} s in all",
                 COLUMNS, [r.row() for r in results])
     defects = [r for r in results if r.defect]
