@@ -61,6 +61,35 @@ def test_tiny_run_reports_every_section(tiny_run):
     assert {p["phase"] for p in payload["phases"]} >= {"tiny: build", "decode: prefill", "tiny: serve 4 rows"}
 
 
+def test_packed_serving_at_the_engines_own_defaults_compiles_nothing_timed():
+    """``--scheduler packed --max-num-seqs auto``: the engine derives its
+    rows, token budget and chunks (on this CPU: the small defaults), the
+    bench reports what it derived, and the warm-up has compiled every
+    program the timed run uses: each packed stream length (lengths past
+    ``max_model_len`` made by several requests at once) and the decode
+    chunk (a request that decodes past two chunks)."""
+    import contextlib
+    import io
+
+    from jaxkv.serve.options import SchedulerOptions
+
+    assert real_scale._rows("auto, 64") == (real_scale.AUTO, 64)
+    requests, new_tokens = 8, 12
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        rc = main(["real_scale", "--shapes", "tiny", "--json", "--sections", "serve", "--scheduler", "packed",
+                   "--max-num-seqs", "auto", "--requests", str(requests), "--prompt-len", "40,120",
+                   "--new-tokens", str(new_tokens)])
+    out = buf.getvalue()
+    assert rc == 0, out
+    (serving,) = json.loads(out.strip().splitlines()[-1])["results"][0]["serving"]
+    defaults = SchedulerOptions()
+    assert serving["max_num_seqs"] == int(defaults.max_seqs)
+    assert serving["engine_options"]["decode_chunk"] == int(defaults.decode_chunk)
+    assert serving["finished"] == requests and serving["generated_tokens"] == requests * new_tokens
+    assert serving["timed_compiles"] == 0, serving  # every program compiled by the warm-up
+
+
 def test_tiny_decode_tokens_are_generate_greedy_tokens(tiny_run):
     """Row 0 of the first batch size, prefilled and decoded by the bench,
     gets exactly the greedy tokens ``jaxkv.nn.generate`` gives its prompt."""

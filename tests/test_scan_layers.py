@@ -21,7 +21,7 @@ from flax import nnx
 from jaxkv.nn import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, Qwen3NextConfig, Qwen3NextForCausalLM
 from jaxkv.nn.generate import generate
 from jaxkv.nn.layers import named_state
-from jaxkv.nn.scan import DecoderStack, scan_plan
+from jaxkv.nn.scan import DecoderStack, default_scan_layers, scan_plan
 from jaxkv.serve import Engine
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures")
@@ -66,7 +66,7 @@ def test_the_plan_leaves_the_fewest_layers_out(trial):
         assert all(signatures[head + r * period: head + (r + 1) * period] == block for r in range(reps))
 
 
-def _llama(layers: int, windows=None, seed: int = 0, scan: bool = True) -> LlamaForCausalLM:
+def _llama(layers: int, windows=None, seed: int = 0, scan: bool | None = True) -> LlamaForCausalLM:
     config = LlamaConfig(vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=layers,
                          num_attention_heads=4, num_key_value_heads=2, head_dim=8, rope_theta=10000.0,
                          max_position_embeddings=128, sliding_window=None if windows is None else 6,
@@ -95,6 +95,69 @@ def test_a_scanned_llama_is_the_unrolled_one(layers, windows, tmp_path):
     assert isinstance(scanned.layers, DecoderStack) and scanned.layers.reps >= 2
     assert unrolled.layers.reps == 0
     _same_model(scanned, unrolled, rng, tmp_path)
+
+
+def test_models_stack_their_layers_except_on_a_gpu(monkeypatch):
+    """``scan_layers=None`` (every model's default): stacked under a scan on
+    a CPU or TPU, a parameter per layer on a GPU, where XLA copies a stacked
+    layer's weights before each matmul (jaxkv.nn.scan's docstring; the
+    aot test below shows the copy)."""
+    assert [default_scan_layers(b) for b in ("cpu", "tpu", "gpu", "cuda", "rocm")] == [True, True, False, False,
+                                                                                        False]
+    assert default_scan_layers() == (jax.default_backend() not in ("gpu", "cuda", "rocm"))
+    seed = int(np.random.default_rng().integers(1 << 20))
+    monkeypatch.setattr(jax, "default_backend", lambda: "cpu")
+    assert _llama(5, seed=seed, scan=None).layers.reps == 5
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    on_gpu = _llama(5, seed=seed, scan=None)
+    assert on_gpu.layers.reps == 0 and len(on_gpu.layers.head) == 5
+    monkeypatch.undo()
+    # The same weights either way: the layout is all that differs.
+    a, b = on_gpu.hf_state_dict(), _llama(5, seed=seed).hf_state_dict()
+    assert all(np.array_equal(a[k], b[k]) for k in a)
+
+
+def test_aot_stacked_weights_are_copied_before_a_cublas_matmul():
+    """Why a GPU model keeps a parameter per layer: compiled for H100 with
+    cuBLAS matmuls (what XLA's autotuner picks for decode shapes on a real
+    device), a matmul that reads row ``i`` of a stacked weight gets a copy
+    of that row, whether a scan slices it (dynamic) or an unrolled loop
+    does (static); per-layer weights are read in place. The copy is the
+    temporaries' size of one row."""
+    from jax.sharding import SingleDeviceSharding
+
+    from kernels_pallas.aot_check import topology_device
+
+    sharding = SingleDeviceSharding(topology_device("h100"))
+    # An MLP's up and down projections; big enough that the temporaries are not cuBLAS's 4 MB workspace.
+    layers, d, f = 2, 2048, 8192
+    row = d * f * 2  # one layer's bf16 weight
+
+    def spec(shape):
+        return jax.ShapeDtypeStruct(shape, jnp.bfloat16, sharding=sharding)
+
+    def scanned(w, x):
+        return jax.lax.scan(lambda h, p: (jax.nn.silu(h @ p[0]) @ p[1], None), x, w)[0]
+
+    def unrolled(w, x):
+        for i in range(layers):
+            x = jax.nn.silu(x @ w[0][i]) @ w[1][i]
+        return x
+
+    def per_layer(ws, x):
+        for up, down in ws:
+            x = jax.nn.silu(x @ up) @ down
+        return x
+
+    stacked = (spec((layers, d, f)), spec((layers, f, d)))
+    temps = {}
+    for name, fn, w in (("scan", scanned, stacked), ("unrolled", unrolled, stacked),
+                        ("per layer", per_layer, [(spec((d, f)), spec((f, d))) for _ in range(layers)])):
+        lowered = jax.jit(fn).trace(w, spec((1, d))).lower(lowering_platforms=("cuda",))
+        compiled = lowered.compile(compiler_options={"xla_gpu_enable_triton_gemm": False})
+        temps[name] = compiled.memory_analysis().temp_size_in_bytes
+    assert temps["scan"] >= row and temps["unrolled"] >= row, temps
+    assert temps["per layer"] < row // 4, temps
 
 
 def test_a_scanned_deepseek_v3_keeps_its_dense_head(tmp_path):

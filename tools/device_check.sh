@@ -40,9 +40,9 @@ for p in "${pids[@]}"; do wait "$p"; done
 if [[ $steps == *kernels* ]]; then run_step kernels 320 $PY -m jaxkv.bench kernels --json; fi
 if [[ $steps == *decode* ]]; then run_step decode 150 $PY -m jaxkv.bench decode --json; fi
 if [[ $steps == *engine_local* ]]; then  # the engine's programs compiled by this machine's XLA: temporaries
-  for loop in ${LOOPS:-scan unroll}; do
-    run_step engine_local_$loop 75 $PY -m jaxkv.bench engine_aot --local --models Llama-3.1-8B --buckets 16 \
-      --layer-loop $loop
+  for layers in ${LAYERS:-stacked per-layer}; do
+    run_step engine_local_$layers 120 $PY -m jaxkv.bench engine_aot --local --models Llama-3.1-8B --buckets 16 \
+      --layers $layers
   done
 fi
 if [[ $steps == *real_scale* ]]; then

@@ -159,8 +159,9 @@ DEPLOYMENTS = (
 )
 
 
-def _build(name: str) -> Callable[[], object]:
-    """A constructor of the model ``name`` in bf16 (call under ``nnx.eval_shape``)."""
+def _build(name: str, scan_layers: bool | None = None) -> Callable[[], object]:
+    """A constructor of the model ``name`` in bf16 (call under ``nnx.eval_shape``);
+    ``scan_layers`` as the models take it."""
     raw = HF_CONFIGS[name]
     config_cls, cls = {"llama": (LlamaConfig, LlamaForCausalLM),
                        "deepseek_v3": (DeepseekV3Config, DeepseekV3ForCausalLM),
@@ -169,16 +170,18 @@ def _build(name: str) -> Callable[[], object]:
                        "gpt_oss": (GptOssConfig, GptOssForCausalLM),
                        "gemma3_text": (Gemma3Config, Gemma3ForCausalLM)}[raw["model_type"]]
     config = config_cls.from_hf(raw)
-    return lambda: cls(config, rngs=nnx.Rngs(0), dtype=jnp.bfloat16, param_dtype=jnp.bfloat16)
+    return lambda: cls(config, rngs=nnx.Rngs(0), dtype=jnp.bfloat16, param_dtype=jnp.bfloat16,
+                       scan_layers=scan_layers)
 
 
-def model_and_cache(name: str, context: int = CONTEXT):
+def model_and_cache(name: str, context: int = CONTEXT, *, scan_layers: bool | None = None):
     """``(abstract model, cache_for)``: the bf16 model ``name`` of
-    :data:`HF_CONFIGS` as shapes, and ``cache_for(n)`` its abstract cache
-    for ``n`` sequences of ``context`` tokens (a paged pool of
-    ``n * ceil(context / 16) + 1`` pages, or the hybrid cache of ``n``
-    requests; DeepSeek-V4 in its fp8 entries)."""
-    model = nnx.eval_shape(_build(name))
+    :data:`HF_CONFIGS` as shapes (``scan_layers`` as the models take it),
+    and ``cache_for(n)`` its abstract cache for ``n`` sequences of
+    ``context`` tokens (a paged pool of ``n * ceil(context / 16) + 1``
+    pages, or the hybrid cache of ``n`` requests; DeepSeek-V4 in its fp8
+    entries)."""
+    model = nnx.eval_shape(_build(name, scan_layers))
     if cache_kind(model) == "paged":
         pages = -(-context // PAGE_SIZE)
         return model, lambda n: jax.eval_shape(lambda: model.make_pool(n * pages + 1, PAGE_SIZE,

@@ -165,9 +165,9 @@ class Setup:
 #: Compile for this process's own GPUs instead of a deviceless H100 (``--local``, on a GPU machine: the
 #: XLA of the JAX installed there, which may copy what another version does not).
 LOCAL = {"on": False}
-#: How the models' decoder stacks walk their layers (``--layer-loop``; :func:`jaxkv.nn.scan.set_layer_loop`):
-#: by default what ``"auto"`` gives on a GPU, the unrolled walk.
-LAYER_LOOP = {"loop": "unroll"}
+#: Whether the models stack their layers under a scan (``--layers stacked``) or keep a parameter per layer
+#: (``per-layer``, the default: what a model built on a GPU does, :func:`jaxkv.nn.scan.default_scan_layers`).
+LAYERS = {"stacked": False}
 
 
 def _devices(tp: int) -> list:
@@ -247,9 +247,7 @@ def build(spec: ModelSpec) -> Setup:
     from jaxkv.serve.caches import blocks_from_budget
     from jaxkv.serve.options import CacheOptions
 
-    from jaxkv.nn.scan import set_layer_loop
-
-    model = set_layer_loop(model_and_cache(spec.config)[0], LAYER_LOOP["loop"])
+    model = model_and_cache(spec.config, scan_layers=LAYERS["stacked"])[0]
     devices = _devices(spec.tp)
     if spec.tp == 1:
         mesh, one = None, SingleDeviceSharding(devices[0])
@@ -663,8 +661,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--buckets", default="all",
                         help="packed buckets: all (default), ends (smallest and largest), or comma-separated lengths")
     parser.add_argument("--prefill", action="store_true", help="also the padded scheduler's prefill call")
-    parser.add_argument("--layer-loop", choices=("scan", "unroll"), default="unroll",
-                        help="how the decoder stacks walk their layers (default unroll: what a GPU runs)")
+    parser.add_argument("--layers", choices=("stacked", "per-layer"), default="per-layer",
+                        help="stacked under a scan, or a parameter per layer (default: what a GPU builds)")
     parser.add_argument("--local", action="store_true",
                         help="compile for this machine's own GPUs (their JAX's XLA) instead of a deviceless H100")
     return parser
@@ -711,7 +709,7 @@ def main(args=None) -> int:
         parser.add_argument("--json", action="store_true")
         parser.add_argument("--quick", action="store_true")
         args = parser.parse_args(args)
-    LAYER_LOOP["loop"] = getattr(args, "layer_loop", "unroll")
+    LAYERS["stacked"] = getattr(args, "layers", "per-layer") == "stacked"
     LOCAL["on"] = bool(getattr(args, "local", False))
     if LOCAL["on"] and jax.default_backend() != "gpu":
         print(f"--local compiles for this machine's GPUs: the default backend is {jax.default_backend()}")
@@ -743,7 +741,7 @@ def main(args=None) -> int:
                   buckets=buckets, on_result=progress)
     total = time.perf_counter() - started
     target = f"{jax.devices()[0].device_kind}, local" if LOCAL["on"] else "H100 (deviceless"
-    print_table(f"The engine's programs compiled for {target}, jax {jax.__version__}, layers {LAYER_LOOP['loop']}); "
+    print_table(f"The engine's programs compiled for {target}, jax {jax.__version__}, layers {'stacked' if LAYERS['stacked'] else 'per layer'}); "
                 "bytes per device "
                 f"from compiled.memory_analysis(); {total:.0f} s in all",
                 COLUMNS, [r.row() for r in results])

@@ -265,7 +265,7 @@ class DeepseekV3ForCausalLM(nnx.Module):
     cache_kind = "paged"
 
     def __init__(self, config: DeepseekV3Config, *, rngs: nnx.Rngs, dtype=_F32, param_dtype=_F32, precision=None,
-                 implementation: str | None = None, interpret: bool = False, scan_layers: bool = True):
+                 implementation: str | None = None, interpret: bool = False, scan_layers: bool | None = None):
         check_implementation(implementation, interpret)
         c = config
         self.config = c
@@ -346,7 +346,7 @@ class DeepseekV3ForCausalLM(nnx.Module):
     def from_hf_state_dict(cls, config: DeepseekV3Config, tensors: dict[str, np.ndarray], *, dtype=None,
                            param_dtype=None, precision=None, implementation: str | None = None,
                            interpret: bool = False, source: str = "state dict",
-                           scan_layers: bool = True) -> DeepseekV3ForCausalLM:
+                           scan_layers: bool | None = None) -> DeepseekV3ForCausalLM:
         """Build the model from transformers-named arrays (per-expert tensors
         fused as transformers' loader fuses them). Raises ``InvalidArgument``
         naming a missing, misshapen or unexpected tensor."""
@@ -368,7 +368,7 @@ class DeepseekV3ForCausalLM(nnx.Module):
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike, *, dtype=None, param_dtype=None, precision=None,
                         implementation: str | None = None, interpret: bool = False,
-                        scan_layers: bool = True) -> DeepseekV3ForCausalLM:
+                        scan_layers: bool | None = None) -> DeepseekV3ForCausalLM:
         """Load a local transformers checkpoint directory (sharded or not;
         FP8 block-quantized weights dequantized at load)."""
         raw, tensors = read_checkpoint(path)

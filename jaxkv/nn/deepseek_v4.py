@@ -50,7 +50,7 @@ normalized, scaled by ``routed_scaling_factor``; experts are SwiGLU with
 clamped pre-activations (``swiglu_limit``), run as grouped matmuls
 (``lax.ragged_dot``), plus the shared expert.
 
-Layers under a scan. With ``scan_layers`` (the default) the decoder layers
+Layers under a scan. With ``scan_layers`` (the default off a GPU) the decoder layers
 run under one ``lax.scan`` over stacked parameters
 (:class:`~jaxkv.nn.scan.DecoderStack`), so compile time does not grow with
 depth. A layer's signature is its attention kind and its MLP kind (hash or
@@ -498,7 +498,8 @@ class DeepseekV4ForCausalLM(nnx.Module):
     pooling and the hyper-connection weights run in float32; logits are
     float32. ``implementation`` / ``interpret`` choose the gather kernels by
     :mod:`kernels_pallas`'s rule (None: Pallas on GPU, the reference elsewhere).
-    ``scan_layers`` (default True): layers of the same attention and MLP
+    ``scan_layers`` (default: stacked unless built on a
+    GPU, :func:`jaxkv.nn.scan.default_scan_layers`): layers of the same attention and MLP
     kind run under one ``lax.scan`` (the module docstring), so compile time
     does not grow with depth; False unrolls them (same weights from the
     same seed, same tokens).
@@ -508,7 +509,7 @@ class DeepseekV4ForCausalLM(nnx.Module):
     cache_kind = "hybrid"
 
     def __init__(self, config: DeepseekV4Config, *, rngs: nnx.Rngs, dtype=_F32, param_dtype=_F32,
-                 precision=None, implementation: str | None = None, scan_layers: bool = True):
+                 precision=None, implementation: str | None = None, scan_layers: bool | None = None):
         check_implementation(implementation, False)
         c = config
         self.config = c
@@ -641,7 +642,7 @@ class DeepseekV4ForCausalLM(nnx.Module):
     @classmethod
     def from_hf_state_dict(cls, config: DeepseekV4Config, tensors: dict[str, np.ndarray], *, dtype=None,
                            param_dtype=None, precision=None, implementation: str | None = None,
-                           source: str = "state dict", scan_layers: bool = True) -> DeepseekV4ForCausalLM:
+                           source: str = "state dict", scan_layers: bool | None = None) -> DeepseekV4ForCausalLM:
         """Build the model from transformers-named arrays. ``param_dtype``
         default: float32 (bf16 checkpoints are upcast); ``dtype`` default:
         ``param_dtype``; ``scan_layers`` as in the constructor (the
@@ -665,7 +666,7 @@ class DeepseekV4ForCausalLM(nnx.Module):
 
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike, *, dtype=None, param_dtype=None, precision=None,
-                        implementation: str | None = None, scan_layers: bool = True) -> DeepseekV4ForCausalLM:
+                        implementation: str | None = None, scan_layers: bool | None = None) -> DeepseekV4ForCausalLM:
         """Load a local transformers checkpoint directory (``config.json`` and
         its safetensors, sharded or not; FP8 block-quantized weights with
         ``weight_scale_inv`` are dequantized at load)."""

@@ -176,14 +176,15 @@ class Gemma3ForCausalLM(InterleavedWindowModel, nnx.Module):
     """Gemma 3 text over a :class:`~jaxkv.KVCacheManager` (see the module
     docstring): global layers' K/V paged, sliding layers' K/V in per-request
     rings (or paged). ``implementation`` chooses the attention kernel by
-    :mod:`kernels_pallas`'s rule. ``scan_layers`` (default True): the
+    :mod:`kernels_pallas`'s rule. ``scan_layers`` (default: stacked unless built on a
+    GPU, :func:`jaxkv.nn.scan.default_scan_layers`): the
     layers run under one ``lax.scan`` over their repeating pattern of
     window and global layers (:class:`~jaxkv.nn.scan.DecoderStack`), so
     compile time does not grow with depth; False unrolls them (same
     weights from the same seed, same tokens)."""
 
     def __init__(self, config: Gemma3Config, *, rngs: nnx.Rngs, dtype=_F32, param_dtype=_F32, precision=None,
-                 implementation: str | None = None, scan_layers: bool = True):
+                 implementation: str | None = None, scan_layers: bool | None = None):
         check_implementation(implementation, False)
         c = config
         self.config = c
@@ -228,7 +229,7 @@ class Gemma3ForCausalLM(InterleavedWindowModel, nnx.Module):
     @classmethod
     def from_hf_state_dict(cls, config: Gemma3Config, tensors: dict[str, np.ndarray], *, dtype=None,
                            param_dtype=None, precision=None, implementation: str | None = None,
-                           source: str = "state dict", scan_layers: bool = True) -> Gemma3ForCausalLM:
+                           source: str = "state dict", scan_layers: bool | None = None) -> Gemma3ForCausalLM:
         """Build the model from transformers-named arrays (``model.*``,
         ``lm_head.weight`` when untied). Raises ``InvalidArgument`` naming a
         missing, misshapen or unexpected tensor."""
@@ -244,7 +245,7 @@ class Gemma3ForCausalLM(InterleavedWindowModel, nnx.Module):
 
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike, *, dtype=None, param_dtype=None, precision=None,
-                        implementation: str | None = None, scan_layers: bool = True) -> Gemma3ForCausalLM:
+                        implementation: str | None = None, scan_layers: bool | None = None) -> Gemma3ForCausalLM:
         """Load a local transformers checkpoint directory (sharded or not)."""
         raw, tensors = read_checkpoint(path)
         return cls.from_hf_state_dict(Gemma3Config.from_hf(raw), tensors, dtype=dtype, param_dtype=param_dtype,

@@ -375,7 +375,7 @@ def gguf_llama_tensors(g: GGUFFile, config=None) -> dict[str, np.ndarray]:
 
 
 def load_gguf_model(path: str | os.PathLike, *, dtype=None, param_dtype=None, precision=None,
-                    implementation: str | None = None, interpret: bool = False, scan_layers: bool = True):
+                    implementation: str | None = None, interpret: bool = False, scan_layers: bool | None = None):
     """A :class:`~jaxkv.nn.LlamaForCausalLM` from GGUF file ``path``:
     :func:`read_gguf`, :func:`gguf_llama_config`, :func:`gguf_llama_tensors`,
     then :meth:`LlamaForCausalLM.from_hf_state_dict`. Tensors are dequantized

@@ -316,14 +316,15 @@ class GptOssDecoderLayer(nnx.Module):
 class GptOssForCausalLM(InterleavedWindowModel, nnx.Module):
     """gpt-oss over a :class:`~jaxkv.KVCacheManager` (module docstring).
     ``implementation`` chooses the paged attention kernel by
-    :mod:`kernels_pallas`'s rule. ``scan_layers`` (default True): the
+    :mod:`kernels_pallas`'s rule. ``scan_layers`` (default: stacked unless built on a
+    GPU, :func:`jaxkv.nn.scan.default_scan_layers`): the
     alternating window and full layers run under one ``lax.scan`` over
     their pattern (:class:`~jaxkv.nn.scan.DecoderStack`), so compile time
     does not grow with depth; False unrolls them (same weights from the
     same seed, same tokens)."""
 
     def __init__(self, config: GptOssConfig, *, rngs: nnx.Rngs, dtype=_F32, param_dtype=_F32, precision=None,
-                 implementation: str | None = None, scan_layers: bool = True):
+                 implementation: str | None = None, scan_layers: bool | None = None):
         check_implementation(implementation, False)
         c = config
         self.config = c
@@ -372,7 +373,7 @@ class GptOssForCausalLM(InterleavedWindowModel, nnx.Module):
     @classmethod
     def from_hf_state_dict(cls, config: GptOssConfig, tensors: dict[str, np.ndarray], *, dtype=None,
                            param_dtype=None, precision=None, implementation: str | None = None,
-                           source: str = "state dict", scan_layers: bool = True) -> GptOssForCausalLM:
+                           source: str = "state dict", scan_layers: bool | None = None) -> GptOssForCausalLM:
         """Build the model from transformers-named arrays (MXFP4 expert pairs
         ``*_blocks`` / ``*_scales`` dequantized). Raises ``InvalidArgument``
         naming a missing, misshapen or unexpected tensor."""
@@ -389,7 +390,7 @@ class GptOssForCausalLM(InterleavedWindowModel, nnx.Module):
 
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike, *, dtype=None, param_dtype=None, precision=None,
-                        implementation: str | None = None, scan_layers: bool = True) -> GptOssForCausalLM:
+                        implementation: str | None = None, scan_layers: bool | None = None) -> GptOssForCausalLM:
         """Load a local transformers checkpoint directory (sharded or not;
         MXFP4 experts dequantized to float32 first, then cast)."""
         from jaxkv.nn.checkpoint import dequantize_checkpoint, load_tensors, read_config

@@ -114,7 +114,8 @@ class LlamaForCausalLM(nnx.Module):
     reference elsewhere); ``InvalidArgument`` for any other value. They are
     static: each choice traces its own program.
 
-    ``scan_layers`` (default True): layers of the same sliding window run
+    ``scan_layers`` (default: stacked unless built on a
+    GPU, :func:`jaxkv.nn.scan.default_scan_layers`): layers of the same sliding window run
     under one ``lax.scan`` (:class:`~jaxkv.nn.scan.DecoderStack`), so
     compile time does not grow with depth; False unrolls them. The weights,
     checkpoints and tokens are the same either way.
@@ -125,7 +126,7 @@ class LlamaForCausalLM(nnx.Module):
 
     def __init__(self, config: LlamaConfig, *, rngs: nnx.Rngs, dtype=jnp.float32, param_dtype=jnp.float32,
                  precision=None, implementation: str | None = None, interpret: bool = False,
-                 scan_layers: bool = True):
+                 scan_layers: bool | None = None):
         check_implementation(implementation, interpret)
         self.config = config
         self.implementation = implementation
@@ -252,7 +253,7 @@ class LlamaForCausalLM(nnx.Module):
     def from_hf_state_dict(cls, config: LlamaConfig, tensors: dict[str, np.ndarray], *, dtype=None,
                            param_dtype=None, precision=None, source: str = "state dict",
                            implementation: str | None = None, interpret: bool = False,
-                           scan_layers: bool = True) -> LlamaForCausalLM:
+                           scan_layers: bool | None = None) -> LlamaForCausalLM:
         """Build the model from transformers-named arrays (no random init).
         ``param_dtype`` default: ``config.torch_dtype`` (float32 if unset);
         ``dtype`` default: ``param_dtype``. Raises ``InvalidArgument`` naming a
@@ -305,7 +306,7 @@ class LlamaForCausalLM(nnx.Module):
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike, *, dtype=None, param_dtype=None, precision=None,
                         implementation: str | None = None, interpret: bool = False,
-                        scan_layers: bool = True) -> LlamaForCausalLM:
+                        scan_layers: bool | None = None) -> LlamaForCausalLM:
         """Load a local Hugging Face checkpoint directory: ``config.json`` and
         its safetensors files (:func:`jaxkv.nn.checkpoint.load_tensors`: the
         shards ``model.safetensors.index.json`` names, else every

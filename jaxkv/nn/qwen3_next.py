@@ -45,7 +45,7 @@ runs a packed step (:class:`~jaxkv.nn.packed.PackedBatch`): one flat stream
 of prefill pieces and decode tokens, the Gated DeltaNet's conv and delta rule
 on the batch's per-lane-class segments.
 
-With ``scan_layers`` (the default) the decoder layers run under one
+With ``scan_layers`` (the default off a GPU) the decoder layers run under one
 ``lax.scan`` (:class:`~jaxkv.nn.scan.DecoderStack`): a layer's signature is
 its kind and whether its MLP is MoE, so the usual three Gated DeltaNet
 layers and one full-attention layer form the scanned pattern, and layers
@@ -370,7 +370,8 @@ class Qwen3NextForCausalLM(nnx.Module):
     DeltaNet states in its ``GDNPool``. ``implementation`` chooses the
     paged attention kernel by :mod:`kernels_pallas`'s rule.
 
-    ``scan_layers`` (default True): layers of the same kind and MLP run
+    ``scan_layers`` (default: stacked unless built on a
+    GPU, :func:`jaxkv.nn.scan.default_scan_layers`): layers of the same kind and MLP run
     under one ``lax.scan`` (module docstring), so compile time does not
     grow with depth; False unrolls them. Weights, checkpoints and tokens
     are the same either way (layers are built in order from the same
@@ -381,7 +382,7 @@ class Qwen3NextForCausalLM(nnx.Module):
     cache_kind = "hybrid"
 
     def __init__(self, config: Qwen3NextConfig, *, rngs: nnx.Rngs, dtype=_F32, param_dtype=_F32, precision=None,
-                 implementation: str | None = None, scan_layers: bool = True):
+                 implementation: str | None = None, scan_layers: bool | None = None):
         check_implementation(implementation, False)
         c = config
         self.config = c
@@ -558,7 +559,7 @@ class Qwen3NextForCausalLM(nnx.Module):
     @classmethod
     def from_hf_state_dict(cls, config: Qwen3NextConfig, tensors: dict[str, np.ndarray], *, dtype=None,
                            param_dtype=None, precision=None, implementation: str | None = None,
-                           source: str = "state dict", scan_layers: bool = True) -> Qwen3NextForCausalLM:
+                           source: str = "state dict", scan_layers: bool | None = None) -> Qwen3NextForCausalLM:
         """Build the model from transformers-named arrays (per-expert tensors
         fused as transformers' loader does). Raises ``InvalidArgument``
         naming a missing, misshapen or unexpected tensor."""
@@ -576,7 +577,7 @@ class Qwen3NextForCausalLM(nnx.Module):
 
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike, *, dtype=None, param_dtype=None, precision=None,
-                        implementation: str | None = None, scan_layers: bool = True) -> Qwen3NextForCausalLM:
+                        implementation: str | None = None, scan_layers: bool | None = None) -> Qwen3NextForCausalLM:
         """Load a local transformers checkpoint directory (sharded or not)."""
         raw, tensors = read_checkpoint(path)
         return cls.from_hf_state_dict(Qwen3NextConfig.from_hf(raw), tensors, dtype=dtype, param_dtype=param_dtype,

@@ -43,21 +43,23 @@ The layer index a layer's step receives is a Python int outside the scan
 and a traced int32 inside it: whatever it indexes (a KV pool's layer axis,
 a hybrid cache's layer) must accept a traced index.
 
-**Scan or unroll: the stack's** ``loop`` (:func:`set_layer_loop`). The
-stacked layout is one thing, how a program walks it another. ``"scan"``
-runs the rows under ``lax.scan`` as above. ``"unroll"`` walks them in a
-Python loop, each row a static slice of the stacked parameters and a
-static layer index: the program holds every layer again (compile time
-grows with depth), but XLA:GPU fuses a static slice of a weight into the
-matmul that reads it, where it materializes a scan's dynamic slice into a
-buffer of its own first: every layer's weights copied once per step, so a
-decode step, which is bound by reading the weights, moves about three
-times their bytes. Measured on an H200 (Llama-3.1-8B shapes, jax 0.11.2,
-2026-11-28): the scanned decode chunk at 12.5 ms per step at batch 1, the
-unrolled one at 6.1 ms; a deviceless H100 compile shows the copy as a
-temporary of one layer's weight (``tests/test_scan_layers.py``).
-``"auto"`` (the default) unrolls when the default backend is a GPU and
-scans elsewhere (the CPU, where compiles dominate, and TPUs).
+**Stacked on a CPU or TPU, per layer on a GPU** (``scan=None``, every
+model's ``scan_layers=None`` default; :func:`default_scan_layers`). XLA:GPU
+hands a matmul whose weight is one row of a stacked parameter a copy of
+that row: the matmul libraries it calls (cuBLAS, which its autotuner picks
+for a decode step's shapes on a real device) take a whole buffer, and a
+slice, dynamic under the scan or static when unrolled, is materialized
+into one first. A decode step is bound by reading the weights, and the copy
+reads and writes them once more: about three times the bytes. Measured on
+an H200 (Llama-3.1-8B shapes, jax 0.11.2, 2026-11-28): a decode step of
+the stacked model took 12.4-12.5 ms at batch 1 (scanned, and walked in a
+Python loop over static rows alike), against 6.1 ms with a parameter per
+layer; a deviceless H100 compile with cuBLAS matmuls shows a temporary of
+one layer's weight for either stacked form and none per layer. So a GPU
+model keeps a parameter per layer and unrolls them (compile time grows
+with depth there: 2-3 s per program of a 32-layer model on the H200's
+host), and the scan stays where compile time is the cost and the copy
+is not (the CPU) or is fused (TPU).
 """
 
 from __future__ import annotations
@@ -70,16 +72,13 @@ from flax import nnx
 
 from jaxkv.errors import InvalidArgument
 
-__all__ = ["LAYER_LOOPS", "DecoderStack", "is_stacked", "layer_loop", "layer_paths", "pattern_runs", "scan_plan",
-           "set_layer_loop"]
+__all__ = ["DecoderStack", "default_scan_layers", "is_stacked", "layer_paths", "pattern_runs", "scan_plan"]
 
 #: The attribute under which a stack keeps its stacked layers (a path
 #: component that marks a stacked parameter).
 STACKED = "stacked"
 #: Longest repeating pattern searched for.
 MAX_PERIOD = 16
-#: How a stack walks its stacked rows (module docstring).
-LAYER_LOOPS = ("auto", "scan", "unroll")
 
 
 def scan_plan(signatures: Sequence[Hashable], *, max_period: int = MAX_PERIOD) -> tuple[int, int, int]:
@@ -131,15 +130,13 @@ def pattern_runs(signatures: Sequence[Hashable]) -> tuple[tuple[int, int], ...]:
 class DecoderStack(nnx.Module):
     """The decoder layers of a model: ``make(i, rngs)`` builds layer ``i``,
     ``signature(i)`` tells which layers are alike (module docstring).
-    ``scan=False`` unrolls every layer (``head`` holds them all).
-    ``loop``: how :meth:`run` walks the stacked rows, one of
-    :data:`LAYER_LOOPS` (module docstring; :func:`set_layer_loop`)."""
+    ``scan=False`` unrolls every layer (``head`` holds them all); ``None``:
+    :func:`default_scan_layers` (stacked unless the default backend is a GPU)."""
 
     def __init__(self, num_layers: int, make: Callable[[int, nnx.Rngs], nnx.Module],
-                 signature: Callable[[int], Hashable], *, rngs: nnx.Rngs, scan: bool = True, loop: str = "auto"):
-        if loop not in LAYER_LOOPS:
-            raise InvalidArgument(f"loop={loop!r}: choose one of {', '.join(LAYER_LOOPS)}")
-        self.loop = loop
+                 signature: Callable[[int], Hashable], *, rngs: nnx.Rngs, scan: bool | None = None):
+        if scan is None:
+            scan = default_scan_layers()
         layers = [make(i, rngs) for i in range(num_layers)]  # in layer order: the same draws as unrolled
         signatures = [signature(i) for i in range(num_layers)]
         head, period, reps = scan_plan(signatures) if scan else (num_layers, 0, 0)
@@ -156,16 +153,8 @@ class DecoderStack(nnx.Module):
 
     @property
     def layers_in_program(self) -> int:
-        """Layers a scanned program holds: the head, one per run, the tail
-        (unrolled: all of them)."""
+        """Layers the program holds: the head, one per run, the tail."""
         return self.head_len + len(self.runs) + len(self.tail)
-
-    @property
-    def unrolls(self) -> bool:
-        """Whether :meth:`run` walks the stacked rows in a Python loop (``loop``
-        ``"unroll"``, or ``"auto"`` with a GPU as the default backend; read
-        when a program is traced)."""
-        return layer_loop(self.loop) == "unroll"
 
     def run(self, step: Callable, carry, *, with_like: bool = False):
         """``carry = step(layer, i, carry)`` for every layer ``i`` in order
@@ -181,13 +170,7 @@ class DecoderStack(nnx.Module):
 
         for i, layer in enumerate(self.head):
             carry = call(layer, i, i, carry)
-        if self.reps and self.unrolls:
-            # Static rows and static layer indices: what an unrolled model's program is, from stacked parameters.
-            for i in range(self.head_len, self.head_len + self.period * self.reps):
-                u, row = self._row(i)
-                graphdef, state = nnx.split(self.stacked[u])
-                carry = call(nnx.merge(graphdef, jax.tree.map(lambda a, row=row: a[row], state)), i, i, carry)
-        elif self.reps:
+        if self.reps:
             parts = [nnx.split(block) for block in self.stacked]
             graphdefs = [graphdef for graphdef, _ in parts]
             # Rows r * n + k as [reps, n, ...]: the outer scan takes a repetition, an inner one its run.
@@ -267,6 +250,14 @@ class DecoderStack(nnx.Module):
         return (self.head_len + self.period * self.reps + index, *below)
 
 
+def default_scan_layers(backend: str | None = None) -> bool:
+    """Whether a model built on ``backend`` (default ``jax.default_backend()``)
+    stacks its layers under a scan: yes on a CPU or TPU, no on a GPU, where
+    XLA copies a stacked layer's weights before each matmul (module
+    docstring)."""
+    return (backend or jax.default_backend()) not in ("gpu", "cuda", "rocm")
+
+
 def is_stacked(path: Sequence[str]) -> bool:
     """Whether a parameter path (module names as strings) is a stacked
     parameter of a :class:`DecoderStack` (its leading axis: the repetitions)."""
@@ -289,27 +280,3 @@ def layer_paths(model: nnx.Module) -> Callable[[tuple], tuple | list[tuple]]:
         return path
 
     return paths
-
-
-def layer_loop(loop: str = "auto", backend: str | None = None) -> str:
-    """``"scan"`` or ``"unroll"``: what ``loop`` (one of :data:`LAYER_LOOPS`)
-    means on ``backend`` (default ``jax.default_backend()``): ``"auto"``
-    unrolls on a GPU, scans elsewhere."""
-    if loop not in LAYER_LOOPS:
-        raise InvalidArgument(f"loop={loop!r}: choose one of {', '.join(LAYER_LOOPS)}")
-    if loop != "auto":
-        return loop
-    return "unroll" if (backend or jax.default_backend()) in ("gpu", "cuda", "rocm") else "scan"
-
-
-def set_layer_loop(model: nnx.Module, loop: str) -> nnx.Module:
-    """Set how every :class:`DecoderStack` in ``model`` walks its stacked
-    rows (one of :data:`LAYER_LOOPS`; module docstring) and return
-    ``model``. The parameters do not change; programs traced afterwards
-    follow the new value (a graphdef split before keeps the old one)."""
-    if loop not in LAYER_LOOPS:
-        raise InvalidArgument(f"loop={loop!r}: choose one of {', '.join(LAYER_LOOPS)}")
-    for _, node in nnx.iter_graph(model):
-        if isinstance(node, DecoderStack):
-            node.loop = loop
-    return model
