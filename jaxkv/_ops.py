@@ -21,6 +21,8 @@ __all__ = [
     "first_true_indices",
     "ids_distinct",
     "is_fp8",
+    "on_local_heads",
+    "place_kv",
     "pow2_at_least",
     "where_ok",
 ]
@@ -36,6 +38,27 @@ _SCATTER_BOUND = 4096
 
 #: Row length of the two-level search in :func:`first_true_indices`.
 _ROW = 128
+
+
+def on_local_heads(placement, attend, q, pages, small=(), sinks=None):
+    """One attention kernel call, ``attend(q, *pages, sinks, *small)``: on a
+    mesh under ``placement.run`` (a :class:`jaxkv.nn.layers.HeadPlacement`:
+    each device on its own heads under ``shard_map``), else (``placement``
+    None, or one device) as it is. Shared by the models' attention and the
+    hybrid cache's layer handles."""
+    if placement is None or placement.parts == 1:
+        return attend(q, *pages, sinks, *small)
+    return placement.run(attend, q, pages, small, sinks=sinks)
+
+
+def place_kv(placement, *rows):
+    """New K/V rows ``[T, KVH, D]`` placed as the cache holds its heads on a
+    mesh (:meth:`jaxkv.nn.layers.HeadPlacement.place_kv`); as they are with
+    no placement (one device). ``None`` rows pass through."""
+    if placement is None or placement.parts == 1:
+        return rows if len(rows) > 1 else rows[0]
+    placed = tuple(None if x is None else placement.place_kv(x) for x in rows)
+    return placed if len(placed) > 1 else placed[0]
 
 
 def ceil_div(a, b):

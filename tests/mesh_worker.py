@@ -56,12 +56,18 @@ def main(argv=None) -> None:
         engine.run()
         ids += [engine.add_request(p[: len(p) - 1] + [1], 3) for p in prompts[:2]]
         engine.run()
-        if mesh is not None:  # cache leaves the mesh splits (an MLA latent pool has none)
+        if mesh is not None:  # cache leaves the mesh splits (an MLA latent pool has none), and where they are
+            from jaxkv.nn.sharding import cache_sharding
+
             cache = engine.cache.pool if engine.cache.pool is not None else engine.cache.manager
-            split_cache.append(sum(1 for x in jax.tree.leaves(cache) if not x.sharding.is_fully_replicated))
+            leaves, planned = jax.tree.leaves(cache), jax.tree.leaves(cache_sharding(cache, mesh))
+            split_cache.append(sum(1 for x in leaves if not x.sharding.is_fully_replicated))
+            # after serving, every leaf still where cache_sharding puts it (a step's output is not re-split)
+            as_planned.append(all(x.sharding.is_equivalent_to(s, x.ndim) for x, s in zip(leaves, planned)))
+            planned_split.append(sum(1 for s in planned if not s.is_fully_replicated))
         return [engine.outputs[i] for i in ids]
 
-    single, sharded, split_cache = {}, {}, []
+    single, sharded, split_cache, as_planned, planned_split = {}, {}, [], [], []
     if "generate" in paths:
         single["generate"] = generate(model, prompts, 6, sampling=sampling, seed=1).tokens
     if "engine" in paths:
@@ -77,7 +83,8 @@ def main(argv=None) -> None:
         "process": jax.process_index(), "processes": jax.process_count(), "devices": len(jax.devices()),
         "kind": cache_kind(model), "single": single, "sharded": sharded,
         "split_params": sum(1 for x in leaves if not x.sharding.is_fully_replicated),
-        "params": len(leaves), "split_cache": split_cache,
+        "params": len(leaves), "split_cache": split_cache, "cache_as_planned": as_planned,
+        "planned_split": planned_split,
     }), flush=True)
     if args.num_processes > 1:
         jax.distributed.shutdown()

@@ -45,9 +45,12 @@ def check_same_tokens(results: list, processes: int, devices: int, *, latent_cac
         assert r["processes"] == processes and r["devices"] == processes * devices
         assert r["sharded"] == r["single"]  # a mesh gives one device's tokens
         assert r["split_params"] > 0  # and really split something
-        # the engine's cache is split too, except latent caches (MLA pages, DeepSeek-V4's entries and
-        # rings: one shared head, replicated by design)
-        assert all((n == 0) if latent_cache else (n > 0) for n in r["split_cache"]), r["split_cache"]
+        # the engine's cache stays where cache_sharding puts it (KV heads over tp where they divide; latent
+        # caches, MLA pages and DeepSeek-V4's entries and rings, one shared head, replicated by design)
+        assert all(r["cache_as_planned"]), r
+        assert r["split_cache"] == r["planned_split"], r
+        if latent_cache:
+            assert all(n == 0 for n in r["split_cache"]), r["split_cache"]
         for path in r["single"].values():
             assert all(len(tokens) > 0 for tokens in path)
     assert all(r["sharded"] == results[0]["sharded"] for r in results)  # every process got every token

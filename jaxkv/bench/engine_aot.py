@@ -261,6 +261,7 @@ def build(spec: ModelSpec) -> Setup:
     # The routed experts learn where shard_model's specs put them (their grouped matmuls run on each
     # device's own experts under shard_map): a static attribute, so before the graph definition is taken.
     sharding.place_experts(model, mesh, tp_axis="tp", expert_axis="expert")
+    sharding.place_heads(model, mesh, tp_axis="tp")
     graphdef, state = nnx.split(model)
     if mesh is not None:
         def names(path):  # module names of a state path, as shard_model reads them

@@ -51,7 +51,7 @@ import jax.numpy as jnp
 from flax import struct
 from jaxtyping import Array, Bool, Float, Int
 
-from jaxkv._ops import INT32_MAX
+from jaxkv._ops import INT32_MAX, on_local_heads
 from jaxkv.errors import InvalidArgument
 from jaxkv.manager.dsv4_compressor import compress_step, last_position
 from jaxkv.manager.hybrid_schema import LayerCacheSchema
@@ -66,6 +66,7 @@ from kernels_pallas.paged_attention import paged_attention
 from kernels_pallas.ragged_attention import ragged_paged_attention
 
 __all__ = ["LayerCacheHandle"]
+
 
 
 @struct.dataclass
@@ -310,7 +311,7 @@ class LayerCacheHandle:
         slots = self.token_kv_slots()
         return self.replace(kv_pool=self.kv_pool.set_kv(self.kv_layer, slots, k, v))
 
-    def attend(self, q: Float[Array, "T H Dk"], *, sinks: Float[Array, " H"] | None = None,
+    def attend(self, q: Float[Array, "T H Dk"], *, sinks: Float[Array, " H"] | None = None, heads=None,
                **kwargs) -> Float[Array, "T H Dv"]:
         """Each token attends positions ``[0, pos]`` of its request through
         the pages (:func:`kernels_pallas.paged_attention`; keyword arguments
@@ -322,26 +323,38 @@ class LayerCacheHandle:
         :func:`kernels_pallas.ragged_paged_attention` instead, each token a
         one-query sequence: its reference walks the context in chunks, where
         the decode reference gathers every token's whole context at once
-        (``[T, KVH, context, D]``: 35 GB for a 2048-token Gemma 3 piece)."""
+        (``[T, KVH, context, D]``: 35 GB for a 2048-token Gemma 3 piece).
+
+        ``heads``: the model's :class:`~jaxkv.nn.layers.HeadPlacement` on a
+        mesh (the kernel runs on each device's heads under ``shard_map``,
+        not on a pool gathered whole), or None."""
         self._need("paged K/V", self.kv_pool is not None)
         pool = self.kv_pool
         if pool.v_pages is None:
             kwargs.setdefault("mla_value_dim", pool.kv_lora_rank)
         lengths = jnp.where(self.token_slots >= 0, self.positions + 1, 0)
         num_tokens = q.shape[0]
+        pages = (pool.k_pages, pool.v_pages, pool.k_scales, pool.v_scales)
+        tables = jnp.clip(self._token_tables(), 0, None)
         if sinks is not None or num_tokens > self.request_slots.shape[0]:
             # A padding token attends one (masked-out) key of the null page:
             # the ragged layout needs kv_len >= q_len; its output is zeroed.
-            out = ragged_paged_attention(q, pool.k_pages, pool.v_pages, jnp.clip(self._token_tables(), 0, None),
-                                         jnp.maximum(lengths, 1), jnp.arange(num_tokens + 1, dtype=jnp.int32),
-                                         pool.k_scales, pool.v_scales, layer=self.kv_layer, sinks=sinks,
-                                         implementation=self.implementation, **kwargs)
+            def ragged(q, k_pages, v_pages, k_scales, v_scales, sinks, tables, kv_lens, cu_q_lens, layer):
+                return ragged_paged_attention(q, k_pages, v_pages, tables, kv_lens, cu_q_lens, k_scales, v_scales,
+                                              layer=layer, sinks=sinks, implementation=self.implementation, **kwargs)
+
+            out = on_local_heads(heads, ragged, q, pages, (tables, jnp.maximum(lengths, 1),
+                                                      jnp.arange(num_tokens + 1, dtype=jnp.int32), self.kv_layer),
+                            sinks)
             return jnp.where((lengths > 0)[:, None, None], out, 0).astype(out.dtype)
+
         # The whole stacked pool and the layer index: the kernel reads the
         # layer in place (pool[layer] would be copied before the call).
-        return paged_attention(q, pool.k_pages, pool.v_pages, jnp.clip(self._token_tables(), 0, None), lengths,
-                               pool.k_scales, pool.v_scales, layer=self.kv_layer,
-                               implementation=self.implementation, **kwargs)
+        def decode(q, k_pages, v_pages, k_scales, v_scales, _sinks, tables, lengths, layer):
+            return paged_attention(q, k_pages, v_pages, tables, lengths, k_scales, v_scales, layer=layer,
+                                   implementation=self.implementation, **kwargs)
+
+        return on_local_heads(heads, decode, q, pages, (tables, lengths, self.kv_layer), None)
 
     # ---------------------------------------------------------------- window
 

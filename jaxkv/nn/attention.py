@@ -36,7 +36,7 @@ from jaxtyping import Array, Float, Int
 from kernels_pallas import paged_attention
 from kernels_pallas.ragged_attention import ragged_paged_attention
 from kernels_pallas.reference import gather_pages
-from jaxkv._ops import INT32_MAX, is_fp8
+from jaxkv._ops import INT32_MAX, is_fp8, on_local_heads, place_kv
 from jaxkv.errors import InvalidArgument
 from jaxkv.nn.config import LlamaConfig, RopeScaling
 from jaxkv.nn.rope import apply_rope, rope_inv_freq
@@ -232,6 +232,13 @@ def check_implementation(implementation: str | None, interpret: bool = False) ->
 # --------------------------------------------------------------------------
 
 
+def _pages(pool) -> tuple:
+    """``(k_pages, v_pages, k_scales, v_scales)`` of a stacked pool (``None``
+    where absent: an MLA pool's values and a bf16 pool's scales), the KV
+    heads on axis 1: what :func:`jaxkv.nn.layers.on_local_heads` takes."""
+    return (pool.k_pages, pool.v_pages, pool.k_scales, pool.v_scales)
+
+
 class RMSNorm(nnx.Module):
     """HF's LlamaRMSNorm: normalize in float32, cast back to the compute
     dtype, then multiply by ``weight`` (init ones)."""
@@ -308,6 +315,8 @@ class PagedAttention(nnx.Module):
         self.interpret = bool(interpret)
         self.decode_attention_fn = decode_attention_fn
         self.prefill_attention_fn = prefill_attention_fn
+        #: Set on a mesh (:func:`jaxkv.nn.sharding.place_heads`): the kernels run on each device's heads.
+        self.heads_placement = None
 
     @classmethod
     def from_config(cls, config: LlamaConfig, layer: int = 0, *, rngs: nnx.Rngs, dtype=jnp.float32,
@@ -402,19 +411,29 @@ class PagedAttention(nnx.Module):
             real = jnp.arange(t, dtype=jnp.int32)[None, :] < num_new[:, None]
         q, k, v = self.qkv(x, positions)
         slots = jnp.where(real, jnp.asarray(slots, jnp.int32), -1)  # padding never overwrites a page
-        pool = pool.set_kv(layer, slots.reshape(-1), k.reshape(b * t, self.num_kv_heads, self.head_dim),
-                           v.reshape(b * t, self.num_kv_heads, self.head_dim))
+        k, v = place_kv(self.heads_placement, k.reshape(b * t, self.num_kv_heads, self.head_dim),
+                        v.reshape(b * t, self.num_kv_heads, self.head_dim))
+        pool = pool.set_kv(layer, slots.reshape(-1), k, v)
         if mode == "decode":
             fn = self.decode_attention_fn or functools.partial(
                 paged_attention, implementation=self.implementation, interpret=self.interpret)
             lengths = jnp.where(num_new > 0, starts + 1, 0)
-            attn = fn(q[:, 0], pool.k_pages, pool.v_pages, block_tables, lengths, pool.k_scales, pool.v_scales,
-                      layer=layer, sm_scale=self.sm_scale, sliding_window=self.sliding_window)[:, None]
+
+            def decode(q, k_pages, v_pages, k_scales, v_scales, _sinks, tables, lengths, layer):
+                return fn(q, k_pages, v_pages, tables, lengths, k_scales, v_scales, layer=layer,
+                          sm_scale=self.sm_scale, sliding_window=self.sliding_window)
+
+            attn = on_local_heads(self.heads_placement, decode, q[:, 0], _pages(pool),
+                                  (block_tables, lengths, layer))[:, None]
         elif mode == "ragged":
-            attn = ragged_paged_attention(
-                q[0], pool.k_pages, pool.v_pages, batch.block_tables, batch.kv_lens, batch.cu_q_lens, pool.k_scales,
-                pool.v_scales, layer=layer, sm_scale=self.sm_scale, sliding_window=self.sliding_window,
-                implementation=self.implementation, interpret=self.interpret)[None]
+            def ragged(q, k_pages, v_pages, k_scales, v_scales, _sinks, tables, kv_lens, cu_q_lens, layer):
+                return ragged_paged_attention(
+                    q, k_pages, v_pages, tables, kv_lens, cu_q_lens, k_scales, v_scales, layer=layer,
+                    sm_scale=self.sm_scale, sliding_window=self.sliding_window, implementation=self.implementation,
+                    interpret=self.interpret)
+
+            attn = on_local_heads(self.heads_placement, ragged, q[0], _pages(pool),
+                                  (batch.block_tables, batch.kv_lens, batch.cu_q_lens, layer))[None]
         else:
             k_pages, v_pages, k_scales, v_scales = pool.layer_arrays(layer)
             fn = self.prefill_attention_fn or paged_prefill_attention

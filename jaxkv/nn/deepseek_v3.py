@@ -49,7 +49,7 @@ import numpy as np
 from flax import nnx
 from jaxtyping import Array, Float, Int
 
-from jaxkv._ops import is_fp8
+from jaxkv._ops import is_fp8, on_local_heads, place_kv
 from jaxkv.errors import InvalidArgument
 from jaxkv.nn.attention import check_implementation, check_mode, paged_prefill_attention
 from jaxkv.nn.deepseek_v3_config import DeepseekV3Config
@@ -111,6 +111,8 @@ class DeepseekV3Attention(nnx.Module):
         self.config = c
         self.implementation = implementation
         self.interpret = interpret
+        #: Set on a mesh (:func:`jaxkv.nn.sharding.place_heads`): the kernels run on each device's heads.
+        self.heads_placement = None
 
     def _project(self, x, positions):
         """``(q_nope [B,T,H,n], q_rope [B,T,H,r], latent [B,T,R], k_rope [B,T,r])``."""
@@ -154,17 +156,26 @@ class DeepseekV3Attention(nnx.Module):
         q_latent = jnp.einsum("bthn,hnr->bthr", q_nope, w_k.astype(q_nope.dtype), precision=self.o_proj.precision)
         query = jnp.concatenate([q_latent, q_rope.astype(q_latent.dtype)], axis=-1)
         rows = jnp.concatenate([latent, k_rope.astype(latent.dtype)], axis=-1).reshape(b * t, 1, -1)
-        pool = pool.set_kv(layer, jnp.where(real, slots, -1).reshape(-1), rows)
+        pool = pool.set_kv(layer, jnp.where(real, slots, -1).reshape(-1), place_kv(self.heads_placement, rows))
+        pages = (pool.k_pages, None, pool.k_scales, None)  # the latent rows are keys and values
         if mode == "decode":
             lengths = jnp.where(num_new > 0, starts + 1, 0)
-            attended = paged_attention(query[:, 0], pool.k_pages, None, block_tables, lengths, pool.k_scales, None,
-                                       layer=layer, sm_scale=c.sm_scale, mla_value_dim=c.kv_lora_rank,
-                                       implementation=self.implementation, interpret=self.interpret)[:, None]
+
+            def decode(q, k_pages, _v, k_scales, _vs, _sinks, tables, lengths, layer):
+                return paged_attention(q, k_pages, None, tables, lengths, k_scales, None, layer=layer,
+                                       sm_scale=c.sm_scale, mla_value_dim=c.kv_lora_rank,
+                                       implementation=self.implementation, interpret=self.interpret)
+
+            attended = on_local_heads(self.heads_placement, decode, query[:, 0], pages,
+                                      (block_tables, lengths, layer))[:, None]
         elif mode == "ragged":
-            attended = ragged_paged_attention(query[0], pool.k_pages, None, batch.block_tables, batch.kv_lens,
-                                              batch.cu_q_lens, pool.k_scales, None, layer=layer, sm_scale=c.sm_scale,
-                                              mla_value_dim=c.kv_lora_rank, implementation=self.implementation,
-                                              interpret=self.interpret)[None]
+            def ragged(q, k_pages, _v, k_scales, _vs, _sinks, tables, kv_lens, cu_q_lens, layer):
+                return ragged_paged_attention(q, k_pages, None, tables, kv_lens, cu_q_lens, k_scales, None,
+                                              layer=layer, sm_scale=c.sm_scale, mla_value_dim=c.kv_lora_rank,
+                                              implementation=self.implementation, interpret=self.interpret)
+
+            attended = on_local_heads(self.heads_placement, ragged, query[0], pages,
+                                      (batch.block_tables, batch.kv_lens, batch.cu_q_lens, layer))[None]
         else:
             k_pages, _, k_scales, _ = pool.layer_arrays(layer)
             # The values are the latent part of the same rows (scales are per row: they apply to both).

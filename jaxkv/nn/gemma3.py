@@ -97,6 +97,8 @@ class Gemma3Attention(nnx.Module):
         lin = functools.partial(Linear, rngs=rngs, param_dtype=param_dtype, precision=precision, bias=c.attention_bias)
         self.config = c
         self.sliding_window = c.sliding_window if c.is_sliding(layer) else None
+        #: Set on a mesh (:func:`jaxkv.nn.sharding.place_heads`): the kernels run on each device's heads.
+        self.heads_placement = None
         # Gemma 3's attention logits are never capped (the config refuses attn_logit_softcapping).
         self.logit_soft_cap = None
         theta, scaling = c.rope_of(layer)
@@ -150,7 +152,8 @@ class Gemma3Attention(nnx.Module):
         out, handle = attend_through_cache(
             handle, q.reshape(b * w, c.num_attention_heads, c.head_dim),
             k.reshape(b * w, c.num_key_value_heads, c.head_dim), v.reshape(b * w, c.num_key_value_heads, c.head_dim),
-            sm_scale=c.attention_scale, sliding_window=self.sliding_window, logit_soft_cap=self.logit_soft_cap)
+            sm_scale=c.attention_scale, sliding_window=self.sliding_window, logit_soft_cap=self.logit_soft_cap,
+            heads=self.heads_placement)
         return self.output(out.reshape(b, w, c.num_attention_heads, c.head_dim).astype(h.dtype)), handle
 
 

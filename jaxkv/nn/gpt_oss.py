@@ -172,6 +172,8 @@ class GptOssAttention(nnx.Module):
         lin = functools.partial(Linear, rngs=rngs, param_dtype=param_dtype, precision=precision, bias=c.attention_bias)
         self.config = c
         self.sliding_window = c.sliding_window if c.is_sliding(layer) else None
+        #: Set on a mesh (:func:`jaxkv.nn.sharding.place_heads`): the kernels run on each device's heads.
+        self.heads_placement = None
         self.q_proj = lin(c.hidden_size, c.num_attention_heads * c.head_dim)
         self.k_proj = lin(c.hidden_size, c.num_key_value_heads * c.head_dim)
         self.v_proj = lin(c.hidden_size, c.num_key_value_heads * c.head_dim)
@@ -202,7 +204,8 @@ class GptOssAttention(nnx.Module):
         out, handle = attend_through_cache(
             handle, q.reshape(b * w, c.num_attention_heads, c.head_dim),
             k.reshape(b * w, c.num_key_value_heads, c.head_dim), v.reshape(b * w, c.num_key_value_heads, c.head_dim),
-            sm_scale=c.sm_scale, sliding_window=self.sliding_window, sinks=self.sinks[...].astype(_F32))
+            sm_scale=c.sm_scale, sliding_window=self.sliding_window, sinks=self.sinks[...].astype(_F32),
+            heads=self.heads_placement)
         return self.output(out.reshape(b, w, c.num_attention_heads, c.head_dim).astype(h.dtype)), handle
 
     def dense(self, h, positions):

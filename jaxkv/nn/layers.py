@@ -34,8 +34,8 @@ from jax.sharding import PartitionSpec as P
 from jaxkv.errors import InvalidArgument
 from jaxkv.nn.scan import layer_paths
 
-__all__ = ["ExpertPlacement", "Experts", "Linear", "RMSNorm", "SwiGLU", "ZeroCenteredRMSNorm", "fuse_experts",
-           "in_row_chunks", "load_state", "named_state", "on_local_experts", "param", "read_checkpoint",
+__all__ = ["ExpertPlacement", "Experts", "HeadPlacement", "Linear", "RMSNorm", "SwiGLU", "ZeroCenteredRMSNorm",
+           "fuse_experts", "in_row_chunks", "load_state", "named_state", "on_local_experts", "param", "read_checkpoint",
            "rows_per_chunk", "save_checkpoint", "unit_rms"]
 
 _F32 = jnp.float32
@@ -251,6 +251,83 @@ def on_local_experts(routed, placement: ExpertPlacement, x, experts, weights, pa
     param_specs = tuple(P(spec, *([None] * (p.ndim - 1))) for p in params)
     return jax.shard_map(local_part, mesh=placement.mesh, in_specs=(P(), P(), P(), *param_specs), out_specs=P(),
                          axis_names=frozenset(axes))(x, experts, weights, *params)
+
+
+@dataclasses.dataclass(frozen=True)
+class HeadPlacement:
+    """Where an attention layer's heads live on a mesh: the attention
+    kernels run under ``jax.shard_map`` over ``axis`` (:meth:`run`). A
+    static attribute of the attention modules (set by
+    :func:`jaxkv.nn.sharding.place_heads`, which :func:`~jaxkv.nn.sharding.shard_model`
+    calls), part of the module's graph definition, so hashable.
+
+    Why: a Pallas kernel is a custom call XLA cannot partition. Called on
+    arrays split over ``tp`` with no ``shard_map``, XLA gathers its operands
+    whole on every device around each call: the KV pool of every layer,
+    every step (Qwen3-Next on tp=8: 24 all-gathers of 6-13 GB per decode
+    step, compiled for H100; docs/gpu.md)."""
+
+    mesh: jax.sharding.Mesh
+    axis: str
+
+    @property
+    def parts(self) -> int:
+        return int(self.mesh.shape[self.axis])
+
+    def place_kv(self, x):
+        """This step's new K or V rows ``x [T, KVH, D]`` placed as the cache
+        holds its heads (:func:`~jaxkv.nn.sharding.cache_sharding`: over
+        ``axis`` when it divides them, else whole on every device), before
+        they are written. Without it the write follows the projection's
+        split (the KV-head features over ``axis``, a fraction of a head per
+        device when the heads do not divide), XLA splits the pool's update
+        the same way, and gathers the whole pool back for the kernel."""
+        spec = P(None, self.axis) if x.shape[1] % self.parts == 0 else P()
+        return jax.lax.with_sharding_constraint(x, jax.sharding.NamedSharding(self.mesh, spec))
+
+    def run(self, attend, q, pages, small=(), *, sinks=None):
+        """``attend(q, k_pages, v_pages, k_scales, v_scales, sinks, *small)``
+        (one kernel call over the stacked pool, ``pages = (k_pages, v_pages,
+        k_scales, v_scales)`` with the KV heads on axis 1, ``None`` where
+        absent; ``q [T, H, D]``; ``sinks [H]`` or None) under ``shard_map``
+        over ``axis``:
+
+        * KV heads divisible by ``parts`` (and so query heads): each device
+          its own query heads and KV heads (the pool as
+          :func:`~jaxkv.nn.sharding.cache_sharding` splits it), no
+          communication;
+        * one KV head (MLA's latent, MQA), query heads divisible: each
+          device its own query heads against the whole (replicated) pool;
+        * else (KV heads that do not divide, e.g. Qwen3-Next's 2 on tp=8,
+          whose pool is replicated): every device attends every head, the
+          same work on each (the output is replicated; the output
+          projection takes its heads' share), instead of gathering the pool.
+
+        ``small``: block tables, lengths, a traced layer index (replicated);
+        a value that is not an array (a static layer) is passed as it is.
+        The result is the one-device kernel's, head by head."""
+        heads, kv_heads = q.shape[1], pages[0].shape[1]
+        split_q = heads % self.parts == 0 and (kv_heads % self.parts == 0 or kv_heads == 1)
+        split_kv = split_q and kv_heads > 1
+        on = (None, self.axis)
+
+        def spec(x, split):
+            return None if x is None else P(*(on if split else ()))
+
+        static = {i: x for i, x in enumerate(small) if not isinstance(x, (jax.Array, jax.core.Tracer))}
+        traced = [x for i, x in enumerate(small) if i not in static]
+
+        def local(q, k_pages, v_pages, k_scales, v_scales, sinks, *traced):
+            rest, it = [], iter(traced)
+            for i in range(len(small)):
+                rest.append(static[i] if i in static else next(it))
+            return attend(q, k_pages, v_pages, k_scales, v_scales, sinks, *rest)
+
+        q_spec = P(*on) if split_q else P()
+        in_specs = (q_spec, *(spec(x, split_kv) for x in pages), None if sinks is None else P(*on[1:]) if split_q
+                    else P(), *(P() for _ in traced))
+        return jax.shard_map(local, mesh=self.mesh, in_specs=in_specs, out_specs=q_spec,
+                             axis_names=frozenset({self.axis}), check_vma=False)(q, *pages, sinks, *traced)
 
 
 def fuse_experts(tensors: dict[str, np.ndarray], num_experts: int, names=("gate_proj", "up_proj", "down_proj"),

@@ -66,6 +66,7 @@ import numpy as np
 from flax import nnx
 from jaxtyping import Array, Float, Int
 
+from jaxkv._ops import place_kv
 from jaxkv.errors import InvalidArgument
 from jaxkv.manager.hybrid import KVCacheManager
 from jaxkv.manager.hybrid_schema import AttentionKind, HybridConfig, LayerSpec
@@ -285,6 +286,8 @@ class GatedAttention(nnx.Module):
         self.o_proj = lin(c.num_attention_heads * c.head_dim, c.hidden_size)
         self.q_norm = ZeroCenteredRMSNorm(c.head_dim, c.rms_norm_eps, param_dtype=param_dtype)
         self.k_norm = ZeroCenteredRMSNorm(c.head_dim, c.rms_norm_eps, param_dtype=param_dtype)
+        #: Set on a mesh (:func:`jaxkv.nn.sharding.place_heads`): the kernels run on each device's heads.
+        self.heads_placement = None
 
     def project(self, x, positions):
         """``(q [B,W,H,D], k, v [B,W,KVH,D], gate [B,W,H*D])`` for ``x [B, W, hidden]``."""
@@ -314,9 +317,10 @@ class GatedAttention(nnx.Module):
         c = self.config
         b, w = h.shape[:2]
         q, k, v, gate = self.project(h, jnp.maximum(positions, 0))
-        handle = handle.write_kv(k.reshape(b * w, c.num_key_value_heads, c.head_dim),
-                                 v.reshape(b * w, c.num_key_value_heads, c.head_dim))
-        attended = handle.attend(q.reshape(b * w, c.num_attention_heads, c.head_dim), sm_scale=c.head_dim ** -0.5)
+        handle = handle.write_kv(*place_kv(self.heads_placement, k.reshape(b * w, c.num_key_value_heads, c.head_dim),
+                                           v.reshape(b * w, c.num_key_value_heads, c.head_dim)))
+        attended = handle.attend(q.reshape(b * w, c.num_attention_heads, c.head_dim), sm_scale=c.head_dim ** -0.5,
+                                 heads=self.heads_placement)
         return self.output(attended.reshape(b, w, c.num_attention_heads, c.head_dim).astype(h.dtype), gate), handle
 
 

@@ -59,8 +59,9 @@ from jax.sharding import PartitionSpec as P
 from jaxkv.errors import InvalidArgument
 from jaxkv.nn.scan import STACKED, is_stacked
 
-__all__ = ["batch_spec", "cache_sharding", "fetch", "is_placed", "param_spec", "place_experts", "placement_report",
-           "pool_sharding", "prepare", "put", "replicate", "shard_cache", "shard_model", "shard_pool"]
+__all__ = ["batch_spec", "cache_sharding", "fetch", "is_placed", "param_spec", "place_experts", "place_heads",
+           "placement_report", "pool_sharding", "prepare", "put", "replicate", "shard_cache", "shard_model",
+           "shard_pool"]
 
 # Module names whose parameters split their output features (axis 0 of a
 # transformers-layout ``weight [out, in]`` and of a bias, the last axis of a
@@ -155,7 +156,31 @@ def shard_model(model, mesh: Mesh, *, tp_axis: str = "tp", expert_axis: str | No
     nnx.update(model, put(state, jax.tree.map(lambda spec: NamedSharding(mesh, spec), specs,
                                               is_leaf=lambda x: isinstance(x, P))))
     place_experts(model, mesh, tp_axis=tp_axis, expert_axis=expert_axis)
+    place_heads(model, mesh, tp_axis=tp_axis)
     return model
+
+
+def place_heads(model, mesh: Mesh | None, *, tp_axis: str = "tp") -> int:
+    """Tell every attention module of ``model`` (a module with a
+    ``heads_placement`` attribute) that its heads are split over ``tp_axis``
+    of ``mesh`` (a :class:`~jaxkv.nn.layers.HeadPlacement`), so its paged
+    attention kernels run under ``shard_map`` on each device's heads instead
+    of on operands XLA gathers whole around the call; ``None`` on one device
+    or a ``tp`` of 1. A static attribute: take the graph definition after
+    this. :func:`shard_model` calls it; so does a caller that places
+    parameters with :func:`param_spec` itself. Returns how many modules got
+    a placement."""
+    from jaxkv.nn.layers import HeadPlacement
+
+    placement = None
+    if mesh is not None and tp_axis in mesh.shape and mesh.shape[tp_axis] > 1:
+        placement = HeadPlacement(mesh, tp_axis)
+    placed = 0
+    for _, node in nnx.iter_graph(model):
+        if isinstance(node, nnx.Module) and hasattr(node, "heads_placement"):
+            node.heads_placement = placement
+            placed += placement is not None
+    return placed
 
 
 def place_experts(model, mesh: Mesh | None, *, tp_axis: str = "tp", expert_axis: str | None = "expert") -> int:

@@ -36,6 +36,7 @@ from collections.abc import Sequence
 
 import jax.numpy as jnp
 
+from jaxkv._ops import place_kv
 from jaxkv.errors import InvalidArgument
 from jaxkv.manager.hybrid import KVCacheManager
 from jaxkv.manager.hybrid_schema import AttentionKind, HybridConfig, LayerSpec
@@ -78,14 +79,16 @@ def interleaved_cache(sliding: Sequence[bool], max_requests: int, max_context_to
 
 
 def attend_through_cache(handle, q, k, v, *, sm_scale: float, sliding_window: int | None, sinks=None,
-                         logit_soft_cap: float | None = None):
+                         logit_soft_cap: float | None = None, heads=None):
     """One attention layer's step: store this step's ``k``/``v`` ``[T, KVH,
     D]`` and attend ``q [T, H, D]`` (each token its request's keys at
     positions ``(p - sliding_window, p]``, or ``[0, p]`` when None), with
     optional per-head ``sinks`` and soft cap. A window layer's ring
     (``AttentionKind.WINDOW``) or the paged pool, whichever the cache gave
     the layer. Returns ``(out [T, H, D], handle)``; put the handle back with
-    ``manager.update``."""
+    ``manager.update``. ``heads``: the layer's head placement on a mesh
+    (:meth:`~jaxkv.manager.layer_handle.LayerCacheHandle.attend`)."""
+    k, v = place_kv(heads, k, v)
     if handle.schema.kind == AttentionKind.WINDOW:
         if sliding_window != handle.schema.window:
             raise InvalidArgument(f"layer {handle.schema.layer_idx}: the cache's ring holds "
@@ -93,7 +96,7 @@ def attend_through_cache(handle, q, k, v, *, sm_scale: float, sliding_window: in
         return handle.attend_window(q, k, v, sm_scale=sm_scale, sinks=sinks, logit_soft_cap=logit_soft_cap)
     handle = handle.write_kv(k, v)
     out = handle.attend(q, sm_scale=sm_scale, sliding_window=sliding_window, logit_soft_cap=logit_soft_cap,
-                        sinks=sinks)
+                        sinks=sinks, heads=heads)
     return out, handle
 
 
