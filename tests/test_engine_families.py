@@ -199,3 +199,31 @@ def test_hybrid_prefix_hits_give_the_cold_tokens(name):
     counts = engine.stats()  # packed steps: one model call in every iteration that ran the model
     assert counts.model_calls == counts.model_iterations > 0 and 0 <= counts.padding_slots < counts.token_slots
     assert engine.cache.blocks_in_use() == _tree_blocks(engine) and (engine.cache.row_status() == FREE).all()
+
+
+def test_gated_deltanet_prefill_lanes_hold_at_most_the_budget():
+    """Gated DeltaNet views a packed step's prefill lanes as ``[P, width]``
+    (``P`` a power of two): each lane's piece is capped at ``budget // P``
+    (``HybridCache.prefill_lane_cap``), so the view holds at most the
+    token budget (with a width of the whole budget, Qwen3-Next at the GPU
+    default of 8,192 tokens needed 210 GB of temporaries; docs/gpu.md). The
+    cut pieces run on in later steps: transformers' greedy tokens still."""
+    model, expected = _fixture("qwen3_next/small")
+    budget = 64
+    engine = Engine(model, max_seqs=4, max_context_tokens=256, prefill_chunk=budget, max_num_batched_tokens=budget)
+    cache = engine.cache
+    assert [cache.prefill_lane_cap(n, budget) for n in (1, 2, 3, 4)] == [64, 32, 16, 16]
+    calls, packed_call = [], cache._packed_call
+
+    def spy(graphdef, params, prefill, decode, sampling, keys, num_tokens, **kwargs):
+        calls.append((cache._prefill_rows(len(prefill)), min(num_tokens, kwargs["prefill_width"]),
+                      max((len(lane.tokens) for lane in prefill), default=0)))
+        return packed_call(graphdef, params, prefill, decode, sampling, keys, num_tokens, **kwargs)
+
+    cache._packed_call = spy
+    ids = {i: engine.add_request(p, expected["max_new_tokens"]) for i, p in enumerate(expected["prompts"])}
+    engine.run()
+    for i, rid in ids.items():
+        assert engine.outputs[rid] == expected["greedy"][i], f"prompt {i}"
+    assert calls and all(rows * width <= budget and longest <= width for rows, width, longest in calls), calls
+    assert any(rows > 1 for rows, _, _ in calls)  # several prompts shared a step, each within its cap

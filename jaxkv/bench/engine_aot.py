@@ -363,10 +363,11 @@ def _packed_batch(setup: Setup, tokens: int):
     hybrid cache with Gated DeltaNet layers, every lane otherwise)."""
     from jaxkv.nn.packed import pack
 
-    rows = setup.max_seqs
-    if setup.has_gdn:
+    rows, width = setup.max_seqs, tokens
+    if setup.has_gdn:  # HybridCache._prefill_rows and prefill_lane_cap: a [P, width] view of at most the budget
         rows = min(pow2_at_least(min(tokens, setup.max_seqs)), setup.max_seqs)
-    batch = pack([], num_lanes=setup.max_seqs, num_tokens=tokens, num_prefill_lanes=rows, max_prefill_len=tokens,
+        width = min(tokens, max(setup.max_num_batched_tokens // rows, 1))
+    batch = pack([], num_lanes=setup.max_seqs, num_tokens=tokens, num_prefill_lanes=rows, max_prefill_len=width,
                  num_prefill=0)
     return _placed(batch, setup.replicated)
 

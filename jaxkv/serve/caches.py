@@ -515,7 +515,7 @@ class CacheBase(abc.ABC):
 
     def packed_step(self, graphdef, params, prefill: list[tuple[PrefillLane, tuple[int, int]]],
                     decode: list[tuple[int, int, int]], sampling: RowSampling, key_data: list,
-                    num_tokens: int) -> PackedResult:
+                    num_tokens: int, prefill_width: int | None = None) -> PackedResult:
         """ONE jitted call for a scheduler iteration: the prefill pieces
         ``prefill`` (lane, ``(start, end)``; pieces of one lane in order,
         after :meth:`begin_prefill`; a piece that ends the lane's tokens
@@ -523,15 +523,23 @@ class CacheBase(abc.ABC):
         token, position)``: each row grows by one token, all or nothing),
         packed end to end into a stream of ``num_tokens`` (a bucket). Lane
         ``i`` of ``sampling`` / ``key_data`` is ``prefill[i]``, then the
-        decode rows in order."""
+        decode rows in order. ``prefill_width``: the longest piece this step
+        may carry (:meth:`prefill_lane_cap`; default ``num_tokens``)."""
         lanes = [PackedLane(self._seq_id(lane.row), lane.tokens[start:end], start, end == len(lane.tokens))
                  for lane, (start, end) in prefill]
         rows, tokens, positions = np.asarray(decode, np.int64).reshape(-1, 3).T
         result = self._packed_call(graphdef, params, lanes, (self._seq_ids(rows), tokens, positions), sampling,
-                                   self._keys(key_data), num_tokens, want_tables=self._wants_tables(prefill))
+                                   self._keys(key_data), num_tokens, want_tables=self._wants_tables(prefill),
+                                   prefill_width=min(num_tokens, prefill_width or num_tokens))
         self._after_prefill([lane for lane, _ in prefill], [start for _, (start, _) in prefill],
                             [end - start for _, (start, end) in prefill], defer=True)
         return result
+
+    def prefill_lane_cap(self, num_prefill: int, budget: int) -> int:
+        """The most tokens one prefill lane may bring to a packed step of
+        ``num_prefill`` prefill lanes within ``budget`` tokens: the budget
+        (a hybrid cache with Gated DeltaNet layers caps it: :class:`HybridCache`)."""
+        return budget
 
     def _after_prefill(self, lanes: list[PrefillLane], starts, num_new, defer: bool = False) -> None:
         """Host bookkeeping after prefill pieces ran (a hybrid cache's
@@ -650,7 +658,8 @@ class KVCache(Protocol):
     def pieces(self, lane: PrefillLane, width: int | None = None) -> list[tuple[int, int]]: ...
     def prefill_step(self, graphdef, params, batch, sampling: RowSampling): ...
     def packed_step(self, graphdef, params, prefill, decode, sampling: RowSampling, key_data: list,
-                    num_tokens: int) -> PackedResult: ...
+                    num_tokens: int, prefill_width: int | None = None) -> PackedResult: ...
+    def prefill_lane_cap(self, num_prefill: int, budget: int) -> int: ...
     def decode(self, graphdef, params, last, active, num_generated, max_new, eos_id, sampling: RowSampling,
                key_data: list, num_steps: int) -> DecodeResult: ...
     def retire(self, finished: list) -> None: ...

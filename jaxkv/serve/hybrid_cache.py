@@ -533,14 +533,32 @@ class HybridCache(CacheBase):
     def _seq_ids(self, rows: np.ndarray) -> np.ndarray:
         return np.where(rows >= 0, rows + 1, -1)  # slot_of
 
-    def _packed_call(self, graphdef, params, prefill, decode, sampling, keys, num_tokens, *, want_tables=False):
-        # Gated DeltaNet views the prefill lanes as [P, width] (width: the stream's bucket), so P is a power of
-        # two; a model without such layers never looks at P, which then stays fixed (one program per bucket).
-        num_prefill = len(prefill)
-        rows = (min(pow2_at_least(max(num_prefill, 1)), self.max_seqs) if self.manager.gdn is not None
-                else self.max_seqs)
+    def _prefill_rows(self, num_prefill: int) -> int:
+        """The prefill-lane class of a packed step: Gated DeltaNet views the
+        prefill lanes as ``[P, width]``, so ``P`` is a power of two; a model
+        without such layers never looks at it (every lane: one program per
+        bucket)."""
+        if self.manager.gdn is None:
+            return self.max_seqs
+        return min(pow2_at_least(max(num_prefill, 1)), self.max_seqs)
+
+    def prefill_lane_cap(self, num_prefill: int, budget: int) -> int:
+        """With Gated DeltaNet layers, ``budget // P`` (``P`` prefill lanes,
+        :meth:`_prefill_rows`): their ``[P, width]`` view then holds at most
+        ``budget`` token slots. A width of the whole budget made it ``P x
+        budget`` (Qwen3-Next at the GPU default of 8,192 tokens: 256 lanes of
+        8,192, 210 GB of temporaries compiled for H100; docs/gpu.md); a
+        piece cut here runs on in the next step, as a budget cut does."""
+        if self.manager.gdn is None:
+            return budget
+        return max(budget // self._prefill_rows(num_prefill), 1)
+
+    def _packed_call(self, graphdef, params, prefill, decode, sampling, keys, num_tokens, *, want_tables=False,
+                     prefill_width=None):
+        rows = self._prefill_rows(len(prefill))
+        width = num_tokens if self.manager.gdn is None else min(num_tokens, prefill_width or num_tokens)
         batch = pack_stream(prefill, *decode, num_lanes=self.max_seqs, num_tokens=num_tokens, num_prefill_lanes=rows,
-                            max_prefill_len=num_tokens)
+                            max_prefill_len=width)
         self.manager, tokens, keys, prefill_ok, ok, used = _hybrid_packed(graphdef, params, self.manager, batch,
                                                                           sampling, keys)
         tokens, keys, prefill_ok, ok, used, host = jax.device_get(

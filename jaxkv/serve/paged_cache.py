@@ -536,7 +536,8 @@ class PagedCache(CacheBase):
         self._after_prefill(lanes, starts, num_new)
         return sampled, np.asarray(new_keys), self.blocks_in_use()
 
-    def _packed_call(self, graphdef, params, prefill, decode, sampling, keys, num_tokens, *, want_tables=False):
+    def _packed_call(self, graphdef, params, prefill, decode, sampling, keys, num_tokens, *, want_tables=False,
+                     prefill_width=None):
         batch = pack_stream(prefill, *decode, num_lanes=self.max_seqs, num_tokens=num_tokens,
                             num_prefill_lanes=self.max_seqs, max_prefill_len=num_tokens)  # one program per bucket
         host = self.manager.host

@@ -596,7 +596,8 @@ class Scheduler(FaultContainment):
             decoding = [(row, req) for row, req in decoding if req.id in rows]
         if not self._prefilling:  # every prompt left failed its screening: the next iteration decodes
             return
-        left = max((self.max_num_batched_tokens or self.prefill_chunk) - len(decoding), 1)
+        budget = self.max_num_batched_tokens or self.prefill_chunk
+        left = max(budget - len(decoding), 1)
         batch = []  # (request, (start, end)): a plan; its pieces are consumed once the call returned
         for req in self._prefilling:
             if left <= 0:
@@ -605,13 +606,17 @@ class Scheduler(FaultContainment):
             end = min(end, start + left)  # a piece longer than what is left is cut
             batch.append((req, (start, end)))
             left -= end - start
+        # The cache may cap what one lane brings (Gated DeltaNet's [lanes, width] view): such a piece is cut too.
+        cap = self.cache.prefill_lane_cap(len(batch), budget)
+        batch = [(req, (start, min(end, start + cap))) for req, (start, end) in batch]
         lanes = [req for req, _ in batch] + [req for _, req in decoding]
         total = sum(end - start for _, (start, end) in batch) + len(decoding)
         length = stream_length(total, self.stream_lengths())
         result = self.cache.packed_step(
             self.graphdef, self.params, [(req.lane, piece) for req, piece in batch],
             [(row, req.generated[-1], req.kv_len) for row, req in decoding],
-            row_sampling(self.max_seqs, rows, dict(enumerate(lanes))), [req.key for req in lanes], length)
+            row_sampling(self.max_seqs, rows, dict(enumerate(lanes))), [req.key for req in lanes], length,
+            prefill_width=cap)
         for req, (_, end) in batch:  # the pieces ran
             if end < req.pieces[0][1]:
                 req.pieces[0] = (end, req.pieces[0][1])  # the rest stays at the head
