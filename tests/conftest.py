@@ -157,6 +157,9 @@ RULES = (
      "SmolLM2's tokens through generate"),
     ("long", "program", ("test_mesh.py::test_two_processes",),
      "two jax.distributed processes; one process on eight devices runs by default"),
+    ("long", "program", ("test_heads_mesh.py::test_pallas_kernels_on_a_mesh_give_one_devices_tokens",),
+     "eight-device subprocesses through interpret-mode Pallas kernels (~1-2 min each); the head placement is "
+     "checked by default, and every family's mesh tokens through test_mesh"),
 
     ("long", "fuzz", ("test_fuzz_engine_hybrid.py::*",
                       "!test_fuzz_engine_hybrid.py::test_gpt_oss_engine_matches_generate[device]"),
