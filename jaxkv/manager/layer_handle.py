@@ -343,9 +343,9 @@ class LayerCacheHandle:
                 return ragged_paged_attention(q, k_pages, v_pages, tables, kv_lens, cu_q_lens, k_scales, v_scales,
                                               layer=layer, sinks=sinks, implementation=self.implementation, **kwargs)
 
-            out = on_local_heads(heads, ragged, q, pages, (tables, jnp.maximum(lengths, 1),
-                                                      jnp.arange(num_tokens + 1, dtype=jnp.int32), self.kv_layer),
-                            sinks)
+            cu_q_lens = jnp.arange(num_tokens + 1, dtype=jnp.int32)  # each token a one-query sequence
+            out = on_local_heads(heads, ragged, q, pages, (tables, jnp.maximum(lengths, 1), cu_q_lens, self.kv_layer),
+                                 sinks)
             return jnp.where((lengths > 0)[:, None, None], out, 0).astype(out.dtype)
 
         # The whole stacked pool and the layer index: the kernel reads the

@@ -235,7 +235,7 @@ def check_implementation(implementation: str | None, interpret: bool = False) ->
 def _pages(pool) -> tuple:
     """``(k_pages, v_pages, k_scales, v_scales)`` of a stacked pool (``None``
     where absent: an MLA pool's values and a bf16 pool's scales), the KV
-    heads on axis 1: what :func:`jaxkv.nn.layers.on_local_heads` takes."""
+    heads on axis 1: what :func:`jaxkv._ops.on_local_heads` takes."""
     return (pool.k_pages, pool.v_pages, pool.k_scales, pool.v_scales)
 
 

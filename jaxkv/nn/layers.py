@@ -324,8 +324,8 @@ class HeadPlacement:
             return attend(q, k_pages, v_pages, k_scales, v_scales, sinks, *rest)
 
         q_spec = P(*on) if split_q else P()
-        in_specs = (q_spec, *(spec(x, split_kv) for x in pages), None if sinks is None else P(*on[1:]) if split_q
-                    else P(), *(P() for _ in traced))
+        sinks_spec = None if sinks is None else P(self.axis) if split_q else P()  # [H]: with the query heads
+        in_specs = (q_spec, *(spec(x, split_kv) for x in pages), sinks_spec, *(P() for _ in traced))
         return jax.shard_map(local, mesh=self.mesh, in_specs=in_specs, out_specs=q_spec,
                              axis_names=frozenset({self.axis}), check_vma=False)(q, *pages, sinks, *traced)
 
