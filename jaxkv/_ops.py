@@ -51,14 +51,13 @@ def on_local_heads(placement, attend, q, pages, small=(), sinks=None):
     return placement.run(attend, q, pages, small, sinks=sinks)
 
 
-def place_kv(placement, *rows):
+def place_kv(placement, *rows) -> tuple:
     """New K/V rows ``[T, KVH, D]`` placed as the cache holds its heads on a
     mesh (:meth:`jaxkv.nn.layers.HeadPlacement.place_kv`); as they are with
-    no placement (one device). ``None`` rows pass through."""
+    no placement (one device). Returns a tuple, one entry per row."""
     if placement is None or placement.parts == 1:
-        return rows if len(rows) > 1 else rows[0]
-    placed = tuple(None if x is None else placement.place_kv(x) for x in rows)
-    return placed if len(placed) > 1 else placed[0]
+        return rows
+    return tuple(placement.place_kv(x) for x in rows)
 
 
 def ceil_div(a, b):

@@ -162,22 +162,15 @@ class Setup:
         return stream_lengths(self.max_num_batched_tokens)
 
 
-#: Compile for this process's own GPUs instead of a deviceless H100 (``--local``, on a GPU machine: the
-#: XLA of the JAX installed there, which may copy what another version does not).
-LOCAL = {"on": False}
-#: Whether the models stack their layers under a scan (``--layers stacked``) or keep a parameter per layer
-#: (``per-layer``, the default: what a model built on a GPU does, :func:`jaxkv.nn.scan.default_scan_layers`).
-LAYERS = {"stacked": False}
-
-
-def _devices(tp: int) -> list:
-    """``tp`` compile-only H100s of one host (``--local``: this process's
-    first ``tp`` devices)."""
+def _devices(tp: int, local: bool = False) -> list:
+    """``tp`` compile-only H100s of one host; ``local`` (``--local``, on a
+    GPU machine): this process's first ``tp`` devices, compiled by the XLA
+    of the JAX installed there, which may copy what another version does not."""
     from jax.experimental import topologies
 
     from kernels_pallas import aot_check
 
-    if LOCAL["on"]:
+    if local:
         if len(jax.devices()) < tp:
             raise RuntimeError(f"--local: {tp} devices needed, {len(jax.devices())} here")
         return jax.devices()[:tp]
@@ -235,7 +228,7 @@ def _cache_dims(kind: str, cache, params) -> frozenset:
     return frozenset(d for d in dims if d not in taken)
 
 
-def build(spec: ModelSpec) -> Setup:
+def build(spec: ModelSpec, *, stacked: bool = False, local: bool = False) -> Setup:
     """The model ``spec`` as shapes on its devices, sized as the engine on
     ``spec.tp`` 80 GB H100s (module docstring)."""
     from jaxkv.bench.deployment import H100_BYTES, model_and_cache
@@ -247,8 +240,8 @@ def build(spec: ModelSpec) -> Setup:
     from jaxkv.serve.caches import blocks_from_budget
     from jaxkv.serve.options import CacheOptions
 
-    model = model_and_cache(spec.config, scan_layers=LAYERS["stacked"])[0]
-    devices = _devices(spec.tp)
+    model = model_and_cache(spec.config, scan_layers=stacked)[0]
+    devices = _devices(spec.tp, local)
     if spec.tp == 1:
         mesh, one = None, SingleDeviceSharding(devices[0])
         params_sharding = one
@@ -621,7 +614,8 @@ def compile_program(setup: Setup, label: str, fn, args: tuple, kwargs: dict) -> 
     return result
 
 
-def run(names=None, *, quick: bool = False, prefill: bool = False, buckets=None, on_result=None) -> list[Result]:
+def run(names=None, *, quick: bool = False, prefill: bool = False, buckets=None, on_result=None,
+        stacked: bool = False, local: bool = False) -> list[Result]:
     """Compile the programs of the models ``names`` (default all of
     :data:`MODELS`; ``quick``: :data:`QUICK`); ``buckets``: the packed
     buckets to compile (``"all"``, ``"ends"``: the smallest and the largest,
@@ -631,7 +625,7 @@ def run(names=None, *, quick: bool = False, prefill: bool = False, buckets=None,
     names = list(QUICK) if quick and names is None else list(names or specs)
     results = []
     for name in names:
-        setup = build(specs[name])
+        setup = build(specs[name], stacked=stacked, local=local)
         if quick:
             which = list(QUICK.get(name, ("decode",)))
         elif buckets in (None, "all"):
@@ -711,12 +705,12 @@ def main(args=None) -> int:
         parser.add_argument("--json", action="store_true")
         parser.add_argument("--quick", action="store_true")
         args = parser.parse_args(args)
-    LAYERS["stacked"] = getattr(args, "layers", "per-layer") == "stacked"
-    LOCAL["on"] = bool(getattr(args, "local", False))
-    if LOCAL["on"] and jax.default_backend() != "gpu":
+    stacked = getattr(args, "layers", "per-layer") == "stacked"
+    local = bool(getattr(args, "local", False))
+    if local and jax.default_backend() != "gpu":
         print(f"--local compiles for this machine's GPUs: the default backend is {jax.default_backend()}")
         return 2
-    if not LOCAL["on"] and not cuda_available():
+    if not local and not cuda_available():
         print("engine_aot compiles for H100 without a GPU: it needs pip install 'jax[cuda12]>=0.10,<0.11' "
               "(and JAX_PLATFORMS=cpu on a machine without a GPU)")
         return 2
@@ -740,12 +734,12 @@ def main(args=None) -> int:
 
     started = time.perf_counter()
     results = run(models.split(",") if models else None, quick=args.quick, prefill=getattr(args, "prefill", False),
-                  buckets=buckets, on_result=progress)
+                  buckets=buckets, on_result=progress, stacked=stacked, local=local)
     total = time.perf_counter() - started
-    target = f"{jax.devices()[0].device_kind}, local" if LOCAL["on"] else "H100 (deviceless"
-    print_table(f"The engine's programs compiled for {target}, jax {jax.__version__}, layers {'stacked' if LAYERS['stacked'] else 'per layer'}); "
-                "bytes per device "
-                f"from compiled.memory_analysis(); {total:.0f} s in all",
+    target = f"{jax.devices()[0].device_kind}, local" if local else "H100 (deviceless"
+    layers = "stacked" if stacked else "per layer"
+    print_table(f"The engine's programs compiled for {target}, jax {jax.__version__}, layers {layers}); bytes per "
+                f"device from compiled.memory_analysis(); {total:.0f} s in all",
                 COLUMNS, [r.row() for r in results])
     defects = [r for r in results if r.defect]
     if defects:

@@ -156,7 +156,8 @@ class DeepseekV3Attention(nnx.Module):
         q_latent = jnp.einsum("bthn,hnr->bthr", q_nope, w_k.astype(q_nope.dtype), precision=self.o_proj.precision)
         query = jnp.concatenate([q_latent, q_rope.astype(q_latent.dtype)], axis=-1)
         rows = jnp.concatenate([latent, k_rope.astype(latent.dtype)], axis=-1).reshape(b * t, 1, -1)
-        pool = pool.set_kv(layer, jnp.where(real, slots, -1).reshape(-1), place_kv(self.heads_placement, rows))
+        (rows,) = place_kv(self.heads_placement, rows)
+        pool = pool.set_kv(layer, jnp.where(real, slots, -1).reshape(-1), rows)
         pages = (pool.k_pages, None, pool.k_scales, None)  # the latent rows are keys and values
         if mode == "decode":
             lengths = jnp.where(num_new > 0, starts + 1, 0)
