@@ -463,6 +463,43 @@ class BlockSpaceManager:
         tables = self.block_tables.at[target, column].set(-1, mode="drop")
         return self.replace(block_tables=tables, device=device), jnp.sum(trim).astype(jnp.int32)
 
+    def truncate(self, seq_ids: Ids, lengths: Count) -> tuple["BlockSpaceManager", Ok]:
+        """Shorten each ON_DEVICE sequence of ``seq_ids`` (-1 padding) to
+        ``lengths[i]`` tokens: the undo of an ``append_slots`` whose last
+        tokens were rejected (speculative decoding's rollback). The row's
+        length goes back and the blocks past ``ceil(lengths[i] / bs)`` lose
+        this row as an owner (a block returns to the free stack at zero, so
+        a block the prefix cache or a fork also holds stays with them). A
+        block kept as the row's last one keeps its slots past the new
+        length: attention masks them by length and the next append writes
+        over them (a copy-on-write that ``append_slots`` made stays the
+        row's own copy).
+
+        All or nothing: fails (state unchanged, ``ok`` False) when a row is
+        out of range, not ON_DEVICE or named twice, or a length is negative
+        or longer than the row."""
+        seqs, given = _ids(seq_ids)
+        lengths = jnp.broadcast_to(jnp.asarray(lengths, jnp.int32).reshape(-1), seqs.shape)
+        rows = jnp.where(given, seqs, 0)
+        current = self.seq_lens.at[rows].get(mode="fill", fill_value=0)
+        valid = (self._rows_in_state(seqs, given, ON_DEVICE) & ids_distinct(seqs, given, self.max_seqs)
+                 & jnp.all(~given | ((lengths >= 0) & (lengths <= current))))
+        keep = ceil_div(lengths, self.block_size)
+        column = jnp.arange(self.max_blocks_per_seq, dtype=jnp.int32)[None, :]
+        tables = self.block_tables.at[rows].get(mode="fill", fill_value=-1)
+        drop = (valid & given)[:, None] & (column >= keep[:, None]) & (tables >= 0)
+        device, ok = self.device.release(jnp.where(drop, tables, -1))  # held by these rows: cannot fail
+        ok = valid & ok
+        target = jnp.where(drop & ok, rows[:, None], self.max_seqs)  # out of range: dropped
+        return (
+            self.replace(
+                block_tables=self.block_tables.at[target, column].set(-1, mode="drop"),
+                seq_lens=self.seq_lens.at[jnp.where(ok & given, rows, self.max_seqs)].set(lengths, mode="drop"),
+                device=where_ok(ok, device, self.device),
+            ),
+            ok,
+        )
+
     # ------------------------------------------------------------ prefix cache
 
     def admit_with_prefix(

@@ -28,6 +28,7 @@ from jaxkv.manager.block_space import BlockSpaceManager
 from jaxkv.nn import sharding
 from jaxkv.nn.packed import cache_kind
 from jaxkv.nn.sampling import GREEDY, SamplingParams, sample
+from jaxkv.nn.speculative import SpecState, SpeculativeConfig, speculative_loop, speculative_step
 from jaxkv.nn.steps import (DecodeState, decode_loop, decode_step, hybrid_prefill_chunk, paged_peak_blocks,
                             paged_window, prefill_chunk, start_decoding)
 from jaxkv.pool.kv_pool import KVPool
@@ -55,10 +56,16 @@ def prefill(graphdef, params, manager: BlockSpaceManager, pool: KVPool, prompts,
 @dataclasses.dataclass
 class GenerateOutput:
     """``tokens[b]``: the new tokens of prompt ``b`` (EOS included when one
-    was produced); ``state``: the final ``DecodeState`` (pool, manager)."""
+    was produced); ``state``: the final ``DecodeState`` (pool, manager).
+    With speculation: ``draft_tokens[b]`` drafts verified for prompt ``b``,
+    ``accepted_tokens[b]`` of them kept, ``verify_steps[b]`` verify steps
+    it ran (None without)."""
 
     tokens: list
     state: DecodeState
+    draft_tokens: list | None = None
+    accepted_tokens: list | None = None
+    verify_steps: list | None = None
 
 
 _hybrid_chunk = jax.jit(hybrid_prefill_chunk, static_argnames=("graphdef",), donate_argnums=(2,))
@@ -74,7 +81,7 @@ def generate(model, input_ids, max_new_tokens: int, *, eos_token_id: int | None 
              sampling: SamplingParams = GREEDY, seed: int = 0, page_size: int = 16,
              num_pages: int | None = None, kv_dtype=None, per_step: bool = False,
              mesh=None, entry_format: str = "lossless", prefill_chunk_size: int | None = None,
-             num_blocks: dict[str, int] | None = None) -> GenerateOutput:
+             num_blocks: dict[str, int] | None = None, speculative=None) -> GenerateOutput:
     """Generate up to ``max_new_tokens`` tokens for each prompt of ``input_ids``
     (a list of token lists, lengths may differ).
 
@@ -106,6 +113,14 @@ def generate(model, input_ids, max_new_tokens: int, *, eos_token_id: int | None 
     whole prompts in one call); ``page_size``, ``num_pages`` and
     ``kv_dtype`` are for the paged pool and refused here.
 
+    ``speculative`` (a :class:`~jaxkv.nn.speculative.SpeculativeConfig` or a
+    dict of its fields, e.g. ``{"method": "ngram", "num_speculative_tokens":
+    4}``): decode by verify steps of prompt-lookup drafts in one jitted loop
+    (:mod:`jaxkv.nn.speculative`); greedy tokens are those without it, sampled
+    ones follow the same distribution. Paged-pool models only so far (a
+    hybrid-cache model is refused). The output then says how many drafts
+    were verified and accepted per prompt.
+
     Raises ``KVCacheOOM`` when the pool is too small for the prompts or for
     their decoding, and ``InvalidArgument`` for empty prompts,
     ``max_new_tokens < 1`` or a ``sampling`` that is not a
@@ -122,6 +137,13 @@ def generate(model, input_ids, max_new_tokens: int, *, eos_token_id: int | None 
         raise InvalidArgument(f"max_new_tokens={max_new_tokens}: must be >= 1")
     if not isinstance(sampling, SamplingParams):
         raise InvalidArgument(f"sampling must be a SamplingParams, got {sampling!r}")
+    if speculative is not None:
+        if cache_kind(model) == "hybrid":
+            raise InvalidArgument("speculative decoding runs on paged-pool models so far; rolling back a hybrid "
+                                  "cache (window rings, Gated DeltaNet states, compressors) is not built yet")
+        return _generate_speculative(model, prompts, max_new_tokens, SpeculativeConfig.of(speculative),
+                                     eos_token_id=eos_token_id, sampling=sampling, seed=seed, page_size=page_size,
+                                     num_pages=num_pages, kv_dtype=kv_dtype, per_step=per_step, mesh=mesh)
     if cache_kind(model) == "hybrid":
         if kv_dtype is not None or num_pages is not None:
             raise InvalidArgument("kv_dtype and num_pages are for the paged pool; a hybrid-cache model takes "
@@ -145,11 +167,13 @@ def generate(model, input_ids, max_new_tokens: int, *, eos_token_id: int | None 
 
 def start_paged(model, prompts, max_new_tokens: int, *, eos_token_id: int | None = None,
                 sampling: SamplingParams = GREEDY, seed: int = 0, page_size: int = 16, num_pages: int | None = None,
-                kv_dtype=None, mesh=None):
+                kv_dtype=None, mesh=None, extra_tokens: int = 0):
     """The prefill half of :func:`generate` for a paged model: a
     ``BlockSpaceManager`` and pool (row ``b`` = prompt ``b``; placed on
     ``mesh`` when given), every prompt prefilled in one call, first tokens
-    sampled. Returns ``(graphdef, params, state)`` for :func:`decode_loop` /
+    sampled. ``extra_tokens``: room in each row's table (and the default
+    pool) for that many tokens past ``max_new_tokens`` (a verify step's
+    drafts). Returns ``(graphdef, params, state)`` for :func:`decode_loop` /
     :func:`decode_step`. Raises ``KVCacheOOM`` when the prompts do not fit."""
     prompts = [list(map(int, p)) for p in prompts]
     batch = len(prompts)
@@ -158,7 +182,7 @@ def start_paged(model, prompts, max_new_tokens: int, *, eos_token_id: int | None
     for row, prompt in enumerate(prompts):
         padded[row, : len(prompt)] = prompt
     lengths = np.asarray([len(p) for p in prompts], np.int32)
-    max_blocks = ceil_div(int(lengths.max()) + max_new_tokens, page_size)
+    max_blocks = ceil_div(int(lengths.max()) + max_new_tokens + extra_tokens, page_size)
     if num_pages is None:
         num_pages = batch * max_blocks + 1
     manager = BlockSpaceManager.create(num_device_blocks=num_pages, num_host_blocks=1, block_size=page_size,
@@ -262,3 +286,39 @@ def _hybrid_oom(manager, lengths, what: str) -> KVCacheOOM:
     _, name, need, capacity = worst
     return KVCacheOOM(need, capacity, capacity, unit=f"{name} blocks",
                       detail=f"{what} needs more blocks than group {name!r} has (give num_blocks)")
+
+
+def _generate_speculative(model, prompts, max_new_tokens, config: SpeculativeConfig, *, eos_token_id, sampling, seed,
+                          page_size, num_pages, kv_dtype, per_step, mesh) -> GenerateOutput:
+    """:func:`generate` by verify steps (:mod:`jaxkv.nn.speculative`): the
+    paged prefill with room for ``k`` more tokens per row, then
+    :func:`~jaxkv.nn.speculative.speculative_loop` (or one jitted call per
+    verify step with ``per_step``)."""
+    k = config.num_speculative_tokens
+    graphdef, params, state = start_paged(model, prompts, max_new_tokens, eos_token_id=eos_token_id,
+                                          sampling=sampling, seed=seed, page_size=page_size, num_pages=num_pages,
+                                          kv_dtype=kv_dtype, mesh=mesh, extra_tokens=k)
+    num_pages = state.manager.device.capacity + 1
+    lengths = np.asarray([len(p) for p in prompts], np.int32)
+    history = np.zeros((len(prompts), pow2_at_least(int(lengths.max()) + max_new_tokens + k + 1)), np.int32)
+    for row, prompt in enumerate(prompts):
+        history[row, : len(prompt)] = prompt
+    first = np.asarray(state.tokens[:, 0])
+    history[np.arange(len(prompts)), lengths] = first
+    zeros = np.zeros((len(prompts),), np.int32)  # three buffers: the loop donates each
+    spec = SpecState(decode=state, history=jnp.asarray(history), history_len=jnp.asarray(lengths + 1),
+                     drafted=jnp.asarray(zeros), accepted=jnp.asarray(zeros), steps=jnp.asarray(zeros))
+    if per_step:
+        while bool(jnp.any(~spec.decode.finished)) and bool(spec.decode.ok):
+            spec = speculative_step(graphdef, params, spec, sampling, config)
+    else:
+        spec = speculative_loop(graphdef, params, spec, sampling, config)
+    state = spec.decode
+    if not bool(state.ok):
+        raise KVCacheOOM(int(jnp.sum(state.blocked)), int(state.manager.device.num_free), num_pages - 1,
+                         detail=f"a verify step of {k + 1} tokens per row ran out of KV blocks (the pool has "
+                                f"{num_pages - 1})")
+    tokens, counts, drafted, accepted, steps = sharding.fetch((state.tokens, state.num_generated, spec.drafted,
+                                                               spec.accepted, spec.steps))
+    return GenerateOutput([tokens[b, : counts[b]].tolist() for b in range(tokens.shape[0])], state,
+                          drafted.tolist(), accepted.tolist(), steps.tolist())

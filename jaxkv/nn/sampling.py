@@ -36,7 +36,7 @@ from flax import struct
 from jaxkv.errors import InvalidArgument
 from jaxtyping import Array, Float, Int
 
-__all__ = ["GREEDY", "TOP_K_MAX", "RowSampling", "SamplingParams", "sample", "split_keys"]
+__all__ = ["GREEDY", "TOP_K_MAX", "RowSampling", "SamplingParams", "filtered_logits", "sample", "split_keys"]
 
 
 _F32 = np.finfo(np.float32)
@@ -180,9 +180,27 @@ def sample(logits: Float[Array, "B V"], keys: jax.Array, params: SamplingParams 
     every row, or :class:`RowSampling` arrays."""
     logits = jnp.asarray(logits)
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    if isinstance(params, SamplingParams) and params.is_greedy:  # static: no sort, no draw
+        return greedy
+    scaled, temperature = filtered_logits(logits, params)
+    if not jnp.issubdtype(keys.dtype, jax.dtypes.prng_key):
+        raise InvalidArgument(f"sample needs typed PRNG keys (jax.random.key), got dtype {keys.dtype}")
+    if keys.ndim == 0:
+        drawn = jax.random.categorical(keys, scaled, axis=-1)
+    else:
+        drawn = jax.vmap(lambda key, row: jax.random.categorical(key, row))(keys, scaled)
+    return jnp.where(temperature > 0, drawn.astype(jnp.int32), greedy)
+
+
+def filtered_logits(logits: Float[Array, "B V"], params: SamplingParams | RowSampling
+                    ) -> tuple[Float[Array, "B V"], Float[Array, " B"]]:
+    """``(scaled, temperature)``: the logits :func:`sample` draws from,
+    ``logits / temperature`` with every token outside the top-k and the
+    nucleus at ``-inf`` (``softmax(scaled)`` is the distribution a
+    non-greedy row samples from; speculative decoding's rejection rule
+    compares these), and the per-row temperature (0: a greedy row, whose
+    ``scaled`` are the logits divided by 1)."""
     if isinstance(params, SamplingParams):
-        if params.is_greedy:  # static: no sort, no draw
-            return greedy
         params = RowSampling.broadcast(params, logits.shape[0])
     temperature = jnp.asarray(params.temperature, jnp.float32)
     top_k = jnp.asarray(params.top_k, jnp.int32)
@@ -209,11 +227,4 @@ def sample(logits: Float[Array, "B V"], keys: jax.Array, params: SamplingParams 
     # the draw over all -inf is token 0.
     nucleus = (before < top_p[:, None]) | (jnp.arange(vocab) == 0)[None, :]
     cutoff = jnp.min(jnp.where(nucleus, ordered, jnp.inf), axis=-1, keepdims=True)
-    scaled = jnp.where(scaled < cutoff, -jnp.inf, scaled)
-    if not jnp.issubdtype(keys.dtype, jax.dtypes.prng_key):
-        raise InvalidArgument(f"sample needs typed PRNG keys (jax.random.key), got dtype {keys.dtype}")
-    if keys.ndim == 0:
-        drawn = jax.random.categorical(keys, scaled, axis=-1)
-    else:
-        drawn = jax.vmap(lambda key, row: jax.random.categorical(key, row))(keys, scaled)
-    return jnp.where(temperature > 0, drawn.astype(jnp.int32), greedy)
+    return jnp.where(scaled < cutoff, -jnp.inf, scaled), temperature

@@ -1,0 +1,296 @@
+"""Speculative decoding over the paged pool, inside one jitted loop.
+
+A verify step feeds each running row its next token and ``k`` drafted
+tokens (``k + 1`` positions, one model call in prefill mode, K/V written for
+all of them), keeps the longest accepted prefix of the drafts plus one token
+of the target's own, and rolls the cache back over the positions it did not
+keep: :meth:`~jaxkv.BlockSpaceManager.truncate` puts the row's length back
+and releases the blocks that became empty (a block that a fork or the
+prefix cache also holds keeps its other owners). Slots past the new length
+in the row's last block keep the rejected K/V until the next step writes
+over them; attention masks them by length (the tests poison them with NaN).
+
+Parts, each a pure function over arrays, usable alone:
+
+* :class:`SpeculativeConfig`: vLLM's ``--speculative-config`` fields for the
+  n-gram method (``method``, ``num_speculative_tokens``,
+  ``prompt_lookup_max``, ``prompt_lookup_min``).
+* :func:`ngram_propose`: prompt lookup on the device: the longest suffix of
+  each row's history (``prompt_lookup_max`` down to ``prompt_lookup_min``
+  tokens) that occurred earlier, and the tokens that followed its most
+  recent earlier occurrence.
+* :func:`accept_drafts`: greedy verification (the longest prefix equal to
+  the target's argmax) or, for sampled rows, the rejection rule of
+  Leviathan et al. / Chen et al.: accept draft ``d`` with probability
+  ``min(1, p(d) / q(d))``, on a rejection draw from ``max(0, p - q)``
+  normalised, after all ``n`` accepted draw from ``p``; the tokens then
+  follow the target's distribution exactly. ``p`` is the distribution
+  :func:`~jaxkv.nn.sampling.sample` draws from (temperature, top-k, top-p
+  applied: :func:`~jaxkv.nn.sampling.filtered_logits`); an n-gram draft is
+  deterministic (``q`` one-hot).
+* :func:`speculative_body`: one verify step of a :class:`SpecState`;
+  :func:`speculative_loop` runs it in one ``lax.while_loop`` and
+  :func:`speculative_step` is one jitted step. ``generate(...,
+  speculative=...)`` (:mod:`jaxkv.nn.generate`) drives them.
+
+Not here yet (issue 42): the hybrid caches' rollback (window rings, Gated
+DeltaNet states, DeepSeek-V4's compressors), draft-model proposers, and the
+engine and server.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+from flax import nnx, struct
+from jaxtyping import Array, Bool, Float, Int
+
+from jaxkv.errors import InvalidArgument
+from jaxkv.nn.sampling import RowSampling, SamplingParams, filtered_logits
+from jaxkv.nn.steps import DecodeState, _finish, _trim, model_step, paged_window
+
+__all__ = ["SpecState", "SpeculativeConfig", "accept_drafts", "ngram_propose", "speculative_body",
+           "speculative_loop", "speculative_step"]
+
+
+@dataclasses.dataclass(frozen=True)
+class SpeculativeConfig:
+    """What to speculate with (vLLM's ``--speculative-config`` names).
+
+    ``method``: ``"ngram"`` (prompt lookup; the only method built so far).
+    ``num_speculative_tokens``: drafts per verify step (``k``).
+    ``prompt_lookup_max`` / ``prompt_lookup_min``: the longest and shortest
+    suffix that is looked up (vLLM's defaults for ngram are min 1 when only
+    max is given; here 3 and 1 when neither is)."""
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 4
+    prompt_lookup_max: int = 3
+    prompt_lookup_min: int = 1
+
+    def __post_init__(self):
+        if self.method != "ngram":
+            raise InvalidArgument(f"speculative method {self.method!r}: only 'ngram' is built (draft models and "
+                                  f"EAGLE are not yet)")
+        for name in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise InvalidArgument(f"SpeculativeConfig.{name} must be an integer >= 1, got {value!r}")
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise InvalidArgument(f"prompt_lookup_min={self.prompt_lookup_min} > prompt_lookup_max="
+                                  f"{self.prompt_lookup_max}")
+
+    @classmethod
+    def of(cls, value) -> SpeculativeConfig:
+        """A config from a ``SpeculativeConfig`` or a dict of its fields
+        (unknown keys refused by name)."""
+        if isinstance(value, cls):
+            return value
+        if isinstance(value, dict):
+            known = {f.name for f in dataclasses.fields(cls)}
+            unknown = sorted(set(value) - known)
+            if unknown:
+                raise InvalidArgument(f"speculative config: unknown keys {unknown} (known: {sorted(known)})")
+            return cls(**value)
+        raise InvalidArgument(f"speculative must be a SpeculativeConfig or a dict, got {type(value).__name__}")
+
+
+def ngram_propose(history: Int[Array, "B H"], length: Int[Array, " B"], *, k: int, max_n: int, min_n: int
+                  ) -> tuple[Int[Array, "B k"], Int[Array, " B"]]:
+    """Prompt-lookup drafts for each row of ``history`` (its first
+    ``length[b]`` entries are the row's tokens, prompt then output).
+
+    For ``n`` from ``max_n`` down to ``min_n`` (static), the row's last
+    ``n`` tokens are looked up among its earlier tokens; the longest ``n``
+    with a match wins, and of its matches the most recent one that is
+    followed by at least one token. Returns ``(drafts [B, k], num_drafts
+    [B])``: up to ``k`` tokens that followed the match (fewer when the
+    history ends first; 0 and drafts 0 when nothing matched)."""
+    batch, width = history.shape
+    start = jnp.arange(width, dtype=jnp.int32)[None, :]  # candidate start of an earlier occurrence
+    best = jnp.full((batch,), -1, jnp.int32)  # where the drafts start in the history
+    for n in range(max_n, min_n - 1, -1):
+        suffix_at = length - n  # the suffix is history[suffix_at : length]
+        equal = jnp.ones((batch, width), bool)
+        for t in range(n):
+            want = jnp.take_along_axis(history, jnp.clip(suffix_at + t, 0, width - 1)[:, None], axis=1)
+            got = jnp.take_along_axis(history, jnp.clip(start + t, 0, width - 1), axis=1)
+            equal = equal & (got == want)
+        # An earlier occurrence followed by a token: it ends (start + n) before the history's last token.
+        usable = equal & (start + n <= length[:, None] - 1) & (suffix_at[:, None] >= 0)
+        found = jnp.max(jnp.where(usable, start + n, -1), axis=1)
+        best = jnp.where((best < 0) & (found >= 0), found, best)
+    offsets = jnp.arange(k, dtype=jnp.int32)[None, :]
+    num = jnp.where(best >= 0, jnp.clip(length - best, 0, k), 0)
+    drafts = jnp.take_along_axis(history, jnp.clip(best[:, None] + offsets, 0, width - 1), axis=1)
+    return jnp.where(offsets < num[:, None], drafts, 0), num.astype(jnp.int32)
+
+
+def _residual(p: Float[Array, "... V"], q: Float[Array, "... V"]) -> Float[Array, "... V"]:
+    """``max(0, p - q)``: what a rejection resamples from (unnormalised)."""
+    return jnp.maximum(p - q, 0.0)
+
+
+def accept_drafts(logits: Float[Array, "B K1 V"], drafts: Int[Array, "B K"], num_drafts: Int[Array, " B"],
+                  sampling: SamplingParams | RowSampling, key: jax.Array | None,
+                  draft_probs: Float[Array, "B K V"] | None = None) -> tuple[Int[Array, "B K1"], Int[Array, " B"]]:
+    """Verify ``drafts`` against the target's ``logits`` (position ``i``:
+    the logits after the row's token and drafts ``< i``; ``K1 = K + 1``).
+
+    Returns ``(tokens [B, K1], accepted [B])``: the row emits
+    ``tokens[b, :accepted[b] + 1]``, the first ``accepted[b]`` drafts and
+    one token of the target's (its argmax, or a draw by the rejection rule
+    of the module docstring); entries past that are 0. Draft ``i`` is only
+    considered for ``i < num_drafts[b]``. ``draft_probs``: the draft's
+    distribution per position (None: deterministic drafts, ``q`` one-hot).
+    ``key``: one PRNG key for the batch (unused when ``sampling`` is a
+    greedy ``SamplingParams``)."""
+    batch, width, vocab = logits.shape
+    k = width - 1
+    index = jnp.arange(width, dtype=jnp.int32)[None, :]
+    drafts = jnp.concatenate([drafts.astype(jnp.int32), jnp.zeros((batch, 1), jnp.int32)], axis=1)  # [B, K1]
+    drafted = index < num_drafts[:, None]
+    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    if isinstance(sampling, SamplingParams) and sampling.is_greedy:
+        matches = drafted & (drafts == greedy)
+        accepted = jnp.sum(jnp.cumprod(matches, axis=1), axis=1).astype(jnp.int32)
+        final = jnp.take_along_axis(greedy, accepted[:, None], axis=1)[:, 0]
+    else:
+        scaled, temperature = filtered_logits(logits.reshape(batch * width, vocab),
+                                              _per_position(sampling, batch, width))
+        p = jax.nn.softmax(scaled.reshape(batch, width, vocab), axis=-1)
+        if draft_probs is None:
+            q = jax.nn.one_hot(drafts[:, :k], vocab, dtype=p.dtype)
+        else:
+            q = draft_probs.astype(p.dtype)
+        q = jnp.concatenate([q, jnp.zeros((batch, 1, vocab), p.dtype)], axis=1)  # no draft past K
+        p_d = jnp.take_along_axis(p, drafts[:, :, None], axis=2)[:, :, 0]
+        q_d = jnp.take_along_axis(q, drafts[:, :, None], axis=2)[:, :, 0]
+        accept_key, draw_key = jax.random.split(key)
+        u = jax.random.uniform(accept_key, (batch, width))
+        # Accept with min(1, p/q): u * q < p (q > 0 for a drafted token).
+        matches = drafted & (u * q_d < p_d)
+        accepted = jnp.sum(jnp.cumprod(matches, axis=1), axis=1).astype(jnp.int32)
+        p_at = jnp.take_along_axis(p, accepted[:, None, None], axis=1)[:, 0]
+        q_at = jnp.take_along_axis(q, accepted[:, None, None], axis=1)[:, 0]
+        rejected = accepted < num_drafts  # stopped at a drafted token: resample from the residual
+        weights = jnp.where(rejected[:, None], _residual(p_at, q_at), p_at)
+        # A residual of all zeros (p == q there) cannot be drawn from; then p is used (a null-probability case).
+        weights = jnp.where(jnp.sum(weights, axis=-1, keepdims=True) > 0, weights, p_at)
+        drawn = jax.random.categorical(draw_key, jnp.log(weights), axis=-1).astype(jnp.int32)
+        row_temperature = temperature.reshape(batch, width)[:, 0]
+        sampled = jnp.where(row_temperature > 0, drawn, jnp.take_along_axis(greedy, accepted[:, None], axis=1)[:, 0])
+        # A greedy row of a mixed batch takes the greedy rule.
+        greedy_accepted = jnp.sum(jnp.cumprod(drafted & (drafts == greedy), axis=1), axis=1).astype(jnp.int32)
+        accepted = jnp.where(row_temperature > 0, accepted, greedy_accepted)
+        final = jnp.where(row_temperature > 0, sampled,
+                          jnp.take_along_axis(greedy, greedy_accepted[:, None], axis=1)[:, 0])
+    tokens = jnp.where(index < accepted[:, None], drafts, 0)
+    tokens = jnp.where(index == accepted[:, None], final[:, None], tokens)
+    return tokens, accepted
+
+
+def _per_position(sampling: SamplingParams | RowSampling, batch: int, width: int) -> SamplingParams | RowSampling:
+    """``sampling`` for ``batch * width`` rows (row ``b``'s parameters at each of its positions)."""
+    if isinstance(sampling, SamplingParams):
+        return sampling
+    return jax.tree_util.tree_map(lambda a: jnp.repeat(jnp.asarray(a), width, axis=0), sampling)
+
+
+@struct.dataclass
+class SpecState:
+    """A :class:`~jaxkv.nn.steps.DecodeState` (its invariants hold) plus
+    what speculation carries: ``history [B, H]`` each row's tokens (prompt
+    then output; ``history_len [B]`` of them; ``decode.last`` is the last),
+    and the per-row totals ``drafted`` (draft tokens verified) and
+    ``accepted`` (of them kept) and ``steps`` (verify steps the row ran)."""
+
+    decode: DecodeState
+    history: Int[Array, "B H"]
+    history_len: Int[Array, " B"]
+    drafted: Int[Array, " B"]
+    accepted: Int[Array, " B"]
+    steps: Int[Array, " B"]
+
+
+def speculative_body(graphdef, params, state: SpecState, sampling: SamplingParams | RowSampling,
+                     config: SpeculativeConfig) -> SpecState:
+    """One verify step of every unfinished row (paged pool).
+
+    Propose up to ``k`` drafts (:func:`ngram_propose`), append ``k + 1``
+    slots per row (all or nothing: a failed append runs nothing, records
+    nothing and sets ``ok`` False and ``blocked``), run ``[last, drafts]``
+    through the model at the row's next positions, verify
+    (:func:`accept_drafts`), record the emitted tokens (cut at EOS and at
+    ``max_new``), roll the rows back to the positions kept
+    (:meth:`~jaxkv.BlockSpaceManager.truncate`) and free the rows that
+    finished."""
+    d = state.decode
+    k = config.num_speculative_tokens
+    batch, width = d.tokens.shape
+    active = ~d.finished
+    drafts, num_drafts = ngram_propose(state.history, state.history_len, k=k, max_n=config.prompt_lookup_max,
+                                       min_n=config.prompt_lookup_min)
+    num_drafts = jnp.where(active, num_drafts, 0)
+    seqs = jnp.where(active, jnp.arange(batch, dtype=jnp.int32), -1)
+    manager, pool = d.manager, d.pool
+    window = paged_window(nnx.merge(graphdef, params))
+    if window is not None:  # as decode_logits: blocks out of every later query's window go first
+        manager, pool = _trim(manager, pool, seqs, window, False)
+    before = manager.seq_lens
+    manager, pool, slots, blocked, ok = manager.append_slots(pool, seqs, k + 1)
+    running = active & ok
+    tables, _ = manager.batch_tables(seqs)
+    starts = before
+    positions = starts[:, None] + jnp.arange(k + 1, dtype=jnp.int32)[None, :]
+    inputs = jnp.concatenate([d.last[:, None], drafts], axis=1)
+    logits, pool = model_step(graphdef, params, inputs, positions, pool, slots, tables, starts,
+                              jnp.where(running, k + 1, 0).astype(jnp.int32), "prefill")
+    keys, key = (d.keys, None) if isinstance(sampling, SamplingParams) and sampling.is_greedy else jax.random.split(d.keys)
+    emitted, accepted = accept_drafts(logits, drafts, num_drafts, sampling, key)
+    # Emitted tokens: the accepted drafts and one of the target's, cut after an EOS and at max_new.
+    lane = jnp.arange(k + 1, dtype=jnp.int32)[None, :]
+    count = accepted + 1
+    is_eos = (emitted == d.eos_id[:, None]) & (lane < count[:, None])
+    first_eos = jnp.min(jnp.where(is_eos, lane, k + 1), axis=1)
+    count = jnp.minimum(jnp.minimum(count, first_eos + 1), d.max_new - d.num_generated)
+    count = jnp.where(running, count, 0)
+    column = jnp.where(lane < count[:, None], d.written[:, None] + lane, width)  # out of range: dropped
+    rows = jnp.arange(batch)[:, None]
+    tokens = d.tokens.at[rows, column].set(emitted, mode="drop")
+    history_column = jnp.where(lane < count[:, None], state.history_len[:, None] + lane, state.history.shape[1])
+    history = state.history.at[rows, history_column].set(emitted, mode="drop")
+    last = jnp.take_along_axis(emitted, jnp.maximum(count - 1, 0)[:, None], axis=1)[:, 0]
+    # Roll back: the row keeps [last, accepted drafts]'s K/V; the emitted target token is fed next.
+    manager, _ = manager.truncate(jnp.where(running, seqs, -1), before + accepted + 1)
+    num_generated = d.num_generated + count
+    decode = d.replace(
+        manager=manager, pool=pool, tokens=tokens, written=d.written + count, num_generated=num_generated,
+        last=jnp.where(running, last, d.last), keys=keys, step=d.step + 1,
+        blocked=jnp.where(ok, d.blocked, blocked), peak_used=jnp.maximum(d.peak_used, manager.blocks_in_use),
+        ok=d.ok & ok)
+    done = running & ((first_eos < count) | (num_generated >= d.max_new))
+    decode = _finish(decode, done, True)
+    return state.replace(decode=decode, history=history, history_len=state.history_len + count,
+                         drafted=state.drafted + jnp.where(running, num_drafts, 0),
+                         accepted=state.accepted + jnp.where(running, jnp.minimum(accepted, num_drafts), 0),
+                         steps=state.steps + running)
+
+
+@partial(jax.jit, static_argnames=("graphdef", "config"), donate_argnums=(2,))
+def speculative_loop(graphdef, params, state: SpecState, sampling: SamplingParams | RowSampling,
+                     config: SpeculativeConfig) -> SpecState:
+    """:func:`speculative_body` in one ``lax.while_loop`` until every row
+    finished or an allocation failed (the state is donated)."""
+    return jax.lax.while_loop(lambda s: jnp.any(~s.decode.finished) & s.decode.ok,
+                              lambda s: speculative_body(graphdef, params, s, sampling, config), state)
+
+
+@partial(jax.jit, static_argnames=("graphdef", "config"), donate_argnums=(2,))
+def speculative_step(graphdef, params, state: SpecState, sampling: SamplingParams | RowSampling,
+                     config: SpeculativeConfig) -> SpecState:
+    """One :func:`speculative_body` as one jitted call (the state is donated)."""
+    return speculative_body(graphdef, params, state, sampling, config)
