@@ -206,6 +206,25 @@ class BlockGroup:
         new = self.replace(allocator=allocator, tables=tables, lens=lens)
         return jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, self), src, dst, ok
 
+    def shrink(self, slots: Ids, new_lens: Int[Array, " B"]) -> tuple["BlockGroup", Ok]:
+        """Keep the first ``blocks_for(new_lens[b])`` blocks of each row of
+        ``slots`` (-1 = padding) and drop this row's owner of the rest (the
+        undo of a :meth:`grow` whose last tokens were rejected: speculative
+        decoding's rollback); a row that holds fewer keeps what it has.
+        Fails (unchanged) when a release fails (a slot named twice)."""
+        slots = jnp.asarray(slots, jnp.int32).reshape(-1)
+        num_slots = self.lens.shape[0]
+        rows = jnp.clip(slots, 0, num_slots - 1)
+        have = self.lens[rows]
+        keep = jnp.where(slots >= 0, jnp.minimum(self.blocks_for(jnp.maximum(new_lens, 0)), have), have)
+        col = jnp.arange(self.max_blocks, dtype=jnp.int32)[None, :]
+        drop = (slots[:, None] >= 0) & (col >= keep[:, None]) & (col < have[:, None])
+        allocator, ok = self.allocator.release(jnp.where(drop, self.tables[rows], -1))
+        target = jnp.where(drop & ok, rows[:, None], num_slots)  # out of range: dropped
+        lens = self.lens.at[jnp.where(ok & (slots >= 0), rows, num_slots)].set(keep, mode="drop")
+        return self.replace(allocator=allocator, tables=self.tables.at[target, col].set(-1, mode="drop"),
+                            lens=lens), ok
+
     def release_rows(self, slots: Ids) -> tuple["BlockGroup", Ok]:
         """Drop the owner of every block of ``slots`` (-1 ignored; distinct,
         held slots) and empty their tables; a block shared with a prefix

@@ -708,6 +708,29 @@ class KVCacheManager:
         seq_lens = self.seq_lens.at[jnp.where(ok & active, rows, self.num_slots)].set(new_lens, mode="drop")
         return self.replace(groups=groups, seq_lens=seq_lens), jnp.where(active, starts, -1), ok
 
+    def truncate(self, slots, lengths) -> tuple["KVCacheManager", Ok]:
+        """Shorten each held slot of ``slots`` (-1: padding) to ``lengths``
+        tokens, releasing in every group the blocks past what that many
+        tokens need (:meth:`BlockGroup.shrink`): the undo of a
+        :meth:`reserve` whose last tokens were rejected (speculative
+        decoding). State rows (GDN states, SWA, window and compressor
+        rings) are not positions and are not touched: the caller restores
+        them (:meth:`copy_state` from a checkpoint row) and replays the
+        tokens it keeps. All or nothing: fails (unchanged) when a slot is
+        not held or repeats, or a length is negative or past the slot's."""
+        slots = jnp.asarray(slots, jnp.int32).reshape(-1)
+        lengths = jnp.broadcast_to(jnp.asarray(lengths, jnp.int32).reshape(-1), slots.shape)
+        active = slots != -1
+        rows = jnp.clip(slots, 0, self.num_slots - 1)
+        held = self.slots.ref_count(jnp.where(active, slots, 0)) > 0
+        ok = (jnp.all(~active | (held & (lengths >= 0) & (lengths <= self.seq_lens[rows])))
+              & ids_distinct(slots, active, self.num_slots))
+        groups = {}
+        for name, group in self.groups.items():  # distinct held slots: each release succeeds
+            groups[name], _ = group.shrink(jnp.where(ok, slots, -1), lengths)
+        seq_lens = self.seq_lens.at[jnp.where(ok & active, rows, self.num_slots)].set(lengths, mode="drop")
+        return self.replace(groups=groups, seq_lens=seq_lens), ok
+
     def preallocate(self, slots, num_tokens) -> tuple["KVCacheManager", Ok]:
         """Give each held slot of ``slots`` (-1: padding) the blocks
         ``num_tokens`` tokens need in every group now, without reserving the

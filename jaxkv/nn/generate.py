@@ -116,10 +116,11 @@ def generate(model, input_ids, max_new_tokens: int, *, eos_token_id: int | None 
     ``speculative`` (a :class:`~jaxkv.nn.speculative.SpeculativeConfig` or a
     dict of its fields, e.g. ``{"method": "ngram", "num_speculative_tokens":
     4}``): decode by verify steps of prompt-lookup drafts in one jitted loop
-    (:mod:`jaxkv.nn.speculative`); greedy tokens are those without it, sampled
-    ones follow the same distribution. Paged-pool models only so far (a
-    hybrid-cache model is refused). The output then says how many drafts
-    were verified and accepted per prompt.
+    (:mod:`jaxkv.nn.speculative`), for every family (a hybrid cache rolls
+    its state rows back by a checkpoint and a replay); greedy tokens are
+    those without it, sampled ones follow the same distribution. The
+    output then says how many drafts were verified and accepted per
+    prompt.
 
     Raises ``KVCacheOOM`` when the pool is too small for the prompts or for
     their decoding, and ``InvalidArgument`` for empty prompts,
@@ -138,12 +139,10 @@ def generate(model, input_ids, max_new_tokens: int, *, eos_token_id: int | None 
     if not isinstance(sampling, SamplingParams):
         raise InvalidArgument(f"sampling must be a SamplingParams, got {sampling!r}")
     if speculative is not None:
-        if cache_kind(model) == "hybrid":
-            raise InvalidArgument("speculative decoding runs on paged-pool models so far; rolling back a hybrid "
-                                  "cache (window rings, Gated DeltaNet states, compressors) is not built yet")
         return _generate_speculative(model, prompts, max_new_tokens, SpeculativeConfig.of(speculative),
                                      eos_token_id=eos_token_id, sampling=sampling, seed=seed, page_size=page_size,
-                                     num_pages=num_pages, kv_dtype=kv_dtype, per_step=per_step, mesh=mesh)
+                                     num_pages=num_pages, kv_dtype=kv_dtype, per_step=per_step, mesh=mesh,
+                                     entry_format=entry_format, chunk=prefill_chunk_size, num_blocks=num_blocks)
     if cache_kind(model) == "hybrid":
         if kv_dtype is not None or num_pages is not None:
             raise InvalidArgument("kv_dtype and num_pages are for the paged pool; a hybrid-cache model takes "
@@ -232,19 +231,21 @@ def _generate_hybrid(model, prompts, max_new_tokens, *, eos_token_id, sampling, 
 def start_hybrid(model, prompts, max_new_tokens: int, *, eos_token_id: int | None = None,
                  sampling: SamplingParams = GREEDY, seed: int = 0, entry_format: str = "lossless",
                  prefill_chunk_size: int | None = None, num_blocks: dict[str, int] | None = None,
-                 cache_options: dict | None = None, mesh=None):
+                 cache_options: dict | None = None, mesh=None, extra_tokens: int = 0):
     """The prefill half of :func:`generate` for a hybrid-cache model: a cache
     from ``model.make_cache`` (``entry_format``, ``num_blocks``, and the
     model's own ``cache_options``, e.g. ``window_cache``), every prompt
     admitted (row ``b`` = slot ``b + 1``), prefilled ``prefill_chunk_size``
     tokens per row per call (default: whole prompts), first tokens sampled.
-    Returns ``(graphdef, params, state)`` for :func:`decode_loop` /
-    :func:`decode_step`. Raises ``KVCacheOOM`` naming the short group."""
+    ``extra_tokens``: room for that many tokens past ``max_new_tokens`` per
+    row (a verify step's drafts). Returns ``(graphdef, params, state)`` for
+    :func:`decode_loop` / :func:`decode_step`. Raises ``KVCacheOOM`` naming
+    the short group."""
     prompts = [list(map(int, p)) for p in prompts]
     chunk = prefill_chunk_size
     batch = len(prompts)
     lengths = np.asarray([len(p) for p in prompts], np.int32)
-    context = pow2_at_least(int(lengths.max()) + max_new_tokens)  # fewer distinct shapes to compile
+    context = pow2_at_least(int(lengths.max()) + max_new_tokens + extra_tokens)  # fewer distinct shapes to compile
     if chunk is not None and (isinstance(chunk, bool) or int(chunk) < 1):
         raise InvalidArgument(f"prefill_chunk_size must be an integer >= 1, got {chunk!r}")
     width = pow2_at_least(int(lengths.max())) if chunk is None else int(chunk)
@@ -289,23 +290,33 @@ def _hybrid_oom(manager, lengths, what: str) -> KVCacheOOM:
 
 
 def _generate_speculative(model, prompts, max_new_tokens, config: SpeculativeConfig, *, eos_token_id, sampling, seed,
-                          page_size, num_pages, kv_dtype, per_step, mesh) -> GenerateOutput:
+                          page_size, num_pages, kv_dtype, per_step, mesh, entry_format, chunk,
+                          num_blocks) -> GenerateOutput:
     """:func:`generate` by verify steps (:mod:`jaxkv.nn.speculative`): the
-    paged prefill with room for ``k`` more tokens per row, then
+    prefill with room for ``k`` more tokens per row (a hybrid cache with a
+    checkpoint row per prompt), then
     :func:`~jaxkv.nn.speculative.speculative_loop` (or one jitted call per
     verify step with ``per_step``)."""
     k = config.num_speculative_tokens
-    graphdef, params, state = start_paged(model, prompts, max_new_tokens, eos_token_id=eos_token_id,
-                                          sampling=sampling, seed=seed, page_size=page_size, num_pages=num_pages,
-                                          kv_dtype=kv_dtype, mesh=mesh, extra_tokens=k)
-    num_pages = state.manager.device.capacity + 1
+    batch = len(prompts)
+    if cache_kind(model) == "hybrid":
+        if kv_dtype is not None or num_pages is not None:
+            raise InvalidArgument("kv_dtype and num_pages are for the paged pool; a hybrid-cache model takes "
+                                  "entry_format and num_blocks")
+        graphdef, params, state = start_hybrid(model, prompts, max_new_tokens, eos_token_id=eos_token_id,
+                                               sampling=sampling, seed=seed, entry_format=entry_format,
+                                               prefill_chunk_size=chunk, num_blocks=num_blocks, mesh=mesh,
+                                               cache_options={"num_snapshots": batch}, extra_tokens=k)
+    else:
+        graphdef, params, state = start_paged(model, prompts, max_new_tokens, eos_token_id=eos_token_id,
+                                              sampling=sampling, seed=seed, page_size=page_size, num_pages=num_pages,
+                                              kv_dtype=kv_dtype, mesh=mesh, extra_tokens=k)
     lengths = np.asarray([len(p) for p in prompts], np.int32)
-    history = np.zeros((len(prompts), pow2_at_least(int(lengths.max()) + max_new_tokens + k + 1)), np.int32)
+    history = np.zeros((batch, pow2_at_least(int(lengths.max()) + max_new_tokens + k + 1)), np.int32)
     for row, prompt in enumerate(prompts):
         history[row, : len(prompt)] = prompt
-    first = np.asarray(state.tokens[:, 0])
-    history[np.arange(len(prompts)), lengths] = first
-    zeros = np.zeros((len(prompts),), np.int32)  # three buffers: the loop donates each
+    history[np.arange(batch), lengths] = np.asarray(state.tokens[:, 0])
+    zeros = np.zeros((batch,), np.int32)  # three buffers: the loop donates each
     spec = SpecState(decode=state, history=jnp.asarray(history), history_len=jnp.asarray(lengths + 1),
                      drafted=jnp.asarray(zeros), accepted=jnp.asarray(zeros), steps=jnp.asarray(zeros))
     if per_step:
@@ -315,10 +326,13 @@ def _generate_speculative(model, prompts, max_new_tokens, config: SpeculativeCon
         spec = speculative_loop(graphdef, params, spec, sampling, config)
     state = spec.decode
     if not bool(state.ok):
-        raise KVCacheOOM(int(jnp.sum(state.blocked)), int(state.manager.device.num_free), num_pages - 1,
-                         detail=f"a verify step of {k + 1} tokens per row ran out of KV blocks (the pool has "
-                                f"{num_pages - 1})")
+        if state.pool is None:
+            raise _hybrid_oom(state.manager, np.asarray(state.manager.seq_lens)[1:] + (k + 1) * np.asarray(
+                state.blocked), f"a verify step of up to {k + 1} tokens per row")
+        raise KVCacheOOM(int(jnp.sum(state.blocked)), int(state.manager.device.num_free),
+                         int(state.manager.device.capacity),
+                         detail=f"a verify step of {k + 1} tokens per row ran out of KV blocks")
     tokens, counts, drafted, accepted, steps = sharding.fetch((state.tokens, state.num_generated, spec.drafted,
                                                                spec.accepted, spec.steps))
-    return GenerateOutput([tokens[b, : counts[b]].tolist() for b in range(tokens.shape[0])], state,
+    return GenerateOutput([tokens[b, : counts[b]].tolist() for b in range(batch)], state,
                           drafted.tolist(), accepted.tolist(), steps.tolist())

@@ -33,9 +33,16 @@ Parts, each a pure function over arrays, usable alone:
   :func:`speculative_step` is one jitted step. ``generate(...,
   speculative=...)`` (:mod:`jaxkv.nn.generate`) drives them.
 
-Not here yet (issue 42): the hybrid caches' rollback (window rings, Gated
-DeltaNet states, DeepSeek-V4's compressors), draft-model proposers, and the
-engine and server.
+Rollback of a hybrid cache (Qwen3-Next's Gated DeltaNet states, gpt-oss's
+and Gemma 3's window rings, DeepSeek-V4's SWA and compressor rings,
+compressed entries and indexer keys) is a checkpoint and a replay: every
+state row a row's verify pass advances is copied first into a checkpoint
+row, and a row that rejected a draft gets it back and replays the tokens
+it keeps (one more model call of the verify's width; the blocks its
+positions hold are released by :meth:`~jaxkv.KVCacheManager.truncate`).
+Paged positions need no undo: a length and the blocks past it.
+
+Not here yet (issue 42): draft-model proposers, the engine and the server.
 """
 
 from __future__ import annotations
@@ -50,6 +57,7 @@ from jaxtyping import Array, Bool, Float, Int
 
 from jaxkv.errors import InvalidArgument
 from jaxkv.nn.sampling import RowSampling, SamplingParams, filtered_logits
+from jaxkv.manager.rows import slot_of
 from jaxkv.nn.steps import DecodeState, _finish, _trim, model_step, paged_window
 
 __all__ = ["SpecState", "SpeculativeConfig", "accept_drafts", "ngram_propose", "speculative_body",
@@ -218,16 +226,16 @@ class SpecState:
 
 def speculative_body(graphdef, params, state: SpecState, sampling: SamplingParams | RowSampling,
                      config: SpeculativeConfig) -> SpecState:
-    """One verify step of every unfinished row (paged pool).
+    """One verify step of every unfinished row.
 
-    Propose up to ``k`` drafts (:func:`ngram_propose`), append ``k + 1``
-    slots per row (all or nothing: a failed append runs nothing, records
-    nothing and sets ``ok`` False and ``blocked``), run ``[last, drafts]``
-    through the model at the row's next positions, verify
-    (:func:`accept_drafts`), record the emitted tokens (cut at EOS and at
-    ``max_new``), roll the rows back to the positions kept
-    (:meth:`~jaxkv.BlockSpaceManager.truncate`) and free the rows that
-    finished."""
+    Propose up to ``k`` drafts (:func:`ngram_propose`), grow each row by
+    ``[last, drafts]`` (all or nothing: a failed allocation runs nothing,
+    records nothing and sets ``ok`` False and ``blocked``), run them through
+    the model at the row's next positions, verify (:func:`accept_drafts`),
+    record the emitted tokens (cut at EOS and at ``max_new``), roll the rows
+    back to the positions kept and free the rows that finished. The cache is
+    a paged pool (:func:`_paged_verify`) or a hybrid
+    :class:`~jaxkv.KVCacheManager` (:func:`_hybrid_verify`)."""
     d = state.decode
     k = config.num_speculative_tokens
     batch, width = d.tokens.shape
@@ -235,22 +243,14 @@ def speculative_body(graphdef, params, state: SpecState, sampling: SamplingParam
     drafts, num_drafts = ngram_propose(state.history, state.history_len, k=k, max_n=config.prompt_lookup_max,
                                        min_n=config.prompt_lookup_min)
     num_drafts = jnp.where(active, num_drafts, 0)
-    seqs = jnp.where(active, jnp.arange(batch, dtype=jnp.int32), -1)
-    manager, pool = d.manager, d.pool
-    window = paged_window(nnx.merge(graphdef, params))
-    if window is not None:  # as decode_logits: blocks out of every later query's window go first
-        manager, pool = _trim(manager, pool, seqs, window, False)
-    before = manager.seq_lens
-    manager, pool, slots, blocked, ok = manager.append_slots(pool, seqs, k + 1)
-    running = active & ok
-    tables, _ = manager.batch_tables(seqs)
-    starts = before
-    positions = starts[:, None] + jnp.arange(k + 1, dtype=jnp.int32)[None, :]
     inputs = jnp.concatenate([d.last[:, None], drafts], axis=1)
-    logits, pool = model_step(graphdef, params, inputs, positions, pool, slots, tables, starts,
-                              jnp.where(running, k + 1, 0).astype(jnp.int32), "prefill")
-    keys, key = (d.keys, None) if isinstance(sampling, SamplingParams) and sampling.is_greedy else jax.random.split(d.keys)
+    verify = _paged_verify if d.pool is not None else _hybrid_verify
+    logits, blocked, ok, rollback = verify(graphdef, params, d.manager, d.pool, inputs, num_drafts, active)
+    running = active & ok
+    greedy = isinstance(sampling, SamplingParams) and sampling.is_greedy
+    keys, key = (d.keys, None) if greedy else jax.random.split(d.keys)
     emitted, accepted = accept_drafts(logits, drafts, num_drafts, sampling, key)
+    manager, pool = rollback(jnp.where(running, accepted, -1))
     # Emitted tokens: the accepted drafts and one of the target's, cut after an EOS and at max_new.
     lane = jnp.arange(k + 1, dtype=jnp.int32)[None, :]
     count = accepted + 1
@@ -258,26 +258,91 @@ def speculative_body(graphdef, params, state: SpecState, sampling: SamplingParam
     first_eos = jnp.min(jnp.where(is_eos, lane, k + 1), axis=1)
     count = jnp.minimum(jnp.minimum(count, first_eos + 1), d.max_new - d.num_generated)
     count = jnp.where(running, count, 0)
-    column = jnp.where(lane < count[:, None], d.written[:, None] + lane, width)  # out of range: dropped
     rows = jnp.arange(batch)[:, None]
-    tokens = d.tokens.at[rows, column].set(emitted, mode="drop")
+    column = jnp.where(lane < count[:, None], d.written[:, None] + lane, width)  # out of range: dropped
     history_column = jnp.where(lane < count[:, None], state.history_len[:, None] + lane, state.history.shape[1])
-    history = state.history.at[rows, history_column].set(emitted, mode="drop")
     last = jnp.take_along_axis(emitted, jnp.maximum(count - 1, 0)[:, None], axis=1)[:, 0]
-    # Roll back: the row keeps [last, accepted drafts]'s K/V; the emitted target token is fed next.
-    manager, _ = manager.truncate(jnp.where(running, seqs, -1), before + accepted + 1)
     num_generated = d.num_generated + count
     decode = d.replace(
-        manager=manager, pool=pool, tokens=tokens, written=d.written + count, num_generated=num_generated,
-        last=jnp.where(running, last, d.last), keys=keys, step=d.step + 1,
-        blocked=jnp.where(ok, d.blocked, blocked), peak_used=jnp.maximum(d.peak_used, manager.blocks_in_use),
-        ok=d.ok & ok)
+        manager=manager, pool=pool, tokens=d.tokens.at[rows, column].set(emitted, mode="drop"),
+        written=d.written + count, num_generated=num_generated, last=jnp.where(running, last, d.last), keys=keys,
+        step=d.step + 1, blocked=jnp.where(ok, d.blocked, blocked),
+        peak_used=jnp.maximum(d.peak_used, manager.blocks_in_use), ok=d.ok & ok)
     done = running & ((first_eos < count) | (num_generated >= d.max_new))
-    decode = _finish(decode, done, True)
-    return state.replace(decode=decode, history=history, history_len=state.history_len + count,
+    return state.replace(decode=_finish(decode, done, True),
+                         history=state.history.at[rows, history_column].set(emitted, mode="drop"),
+                         history_len=state.history_len + count,
                          drafted=state.drafted + jnp.where(running, num_drafts, 0),
-                         accepted=state.accepted + jnp.where(running, jnp.minimum(accepted, num_drafts), 0),
-                         steps=state.steps + running)
+                         accepted=state.accepted + jnp.where(running, accepted, 0), steps=state.steps + running)
+
+
+def _paged_verify(graphdef, params, manager, pool, inputs, num_drafts, active):
+    """The verify pass over a paged pool: ``append_slots`` of ``k + 1``
+    tokens per row (a windowed model's dead blocks trimmed first, as
+    :func:`~jaxkv.nn.steps.decode_logits` does), the model in prefill mode.
+    Returns ``(logits [B, k+1, V], blocked, ok, rollback)``; ``rollback(accepted)``
+    (-1: a row that did not run) truncates each row to its length before
+    the step plus ``accepted + 1`` (the fed token and the accepted drafts)
+    and returns ``(manager, pool)``."""
+    batch, width = inputs.shape
+    seqs = jnp.where(active, jnp.arange(batch, dtype=jnp.int32), -1)
+    window = paged_window(nnx.merge(graphdef, params))
+    if window is not None:
+        manager, pool = _trim(manager, pool, seqs, window, False)
+    starts = manager.seq_lens
+    manager, pool, slots, blocked, ok = manager.append_slots(pool, seqs, width)
+    running = active & ok
+    tables, _ = manager.batch_tables(seqs)
+    positions = starts[:, None] + jnp.arange(width, dtype=jnp.int32)[None, :]
+    logits, pool = model_step(graphdef, params, inputs, positions, pool, slots, tables, starts,
+                              jnp.where(running, width, 0).astype(jnp.int32), "prefill")
+
+    def rollback(accepted):
+        kept, _ = manager.truncate(jnp.where(accepted >= 0, seqs, -1), starts + accepted + 1)
+        return kept, pool
+
+    return logits, blocked, ok, rollback
+
+
+def _hybrid_verify(graphdef, params, manager, pool, inputs, num_drafts, active):
+    """The verify pass over a hybrid :class:`~jaxkv.KVCacheManager` (row
+    ``b`` = slot ``b + 1``): each row with drafts first copies its state rows
+    (GDN conv and recurrent states, SWA, window and compressor rings) into
+    its checkpoint row ``num_slots + b`` (the manager needs
+    ``num_snapshots >= B``), then reserves ``num_drafts + 1`` tokens and runs
+    them. ``rollback(accepted)``: a row that rejected a draft is truncated
+    to its length before the step plus ``accepted + 1``
+    (:meth:`~jaxkv.KVCacheManager.truncate`), its state rows restored from
+    the checkpoint and the kept tokens replayed through the model (one more
+    model call, skipped when every row kept all its drafts). Returns
+    ``(logits, blocked, ok, rollback)`` as :func:`_paged_verify`."""
+    del pool
+    batch, width = inputs.shape
+    model = nnx.merge(graphdef, params)
+    slots = slot_of(jnp.where(active, jnp.arange(batch, dtype=jnp.int32), -1))
+    checkpoint = manager.num_slots + slots - 1
+    drafted = active & (num_drafts > 0)
+    manager = manager.copy_state(jnp.where(drafted, slots, -1), jnp.where(drafted, checkpoint, -1))
+    manager, starts, ok = manager.reserve(slots, jnp.where(active, num_drafts + 1, 0), max_new_tokens=width)
+    logits, manager = model(inputs, manager, jnp.where(ok, slots, -1), jnp.maximum(starts, 0),
+                            jnp.where(ok & active, num_drafts + 1, 0))
+
+    def rollback(accepted):
+        replay = (accepted >= 0) & (accepted < num_drafts)
+        rows = jnp.where(replay, slots, -1)
+        kept, _ = manager.truncate(rows, starts + accepted + 1)
+
+        def restore_and_replay(m):
+            m = m.copy_state(jnp.where(replay, checkpoint, -1), rows)
+            _, m = model(inputs, m, rows, jnp.maximum(starts, 0), jnp.where(replay, accepted + 1, 0))
+            return m
+
+        # An index switch, not a predicated cond: XLA:GPU copies the operand of a predicated conditional that a
+        # branch updates in place (see BlockSpaceManager.append_slots).
+        kept = jax.lax.switch(jnp.any(replay).astype(jnp.int32), [lambda m: m, restore_and_replay], kept)
+        return kept, None
+
+    return logits, active & ~ok, ok, rollback
 
 
 @partial(jax.jit, static_argnames=("graphdef", "config"), donate_argnums=(2,))
