@@ -119,6 +119,17 @@ RULES = (
                              "!test_tenants.py::test_hybrid_scrub_leaves_no_byte_of_finished_requests"
                              "[qwen3_next/small]"),
      "Qwen3-Next (GDN states and full-attention pages) by default"),
+    ("long", "other cases", ("test_speculative.py::test_greedy_speculative_generate_gives_transformers_tokens[*]",
+                             "!test_speculative.py::test_greedy_speculative_generate_gives_transformers_tokens"
+                             "[parity/llama_3]",
+                             "!test_speculative.py::test_greedy_speculative_generate_gives_transformers_tokens"
+                             "[parity/qwen3_next_2]",
+                             "test_speculative.py::test_hybrid_rollback_equals_a_cache_that_never_saw_the_rejected_"
+                             "tokens[*]",
+                             "!test_speculative.py::test_hybrid_rollback_equals_a_cache_that_never_saw_the_rejected_"
+                             "tokens[parity/qwen3_next_2]"),
+     "the paged Llama and the Gated DeltaNet Qwen3-Next by default; window rings (Gemma 3, gpt-oss), "
+     "DeepSeek-V3 and DeepSeek-V4's compressors roll back through the same checkpoint and replay"),
     ("long", "other cases", ("test_nn_gemma3.py::test_cached_steps_equal_no_cache_recompute[paged]",
                              "test_window_cache.py::test_interleaved_cache_matches_float64_attention[paged]"),
      "the ring layout by default; gpt-oss's model tests check the paged one"),

@@ -1,0 +1,367 @@
+"""Speculative decoding (``jaxkv.nn.speculative``): the proposer against a
+numpy lookup, greedy verification against a numpy rule, the sampling rule
+by its output distribution (and a wrong rule caught), the caches' rollback
+against caches that never saw the rejected tokens (free memory poisoned
+with NaN), and greedy speculative ``generate`` against transformers' tokens
+for every family (the parity fixtures; the default pass runs the paged
+Llama and the Gated DeltaNet Qwen3-Next, the ``long`` pass the rest).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from jaxkv.errors import InvalidArgument
+from jaxkv.manager.block_space import BlockSpaceManager
+from jaxkv.manager.rows import slot_of
+from jaxkv.nn import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, generate
+from jaxkv.nn import speculative as spec
+from jaxkv.nn.generate import prefill
+from jaxkv.nn.sampling import GREEDY, SamplingParams
+from jaxkv.nn.speculative import SpeculativeConfig, accept_drafts, ngram_propose
+from jaxkv.nn.steps import decode_logits, hybrid_prefill_chunk
+
+FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures")
+
+
+# ---------------------------------------------------------------- the proposer
+
+
+def ngram_reference(history, length, k, max_n, min_n):
+    """Prompt lookup in plain Python: the longest suffix (max_n .. min_n)
+    seen earlier, its most recent earlier occurrence followed by a token."""
+    tokens = list(history[:length])
+    for n in range(max_n, min_n - 1, -1):
+        if n > length:
+            continue
+        suffix = tokens[length - n:]
+        for start in range(length - n - 1, -1, -1):
+            if tokens[start:start + n] == suffix:
+                follow = tokens[start + n:start + n + k]
+                return follow + [0] * (k - len(follow)), len(follow)
+    return [0] * k, 0
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_ngram_proposals_equal_a_python_lookup(seed):
+    rng = np.random.default_rng(seed)
+    batch, width = 24, 40
+    k, max_n, min_n = int(rng.integers(1, 6)), int(rng.integers(1, 5)), 1
+    min_n = int(rng.integers(1, max_n + 1))
+    history = rng.integers(0, 4, (batch, width)).astype(np.int32)  # four symbols: matches are common
+    length = rng.integers(1, width + 1, batch).astype(np.int32)
+    drafts, num = jax.jit(partial(ngram_propose, k=k, max_n=max_n, min_n=min_n))(history, length)
+    for b in range(batch):
+        want, count = ngram_reference(history[b], int(length[b]), k, max_n, min_n)
+        assert int(num[b]) == count, (b, history[b, : length[b]].tolist())
+        assert np.asarray(drafts[b]).tolist() == want
+
+
+# ---------------------------------------------------------------- verification
+
+
+def test_greedy_verification_keeps_the_prefix_equal_to_the_argmax():
+    rng = np.random.default_rng(0)
+    batch, k, vocab = 64, 4, 11
+    logits = rng.normal(size=(batch, k + 1, vocab)).astype(np.float32)
+    argmax = logits.argmax(-1)
+    # Drafts equal to the argmax for a random number of leading positions, then random.
+    drafts = rng.integers(0, vocab, (batch, k)).astype(np.int32)
+    agree = rng.integers(0, k + 1, batch)
+    for b in range(batch):
+        drafts[b, : agree[b]] = argmax[b, : agree[b]]
+    num = rng.integers(0, k + 1, batch).astype(np.int32)
+    tokens, accepted = jax.jit(lambda *a: accept_drafts(*a, GREEDY, None))(logits, drafts, num)
+    for b in range(batch):
+        n = 0
+        while n < num[b] and drafts[b, n] == argmax[b, n]:
+            n += 1
+        assert int(accepted[b]) == n
+        assert np.asarray(tokens[b, : n + 1]).tolist() == drafts[b, :n].tolist() + [int(argmax[b, n])]
+
+
+def _chi_square_p(counts, probs):
+    """p-value of Pearson's chi-square test of ``counts`` against ``probs``
+    (cells with expected count < 5 pooled)."""
+    from scipy import stats  # a dependency of jax
+
+    total = counts.sum()
+    expected = probs / probs.sum() * total
+    keep = expected >= 5
+    observed = np.append(counts[keep], counts[~keep].sum())
+    expected = np.append(expected[keep], expected[~keep].sum())
+    if expected[-1] == 0:
+        observed, expected = observed[:-1], expected[:-1]
+    expected = expected * observed.sum() / expected.sum()  # the sums agree to float64 rounding
+    return stats.chisquare(observed, expected).pvalue
+
+
+def _sampled_tokens(logits, drafts, num, draft_probs, sampling, draws, seed):
+    """``draws`` independent verifications of the same row (batch = draws)."""
+    tile = lambda a: jnp.broadcast_to(a, (draws, *a.shape[1:]))  # noqa: E731
+    run = jax.jit(lambda key: accept_drafts(tile(logits), tile(drafts), tile(num), sampling, key,
+                                            None if draft_probs is None else tile(draft_probs)))
+    tokens, accepted = run(jax.random.key(seed))
+    return np.asarray(tokens), np.asarray(accepted)
+
+
+def _target_probs(logits, sampling):
+    from jaxkv.nn.sampling import filtered_logits
+
+    scaled, _ = filtered_logits(jnp.asarray(logits[0]), sampling)
+    return np.asarray(jax.nn.softmax(scaled, axis=-1), np.float64)
+
+
+def _check_rule(draft_probs_given: bool, seed: int):
+    """The first emitted token follows p_0, and given that the first draft
+    was accepted the second follows p_1 (each position's target
+    distribution; the rule must not depend on what was drafted)."""
+    rng = np.random.default_rng(seed)
+    vocab, k, draws = 6, 2, 60_000
+    sampling = SamplingParams(temperature=0.9, top_k=5)
+    logits = (2 * rng.normal(size=(1, k + 1, vocab))).astype(np.float32)
+    if draft_probs_given:
+        q = rng.dirichlet(np.ones(vocab), size=(1, k)).astype(np.float32)
+        drafts = np.stack([rng.choice(vocab, size=draws, p=q[0, i]) for i in range(k)], axis=1).astype(np.int32)
+    else:
+        q = None
+        drafts = np.broadcast_to(np.asarray([[int(np.argsort(logits[0, 0])[-2]), 1]], np.int32), (draws, k))
+    num = np.full((1,), k, np.int32)
+    tile = lambda a: jnp.broadcast_to(a, (draws, *a.shape[1:]))  # noqa: E731
+    run = jax.jit(lambda key, d: accept_drafts(tile(logits), d, tile(num), sampling, key,
+                                               None if q is None else tile(q)))
+    tokens, accepted = map(np.asarray, run(jax.random.key(seed), jnp.asarray(drafts)))
+    p = _target_probs(logits, sampling)
+    first = np.bincount(tokens[:, 0], minlength=vocab)
+    p_first = _chi_square_p(first, p[0])
+    second_rows = accepted >= 1
+    second = np.bincount(tokens[second_rows, 1], minlength=vocab)
+    p_second = _chi_square_p(second, p[1])
+    return p_first, p_second
+
+
+@pytest.mark.parametrize("draft_model", [False, True], ids=["ngram", "draft-distribution"])
+def test_sampled_speculation_follows_the_target_distribution(draft_model):
+    p_first, p_second = _check_rule(draft_model, seed=1)
+    assert p_first > 1e-4 and p_second > 1e-4, (p_first, p_second)
+
+
+def test_a_wrong_rejection_rule_is_caught(monkeypatch):
+    # Resampling from p instead of max(0, p - q) favours the drafted token.
+    monkeypatch.setattr(spec, "_residual", lambda p, q: p)
+    p_first, _ = _check_rule(False, seed=1)
+    assert p_first < 1e-6
+
+
+def test_config_refuses_what_it_cannot_do():
+    with pytest.raises(InvalidArgument, match="only 'ngram'"):
+        SpeculativeConfig(method="eagle")
+    with pytest.raises(InvalidArgument, match="num_speculative_tokens"):
+        SpeculativeConfig.of({"num_speculative_tokens": 0})
+    with pytest.raises(InvalidArgument, match="unknown keys"):
+        SpeculativeConfig.of({"method": "ngram", "num_tokens": 3})
+    with pytest.raises(InvalidArgument, match="prompt_lookup_min"):
+        SpeculativeConfig(prompt_lookup_max=2, prompt_lookup_min=3)
+
+
+# ---------------------------------------------------------------- BlockSpaceManager.truncate
+
+
+def _refcounts_from_tables(manager, num_blocks):
+    counts = np.zeros(num_blocks, np.int64)
+    tables, status = np.asarray(manager.block_tables), np.asarray(manager.status)
+    for row in np.flatnonzero(status == 1):
+        for block in tables[row]:
+            if block >= 0:
+                counts[block] += 1
+    return counts
+
+
+@pytest.mark.parametrize("seed", range(2))
+def test_truncate_releases_what_the_append_took_and_keeps_shared_blocks(seed):
+    rng = np.random.default_rng(seed)
+    bs, rows, num_blocks = 4, 6, 64
+    manager = BlockSpaceManager.create(num_device_blocks=num_blocks, num_host_blocks=1, block_size=bs, max_seqs=rows,
+                                       max_blocks_per_seq=12)
+    pool = LlamaForCausalLM(LlamaConfig(vocab_size=8, hidden_size=8, intermediate_size=8, num_hidden_layers=1,
+                                        num_attention_heads=1, num_key_value_heads=1, head_dim=8),
+                            rngs=nnx.Rngs(0)).make_pool(num_blocks, bs)
+    manager = manager.allocate_or_raise([0, 1, 2], 9)
+    manager = manager.fork_or_raise([0, 1], [3, 4])  # rows 3 and 4 share every block of 0 and 1
+    append = jax.jit(lambda m, p, s: m.append_slots(p, s, 5))
+    truncate = jax.jit(BlockSpaceManager.truncate)
+    for _ in range(4):
+        seqs = np.asarray([0, 1, 2, 3, 4, -1], np.int32)
+        before = np.asarray(manager.seq_lens).copy()
+        grown, pool, _, _, ok = append(manager, pool, seqs)
+        assert bool(ok)
+        keep = before + rng.integers(0, 6, rows)
+        kept, ok = truncate(grown, seqs, keep)
+        assert bool(ok)
+        lens = np.asarray(kept.seq_lens)
+        tables = np.asarray(kept.block_tables)
+        for row in range(5):
+            assert lens[row] == keep[row]
+            held = (tables[row] >= 0).sum()
+            assert held == -(-keep[row] // bs), (row, tables[row])
+            assert (tables[row, held:] == -1).all()
+        counts = np.asarray(kept.device.ref_counts)
+        assert (counts[1:] == _refcounts_from_tables(kept, num_blocks)[1:]).all()
+        assert int(kept.device.num_free) == num_blocks - 1 - (counts[1:] > 0).sum()
+        manager = kept
+    # All or nothing: a length past the row's, a FREE row, a row named twice.
+    for seqs, lens in (([0, -1], [int(manager.seq_lens[0]) + 1, 0]), ([5, -1], [0, 0]), ([1, 1], [1, 1])):
+        after, ok = truncate(manager, np.asarray(seqs, np.int32), np.asarray(lens, np.int32))
+        assert not bool(ok)
+        jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), after, manager)
+
+
+# ---------------------------------------------------------------- rollback against never-written caches
+
+
+def _poison(tree):
+    return jax.tree.map(lambda a: jnp.full_like(a, jnp.nan) if jnp.issubdtype(a.dtype, jnp.floating) else a, tree)
+
+
+LLAMA = dict(vocab_size=61, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, head_dim=8)
+
+
+@pytest.mark.parametrize("seed", range(2))
+def test_paged_rollback_equals_a_cache_that_never_saw_the_rejected_tokens(seed):
+    """Verify k + 1 random tokens per row, keep a random prefix of them,
+    then decode: the logits equal those of a cache that decoded only the
+    kept tokens, with every free slot and page poisoned with NaN."""
+    rng = np.random.default_rng(seed)
+    model = LlamaForCausalLM(LlamaConfig(**LLAMA), rngs=nnx.Rngs(seed))
+    graphdef, params = nnx.split(model)
+    batch, k, bs, num_pages = 4, 4, 4, 48
+    lengths = rng.integers(2, 11, batch).astype(np.int32)
+    prompts = rng.integers(1, LLAMA["vocab_size"], (batch, 16)).astype(np.int32)
+    manager = BlockSpaceManager.create(num_device_blocks=num_pages, num_host_blocks=1, block_size=bs, max_seqs=batch,
+                                       max_blocks_per_seq=12)
+    state = prefill(graphdef, params, manager, _poison(model.make_pool(num_pages, bs)), prompts, lengths,
+                    jax.random.key(0), np.int32(-1), GREEDY, max_new=8)
+    inputs = rng.integers(1, LLAMA["vocab_size"], (batch, k + 1)).astype(np.int32)
+    num_drafts = np.full((batch,), k, np.int32)
+    accepted = rng.integers(0, k + 1, batch).astype(np.int32)
+    active = np.ones((batch,), bool)
+
+    @jax.jit
+    def speculated(manager, pool):
+        _, _, ok, rollback = spec._paged_verify(graphdef, params, manager, pool, inputs, num_drafts, active)
+        return (*rollback(jnp.asarray(accepted)), ok)
+
+    one = jax.jit(lambda m, p, last, act: decode_logits(graphdef, params, m, p, last, act))
+    m_a, p_a, ok = speculated(state.manager, state.pool)
+    assert bool(ok)
+    m_b, p_b = state.manager, state.pool
+    for i in range(k + 1):  # the reference: the kept tokens one decode step at a time
+        m_b, p_b, _, _, ok = one(m_b, p_b, inputs[:, i], jnp.asarray(i <= accepted))
+        assert bool(ok)
+    np.testing.assert_array_equal(np.asarray(m_a.seq_lens), np.asarray(m_b.seq_lens))
+    assert int(m_a.device.num_free) == int(m_b.device.num_free)
+    for _ in range(3):
+        token = rng.integers(1, LLAMA["vocab_size"], batch).astype(np.int32)
+        m_a, p_a, logits_a, _, _ = one(m_a, p_a, token, jnp.asarray(active))
+        m_b, p_b, logits_b, _, _ = one(m_b, p_b, token, jnp.asarray(active))
+        assert np.isfinite(np.asarray(logits_a)).all()
+        np.testing.assert_allclose(np.asarray(logits_a), np.asarray(logits_b), rtol=1e-5, atol=1e-5)
+
+
+HYBRID = ["parity/qwen3_next_2", "gemma3/small", "gpt_oss/small", "dsv4/small"]
+
+
+@pytest.mark.parametrize("name", HYBRID)
+def test_hybrid_rollback_equals_a_cache_that_never_saw_the_rejected_tokens(name):
+    """The same for a hybrid cache: Gated DeltaNet states, window rings,
+    DeepSeek-V4's rings, compressed entries and indexer keys come back as
+    if only the kept tokens had run (the reference runs them as one chunk
+    per row), then three more steps agree; free pages and the checkpoint
+    rows start as NaN."""
+    rng = np.random.default_rng(len(name))
+    model = AutoModelForCausalLM.from_pretrained(os.path.join(FIXTURES, name))
+    vocab = model.config.vocab_size
+    graphdef, params = nnx.split(model)
+    batch, k = 3, 5
+    lengths = rng.integers(3, 40, batch).astype(np.int32)
+    manager = _poison(model.make_cache(batch, 128, num_snapshots=batch))
+    manager, slots, ok = jax.jit(lambda m: m.admit(batch, max_n=batch))(manager)
+    assert bool(ok)
+    chunk = jax.jit(partial(hybrid_prefill_chunk, graphdef))
+    prompt = np.zeros((batch, 64), np.int32)
+    prompt[:, :40] = rng.integers(1, vocab, (batch, 40))
+    manager, _, ok = chunk(params, manager, slots, jnp.asarray(prompt), jnp.asarray(lengths))
+    assert bool(ok)
+    inputs = rng.integers(1, vocab, (batch, k + 1)).astype(np.int32)
+    num_drafts = rng.integers(0, k + 1, batch).astype(np.int32)
+    accepted = np.asarray([int(rng.integers(0, n + 1)) for n in num_drafts], np.int32)
+    active = np.ones((batch,), bool)
+
+    @jax.jit
+    def speculated(manager):
+        _, _, ok, rollback = spec._hybrid_verify(graphdef, params, manager, None, inputs, num_drafts, active)
+        return rollback(jnp.asarray(accepted))[0], ok
+
+    m_a, ok = speculated(manager)
+    assert bool(ok)
+    m_b, _, ok = chunk(params, manager, slots, jnp.asarray(inputs), jnp.asarray(accepted + 1))
+    assert bool(ok)
+    np.testing.assert_array_equal(np.asarray(m_a.seq_lens), np.asarray(m_b.seq_lens))
+    for group in m_a.groups:
+        np.testing.assert_array_equal(np.asarray(m_a.groups[group].lens), np.asarray(m_b.groups[group].lens))
+        assert int(m_a.groups[group].allocator.num_free) == int(m_b.groups[group].allocator.num_free)
+    for _ in range(3):
+        token = rng.integers(1, vocab, (batch, 1)).astype(np.int32)
+        m_a, logits_a, _ = chunk(params, m_a, slots, jnp.asarray(token), jnp.ones((batch,), jnp.int32))
+        m_b, logits_b, _ = chunk(params, m_b, slots, jnp.asarray(token), jnp.ones((batch,), jnp.int32))
+        assert np.isfinite(np.asarray(logits_a)).all()
+        np.testing.assert_allclose(np.asarray(logits_a), np.asarray(logits_b), rtol=2e-4, atol=2e-4)
+
+
+# ---------------------------------------------------------------- generate, every family, against transformers
+
+
+FAMILIES = ["parity/llama_3", "parity/qwen3_next_2", "parity/dsv3_4", "gemma3/small", "gpt_oss/small", "dsv4/small"]
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_greedy_speculative_generate_gives_transformers_tokens(name):
+    with open(os.path.join(FIXTURES, name, "expected.json"), encoding="utf-8") as f:
+        expected = json.load(f)
+    model = AutoModelForCausalLM.from_pretrained(os.path.join(FIXTURES, name))
+    out = generate(model, expected["prompts"], expected["max_new_tokens"],
+                   speculative={"num_speculative_tokens": 3, "prompt_lookup_min": 1})
+    assert out.tokens == expected["greedy"]
+    assert sum(out.draft_tokens) > 0  # the drafts ran, and were checked
+    assert all(a <= d for a, d in zip(out.accepted_tokens, out.draft_tokens))
+
+
+def test_copying_text_is_accepted_and_sampled_runs_finish():
+    """A random Llama whose greedy output loops: the drafts are accepted
+    (fewer verify steps than tokens), the tokens are those of plain
+    ``generate``, one call per verify step gives the same, and a sampled
+    run stops at its length with every block back."""
+    model = LlamaForCausalLM(LlamaConfig(**LLAMA), rngs=nnx.Rngs(3))
+    rng = np.random.default_rng(3)
+    base = rng.integers(1, LLAMA["vocab_size"], 9).tolist()
+    prompts = [base * 3, rng.integers(1, LLAMA["vocab_size"], 5).tolist()]
+    plain = generate(model, prompts, 24, page_size=4)
+    fast = generate(model, prompts, 24, page_size=4, speculative={"num_speculative_tokens": 4})
+    assert fast.tokens == plain.tokens
+    assert sum(fast.accepted_tokens) > 0 and sum(fast.verify_steps) < sum(map(len, plain.tokens))
+    assert generate(model, prompts, 24, page_size=4, per_step=True,
+                    speculative=SpeculativeConfig(num_speculative_tokens=4)).tokens == plain.tokens
+    sampled = generate(model, prompts, 17, page_size=4, sampling=SamplingParams(temperature=0.8), seed=5,
+                       speculative={"num_speculative_tokens": 2})
+    assert [len(t) for t in sampled.tokens] == [17, 17]
+    manager = sampled.state.manager
+    assert int(manager.device.num_free) == manager.device.capacity
