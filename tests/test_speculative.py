@@ -308,7 +308,7 @@ def test_hybrid_rollback_equals_a_cache_that_never_saw_the_rejected_tokens(name)
 
     @jax.jit
     def speculated(manager):
-        _, _, ok, rollback = spec._hybrid_verify(graphdef, params, manager, None, inputs, num_drafts, active)
+        _, _, ok, rollback = spec._hybrid_verify(graphdef, params, manager, inputs, num_drafts, active)
         return rollback(jnp.asarray(accepted))[0], ok
 
     m_a, ok = speculated(manager)
@@ -365,3 +365,85 @@ def test_copying_text_is_accepted_and_sampled_runs_finish():
     assert [len(t) for t in sampled.tokens] == [17, 17]
     manager = sampled.state.manager
     assert int(manager.device.num_free) == manager.device.capacity
+
+
+# ---------------------------------------------------------------- the engine
+
+
+def _engine_run(model, prompts, new, **options):
+    from jaxkv.serve import Engine
+
+    engine = Engine(model, **options)
+    ids = [engine.add_request(p, new) for p in prompts]
+    outputs = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            outputs.setdefault(out.request_id, []).append(out)
+    return engine, [[t for o in outputs[i] for t in o.new_token_ids] for i in ids], [outputs[i][-1] for i in ids]
+
+
+def test_engine_speculates_with_generate_tokens_under_preemption_and_prefix_hits():
+    """Speculative decode chunks in the engine: greedy tokens equal plain
+    ``generate``'s with rows preempted (a pool too small for all) and
+    prompts sharing prefixes; the drafts are counted per request, in the
+    stats and on /metrics."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from jaxkv.serve.metrics import ServerMetrics
+
+    model = LlamaForCausalLM(LlamaConfig(**LLAMA), rngs=nnx.Rngs(3))
+    rng = np.random.default_rng(11)
+    base = rng.integers(1, LLAMA["vocab_size"], 9).tolist()
+    prompts = [base * 2 + [5, 9], rng.integers(1, 61, 19).tolist(), base[:4] * 5, base * 2 + [7, 7]]
+    expected = generate(model, prompts, 40, page_size=4).tokens
+    # Three rows whose prompts and next chunk fit the pool, not their outputs: the newest is preempted.
+    options = dict(max_seqs=3, page_size=4, num_pages=33, max_model_len=72, decode_chunk=4)
+    engine, tokens, last = _engine_run(model, prompts, 40, speculative={"num_speculative_tokens": 3}, **options)
+    assert tokens == expected
+    stats = engine.stats()
+    assert stats.preemptions > 0 and stats.prefix_hit_tokens > 0
+    assert stats.spec_draft_tokens == sum(o.draft_tokens for o in last) > 0
+    assert 0 < stats.spec_accepted_tokens == sum(o.accepted_draft_tokens for o in last) <= stats.spec_draft_tokens
+    plain, _, _ = _engine_run(model, prompts, 40, **options)
+    assert stats.model_calls < plain.stats().model_calls  # several tokens per verify step
+    engine.check_bookkeeping()
+    metrics = ServerMetrics()
+    metrics.set_engine_stats(stats)
+    values = {s.name: s.value for f in text_string_to_metric_families(metrics.render().decode()) for s in f.samples}
+    assert values["jaxkv_spec_draft_tokens_total"] == stats.spec_draft_tokens
+    assert values["jaxkv_spec_accepted_tokens_total"] == stats.spec_accepted_tokens
+
+
+def test_engine_turns_speculation_off_for_a_request_that_keeps_no_drafts():
+    """Random prompts over a large vocabulary: the lookup rarely proposes
+    a kept draft, so after its probation each request decodes plainly (the
+    engine then runs plain decode chunks), with the same tokens; a sampled
+    run finishes at its lengths."""
+    from jaxkv.serve.speculation import PROBATION_STEPS
+
+    model = LlamaForCausalLM(LlamaConfig(**{**LLAMA, "vocab_size": 512}), rngs=nnx.Rngs(5))
+    rng = np.random.default_rng(5)
+    prompts = [rng.integers(1, 512, 12).tolist() for _ in range(3)]
+    config = {"num_speculative_tokens": 2, "min_accepted_per_step": 2.0}  # nothing keeps two drafts a step
+    options = dict(max_seqs=3, page_size=4, num_pages=64, max_model_len=64, decode_chunk=2)
+    engine, tokens, _ = _engine_run(model, prompts, 30, speculative=config, **options)
+    assert tokens == generate(model, prompts, 30, page_size=4).tokens
+    records = list(engine._requests.values())
+    assert all(not r.spec_on and r.spec_steps == PROBATION_STEPS for r in records)
+    _, sampled, _ = _engine_run(model, prompts, 9, speculative=config, **options)
+    assert [len(t) for t in sampled] == [9, 9, 9]
+
+
+def test_engine_speculation_options():
+    from jaxkv.serve import Engine
+    from jaxkv.serve.options import EngineOptions
+
+    options = EngineOptions.from_kwargs(speculative='{"method": "ngram", "num_speculative_tokens": 2}')
+    assert options.scheduler.speculative == SpeculativeConfig(num_speculative_tokens=2)
+    with pytest.raises(InvalidArgument, match="not JSON"):
+        EngineOptions.from_kwargs(speculative="{method: ngram}")
+    with pytest.raises(InvalidArgument, match="unknown keys"):
+        EngineOptions.from_kwargs(speculative={"method": "ngram", "k": 2})
+    qwen = AutoModelForCausalLM.from_pretrained(os.path.join(FIXTURES, "parity/qwen3_next_2"))
+    with pytest.raises(InvalidArgument, match="paged-pool models so far"):
+        Engine(qwen, max_seqs=2, max_model_len=64, speculative={"num_speculative_tokens": 2})

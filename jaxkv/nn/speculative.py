@@ -56,9 +56,10 @@ from flax import nnx, struct
 from jaxtyping import Array, Bool, Float, Int
 
 from jaxkv.errors import InvalidArgument
-from jaxkv.nn.sampling import RowSampling, SamplingParams, filtered_logits
+from jaxkv.nn.sampling import RowSampling, SamplingParams, filtered_logits, split_keys
 from jaxkv.manager.rows import slot_of
 from jaxkv.nn.steps import DecodeState, _finish, _trim, model_step, paged_window
+from jaxkv.pool.scrub import freed_blocks, scrub_kv_pool
 
 __all__ = ["SpecState", "SpeculativeConfig", "accept_drafts", "ngram_propose", "speculative_body",
            "speculative_loop", "speculative_step"]
@@ -72,12 +73,16 @@ class SpeculativeConfig:
     ``num_speculative_tokens``: drafts per verify step (``k``).
     ``prompt_lookup_max`` / ``prompt_lookup_min``: the longest and shortest
     suffix that is looked up (vLLM's defaults for ngram are min 1 when only
-    max is given; here 3 and 1 when neither is)."""
+    max is given; here 3 and 1 when neither is). ``min_accepted_per_step``
+    (jaxkv's; the engine only): a request that keeps fewer drafts per
+    verify step than this after its probation stops speculating
+    (:mod:`jaxkv.serve.speculation`)."""
 
     method: str = "ngram"
     num_speculative_tokens: int = 4
     prompt_lookup_max: int = 3
     prompt_lookup_min: int = 1
+    min_accepted_per_step: float = 0.25
 
     def __post_init__(self):
         if self.method != "ngram":
@@ -87,6 +92,10 @@ class SpeculativeConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise InvalidArgument(f"SpeculativeConfig.{name} must be an integer >= 1, got {value!r}")
+        value = self.min_accepted_per_step
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= self.num_speculative_tokens:
+            raise InvalidArgument(f"SpeculativeConfig.min_accepted_per_step={value!r}: a number in [0, "
+                                  f"num_speculative_tokens={self.num_speculative_tokens}]")
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise InvalidArgument(f"prompt_lookup_min={self.prompt_lookup_min} > prompt_lookup_max="
                                   f"{self.prompt_lookup_max}")
@@ -154,8 +163,8 @@ def accept_drafts(logits: Float[Array, "B K1 V"], drafts: Int[Array, "B K"], num
     of the module docstring); entries past that are 0. Draft ``i`` is only
     considered for ``i < num_drafts[b]``. ``draft_probs``: the draft's
     distribution per position (None: deterministic drafts, ``q`` one-hot).
-    ``key``: one PRNG key for the batch (unused when ``sampling`` is a
-    greedy ``SamplingParams``)."""
+    ``key``: one PRNG key for the batch, or ``[B]`` keys, one per row
+    (unused when ``sampling`` is a greedy ``SamplingParams``)."""
     batch, width, vocab = logits.shape
     k = width - 1
     index = jnp.arange(width, dtype=jnp.int32)[None, :]
@@ -177,8 +186,13 @@ def accept_drafts(logits: Float[Array, "B K1 V"], drafts: Int[Array, "B K"], num
         q = jnp.concatenate([q, jnp.zeros((batch, 1, vocab), p.dtype)], axis=1)  # no draft past K
         p_d = jnp.take_along_axis(p, drafts[:, :, None], axis=2)[:, :, 0]
         q_d = jnp.take_along_axis(q, drafts[:, :, None], axis=2)[:, :, 0]
-        accept_key, draw_key = jax.random.split(key)
-        u = jax.random.uniform(accept_key, (batch, width))
+        if key.ndim == 0:
+            accept_key, draw_key = jax.random.split(key)
+            u = jax.random.uniform(accept_key, (batch, width))
+        else:  # one stream per row: a row's draws do not depend on the others
+            pairs = jax.vmap(jax.random.split)(key)
+            accept_key, draw_key = pairs[:, 0], pairs[:, 1]
+            u = jax.vmap(lambda k: jax.random.uniform(k, (width,)))(accept_key)
         # Accept with min(1, p/q): u * q < p (q > 0 for a drafted token).
         matches = drafted & (u * q_d < p_d)
         accepted = jnp.sum(jnp.cumprod(matches, axis=1), axis=1).astype(jnp.int32)
@@ -188,7 +202,10 @@ def accept_drafts(logits: Float[Array, "B K1 V"], drafts: Int[Array, "B K"], num
         weights = jnp.where(rejected[:, None], _residual(p_at, q_at), p_at)
         # A residual of all zeros (p == q there) cannot be drawn from; then p is used (a null-probability case).
         weights = jnp.where(jnp.sum(weights, axis=-1, keepdims=True) > 0, weights, p_at)
-        drawn = jax.random.categorical(draw_key, jnp.log(weights), axis=-1).astype(jnp.int32)
+        if key.ndim == 0:
+            drawn = jax.random.categorical(draw_key, jnp.log(weights), axis=-1).astype(jnp.int32)
+        else:
+            drawn = jax.vmap(lambda k, w: jax.random.categorical(k, w))(draw_key, jnp.log(weights)).astype(jnp.int32)
         row_temperature = temperature.reshape(batch, width)[:, 0]
         sampled = jnp.where(row_temperature > 0, drawn, jnp.take_along_axis(greedy, accepted[:, None], axis=1)[:, 0])
         # A greedy row of a mixed batch takes the greedy rule.
@@ -225,7 +242,8 @@ class SpecState:
 
 
 def speculative_body(graphdef, params, state: SpecState, sampling: SamplingParams | RowSampling,
-                     config: SpeculativeConfig) -> SpecState:
+                     config: SpeculativeConfig, *, free_finished: bool = True, scrub: bool = False,
+                     speculate: Bool[Array, " B"] | None = None) -> SpecState:
     """One verify step of every unfinished row.
 
     Propose up to ``k`` drafts (:func:`ngram_propose`), grow each row by
@@ -233,22 +251,35 @@ def speculative_body(graphdef, params, state: SpecState, sampling: SamplingParam
     records nothing and sets ``ok`` False and ``blocked``), run them through
     the model at the row's next positions, verify (:func:`accept_drafts`),
     record the emitted tokens (cut at EOS and at ``max_new``), roll the rows
-    back to the positions kept and free the rows that finished. The cache is
-    a paged pool (:func:`_paged_verify`) or a hybrid
-    :class:`~jaxkv.KVCacheManager` (:func:`_hybrid_verify`)."""
+    back to the positions kept and finish the rows that ended (freeing them
+    with ``free_finished``, as :func:`~jaxkv.nn.steps.decode_body`). The
+    cache is a paged pool (:func:`_paged_verify`) or a hybrid
+    :class:`~jaxkv.KVCacheManager` (:func:`_hybrid_verify`). ``scrub``
+    (static; paged pool): blocks the step releases are zeroed in it.
+    ``speculate`` (``[B]``, default all): rows that get drafts; the others
+    decode one token per step (the engine turns speculation off for a
+    request whose drafts are rarely accepted). Keys: one for the batch or
+    one per row (a row's advances only on the steps it runs)."""
     d = state.decode
     k = config.num_speculative_tokens
     batch, width = d.tokens.shape
     active = ~d.finished
     drafts, num_drafts = ngram_propose(state.history, state.history_len, k=k, max_n=config.prompt_lookup_max,
                                        min_n=config.prompt_lookup_min)
-    num_drafts = jnp.where(active, num_drafts, 0)
+    num_drafts = jnp.where(active if speculate is None else active & speculate, num_drafts, 0)
     inputs = jnp.concatenate([d.last[:, None], drafts], axis=1)
-    verify = _paged_verify if d.pool is not None else _hybrid_verify
-    logits, blocked, ok, rollback = verify(graphdef, params, d.manager, d.pool, inputs, num_drafts, active)
+    if d.pool is not None:
+        logits, blocked, ok, rollback = _paged_verify(graphdef, params, d.manager, d.pool, inputs, num_drafts,
+                                                      active, scrub)
+    else:
+        logits, blocked, ok, rollback = _hybrid_verify(graphdef, params, d.manager, inputs, num_drafts, active)
     running = active & ok
-    greedy = isinstance(sampling, SamplingParams) and sampling.is_greedy
-    keys, key = (d.keys, None) if greedy else jax.random.split(d.keys)
+    if isinstance(sampling, SamplingParams) and sampling.is_greedy:  # static: no draw, so no key is spent
+        keys, key = d.keys, None
+    else:
+        keys, key = split_keys(d.keys)
+        if keys.ndim:  # per-row streams advance only with their row
+            keys = jnp.where(running, keys, d.keys)
     emitted, accepted = accept_drafts(logits, drafts, num_drafts, sampling, key)
     manager, pool = rollback(jnp.where(running, accepted, -1))
     # Emitted tokens: the accepted drafts and one of the target's, cut after an EOS and at max_new.
@@ -269,26 +300,27 @@ def speculative_body(graphdef, params, state: SpecState, sampling: SamplingParam
         step=d.step + 1, blocked=jnp.where(ok, d.blocked, blocked),
         peak_used=jnp.maximum(d.peak_used, manager.blocks_in_use), ok=d.ok & ok)
     done = running & ((first_eos < count) | (num_generated >= d.max_new))
-    return state.replace(decode=_finish(decode, done, True),
+    return state.replace(decode=_finish(decode, done, free_finished),
                          history=state.history.at[rows, history_column].set(emitted, mode="drop"),
                          history_len=state.history_len + count,
                          drafted=state.drafted + jnp.where(running, num_drafts, 0),
                          accepted=state.accepted + jnp.where(running, accepted, 0), steps=state.steps + running)
 
 
-def _paged_verify(graphdef, params, manager, pool, inputs, num_drafts, active):
+def _paged_verify(graphdef, params, manager, pool, inputs, num_drafts, active, scrub: bool = False):
     """The verify pass over a paged pool: ``append_slots`` of ``k + 1``
     tokens per row (a windowed model's dead blocks trimmed first, as
     :func:`~jaxkv.nn.steps.decode_logits` does), the model in prefill mode.
     Returns ``(logits [B, k+1, V], blocked, ok, rollback)``; ``rollback(accepted)``
     (-1: a row that did not run) truncates each row to its length before
     the step plus ``accepted + 1`` (the fed token and the accepted drafts)
-    and returns ``(manager, pool)``."""
+    and returns ``(manager, pool)``; with ``scrub`` the blocks it releases
+    are zeroed (:mod:`jaxkv.pool.scrub`)."""
     batch, width = inputs.shape
     seqs = jnp.where(active, jnp.arange(batch, dtype=jnp.int32), -1)
     window = paged_window(nnx.merge(graphdef, params))
     if window is not None:
-        manager, pool = _trim(manager, pool, seqs, window, False)
+        manager, pool = _trim(manager, pool, seqs, window, scrub)
     starts = manager.seq_lens
     manager, pool, slots, blocked, ok = manager.append_slots(pool, seqs, width)
     running = active & ok
@@ -299,12 +331,14 @@ def _paged_verify(graphdef, params, manager, pool, inputs, num_drafts, active):
 
     def rollback(accepted):
         kept, _ = manager.truncate(jnp.where(accepted >= 0, seqs, -1), starts + accepted + 1)
+        if scrub:
+            return kept, scrub_kv_pool(pool, freed_blocks(manager.device, kept.device, null=False))
         return kept, pool
 
     return logits, blocked, ok, rollback
 
 
-def _hybrid_verify(graphdef, params, manager, pool, inputs, num_drafts, active):
+def _hybrid_verify(graphdef, params, manager, inputs, num_drafts, active):
     """The verify pass over a hybrid :class:`~jaxkv.KVCacheManager` (row
     ``b`` = slot ``b + 1``): each row with drafts first copies its state rows
     (GDN conv and recurrent states, SWA, window and compressor rings) into
@@ -316,7 +350,6 @@ def _hybrid_verify(graphdef, params, manager, pool, inputs, num_drafts, active):
     the checkpoint and the kept tokens replayed through the model (one more
     model call, skipped when every row kept all its drafts). Returns
     ``(logits, blocked, ok, rollback)`` as :func:`_paged_verify`."""
-    del pool
     batch, width = inputs.shape
     model = nnx.merge(graphdef, params)
     slots = slot_of(jnp.where(active, jnp.arange(batch, dtype=jnp.int32), -1))

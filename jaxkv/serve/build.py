@@ -39,7 +39,7 @@ logger = logging.getLogger("jaxkv.serve")
 
 
 def build_cache(model, options: CacheOptions, *, max_seqs: int, prefill_chunk: int,
-                free_bytes: int | None = None, mesh=None) -> KVCache:
+                free_bytes: int | None = None, mesh=None, lookahead: int = 0) -> KVCache:
     """The cache for ``model`` by its ``cache_kind`` (:mod:`jaxkv.nn.packed`):
     a :class:`~jaxkv.serve.hybrid_cache.HybridCache` or a
     :class:`~jaxkv.serve.paged_cache.PagedCache`, sized by the one rule of
@@ -47,13 +47,20 @@ def build_cache(model, options: CacheOptions, *, max_seqs: int, prefill_chunk: i
     :mod:`jaxkv.serve.options`). ``mesh``: the mesh the cache will be
     placed on (the caller places it): sized by one device's share (module
     docstring), its plan's bytes per device; ``free_bytes`` default then
-    the least free memory of the mesh's devices. An option of the other kind
-    of cache is refused (``InvalidArgument`` naming it and the options that
-    apply)."""
+    the least free memory of the mesh's devices. ``lookahead``: tokens a
+    row may hold past its request's end for a moment (a speculative verify
+    step's rejected drafts): the tables get room for them and the
+    reserve counts them. An option of the other kind of cache is refused
+    (``InvalidArgument`` naming it and the options that apply)."""
     o = options
     if free_bytes is None and mesh is not None:
         free_bytes = sizing.mesh_free_bytes(mesh)
     if cache_kind(model) == "hybrid":
+        if lookahead:
+            raise InvalidArgument(f"speculative decoding in the engine runs on paged-pool models so far; "
+                                  f"{type(model).__name__} keeps a hybrid cache (its rollback runs in "
+                                  "jaxkv.nn.generate(..., speculative=...); the engine's checkpoint rows are not "
+                                  "built yet)")
         given = [name for name, value in (("num_pages", o.num_pages), ("max_blocks_per_seq", o.max_blocks_per_seq),
                                           ("kv_dtype", o.kv_dtype)) if value is not None]
         given += [name for name, value in (("num_host_pages", o.num_host_pages),
@@ -81,7 +88,7 @@ def build_cache(model, options: CacheOptions, *, max_seqs: int, prefill_chunk: i
         num_host_pages=o.num_host_pages, host_kv_memory=o.host_kv_memory, kv_dtype=o.kv_dtype,
         prefix_cache=o.prefix_cache, prefill_chunk=prefill_chunk, host_memory_kind=o.host_memory_kind,
         free_bytes=free_bytes, host_prefix_pages=o.host_prefix_pages, host_prefix_memory=o.host_prefix_memory,
-        mesh=mesh)
+        mesh=mesh, lookahead=lookahead)
 
 
 def _pool_bytes(pool, mesh) -> int:
@@ -147,7 +154,7 @@ def build_paged_cache(model, *, max_seqs: int, page_size: int, max_model_len: in
           max_blocks_per_seq: int | None, kv_cache_memory, num_host_pages: int | None, host_kv_memory,
           kv_dtype, prefix_cache: bool, prefill_chunk: int, host_memory_kind: str,
           free_bytes: int | None = None, host_prefix_pages: int | None = None,
-          host_prefix_memory: int | None = None, mesh=None) -> PagedCache:
+          host_prefix_memory: int | None = None, mesh=None, lookahead: int = 0) -> PagedCache:
     """The one sizing rule (:mod:`jaxkv.serve.sizing`) for a paged pool.
 
     ``max_model_len`` (None: from ``max_blocks_per_seq * page_size`` when
@@ -242,10 +249,11 @@ def build_paged_cache(model, *, max_seqs: int, page_size: int, max_model_len: in
             f"pages of {page_size} at its peak; the pool has {num_pages - 1} ({source}); give a smaller "
             "max_model_len or more memory")
     cache = PagedCache(model, num_pages=num_pages, page_size=page_size, max_seqs=max_seqs,
-                max_blocks_per_seq=ceil_div(max_model_len, page_size), num_host_pages=num_host_pages,
+                max_blocks_per_seq=ceil_div(max_model_len + lookahead, page_size), num_host_pages=num_host_pages,
                 prefix_cache=prefix_cache, kv_dtype=kv_dtype, prefill_chunk=prefill_chunk,
                 host_memory_kind=host_memory_kind, max_model_len=max_model_len,
                 host_prefix_pages=host_prefix_pages or 0)
+    cache.lookahead = lookahead
     _, per_block = sizing.affine_bytes(lambda counts: measure(counts, max_model_len), 1)
     cache.plan = cache._plan(budget=budget, source=source, per_block=per_block[0])
     if mesh is not None:

@@ -68,6 +68,7 @@ from functools import partial
 from typing import Protocol
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from jaxkv.errors import BookkeepingError, InvalidArgument, KVCacheOOM
@@ -76,13 +77,14 @@ from jaxkv.manager.rows import row_of, slot_of
 from jaxkv.nn import sharding
 from jaxkv.nn.packed import PackedBatch, PackedLane, host_arrays, write_lanes
 from jaxkv.nn.sampling import RowSampling, sample, split_keys
+from jaxkv.nn.speculative import SpecState, speculative_body
 from jaxkv.nn.steps import DecodeState, run_decode
 from jaxkv.serve import sizing
 from jaxkv.serve.sizing import CachePlan
 
 __all__ = ["FREE", "ON_DEVICE", "STATUS_NAMES", "SWAPPED", "CacheBase", "DecodeResult", "KVCache", "PackedResult",
            "PrefillLane", "PrefixHit", "blocks_from_budget", "decode_chunk", "fixed_ids", "pack_stream",
-           "remembers_arguments", "row_of", "sample_first", "slot_of", "unwrap_keys", "wrap_keys"]
+           "remembers_arguments", "row_of", "sample_first", "slot_of", "speculative_chunk", "unwrap_keys", "wrap_keys"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -141,6 +143,9 @@ class DecodeResult:
     ok: bool
     blocked: np.ndarray
     peak: int
+    drafted: np.ndarray | None = None  # with speculation: draft tokens each row verified in the chunk,
+    accepted: np.ndarray | None = None  # those it kept,
+    steps: np.ndarray | None = None  # and the verify steps it ran
 
 
 @dataclasses.dataclass(frozen=True)
@@ -253,6 +258,29 @@ def decode_chunk(graphdef, params, manager, pool, last, active, num_generated, m
     return run_decode(graphdef, params, state, sampling, num_steps=num_steps, free_finished=False, scrub=scrub)
 
 
+@partial(jax.jit, static_argnames=("graphdef", "num_steps", "config", "scrub"), donate_argnums=(2, 3))
+def speculative_chunk(graphdef, params, manager, pool, last, active, num_generated, max_new, eos_id,
+                      sampling: RowSampling, keys, history, history_len, speculate, *, num_steps: int, config,
+                      scrub: bool = False) -> SpecState:
+    """The engine's decode chunk with speculation (a paged cache's): up to
+    ``num_steps`` verify steps (:func:`jaxkv.nn.speculative.speculative_body`,
+    ``config.num_speculative_tokens`` drafts each) of the rows ``active`` in
+    one ``lax.while_loop``; rows stay allocated when they finish. A row
+    drafts from ``history[r, :history_len[r]]`` (its prompt and output, the
+    last being ``last[r]``) when ``speculate[r]``, else decodes one token
+    per step. Stops early as :func:`decode_chunk` does."""
+    width = num_steps * (config.num_speculative_tokens + 1)
+    state = DecodeState.create(manager, pool, last=last, finished=~active, num_generated=num_generated,
+                               max_new=max_new, eos_id=eos_id, keys=keys, width=width)
+    zeros = jnp.zeros(last.shape, jnp.int32)
+    spec = SpecState(decode=state, history=history, history_len=history_len, drafted=zeros, accepted=zeros,
+                     steps=zeros)
+    stop_at = state.step + num_steps
+    return jax.lax.while_loop(
+        lambda s: jnp.any(~s.decode.finished) & s.decode.ok & (s.decode.step < stop_at),
+        lambda s: speculative_body(graphdef, params, s, sampling, config, free_finished=False, scrub=scrub,
+                                   speculate=speculate), spec)
+
 
 def remembers_arguments(init):
     """Decorate an adapter's ``__init__`` so that :meth:`CacheBase.rebuilt`
@@ -277,6 +305,9 @@ class CacheBase(abc.ABC):
     window: int | None = None  # every layer's sliding window, when decode trims blocks out of it
     #: Zero every block (and reset every state row) in the jitted call that frees it (:mod:`jaxkv.pool.scrub`).
     scrub: bool = False
+    #: Tokens a row may hold past its request's end for a moment (a speculative verify step's rejected
+    #: drafts): counted in every request's peak and reserve.
+    lookahead: int = 0
 
     # ------------------------------------------------------------ host mirror
     # The device bookkeeping (``manager``) is replaced, never changed in place,
@@ -419,7 +450,7 @@ class CacheBase(abc.ABC):
         once on its way to ``total`` tokens (the prompt's, prefilled whole,
         or a decode step's); ``add_request`` refuses a request whose peak
         exceeds a group's capacity."""
-        return np.maximum(self.blocks_for(prompt_len), self.decode_peak(prompt_len, total))
+        return np.maximum(self.blocks_for(prompt_len), self.decode_peak(prompt_len, total + self.lookahead))
 
     def first_blocks(self) -> np.ndarray:
         """Per row, the first block of its table, -1 once a sliding window
@@ -563,18 +594,30 @@ class CacheBase(abc.ABC):
         return rows
 
     def decode(self, graphdef, params, last, active, num_generated, max_new, eos_id, sampling: RowSampling,
-               key_data: list, num_steps: int) -> DecodeResult:
+               key_data: list, num_steps: int, speculation=None) -> DecodeResult:
         """``num_steps`` decode steps of the rows ``active`` in one jitted
-        loop; finished rows stay allocated until :meth:`retire`."""
+        loop; finished rows stay allocated until :meth:`retire`.
+        ``speculation``: ``(config, history, history_len, speculate)``: verify
+        steps instead (:func:`speculative_chunk`; the result then says how
+        many drafts each row verified and kept)."""
         manager, pool = self._decode_view()
-        state = decode_chunk(graphdef, params, manager, pool, last, active, num_generated, max_new, eos_id,
-                             sampling, self._keys(key_data), num_steps=num_steps, scrub=self.scrub)
+        drafted = accepted = steps = None
+        if speculation is None:
+            state = decode_chunk(graphdef, params, manager, pool, last, active, num_generated, max_new, eos_id,
+                                 sampling, self._keys(key_data), num_steps=num_steps, scrub=self.scrub)
+        else:
+            config, history, history_len, speculate = speculation
+            spec = speculative_chunk(graphdef, params, manager, pool, last, active, num_generated, max_new, eos_id,
+                                     sampling, self._keys(key_data), history, history_len, speculate,
+                                     num_steps=num_steps, config=config, scrub=self.scrub)
+            state, drafted, accepted, steps = spec.decode, spec.drafted, spec.accepted, spec.steps
         self._decode_done(state.manager, state.pool)
-        out, count, finished, ok, blocked, peak, keys, host = jax.device_get(
+        out, count, finished, ok, blocked, peak, keys, host, drafted, accepted, steps = jax.device_get(
             (state.tokens, state.written, state.finished, state.ok, state.blocked, state.peak_used,
-             unwrap_keys(state.keys), self._host_leaves(self.manager)))
+             unwrap_keys(state.keys), self._host_leaves(self.manager), drafted, accepted, steps))
         self._mirror(host)
-        return DecodeResult(out, count, finished, np.asarray(keys), bool(ok), blocked, int(peak))
+        return DecodeResult(out, count, finished, np.asarray(keys), bool(ok), blocked, int(peak), drafted, accepted,
+                            steps)
 
     def oom(self, need: np.ndarray, detail: str) -> KVCacheOOM:
         """``KVCacheOOM`` for the group with the largest shortfall of ``need``."""

@@ -166,8 +166,9 @@ class Engine(Scheduler):
         #: left out derived for the device and logged, :func:`~jaxkv.serve.build.resolve_options`).
         self.options = options = resolve_options(model, options, mesh=mesh, free_bytes=free_bytes)
         cache, sched, tenants = options.cache, options.scheduler, options.tenants
+        lookahead = 0 if sched.speculative is None else sched.speculative.num_speculative_tokens
         self.cache = build_cache(model, cache, max_seqs=sched.max_seqs, prefill_chunk=sched.prefill_chunk,
-                                 free_bytes=free_bytes, mesh=mesh)
+                                 free_bytes=free_bytes, mesh=mesh, lookahead=lookahead)
         scrub_on_free, prefix_quota = tenants.scrub_on_free, tenants.prefix_quota
         enable_kv_events = tenants.enable_kv_events
         # What a rebuilt cache gets again (see _recover).
@@ -187,7 +188,8 @@ class Engine(Scheduler):
         graphdef, params = nnx.split(model)
         super().__init__(self.cache, graphdef, params, OutputProcessor(Counters(), tokenizer, detokenizer),
                          max_seqs=sched.max_seqs, decode_chunk=sched.decode_chunk, prefill_chunk=sched.prefill_chunk,
-                         max_num_batched_tokens=sched.max_num_batched_tokens, scheduler=sched.scheduler)
+                         max_num_batched_tokens=sched.max_num_batched_tokens, scheduler=sched.scheduler,
+                         speculative=sched.speculative)
         self.key = jax.random.key(sched.seed)
         self.outputs: dict[int, list] = {}
         self._next_id = 0
@@ -435,7 +437,8 @@ class Engine(Scheduler):
             model_iterations=count.model_iterations,
             token_slots=count.slots_computed, padding_slots=count.slots_computed - count.slots_real,
             cache_usage=tuple(self.cache.usage()), step_failures=count.step_failures,
-            failed_requests=count.failed_requests)
+            failed_requests=count.failed_requests, spec_draft_tokens=count.spec_drafted,
+            spec_accepted_tokens=count.spec_accepted)
 
     def _progress(self, pending, total, start, generated_before, before: Counters) -> EngineProgress:
         states = collections.Counter(r.state for r in pending)

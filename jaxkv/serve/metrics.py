@@ -36,6 +36,8 @@ Two kinds of series:
   those served from the prefix cache), ``jaxkv_prefix_cache_hit_rate``,
   ``jaxkv_preemptions_total``, ``jaxkv_engine_aborted_requests_total``,
   ``jaxkv_engine_finished_requests_total``, ``jaxkv_engine_iterations_total``,
+  ``jaxkv_spec_draft_tokens_total`` / ``jaxkv_spec_accepted_tokens_total``
+  (speculative decoding's drafts verified / kept),
   and the engine's own TTFT / ITL samples (drained from each snapshot) in
   ``jaxkv_engine_time_to_first_token_seconds`` and
   ``jaxkv_engine_inter_token_latency_seconds``;
@@ -166,7 +168,11 @@ class _EngineCollector:
                                 "went away).", "aborted_requests"),
                                ("jaxkv_engine_finished_requests", "Requests the engine finished.",
                                 "finished_requests"),
-                               ("jaxkv_engine_iterations", "Scheduler iterations (engine steps).", "iterations")):
+                               ("jaxkv_engine_iterations", "Scheduler iterations (engine steps).", "iterations"),
+                               ("jaxkv_spec_draft_tokens", "Speculative decoding: draft tokens verified.",
+                                "spec_draft_tokens"),
+                               ("jaxkv_spec_accepted_tokens", "Speculative decoding: draft tokens accepted.",
+                                "spec_accepted_tokens")):
             yield CounterMetricFamily(name, doc, value=float(get(key, 0) or 0))
         with self.metrics.lock:
             compiles, compile_seconds = self.metrics.compiles, self.metrics.compile_seconds

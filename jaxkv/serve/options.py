@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import numbers
 import re
 from collections.abc import Mapping
@@ -127,6 +128,13 @@ def _check(name: str, value, kind: str, choices: tuple, optional: bool):
         return dict(value)
     if kind == "dtype":  # checked against what a pool stores where the cache is built
         return value
+    if kind == "speculative":
+        from jaxkv.nn.speculative import SpeculativeConfig  # noqa: PLC0415 (the model side; options stay light)
+
+        try:
+            return SpeculativeConfig.of(json.loads(value) if isinstance(value, str) else value)
+        except json.JSONDecodeError as err:
+            raise InvalidArgument(f"{name}={_host.short_repr(value)}: not JSON ({err})") from None
     raise AssertionError(kind)
 
 
@@ -211,6 +219,10 @@ class SchedulerOptions(_Checked):
     scheduler: str = _option("packed", "choice", "packed: an iteration with prefill work is ONE jitted call over "
                              "a flat stream of decode tokens and prompt pieces; padded: a [max_seqs, "
                              "prefill_chunk] prefill call, then the decode chunk", choices=("packed", "padded"))
+    speculative: object = _option(
+        None, "speculative", "speculative decoding: a dict (or JSON) of jaxkv.nn.speculative.SpeculativeConfig's "
+        "fields, vLLM's spelling, e.g. {\"method\": \"ngram\", \"num_speculative_tokens\": 4}; paged-pool models "
+        "(default: off)", flag="--speculative-config")
     seed: int = _option(0, "int", "the engine's PRNG seed (a request without its own seed samples from "
                         "fold_in(key(seed), request id))", flag="--seed")
 
@@ -335,7 +347,7 @@ def _fraction(text: str) -> float:
 
 
 _ARG_TYPES = {"count": positive_int, "count2": positive_int, "count0": parse_bytes, "memory": parse_memory, "int": int,
-              "fraction": _fraction}
+              "fraction": _fraction, "speculative": str}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -51,7 +51,9 @@ class EngineStats:
     bucket's tail, rows finished inside a decode chunk), ``step_failures``
     (steps that raised inside and were contained: the cache rebuilt, the
     requests in flight re-queued; see :mod:`jaxkv.serve.faults`) and
-    ``failed_requests`` (requests finished with ``"error"``). ``cache_usage``:
+    ``failed_requests`` (requests finished with ``"error"``),
+    ``spec_draft_tokens`` / ``spec_accepted_tokens`` (speculative decoding:
+    draft tokens verified / kept). ``cache_usage``:
     the cache's usage per group now (:class:`EngineSummary`). Since the
     previous :meth:`Engine.stats` call (drained by each call; at most the
     last 65536 of each are kept between calls): ``ttft`` (seconds from the
@@ -87,6 +89,8 @@ class EngineStats:
     cache_usage: tuple = ()
     step_failures: int = 0
     failed_requests: int = 0
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
 
     @property
     def prefix_query_tokens(self) -> int:
@@ -112,6 +116,8 @@ class Counters:
     slots_real: int = 0  # of which real tokens
     step_failures: int = 0  # steps whose exception was contained (cache rebuilt, requests re-queued)
     failed_requests: int = 0  # requests finished with "error"
+    spec_drafted: int = 0  # speculative decoding: draft tokens verified
+    spec_accepted: int = 0  # and kept
 
 
 @dataclasses.dataclass(frozen=True)
@@ -377,6 +383,7 @@ class OutputProcessor:
         for rid, (tokens, text, finished) in self.pending.items():
             req = requests[rid]
             out.append(make(rid, tuple(tokens), finished, req.finish_reason if finished else None, text,
-                            req.cached_tokens, req.error if finished else None))
+                            req.cached_tokens, req.error if finished else None, req.spec_drafted,
+                            req.spec_accepted))
         self.pending = {}
         return out

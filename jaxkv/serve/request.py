@@ -53,6 +53,8 @@ class RequestOutput:
     emitted), else ``""``; ``cached_tokens``: prompt tokens served from the
     prefix cache at its admission (its latest one, after a recompute
     preemption; OpenAI's ``usage.prompt_tokens_details.cached_tokens``).
+    With speculative decoding: ``draft_tokens`` (drafts its verify steps
+    checked so far) and ``accepted_draft_tokens`` (of them kept); 0 without.
     """
 
     request_id: int
@@ -62,10 +64,13 @@ class RequestOutput:
     new_text: str = ""
     cached_tokens: int = 0
     error: str | None = None
+    draft_tokens: int = 0
+    accepted_draft_tokens: int = 0
 
     @classmethod
     def _make(cls, request_id: int, new_token_ids: tuple, finished: bool, finish_reason: str | None,
-              new_text: str, cached_tokens: int, error: str | None) -> "RequestOutput":
+              new_text: str, cached_tokens: int, error: str | None, draft_tokens: int = 0,
+              accepted_draft_tokens: int = 0) -> "RequestOutput":
         """The same object as the constructor's, for the engine's per-step
         outputs (one per request that moved: 256 a step at 256 rows). A
         frozen dataclass's ``__init__`` sets each field through
@@ -73,7 +78,8 @@ class RequestOutput:
         fields, equality, hash and repr are the dataclass's)."""
         out = object.__new__(cls)
         out.__dict__.update(request_id=request_id, new_token_ids=new_token_ids, finished=finished,
-                            finish_reason=finish_reason, new_text=new_text, cached_tokens=cached_tokens, error=error)
+                            finish_reason=finish_reason, new_text=new_text, cached_tokens=cached_tokens, error=error,
+                            draft_tokens=draft_tokens, accepted_draft_tokens=accepted_draft_tokens)
         return out
 
 
@@ -111,6 +117,10 @@ class Request:
     first_token_at: float | None = None
     last_token_at: float | None = None
     gaps: list = dataclasses.field(default_factory=list)  # seconds between consecutive tokens
+    spec_on: bool = True  # with speculation: whether it still drafts (jaxkv.serve.speculation's rule)
+    spec_drafted: int = 0  # draft tokens its verify steps checked
+    spec_accepted: int = 0  # of which it kept
+    spec_steps: int = 0  # verify steps it ran
 
     @property
     def tokens(self) -> list:

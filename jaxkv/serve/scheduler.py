@@ -104,6 +104,7 @@ from jaxkv.serve.faults import MAX_REQUEST_FAULTS, FaultContainment, sampling_ro
 from jaxkv.serve.output import OutputProcessor
 from jaxkv.serve.request import Request, RequestState
 from jaxkv.serve.reserve import admission_blocks, growth, growth_total, make_room, no_hit, readmittable
+from jaxkv.serve.speculation import Speculation
 
 __all__ = ["MAX_REQUEST_FAULTS", "Scheduler", "WAIT_FOR_PREFIX_TOKENS", "cached_sampling_row", "check_rows",
            "row_sampling", "sampling_row", "stream_buckets", "stream_length", "stream_lengths"]
@@ -272,11 +273,17 @@ class Scheduler(FaultContainment):
     tokens were all computed and given out."""
 
     def __init__(self, cache, graphdef, params, output: OutputProcessor, *, max_seqs: int, decode_chunk: int,
-                 prefill_chunk: int, max_num_batched_tokens: int | None, scheduler: str):
+                 prefill_chunk: int, max_num_batched_tokens: int | None, scheduler: str, speculative=None):
         self.cache = cache
         self.graphdef, self.params = graphdef, params
         self.output = output
         self.max_seqs, self.decode_chunk, self.prefill_chunk = max_seqs, decode_chunk, prefill_chunk
+        #: Speculative decoding (:class:`~jaxkv.serve.speculation.Speculation`; None: off).
+        self.speculation = None if speculative is None else Speculation(speculative, max_seqs, cache)
+        # The decode steps whose blocks a running request reserves: a decode chunk's, or with speculation the
+        # most tokens its verify steps can write (the cache's ``lookahead`` covers a step's rejected tail).
+        self.reserve_chunk = decode_chunk if speculative is None else (
+            decode_chunk * (speculative.num_speculative_tokens + 1))
         self.max_num_batched_tokens = max_num_batched_tokens
         self.scheduler = scheduler
         self._requests: dict[int, Request] = {}
@@ -391,13 +398,13 @@ class Scheduler(FaultContainment):
         # the running requests, not a call per request (growth_total).
         running = [req for req in (self._requests[rid] for rid in self._rows if rid is not None)
                    if req.state is RequestState.RUNNING]
-        return growth_total(self.cache, running, self.decode_chunk)
+        return growth_total(self.cache, running, self.reserve_chunk)
 
     def _blocks_wanted(self) -> np.ndarray:
         for rid in self._swapped:
             return self.cache.blocks_for(len(self._requests[rid].tokens))
         for rid in self._waiting:
-            return admission_blocks(self.cache, self._requests[rid], no_hit(self.cache), self.decode_chunk)
+            return admission_blocks(self.cache, self._requests[rid], no_hit(self.cache), self.reserve_chunk)
         return np.zeros(len(self.cache.groups), np.int64)
 
     def check_bookkeeping(self) -> None:
@@ -422,7 +429,7 @@ class Scheduler(FaultContainment):
             # request swapped out at a block boundary needs a new block at
             # once: without this it would be swapped straight back out,
             # forever), and the running requests' reserve.
-            need = self.cache.held_blocks(req.kv_len) + growth(self.cache, req, self.decode_chunk)
+            need = self.cache.held_blocks(req.kv_len) + growth(self.cache, req, self.reserve_chunk)
             if not make_room(self.cache, need + self._growth_reserve()):
                 break
             if not self.cache.swap_in(req.row):
@@ -456,7 +463,7 @@ class Scheduler(FaultContainment):
                 continue
             if running is None:
                 running = self._growth_reserve()
-            want = admission_blocks(self.cache, req, hit, self.decode_chunk)
+            want = admission_blocks(self.cache, req, hit, self.reserve_chunk)
             if not make_room(self.cache, reserved + want + running):
                 self.cache.unpin(hit)
                 if not hit.tokens or self.cache.window is None:
@@ -468,7 +475,7 @@ class Scheduler(FaultContainment):
                 # window a hit only lowers what a request needs: waiting for
                 # room keeps the hit.)
                 hit = no_hit(self.cache)
-                want = admission_blocks(self.cache, req, hit, self.decode_chunk)
+                want = admission_blocks(self.cache, req, hit, self.reserve_chunk)
                 if not make_room(self.cache, reserved + want + running):
                     break
             reserved += want
@@ -677,8 +684,12 @@ class Scheduler(FaultContainment):
         active[index] = True
         for row, req in running.items():
             keys[row] = req.key
+        speculation = None if self.speculation is None else self.speculation.arguments(running)
         result = self.cache.decode(self.graphdef, self.params, last, active, num_generated, max_new, eos,
-                                   row_sampling(self.max_seqs, rows, running), keys, self.decode_chunk)
+                                   row_sampling(self.max_seqs, rows, running), keys, self.decode_chunk,
+                                   speculation=speculation)
+        if speculation is not None:
+            self.speculation.record(running, result.drafted, result.accepted, result.steps, self._count)
         now = time.perf_counter()
         self._update_peak(result.peak)
         self._count_call(self.max_seqs * int(result.count.max(initial=0)), int(result.count.sum()))
@@ -722,14 +733,15 @@ class Scheduler(FaultContainment):
         # Eviction only: room for every running request's next chunk.
         make_room(self.cache, self._growth_reserve())
 
-        def need():  # the next token of each blocked row
-            return sum((self.cache.blocks_for(r.kv_len + 1) - self.cache.blocks_for(r.kv_len) for r in blocked),
+        def need():  # the next token of each blocked row (and a verify step's drafts: the cache's lookahead)
+            grow = 1 + self.cache.lookahead
+            return sum((self.cache.blocks_for(r.kv_len + grow) - self.cache.blocks_for(r.kv_len) for r in blocked),
                        np.zeros(len(self.cache.groups), np.int64))
 
         while blocked and not make_room(self.cache, need()):
             running = [self._requests[rid] for rid in self._rows  # never one mid-prefill
                        if rid is not None and self._decoding(self._requests[rid])]
-            victims = [req for req in running if readmittable(self.cache, req, self.decode_chunk)]
+            victims = [req for req in running if readmittable(self.cache, req, self.reserve_chunk)]
             if not victims:
                 stuck = blocked[0]
                 raise self.cache.oom(need(), f"request {stuck.id} cannot grow and no running request can be "
