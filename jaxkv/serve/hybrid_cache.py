@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxkv._ops import ceil_div, pow2_at_least
-from jaxkv.errors import BookkeepingError, CacheLocked
+from jaxkv.errors import BookkeepingError, CacheLocked, InvalidArgument
 from jaxkv.manager import hybrid_host
 from jaxkv.manager.block_space import FREE, ON_DEVICE, SWAPPED
 from jaxkv.manager.hybrid import KVCacheManager
@@ -584,7 +584,9 @@ class HybridCache(CacheBase):
         self.manager = manager
 
     def decode(self, graphdef, params, last, active, num_generated, max_new, eos_id, sampling, key_data,
-               num_steps) -> DecodeResult:
+               num_steps, speculation=None) -> DecodeResult:
+        if speculation is not None:  # build_cache refuses speculation for a hybrid cache: this guards it
+            raise InvalidArgument("speculative decode chunks run over a paged pool only (so far)")
         result = super().decode(graphdef, params, last, active, num_generated, max_new, eos_id, sampling, key_data,
                                 num_steps)
         rows = np.flatnonzero(active)
