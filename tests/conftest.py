@@ -130,6 +130,8 @@ RULES = (
                              "tokens[parity/qwen3_next_2]"),
      "the paged Llama and the Gated DeltaNet Qwen3-Next by default; window rings (Gemma 3, gpt-oss), "
      "DeepSeek-V3 and DeepSeek-V4's compressors roll back through the same checkpoint and replay"),
+    ("long", "program", ("test_speculative.py::test_smollm2_speculates_with_its_own_first_layers",),
+     "the real SmolLM2 (30 layers) compiled three times; random models check the same paths by default"),
     ("long", "other cases", ("test_nn_gemma3.py::test_cached_steps_equal_no_cache_recompute[paged]",
                              "test_window_cache.py::test_interleaved_cache_matches_float64_attention[paged]"),
      "the ring layout by default; gpt-oss's model tests check the paged one"),

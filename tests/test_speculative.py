@@ -449,3 +449,70 @@ def test_engine_speculation_options():
     qwen = AutoModelForCausalLM.from_pretrained(os.path.join(FIXTURES, "parity/qwen3_next_2"))
     with pytest.raises(InvalidArgument, match="paged-pool models so far"):
         Engine(qwen, max_seqs=2, max_model_len=64, speculative={"num_speculative_tokens": 2})
+
+
+# ---------------------------------------------------------------- draft models
+
+
+def test_draft_models_give_the_target_tokens_and_a_perfect_draft_is_always_kept():
+    """A self-speculative draft (the target's first two of four layers) and
+    the target itself as its draft: greedy tokens equal plain ``generate``'s,
+    the target as its own draft has every draft kept, and the draft's cache
+    is rolled back with the target's (its rows end at the target's lengths)."""
+    from jaxkv.nn.speculative import early_exit_draft
+
+    model = LlamaForCausalLM(LlamaConfig(**{**LLAMA, "num_hidden_layers": 4}), rngs=nnx.Rngs(3))
+    rng = np.random.default_rng(2)
+    prompts = [rng.integers(1, LLAMA["vocab_size"], n).tolist() for n in (5, 11, 3)]
+    plain = generate(model, prompts, 20, page_size=4).tokens
+    early = generate(model, prompts, 20, page_size=4,
+                     speculative={"method": "draft_model", "draft_layers": 2, "num_speculative_tokens": 3})
+    assert early.tokens == plain and sum(early.draft_tokens) > 0
+    perfect = generate(model, prompts, 20, page_size=4,
+                       speculative={"method": "draft_model", "model": model, "num_speculative_tokens": 3})
+    assert perfect.tokens == plain and perfect.accepted_tokens == perfect.draft_tokens
+    # The early exit is the target cut short: its logits are the target's first layers' (same arrays).
+    draft = early_exit_draft(model, 2)
+    assert draft.config.num_hidden_layers == 2
+    np.testing.assert_array_equal(np.asarray(draft.hf_state_dict()["model.embed_tokens.weight"]),
+                                  np.asarray(model.hf_state_dict()["model.embed_tokens.weight"]))
+
+
+def test_draft_model_refusals():
+    model = LlamaForCausalLM(LlamaConfig(**LLAMA), rngs=nnx.Rngs(0))
+    other = LlamaForCausalLM(LlamaConfig(**{**LLAMA, "vocab_size": 64}), rngs=nnx.Rngs(0))
+    with pytest.raises(InvalidArgument, match="one of model"):
+        SpeculativeConfig(method="draft_model")
+    with pytest.raises(InvalidArgument, match=r"draft_layers=2: must be in \[1, 2\)"):
+        generate(model, [[1, 2]], 4, speculative={"method": "draft_model", "draft_layers": 2})
+    with pytest.raises(InvalidArgument, match="vocabulary"):
+        generate(model, [[1, 2]], 4, speculative={"method": "draft_model", "model": other})
+    qwen = AutoModelForCausalLM.from_pretrained(os.path.join(FIXTURES, "parity/qwen3_next_2"))
+    with pytest.raises(InvalidArgument, match="paged pool"):
+        generate(model, [[1, 2]], 4, speculative={"method": "draft_model", "model": qwen})
+    from jaxkv.serve import Engine
+
+    with pytest.raises(InvalidArgument, match="'ngram' so far"):
+        Engine(model, max_seqs=2, max_model_len=64, speculative={"method": "draft_model", "draft_layers": 1})
+
+
+def test_smollm2_speculates_with_its_own_first_layers():
+    """The real SmolLM2: greedy tokens with a self-speculative draft (its
+    first 15 of 30 layers) and with n-gram lookup equal plain ``generate``'s
+    on a prompt that copies a passage."""
+    from jaxkv.bench.spec import PASSAGE
+    from jaxkv.nn.gguf import SMOLLM2_INSTALL, find_smollm2
+    from jaxkv.text import Tokenizer
+
+    path = find_smollm2()
+    if path is None:
+        pytest.skip(SMOLLM2_INSTALL)
+    model, tokenizer = AutoModelForCausalLM.from_pretrained(path), Tokenizer.from_pretrained(path)
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": f"Repeat this text exactly:\n\n{PASSAGE}"}],
+                                        tokenize=True)
+    plain = generate(model, [ids], 40).tokens
+    ngram = generate(model, [ids], 40, speculative={"num_speculative_tokens": 4})
+    early = generate(model, [ids], 40, speculative={"method": "draft_model", "draft_layers": 15,
+                                                     "num_speculative_tokens": 3})
+    assert ngram.tokens == plain and early.tokens == plain
+    assert sum(ngram.accepted_tokens) > 0 and sum(early.accepted_tokens) > 0

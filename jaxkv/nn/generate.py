@@ -15,6 +15,7 @@ the per-step host loop and the multi-step loop can be compared exactly.
 from __future__ import annotations
 
 import dataclasses
+import os
 from functools import partial
 
 import jax
@@ -28,7 +29,8 @@ from jaxkv.manager.block_space import BlockSpaceManager
 from jaxkv.nn import sharding
 from jaxkv.nn.packed import cache_kind
 from jaxkv.nn.sampling import GREEDY, SamplingParams, sample
-from jaxkv.nn.speculative import SpecState, SpeculativeConfig, speculative_loop, speculative_step
+from jaxkv.nn.speculative import (SpecState, SpeculativeConfig, early_exit_draft, speculative_loop,
+                                   speculative_step)
 from jaxkv.nn.steps import (DecodeState, decode_loop, decode_step, hybrid_prefill_chunk, paged_peak_blocks,
                             paged_window, prefill_chunk, start_decoding)
 from jaxkv.pool.kv_pool import KVPool
@@ -311,6 +313,14 @@ def _generate_speculative(model, prompts, max_new_tokens, config: SpeculativeCon
         graphdef, params, state = start_paged(model, prompts, max_new_tokens, eos_token_id=eos_token_id,
                                               sampling=sampling, seed=seed, page_size=page_size, num_pages=num_pages,
                                               kv_dtype=kv_dtype, mesh=mesh, extra_tokens=k)
+    draft_graphdef = draft_params = None
+    draft = {}
+    if config.method == "draft_model":
+        draft_model = _draft_model(model, config)
+        draft_graphdef, draft_params, draft_state = start_paged(
+            draft_model, prompts, max_new_tokens, sampling=sampling, seed=seed, page_size=page_size,
+            kv_dtype=kv_dtype, mesh=mesh, extra_tokens=k + 1)  # every row at full length: no append can fail
+        draft = dict(draft_manager=draft_state.manager, draft_pool=draft_state.pool)
     lengths = np.asarray([len(p) for p in prompts], np.int32)
     history = np.zeros((batch, pow2_at_least(int(lengths.max()) + max_new_tokens + k + 1)), np.int32)
     for row, prompt in enumerate(prompts):
@@ -318,12 +328,12 @@ def _generate_speculative(model, prompts, max_new_tokens, config: SpeculativeCon
     history[np.arange(batch), lengths] = np.asarray(state.tokens[:, 0])
     zeros = np.zeros((batch,), np.int32)  # three buffers: the loop donates each
     spec = SpecState(decode=state, history=jnp.asarray(history), history_len=jnp.asarray(lengths + 1),
-                     drafted=jnp.asarray(zeros), accepted=jnp.asarray(zeros), steps=jnp.asarray(zeros))
+                     drafted=jnp.asarray(zeros), accepted=jnp.asarray(zeros), steps=jnp.asarray(zeros), **draft)
     if per_step:
         while bool(jnp.any(~spec.decode.finished)) and bool(spec.decode.ok):
-            spec = speculative_step(graphdef, params, spec, sampling, config)
+            spec = speculative_step(graphdef, params, spec, sampling, config, draft_graphdef, draft_params)
     else:
-        spec = speculative_loop(graphdef, params, spec, sampling, config)
+        spec = speculative_loop(graphdef, params, spec, sampling, config, draft_graphdef, draft_params)
     state = spec.decode
     if not bool(state.ok):
         if state.pool is None:
@@ -336,3 +346,27 @@ def _generate_speculative(model, prompts, max_new_tokens, config: SpeculativeCon
                                                                spec.accepted, spec.steps))
     return GenerateOutput([tokens[b, : counts[b]].tolist() for b in range(batch)], state,
                           drafted.tolist(), accepted.tolist(), steps.tolist())
+
+
+def _draft_model(target, config: SpeculativeConfig):
+    """The draft model of a ``draft_model`` config: the target's first
+    ``draft_layers`` layers (:func:`~jaxkv.nn.speculative.early_exit_draft`),
+    or ``model`` (a jaxkv model, or a checkpoint path loaded with
+    ``AutoModelForCausalLM``). It must run over a paged pool and share the
+    target's vocabulary (``InvalidArgument`` otherwise)."""
+    if config.draft_layers is not None:
+        draft = early_exit_draft(target, config.draft_layers)
+    elif isinstance(config.model, (str, os.PathLike)):
+        from jaxkv.nn.auto import AutoModelForCausalLM  # noqa: PLC0415 (auto imports every family)
+
+        draft = AutoModelForCausalLM.from_pretrained(config.model)
+    else:
+        draft = config.model
+    if cache_kind(draft) != "paged":
+        raise InvalidArgument(f"the draft model {type(draft).__name__} keeps a hybrid cache; a draft runs over a "
+                              "paged pool (a Llama-family or DeepSeek-V3 model)")
+    vocab, draft_vocab = target.config.vocab_size, draft.config.vocab_size
+    if vocab != draft_vocab:
+        raise InvalidArgument(f"the draft model's vocabulary has {draft_vocab} tokens, the target's {vocab}: "
+                              "they must be the same")
+    return draft

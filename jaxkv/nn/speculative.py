@@ -58,11 +58,11 @@ from jaxtyping import Array, Bool, Float, Int
 from jaxkv.errors import InvalidArgument
 from jaxkv.nn.sampling import RowSampling, SamplingParams, filtered_logits, split_keys
 from jaxkv.manager.rows import slot_of
-from jaxkv.nn.steps import DecodeState, _finish, _trim, model_step, paged_window
+from jaxkv.nn.steps import DecodeState, _finish, _trim, decode_logits, model_step, paged_window
 from jaxkv.pool.scrub import freed_blocks, scrub_kv_pool
 
-__all__ = ["SpecState", "SpeculativeConfig", "accept_drafts", "ngram_propose", "speculative_body",
-           "speculative_loop", "speculative_step"]
+__all__ = ["SpecState", "SpeculativeConfig", "accept_drafts", "early_exit_draft", "ngram_propose",
+           "speculative_body", "speculative_loop", "speculative_step"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,7 +73,12 @@ class SpeculativeConfig:
     ``num_speculative_tokens``: drafts per verify step (``k``).
     ``prompt_lookup_max`` / ``prompt_lookup_min``: the longest and shortest
     suffix that is looked up (vLLM's defaults for ngram are min 1 when only
-    max is given; here 3 and 1 when neither is). ``min_accepted_per_step``
+    max is given; here 3 and 1 when neither is). ``draft_model``: drafts
+    drawn from another model of the same vocabulary, ``model`` (a jaxkv
+    paged-pool model or a checkpoint path), or the target's own first
+    ``draft_layers`` layers with its final norm and head (a self-speculative
+    early exit: :func:`early_exit_draft`); the draft keeps its own paged
+    cache, rolled back with the target's. ``min_accepted_per_step``
     (jaxkv's; the engine only): a request that keeps fewer drafts per
     verify step than this after its probation stops speculating
     (:mod:`jaxkv.serve.speculation`)."""
@@ -83,11 +88,21 @@ class SpeculativeConfig:
     prompt_lookup_max: int = 3
     prompt_lookup_min: int = 1
     min_accepted_per_step: float = 0.25
+    draft_layers: int | None = None
+    model: object = dataclasses.field(default=None, compare=False)
 
     def __post_init__(self):
-        if self.method != "ngram":
-            raise InvalidArgument(f"speculative method {self.method!r}: only 'ngram' is built (draft models and "
-                                  f"EAGLE are not yet)")
+        if self.method not in ("ngram", "draft_model"):
+            raise InvalidArgument(f"speculative method {self.method!r}: 'ngram' and 'draft_model' are built "
+                                  f"(EAGLE and MTP are not yet)")
+        if self.method == "draft_model" and (self.draft_layers is None) == (self.model is None):
+            raise InvalidArgument("speculative method 'draft_model' takes one of model (a jaxkv model or a "
+                                  "checkpoint path) and draft_layers (the target's own first layers)")
+        if self.method == "ngram" and (self.draft_layers is not None or self.model is not None):
+            raise InvalidArgument("model and draft_layers are for method 'draft_model'")
+        if self.draft_layers is not None and (isinstance(self.draft_layers, bool)
+                                              or not isinstance(self.draft_layers, int) or self.draft_layers < 1):
+            raise InvalidArgument(f"SpeculativeConfig.draft_layers must be an integer >= 1, got {self.draft_layers!r}")
         for name in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -231,7 +246,9 @@ class SpecState:
     what speculation carries: ``history [B, H]`` each row's tokens (prompt
     then output; ``history_len [B]`` of them; ``decode.last`` is the last),
     and the per-row totals ``drafted`` (draft tokens verified) and
-    ``accepted`` (of them kept) and ``steps`` (verify steps the row ran)."""
+    ``accepted`` (of them kept) and ``steps`` (verify steps the row ran
+    with at least one draft). With a draft model (``draft_manager``,
+    ``draft_pool``): its cache holds the same tokens as the target's."""
 
     decode: DecodeState
     history: Int[Array, "B H"]
@@ -239,14 +256,19 @@ class SpecState:
     drafted: Int[Array, " B"]
     accepted: Int[Array, " B"]
     steps: Int[Array, " B"]
+    draft_manager: object = None  # a draft model's BlockSpaceManager and KVPool (row b = row b), or None
+    draft_pool: object = None
 
 
 def speculative_body(graphdef, params, state: SpecState, sampling: SamplingParams | RowSampling,
                      config: SpeculativeConfig, *, free_finished: bool = True, scrub: bool = False,
-                     speculate: Bool[Array, " B"] | None = None) -> SpecState:
+                     speculate: Bool[Array, " B"] | None = None, draft_graphdef=None,
+                     draft_params=None) -> SpecState:
     """One verify step of every unfinished row.
 
-    Propose up to ``k`` drafts (:func:`ngram_propose`), grow each row by
+    Propose up to ``k`` drafts (:func:`ngram_propose`, or ``k`` from the
+    draft model ``draft_graphdef`` / ``draft_params``: :func:`_draft_propose`),
+    grow each row by
     ``[last, drafts]`` (all or nothing: a failed allocation runs nothing,
     records nothing and sets ``ok`` False and ``blocked``), run them through
     the model at the row's next positions, verify (:func:`accept_drafts`),
@@ -264,10 +286,16 @@ def speculative_body(graphdef, params, state: SpecState, sampling: SamplingParam
     d = state.decode
     k = config.num_speculative_tokens
     active = ~d.finished
+    options = dict(sampling=sampling, free_finished=free_finished, scrub=scrub)
+    if draft_graphdef is not None:
+        keys, key = (d.keys, None) if _greedy(sampling) else jax.random.split(d.keys)
+        drafts, probs, state = _draft_propose(draft_graphdef, draft_params, state, k, sampling, key)
+        num_drafts = jnp.where(active if speculate is None else active & speculate, k, 0).astype(jnp.int32)
+        return _advance(graphdef, params, state.replace(decode=d.replace(keys=keys)), drafts, num_drafts,
+                        draft_probs=probs, **options)
     drafts, num_drafts = ngram_propose(state.history, state.history_len, k=k, max_n=config.prompt_lookup_max,
                                        min_n=config.prompt_lookup_min)
     num_drafts = jnp.where(active if speculate is None else active & speculate, num_drafts, 0)
-    options = dict(sampling=sampling, free_finished=free_finished, scrub=scrub)
     # A step in which no row has a draft is a plain decode step (one position per row, not k + 1). An index
     # switch, not a predicated cond: XLA:GPU copies the operand of a predicated conditional that a branch
     # updates in place (see BlockSpaceManager.append_slots).
@@ -277,10 +305,47 @@ def speculative_body(graphdef, params, state: SpecState, sampling: SamplingParam
          lambda s: _advance(graphdef, params, s, drafts, num_drafts, **options)], state)
 
 
+def _greedy(sampling) -> bool:
+    return isinstance(sampling, SamplingParams) and sampling.is_greedy
+
+
+def _draft_propose(draft_graphdef, draft_params, state: SpecState, k: int, sampling, key):
+    """``k`` drafts per unfinished row from the draft model, one decode step
+    each over its own paged cache (its token, its argmax or a draw from its
+    distribution after the same temperature / top-k / top-p), and one step
+    more that writes the last draft's K/V (so that a row that keeps every
+    draft has them all). Returns ``(drafts [B, k], probs [B, k, V] or None
+    (greedy), state)`` with the draft cache grown by ``k + 1`` positions;
+    :func:`_advance` truncates it to what the target keeps. The draft cache
+    must hold every row at full length (``generate`` sizes it so): a failed
+    append there is a bug, and makes the truncate refuse (lengths -1)."""
+    d = state.decode
+    active = ~d.finished
+    manager, pool = state.draft_manager, state.draft_pool
+    token, drafts, probs, ok = d.last, [], [], jnp.asarray(True)
+    for i in range(k + 1):
+        manager, pool, logits, _, step_ok = decode_logits(draft_graphdef, draft_params, manager, pool, token, active)
+        ok = ok & step_ok
+        if i == k:
+            break
+        greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+        if _greedy(sampling):
+            token = greedy
+        else:
+            scaled, temperature = filtered_logits(logits, sampling)
+            probs.append(jax.nn.softmax(scaled, axis=-1))
+            drawn = jax.random.categorical(jax.random.fold_in(key, i), scaled, axis=-1).astype(jnp.int32)
+            token = jnp.where(temperature > 0, drawn, greedy)
+        drafts.append(token)
+    state = state.replace(decode=d.replace(ok=d.ok & ok), draft_manager=manager, draft_pool=pool)
+    return jnp.stack(drafts, axis=1), jnp.stack(probs, axis=1) if probs else None, state
+
+
 def _advance(graphdef, params, state: SpecState, drafts, num_drafts, *, sampling, free_finished: bool,
-             scrub: bool) -> SpecState:
+             scrub: bool, draft_probs=None) -> SpecState:
     """:func:`speculative_body` once the drafts are known (``drafts [B, k]``;
-    ``k`` may be 0: a plain decode step)."""
+    ``k`` may be 0: a plain decode step). A draft model's cache
+    (``state.draft_manager``) is truncated with the target's."""
     d = state.decode
     batch, width = d.tokens.shape
     k = drafts.shape[1]
@@ -292,14 +357,19 @@ def _advance(graphdef, params, state: SpecState, drafts, num_drafts, *, sampling
     else:
         logits, blocked, ok, rollback = _hybrid_verify(graphdef, params, d.manager, inputs, num_drafts, active)
     running = active & ok
-    if isinstance(sampling, SamplingParams) and sampling.is_greedy:  # static: no draw, so no key is spent
+    if _greedy(sampling):  # static: no draw, so no key is spent
         keys, key = d.keys, None
     else:
         keys, key = split_keys(d.keys)
         if keys.ndim:  # per-row streams advance only with their row
             keys = jnp.where(running, keys, d.keys)
-    emitted, accepted = accept_drafts(logits, drafts, num_drafts, sampling, key)
+    emitted, accepted = accept_drafts(logits, drafts, num_drafts, sampling, key, draft_probs)
     manager, pool = rollback(jnp.where(running, accepted, -1))
+    if state.draft_manager is not None:  # the draft keeps what the target keeps (a row that did not run: nothing)
+        draft_rows = jnp.where(active, jnp.arange(batch, dtype=jnp.int32), -1)
+        kept, _ = state.draft_manager.truncate(draft_rows, state.draft_manager.seq_lens - (k + 1)
+                                               + jnp.where(running, accepted + 1, 0))
+        state = state.replace(draft_manager=kept)
     # Emitted tokens: the accepted drafts and one of the target's, cut after an EOS and at max_new.
     lane = jnp.arange(k + 1, dtype=jnp.int32)[None, :]
     count = accepted + 1
@@ -397,17 +467,43 @@ def _hybrid_verify(graphdef, params, manager, inputs, num_drafts, active):
     return logits, active & ~ok, ok, rollback
 
 
-@partial(jax.jit, static_argnames=("graphdef", "config"), donate_argnums=(2,))
+@partial(jax.jit, static_argnames=("graphdef", "config", "draft_graphdef"), donate_argnums=(2,))
 def speculative_loop(graphdef, params, state: SpecState, sampling: SamplingParams | RowSampling,
-                     config: SpeculativeConfig) -> SpecState:
+                     config: SpeculativeConfig, draft_graphdef=None, draft_params=None) -> SpecState:
     """:func:`speculative_body` in one ``lax.while_loop`` until every row
     finished or an allocation failed (the state is donated)."""
     return jax.lax.while_loop(lambda s: jnp.any(~s.decode.finished) & s.decode.ok,
-                              lambda s: speculative_body(graphdef, params, s, sampling, config), state)
+                              lambda s: speculative_body(graphdef, params, s, sampling, config,
+                                                         draft_graphdef=draft_graphdef, draft_params=draft_params),
+                              state)
 
 
-@partial(jax.jit, static_argnames=("graphdef", "config"), donate_argnums=(2,))
+@partial(jax.jit, static_argnames=("graphdef", "config", "draft_graphdef"), donate_argnums=(2,))
 def speculative_step(graphdef, params, state: SpecState, sampling: SamplingParams | RowSampling,
-                     config: SpeculativeConfig) -> SpecState:
+                     config: SpeculativeConfig, draft_graphdef=None, draft_params=None) -> SpecState:
     """One :func:`speculative_body` as one jitted call (the state is donated)."""
-    return speculative_body(graphdef, params, state, sampling, config)
+    return speculative_body(graphdef, params, state, sampling, config, draft_graphdef=draft_graphdef,
+                            draft_params=draft_params)
+
+
+def early_exit_draft(model, num_layers: int):
+    """A self-speculative draft: ``model``'s first ``num_layers`` layers with
+    its embedding, final norm and head (the same arrays, copied), as a model
+    of the same family (LayerSkip's early exit, without its training).
+    Families that export transformers-named tensors (``hf_state_dict``) and
+    build from them; ``InvalidArgument`` otherwise, or for ``num_layers``
+    not below the model's depth."""
+    if not hasattr(model, "hf_state_dict") or not hasattr(type(model), "from_hf_state_dict"):
+        raise InvalidArgument(f"draft_layers: {type(model).__name__} cannot be cut to its first layers (it has no "
+                              "hf_state_dict / from_hf_state_dict); give a draft model instead")
+    depth = model.config.num_hidden_layers
+    if not 1 <= num_layers < depth:
+        raise InvalidArgument(f"draft_layers={num_layers}: must be in [1, {depth}) for a model of {depth} layers")
+    hf = model.config.to_hf()
+    hf["num_hidden_layers"] = num_layers
+    if isinstance(hf.get("layer_types"), list):
+        hf["layer_types"] = hf["layer_types"][:num_layers]
+    config = type(model.config).from_hf(hf)
+    tensors = {name: value for name, value in model.hf_state_dict().items()
+               if not (name.startswith("model.layers.") and int(name.split(".")[2]) >= num_layers)}
+    return type(model).from_hf_state_dict(config, tensors)

@@ -166,6 +166,9 @@ class Engine(Scheduler):
         #: left out derived for the device and logged, :func:`~jaxkv.serve.build.resolve_options`).
         self.options = options = resolve_options(model, options, mesh=mesh, free_bytes=free_bytes)
         cache, sched, tenants = options.cache, options.scheduler, options.tenants
+        if sched.speculative is not None and sched.speculative.method != "ngram":
+            raise InvalidArgument(f"speculative method {sched.speculative.method!r}: the engine speculates with "
+                                  "'ngram' so far (draft models run in jaxkv.nn.generate(..., speculative=...))")
         lookahead = 0 if sched.speculative is None else sched.speculative.num_speculative_tokens
         self.cache = build_cache(model, cache, max_seqs=sched.max_seqs, prefill_chunk=sched.prefill_chunk,
                                  free_bytes=free_bytes, mesh=mesh, lookahead=lookahead)
