@@ -41,7 +41,7 @@ from jaxkv.bench._timing import machine_description, print_json, print_table
 __all__ = ["PASSAGE", "main"]
 
 K = 4  # num_speculative_tokens
-REPEATS = 2
+REPEATS = 3
 NEW_TOKENS = {"copy-heavy": 128, "open chat": 64}
 QUICK_NEW_TOKENS = {"copy-heavy": 24, "open chat": 16}
 

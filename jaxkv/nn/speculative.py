@@ -79,15 +79,16 @@ class SpeculativeConfig:
     ``draft_layers`` layers with its final norm and head (a self-speculative
     early exit: :func:`early_exit_draft`); the draft keeps its own paged
     cache, rolled back with the target's. ``min_accepted_per_step``
-    (jaxkv's; the engine only): a request that keeps fewer drafts per
-    verify step than this after its probation stops speculating
-    (:mod:`jaxkv.serve.speculation`)."""
+    (jaxkv's; the engine only; None: derived for the device): the drafts a
+    verify step must keep, per row, to pay for itself; a request below it
+    after its probation stops speculating, and a chunk whose rows together
+    keep less runs plain (:mod:`jaxkv.serve.speculation`)."""
 
     method: str = "ngram"
     num_speculative_tokens: int = 4
     prompt_lookup_max: int = 3
     prompt_lookup_min: int = 1
-    min_accepted_per_step: float = 0.25
+    min_accepted_per_step: float | None = None
     draft_layers: int | None = None
     model: object = dataclasses.field(default=None, compare=False)
 
@@ -108,7 +109,8 @@ class SpeculativeConfig:
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise InvalidArgument(f"SpeculativeConfig.{name} must be an integer >= 1, got {value!r}")
         value = self.min_accepted_per_step
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= self.num_speculative_tokens:
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                  or not 0 <= value <= self.num_speculative_tokens):
             raise InvalidArgument(f"SpeculativeConfig.min_accepted_per_step={value!r}: a number in [0, "
                                   f"num_speculative_tokens={self.num_speculative_tokens}]")
         if self.prompt_lookup_min > self.prompt_lookup_max:

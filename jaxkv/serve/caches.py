@@ -260,7 +260,7 @@ def decode_chunk(graphdef, params, manager, pool, last, active, num_generated, m
 
 @partial(jax.jit, static_argnames=("graphdef", "num_steps", "config", "scrub"), donate_argnums=(2, 3))
 def speculative_chunk(graphdef, params, manager, pool, last, active, num_generated, max_new, eos_id,
-                      sampling: RowSampling, keys, history, history_len, speculate, *, num_steps: int, config,
+                      sampling: RowSampling, keys, history, history_len, speculate, steps, *, num_steps: int, config,
                       scrub: bool = False) -> SpecState:
     """The engine's decode chunk with speculation (a paged cache's): up to
     ``num_steps`` verify steps (:func:`jaxkv.nn.speculative.speculative_body`,
@@ -268,14 +268,15 @@ def speculative_chunk(graphdef, params, manager, pool, last, active, num_generat
     one ``lax.while_loop``; rows stay allocated when they finish. A row
     drafts from ``history[r, :history_len[r]]`` (its prompt and output, the
     last being ``last[r]``) when ``speculate[r]``, else decodes one token
-    per step. Stops early as :func:`decode_chunk` does."""
+    per step. Runs ``steps`` (traced, at most ``num_steps``) verify steps;
+    stops early as :func:`decode_chunk` does."""
     width = num_steps * (config.num_speculative_tokens + 1)
     state = DecodeState.create(manager, pool, last=last, finished=~active, num_generated=num_generated,
                                max_new=max_new, eos_id=eos_id, keys=keys, width=width)
     zeros = jnp.zeros(last.shape, jnp.int32)
     spec = SpecState(decode=state, history=history, history_len=history_len, drafted=zeros, accepted=zeros,
                      steps=zeros)
-    stop_at = state.step + num_steps
+    stop_at = state.step + jnp.minimum(steps, num_steps)
     return jax.lax.while_loop(
         lambda s: jnp.any(~s.decode.finished) & s.decode.ok & (s.decode.step < stop_at),
         lambda s: speculative_body(graphdef, params, s, sampling, config, free_finished=False, scrub=scrub,
@@ -597,19 +598,19 @@ class CacheBase(abc.ABC):
                key_data: list, num_steps: int, speculation=None) -> DecodeResult:
         """``num_steps`` decode steps of the rows ``active`` in one jitted
         loop; finished rows stay allocated until :meth:`retire`.
-        ``speculation``: ``(config, history, history_len, speculate)``: verify
-        steps instead (:func:`speculative_chunk`; the result then says how
-        many drafts each row verified and kept)."""
+        ``speculation``: ``(config, history, history_len, speculate, steps)``:
+        ``steps`` verify steps instead (:func:`speculative_chunk`; the result
+        then says how many drafts each row verified and kept)."""
         manager, pool = self._decode_view()
         drafted = accepted = steps = None
         if speculation is None:
             state = decode_chunk(graphdef, params, manager, pool, last, active, num_generated, max_new, eos_id,
                                  sampling, self._keys(key_data), num_steps=num_steps, scrub=self.scrub)
         else:
-            config, history, history_len, speculate = speculation
+            config, history, history_len, speculate, steps = speculation
             spec = speculative_chunk(graphdef, params, manager, pool, last, active, num_generated, max_new, eos_id,
                                      sampling, self._keys(key_data), history, history_len, speculate,
-                                     num_steps=num_steps, config=config, scrub=self.scrub)
+                                     np.int32(steps), num_steps=num_steps, config=config, scrub=self.scrub)
             state, drafted, accepted, steps = spec.decode, spec.drafted, spec.accepted, spec.steps
         self._decode_done(state.manager, state.pool)
         out, count, finished, ok, blocked, peak, keys, host, drafted, accepted, steps = jax.device_get(

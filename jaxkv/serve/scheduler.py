@@ -684,7 +684,7 @@ class Scheduler(FaultContainment):
         active[index] = True
         for row, req in running.items():
             keys[row] = req.key
-        speculation = None if self.speculation is None else self.speculation.arguments(running)
+        speculation = None if self.speculation is None else self.speculation.arguments(running, self.decode_chunk)
         result = self.cache.decode(self.graphdef, self.params, last, active, num_generated, max_new, eos,
                                    row_sampling(self.max_seqs, rows, running), keys, self.decode_chunk,
                                    speculation=speculation)

@@ -11,12 +11,20 @@ row's history). The host keeps that history (:class:`Speculation`): one
 where a row's request or length changed since the last chunk (a new
 request's tokens once, then the tokens each chunk added).
 
-A request whose drafts are rarely kept stops speculating: after
-``PROBATION_STEPS`` verify steps, if it kept fewer than
-``min_accepted_per_step`` drafts per step (a verify step computes ``k + 1``
-positions for every row, so a row that keeps nothing costs more than a plain
-decode step), it decodes without drafts from then on; when no running
-request speculates, the iteration runs the plain decode chunk.
+A verify step computes ``k + 1`` positions for every row, so it costs more
+than a decode step (on the 2-core CPU with SmolLM2 at batch 4, k = 4: 1.7x);
+it pays when the rows keep enough drafts. ``min_accepted_per_step`` (θ) is
+that break-even, in drafts kept per verify step and row (derived when not
+given: :func:`break_even`). Two rules, both on counts only (never on
+timings, so the engine stays deterministic: processes in lockstep, seeded
+sampling reproducible):
+
+* a request that, after ``PROBATION_STEPS`` verify steps with drafts, kept
+  fewer than θ drafts per such step stops speculating;
+* a decode iteration runs verify steps only when its speculating rows
+  together are expected to keep at least θ drafts per running row (a
+  request's expectation is its own rate, or θ while on probation);
+  otherwise it runs the plain decode chunk.
 
 Packed iterations (prompts being prefilled beside decoding requests) decode
 their requests one token each, without drafts: the packed stream's decode
@@ -27,13 +35,27 @@ from __future__ import annotations
 
 import numpy as np
 
+import jax
+
 from jaxkv._ops import pow2_at_least
 from jaxkv.nn.speculative import SpeculativeConfig
 
-__all__ = ["PROBATION_STEPS", "Speculation"]
+__all__ = ["PROBATION_STEPS", "Speculation", "break_even"]
 
-#: Verify steps a request runs before its acceptance is judged.
-PROBATION_STEPS = 8
+#: Verify steps with drafts a request runs before its acceptance is judged.
+PROBATION_STEPS = 4
+
+
+def break_even(config: SpeculativeConfig) -> float:
+    """θ: ``config.min_accepted_per_step``, or when None the device's: 1.0
+    on a CPU (a verify step of k + 1 positions is compute: 1.7x a decode
+    step measured with SmolLM2, batch 4, k = 4, so 0.7 kept drafts per step
+    break even; 1.0 leaves a margin), 0.25 on an accelerator (decode reads
+    the weights and the KV whatever the positions: a verify step at small
+    batch costs about a decode step)."""
+    if config.min_accepted_per_step is not None:
+        return float(config.min_accepted_per_step)
+    return 1.0 if jax.default_backend() == "cpu" else 0.25
 
 
 class Speculation:
@@ -47,6 +69,7 @@ class Speculation:
 
     def __init__(self, config: SpeculativeConfig, max_seqs: int, cache):
         self.config = config
+        self.theta = break_even(config)
         # Room for the longest request and the tokens a chunk appends on the device (writes past it are dropped
         # there: the lookup then just does not see them).
         self.width = pow2_at_least(cache.max_context_tokens + 1)
@@ -54,18 +77,32 @@ class Speculation:
         self.length = np.zeros((max_seqs,), np.int32)
         self.owner: list = [None] * max_seqs
 
-    def arguments(self, running: dict):
-        """``(config, history, history_len, speculate)`` for a decode chunk of
-        the requests ``running`` (row -> request), or None when none of them
-        speculates (the plain decode chunk then runs)."""
-        speculate = np.zeros(self.length.shape, bool)
-        for row, req in running.items():
-            if req.spec_on:
-                speculate[row] = True
-                self._sync(row, req)
-        if not speculate.any():
+    def arguments(self, running: dict, decode_chunk: int):
+        """``(config, history, history_len, speculate, steps)`` for a decode
+        chunk of the requests ``running`` (row -> request), or None when the
+        chunk runs plain (module docstring: no request speculates, or those
+        that do are not expected to keep θ drafts per running row together).
+        ``steps``: the verify steps to run, ``PROBATION_STEPS`` while a
+        speculating request is on probation (its judgement comes after a
+        short chunk, not a whole one), else ``decode_chunk``."""
+        speculating = [(row, req) for row, req in running.items() if req.spec_on]
+        expected = sum(self.expected(req) for _, req in speculating)
+        if not speculating or expected < self.theta * len(running):
             return None
-        return self.config, self.history, self.length.copy(), speculate
+        speculate = np.zeros(self.length.shape, bool)
+        for row, req in speculating:
+            speculate[row] = True
+            self._sync(row, req)
+        probation = any(req.spec_steps < PROBATION_STEPS for _, req in speculating)
+        steps = min(PROBATION_STEPS, decode_chunk) if probation else decode_chunk
+        return self.config, self.history, self.length.copy(), speculate, steps
+
+    def expected(self, req) -> float:
+        """Drafts ``req`` is expected to keep per verify step: its own rate,
+        or θ while on probation."""
+        if req.spec_steps < PROBATION_STEPS:
+            return self.theta
+        return req.spec_accepted / req.spec_steps
 
     def _sync(self, row: int, req) -> None:
         """Bring ``history[row]`` to ``req``'s tokens, writing what changed."""
@@ -90,8 +127,7 @@ class Speculation:
             req.spec_drafted += int(drafted[row])
             req.spec_accepted += int(accepted[row])
             req.spec_steps += int(steps[row])
-            if (req.spec_steps >= PROBATION_STEPS
-                    and req.spec_accepted < self.config.min_accepted_per_step * req.spec_steps):
+            if req.spec_steps >= PROBATION_STEPS and req.spec_accepted < self.theta * req.spec_steps:
                 req.spec_on = False
         counters.spec_drafted += int(drafted.sum())
         counters.spec_accepted += int(accepted.sum())
