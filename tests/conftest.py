@@ -130,6 +130,9 @@ RULES = (
                              "tokens[parity/qwen3_next_2]"),
      "the paged Llama and the Gated DeltaNet Qwen3-Next by default; window rings (Gemma 3, gpt-oss), "
      "DeepSeek-V3 and DeepSeek-V4's compressors roll back through the same checkpoint and replay"),
+    ("long", "other cases", ("test_speculative.py::test_paged_rollback_equals_a_cache_that_never_saw_the_rejected_"
+                             "tokens[1]",),
+     "a second seed of the paged rollback check (seed 0 runs by default)"),
     ("long", "program", ("test_speculative.py::test_smollm2_speculates_with_its_own_first_layers",),
      "the real SmolLM2 (30 layers) compiled three times; random models check the same paths by default"),
     ("long", "other cases", ("test_nn_gemma3.py::test_cached_steps_equal_no_cache_recompute[paged]",

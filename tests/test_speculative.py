@@ -516,3 +516,17 @@ def test_smollm2_speculates_with_its_own_first_layers():
                                                      "num_speculative_tokens": 3})
     assert ngram.tokens == plain and early.tokens == plain
     assert sum(ngram.accepted_tokens) > 0 and sum(early.accepted_tokens) > 0
+
+
+def test_the_server_flag_reaches_the_engine_options():
+    import argparse
+
+    from jaxkv.serve.options import add_arguments, from_cli
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 5, '
+                                                       '"prompt_lookup_max": 4}'])
+    config = from_cli(args).scheduler.speculative
+    assert config == SpeculativeConfig(num_speculative_tokens=5, prompt_lookup_max=4)
+    assert from_cli(parser.parse_args([])).scheduler.speculative is None

@@ -408,6 +408,10 @@ def _paged_verify(graphdef, params, manager, pool, inputs, num_drafts, active, s
     and returns ``(manager, pool)``; with ``scrub`` the blocks it releases
     are zeroed (:mod:`jaxkv.pool.scrub`)."""
     batch, width = inputs.shape
+    if width == 1:  # no drafts: a plain decode step (the decode attention, not a one-token prefill)
+        manager, pool, logits, blocked, ok = decode_logits(graphdef, params, manager, pool, inputs[:, 0], active,
+                                                           scrub=scrub)
+        return logits[:, None], blocked, ok, lambda accepted: (manager, pool)
     seqs = jnp.where(active, jnp.arange(batch, dtype=jnp.int32), -1)
     window = paged_window(nnx.merge(graphdef, params))
     if window is not None:
