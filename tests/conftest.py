@@ -160,9 +160,11 @@ RULES = (
                          "test_bench_smoke.py::test_benchmark_runs_and_prints_json[memory]",
                          "test_bench_smoke.py::test_benchmark_runs_and_prints_json[serve]",
                          "test_bench_smoke.py::test_benchmark_runs_and_prints_json[compile_depth]",
+                         "test_bench_smoke.py::test_benchmark_runs_and_prints_json[spec]",
                          "test_bench_smoke.py::test_scaling_mesh_runs_every_device_count_and_two_processes"),
-     "the slower benchmarks in quick mode (``serve``: two schedulers on two families, ~55 s; the mesh: "
-     "subprocesses on 1, 2 and 4 devices and two jax.distributed processes, ~1.5 min)"),
+     "the slower benchmarks in quick mode (``serve``: two schedulers on two families, ~55 s; ``spec``: two "
+     "engines on two workloads and the hybrid fixtures, ~1.5 min; the mesh: subprocesses on 1, 2 and 4 devices "
+     "and two jax.distributed processes, ~1.5 min)"),
     ("long", "program", ("test_bench_isolation.py::test_scrub_cost_tables",
                          "test_bench_isolation.py::test_salted_tenants_are_at_chance_through_the_http_server"),
      "~1 min each; the engine part of the salted-tenant check runs by default, scrub-on-free in test_tenants"),

@@ -213,6 +213,6 @@ def main(args) -> int:
     equal &= all(r["equal"] for r in hybrid)
     print(f"\ngreedy tokens equal with and without speculation: {equal}")
     if getattr(args, "json", False):
-        print_json({"benchmark": "spec", "machine": machine, "model": name, "k": K, "engine": rows,
-                    "hybrid": hybrid, "tokens_equal": equal})
+        print_json({"benchmark": "spec", "machine": machine, "model": name, "k": K, "tokens_equal": equal,
+                    "results": {"engine": rows, "hybrid": hybrid}})
     return 0 if equal else 1
