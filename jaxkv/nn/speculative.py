@@ -293,8 +293,8 @@ def speculative_body(graphdef, params, state: SpecState, sampling: SamplingParam
         keys, key = (d.keys, None) if _greedy(sampling) else jax.random.split(d.keys)
         drafts, probs, state = _draft_propose(draft_graphdef, draft_params, state, k, sampling, key)
         num_drafts = jnp.where(active if speculate is None else active & speculate, k, 0).astype(jnp.int32)
-        return _advance(graphdef, params, state.replace(decode=d.replace(keys=keys)), drafts, num_drafts,
-                        draft_probs=probs, **options)
+        return _advance(graphdef, params, state.replace(decode=state.decode.replace(keys=keys)), drafts,
+                        num_drafts, draft_probs=probs, **options)
     drafts, num_drafts = ngram_propose(state.history, state.history_len, k=k, max_n=config.prompt_lookup_max,
                                        min_n=config.prompt_lookup_min)
     num_drafts = jnp.where(active if speculate is None else active & speculate, num_drafts, 0)
@@ -320,7 +320,8 @@ def _draft_propose(draft_graphdef, draft_params, state: SpecState, k: int, sampl
     (greedy), state)`` with the draft cache grown by ``k + 1`` positions;
     :func:`_advance` truncates it to what the target keeps. The draft cache
     must hold every row at full length (``generate`` sizes it so): a failed
-    append there is a bug, and makes the truncate refuse (lengths -1)."""
+    append there sets the state's ``ok`` False, which stops the loop
+    (``generate`` then raises ``KVCacheOOM``)."""
     d = state.decode
     active = ~d.finished
     manager, pool = state.draft_manager, state.draft_pool
