@@ -530,3 +530,33 @@ def test_the_server_flag_reaches_the_engine_options():
     config = from_cli(args).scheduler.speculative
     assert config == SpeculativeConfig(num_speculative_tokens=5, prompt_lookup_max=4)
     assert from_cli(parser.parse_args([])).scheduler.speculative is None
+
+
+def test_a_speculating_engine_recovers_from_a_failed_step_with_its_lookahead():
+    """A contained failure rebuilds the cache (jaxkv.serve.faults): the new
+    one keeps the verify step's lookahead, and the requests finish with
+    plain ``generate``'s tokens."""
+    model = LlamaForCausalLM(LlamaConfig(**LLAMA), rngs=nnx.Rngs(3))
+    rng = np.random.default_rng(4)
+    base = rng.integers(1, LLAMA["vocab_size"], 7).tolist()
+    prompts = [base * 3, base * 2 + [3]]
+    from jaxkv.serve import Engine
+
+    engine = Engine(model, max_seqs=2, page_size=4, num_pages=40, max_model_len=64, decode_chunk=4,
+                    speculative={"num_speculative_tokens": 3})
+    ids = [engine.add_request(p, 20) for p in prompts]
+    engine.step()
+    engine.step()
+    real = engine.cache.decode
+    calls = {"n": 0}
+
+    def fail_once(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise RuntimeError("injected")
+        return real(*args, **kwargs)
+
+    engine.cache.decode = fail_once
+    engine.run()
+    assert engine.stats().step_failures == 1 and engine.cache.lookahead == 3
+    assert [engine.outputs[i] for i in ids] == generate(model, prompts, 20, page_size=4).tokens

@@ -395,15 +395,15 @@ class CacheBase(abc.ABC):
 
     def rebuilt(self) -> "CacheBase":
         """A new, empty cache of this one's sizes and options (its ``plan``
-        kept; isolation, events and mesh placement are the caller's to apply
+        and ``lookahead`` kept; isolation, events and mesh placement are the caller's to apply
         again), built after this one has let go of every array it held, so
         the device never holds both: the engine's way back from a step that
         failed part-way (:meth:`jaxkv.serve.Engine.step`), whatever state
         the failure left here. This object is unusable afterwards."""
-        fresh, plan = self._fresh, self.plan
+        fresh, plan, lookahead = self._fresh, self.plan, self.lookahead
         self.__dict__.clear()  # a failed step's traceback may still reference this object: drop its arrays
         cache = fresh()
-        cache.plan = plan
+        cache.plan, cache.lookahead = plan, lookahead
         return cache
 
     def isolate(self, *, scrub_on_free: bool = False, prefix_quota: float | None = None) -> None:
