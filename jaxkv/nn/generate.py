@@ -117,12 +117,13 @@ def generate(model, input_ids, max_new_tokens: int, *, eos_token_id: int | None 
 
     ``speculative`` (a :class:`~jaxkv.nn.speculative.SpeculativeConfig` or a
     dict of its fields, e.g. ``{"method": "ngram", "num_speculative_tokens":
-    4}``): decode by verify steps of prompt-lookup drafts in one jitted loop
+    4}``, or ``{"method": "draft_model", "draft_layers": 8}``): decode by
+    verify steps of prompt-lookup or draft-model drafts in one jitted loop
     (:mod:`jaxkv.nn.speculative`), for every family (a hybrid cache rolls
-    its state rows back by a checkpoint and a replay); greedy tokens are
-    those without it, sampled ones follow the same distribution. The
-    output then says how many drafts were verified and accepted per
-    prompt.
+    its state rows back by a checkpoint and a replay; a draft model keeps a
+    paged cache of its own); greedy tokens are those without it, sampled
+    ones follow the same distribution. The output then says how many
+    drafts were verified and accepted per prompt.
 
     Raises ``KVCacheOOM`` when the pool is too small for the prompts or for
     their decoding, and ``InvalidArgument`` for empty prompts,
