@@ -122,17 +122,25 @@ RULES = (
     ("long", "other cases", ("test_speculative.py::test_greedy_speculative_generate_gives_transformers_tokens[*]",
                              "!test_speculative.py::test_greedy_speculative_generate_gives_transformers_tokens"
                              "[parity/llama_3]",
-                             "!test_speculative.py::test_greedy_speculative_generate_gives_transformers_tokens"
-                             "[parity/qwen3_next_2]",
                              "test_speculative.py::test_hybrid_rollback_equals_a_cache_that_never_saw_the_rejected_"
                              "tokens[*]",
                              "!test_speculative.py::test_hybrid_rollback_equals_a_cache_that_never_saw_the_rejected_"
                              "tokens[parity/qwen3_next_2]"),
-     "the paged Llama and the Gated DeltaNet Qwen3-Next by default; window rings (Gemma 3, gpt-oss), "
-     "DeepSeek-V3 and DeepSeek-V4's compressors roll back through the same checkpoint and replay"),
+     "the paged Llama's tokens and the Gated DeltaNet Qwen3-Next's rollback by default; window rings (Gemma 3, "
+     "gpt-oss), DeepSeek-V3 and DeepSeek-V4's compressors roll back through the same checkpoint and replay"),
     ("long", "other cases", ("test_speculative.py::test_paged_rollback_equals_a_cache_that_never_saw_the_rejected_"
                              "tokens[1]",),
      "a second seed of the paged rollback check (seed 0 runs by default)"),
+    ("long", "second route", ("test_speculative.py::test_copying_text_is_accepted_and_sampled_runs_finish",
+                              "test_speculative.py::test_engine_turns_speculation_off_for_a_request_that_keeps_few_"
+                              "drafts",
+                              "test_speculative.py::test_draft_models_give_the_target_tokens_and_a_perfect_draft_is_"
+                              "always_kept",
+                              "test_speculative.py::test_a_speculating_engine_recovers_from_a_failed_step_with_its_"
+                              "lookahead"),
+     "speculation's default tests check the rollback of every cache kind's pieces, the rule, the engine under "
+     "preemption and prefix hits, and transformers' tokens; these add the copy-heavy generate loop, the off rule, "
+     "draft models and a contained fault (about 45 s together)"),
     ("long", "program", ("test_speculative.py::test_smollm2_speculates_with_its_own_first_layers",),
      "the real SmolLM2 (30 layers) compiled three times; random models check the same paths by default"),
     ("long", "other cases", ("test_nn_gemma3.py::test_cached_steps_equal_no_cache_recompute[paged]",

@@ -58,7 +58,7 @@ from jaxtyping import Array, Bool, Float, Int
 from jaxkv.errors import InvalidArgument
 from jaxkv.nn.sampling import RowSampling, SamplingParams, filtered_logits, split_keys
 from jaxkv.manager.rows import slot_of
-from jaxkv.nn.steps import DecodeState, _finish, _trim, decode_logits, model_step, paged_window
+from jaxkv.nn.steps import DecodeState, decode_logits, finish_rows, model_step, paged_window, trim_out_of_window
 from jaxkv.pool.scrub import freed_blocks, scrub_kv_pool
 
 __all__ = ["SpecState", "SpeculativeConfig", "accept_drafts", "early_exit_draft", "ngram_propose",
@@ -391,7 +391,7 @@ def _advance(graphdef, params, state: SpecState, drafts, num_drafts, *, sampling
         step=d.step + 1, blocked=jnp.where(ok, d.blocked, blocked),
         peak_used=jnp.maximum(d.peak_used, manager.blocks_in_use), ok=d.ok & ok)
     done = running & ((first_eos < count) | (num_generated >= d.max_new))
-    return state.replace(decode=_finish(decode, done, free_finished),
+    return state.replace(decode=finish_rows(decode, done, free_finished),
                          history=state.history.at[rows, history_column].set(emitted, mode="drop"),
                          history_len=state.history_len + count,
                          drafted=state.drafted + jnp.where(running, num_drafts, 0),
@@ -416,7 +416,7 @@ def _paged_verify(graphdef, params, manager, pool, inputs, num_drafts, active, s
     seqs = jnp.where(active, jnp.arange(batch, dtype=jnp.int32), -1)
     window = paged_window(nnx.merge(graphdef, params))
     if window is not None:
-        manager, pool = _trim(manager, pool, seqs, window, scrub)
+        manager, pool = trim_out_of_window(manager, pool, seqs, window, scrub)
     starts = manager.seq_lens
     manager, pool, slots, blocked, ok = manager.append_slots(pool, seqs, width)
     running = active & ok

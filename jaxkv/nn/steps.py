@@ -71,6 +71,7 @@ __all__ = [
     "decode_logits",
     "decode_loop",
     "decode_step",
+    "finish_rows",
     "hybrid_packed_step",
     "hybrid_prefill_chunk",
     "model_step",
@@ -82,6 +83,7 @@ __all__ = [
     "prefill_chunk",
     "run_decode",
     "start_decoding",
+    "trim_out_of_window",
 ]
 
 
@@ -166,7 +168,7 @@ def decode_logits(graphdef, params, manager: BlockSpaceManager, pool: KVPool, la
         # either way): a row holds O(window) blocks, and a prompt that filled
         # the pool to its last page can take its first decode block from the
         # blocks leaving the window (after the prefill nothing trimmed them).
-        manager, pool = _trim(manager, pool, seqs, window, scrub)
+        manager, pool = trim_out_of_window(manager, pool, seqs, window, scrub)
     manager, pool, slots, blocked, ok = manager.append_slots(pool, seqs, 1)
     tables, lengths = manager.batch_tables(seqs)
     starts = jnp.maximum(lengths - 1, 0)
@@ -176,7 +178,7 @@ def decode_logits(graphdef, params, manager: BlockSpaceManager, pool: KVPool, la
     return manager, pool, logits[:, 0], blocked, ok
 
 
-def _trim(manager: BlockSpaceManager, pool: KVPool, seqs, window: int, scrub: bool):
+def trim_out_of_window(manager: BlockSpaceManager, pool: KVPool, seqs, window: int, scrub: bool):
     """``trim_window`` of ``seqs``; with ``scrub`` the freed blocks are
     zeroed at once (an append after it may take them)."""
     trimmed, _ = manager.trim_window(seqs, window)
@@ -302,7 +304,7 @@ class DecodeState:
             ok=jnp.asarray(ok, bool))
 
 
-def _finish(state: DecodeState, done: Bool[Array, " B"], free_finished: bool) -> DecodeState:
+def finish_rows(state: DecodeState, done: Bool[Array, " B"], free_finished: bool) -> DecodeState:
     """Mark ``done`` rows finished; with ``free_finished`` free them, first
     keeping their tables and lengths in ``final_*`` when the state has them."""
     state = state.replace(finished=state.finished | done)
@@ -336,7 +338,7 @@ def start_decoding(manager: BlockSpaceManager, pool: KVPool, last_logits: Float[
                                num_generated=jnp.ones((batch,), jnp.int32), max_new=max_new, eos_id=eos_id,
                                keys=keys, width=max_new, step=1, ok=ok, keep_final_tables=keep_final_tables)
     state = state.replace(tokens=state.tokens.at[:, 0].set(first), written=jnp.ones((batch,), jnp.int32))
-    return _finish(state, (first == state.eos_id) | (max_new <= 1), True)
+    return finish_rows(state, (first == state.eos_id) | (max_new <= 1), True)
 
 
 def decode_body(graphdef, params, state: DecodeState, sampling: SamplingParams | RowSampling, *,
@@ -369,7 +371,7 @@ def decode_body(graphdef, params, state: DecodeState, sampling: SamplingParams |
         keys=keys, step=state.step + 1, blocked=jnp.where(ok, state.blocked, now_blocked),
         peak_used=jnp.maximum(state.peak_used, manager.blocks_in_use), ok=state.ok & ok)
     done = running & ((new == state.eos_id) | (num_generated >= state.max_new))
-    return _finish(state, done, free_finished)
+    return finish_rows(state, done, free_finished)
 
 
 def run_decode(graphdef, params, state: DecodeState, sampling: SamplingParams | RowSampling, *,
@@ -443,7 +445,7 @@ def paged_packed_step(graphdef, params, manager: BlockSpaceManager, pool: KVPool
     the append (:mod:`jaxkv.pool.scrub`)."""
     seqs = jnp.where(batch.decode_lanes, batch.seq_ids, -1)
     if window is not None:
-        manager, pool = _trim(manager, pool, seqs, window, scrub)
+        manager, pool = trim_out_of_window(manager, pool, seqs, window, scrub)
     manager, pool, _, blocked, ok = manager.append_slots(pool, seqs, 1)
     batch = _drop_decode_lanes(batch, ok)
     token_rows = batch.seq_ids[batch.token_lanes]
