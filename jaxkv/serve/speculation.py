@@ -24,7 +24,9 @@ sampling reproducible):
 * a decode iteration runs verify steps only when its speculating rows
   together are expected to keep at least θ drafts per running row (a
   request's expectation is its own rate, or θ while on probation);
-  otherwise it runs the plain decode chunk.
+  otherwise it runs the plain decode chunk. While a request is on
+  probation the chunk runs ``PROBATION_STEPS`` verify steps, not a whole
+  ``decode_chunk``, so it is judged early.
 
 Packed iterations (prompts being prefilled beside decoding requests) decode
 their requests one token each, without drafts: the packed stream's decode
@@ -33,9 +35,8 @@ lanes bring one token (verify lanes in the packed step are not built yet).
 
 from __future__ import annotations
 
-import numpy as np
-
 import jax
+import numpy as np
 
 from jaxkv._ops import pow2_at_least
 from jaxkv.nn.speculative import SpeculativeConfig
