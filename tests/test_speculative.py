@@ -404,8 +404,6 @@ def test_engine_speculates_with_generate_tokens_under_preemption_and_prefix_hits
     assert stats.preemptions > 0 and stats.prefix_hit_tokens > 0
     assert stats.spec_draft_tokens == sum(o.draft_tokens for o in last) > 0
     assert 0 < stats.spec_accepted_tokens == sum(o.accepted_draft_tokens for o in last) <= stats.spec_draft_tokens
-    plain, _, _ = _engine_run(model, prompts, 40, **options)
-    assert stats.model_calls < plain.stats().model_calls  # several tokens per verify step
     engine.check_bookkeeping()
     metrics = ServerMetrics()
     metrics.set_engine_stats(stats)

@@ -302,6 +302,7 @@ def _generate_speculative(model, prompts, max_new_tokens, config: SpeculativeCon
     verify step with ``per_step``)."""
     k = config.num_speculative_tokens
     batch = len(prompts)
+    draft_model = _draft_model(model, config) if config.method == "draft_model" else None  # refused before a compile
     if cache_kind(model) == "hybrid":
         if kv_dtype is not None or num_pages is not None:
             raise InvalidArgument("kv_dtype and num_pages are for the paged pool; a hybrid-cache model takes "
@@ -316,8 +317,7 @@ def _generate_speculative(model, prompts, max_new_tokens, config: SpeculativeCon
                                               kv_dtype=kv_dtype, mesh=mesh, extra_tokens=k)
     draft_graphdef = draft_params = None
     draft = {}
-    if config.method == "draft_model":
-        draft_model = _draft_model(model, config)
+    if draft_model is not None:
         draft_graphdef, draft_params, draft_state = start_paged(
             draft_model, prompts, max_new_tokens, sampling=sampling, seed=seed, page_size=page_size,
             kv_dtype=kv_dtype, mesh=mesh, extra_tokens=k + 1)  # every row at full length: no append can fail
