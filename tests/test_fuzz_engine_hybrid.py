@@ -276,17 +276,32 @@ def _qwen_pressure():
 # prefix cache and host memory for swapped requests: records go to host and
 # come back, rows are preempted by swap.
 QWEN_HOST = dict(QWEN, num_snapshots=1, host_prefix_memory=1 << 24, host_kv_memory=1 << 24)
+# "speculative": the same traffic decoded by n-gram verify steps that never turn off (θ 0): every rejected
+# draft is rolled back (GDN states and window rings from the checkpoint rows, blocks truncated).
+SPECULATIVE = {"num_speculative_tokens": 3, "min_accepted_per_step": 0.0}
+QWEN_SPEC = dict(QWEN, speculative=SPECULATIVE)
 
 
-@pytest.mark.parametrize("options", [QWEN, QWEN_HOST], ids=["device", "host tiers"])
+def serve_checked(model, options, reference, waves, budget) -> None:
+    """:func:`serve` on a fresh engine of ``options``, snapshot copies spied
+    on, no block leaked (hypothesis' statistics count the runs whose verify
+    steps rejected drafts)."""
+    with distinct_snapshot_copies():
+        engine = Engine(model, **options)
+        serve(engine, reference, waves, budget=budget, check=check_hybrid_no_leak)
+    stats = engine.stats()
+    if stats.spec_accepted_tokens < stats.spec_draft_tokens and currently_in_test_context():
+        event("draft rejected")
+
+
+@pytest.mark.parametrize("options", [QWEN, QWEN_HOST, QWEN_SPEC], ids=["device", "host tiers", "speculative"])
 @settings(max_examples=200 if LONG else 2)
 @given(scenario=qwen_scenarios())
 @example(scenario=_qwen_pressure())
 def test_qwen3_next_engine_matches_generate(qwen, options, scenario):
     model, reference = qwen
     waves, budget = scenario
-    with distinct_snapshot_copies():
-        serve(Engine(model, **options), reference, waves, budget=budget, check=check_hybrid_no_leak)
+    serve_checked(model, options, reference, waves, budget)
 
 
 # ------------------------------------------------------------ hybrid: gpt-oss
@@ -301,15 +316,14 @@ def gptoss():
     return Subject("gpt_oss/small", model, _reference(model, QWEN_LENGTHS, QWEN_NEW))
 
 
-@pytest.mark.parametrize("options", [QWEN, QWEN_HOST], ids=["device", "host tiers"])
+@pytest.mark.parametrize("options", [QWEN, QWEN_HOST, QWEN_SPEC], ids=["device", "host tiers", "speculative"])
 @settings(max_examples=200 if LONG else 2)
 @given(scenario=qwen_scenarios())
 @example(scenario=_qwen_pressure())
 def test_gpt_oss_engine_matches_generate(gptoss, options, scenario):
     model, reference = gptoss
     waves, budget = scenario
-    with distinct_snapshot_copies():
-        serve(Engine(model, **options), reference, waves, budget=budget, check=check_hybrid_no_leak)
+    serve_checked(model, options, reference, waves, budget)
 
 
 # ------------------------------------------------------------ hybrid: DeepSeek-V4
@@ -366,9 +380,8 @@ def test_dsv4_engine_matches_generate(dsv4, data):
                                max_size=2))
     waves = data.draw(st.lists(st.lists(requests(stems, DSV4_LENGTHS, DSV4_NEW, 128, vocab), min_size=1, max_size=4)
                                .map(tuple), min_size=1, max_size=2))
-    with distinct_snapshot_copies():
-        serve(Engine(model, **DSV4), reference, waves, budget=data.draw(st.sampled_from([None, 64])),
-              check=check_hybrid_no_leak)
+    options = data.draw(st.sampled_from([DSV4, dict(DSV4, speculative=SPECULATIVE)]))
+    serve_checked(model, options, reference, waves, data.draw(st.sampled_from([None, 64])))
 
 
 # ------------------------------------------------------------ window models

@@ -286,14 +286,19 @@ def test_hybrid_rollback_equals_a_cache_that_never_saw_the_rejected_tokens(name)
     DeepSeek-V4's rings, compressed entries and indexer keys come back as
     if only the kept tokens had run (the reference runs them as one chunk
     per row), then three more steps agree; free pages and the checkpoint
-    rows start as NaN."""
+    rows start as NaN. The cache is built as speculation builds it
+    (``hybrid_cache_options``): Gemma 3's and gpt-oss's rings get ``k``
+    slots of slack and roll back by length alone (8-token windows, which
+    every row crosses), the others restore a checkpoint."""
     rng = np.random.default_rng(len(name))
     model = AutoModelForCausalLM.from_pretrained(os.path.join(FIXTURES, name))
     vocab = model.config.vocab_size
     graphdef, params = nnx.split(model)
     batch, k = 3, 5
     lengths = rng.integers(3, 40, batch).astype(np.int32)
-    manager = _poison(model.make_cache(batch, 128, num_snapshots=batch))
+    options, checkpoints = spec.hybrid_cache_options(model, k, batch, max_context_tokens=128)
+    assert (checkpoints == 0) == (name in ("gemma3/small", "gpt_oss/small"))
+    manager = _poison(model.make_cache(batch, 128, num_snapshots=checkpoints, **options))
     manager, slots, ok = jax.jit(lambda m: m.admit(batch, max_n=batch))(manager)
     assert bool(ok)
     chunk = jax.jit(partial(hybrid_prefill_chunk, graphdef))
@@ -304,6 +309,8 @@ def test_hybrid_rollback_equals_a_cache_that_never_saw_the_rejected_tokens(name)
     inputs = rng.integers(1, vocab, (batch, k + 1)).astype(np.int32)
     num_drafts = rng.integers(0, k + 1, batch).astype(np.int32)
     accepted = np.asarray([int(rng.integers(0, n + 1)) for n in num_drafts], np.int32)
+    # Row 0 rejects two drafts or more: its verify overwrote ring slots that a ring without slack still needs.
+    num_drafts[0], accepted[0] = k, rng.integers(0, k - 1)
     active = np.ones((batch,), bool)
 
     @jax.jit
@@ -325,6 +332,17 @@ def test_hybrid_rollback_equals_a_cache_that_never_saw_the_rejected_tokens(name)
         m_b, logits_b, _ = chunk(params, m_b, slots, jnp.asarray(token), jnp.ones((batch,), jnp.int32))
         assert np.isfinite(np.asarray(logits_a)).all()
         np.testing.assert_allclose(np.asarray(logits_a), np.asarray(logits_b), rtol=2e-4, atol=2e-4)
+
+
+def test_rings_without_slack_fail_the_rollback_check(monkeypatch):
+    """The check above catches a wrong rule: Gemma 3's rings with no slack,
+    rolled back by length alone, lose keys the next steps attend."""
+    from jaxkv.manager.hybrid import KVCacheManager
+
+    monkeypatch.setattr(spec, "hybrid_cache_options", lambda model, k, rows, **_: ({"ring_slack": 0}, 0))
+    monkeypatch.setattr(KVCacheManager, "rolls_back_by_length", lambda self, num_drafts: True)
+    with pytest.raises(AssertionError, match="Not equal to tolerance"):
+        test_hybrid_rollback_equals_a_cache_that_never_saw_the_rejected_tokens("gemma3/small")
 
 
 # ---------------------------------------------------------------- generate, every family, against transformers
@@ -412,6 +430,44 @@ def test_engine_speculates_with_generate_tokens_under_preemption_and_prefix_hits
     assert values["jaxkv_spec_accepted_tokens_total"] == stats.spec_accepted_tokens
 
 
+HYBRID_ENGINE = ["gemma3/small", "qwen3_next/small", "gpt_oss/small"]
+
+
+@pytest.mark.parametrize("name", HYBRID_ENGINE)
+def test_hybrid_engine_speculates_with_generate_tokens_under_preemption_and_prefix_hits(name):
+    """Speculation over a hybrid cache in the engine (window rings, Gated
+    DeltaNet states: rolled back from the checkpoint rows), verify steps
+    that never turn off: plain ``generate``'s greedy tokens (which begin
+    with transformers') with rows preempted (twelve blocks for three rows
+    that outgrow them), then a second turn that hits the first turn's
+    snapshot; drafts were kept and rejected, and every block comes back."""
+    from jaxkv.serve import Engine
+    from tests.test_fuzz_engine_hybrid import check_hybrid_no_leak
+
+    with open(os.path.join(FIXTURES, name, "expected.json"), encoding="utf-8") as f:
+        fixture = json.load(f)
+    model = AutoModelForCausalLM.from_pretrained(os.path.join(FIXTURES, name))
+    prompts, new = fixture["prompts"], 40
+    expected = generate(model, prompts, new).tokens
+    assert [t[:fixture["max_new_tokens"]] for t in expected] == fixture["greedy"]
+    engine = Engine(model, max_seqs=3, max_context_tokens=256, num_blocks={"full": 12}, decode_chunk=2,
+                    prefill_chunk=64, speculative={"num_speculative_tokens": 3, "min_accepted_per_step": 0.0})
+    order = np.argsort([-len(p) for p in prompts])  # longest first: three admitted together
+    ids = {int(i): engine.add_request(prompts[i], new) for i in order}
+    summary = engine.run()
+    assert {i: engine.outputs[rid] for i, rid in ids.items()} == dict(enumerate(expected))
+    assert summary.recompute_preemptions > 0
+    last = int(order[-1])  # admitted last, retired last: its turn's snapshot is still cached
+    turn = prompts[last] + expected[last] + [3, 5, 7]
+    rid = engine.add_request(turn, new)
+    assert engine.run().prefix_hit_tokens == len(turn) - 4  # the first turn's end (its last token never written)
+    assert engine.outputs[rid] == generate(model, [turn], new).tokens[0]
+    stats = engine.stats()
+    assert 0 < stats.spec_accepted_tokens < stats.spec_draft_tokens
+    check_hybrid_no_leak(engine)
+    assert engine.cache_plan.checkpoint_rows == (3 if name == "qwen3_next/small" else 0)  # rings: slack instead
+
+
 def test_engine_turns_speculation_off_for_a_request_that_keeps_few_drafts():
     """A bar no request meets (two kept drafts per verify step with k = 2:
     every draft kept): after its probation each request decodes plainly
@@ -444,9 +500,16 @@ def test_engine_speculation_options():
         EngineOptions.from_kwargs(speculative="{method: ngram}")
     with pytest.raises(InvalidArgument, match="unknown keys"):
         EngineOptions.from_kwargs(speculative={"method": "ngram", "k": 2})
-    qwen = AutoModelForCausalLM.from_pretrained(os.path.join(FIXTURES, "parity/qwen3_next_2"))
-    with pytest.raises(InvalidArgument, match="paged-pool models so far"):
-        Engine(qwen, max_seqs=2, max_model_len=64, speculative={"num_speculative_tokens": 2})
+    model = LlamaForCausalLM(LlamaConfig(**LLAMA), rngs=nnx.Rngs(3))
+    with pytest.raises(InvalidArgument, match="'ngram' so far"):
+        Engine(model, max_seqs=2, max_model_len=64, speculative={"method": "draft_model", "draft_layers": 1})
+    # A hybrid cache's checkpoint rows (one per sequence row) come out of the same budget as its blocks.
+    qwen = AutoModelForCausalLM.from_pretrained(os.path.join(FIXTURES, "qwen3_next/small"))
+    plain, spec = (Engine(qwen, max_seqs=4, max_model_len=256, kv_cache_memory=2_000_000, speculative=config).cache_plan
+                   for config in (None, {"num_speculative_tokens": 4}))
+    assert (plain.checkpoint_rows, spec.checkpoint_rows) == (0, 4)
+    assert spec.device_bytes <= spec.budget_bytes == 2_000_000
+    assert spec.group("full").blocks < plain.group("full").blocks
 
 
 # ---------------------------------------------------------------- draft models

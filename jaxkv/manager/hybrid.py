@@ -227,7 +227,7 @@ class KVCacheManager:
         if count[AttentionKind.WINDOW]:
             window_pool = WindowLayerCache.create(num_slots + num_snapshots, config.window, config.num_kv_heads,
                                                   config.kv_head_dim, config.window_dtype or config.kv_dtype,
-                                                  num_layers=count[AttentionKind.WINDOW])
+                                                  num_layers=count[AttentionKind.WINDOW], slack=config.ring_slack)
         if count[AttentionKind.FULL]:
             full_pool = KVPool.create(num_pages=num_blocks["full"], page_size=config.page_size,
                                       num_layers=count[AttentionKind.FULL], k_heads=config.num_kv_heads,
@@ -716,8 +716,10 @@ class KVCacheManager:
         decoding). State rows (GDN states, SWA, window and compressor
         rings) are not positions and are not touched: the caller restores
         them (:meth:`copy_state` from a checkpoint row) and replays the
-        tokens it keeps. All or nothing: fails (unchanged) when a slot is
-        not held or repeats, or a length is negative or past the slot's."""
+        tokens it keeps, unless :meth:`rolls_back_by_length` (window rings
+        with slack are right as they are). All or nothing: fails
+        (unchanged) when a slot is not held or repeats, or a length is
+        negative or past the slot's."""
         slots = jnp.asarray(slots, jnp.int32).reshape(-1)
         lengths = jnp.broadcast_to(jnp.asarray(lengths, jnp.int32).reshape(-1), slots.shape)
         active = slots != -1
@@ -730,6 +732,17 @@ class KVCacheManager:
             groups[name], _ = group.shrink(jnp.where(ok, slots, -1), lengths)
         seq_lens = self.seq_lens.at[jnp.where(ok & active, rows, self.num_slots)].set(lengths, mode="drop")
         return self.replace(groups=groups, seq_lens=seq_lens), ok
+
+    def rolls_back_by_length(self, num_drafts: int) -> bool:
+        """Whether a verify step of ``num_drafts`` drafts rolls back by
+        :meth:`truncate` alone (static): true when the only state rows are
+        window rings with at least that much slack
+        (:class:`~jaxkv.pool.window.WindowLayerCache`); Gated DeltaNet
+        states and DeepSeek-V4's rings and compressors have been overwritten
+        by the rejected tokens and need a checkpoint and a replay."""
+        if self.gdn is not None or self.v4_stores:
+            return False
+        return self.window_pool is None or self.window_pool.slack >= num_drafts
 
     def preallocate(self, slots, num_tokens) -> tuple["KVCacheManager", Ok]:
         """Give each held slot of ``slots`` (-1: padding) the blocks

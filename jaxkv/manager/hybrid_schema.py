@@ -110,6 +110,9 @@ class HybridConfig:
     Linear (Gated DeltaNet): ``linear_*``.
     ``num_query_heads``: the attention layers' query heads (the cache does
     not need it; handles report it, as seed 004's do). None: not given.
+    ``ring_slack``: slots past ``window`` in each window layer's ring (a
+    speculative verify step of that many drafts then rolls back by length
+    alone: :class:`~jaxkv.pool.window.WindowLayerCache`).
     """
 
     entry_format: EntryFormat = DSV4_FP8
@@ -132,6 +135,7 @@ class HybridConfig:
     num_query_heads: int | None = None
     index_format: EntryFormat | None = None
     window_dtype: object = None  # window rings' dtype (None: kv_dtype)
+    ring_slack: int = 0
 
     @property
     def head_dim(self) -> int:

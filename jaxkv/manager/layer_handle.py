@@ -391,9 +391,9 @@ class LayerCacheHandle:
         lo = positions - ring.window  # keys must be > lo
 
         # Tokens in blocks (``lax.map``): a block gathers its tokens' rings
-        # ([block, KVH, W, D], a few MiB), never the whole step's ([T, KVH,
-        # W, D]: tens of GiB for a Gemma 3 prefill piece).
-        block = max(1, min(num_tokens, _WINDOW_BLOCK_ELEMENTS // (ring.window * k.shape[1] * k.shape[2])))
+        # ([block, KVH, slots, D], a few MiB), never the whole step's ([T,
+        # KVH, slots, D]: tens of GiB for a Gemma 3 prefill piece).
+        block = max(1, min(num_tokens, _WINDOW_BLOCK_ELEMENTS // (ring.slots * k.shape[1] * k.shape[2])))
         padded = -(-num_tokens // block) * block
 
         def blocked(x, fill):
@@ -412,11 +412,11 @@ class LayerCacheHandle:
         out = jax.lax.map(attend_block, (blocked(q, 0), blocked(rows, 0), blocked(positions, -1), blocked(first, 0),
                                          blocked(lo, 0), blocked(real, False), blocked(self.request_ids, -1)))
         out = out.reshape((padded,) + out.shape[2:])[:num_tokens]
-        # Each request keeps its newest W tokens. The written values depend
-        # on the reads (through ``out``; rows the write drops take it), so
-        # XLA orders the reads first and scatters into the ring in place
-        # instead of copying it.
-        keep = real & (positions > self._newest() - ring.window)
+        # Each request keeps its newest ``slots`` tokens (the window and the
+        # slack). The written values depend on the reads (through ``out``;
+        # rows the write drops take it), so XLA orders the reads first and
+        # scatters into the ring in place instead of copying it.
+        keep = real & (positions > self._newest() - ring.slots)
         target = jnp.where(keep, slots, ring.num_rows)  # past the rows: dropped
         after = out[:, :1, :1]
         k_w = jnp.where(keep[:, None, None], k_step, after.astype(k_step.dtype))

@@ -29,8 +29,8 @@ from jaxkv.manager.block_space import BlockSpaceManager
 from jaxkv.nn import sharding
 from jaxkv.nn.packed import cache_kind
 from jaxkv.nn.sampling import GREEDY, SamplingParams, sample
-from jaxkv.nn.speculative import (SpecState, SpeculativeConfig, early_exit_draft, speculative_loop,
-                                   speculative_step)
+from jaxkv.nn.speculative import (SpecState, SpeculativeConfig, early_exit_draft, hybrid_cache_options,
+                                   speculative_loop, speculative_step)
 from jaxkv.nn.steps import (DecodeState, decode_loop, decode_step, hybrid_prefill_chunk, paged_peak_blocks,
                             paged_window, prefill_chunk, start_decoding)
 from jaxkv.pool.kv_pool import KVPool
@@ -307,10 +307,13 @@ def _generate_speculative(model, prompts, max_new_tokens, config: SpeculativeCon
         if kv_dtype is not None or num_pages is not None:
             raise InvalidArgument("kv_dtype and num_pages are for the paged pool; a hybrid-cache model takes "
                                   "entry_format and num_blocks")
+        # Window rings with k slots of slack; a checkpoint row per prompt where other state must be restored.
+        options, checkpoints = hybrid_cache_options(model, k, batch, max_context_tokens=64, entry_format=entry_format)
         graphdef, params, state = start_hybrid(model, prompts, max_new_tokens, eos_token_id=eos_token_id,
                                                sampling=sampling, seed=seed, entry_format=entry_format,
                                                prefill_chunk_size=chunk, num_blocks=num_blocks, mesh=mesh,
-                                               cache_options={"num_snapshots": batch}, extra_tokens=k)
+                                               cache_options=dict(options, num_snapshots=checkpoints),
+                                               extra_tokens=k)
     else:
         graphdef, params, state = start_paged(model, prompts, max_new_tokens, eos_token_id=eos_token_id,
                                               sampling=sampling, seed=seed, page_size=page_size, num_pages=num_pages,

@@ -42,7 +42,8 @@ it keeps (one more model call of the verify's width; the blocks its
 positions hold are released by :meth:`~jaxkv.KVCacheManager.truncate`).
 Paged positions need no undo: a length and the blocks past it.
 
-Not here yet (issue 42): draft-model proposers, the engine and the server.
+The engine's side (histories on the host, the rule that turns a
+request's speculation off) is :mod:`jaxkv.serve.speculation`.
 """
 
 from __future__ import annotations
@@ -61,8 +62,8 @@ from jaxkv.manager.rows import slot_of
 from jaxkv.nn.steps import DecodeState, decode_logits, finish_rows, model_step, paged_window, trim_out_of_window
 from jaxkv.pool.scrub import freed_blocks, scrub_kv_pool
 
-__all__ = ["SpecState", "SpeculativeConfig", "accept_drafts", "early_exit_draft", "ngram_propose",
-           "speculative_body", "speculative_loop", "speculative_step"]
+__all__ = ["SpecState", "SpeculativeConfig", "accept_drafts", "early_exit_draft", "hybrid_cache_options",
+           "ngram_propose", "speculative_body", "speculative_loop", "speculative_step"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -438,23 +439,40 @@ def _hybrid_verify(graphdef, params, manager, inputs, num_drafts, active):
     """The verify pass over a hybrid :class:`~jaxkv.KVCacheManager` (row
     ``b`` = slot ``b + 1``): each row with drafts first copies its state rows
     (GDN conv and recurrent states, SWA, window and compressor rings) into
-    its checkpoint row ``num_slots + b`` (the manager needs
-    ``num_snapshots >= B``), then reserves ``num_drafts + 1`` tokens and runs
-    them. ``rollback(accepted)``: a row that rejected a draft is truncated
+    its checkpoint row, the ``b``-th of the manager's last ``B`` snapshot
+    rows (the manager needs ``num_snapshots >= B``; the engine's prefix
+    cache keeps the rows before them), then reserves ``num_drafts + 1``
+    tokens and runs them. ``rollback(accepted)``: a row that rejected a draft is truncated
     to its length before the step plus ``accepted + 1``
     (:meth:`~jaxkv.KVCacheManager.truncate`), its state rows restored from
     the checkpoint and the kept tokens replayed through the model (one more
-    model call, skipped when every row kept all its drafts). Returns
-    ``(logits, blocked, ok, rollback)`` as :func:`_paged_verify`."""
+    model call, skipped when every row kept all its drafts). A manager
+    whose only state rows are window rings with ``k`` slots of slack
+    (:meth:`~jaxkv.KVCacheManager.rolls_back_by_length`) needs neither: it
+    is truncated, no checkpoint taken. Returns ``(logits, blocked, ok,
+    rollback)`` as :func:`_paged_verify`."""
     batch, width = inputs.shape
     model = nnx.merge(graphdef, params)
     slots = slot_of(jnp.where(active, jnp.arange(batch, dtype=jnp.int32), -1))
-    checkpoint = manager.num_slots + slots - 1
-    drafted = active & (num_drafts > 0)
-    manager = manager.copy_state(jnp.where(drafted, slots, -1), jnp.where(drafted, checkpoint, -1))
+    by_length = manager.rolls_back_by_length(width - 1)  # static
+    if not by_length:
+        if manager.num_snapshots < batch:
+            raise InvalidArgument(f"speculating over a hybrid cache needs a checkpoint row per row: {batch} rows, "
+                                  f"the manager has {manager.num_snapshots} snapshot rows (make_cache(..., "
+                                  "num_snapshots=))")
+        checkpoint = manager.num_slots + manager.num_snapshots - batch + slots - 1
+        drafted = active & (num_drafts > 0)
+        manager = manager.copy_state(jnp.where(drafted, slots, -1), jnp.where(drafted, checkpoint, -1))
     manager, starts, ok = manager.reserve(slots, jnp.where(active, num_drafts + 1, 0), max_new_tokens=width)
     logits, manager = model(inputs, manager, jnp.where(ok, slots, -1), jnp.maximum(starts, 0),
                             jnp.where(ok & active, num_drafts + 1, 0))
+
+    if by_length:
+        def rollback(accepted):
+            kept, _ = manager.truncate(jnp.where(accepted >= 0, slots, -1), starts + accepted + 1)
+            return kept, None
+
+        return logits, active & ~ok, ok, rollback
 
     def rollback(accepted):
         replay = (accepted >= 0) & (accepted < num_drafts)
@@ -472,6 +490,24 @@ def _hybrid_verify(graphdef, params, manager, inputs, num_drafts, active):
         return kept, None
 
     return logits, active & ~ok, ok, rollback
+
+
+def hybrid_cache_options(model, num_drafts: int, rows: int, **make_cache_args) -> tuple[dict, int]:
+    """How to build ``model``'s hybrid cache for verify steps of
+    ``num_drafts`` drafts over ``rows`` rows: ``(options, checkpoint
+    rows)``. Window rings get ``num_drafts`` slots of slack (``options``:
+    ``ring_slack``, for a model that has them); a cache that then still
+    holds state a rejected token overwrites (Gated DeltaNet states,
+    DeepSeek-V4's rings and compressors) needs ``rows`` checkpoint rows,
+    the last of its ``num_snapshots`` (:func:`_hybrid_verify`); one whose
+    only state is slack rings needs none. ``make_cache_args``: the other
+    ``make_cache`` arguments (a probe of shapes only is built)."""
+    probe = jax.eval_shape(lambda: model.make_cache(1, **make_cache_args))
+    options = {}
+    if probe.window_pool is not None:
+        options = {"ring_slack": num_drafts}
+        probe = jax.eval_shape(lambda: model.make_cache(1, **make_cache_args, **options))
+    return options, 0 if probe.rolls_back_by_length(num_drafts) else rows
 
 
 @partial(jax.jit, static_argnames=("graphdef", "config", "draft_graphdef"), donate_argnums=(2,))

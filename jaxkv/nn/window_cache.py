@@ -49,8 +49,8 @@ WINDOW_CACHES = ("ring", "paged")
 def interleaved_cache(sliding: Sequence[bool], max_requests: int, max_context_tokens: int, *, num_kv_heads: int,
                       head_dim: int, num_query_heads: int, window: int, dtype, entry_format: str = "lossless",
                       num_blocks: dict[str, int] | None = None, kv_bytes: int | None = None, page_size: int = 16,
-                      num_snapshots: int = 0, capture_every: int = 0, window_cache: str = "ring"
-                      ) -> KVCacheManager:
+                      num_snapshots: int = 0, capture_every: int = 0, window_cache: str = "ring",
+                      ring_slack: int = 0) -> KVCacheManager:
     """The manager of a model whose layer ``i`` is a sliding-window layer
     where ``sliding[i]`` (see the module docstring for ``window_cache``).
 
@@ -58,7 +58,8 @@ def interleaved_cache(sliding: Sequence[bool], max_requests: int, max_context_to
     (float8_e4m3fn pages with per-token scales); window rings are always in
     ``dtype``. ``num_blocks`` / ``kv_bytes`` size the ``full`` group (the
     rings take no blocks), ``num_snapshots`` / ``capture_every`` as in
-    :meth:`KVCacheManager.create`."""
+    :meth:`KVCacheManager.create`; ``ring_slack``: slots past the window in
+    each ring (speculative decoding: :class:`~jaxkv.pool.window.WindowLayerCache`)."""
     if window_cache not in WINDOW_CACHES:
         raise InvalidArgument(f"window_cache {window_cache!r} is not one of {WINDOW_CACHES}")
     if entry_format not in ("lossless", "fp8"):
@@ -72,7 +73,7 @@ def interleaved_cache(sliding: Sequence[bool], max_requests: int, max_context_to
     schedule = [LayerSpec(i, ring if s else AttentionKind.FULL) for i, s in enumerate(sliding)]
     config = HybridConfig(num_kv_heads=num_kv_heads, kv_head_dim=head_dim, page_size=page_size, window=window,
                           kv_dtype=dtype if entry_format == "lossless" else jnp.float8_e4m3fn, window_dtype=dtype,
-                          num_query_heads=num_query_heads)
+                          num_query_heads=num_query_heads, ring_slack=ring_slack)
     return KVCacheManager.create(config, schedule, max_requests, max_context_tokens=max_context_tokens,
                                  num_blocks=num_blocks, kv_bytes=kv_bytes, num_snapshots=num_snapshots,
                                  capture_every=capture_every)
@@ -103,7 +104,7 @@ def attend_through_cache(handle, q, k, v, *, sm_scale: float, sliding_window: in
 def config_cache(config, max_requests: int, max_context_tokens: int, *, dtype=jnp.float32,
                  entry_format: str = "lossless", num_blocks: dict[str, int] | None = None,
                  kv_bytes: int | None = None, page_size: int = 16, num_snapshots: int = 0, capture_every: int = 0,
-                 window_cache: str = "ring") -> KVCacheManager:
+                 window_cache: str = "ring", ring_slack: int = 0) -> KVCacheManager:
     """:func:`interleaved_cache` of a model config with ``num_hidden_layers``,
     ``is_sliding(i)``, ``sliding_window``, ``num_key_value_heads``,
     ``head_dim`` and ``num_attention_heads`` (gpt-oss, Gemma 3): the cache
@@ -114,7 +115,8 @@ def config_cache(config, max_requests: int, max_context_tokens: int, *, dtype=jn
     return interleaved_cache(sliding, max_requests, max_context_tokens, num_kv_heads=c.num_key_value_heads,
                              head_dim=c.head_dim, num_query_heads=c.num_attention_heads, window=window, dtype=dtype,
                              entry_format=entry_format, num_blocks=num_blocks, kv_bytes=kv_bytes, page_size=page_size,
-                             num_snapshots=num_snapshots, capture_every=capture_every, window_cache=window_cache)
+                             num_snapshots=num_snapshots, capture_every=capture_every, window_cache=window_cache,
+                             ring_slack=ring_slack)
 
 
 class InterleavedWindowModel:
@@ -133,16 +135,20 @@ class InterleavedWindowModel:
 
     def make_cache(self, max_requests: int, max_context_tokens: int, *, entry_format: str = "lossless",
                    num_blocks: dict[str, int] | None = None, kv_bytes: int | None = None, page_size: int = 16,
-                   num_snapshots: int = 0, capture_every: int = 0, window_cache: str = "ring") -> KVCacheManager:
+                   num_snapshots: int = 0, capture_every: int = 0, window_cache: str = "ring",
+                   ring_slack: int = 0) -> KVCacheManager:
         """A :class:`~jaxkv.KVCacheManager` for this model: full layers'
         K/V in pages of ``page_size`` (``entry_format`` ``"lossless"``: the
         compute dtype; ``"fp8"``: float8_e4m3fn with per-token scales); the
         sliding layers' K/V in per-request rings of ``sliding_window``
         tokens (``window_cache="ring"``) or paged (``"paged"``);
-        ``num_snapshots`` and ``capture_every`` as in ``KVCacheManager.create``."""
+        ``num_snapshots`` and ``capture_every`` as in ``KVCacheManager.create``;
+        ``ring_slack`` slots past the window per ring (speculative decoding
+        of that many drafts then rolls the rings back by length alone)."""
         return config_cache(self.config, max_requests, max_context_tokens, dtype=self.dtype,
                             entry_format=entry_format, num_blocks=num_blocks, kv_bytes=kv_bytes, page_size=page_size,
-                            num_snapshots=num_snapshots, capture_every=capture_every, window_cache=window_cache)
+                            num_snapshots=num_snapshots, capture_every=capture_every, window_cache=window_cache,
+                            ring_slack=ring_slack)
 
     def _check_cache(self, manager) -> None:
         """``InvalidArgument`` unless ``manager`` is a cache of this model's

@@ -9,9 +9,19 @@ leading layer axis first (the layer index: the layer's rank among the
 window layers), as :class:`~jaxkv.KVPool` holds every full-attention
 layer's pages::
 
-    k_bits  [num_layers, num_rows, num_kv_heads, window, head_dim]   position p at [layer, row, :, p % window]
-    v_bits  [num_layers, num_rows, num_kv_heads, window, head_dim]
-    pos     [num_layers, num_rows, window] int32                      position held there, -1: empty
+    k_bits  [num_layers, num_rows, num_kv_heads, slots, head_dim]   position p at [layer, row, :, p % slots]
+    v_bits  [num_layers, num_rows, num_kv_heads, slots, head_dim]
+    pos     [num_layers, num_rows, slots] int32                      position held there, -1: empty
+
+where ``slots = window + slack``. **Slack** (``slack`` extra slots, 0 by
+default) is for speculative decoding: a verify step writes ``k + 1``
+positions and may keep only the first of them. With ``k`` slots of slack
+the positions it writes overwrite only keys older than any later query's
+window (position ``p`` lands where ``p - window - slack`` was), and the
+rejected ones it leaves behind hold positions at or past the row's new
+length, which every read masks (below) until they are written again: a
+ring rolls back by its length alone, with no copy and no undo log, for
+``slack / window`` more memory.
 
 (heads before the window, as the paged pool's ``[KVH, P, ps, D]``: a
 gathered row is ``[KVH, W, D]``, the layout attention's batched dot wants,
@@ -64,22 +74,24 @@ ROW_AXIS = 1
 class WindowLayerCache:
     """The rings of every window layer (see the module docstring)."""
 
-    k_bits: Shaped[Array, "layers rows kvh window d"]
-    v_bits: Shaped[Array, "layers rows kvh window d"]
-    pos: Int[Array, "layers rows window"]
+    k_bits: Shaped[Array, "layers rows kvh slots d"]
+    v_bits: Shaped[Array, "layers rows kvh slots d"]
+    pos: Int[Array, "layers rows slots"]
     dtype: object = struct.field(pytree_node=False)
+    slack: int = struct.field(pytree_node=False, default=0)
 
     @classmethod
     def create(cls, num_rows: int, window: int, num_kv_heads: int, head_dim: int, dtype, *,
-               num_layers: int = 1) -> "WindowLayerCache":
-        """Every row of every layer empty (zeros, ``pos`` -1)."""
-        if min(num_layers, num_rows, window, num_kv_heads, head_dim) < 1:
-            raise InvalidArgument(f"window rings need layers, rows, window, kv heads and head_dim >= 1, got "
-                                  f"{num_layers}, {num_rows}, {window}, {num_kv_heads}, {head_dim}")
-        shape = (num_layers, num_rows, num_kv_heads, window, head_dim)
+               num_layers: int = 1, slack: int = 0) -> "WindowLayerCache":
+        """Every row of every layer empty (zeros, ``pos`` -1); ``window +
+        slack`` slots per ring (the module docstring)."""
+        if min(num_layers, num_rows, window, num_kv_heads, head_dim) < 1 or slack < 0:
+            raise InvalidArgument(f"window rings need layers, rows, window, kv heads and head_dim >= 1 and slack "
+                                  f">= 0, got {num_layers}, {num_rows}, {window}, {num_kv_heads}, {head_dim}, {slack}")
+        shape = (num_layers, num_rows, num_kv_heads, window + slack, head_dim)
         storage = bits_dtype(dtype)
         return cls(k_bits=jnp.zeros(shape, storage), v_bits=jnp.zeros(shape, storage),
-                   pos=jnp.full((num_layers, num_rows, window), -1, jnp.int32), dtype=jnp.dtype(dtype))
+                   pos=jnp.full(shape[:2] + shape[3:4], -1, jnp.int32), dtype=jnp.dtype(dtype), slack=slack)
 
     @property
     def num_layers(self) -> int:
@@ -94,26 +106,32 @@ class WindowLayerCache:
         return self.k_bits.shape[2]
 
     @property
-    def window(self) -> int:
+    def slots(self) -> int:
+        """Slots per ring: the window and the slack."""
         return self.k_bits.shape[3]
+
+    @property
+    def window(self) -> int:
+        """Tokens a query attends (its own and the ``window - 1`` before it)."""
+        return self.slots - self.slack
 
     @property
     def head_dim(self) -> int:
         return self.k_bits.shape[4]
 
     def read(self, layer, rows: Int[Array, " n"]):
-        """``(k, v [n, KVH, W, D] in dtype, pos [n, W])`` of rows ``rows``
+        """``(k, v [n, KVH, slots, D] in dtype, pos [n, slots])`` of rows ``rows``
         (in range) of ``layer`` (an int or a traced int32)."""
         return (from_bits(self.k_bits[layer, rows], self.dtype), from_bits(self.v_bits[layer, rows], self.dtype),
                 self.pos[layer, rows])
 
     def write(self, layer, rows: Int[Array, " T"], positions: Int[Array, " T"], k, v) -> "WindowLayerCache":
         """Token ``t``'s K/V ``[T, KVH, D]`` into ``[layer, rows[t], :,
-        positions[t] % window]``; a row out of range (the caller's way to
+        positions[t] % slots]``; a row out of range (the caller's way to
         skip a token) is dropped. Two tokens naming one slot: undefined
-        which wins (callers write each request's newest ``window`` tokens
+        which wins (callers write each request's newest ``slots`` tokens
         only)."""
-        slot = jnp.where(positions >= 0, positions % self.window, 0)
+        slot = jnp.where(positions >= 0, positions % self.slots, 0)
         return self.replace(k_bits=self.k_bits.at[layer, rows, :, slot].set(to_bits(k, self.dtype), mode="drop"),
                             v_bits=self.v_bits.at[layer, rows, :, slot].set(to_bits(v, self.dtype), mode="drop"),
                             pos=self.pos.at[layer, rows, slot].set(positions, mode="drop"))

@@ -26,6 +26,7 @@ from jaxkv.errors import InvalidArgument
 from jaxkv.manager.block_space import BlockSpaceManager
 from jaxkv.nn import sharding
 from jaxkv.nn.packed import cache_kind
+from jaxkv.nn.speculative import hybrid_cache_options
 from jaxkv.nn.steps import paged_peak_blocks, paged_window
 from jaxkv.serve import sizing
 from jaxkv.serve.caches import KVCache, blocks_from_budget
@@ -56,11 +57,6 @@ def build_cache(model, options: CacheOptions, *, max_seqs: int, prefill_chunk: i
     if free_bytes is None and mesh is not None:
         free_bytes = sizing.mesh_free_bytes(mesh)
     if cache_kind(model) == "hybrid":
-        if lookahead:
-            raise InvalidArgument(f"speculative decoding in the engine runs on paged-pool models so far; "
-                                  f"{type(model).__name__} keeps a hybrid cache (its rollback runs in "
-                                  "jaxkv.nn.generate(..., speculative=...); the engine's checkpoint rows are not "
-                                  "built yet)")
         given = [name for name, value in (("num_pages", o.num_pages), ("max_blocks_per_seq", o.max_blocks_per_seq),
                                           ("kv_dtype", o.kv_dtype)) if value is not None]
         given += [name for name, value in (("num_host_pages", o.num_host_pages),
@@ -74,7 +70,7 @@ def build_cache(model, options: CacheOptions, *, max_seqs: int, prefill_chunk: i
             num_blocks=_block_counts(o.num_blocks), kv_cache_memory=o.kv_cache_memory, num_snapshots=o.num_snapshots,
             entry_format=o.entry_format, prefill_chunk=prefill_chunk, prefix_cache=o.prefix_cache,
             free_bytes=free_bytes, retention=o.snapshot_retention, snapshot_interval=o.snapshot_interval,
-            host_kv_memory=o.host_kv_memory, host_prefix_memory=o.host_prefix_memory, mesh=mesh)
+            host_kv_memory=o.host_kv_memory, host_prefix_memory=o.host_prefix_memory, mesh=mesh, lookahead=lookahead)
     given = [name for name, value in (("max_context_tokens", o.max_context_tokens), ("num_blocks", o.num_blocks),
                                       ("num_snapshots", o.num_snapshots), ("snapshot_interval", o.snapshot_interval))
              if value is not None] + (["snapshot_retention"] if o.snapshot_retention != "value" else [])
@@ -268,7 +264,7 @@ def build_hybrid_cache(model, *, max_seqs: int, max_model_len: int | None, max_c
           num_blocks: dict | None, kv_cache_memory, num_snapshots: int | None, entry_format: str,
           prefill_chunk: int, prefix_cache: bool, free_bytes: int | None = None, retention: str = "value",
           snapshot_interval: int | None = None, host_kv_memory: int | None = None,
-          host_prefix_memory: int | None = None, mesh=None) -> HybridCache:
+          host_prefix_memory: int | None = None, mesh=None, lookahead: int = 0) -> HybridCache:
     """The one sizing rule (:mod:`jaxkv.serve.sizing`) for a hybrid cache.
 
     ``max_model_len`` and ``max_context_tokens`` name the same limit
@@ -286,7 +282,10 @@ def build_hybrid_cache(model, *, max_seqs: int, max_model_len: int | None, max_c
     device (None or 0: none). A ``max_model_len`` given that a group cannot hold
     is refused; the default one is lowered to what every group holds.
     ``mesh``: bytes are one device's (:func:`build_cache`; the expert
-    ``num_blocks`` are used as given)."""
+    ``num_blocks`` are used as given). ``lookahead``: speculation's drafts
+    per verify step (:class:`HybridCache`: a checkpoint state row per
+    sequence row, counted in the budget, and tables ``lookahead`` tokens
+    longer)."""
     if max_model_len is not None and max_context_tokens is not None and max_model_len != max_context_tokens:
         raise InvalidArgument(f"max_model_len={max_model_len} and max_context_tokens={max_context_tokens} "
                               "disagree (the same limit: give one of them)")
@@ -301,7 +300,8 @@ def build_hybrid_cache(model, *, max_seqs: int, max_model_len: int | None, max_c
         cache = HybridCache(model, max_seqs=max_seqs, max_context_tokens=length, num_blocks=num_blocks,
                     entry_format=entry_format, prefill_chunk=prefill_chunk, prefix_cache=prefix_cache,
                     num_snapshots=num_snapshots, retention=retention, snapshot_interval=snapshot_interval,
-                    host_kv_memory=host_kv_memory or 0, host_prefix_memory=host_prefix_memory or 0)
+                    host_kv_memory=host_kv_memory or 0, host_prefix_memory=host_prefix_memory or 0,
+                    lookahead=lookahead)
         cache.plan = cache._plan(budget=None, source=f"num_blocks={num_blocks} (expert option)")
         return cache
     probe = jax.eval_shape(lambda: model.make_cache(1, length, entry_format=entry_format))
@@ -312,10 +312,14 @@ def build_hybrid_cache(model, *, max_seqs: int, max_model_len: int | None, max_c
     def blocks_for(n: int) -> list[int]:
         return [ceil_div(n // tpe, epb) for tpe, epb in per_entry]
 
+    # HybridCache's speculation rows: ring slack, checkpoint rows.
+    options, checkpoints = (hybrid_cache_options(model, lookahead, max_seqs, max_context_tokens=length,
+                                                 entry_format=entry_format) if lookahead else ({}, 0))
+
     def measure(counts, cached, n, on=mesh):
         return _hybrid_bytes(jax.eval_shape(lambda: model.make_cache(
-            max_seqs, n, entry_format=entry_format, num_blocks=dict(zip(names, counts)),
-            num_snapshots=cached)), on)
+            max_seqs, n + lookahead, entry_format=entry_format, num_blocks=dict(zip(names, counts)),
+            num_snapshots=cached + checkpoints, **options)), on)
 
     budget_hint = (sizing.resolve_budget(kv_cache_memory, free_bytes=free_bytes)[0] if kv_cache_memory is not None
                    else sizing.default_budget(free_bytes)[0])
@@ -329,22 +333,25 @@ def build_hybrid_cache(model, *, max_seqs: int, max_model_len: int | None, max_c
         cached = max(int(cached), 0)
     blocks, budget, source = blocks_from_budget(
         lambda counts: measure(counts, cached, length), tokens_per_block,
-        [max_seqs * b for b in blocks_for(length)], kv_cache_memory, free_bytes)
+        [max_seqs * b for b in blocks_for(length + lookahead)], kv_cache_memory, free_bytes)
     held = min(b * t for b, t in zip(blocks, tokens_per_block))  # tokens every group holds
-    fits = all(need <= have for need, have in zip(blocks_for(length), blocks))
+    # A request at max_model_len holds a verify step's rejected drafts past it for a moment.
+    fits = all(need <= have for need, have in zip(blocks_for(length + lookahead), blocks))
     if not fits and len_given:
+        extra = f" and {lookahead} speculated" if lookahead else ""
         raise InvalidArgument(
-            f"max_model_len={length}: a request of {length} tokens holds {blocks_for(length)} blocks of groups "
-            f"{names}; the groups have {blocks} ({source}); give a smaller max_model_len or more memory")
+            f"max_model_len={length}: a request of {length}{extra} tokens holds {blocks_for(length + lookahead)} "
+            f"blocks of groups {names}; the groups have {blocks} ({source}); give a smaller max_model_len or more "
+            "memory")
     if not fits:
         logger.info("KV cache: the default max_model_len %d does not fit blocks %s of groups %s; lowered to %d",
-                    length, blocks, names, held)
-        length = held
+                    length, blocks, names, held - lookahead)
+        length = held - lookahead
     cache = HybridCache(model, max_seqs=max_seqs, max_context_tokens=length, num_blocks=dict(
         zip(names, (b + 1 for b in blocks))), entry_format=entry_format, prefill_chunk=prefill_chunk,
         prefix_cache=prefix_cache and cached > 0, num_snapshots=cached if cached else None, retention=retention,
         snapshot_interval=snapshot_interval, host_kv_memory=host_kv_memory or 0,
-        host_prefix_memory=host_prefix_memory or 0)
+        host_prefix_memory=host_prefix_memory or 0, lookahead=lookahead)
     _, per_block = sizing.affine_bytes(lambda counts: measure(counts, cached, length), len(names))
     cache.plan = cache._plan(budget=budget, source=source, per_block=per_block)
     if mesh is not None:

@@ -21,6 +21,7 @@ from jaxkv.manager.hybrid import KVCacheManager
 from jaxkv.manager.hybrid_swap import RequestImages, release_blocks_scrubbed, release_scrubbed, reset_rows
 from jaxkv.nn.packed import PackedBatch
 from jaxkv.nn.sampling import RowSampling
+from jaxkv.nn.speculative import hybrid_cache_options
 from jaxkv.nn.steps import hybrid_packed_step, hybrid_prefill_chunk
 from jaxkv.prefix.snapshot_cache import BlockOps, SnapshotCache
 from jaxkv.prefix.snapshot_host import SnapshotHostTier
@@ -124,13 +125,24 @@ class HybridCache(CacheBase):
     each group's partly filled last block (copy on write, in
     :meth:`~jaxkv.KVCacheManager.attach_prefix`), so a hit is as long as the
     state that was kept, at token grain.
+
+    **Speculation** (``lookahead``: the verify step's drafts,
+    ``num_speculative_tokens``): window rings get ``lookahead`` slots of
+    slack (they then roll back by length alone); a model with other state
+    (Gated DeltaNet, DeepSeek-V4's rings and compressors) gets ``max_seqs``
+    checkpoint state rows after the prefix cache's snapshot rows (one per
+    row: a verify step copies a row's states there before it runs the
+    drafts, and a row that rejected one gets them back and replays what it
+    kept: :mod:`jaxkv.nn.speculative`); tables have room for ``lookahead``
+    tokens past ``max_context_tokens``. The plan counts the checkpoint
+    rows (``CachePlan.checkpoint_rows``).
     """
 
     @remembers_arguments
     def __init__(self, model, *, max_seqs: int, max_context_tokens: int, num_blocks: dict | None,
                  entry_format: str, prefill_chunk: int, prefix_cache: bool = True, num_snapshots: int | None = None,
                  retention: str = "value", snapshot_interval: int | None = None, host_kv_memory: int = 0,
-                 host_prefix_memory: int = 0):
+                 host_prefix_memory: int = 0, lookahead: int = 0):
         self.max_seqs = max_seqs
         self.max_context_tokens = max_context_tokens
         self.prefill_width = min(pow2_at_least(prefill_chunk), pow2_at_least(max_context_tokens))
@@ -140,8 +152,16 @@ class HybridCache(CacheBase):
         self.unit = math.lcm(*block_sizes) if block_sizes else 1
         cached = (2 * max_seqs if num_snapshots is None else num_snapshots) if prefix_cache else 0
         self.num_cached_snapshots = cached
-        self.manager = model.make_cache(max_seqs, max_context_tokens, entry_format=entry_format,
-                                        num_blocks=num_blocks, num_snapshots=cached)
+        self.lookahead = lookahead
+        #: Speculation's checkpoint rows: the state rows after the prefix cache's (one per row, for a model
+        #: whose state a rejected token overwrites: jaxkv.nn.speculative.hybrid_cache_options); window rings
+        #: get ``lookahead`` slots of slack instead.
+        options, self.num_checkpoints = (
+            hybrid_cache_options(model, lookahead, max_seqs, max_context_tokens=max_context_tokens,
+                                 entry_format=entry_format, num_blocks=num_blocks) if lookahead else ({}, 0))
+        # The tables hold a verify step's rejected tokens past a request's end too.
+        self.manager = model.make_cache(max_seqs, max_context_tokens + lookahead, entry_format=entry_format,
+                                        num_blocks=num_blocks, num_snapshots=cached + self.num_checkpoints, **options)
         self.pool = None
         groups = self.manager.groups
         self.groups = tuple(groups)
@@ -195,7 +215,8 @@ class HybridCache(CacheBase):
     def _plan(self, *, budget, source, per_block: list[int] | None = None) -> CachePlan:
         return sizing.hybrid_plan(self.manager, max_seqs=self.max_seqs, max_model_len=self.max_context_tokens,
                                   unit=self.unit, num_snapshots=self.num_cached_snapshots, host_bytes=self.host_bytes,
-                                  budget=budget, source=source, per_block=per_block)
+                                  budget=budget, source=source, per_block=per_block,
+                                  checkpoint_rows=self.num_checkpoints)
 
     # ---------------------------------------------------------------- blocks
 
@@ -585,10 +606,12 @@ class HybridCache(CacheBase):
 
     def decode(self, graphdef, params, last, active, num_generated, max_new, eos_id, sampling, key_data,
                num_steps, speculation=None) -> DecodeResult:
-        if speculation is not None:  # build_cache refuses speculation for a hybrid cache: this guards it
-            raise InvalidArgument("speculative decode chunks run over a paged pool only (so far)")
+        if speculation is not None and speculation[0].num_speculative_tokens > self.lookahead:
+            raise InvalidArgument(f"speculative decode chunks of {speculation[0].num_speculative_tokens} drafts over "
+                                  f"a hybrid cache built with lookahead={self.lookahead}: build it with "
+                                  "lookahead=num_speculative_tokens (Engine(..., speculative=...) does)")
         result = super().decode(graphdef, params, last, active, num_generated, max_new, eos_id, sampling, key_data,
-                                num_steps)
+                                num_steps, speculation)
         rows = np.flatnonzero(active)
         self.points.grew_many(rows, result.count[rows])  # each token written is one step
         return result

@@ -221,7 +221,7 @@ class SchedulerOptions(_Checked):
                              "prefill_chunk] prefill call, then the decode chunk", choices=("packed", "padded"))
     speculative: object = _option(
         None, "speculative", "speculative decoding: a dict (or JSON) of jaxkv.nn.speculative.SpeculativeConfig's "
-        "fields, vLLM's spelling, e.g. {\"method\": \"ngram\", \"num_speculative_tokens\": 4}; paged-pool models "
+        "fields, vLLM's spelling, e.g. {\"method\": \"ngram\", \"num_speculative_tokens\": 4}; every family "
         "(default: off)", flag="--speculative-config")
     seed: int = _option(0, "int", "the engine's PRNG seed (a request without its own seed samples from "
                         "fold_in(key(seed), request id))", flag="--seed")

@@ -30,8 +30,10 @@ def steps_ahead(cache, req: Request, decode_chunk: int) -> int:
     prompt and output whole, more blocks than its window needs and
     possibly more than the pool has."""
     left = max(req.max_new - len(req.generated), 0)
-    # A speculative verify step may hold ``lookahead`` rejected tokens past the request's end for a moment.
-    return (left if cache.window is not None else min(decode_chunk, left)) + (cache.lookahead if left else 0)
+    # A speculative verify step may hold ``lookahead`` rejected tokens past the request's end for a moment
+    # (a chunk then writes at most ``left + lookahead`` positions; ``decode_chunk`` counts a verify step's).
+    ahead = left + cache.lookahead if left else 0
+    return ahead if cache.window is not None else min(decode_chunk, ahead)
 
 
 def growth(cache, req: Request, decode_chunk: int) -> np.ndarray:
@@ -61,8 +63,8 @@ def growth_total(cache, reqs: list, decode_chunk: int) -> np.ndarray:
     prefilling = prefilling.astype(bool)
     shared = np.asarray([r.shared for r in reqs], np.int64).reshape(n, groups)
     left = np.maximum(max_new - generated, 0)
-    steps = (left if cache.window is not None else np.minimum(decode_chunk, left)) + np.where(left > 0, cache.lookahead,
-                                                                                             0)  # steps_ahead
+    ahead = np.where(left > 0, left + cache.lookahead, 0)
+    steps = ahead if cache.window is not None else np.minimum(decode_chunk, ahead)  # steps_ahead
     tokens = prompt + generated
     # Still prefilling: its whole prompt's blocks, untrimmed; decoding: the fewest blocks it holds at kv_len.
     num = np.where(prefilling, tokens, tokens - 1)

@@ -406,7 +406,9 @@ class CachePlan:
     allocators, state rows), measured from the arrays; ``budget_bytes``: the
     budget it was sized from (None: block counts given as expert options,
     or the default cap of every row at ``max_model_len``); ``source``: where
-    the sizes came from, in words.
+    the sizes came from, in words; ``checkpoint_rows``: speculation's
+    checkpoint state rows of a hybrid cache (one per sequence row, each of
+    ``snapshot_bytes``; 0 without speculation), counted in ``device_bytes``.
     """
 
     cache: str
@@ -421,6 +423,7 @@ class CachePlan:
     device_bytes: int
     budget_bytes: int | None
     source: str
+    checkpoint_rows: int = 0
 
     def group(self, name: str) -> GroupPlan:
         return next(g for g in self.groups if g.name == name)
@@ -432,6 +435,9 @@ class CachePlan:
                 + f" [{self.source}]; {self.max_seqs} sequence rows, max_model_len {self.max_model_len}")
         if self.cache == "hybrid":
             head += f", {self.num_snapshots} cached snapshots of {self.snapshot_bytes} bytes"
+        if self.checkpoint_rows:
+            head += (f", {self.checkpoint_rows} speculation checkpoint rows "
+                     f"({self.checkpoint_rows * self.snapshot_bytes} bytes)")
         if self.host_pages:
             head += f", {self.host_pages} host pages ({self.host_bytes} bytes)"
         return [head] + [
@@ -483,7 +489,8 @@ def hybrid_bytes(manager) -> HybridBytes:
 
 
 def hybrid_plan(manager, *, max_seqs: int, max_model_len: int, unit: int, num_snapshots: int, host_bytes: int,
-                budget: int | None, source: str, per_block: Sequence[int] | None = None) -> CachePlan:
+                budget: int | None, source: str, per_block: Sequence[int] | None = None,
+                checkpoint_rows: int = 0) -> CachePlan:
     """The :class:`CachePlan` of a hybrid cache over ``manager``; ``per_block``:
     the measured device bytes one more block of each group costs (default:
     its storage alone)."""
@@ -497,4 +504,4 @@ def hybrid_plan(manager, *, max_seqs: int, max_model_len: int, unit: int, num_sn
     return CachePlan(cache="hybrid", max_model_len=max_model_len, max_seqs=max_seqs, groups=tuple(groups),
                      prefix_unit_tokens=unit, num_snapshots=num_snapshots, snapshot_bytes=int(costs.per_state_row),
                      host_pages=0, host_bytes=host_bytes, device_bytes=manager.memory_bytes(), budget_bytes=budget,
-                     source=source)
+                     source=source, checkpoint_rows=checkpoint_rows)
