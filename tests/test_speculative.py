@@ -469,10 +469,11 @@ def test_hybrid_engine_speculates_with_generate_tokens_under_preemption_and_pref
 
 
 def test_engine_turns_speculation_off_for_a_request_that_keeps_few_drafts():
-    """A bar no request meets (two kept drafts per verify step with k = 2:
-    every draft kept): after its probation each request decodes plainly
-    (the engine then runs plain decode chunks), with the same tokens; a
-    sampled run finishes at its lengths."""
+    """A bar few requests meet (two kept drafts per verify step with k = 2:
+    every draft kept): a request is judged after its probation of one
+    draft per step (within a chunk of it) and, if it kept every one, after
+    as many 2-draft steps; those off decode plainly, with the same tokens;
+    a sampled run finishes at its lengths."""
     from jaxkv.serve.speculation import PROBATION_STEPS
 
     model = LlamaForCausalLM(LlamaConfig(**LLAMA), rngs=nnx.Rngs(5))
@@ -483,9 +484,14 @@ def test_engine_turns_speculation_off_for_a_request_that_keeps_few_drafts():
     engine, tokens, last = _engine_run(model, prompts, 48, speculative=config, **options)
     assert tokens == generate(model, prompts, 48, page_size=4).tokens
     records = list(engine._requests.values())
-    judged = [r for r in records if r.spec_steps >= PROBATION_STEPS]
-    assert judged and all(not r.spec_on and r.spec_steps < PROBATION_STEPS + 2 for r in judged)  # within a chunk
-    assert all(r.spec_on for r in records if r.spec_steps < PROBATION_STEPS)
+    for r in records:  # the documented rules, recomputed from the request's counts
+        assert r.spec_probe_steps < PROBATION_STEPS + 2 and r.spec_full_steps < PROBATION_STEPS + 2  # a chunk's
+        rate = r.spec_probe_kept / max(r.spec_probe_steps, 1)
+        off_at_probation = r.spec_probe_steps >= PROBATION_STEPS and rate + rate ** 2 < 2.0
+        off_later = r.spec_full_steps >= PROBATION_STEPS and r.spec_full_kept < 2.0 * r.spec_full_steps
+        assert r.spec_on == (not off_at_probation and not off_later), r
+        assert r.spec_full_steps == 0 or not off_at_probation  # k-draft steps only after a probation passed
+    assert any(not r.spec_on for r in records)
     _, sampled, _ = _engine_run(model, prompts, 9, speculative=config, **options)
     assert [len(t) for t in sampled] == [9, 9, 9]
 

@@ -120,7 +120,11 @@ class Request:
     spec_on: bool = True  # with speculation: whether it still drafts (jaxkv.serve.speculation's rule)
     spec_drafted: int = 0  # draft tokens its verify steps checked
     spec_accepted: int = 0  # of which it kept
-    spec_steps: int = 0  # verify steps it ran
+    spec_steps: int = 0  # verify steps with drafts it ran
+    spec_probe_steps: int = 0  # of which on probation (one draft each: jaxkv.serve.speculation)
+    spec_probe_kept: int = 0  # and the drafts they kept
+    spec_full_steps: int = 0  # of which with k drafts, after probation
+    spec_full_kept: int = 0  # and the drafts they kept
 
     @property
     def tokens(self) -> list:

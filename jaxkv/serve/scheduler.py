@@ -689,7 +689,8 @@ class Scheduler(FaultContainment):
                                    row_sampling(self.max_seqs, rows, running), keys, self.decode_chunk,
                                    speculation=speculation)
         if speculation is not None:
-            self.speculation.record(running, result.drafted, result.accepted, result.steps, self._count)
+            self.speculation.record(running, speculation[0], result.drafted, result.accepted, result.steps,
+                                    self._count)
         now = time.perf_counter()
         self._update_peak(result.peak)
         self._count_call(self.max_seqs * int(result.count.max(initial=0)), int(result.count.sum()))

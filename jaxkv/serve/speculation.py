@@ -15,18 +15,23 @@ A verify step computes ``k + 1`` positions for every row, so it costs more
 than a decode step (on the 2-core CPU with SmolLM2 at batch 4, k = 4: 1.7x);
 it pays when the rows keep enough drafts. ``min_accepted_per_step`` (θ) is
 that break-even, in drafts kept per verify step and row (derived when not
-given: :func:`break_even`). Two rules, both on counts only (never on
-timings, so the engine stays deterministic: processes in lockstep, seeded
-sampling reproducible):
+given: :func:`break_even`). The rules read counts only (never timings, so
+the engine stays deterministic: processes in lockstep, seeded sampling
+reproducible):
 
-* a request that, after ``PROBATION_STEPS`` verify steps with drafts, kept
-  fewer than θ drafts per such step stops speculating;
-* a decode iteration runs verify steps only when its speculating rows
-  together are expected to keep at least θ drafts per running row (a
-  request's expectation is its own rate, or θ while on probation);
-  otherwise it runs the plain decode chunk. While a request is on
-  probation the chunk runs ``PROBATION_STEPS`` verify steps, not a whole
-  ``decode_chunk``, so it is judged early.
+* **probation**: a request's first ``PROBATION_STEPS`` verify steps with a
+  draft verify **one** draft each (a chunk of ``PROBATION_STEPS`` steps at
+  ``k = 1`` runs while any running request is on probation: two positions
+  per row, not ``k + 1``, so a request that keeps nothing costs little).
+  Its acceptance rate ``a`` there gives the drafts a ``k``-draft step
+  would keep, ``a + a^2 + ... + a^k``; below θ it stops speculating;
+* afterwards a decode iteration runs ``k``-draft verify steps only when its
+  speculating rows together are expected to keep at least θ drafts per
+  running row (a request's expectation: its own rate over its ``k``-draft
+  steps once it has ``PROBATION_STEPS`` of them, else what its probation
+  implied); otherwise it runs the plain decode chunk;
+* a request that, after ``PROBATION_STEPS`` ``k``-draft steps, kept fewer
+  than θ per step stops speculating.
 
 Packed iterations (prompts being prefilled beside decoding requests) decode
 their requests one token each, without drafts: the packed stream's decode
@@ -35,15 +40,18 @@ lanes bring one token (verify lanes in the packed step are not built yet).
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import numpy as np
 
 from jaxkv._ops import pow2_at_least
 from jaxkv.nn.speculative import SpeculativeConfig
 
-__all__ = ["PROBATION_STEPS", "Speculation", "break_even"]
+__all__ = ["PROBATION_STEPS", "Speculation", "break_even", "on_probation"]
 
-#: Verify steps with drafts a request runs before its acceptance is judged.
+#: Verify steps with a draft a request runs at one draft each before its acceptance is judged (and
+#: ``k``-draft steps before its own rate replaces what the probation implied).
 PROBATION_STEPS = 4
 
 
@@ -61,7 +69,7 @@ def break_even(config: SpeculativeConfig) -> float:
 
 class Speculation:
     """The host half of the engine's speculation: the rows' token
-    histories, the per-request acceptance record and the rule that turns a
+    histories, the per-request acceptance record and the rules that turn a
     request's speculation off (module docstring).
 
     Invariant: for a row whose ``owner`` is request ``r``,
@@ -70,6 +78,8 @@ class Speculation:
 
     def __init__(self, config: SpeculativeConfig, max_seqs: int, cache):
         self.config = config
+        #: The probation chunks' config: one draft per verify step.
+        self.probe = dataclasses.replace(config, num_speculative_tokens=1, min_accepted_per_step=None)
         self.theta = break_even(config)
         # Room for the longest request and the tokens a chunk appends on the device (writes past it are dropped
         # there: the lookup then just does not see them).
@@ -81,29 +91,34 @@ class Speculation:
     def arguments(self, running: dict, decode_chunk: int):
         """``(config, history, history_len, speculate, steps)`` for a decode
         chunk of the requests ``running`` (row -> request), or None when the
-        chunk runs plain (module docstring: no request speculates, or those
-        that do are not expected to keep θ drafts per running row together).
-        ``steps``: the verify steps to run, ``PROBATION_STEPS`` while a
-        speculating request is on probation (its judgement comes after a
-        short chunk, not a whole one), else ``decode_chunk``."""
+        chunk runs plain (module docstring). While a speculating request is
+        on probation: ``PROBATION_STEPS`` verify steps of one draft
+        (``config`` is :attr:`probe`); else ``decode_chunk`` steps of ``k``
+        drafts when the speculating requests are expected to keep θ drafts
+        per running request together."""
         speculating = [(row, req) for row, req in running.items() if req.spec_on]
-        expected = sum(self.expected(req) for _, req in speculating)
-        if not speculating or expected < self.theta * len(running):
+        if not speculating:
+            return None
+        if any(on_probation(req) for _, req in speculating):
+            config, steps = self.probe, min(PROBATION_STEPS, decode_chunk)
+        elif sum(self.expected(req) for _, req in speculating) >= self.theta * len(running):
+            config, steps = self.config, decode_chunk
+        else:
             return None
         speculate = np.zeros(self.length.shape, bool)
         for row, req in speculating:
             speculate[row] = True
             self._sync(row, req)
-        probation = any(req.spec_steps < PROBATION_STEPS for _, req in speculating)
-        steps = min(PROBATION_STEPS, decode_chunk) if probation else decode_chunk
-        return self.config, self.history, self.length.copy(), speculate, steps
+        return config, self.history, self.length.copy(), speculate, steps
 
     def expected(self, req) -> float:
-        """Drafts ``req`` is expected to keep per verify step: its own rate,
-        or θ while on probation."""
-        if req.spec_steps < PROBATION_STEPS:
-            return self.theta
-        return req.spec_accepted / req.spec_steps
+        """Drafts ``req`` is expected to keep per ``k``-draft verify step:
+        its own rate over ``PROBATION_STEPS`` or more such steps, else what
+        its probation's acceptance rate implies."""
+        if req.spec_full_steps >= PROBATION_STEPS:
+            return req.spec_full_kept / req.spec_full_steps
+        rate = req.spec_probe_kept / max(req.spec_probe_steps, 1)
+        return sum(rate ** i for i in range(1, self.config.num_speculative_tokens + 1))
 
     def _sync(self, row: int, req) -> None:
         """Bring ``history[row]`` to ``req``'s tokens, writing what changed."""
@@ -118,17 +133,34 @@ class Speculation:
             self.history[row, have:total] = generated[have - len(prompt):total - len(prompt)]
         self.length[row], self.owner[row] = total, req.id
 
-    def record(self, running: dict, drafted: np.ndarray, accepted: np.ndarray, steps: np.ndarray, counters) -> None:
-        """After a speculative chunk: each request's drafts verified and kept
-        (its ``RequestOutput``'s counts and the engine's totals), and the
-        off rule."""
+    def record(self, running: dict, config: SpeculativeConfig, drafted: np.ndarray, accepted: np.ndarray,
+               steps: np.ndarray, counters) -> None:
+        """After a speculative chunk of ``config``: each request's drafts
+        verified and kept (its ``RequestOutput``'s counts and the engine's
+        totals), its probation or ``k``-draft record, and the off rules."""
+        one_draft = config.num_speculative_tokens == 1  # a probation chunk (with k = 1, every chunk)
+        full = config.num_speculative_tokens == self.config.num_speculative_tokens
         for row, req in running.items():
             if not req.spec_on:
                 continue
+            kept, ran = int(accepted[row]), int(steps[row])
             req.spec_drafted += int(drafted[row])
-            req.spec_accepted += int(accepted[row])
-            req.spec_steps += int(steps[row])
-            if req.spec_steps >= PROBATION_STEPS and req.spec_accepted < self.theta * req.spec_steps:
-                req.spec_on = False
+            req.spec_accepted += kept
+            req.spec_steps += ran
+            if one_draft and on_probation(req):
+                req.spec_probe_steps += ran
+                req.spec_probe_kept += kept
+                if not on_probation(req) and self.expected(req) < self.theta:
+                    req.spec_on = False
+            elif full:
+                req.spec_full_steps += ran
+                req.spec_full_kept += kept
+                if req.spec_full_steps >= PROBATION_STEPS and req.spec_full_kept < self.theta * req.spec_full_steps:
+                    req.spec_on = False
         counters.spec_drafted += int(drafted.sum())
         counters.spec_accepted += int(accepted.sum())
+
+
+def on_probation(req) -> bool:
+    """Whether ``req`` has verified fewer than ``PROBATION_STEPS`` single drafts."""
+    return req.spec_probe_steps < PROBATION_STEPS
