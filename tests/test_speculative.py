@@ -28,6 +28,7 @@ from jaxkv.nn.generate import prefill
 from jaxkv.nn.sampling import GREEDY, SamplingParams
 from jaxkv.nn.speculative import SpeculativeConfig, accept_drafts, ngram_propose
 from jaxkv.nn.steps import decode_logits, hybrid_prefill_chunk
+from kernels_pallas.bits import from_bits
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures")
 
@@ -237,9 +238,10 @@ LLAMA = dict(vocab_size=61, hidden_size=32, intermediate_size=64, num_hidden_lay
 
 @pytest.mark.parametrize("seed", range(2))
 def test_paged_rollback_equals_a_cache_that_never_saw_the_rejected_tokens(seed):
-    """Verify k + 1 random tokens per row, keep a random prefix of them,
-    then decode: the logits equal those of a cache that decoded only the
-    kept tokens, with every free slot and page poisoned with NaN."""
+    """Verify k + 1 random tokens per row, keep a random prefix of them:
+    lengths, free blocks and every live position's K/V equal those of a
+    cache that decoded only the kept tokens, and so do the logits of the
+    steps after, with every free slot and page poisoned with NaN."""
     rng = np.random.default_rng(seed)
     model = LlamaForCausalLM(LlamaConfig(**LLAMA), rngs=nnx.Rngs(seed))
     graphdef, params = nnx.split(model)
@@ -269,6 +271,14 @@ def test_paged_rollback_equals_a_cache_that_never_saw_the_rejected_tokens(seed):
         assert bool(ok)
     np.testing.assert_array_equal(np.asarray(m_a.seq_lens), np.asarray(m_b.seq_lens))
     assert int(m_a.device.num_free) == int(m_b.device.num_free)
+    # Leaf by leaf: every live position's K and V, read through each manager's own tables.
+    (ta, ka, va), (tb, kb, vb) = ((np.asarray(m.block_tables), np.asarray(p.k_pages), np.asarray(p.v_pages))
+                                  for m, p in ((m_a, p_a), (m_b, p_b)))
+    for row, length in enumerate(np.asarray(m_a.seq_lens)):
+        at = np.arange(length)
+        for x_a, x_b in ((ka, kb), (va, vb)):  # [layers, heads, pages, page, dim]
+            np.testing.assert_allclose(x_a[:, :, ta[row, at // bs], at % bs], x_b[:, :, tb[row, at // bs], at % bs],
+                                       rtol=1e-5, atol=1e-5)
     for _ in range(3):
         token = rng.integers(1, LLAMA["vocab_size"], batch).astype(np.int32)
         m_a, p_a, logits_a, _, _ = one(m_a, p_a, token, jnp.asarray(active))
@@ -280,12 +290,53 @@ def test_paged_rollback_equals_a_cache_that_never_saw_the_rejected_tokens(seed):
 HYBRID = ["parity/qwen3_next_2", "gemma3/small", "gpt_oss/small", "dsv4/small"]
 
 
+def _assert_same_live_state(m_a, m_b, slots, tol: float) -> None:
+    """Leaf by leaf, what two hybrid managers hold for the live tokens of
+    ``slots``: the full-attention pages of every position below the slot's
+    length (read through each manager's own tables: block ids may differ),
+    the Gated DeltaNet recurrent and conv states, and every window-ring
+    slot holding a position inside the window below the length (rings may
+    differ where they hold positions past it: rolled-back drafts, which
+    reads mask). DeepSeek-V4's compressed stores are compared by behaviour
+    only (the steps after)."""
+    slots = np.asarray(slots)
+    lengths = np.asarray(m_a.seq_lens)[slots]
+    np.testing.assert_array_equal(lengths, np.asarray(m_b.seq_lens)[slots])
+    if m_a.full_pool is not None:
+        page = m_a.full_pool.page_size
+        (ta, ka, va), (tb, kb, vb) = ((np.asarray(m.groups["full"].tables), np.asarray(m.full_pool.k_pages, np.float32),
+                                       np.asarray(m.full_pool.v_pages, np.float32)) for m in (m_a, m_b))
+        for slot, length in zip(slots, lengths):
+            positions = np.arange(length)
+            for x_a, x_b in ((ka, kb), (va, vb)):  # [layers, heads, pages, page, dim] at each live position
+                np.testing.assert_allclose(x_a[:, :, ta[slot, positions // page], positions % page],
+                                           x_b[:, :, tb[slot, positions // page], positions % page], rtol=tol,
+                                           atol=tol)
+    if m_a.gdn is not None:
+        np.testing.assert_allclose(np.asarray(m_a.gdn.recurrent_state)[:, slots],
+                                   np.asarray(m_b.gdn.recurrent_state)[:, slots], rtol=tol, atol=tol)
+        np.testing.assert_allclose(np.asarray(m_a.gdn.conv_state, np.float32)[:, slots],
+                                   np.asarray(m_b.gdn.conv_state, np.float32)[:, slots], rtol=tol, atol=tol)
+    if m_a.window_pool is not None:
+        ring_a, ring_b = m_a.window_pool, m_b.window_pool
+        pos_a, pos_b = np.asarray(ring_a.pos)[:, slots], np.asarray(ring_b.pos)[:, slots]  # [layers, rows, slots]
+        live = (pos_b >= 0) & (pos_b >= lengths[None, :, None] - ring_b.window)
+        assert live.any()
+        np.testing.assert_array_equal(pos_a[live], pos_b[live])
+        for name in ("k_bits", "v_bits"):  # [layers, rows, heads, slots, dim] -> [layers, rows, slots, heads, dim]
+            x_a = np.moveaxis(np.asarray(from_bits(getattr(ring_a, name), ring_a.dtype), np.float32)[:, slots], 2, 3)
+            x_b = np.moveaxis(np.asarray(from_bits(getattr(ring_b, name), ring_b.dtype), np.float32)[:, slots], 2, 3)
+            np.testing.assert_allclose(x_a[live], x_b[live], rtol=tol, atol=tol)
+
+
 @pytest.mark.parametrize("name", HYBRID)
 def test_hybrid_rollback_equals_a_cache_that_never_saw_the_rejected_tokens(name):
     """The same for a hybrid cache: Gated DeltaNet states, window rings,
     DeepSeek-V4's rings, compressed entries and indexer keys come back as
     if only the kept tokens had run (the reference runs them as one chunk
-    per row), then three more steps agree; free pages and the checkpoint
+    per row): lengths, blocks, and leaf by leaf the live pages, GDN states
+    and ring slots (:func:`_assert_same_live_state`), then three more steps
+    agree; free pages and the checkpoint
     rows start as NaN. The cache is built as speculation builds it
     (``hybrid_cache_options``): Gemma 3's and gpt-oss's rings get ``k``
     slots of slack and roll back by length alone (8-token windows, which
@@ -326,6 +377,7 @@ def test_hybrid_rollback_equals_a_cache_that_never_saw_the_rejected_tokens(name)
     for group in m_a.groups:
         np.testing.assert_array_equal(np.asarray(m_a.groups[group].lens), np.asarray(m_b.groups[group].lens))
         assert int(m_a.groups[group].allocator.num_free) == int(m_b.groups[group].allocator.num_free)
+    _assert_same_live_state(m_a, m_b, slots, tol=2e-4)
     for _ in range(3):
         token = rng.integers(1, vocab, (batch, 1)).astype(np.int32)
         m_a, logits_a, _ = chunk(params, m_a, slots, jnp.asarray(token), jnp.ones((batch,), jnp.int32))
@@ -336,12 +388,13 @@ def test_hybrid_rollback_equals_a_cache_that_never_saw_the_rejected_tokens(name)
 
 def test_rings_without_slack_fail_the_rollback_check(monkeypatch):
     """The check above catches a wrong rule: Gemma 3's rings with no slack,
-    rolled back by length alone, lose keys the next steps attend."""
+    rolled back by length alone, lose keys the next steps attend (the ring
+    slots' positions differ first)."""
     from jaxkv.manager.hybrid import KVCacheManager
 
     monkeypatch.setattr(spec, "hybrid_cache_options", lambda model, k, rows, **_: ({"ring_slack": 0}, 0))
     monkeypatch.setattr(KVCacheManager, "rolls_back_by_length", lambda self, num_drafts: True)
-    with pytest.raises(AssertionError, match="Not equal to tolerance"):
+    with pytest.raises(AssertionError, match="Arrays are not equal"):
         test_hybrid_rollback_equals_a_cache_that_never_saw_the_rejected_tokens("gemma3/small")
 
 

@@ -33,13 +33,15 @@ Parts, each a pure function over arrays, usable alone:
   :func:`speculative_step` is one jitted step. ``generate(...,
   speculative=...)`` (:mod:`jaxkv.nn.generate`) drives them.
 
-Rollback of a hybrid cache (Qwen3-Next's Gated DeltaNet states, gpt-oss's
-and Gemma 3's window rings, DeepSeek-V4's SWA and compressor rings,
-compressed entries and indexer keys) is a checkpoint and a replay: every
+Rollback of a hybrid cache: gpt-oss's and Gemma 3's window rings get
+``k`` slots of slack (:func:`hybrid_cache_options`; a ring then rolls back
+by its length: :class:`~jaxkv.pool.window.WindowLayerCache`); Qwen3-Next's
+Gated DeltaNet states and DeepSeek-V4's SWA and compressor rings,
+compressed entries and indexer keys take a checkpoint and a replay: every
 state row a row's verify pass advances is copied first into a checkpoint
 row, and a row that rejected a draft gets it back and replays the tokens
-it keeps (one more model call of the verify's width; the blocks its
-positions hold are released by :meth:`~jaxkv.KVCacheManager.truncate`).
+it keeps (one more model call of the verify's width). The blocks past
+the kept tokens are released by :meth:`~jaxkv.KVCacheManager.truncate`.
 Paged positions need no undo: a length and the blocks past it.
 
 The engine's side (histories on the host, the rule that turns a
@@ -437,13 +439,13 @@ def _paged_verify(graphdef, params, manager, pool, inputs, num_drafts, active, s
 
 def _hybrid_verify(graphdef, params, manager, inputs, num_drafts, active):
     """The verify pass over a hybrid :class:`~jaxkv.KVCacheManager` (row
-    ``b`` = slot ``b + 1``): each row with drafts first copies its state rows
-    (GDN conv and recurrent states, SWA, window and compressor rings) into
-    its checkpoint row, the ``b``-th of the manager's last ``B`` snapshot
-    rows (the manager needs ``num_snapshots >= B``; the engine's prefix
-    cache keeps the rows before them), then reserves ``num_drafts + 1``
-    tokens and runs them. ``rollback(accepted)``: a row that rejected a draft is truncated
-    to its length before the step plus ``accepted + 1``
+    ``b`` = slot ``b + 1``): each row with drafts first copies its state
+    rows (GDN conv and recurrent states, SWA, window and compressor rings)
+    into its checkpoint row, the ``b``-th of the manager's last ``B``
+    snapshot rows (the manager needs ``num_snapshots >= B``; the engine's
+    prefix cache keeps the rows before them), then reserves ``num_drafts +
+    1`` tokens and runs them. ``rollback(accepted)``: a row that rejected a
+    draft is truncated to its length before the step plus ``accepted + 1``
     (:meth:`~jaxkv.KVCacheManager.truncate`), its state rows restored from
     the checkpoint and the kept tokens replayed through the model (one more
     model call, skipped when every row kept all its drafts). A manager
