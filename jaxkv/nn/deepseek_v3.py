@@ -321,10 +321,11 @@ class DeepseekV3ForCausalLM(nnx.Module):
         x, pool = self.layers.run(step, (x, pool))
         return self.logits_from_hidden(x), pool
 
-    def forward_packed(self, batch: PackedBatch, pool: KVPool) -> tuple[Float[Array, "S V"], KVPool]:
+    def forward_packed(self, batch: PackedBatch, pool: KVPool, verify=None, width: int = 1
+                       ) -> tuple[Float[Array, "S V"], KVPool]:
         """One packed step over the MLA pool (as
         :meth:`jaxkv.nn.LlamaForCausalLM.forward_packed`)."""
-        return packed_logits(self, batch, pool, self._embed(batch.token_ids[None]))
+        return packed_logits(self, batch, pool, self._embed(batch.token_ids[None]), verify, width)
 
     def forward_dense(self, tokens: Int[Array, "B T"], positions: Int[Array, "B T"] | None = None, *,
                       kv_dtype=None) -> Float[Array, "B T V"]:

@@ -189,12 +189,14 @@ class LlamaForCausalLM(nnx.Module):
         x, pool = self.layers.run(step, (x, pool))
         return self.logits_from_hidden(x), pool
 
-    def forward_packed(self, batch: PackedBatch, pool: KVPool) -> tuple[Float[Array, "S V"], KVPool]:
+    def forward_packed(self, batch: PackedBatch, pool: KVPool, verify=None, width: int = 1
+                       ) -> tuple[Float[Array, "S V"], KVPool]:
         """One packed step (:class:`~jaxkv.nn.packed.PackedBatch`, its
         ``slots`` and ``block_tables`` filled in): every token's K/V written,
         ragged attention over the pool, and the float32 logits of each
-        lane's last token only (finite garbage for a lane with none)."""
-        return packed_logits(self, batch, pool, self._embed_flat(batch.token_ids))
+        lane's last token only (finite garbage for a lane with none); with
+        ``verify`` lanes, ``[S, width, V]`` (:func:`~jaxkv.nn.packed.packed_logits`)."""
+        return packed_logits(self, batch, pool, self._embed_flat(batch.token_ids), verify, width)
 
     def _embed_flat(self, tokens):
         return self.embed_tokens(jnp.asarray(tokens, jnp.int32)[None])

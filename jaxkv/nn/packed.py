@@ -224,11 +224,24 @@ def write_lanes(lanes: Sequence[PackedLane], arrays: tuple, *, num_prefill_lanes
     return at
 
 
-def packed_logits(model, batch: PackedBatch, pool, x):
+def logit_tokens(batch: PackedBatch, verify, width: int):
+    """Flat token indices ``[S, width]`` whose logits a packed step needs:
+    a ``verify`` lane's first ``width`` tokens (a speculative verify lane:
+    its fed token and drafts), every other lane's last token (repeated);
+    a verify lane's indices past its tokens repeat its last."""
+    offset = jnp.arange(width, dtype=jnp.int32)[None, :]
+    first = batch.cu_q_lens[:-1][:, None]
+    last = batch.last_tokens[:, None]
+    return jnp.where(verify[:, None], jnp.minimum(first + offset, last), last)
+
+
+def packed_logits(model, batch: PackedBatch, pool, x, verify=None, width: int = 1):
     """The packed step of a paged-pool model (Llama family, DeepSeek-V3):
     ``x [1, T, hidden]`` (the embedded stream) through every decoder layer in
     ``"ragged"`` mode, then the final norm and LM head on each lane's last
-    token only. Returns ``(logits [S, V] float32, pool)``."""
+    token only. Returns ``(logits [S, V] float32, pool)``; with ``verify``
+    (bool ``[S]``, speculative verify lanes) ``logits [S, width, V]`` at
+    :func:`logit_tokens`."""
     if batch.slots is None or batch.block_tables is None:
         raise InvalidArgument("a paged packed step needs the batch's slots and block_tables (filled on device)")
     model._check_pool(pool)
@@ -239,4 +252,7 @@ def packed_logits(model, batch: PackedBatch, pool, x):
         return layer(x, positions, pool, i, slots, None, None, None, mode="ragged", batch=batch)
 
     x, pool = model.layers.run(step, (x, pool))  # a DecoderStack: scanned where layers repeat
-    return model.logits_from_hidden(x[:, batch.last_tokens])[0], pool
+    if verify is None:
+        return model.logits_from_hidden(x[:, batch.last_tokens])[0], pool
+    index = logit_tokens(batch, verify, width)
+    return model.logits_from_hidden(x[0][index]), pool

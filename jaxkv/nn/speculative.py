@@ -59,13 +59,15 @@ from flax import nnx, struct
 from jaxtyping import Array, Bool, Float, Int
 
 from jaxkv.errors import InvalidArgument
-from jaxkv.nn.sampling import RowSampling, SamplingParams, filtered_logits, split_keys
+from jaxkv.nn.packed import PackedBatch
+from jaxkv.nn.sampling import RowSampling, SamplingParams, filtered_logits, sample, split_keys
 from jaxkv.manager.rows import slot_of
-from jaxkv.nn.steps import DecodeState, decode_logits, finish_rows, model_step, paged_window, trim_out_of_window
+from jaxkv.nn.steps import (DecodeState, decode_logits, drop_decode_lanes, finish_rows, model_step, paged_window,
+                            trim_out_of_window)
 from jaxkv.pool.scrub import freed_blocks, scrub_kv_pool
 
 __all__ = ["SpecState", "SpeculativeConfig", "accept_drafts", "early_exit_draft", "hybrid_cache_options",
-           "ngram_propose", "speculative_body", "speculative_loop", "speculative_step"]
+           "ngram_propose", "paged_packed_verify_step", "speculative_body", "speculative_loop", "speculative_step"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -492,6 +494,63 @@ def _hybrid_verify(graphdef, params, manager, inputs, num_drafts, active):
         return kept, None
 
     return logits, active & ~ok, ok, rollback
+
+
+def paged_packed_verify_step(graphdef, params, manager, pool, batch: PackedBatch, sampling: RowSampling, keys,
+                             history, history_len, verify, *, config: SpeculativeConfig, window=None,
+                             scrub: bool = False):
+    """:func:`~jaxkv.nn.steps.paged_packed_step` with speculative verify
+    lanes: a decode lane marked in ``verify`` (bool ``[S]``) brings ``k +
+    1`` tokens (its next token, then ``k`` placeholders at the following
+    positions: :func:`jaxkv.serve.caches.pack_stream`'s verify lanes),
+    which become n-gram drafts of its row's ``history[seq_id,
+    :history_len[seq_id]]`` here on the device, so prefill pieces, plain
+    decode lanes and verify lanes run in one model call.
+
+    Every decode lane appends ``k + 1`` positions (one ``append_slots``,
+    all or nothing: the engine's reserve counts the lookahead), the model
+    returns the logits of a verify lane's ``k + 1`` tokens and of every
+    other lane's last (:func:`~jaxkv.nn.packed.packed_logits`), plain lanes
+    draw as :func:`~jaxkv.nn.steps.paged_packed_step` draws, verify lanes
+    by :func:`accept_drafts`, and each decode lane is truncated to what it
+    keeps (its token, and a verify lane's accepted drafts). Returns
+    ``(manager, pool, tokens [S, k+1], counts [S], keys, decode_ok, blocked
+    [S], blocks in use, drafted [S], accepted [S])``: lane ``s`` gave
+    ``tokens[s, :counts[s]]`` (the host cuts them at a stop)."""
+    k = config.num_speculative_tokens
+    decode = batch.decode_lanes
+    seqs = jnp.where(decode, batch.seq_ids, -1)
+    if window is not None:
+        manager, pool = trim_out_of_window(manager, pool, seqs, window, scrub)
+    before = manager
+    manager, pool, _, blocked, ok = manager.append_slots(pool, seqs, k + 1)
+    batch = drop_decode_lanes(batch, ok)
+    verify = verify & decode & ok
+    rows = jnp.where(verify, batch.seq_ids, 0)
+    drafts, num_drafts = ngram_propose(history[rows], history_len[rows], k=k, max_n=config.prompt_lookup_max,
+                                       min_n=config.prompt_lookup_min)
+    num_drafts = jnp.where(verify, num_drafts, 0)
+    # The drafts take the lane's placeholder tokens 1..k (padding lanes' writes dropped).
+    spots = batch.cu_q_lens[:-1][:, None] + 1 + jnp.arange(k, dtype=jnp.int32)[None, :]
+    token_ids = batch.token_ids.at[jnp.where(verify[:, None], spots, batch.num_tokens)].set(drafts, mode="drop")
+    token_rows = batch.seq_ids[batch.token_lanes]
+    slots = manager.token_slots(jnp.where(batch.real, token_rows, -1), jnp.maximum(batch.positions, 0)[:, None])[:, 0]
+    tables, _ = manager.batch_tables(batch.seq_ids)
+    batch = batch.replace(token_ids=token_ids, slots=slots, block_tables=tables)
+    logits, pool = nnx.merge(graphdef, params).forward_packed(batch, pool, verify=verify, width=k + 1)
+    took = batch.sample & (batch.q_lens > 0)
+    advanced, subs = split_keys(keys)
+    plain = sample(logits[:, -1], subs, sampling)  # a plain lane's columns all hold its last token's logits
+    emitted, accepted = accept_drafts(logits, drafts, num_drafts, sampling, None if _greedy(sampling) else subs)
+    tokens = jnp.where(verify[:, None], emitted, plain[:, None])
+    counts = jnp.where(verify, accepted + 1, took.astype(jnp.int32))
+    # Each decode lane that ran keeps its token and a verify lane its accepted drafts.
+    starts = before.seq_lens[jnp.clip(seqs, 0, before.seq_lens.shape[0] - 1)]
+    kept, _ = manager.truncate(jnp.where(decode & ok, seqs, -1), starts + jnp.where(verify, accepted, 0) + 1)
+    if scrub:
+        pool = scrub_kv_pool(pool, freed_blocks(manager.device, kept.device, null=False))
+    return (kept, pool, tokens, counts, jnp.where(took, advanced, keys), ok, blocked, kept.device.num_used,
+            num_drafts, jnp.where(verify, accepted, 0))
 
 
 def hybrid_cache_options(model, num_drafts: int, rows: int, **make_cache_args) -> tuple[dict, int]:

@@ -71,6 +71,7 @@ __all__ = [
     "decode_logits",
     "decode_loop",
     "decode_step",
+    "drop_decode_lanes",
     "finish_rows",
     "hybrid_packed_step",
     "hybrid_prefill_chunk",
@@ -413,7 +414,7 @@ def decode_loop(graphdef, params, state: DecodeState, sampling: SamplingParams |
 # lane turns their tokens into padding, and the prefill lanes still run.
 
 
-def _drop_decode_lanes(batch: PackedBatch, decode_ok: Bool[Array, ""]) -> PackedBatch:
+def drop_decode_lanes(batch: PackedBatch, decode_ok: Bool[Array, ""]) -> PackedBatch:
     """``batch`` with its decode lanes' tokens turned into padding unless
     ``decode_ok``."""
     p = batch.num_prefill
@@ -447,7 +448,7 @@ def paged_packed_step(graphdef, params, manager: BlockSpaceManager, pool: KVPool
     if window is not None:
         manager, pool = trim_out_of_window(manager, pool, seqs, window, scrub)
     manager, pool, _, blocked, ok = manager.append_slots(pool, seqs, 1)
-    batch = _drop_decode_lanes(batch, ok)
+    batch = drop_decode_lanes(batch, ok)
     token_rows = batch.seq_ids[batch.token_lanes]
     slots = manager.token_slots(jnp.where(batch.real, token_rows, -1), jnp.maximum(batch.positions, 0)[:, None])[:, 0]
     tables, _ = manager.batch_tables(batch.seq_ids)
@@ -476,7 +477,7 @@ def hybrid_packed_step(graphdef, params, manager: KVCacheManager, batch: PackedB
                                              max_new_tokens=batch.max_prefill_len)
     manager, _, decode_ok = manager.reserve(jnp.where(decode, batch.seq_ids, -1), jnp.where(decode, 1, 0),
                                             max_new_tokens=1)
-    batch = _drop_decode_lanes(batch, decode_ok)
+    batch = drop_decode_lanes(batch, decode_ok)
     batch = batch.replace(positions=jnp.where(prefill_ok | (batch.token_lanes >= batch.num_prefill),
                                               batch.positions, -1))
     logits, manager = nnx.merge(graphdef, params).forward_packed(batch, manager)

@@ -162,6 +162,11 @@ class PackedResult:
     decode_ok: bool
     blocked: np.ndarray
     peak: int
+    # With verify lanes (speculation): tokens is [S, k + 1], lane s gave tokens[s, :counts[s]], after verifying
+    # drafted[s] drafts and keeping accepted[s].
+    counts: np.ndarray | None = None
+    drafted: np.ndarray | None = None
+    accepted: np.ndarray | None = None
 
 
 
@@ -190,44 +195,54 @@ def fixed_ids(ids, size: int) -> np.ndarray:
 
 
 def pack_stream(prefill: list[PackedLane], decode_seq_ids, decode_tokens, decode_positions, *, num_lanes: int,
-                num_tokens: int, num_prefill_lanes: int, max_prefill_len: int) -> PackedBatch:
+                num_tokens: int, num_prefill_lanes: int, max_prefill_len: int, decode_widths=None) -> PackedBatch:
     """:func:`jaxkv.nn.packed.pack` of the lanes ``prefill`` followed by one
     decode lane ``PackedLane(decode_seq_ids[j], [decode_tokens[j]],
     decode_positions[j])`` per entry of the decode arrays, with ``num_prefill
     = len(prefill)``: the same batch (same checks, same values), the decode
     lanes (one per running request) written with array operations instead
     of a loop. Its arrays are numpy arrays: the jitted step takes them as
-    its arguments (one transfer in its dispatch, not one call per array)."""
+    its arguments (one transfer in its dispatch, not one call per array).
+    ``decode_widths`` (default all 1): a decode lane of width ``w > 1`` is
+    a speculative verify lane: its token, then ``w - 1`` placeholder
+    tokens (0) at the following positions, which the device fills with
+    drafts (:func:`jaxkv.nn.speculative.paged_packed_verify_step`)."""
     num_prefill = len(prefill)
     decode_tokens = np.asarray(decode_tokens, np.int64).reshape(-1)
     decode_positions = np.asarray(decode_positions, np.int64).reshape(-1)
     decode_seq_ids = np.asarray(decode_seq_ids, np.int64).reshape(-1)
     num_decode = decode_tokens.size
+    widths = (np.ones((num_decode,), np.int64) if decode_widths is None
+              else np.asarray(decode_widths, np.int64).reshape(-1))
     if not 0 <= num_prefill <= num_prefill_lanes:
         raise InvalidArgument(f"num_prefill={num_prefill} must be in [0, num_prefill_lanes={num_prefill_lanes}]")
     if num_prefill + num_decode > num_lanes:
         raise InvalidArgument(f"{num_prefill + num_decode} lanes for a batch of {num_lanes}")
-    total = sum(len(lane.tokens) for lane in prefill) + num_decode
+    total = sum(len(lane.tokens) for lane in prefill) + int(widths.sum())
     if total > num_tokens:
         raise InvalidArgument(f"the lanes bring {total} tokens, more than the batch's {num_tokens}")
     arrays = host_arrays(num_lanes, num_tokens)
     token_ids, positions, token_lanes, cu, kv_lens, seq_ids, sample = arrays
     at = write_lanes(prefill, arrays, num_prefill_lanes=num_prefill_lanes, max_prefill_len=max_prefill_len)
     if num_decode:
-        bounds = np.where(np.arange(num_prefill, num_prefill + num_decode) < num_prefill_lanes, max_prefill_len, 1)
-        if (bounds < 1).any():  # a decode lane brings one token
-            i = num_prefill + int(np.flatnonzero(bounds < 1)[0])
-            raise InvalidArgument(f"lane {i} brings 1 tokens; lanes of its class take at most {max_prefill_len} "
-                                  f"({num_prefill_lanes} prefill lanes of {max_prefill_len})")
         lanes = np.arange(num_prefill, num_prefill + num_decode)
-        token_ids[at:at + num_decode] = decode_tokens
-        positions[at:at + num_decode] = decode_positions
-        token_lanes[at:at + num_decode] = lanes
-        kv_lens[lanes] = decode_positions + 1
+        bounds = np.where(lanes < num_prefill_lanes, max_prefill_len, 1)
+        if (widths > bounds).any():  # a lane over its class's bound
+            j = int(np.flatnonzero(widths > bounds)[0])
+            raise InvalidArgument(f"lane {lanes[j]} brings {widths[j]} tokens; lanes of its class take at most "
+                                  f"{bounds[j]} ({num_prefill_lanes} prefill lanes of {max_prefill_len})")
+        ends = np.cumsum(widths)
+        entry = np.repeat(np.arange(num_decode), widths)  # the decode entry of each token
+        offset = np.arange(int(ends[-1])) - (ends - widths)[entry]
+        span = slice(at, at + int(ends[-1]))
+        token_ids[span] = np.where(offset == 0, decode_tokens[entry], 0)
+        positions[span] = decode_positions[entry] + offset
+        token_lanes[span] = lanes[entry]
+        kv_lens[lanes] = decode_positions + widths
         seq_ids[lanes] = decode_seq_ids
         sample[lanes] = True
-        cu[lanes + 1] = at + np.arange(1, num_decode + 1)
-        at += num_decode
+        cu[lanes + 1] = at + ends
+        at += int(ends[-1])
     cu[num_prefill + num_decode + 1:] = at
     return PackedBatch(token_ids=token_ids, positions=positions, token_lanes=token_lanes, cu_q_lens=cu,
                        kv_lens=kv_lens, seq_ids=seq_ids, sample=sample, num_prefill=np.asarray(num_prefill, np.int32),
@@ -545,9 +560,12 @@ class CacheBase(abc.ABC):
     def _cuts(self, lane: PrefillLane) -> list[int]:
         return []
 
+    #: Whether :meth:`packed_step` takes speculative verify lanes (a paged pool's does).
+    packs_verify_lanes = False
+
     def packed_step(self, graphdef, params, prefill: list[tuple[PrefillLane, tuple[int, int]]],
                     decode: list[tuple[int, int, int]], sampling: RowSampling, key_data: list,
-                    num_tokens: int, prefill_width: int | None = None) -> PackedResult:
+                    num_tokens: int, prefill_width: int | None = None, speculation=None) -> PackedResult:
         """ONE jitted call for a scheduler iteration: the prefill pieces
         ``prefill`` (lane, ``(start, end)``; pieces of one lane in order,
         after :meth:`begin_prefill`; a piece that ends the lane's tokens
@@ -556,13 +574,21 @@ class CacheBase(abc.ABC):
         packed end to end into a stream of ``num_tokens`` (a bucket). Lane
         ``i`` of ``sampling`` / ``key_data`` is ``prefill[i]``, then the
         decode rows in order. ``prefill_width``: the longest piece this step
-        may carry (:meth:`prefill_lane_cap`; default ``num_tokens``)."""
+        may carry (:meth:`prefill_lane_cap`; default ``num_tokens``).
+        ``speculation`` (caches with :attr:`packs_verify_lanes`): ``(config,
+        history, history_len, verify)``, ``verify`` a bool per decode entry:
+        those rows are verify lanes of ``k + 1`` tokens (drafts found on the
+        device from the history; the result then has their tokens and
+        counts)."""
         lanes = [PackedLane(self._seq_id(lane.row), lane.tokens[start:end], start, end == len(lane.tokens))
                  for lane, (start, end) in prefill]
         rows, tokens, positions = np.asarray(decode, np.int64).reshape(-1, 3).T
+        if speculation is not None and not self.packs_verify_lanes:
+            raise InvalidArgument(f"{type(self).__name__} packs no speculative verify lanes")
         result = self._packed_call(graphdef, params, lanes, (self._seq_ids(rows), tokens, positions), sampling,
                                    self._keys(key_data), num_tokens, want_tables=self._wants_tables(prefill),
-                                   prefill_width=min(num_tokens, prefill_width or num_tokens))
+                                   prefill_width=min(num_tokens, prefill_width or num_tokens),
+                                   **({} if speculation is None else {"speculation": speculation}))
         self._after_prefill([lane for lane, _ in prefill], [start for _, (start, _) in prefill],
                             [end - start for _, (start, end) in prefill], defer=True)
         return result
@@ -671,6 +697,7 @@ class KVCache(Protocol):
     can_swap: bool
     scrub: bool
     lookahead: int  # tokens a row may hold past its request's end for a moment (speculation's rejected drafts)
+    packs_verify_lanes: bool  # whether packed_step takes speculative verify lanes
     max_seqs: int
     max_context_tokens: int
     prefill_width: int
@@ -703,7 +730,7 @@ class KVCache(Protocol):
     def pieces(self, lane: PrefillLane, width: int | None = None) -> list[tuple[int, int]]: ...
     def prefill_step(self, graphdef, params, batch, sampling: RowSampling): ...
     def packed_step(self, graphdef, params, prefill, decode, sampling: RowSampling, key_data: list,
-                    num_tokens: int, prefill_width: int | None = None) -> PackedResult: ...
+                    num_tokens: int, prefill_width: int | None = None, speculation=None) -> PackedResult: ...
     def prefill_lane_cap(self, num_prefill: int, budget: int) -> int: ...
     def decode(self, graphdef, params, last, active, num_generated, max_new, eos_id, sampling: RowSampling,
                key_data: list, num_steps: int, speculation=None) -> DecodeResult: ...

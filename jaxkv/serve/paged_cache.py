@@ -38,6 +38,7 @@ from jaxkv.errors import BookkeepingError, CacheLocked, InvalidArgument, KVCache
 from jaxkv.manager.block_space import BlockSpaceManager
 from jaxkv.nn.packed import PackedBatch
 from jaxkv.nn.sampling import RowSampling
+from jaxkv.nn.speculative import paged_packed_verify_step
 from jaxkv.nn.steps import paged_decode_peak, paged_packed_step, paged_row_blocks, paged_window, prefill_chunk
 from jaxkv.pool import host as host_swap
 from jaxkv.pool.kv_pool import KVPool
@@ -70,6 +71,14 @@ def _paged_packed(graphdef, params, manager: BlockSpaceManager, pool: KVPool, ba
                   sampling: RowSampling, keys, *, window, scrub=False):
     """:func:`jaxkv.nn.steps.paged_packed_step` jitted (manager and pool donated)."""
     return paged_packed_step(graphdef, params, manager, pool, batch, sampling, keys, window=window, scrub=scrub)
+
+
+@partial(jax.jit, static_argnames=("graphdef", "config", "window", "scrub"), donate_argnums=(2, 3))
+def _paged_packed_verify(graphdef, params, manager: BlockSpaceManager, pool: KVPool, batch: PackedBatch,
+                         sampling: RowSampling, keys, history, history_len, verify, *, config, window, scrub=False):
+    """:func:`jaxkv.nn.speculative.paged_packed_verify_step` jitted (manager and pool donated)."""
+    return paged_packed_verify_step(graphdef, params, manager, pool, batch, sampling, keys, history, history_len,
+                                    verify, config=config, window=window, scrub=scrub)
 
 
 @partial(jax.jit, donate_argnums=(0, 1))
@@ -536,22 +545,37 @@ class PagedCache(CacheBase):
         self._after_prefill(lanes, starts, num_new)
         return sampled, np.asarray(new_keys), self.blocks_in_use()
 
+    #: Speculative verify lanes run in the packed step (:func:`jaxkv.nn.speculative.paged_packed_verify_step`).
+    packs_verify_lanes = True
+
     def _packed_call(self, graphdef, params, prefill, decode, sampling, keys, num_tokens, *, want_tables=False,
-                     prefill_width=None):
-        batch = pack_stream(prefill, *decode, num_lanes=self.max_seqs, num_tokens=num_tokens,
-                            num_prefill_lanes=self.max_seqs, max_prefill_len=num_tokens)  # one program per bucket
+                     prefill_width=None, speculation=None):
         host = self.manager.host
-        manager, self.pool, tokens, keys, ok, blocked, used = _paged_packed(
-            graphdef, params, _device_view(self.manager), self.pool, batch, sampling, keys, window=self.window,
-            scrub=self.scrub)
+        counts = drafted = accepted = None
+        if speculation is None:
+            batch = pack_stream(prefill, *decode, num_lanes=self.max_seqs, num_tokens=num_tokens,
+                                num_prefill_lanes=self.max_seqs, max_prefill_len=num_tokens)  # one program per bucket
+            manager, self.pool, tokens, keys, ok, blocked, used = _paged_packed(
+                graphdef, params, _device_view(self.manager), self.pool, batch, sampling, keys, window=self.window,
+                scrub=self.scrub)
+        else:
+            config, history, history_len, verify = speculation
+            widths = np.where(verify, config.num_speculative_tokens + 1, 1)
+            batch = pack_stream(prefill, *decode, num_lanes=self.max_seqs, num_tokens=num_tokens,
+                                num_prefill_lanes=self.max_seqs, max_prefill_len=num_tokens, decode_widths=widths)
+            lanes = np.zeros((self.max_seqs,), bool)
+            lanes[len(prefill):len(prefill) + len(verify)] = verify
+            manager, self.pool, tokens, counts, keys, ok, blocked, used, drafted, accepted = _paged_packed_verify(
+                graphdef, params, _device_view(self.manager), self.pool, batch, sampling, keys, history,
+                history_len, lanes, config=config, window=self.window, scrub=self.scrub)
         self.manager = manager.replace(host=host)
-        tokens, keys, ok, blocked, used, host, tables = jax.device_get(
+        tokens, keys, ok, blocked, used, host, tables, counts, drafted, accepted = jax.device_get(
             (tokens, unwrap_keys(keys), ok, blocked, used, self._host_leaves(manager),
-             manager.block_tables if want_tables else None))
+             manager.block_tables if want_tables else None, counts, drafted, accepted))
         self._mirror(host)
         if want_tables:
             self._host_tables = np.asarray(tables)
-        return PackedResult(tokens, np.asarray(keys), bool(ok), blocked, int(used))
+        return PackedResult(tokens, np.asarray(keys), bool(ok), blocked, int(used), counts, drafted, accepted)
 
     def _decode_view(self):
         self._host_allocator = self.manager.host

@@ -604,7 +604,12 @@ class Scheduler(FaultContainment):
         if not self._prefilling:  # every prompt left failed its screening: the next iteration decodes
             return
         budget = self.max_num_batched_tokens or self.prefill_chunk
-        left = max(budget - len(decoding), 1)
+        # Speculating requests verify drafts in this step too: k more tokens each (jaxkv.serve.speculation).
+        speculation = verify = None
+        if self.speculation is not None and self.cache.packs_verify_lanes:
+            speculation, verify = self.speculation.packed_arguments(decoding, budget)
+        extra = 0 if verify is None else int(verify.sum()) * self.speculation.config.num_speculative_tokens
+        left = max(budget - len(decoding) - extra, 1)
         batch = []  # (request, (start, end)): a plan; its pieces are consumed once the call returned
         for req in self._prefilling:
             if left <= 0:
@@ -617,13 +622,13 @@ class Scheduler(FaultContainment):
         cap = self.cache.prefill_lane_cap(len(batch), budget)
         batch = [(req, (start, min(end, start + cap))) for req, (start, end) in batch]
         lanes = [req for req, _ in batch] + [req for _, req in decoding]
-        total = sum(end - start for _, (start, end) in batch) + len(decoding)
+        total = sum(end - start for _, (start, end) in batch) + len(decoding) + extra
         length = stream_length(total, self.stream_lengths())
         result = self.cache.packed_step(
             self.graphdef, self.params, [(req.lane, piece) for req, piece in batch],
             [(row, req.generated[-1], req.kv_len) for row, req in decoding],
             row_sampling(self.max_seqs, rows, dict(enumerate(lanes))), [req.key for req in lanes], length,
-            prefill_width=cap)
+            prefill_width=cap, **({} if speculation is None else {"speculation": speculation}))
         for req, (_, end) in batch:  # the pieces ran
             if end < req.pieces[0][1]:
                 req.pieces[0] = (end, req.pieces[0][1])  # the rest stays at the head
@@ -631,18 +636,23 @@ class Scheduler(FaultContainment):
                 req.pieces.pop(0)
         now = time.perf_counter()
         self._update_peak(result.peak)
-        self._count_call(length, total if result.decode_ok else total - len(decoding))
+        self._count_call(length, total if result.decode_ok else total - len(decoding) - extra)
         finished = []
-        tokens = result.tokens.tolist()
+        if result.counts is None:
+            tokens = [[t] for t in result.tokens.tolist()]
+        else:  # verify lanes gave their kept drafts too (the output cuts them at a stop)
+            tokens = [row[:n] for row, n in zip(result.tokens.tolist(), result.counts.tolist())]
+            if result.decode_ok:
+                self.speculation.record_packed(decoding, len(batch), result, self._count)
         for lane, (req, _) in enumerate(batch):
             if req.pieces:
                 continue
             self._prefilling.remove(req)
             req.key = result.keys[lane]
-            if self.output.take(req, [tokens[lane]], now):
+            if self.output.take(req, tokens[lane][:1], now):
                 finished.append(req)
         if result.decode_ok:
-            finished += self.output.take_all([(req, [tokens[lane]], False, result.keys[lane])
+            finished += self.output.take_all([(req, tokens[lane], False, result.keys[lane])
                                               for lane, (_, req) in enumerate(decoding, start=len(batch))], now)
         self._retire(finished, final=True)
         self.cache.end_step()  # what the step deferred and its retirement did not do

@@ -33,9 +33,15 @@ reproducible):
 * a request that, after ``PROBATION_STEPS`` ``k``-draft steps, kept fewer
   than θ per step stops speculating.
 
-Packed iterations (prompts being prefilled beside decoding requests) decode
-their requests one token each, without drafts: the packed stream's decode
-lanes bring one token (verify lanes in the packed step are not built yet).
+Packed iterations (prompts being prefilled beside decoding requests, one
+model call) carry **verify lanes** over a paged pool: a request past its
+probation and expected to keep θ drafts brings its token and ``k``
+placeholders, which the device fills with drafts from the row's history
+and verifies in the same call as the prompt pieces and the other decode
+lanes (:func:`jaxkv.nn.speculative.paged_packed_verify_step`); the verify
+lanes take ``k`` more tokens of the step's budget each. A hybrid cache's
+packed step brings one token per decoding request (its verify steps run
+in decode chunks only).
 """
 
 from __future__ import annotations
@@ -110,6 +116,37 @@ class Speculation:
             speculate[row] = True
             self._sync(row, req)
         return config, self.history, self.length.copy(), speculate, steps
+
+    def packed_arguments(self, decoding: list, budget: int):
+        """``(speculation, verify)`` for a packed step whose decode lanes are
+        ``decoding`` (``(row, request)`` in lane order), or ``(None, None)``:
+        the requests past probation expected to keep θ drafts per step
+        verify ``k`` drafts in the step (as many as leave a token of
+        ``budget`` to the prompts; ``verify``: a bool per decode lane), the
+        others bring their one token. ``speculation`` is what
+        :meth:`~jaxkv.serve.caches.CacheBase.packed_step` takes."""
+        k = self.config.num_speculative_tokens
+        room = max(budget - len(decoding) - 1, 0) // k
+        verify = np.zeros((len(decoding),), bool)
+        for lane, (row, req) in enumerate(decoding):
+            if room and req.spec_on and not on_probation(req) and self.expected(req) >= self.theta:
+                verify[lane] = True
+                room -= 1
+                self._sync(row, req)
+        if not verify.any():
+            return None, None
+        return (self.config, self.history, self.length.copy(), verify), verify
+
+    def record_packed(self, decoding: list, first_lane: int, result, counters) -> None:
+        """:meth:`record` for a packed step's verify lanes (decode lane ``j``
+        is lane ``first_lane + j`` of ``result``): ``k``-draft steps."""
+        lanes = np.arange(first_lane, first_lane + len(decoding))
+        verified = {row: req for (row, req), lane in zip(decoding, lanes) if result.drafted[lane] > 0}
+        by_row = [np.zeros(self.length.shape, np.int64) for _ in range(3)]
+        for (row, _), lane in zip(decoding, lanes):
+            if row in verified:
+                by_row[0][row], by_row[1][row], by_row[2][row] = result.drafted[lane], result.accepted[lane], 1
+        self.record(verified, self.config, *by_row, counters)
 
     def expected(self, req) -> float:
         """Drafts ``req`` is expected to keep per ``k``-draft verify step:
