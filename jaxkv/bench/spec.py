@@ -125,35 +125,22 @@ def _serve(engine, prompts, new: int, eos, arrive_seconds: float = 0.0) -> tuple
     arrive_seconds`` have passed), served to the end: ``(tokens per
     prompt, seconds, stats deltas)``; ``packed_drafts``: drafts verified in
     packed steps."""
-    import jaxkv.serve.paged_cache as paged_cache
-
-    real, packed = paged_cache._paged_packed_verify, []
-
-    def counting(*args, **kwargs):  # the drafts each packed step verified (its result's second-to-last field)
-        out = real(*args, **kwargs)
-        packed.append(out[-2])
-        return out
-
     before = engine.stats()
-    paged_cache._paged_packed_verify = counting
     start = time.perf_counter()
-    try:
-        ids, waiting = [], list(prompts)
-        while waiting or engine.has_unfinished():
-            while waiting and time.perf_counter() - start >= len(ids) * arrive_seconds:
-                ids.append(engine.add_request(waiting.pop(0), new, eos_token_id=eos))
-            if engine.has_unfinished():
-                engine.step()
-            else:  # idle until the next arrival
-                time.sleep(max(len(ids) * arrive_seconds - (time.perf_counter() - start), 0.0))
-    finally:
-        paged_cache._paged_packed_verify = real
+    ids, waiting = [], list(prompts)
+    while waiting or engine.has_unfinished():
+        while waiting and time.perf_counter() - start >= len(ids) * arrive_seconds:
+            ids.append(engine.add_request(waiting.pop(0), new, eos_token_id=eos))
+        if engine.has_unfinished():
+            engine.step()
+        else:  # idle until the next arrival
+            time.sleep(max(len(ids) * arrive_seconds - (time.perf_counter() - start), 0.0))
     seconds = time.perf_counter() - start
     after = engine.stats()
     steps = sum(engine._requests[i].spec_steps for i in ids)
     return [engine.outputs[i] for i in ids], seconds, dict(
         calls=after.model_calls - before.model_calls, drafted=after.spec_draft_tokens - before.spec_draft_tokens,
-        packed_drafts=sum(int(np.asarray(d).sum()) for d in packed),
+        packed_drafts=after.spec_packed_draft_tokens - before.spec_packed_draft_tokens,
         accepted=after.spec_accepted_tokens - before.spec_accepted_tokens, steps=steps,
         itl=float(np.median(after.itl)) if after.itl else float("nan"))
 

@@ -441,7 +441,7 @@ class Engine(Scheduler):
             token_slots=count.slots_computed, padding_slots=count.slots_computed - count.slots_real,
             cache_usage=tuple(self.cache.usage()), step_failures=count.step_failures,
             failed_requests=count.failed_requests, spec_draft_tokens=count.spec_drafted,
-            spec_accepted_tokens=count.spec_accepted)
+            spec_accepted_tokens=count.spec_accepted, spec_packed_draft_tokens=count.spec_packed_drafted)
 
     def _progress(self, pending, total, start, generated_before, before: Counters) -> EngineProgress:
         states = collections.Counter(r.state for r in pending)

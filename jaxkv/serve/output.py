@@ -53,7 +53,8 @@ class EngineStats:
     requests in flight re-queued; see :mod:`jaxkv.serve.faults`) and
     ``failed_requests`` (requests finished with ``"error"``),
     ``spec_draft_tokens`` / ``spec_accepted_tokens`` (speculative decoding:
-    draft tokens verified / kept). ``cache_usage``:
+    draft tokens verified / kept; ``spec_packed_draft_tokens`` of them
+    verified in packed steps' verify lanes). ``cache_usage``:
     the cache's usage per group now (:class:`EngineSummary`). Since the
     previous :meth:`Engine.stats` call (drained by each call; at most the
     last 65536 of each are kept between calls): ``ttft`` (seconds from the
@@ -91,6 +92,7 @@ class EngineStats:
     failed_requests: int = 0
     spec_draft_tokens: int = 0
     spec_accepted_tokens: int = 0
+    spec_packed_draft_tokens: int = 0
 
     @property
     def prefix_query_tokens(self) -> int:
@@ -118,6 +120,7 @@ class Counters:
     failed_requests: int = 0  # requests finished with "error"
     spec_drafted: int = 0  # speculative decoding: draft tokens verified
     spec_accepted: int = 0  # and kept
+    spec_packed_drafted: int = 0  # of the verified, those in packed steps' verify lanes
 
 
 @dataclasses.dataclass(frozen=True)

@@ -147,6 +147,7 @@ class Speculation:
             if row in verified:
                 by_row[0][row], by_row[1][row], by_row[2][row] = result.drafted[lane], result.accepted[lane], 1
         self.record(verified, self.config, *by_row, counters)
+        counters.spec_packed_drafted += int(by_row[0].sum())
 
     def expected(self, req) -> float:
         """Drafts ``req`` is expected to keep per ``k``-draft verify step:
