@@ -62,8 +62,8 @@ from jaxkv.errors import InvalidArgument
 from jaxkv.nn.packed import PackedBatch
 from jaxkv.nn.sampling import RowSampling, SamplingParams, filtered_logits, sample, split_keys
 from jaxkv.manager.rows import slot_of
-from jaxkv.nn.steps import (DecodeState, decode_logits, drop_decode_lanes, finish_rows, model_step, paged_window,
-                            trim_out_of_window)
+from jaxkv.nn.steps import (DecodeState, decode_logits, finish_rows, grow_decode_lanes, model_step, paged_window,
+                            place_tokens, trim_out_of_window)
 from jaxkv.pool.scrub import freed_blocks, scrub_kv_pool
 
 __all__ = ["SpecState", "SpeculativeConfig", "accept_drafts", "early_exit_draft", "hybrid_cache_options",
@@ -520,11 +520,8 @@ def paged_packed_verify_step(graphdef, params, manager, pool, batch: PackedBatch
     k = config.num_speculative_tokens
     decode = batch.decode_lanes
     seqs = jnp.where(decode, batch.seq_ids, -1)
-    if window is not None:
-        manager, pool = trim_out_of_window(manager, pool, seqs, window, scrub)
-    before = manager
-    manager, pool, _, blocked, ok = manager.append_slots(pool, seqs, k + 1)
-    batch = drop_decode_lanes(batch, ok)
+    starts = manager.seq_lens[jnp.clip(seqs, 0, manager.seq_lens.shape[0] - 1)]  # a trim keeps the lengths
+    manager, pool, batch, blocked, ok = grow_decode_lanes(manager, pool, batch, k + 1, window, scrub)
     verify = verify & decode & ok
     rows = jnp.where(verify, batch.seq_ids, 0)
     drafts, num_drafts = ngram_propose(history[rows], history_len[rows], k=k, max_n=config.prompt_lookup_max,
@@ -533,10 +530,7 @@ def paged_packed_verify_step(graphdef, params, manager, pool, batch: PackedBatch
     # The drafts take the lane's placeholder tokens 1..k (padding lanes' writes dropped).
     spots = batch.cu_q_lens[:-1][:, None] + 1 + jnp.arange(k, dtype=jnp.int32)[None, :]
     token_ids = batch.token_ids.at[jnp.where(verify[:, None], spots, batch.num_tokens)].set(drafts, mode="drop")
-    token_rows = batch.seq_ids[batch.token_lanes]
-    slots = manager.token_slots(jnp.where(batch.real, token_rows, -1), jnp.maximum(batch.positions, 0)[:, None])[:, 0]
-    tables, _ = manager.batch_tables(batch.seq_ids)
-    batch = batch.replace(token_ids=token_ids, slots=slots, block_tables=tables)
+    batch = place_tokens(manager, batch.replace(token_ids=token_ids))
     logits, pool = nnx.merge(graphdef, params).forward_packed(batch, pool, verify=verify, width=k + 1)
     took = batch.sample & (batch.q_lens > 0)
     advanced, subs = split_keys(keys)
@@ -545,7 +539,6 @@ def paged_packed_verify_step(graphdef, params, manager, pool, batch: PackedBatch
     tokens = jnp.where(verify[:, None], emitted, plain[:, None])
     counts = jnp.where(verify, accepted + 1, took.astype(jnp.int32))
     # Each decode lane that ran keeps its token and a verify lane its accepted drafts.
-    starts = before.seq_lens[jnp.clip(seqs, 0, before.seq_lens.shape[0] - 1)]
     kept, _ = manager.truncate(jnp.where(decode & ok, seqs, -1), starts + jnp.where(verify, accepted, 0) + 1)
     if scrub:
         pool = scrub_kv_pool(pool, freed_blocks(manager.device, kept.device, null=False))

@@ -73,6 +73,7 @@ __all__ = [
     "decode_step",
     "drop_decode_lanes",
     "finish_rows",
+    "grow_decode_lanes",
     "hybrid_packed_step",
     "hybrid_prefill_chunk",
     "model_step",
@@ -81,6 +82,7 @@ __all__ = [
     "paged_peak_blocks",
     "paged_row_blocks",
     "paged_window",
+    "place_tokens",
     "prefill_chunk",
     "run_decode",
     "start_decoding",
@@ -433,6 +435,29 @@ def _sample_lanes(logits: Float[Array, "S V"], keys: jax.Array, sampling: RowSam
     return tokens, jnp.where(took, advanced, keys)
 
 
+def grow_decode_lanes(manager: BlockSpaceManager, pool: KVPool, batch: PackedBatch, width: int,
+                      window: int | None, scrub: bool):
+    """A paged packed step's decode lanes, grown: blocks out of every
+    layer's ``window`` released first (as :func:`decode_logits`), then
+    ``append_slots`` of ``width`` positions each (all or nothing: on
+    failure the lanes drop out, ``blocked`` marks them). Returns
+    ``(manager, pool, batch, blocked, ok)``."""
+    seqs = jnp.where(batch.decode_lanes, batch.seq_ids, -1)
+    if window is not None:
+        manager, pool = trim_out_of_window(manager, pool, seqs, window, scrub)
+    manager, pool, _, blocked, ok = manager.append_slots(pool, seqs, width)
+    return manager, pool, drop_decode_lanes(batch, ok), blocked, ok
+
+
+def place_tokens(manager: BlockSpaceManager, batch: PackedBatch) -> PackedBatch:
+    """``batch`` with every real token's pool slot and every lane's block
+    table filled in from ``manager``."""
+    token_rows = batch.seq_ids[batch.token_lanes]
+    slots = manager.token_slots(jnp.where(batch.real, token_rows, -1), jnp.maximum(batch.positions, 0)[:, None])[:, 0]
+    tables, _ = manager.batch_tables(batch.seq_ids)
+    return batch.replace(slots=slots, block_tables=tables)
+
+
 def paged_packed_step(graphdef, params, manager: BlockSpaceManager, pool: KVPool, batch: PackedBatch,
                       sampling: RowSampling, keys: jax.Array, *, window: int | None = None, scrub: bool = False):
     """One packed step of a paged-pool model (``batch.seq_ids`` are sequence
@@ -444,15 +469,8 @@ def paged_packed_step(graphdef, params, manager: BlockSpaceManager, pool: KVPool
     token. Returns ``(manager, pool, tokens [S], keys, decode_ok, blocked
     [S], blocks in use)``. ``scrub``: the trimmed blocks are zeroed before
     the append (:mod:`jaxkv.pool.scrub`)."""
-    seqs = jnp.where(batch.decode_lanes, batch.seq_ids, -1)
-    if window is not None:
-        manager, pool = trim_out_of_window(manager, pool, seqs, window, scrub)
-    manager, pool, _, blocked, ok = manager.append_slots(pool, seqs, 1)
-    batch = drop_decode_lanes(batch, ok)
-    token_rows = batch.seq_ids[batch.token_lanes]
-    slots = manager.token_slots(jnp.where(batch.real, token_rows, -1), jnp.maximum(batch.positions, 0)[:, None])[:, 0]
-    tables, _ = manager.batch_tables(batch.seq_ids)
-    batch = batch.replace(slots=slots, block_tables=tables)
+    manager, pool, batch, blocked, ok = grow_decode_lanes(manager, pool, batch, 1, window, scrub)
+    batch = place_tokens(manager, batch)
     logits, pool = nnx.merge(graphdef, params).forward_packed(batch, pool)
     took = batch.sample & (batch.q_lens > 0)
     tokens, keys = _sample_lanes(logits, keys, sampling, took)
