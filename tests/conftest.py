@@ -148,6 +148,13 @@ RULES = (
      "speculation's default tests check the rollback of every cache kind's pieces, the rule, the engine under "
      "preemption and prefix hits, and transformers' tokens; these add the copy-heavy generate loop, the off rule, "
      "draft models and a contained fault (about 45 s together)"),
+    ("long", "other cases", ("test_speculative.py::test_a_speculating_engine_swaps_aborts_and_keeps_tenants_apart"
+                             "[early_exit]",
+                             "test_speculative.py::test_early_exit_engine_gives_generate_tokens_for_each_paged_family",
+                             "test_speculative.py::test_early_exit_drafts_in_the_engine_keep_the_target_distribution"),
+     "the engine's early-exit draft runs by default under preemption and prefix hits (the Llama pool); these add "
+     "swap, abort and tenants with it, DeepSeek-V3's MLA pool, and the sampled distribution over 1,536 requests "
+     "twice (about 50 s together)"),
     ("long", "program", ("test_speculative.py::test_smollm2_speculates_with_its_own_first_layers",),
      "the real SmolLM2 (30 layers) compiled three times; random models check the same paths by default"),
     ("long", "other cases", ("test_nn_gemma3.py::test_cached_steps_equal_no_cache_recompute[paged]",

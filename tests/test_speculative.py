@@ -453,11 +453,20 @@ def _engine_run(model, prompts, new, **options):
     return engine, [[t for o in outputs[i] for t in o.new_token_ids] for i in ids], [outputs[i][-1] for i in ids]
 
 
-def test_engine_speculates_with_generate_tokens_under_preemption_and_prefix_hits():
+#: The engine's two ways to draft: prompt lookup, and the target's first layer of two over its own pool
+#: (an early exit; θ 0 so that its requests verify drafts to the end, kept or not).
+ENGINE_DRAFTS = {"ngram": {"num_speculative_tokens": 3},
+                 "early_exit": {"method": "draft_model", "draft_layers": 1, "num_speculative_tokens": 3,
+                                "min_accepted_per_step": 0.0}}
+
+
+@pytest.mark.parametrize("method", sorted(ENGINE_DRAFTS))
+def test_engine_speculates_with_generate_tokens_under_preemption_and_prefix_hits(method):
     """Speculative decode chunks in the engine: greedy tokens equal plain
     ``generate``'s with rows preempted (a pool too small for all) and
     prompts sharing prefixes; the drafts are counted per request, in the
-    stats and on /metrics."""
+    stats and on /metrics. The early-exit draft runs over the target's own
+    pool, so the pool is the same size as without speculation."""
     from prometheus_client.parser import text_string_to_metric_families
 
     from jaxkv.serve.metrics import ServerMetrics
@@ -469,7 +478,7 @@ def test_engine_speculates_with_generate_tokens_under_preemption_and_prefix_hits
     expected = generate(model, prompts, 40, page_size=4).tokens
     # Three rows whose prompts and next chunk fit the pool, not their outputs: the newest is preempted.
     options = dict(max_seqs=3, page_size=4, num_pages=33, max_model_len=72, decode_chunk=4)
-    engine, tokens, last = _engine_run(model, prompts, 40, speculative={"num_speculative_tokens": 3}, **options)
+    engine, tokens, last = _engine_run(model, prompts, 40, speculative=ENGINE_DRAFTS[method], **options)
     assert tokens == expected
     stats = engine.stats()
     assert stats.preemptions > 0 and stats.prefix_hit_tokens > 0
@@ -521,11 +530,13 @@ def test_hybrid_engine_speculates_with_generate_tokens_under_preemption_and_pref
     assert engine.cache_plan.checkpoint_rows == (3 if name == "qwen3_next/small" else 0)  # rings: slack instead
 
 
-def test_a_speculating_engine_swaps_aborts_and_keeps_tenants_apart():
+@pytest.mark.parametrize("method", sorted(ENGINE_DRAFTS))
+def test_a_speculating_engine_swaps_aborts_and_keeps_tenants_apart(method):
     """Speculation beside preemption by swap (host pages), an abort in
     flight and two tenants' namespaces: every request not aborted gets
     plain ``generate``'s tokens, the aborted one a prefix of them, and
-    every block comes back."""
+    every block comes back (an early-exit draft's K/V are the pool's first
+    layer: swapped and shared with the rest)."""
     model = LlamaForCausalLM(LlamaConfig(**LLAMA), rngs=nnx.Rngs(3))
     rng = np.random.default_rng(12)
     base = rng.integers(1, LLAMA["vocab_size"], 9).tolist()
@@ -538,7 +549,7 @@ def test_a_speculating_engine_swaps_aborts_and_keeps_tenants_apart():
     # 24 pages: two rows of 60 tokens (15 pages each) outgrow them even after the abort.
     engine = Engine(model, max_seqs=3, page_size=4, num_pages=25, max_model_len=72, decode_chunk=4,
                     num_host_pages=64, host_memory_kind="numpy",
-                    speculative={"num_speculative_tokens": 3, "min_accepted_per_step": 0.0})
+                    speculative={**ENGINE_DRAFTS[method], "min_accepted_per_step": 0.0})
     ids = [engine.add_request(p, 40, namespace=tenant, arrival_step=step)
            for p, tenant, step in zip(prompts, "ABABA", (0, 40, 0, 0, 40))]
     for _ in range(3):
@@ -630,8 +641,8 @@ def test_engine_speculation_options():
     with pytest.raises(InvalidArgument, match="unknown keys"):
         EngineOptions.from_kwargs(speculative={"method": "ngram", "k": 2})
     model = LlamaForCausalLM(LlamaConfig(**LLAMA), rngs=nnx.Rngs(3))
-    with pytest.raises(InvalidArgument, match="'ngram' so far"):
-        Engine(model, max_seqs=2, max_model_len=64, speculative={"method": "draft_model", "draft_layers": 1})
+    with pytest.raises(InvalidArgument, match="not a second model"):
+        Engine(model, max_seqs=2, max_model_len=64, speculative={"method": "draft_model", "model": model})
     # A hybrid cache's checkpoint rows (one per sequence row) come out of the same budget as its blocks.
     qwen = AutoModelForCausalLM.from_pretrained(os.path.join(FIXTURES, "qwen3_next/small"))
     plain, spec = (Engine(qwen, max_seqs=4, max_model_len=256, kv_cache_memory=2_000_000, speculative=config).cache_plan
@@ -682,8 +693,89 @@ def test_draft_model_refusals():
         generate(model, [[1, 2]], 4, speculative={"method": "draft_model", "model": qwen})
     from jaxkv.serve import Engine
 
-    with pytest.raises(InvalidArgument, match="'ngram' so far"):
-        Engine(model, max_seqs=2, max_model_len=64, speculative={"method": "draft_model", "draft_layers": 1})
+    with pytest.raises(InvalidArgument, match="keeps a hybrid cache"):
+        Engine(qwen, max_seqs=2, max_model_len=64, speculative={"method": "draft_model", "draft_layers": 1})
+    with pytest.raises(InvalidArgument, match=r"draft_layers=2: must be in \[1, 2\)"):
+        Engine(model, max_seqs=2, max_model_len=64, speculative={"method": "draft_model", "draft_layers": 2})
+
+
+def _early_exit_sampled_second_tokens(model, prompt, sampling, draws):
+    """The second token of ``draws`` seeded requests of ``prompt`` (two new
+    tokens each) through an engine whose early-exit draft (the first layer)
+    proposes them: the first comes from the prefill, the second from a
+    verify step (requests arrive in waves of a batch, so each wave's
+    prefill ends before its verify steps)."""
+    from jaxkv.serve import Engine
+
+    engine = Engine(model, max_seqs=64, page_size=4, num_pages=400, max_model_len=16, decode_chunk=2,
+                    speculative={"method": "draft_model", "draft_layers": 1, "num_speculative_tokens": 2,
+                                 "min_accepted_per_step": 0.0})
+    ids = []
+    for wave in range(0, draws, 64):
+        ids += [engine.add_request(prompt, 2, sampling=sampling, seed=seed) for seed in range(wave, wave + 64)]
+        engine.run()
+    assert engine.stats().spec_draft_tokens > draws * 0.9  # (nearly) every second token went through a verify
+    return np.asarray([engine.outputs[i][1] for i in ids])
+
+
+def test_early_exit_drafts_in_the_engine_keep_the_target_distribution(monkeypatch):
+    """Sampled speculation in the engine (per-request seeds, temperature
+    and top-k): the second token's frequencies over 1,536 requests match
+    the target's exact marginal ``sum_t1 p(t1) p(t2 | t1)`` (dense forward,
+    no cache) by Pearson's chi-square; the same run with the draft's ``q``
+    taken before temperature and top-k (a plumbing bug the rule cannot
+    absorb) fails it."""
+    from jaxkv.nn.sampling import filtered_logits
+
+    vocab = 12
+    model = LlamaForCausalLM(LlamaConfig(**{**LLAMA, "vocab_size": vocab, "num_hidden_layers": 4}),
+                             rngs=nnx.Rngs(7))
+    sampling = SamplingParams(temperature=0.5, top_k=4)
+
+    def dist(logits):
+        scaled, _ = filtered_logits(logits, sampling)
+        return np.asarray(jax.nn.softmax(scaled, axis=-1), np.float64)
+
+    prompt = np.random.default_rng(7).integers(1, vocab, 6).tolist()
+    p1 = dist(model.forward_dense(jnp.asarray([prompt]))[:, -1])[0]
+    p2 = p1 @ dist(model.forward_dense(jnp.asarray([prompt + [t] for t in range(vocab)]))[:, -1])
+    draws = 1536
+    second = _early_exit_sampled_second_tokens(model, prompt, sampling, draws)
+    assert _chi_square_p(np.bincount(second, minlength=vocab), p2) > 1e-4
+    real = spec._draft_token
+
+    def unfiltered_q(logits, sampling, key, i):
+        token, q = real(logits, sampling, key, i)
+        return token, None if q is None else jax.nn.softmax(logits, axis=-1)
+
+    monkeypatch.setattr(spec, "_draft_token", unfiltered_q)
+    jax.clear_caches()  # the engine's jitted chunk traced the real one
+    wrong = _early_exit_sampled_second_tokens(model, prompt, sampling, draws)
+    assert _chi_square_p(np.bincount(wrong, minlength=vocab), p2) < 1e-6
+
+
+@pytest.mark.parametrize("family", ["llama", "dsv3"])
+def test_early_exit_engine_gives_generate_tokens_for_each_paged_family(family):
+    """The engine's early-exit draft for both paged-pool families (a GQA
+    Llama pool; DeepSeek-V3's MLA latent pool, MoE past its dense first
+    layer): greedy tokens equal plain ``generate``'s under preemption and
+    prefix hits, drafts kept."""
+    if family == "dsv3":
+        model = AutoModelForCausalLM.from_pretrained(os.path.join(FIXTURES, "parity/dsv3_1"))
+    else:
+        model = LlamaForCausalLM(LlamaConfig(**{**LLAMA, "num_hidden_layers": 4}), rngs=nnx.Rngs(9))
+    vocab = model.config.vocab_size
+    rng = np.random.default_rng(1)
+    base = rng.integers(1, vocab, 9).tolist()
+    prompts = [base * 2 + [5, 9], rng.integers(1, vocab, 19).tolist(), base[:4] * 5]
+    expected = generate(model, prompts, 24, page_size=4).tokens
+    config = {"method": "draft_model", "draft_layers": 1, "num_speculative_tokens": 3, "min_accepted_per_step": 0}
+    engine, tokens, _ = _engine_run(model, prompts, 24, speculative=config, max_seqs=2, page_size=4, num_pages=20,
+                                    max_model_len=64, decode_chunk=4)
+    assert tokens == expected
+    stats = engine.stats()
+    assert stats.preemptions > 0 and stats.prefix_hit_tokens > 0 and stats.spec_accepted_tokens > 0
+    engine.check_bookkeeping()
 
 
 def test_smollm2_speculates_with_its_own_first_layers():
@@ -706,6 +798,11 @@ def test_smollm2_speculates_with_its_own_first_layers():
                                                      "num_speculative_tokens": 3})
     assert ngram.tokens == plain and early.tokens == plain
     assert sum(ngram.accepted_tokens) > 0 and sum(early.accepted_tokens) > 0
+    # The engine, drafting with the same early exit over the model's own pool.
+    _, tokens, last = _engine_run(model, [ids], 40, max_seqs=2, max_model_len=512, decode_chunk=4,
+                                  speculative={"method": "draft_model", "draft_layers": 15,
+                                               "num_speculative_tokens": 3, "min_accepted_per_step": 0})
+    assert tokens == plain and last[0].accepted_draft_tokens > 0
 
 
 def test_the_server_flag_reaches_the_engine_options():

@@ -281,6 +281,9 @@ class DeepseekV3ForCausalLM(nnx.Module):
         check_implementation(implementation, interpret)
         c = config
         self.config = c
+        #: The pool's layers this model runs over: its own depth, or a deeper target's for an early-exit
+        #: draft that shares the target's pool (:func:`jaxkv.nn.speculative.early_exit_draft`).
+        self.pool_layers = config.num_hidden_layers
         self.dtype = jnp.dtype(dtype)
         self.param_dtype = jnp.dtype(param_dtype)
         self.embed_tokens = nnx.Dict(weight=param((c.vocab_size, c.hidden_size), rngs, param_dtype, std=1.0))
@@ -341,13 +344,13 @@ class DeepseekV3ForCausalLM(nnx.Module):
     def make_pool(self, num_pages: int, page_size: int, dtype=None) -> KVPool:
         """A zero MLA pool: one ``[latent | k_rope]`` row per token and layer."""
         c = self.config
-        return KVPool.create_mla(num_pages=num_pages, page_size=page_size, num_layers=c.num_hidden_layers,
+        return KVPool.create_mla(num_pages=num_pages, page_size=page_size, num_layers=self.pool_layers,
                                  kv_lora_rank=c.kv_lora_rank, rope_dim=c.qk_rope_head_dim,
                                  dtype=self.dtype if dtype is None else dtype)
 
     def _check_pool(self, pool: KVPool) -> None:
         c = self.config
-        want = (c.num_hidden_layers, c.kv_lora_rank + c.qk_rope_head_dim, c.kv_lora_rank)
+        want = (self.pool_layers, c.kv_lora_rank + c.qk_rope_head_dim, c.kv_lora_rank)
         got = (pool.num_layers, pool.k_dim, pool.kv_lora_rank)
         if not pool.is_mla or got != want:
             raise InvalidArgument(f"pool has (layers, row dims, latent) = {got} (MLA: {pool.is_mla}) but the model "

@@ -121,7 +121,8 @@ def generate(model, input_ids, max_new_tokens: int, *, eos_token_id: int | None 
     verify steps of prompt-lookup or draft-model drafts in one jitted loop
     (:mod:`jaxkv.nn.speculative`), for every family (a hybrid cache rolls
     its state rows back by a checkpoint and a replay; a draft model keeps a
-    paged cache of its own); greedy tokens are those without it, sampled
+    paged cache of its own, the target's first layers run over the target's
+    pool); greedy tokens are those without it, sampled
     ones follow the same distribution. The output then says how many
     drafts were verified and accepted per prompt.
 
@@ -320,7 +321,9 @@ def _generate_speculative(model, prompts, max_new_tokens, config: SpeculativeCon
                                               kv_dtype=kv_dtype, mesh=mesh, extra_tokens=k)
     draft_graphdef = draft_params = None
     draft = {}
-    if draft_model is not None:
+    if draft_model is not None and config.draft_layers is not None:  # the early exit runs over the target's pool
+        draft_graphdef, draft_params = nnx.split(draft_model)
+    elif draft_model is not None:
         draft_graphdef, draft_params, draft_state = start_paged(
             draft_model, prompts, max_new_tokens, sampling=sampling, seed=seed, page_size=page_size,
             kv_dtype=kv_dtype, mesh=mesh, extra_tokens=k + 1)  # every row at full length: no append can fail
@@ -354,12 +357,13 @@ def _generate_speculative(model, prompts, max_new_tokens, config: SpeculativeCon
 
 def _draft_model(target, config: SpeculativeConfig):
     """The draft model of a ``draft_model`` config: the target's first
-    ``draft_layers`` layers (:func:`~jaxkv.nn.speculative.early_exit_draft`),
+    ``draft_layers`` layers over the target's own pool
+    (:func:`~jaxkv.nn.speculative.early_exit_draft` with ``share_pool``),
     or ``model`` (a jaxkv model, or a checkpoint path loaded with
     ``AutoModelForCausalLM``). It must run over a paged pool and share the
     target's vocabulary (``InvalidArgument`` otherwise)."""
     if config.draft_layers is not None:
-        draft = early_exit_draft(target, config.draft_layers)
+        draft = early_exit_draft(target, config.draft_layers, share_pool=True)
     elif isinstance(config.model, (str, os.PathLike)):
         from jaxkv.nn.auto import AutoModelForCausalLM  # noqa: PLC0415 (auto imports every family)
 

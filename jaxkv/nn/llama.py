@@ -129,6 +129,9 @@ class LlamaForCausalLM(nnx.Module):
                  scan_layers: bool | None = None):
         check_implementation(implementation, interpret)
         self.config = config
+        #: The pool's layers this model runs over: its own depth, or a deeper target's for an early-exit
+        #: draft that shares the target's pool (:func:`jaxkv.nn.speculative.early_exit_draft`).
+        self.pool_layers = config.num_hidden_layers
         self.implementation = implementation
         self.interpret = bool(interpret)
         self.dtype = jnp.dtype(dtype)
@@ -224,13 +227,13 @@ class LlamaForCausalLM(nnx.Module):
         (default the compute dtype; fp8 dtypes keep scales). ``num_pages``
         counts the null page 0."""
         c = self.config
-        return KVPool.create(num_pages=num_pages, page_size=page_size, num_layers=c.num_hidden_layers,
+        return KVPool.create(num_pages=num_pages, page_size=page_size, num_layers=self.pool_layers,
                              k_heads=c.num_key_value_heads, k_dim=c.head_dim,
                              dtype=self.dtype if dtype is None else dtype)
 
     def _check_pool(self, pool: KVPool) -> None:
         c = self.config
-        want = (c.num_hidden_layers, c.num_key_value_heads, c.head_dim)
+        want = (self.pool_layers, c.num_key_value_heads, c.head_dim)
         got = (pool.num_layers, pool.k_heads, pool.k_dim)
         if pool.is_mla or got != want or (pool.v_heads, pool.v_dim) != want[1:]:
             raise InvalidArgument(

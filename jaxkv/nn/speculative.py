@@ -51,6 +51,7 @@ request's speculation off) is :mod:`jaxkv.serve.speculation`.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from functools import partial
 
 import jax
@@ -294,26 +295,50 @@ def speculative_body(graphdef, params, state: SpecState, sampling: SamplingParam
     k = config.num_speculative_tokens
     active = ~d.finished
     options = dict(sampling=sampling, free_finished=free_finished, scrub=scrub)
-    if draft_graphdef is not None:
+    if draft_graphdef is not None and state.draft_manager is not None:  # a draft with a cache of its own
         keys, key = (d.keys, None) if _greedy(sampling) else jax.random.split(d.keys)
         drafts, probs, state = _draft_propose(draft_graphdef, draft_params, state, k, sampling, key)
         num_drafts = jnp.where(active if speculate is None else active & speculate, k, 0).astype(jnp.int32)
         return _advance(graphdef, params, state.replace(decode=state.decode.replace(keys=keys)), drafts,
                         num_drafts, draft_probs=probs, **options)
-    drafts, num_drafts = ngram_propose(state.history, state.history_len, k=k, max_n=config.prompt_lookup_max,
-                                       min_n=config.prompt_lookup_min)
-    num_drafts = jnp.where(active if speculate is None else active & speculate, num_drafts, 0)
+    if draft_graphdef is not None:  # an early exit over the target's own pool: drafts after the append
+        if d.pool is None:
+            raise InvalidArgument("a draft that shares the target's pool (early_exit_draft(..., share_pool=True)) "
+                                  "needs a paged-pool target; a hybrid cache's target takes a draft with its own "
+                                  "cache")
+        # The draft's draws: a stream folded off the row's key (one key for the batch or one per row), which the
+        # verify's split then advances.
+        key = None if _greedy(sampling) else _fold_keys(d.keys, _DRAFT_STREAM)
+        drafts = jnp.zeros((d.last.shape[0], k), jnp.int32)  # placeholders: the propose fills them in
+        num_drafts = jnp.where(active if speculate is None else active & speculate, k, 0).astype(jnp.int32)
+        propose = partial(_shared_pool_propose, draft_graphdef, draft_params, sampling=sampling, key=key)
+    else:
+        drafts, num_drafts = ngram_propose(state.history, state.history_len, k=k, max_n=config.prompt_lookup_max,
+                                           min_n=config.prompt_lookup_min)
+        num_drafts = jnp.where(active if speculate is None else active & speculate, num_drafts, 0)
+        propose = None
     # A step in which no row has a draft is a plain decode step (one position per row, not k + 1). An index
     # switch, not a predicated cond: XLA:GPU copies the operand of a predicated conditional that a branch
     # updates in place (see BlockSpaceManager.append_slots).
     return jax.lax.switch(
         jnp.any(num_drafts > 0).astype(jnp.int32),
         [lambda s: _advance(graphdef, params, s, drafts[:, :0], jnp.zeros_like(num_drafts), **options),
-         lambda s: _advance(graphdef, params, s, drafts, num_drafts, **options)], state)
+         lambda s: _advance(graphdef, params, s, drafts, num_drafts, propose=propose, **options)], state)
 
 
 def _greedy(sampling) -> bool:
     return isinstance(sampling, SamplingParams) and sampling.is_greedy
+
+
+#: What an early-exit draft's draws fold into the row's key (any constant the verify's split never yields).
+_DRAFT_STREAM = 0x64726166  # "draf"
+
+
+def _fold_keys(keys: jax.Array, data: int) -> jax.Array:
+    """``jax.random.fold_in`` of one key, or of each of ``[B]`` keys."""
+    if keys.ndim == 0:
+        return jax.random.fold_in(keys, data)
+    return jax.vmap(lambda key: jax.random.fold_in(key, data))(keys)
 
 
 def _draft_propose(draft_graphdef, draft_params, state: SpecState, k: int, sampling, key):
@@ -336,32 +361,71 @@ def _draft_propose(draft_graphdef, draft_params, state: SpecState, k: int, sampl
         ok = ok & step_ok
         if i == k:
             break
-        greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-        if _greedy(sampling):
-            token = greedy
-        else:
-            scaled, temperature = filtered_logits(logits, sampling)
-            probs.append(jax.nn.softmax(scaled, axis=-1))
-            drawn = jax.random.categorical(jax.random.fold_in(key, i), scaled, axis=-1).astype(jnp.int32)
-            token = jnp.where(temperature > 0, drawn, greedy)
+        token, q = _draft_token(logits, sampling, key, i)
         drafts.append(token)
+        if q is not None:
+            probs.append(q)
     state = state.replace(decode=d.replace(ok=d.ok & ok), draft_manager=manager, draft_pool=pool)
     return jnp.stack(drafts, axis=1), jnp.stack(probs, axis=1) if probs else None, state
 
 
+def _draft_token(logits: Float[Array, "B V"], sampling, key, i: int):
+    """The draft's token after ``logits`` (draft position ``i``): its argmax
+    (greedy), or a draw from its distribution after the target's
+    temperature / top-k / top-p; returns ``(token [B], probs [B, V] or
+    None)`` (``probs``: what the rejection rule reads as ``q``)."""
+    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    if _greedy(sampling):
+        return greedy, None
+    scaled, temperature = filtered_logits(logits, sampling)
+    keys = _fold_keys(key, i)
+    if keys.ndim == 0:
+        drawn = jax.random.categorical(keys, scaled, axis=-1)
+    else:  # one stream per row
+        drawn = jax.vmap(jax.random.categorical)(keys, scaled)
+    return jnp.where(temperature > 0, drawn.astype(jnp.int32), greedy), jax.nn.softmax(scaled, axis=-1)
+
+
+def _shared_pool_propose(draft_graphdef, draft_params, pool, last, slots, tables, starts, running, *, sampling, key):
+    """``k`` drafts per running row from an early-exit draft that runs over
+    the target's own pool (``early_exit_draft(..., share_pool=True)``: its
+    layers are the target's first, so the K/V the target wrote for them
+    are the draft's). Called once the verify step's ``k + 1`` positions are
+    appended (``slots [B, k+1]`` from position ``starts``): draft step ``i``
+    feeds token ``i`` (``last``, then the drafts) at position ``starts +
+    i`` into slot ``slots[:, i]`` of the first layers, decode attention
+    over everything before it. The verify pass then writes all ``k + 1``
+    positions of every layer again, so no draft K/V outlives the step and
+    the rollback is the target's alone. Returns ``(drafts [B, k], probs
+    [B, k, V] or None, pool)``."""
+    k = slots.shape[1] - 1
+    token, drafts, probs = last, [], []
+    for i in range(k):
+        logits, pool = model_step(draft_graphdef, draft_params, token[:, None], (starts + i)[:, None], pool,
+                                  slots[:, i:i + 1], tables, starts + i, running.astype(jnp.int32), "decode")
+        token, q = _draft_token(logits[:, 0], sampling, key, i)
+        drafts.append(token)
+        probs.append(q)
+    return jnp.stack(drafts, axis=1), None if probs[0] is None else jnp.stack(probs, axis=1), pool
+
+
 def _advance(graphdef, params, state: SpecState, drafts, num_drafts, *, sampling, free_finished: bool,
-             scrub: bool, draft_probs=None) -> SpecState:
+             scrub: bool, draft_probs=None, propose=None) -> SpecState:
     """:func:`speculative_body` once the drafts are known (``drafts [B, k]``;
-    ``k`` may be 0: a plain decode step). A draft model's cache
-    (``state.draft_manager``) is truncated with the target's."""
+    ``k`` may be 0: a plain decode step), or with ``propose`` once the
+    verify step's positions are appended (an early exit over the target's
+    pool: :func:`_shared_pool_propose`; ``drafts`` are placeholders). A
+    draft model's cache (``state.draft_manager``) is truncated with the
+    target's."""
     d = state.decode
     batch, width = d.tokens.shape
     k = drafts.shape[1]
     active = ~d.finished
     inputs = jnp.concatenate([d.last[:, None], drafts], axis=1)
     if d.pool is not None:
-        logits, blocked, ok, rollback = _paged_verify(graphdef, params, d.manager, d.pool, inputs, num_drafts,
-                                                      active, scrub)
+        logits, blocked, ok, rollback, drafts, probs = _paged_verify(graphdef, params, d.manager, d.pool, inputs,
+                                                                     num_drafts, active, scrub, propose)
+        draft_probs = draft_probs if propose is None else probs
     else:
         logits, blocked, ok, rollback = _hybrid_verify(graphdef, params, d.manager, inputs, num_drafts, active)
     running = active & ok
@@ -404,20 +468,23 @@ def _advance(graphdef, params, state: SpecState, drafts, num_drafts, *, sampling
                          steps=state.steps + (running & (num_drafts > 0)))
 
 
-def _paged_verify(graphdef, params, manager, pool, inputs, num_drafts, active, scrub: bool = False):
+def _paged_verify(graphdef, params, manager, pool, inputs, num_drafts, active, scrub: bool = False, propose=None):
     """The verify pass over a paged pool: ``append_slots`` of ``k + 1``
     tokens per row (a windowed model's dead blocks trimmed first, as
     :func:`~jaxkv.nn.steps.decode_logits` does), the model in prefill mode.
-    Returns ``(logits [B, k+1, V], blocked, ok, rollback)``; ``rollback(accepted)``
-    (-1: a row that did not run) truncates each row to its length before
-    the step plus ``accepted + 1`` (the fed token and the accepted drafts)
-    and returns ``(manager, pool)``; with ``scrub`` the blocks it releases
-    are zeroed (:mod:`jaxkv.pool.scrub`)."""
+    ``propose`` (:func:`_shared_pool_propose`, bound to its draft): called
+    after the append, it supplies the drafts ``inputs[:, 1:]`` (else they
+    are given). Returns ``(logits [B, k+1, V], blocked, ok, rollback,
+    drafts [B, k], draft probs or None)``; ``rollback(accepted)`` (-1: a
+    row that did not run) truncates each row to its length before the step
+    plus ``accepted + 1`` (the fed token and the accepted drafts) and
+    returns ``(manager, pool)``; with ``scrub`` the blocks it releases are
+    zeroed (:mod:`jaxkv.pool.scrub`)."""
     batch, width = inputs.shape
     if width == 1:  # no drafts: a plain decode step (the decode attention, not a one-token prefill)
         manager, pool, logits, blocked, ok = decode_logits(graphdef, params, manager, pool, inputs[:, 0], active,
                                                            scrub=scrub)
-        return logits[:, None], blocked, ok, lambda accepted: (manager, pool)
+        return logits[:, None], blocked, ok, lambda accepted: (manager, pool), inputs[:, 1:], None
     seqs = jnp.where(active, jnp.arange(batch, dtype=jnp.int32), -1)
     window = paged_window(nnx.merge(graphdef, params))
     if window is not None:
@@ -426,6 +493,10 @@ def _paged_verify(graphdef, params, manager, pool, inputs, num_drafts, active, s
     manager, pool, slots, blocked, ok = manager.append_slots(pool, seqs, width)
     running = active & ok
     tables, _ = manager.batch_tables(seqs)
+    probs = None
+    if propose is not None:
+        drafts, probs, pool = propose(pool, inputs[:, 0], slots, tables, starts, running)
+        inputs = jnp.concatenate([inputs[:, :1], drafts], axis=1)
     positions = starts[:, None] + jnp.arange(width, dtype=jnp.int32)[None, :]
     logits, pool = model_step(graphdef, params, inputs, positions, pool, slots, tables, starts,
                               jnp.where(running, width, 0).astype(jnp.int32), "prefill")
@@ -436,7 +507,7 @@ def _paged_verify(graphdef, params, manager, pool, inputs, num_drafts, active, s
             return kept, scrub_kv_pool(pool, freed_blocks(manager.device, kept.device, null=False))
         return kept, pool
 
-    return logits, blocked, ok, rollback
+    return logits, blocked, ok, rollback, inputs[:, 1:], probs
 
 
 def _hybrid_verify(graphdef, params, manager, inputs, num_drafts, active):
@@ -583,13 +654,20 @@ def speculative_step(graphdef, params, state: SpecState, sampling: SamplingParam
                             draft_params=draft_params)
 
 
-def early_exit_draft(model, num_layers: int):
+def early_exit_draft(model, num_layers: int, *, share_pool: bool = False):
     """A self-speculative draft: ``model``'s first ``num_layers`` layers with
     its embedding, final norm and head (the same arrays, copied), as a model
     of the same family (LayerSkip's early exit, without its training).
     Families that export transformers-named tensors (``hf_state_dict``) and
     build from them; ``InvalidArgument`` otherwise, or for ``num_layers``
-    not below the model's depth."""
+    not below the model's depth.
+
+    ``share_pool``: the draft runs over ``model``'s own paged pool (its
+    ``pool_layers`` is the target's depth; layer ``i`` reads and writes the
+    pool's layer ``i``, the layers past ``num_layers`` are left alone).
+    The K/V the target writes for its first layers are then the draft's:
+    the draft needs no cache, no prefill and no rollback of its own
+    (:func:`_shared_pool_propose`). Else it takes a pool of its own depth."""
     if not hasattr(model, "hf_state_dict") or not hasattr(type(model), "from_hf_state_dict"):
         raise InvalidArgument(f"draft_layers: {type(model).__name__} cannot be cut to its first layers (it has no "
                               "hf_state_dict / from_hf_state_dict); give a draft model instead")
@@ -603,4 +681,13 @@ def early_exit_draft(model, num_layers: int):
     config = type(model.config).from_hf(hf)
     tensors = {name: value for name, value in model.hf_state_dict().items()
                if not (name.startswith("model.layers.") and int(name.split(".")[2]) >= num_layers)}
-    return type(model).from_hf_state_dict(config, tensors)
+    # The target's compute settings (dtypes, kernels, scan) where its family takes them.
+    settings = {name: getattr(model, name) for name in ("dtype", "param_dtype", "precision", "implementation",
+                                                         "interpret") if hasattr(model, name)}
+    if hasattr(model, "layers") and hasattr(model.layers, "reps"):
+        settings["scan_layers"] = bool(model.layers.reps)
+    accepted = inspect.signature(type(model).from_hf_state_dict).parameters
+    draft = type(model).from_hf_state_dict(config, tensors, **{k: v for k, v in settings.items() if k in accepted})
+    if share_pool:
+        draft.pool_layers = depth
+    return draft

@@ -273,18 +273,21 @@ def decode_chunk(graphdef, params, manager, pool, last, active, num_generated, m
     return run_decode(graphdef, params, state, sampling, num_steps=num_steps, free_finished=False, scrub=scrub)
 
 
-@partial(jax.jit, static_argnames=("graphdef", "num_steps", "config", "scrub"), donate_argnums=(2, 3))
+@partial(jax.jit, static_argnames=("graphdef", "num_steps", "config", "scrub", "draft_graphdef"),
+         donate_argnums=(2, 3))
 def speculative_chunk(graphdef, params, manager, pool, last, active, num_generated, max_new, eos_id,
-                      sampling: RowSampling, keys, history, history_len, speculate, steps, *, num_steps: int, config,
-                      scrub: bool = False) -> SpecState:
+                      sampling: RowSampling, keys, history, history_len, speculate, steps, draft_params=None, *,
+                      num_steps: int, config, scrub: bool = False, draft_graphdef=None) -> SpecState:
     """The engine's decode chunk with speculation (a paged cache's): up to
     ``num_steps`` verify steps (:func:`jaxkv.nn.speculative.speculative_body`,
     ``config.num_speculative_tokens`` drafts each) of the rows ``active`` in
     one ``lax.while_loop``; rows stay allocated when they finish. A row
     drafts from ``history[r, :history_len[r]]`` (its prompt and output, the
     last being ``last[r]``) when ``speculate[r]``, else decodes one token
-    per step. Runs ``steps`` (traced, at most ``num_steps``) verify steps;
-    stops early as :func:`decode_chunk` does."""
+    per step; with ``draft_graphdef`` / ``draft_params`` (an early exit
+    that shares the pool: ``early_exit_draft(..., share_pool=True)``) the
+    drafts are that model's instead. Runs ``steps`` (traced, at most
+    ``num_steps``) verify steps; stops early as :func:`decode_chunk` does."""
     width = num_steps * (config.num_speculative_tokens + 1)
     state = DecodeState.create(manager, pool, last=last, finished=~active, num_generated=num_generated,
                                max_new=max_new, eos_id=eos_id, keys=keys, width=width)
@@ -295,7 +298,8 @@ def speculative_chunk(graphdef, params, manager, pool, last, active, num_generat
     return jax.lax.while_loop(
         lambda s: jnp.any(~s.decode.finished) & s.decode.ok & (s.decode.step < stop_at),
         lambda s: speculative_body(graphdef, params, s, sampling, config, free_finished=False, scrub=scrub,
-                                   speculate=speculate), spec)
+                                   speculate=speculate, draft_graphdef=draft_graphdef, draft_params=draft_params),
+        spec)
 
 
 def remembers_arguments(init):
@@ -624,19 +628,22 @@ class CacheBase(abc.ABC):
                key_data: list, num_steps: int, speculation=None) -> DecodeResult:
         """``num_steps`` decode steps of the rows ``active`` in one jitted
         loop; finished rows stay allocated until :meth:`retire`.
-        ``speculation``: ``(config, history, history_len, speculate, steps)``:
-        ``steps`` verify steps instead (:func:`speculative_chunk`; the result
-        then says how many drafts each row verified and kept)."""
+        ``speculation``: ``(config, history, history_len, speculate, steps,
+        draft)``: ``steps`` verify steps instead (:func:`speculative_chunk`;
+        ``draft`` an early-exit draft's ``(graphdef, params)`` or None; the
+        result then says how many drafts each row verified and kept)."""
         manager, pool = self._decode_view()
         drafted = accepted = steps = None
         if speculation is None:
             state = decode_chunk(graphdef, params, manager, pool, last, active, num_generated, max_new, eos_id,
                                  sampling, self._keys(key_data), num_steps=num_steps, scrub=self.scrub)
         else:
-            config, history, history_len, speculate, steps = speculation
+            config, history, history_len, speculate, steps, draft = speculation
+            draft_graphdef, draft_params = (None, None) if draft is None else draft
             spec = speculative_chunk(graphdef, params, manager, pool, last, active, num_generated, max_new, eos_id,
                                      sampling, self._keys(key_data), history, history_len, speculate,
-                                     np.int32(steps), num_steps=num_steps, config=config, scrub=self.scrub)
+                                     np.int32(steps), draft_params, num_steps=num_steps, config=config,
+                                     scrub=self.scrub, draft_graphdef=draft_graphdef)
             state, drafted, accepted, steps = spec.decode, spec.drafted, spec.accepted, spec.steps
         self._decode_done(state.manager, state.pool)
         out, count, finished, ok, blocked, peak, keys, host, drafted, accepted, steps = jax.device_get(

@@ -72,7 +72,9 @@ from flax import nnx
 from jaxkv import _host
 from jaxkv.errors import InvalidArgument
 from jaxkv.nn import sharding
+from jaxkv.nn.packed import cache_kind
 from jaxkv.nn.sampling import GREEDY, SamplingParams
+from jaxkv.nn.speculative import early_exit_draft
 from jaxkv.serve.build import build_cache, resolve_options
 from jaxkv.serve.options import EngineOptions
 from jaxkv.serve.output import (Counters, EngineProgress, EngineStats, EngineSummary, OutputProcessor,
@@ -166,9 +168,7 @@ class Engine(Scheduler):
         #: left out derived for the device and logged, :func:`~jaxkv.serve.build.resolve_options`).
         self.options = options = resolve_options(model, options, mesh=mesh, free_bytes=free_bytes)
         cache, sched, tenants = options.cache, options.scheduler, options.tenants
-        if sched.speculative is not None and sched.speculative.method != "ngram":
-            raise InvalidArgument(f"speculative method {sched.speculative.method!r}: the engine speculates with "
-                                  "'ngram' so far (draft models run in jaxkv.nn.generate(..., speculative=...))")
+        draft = _early_exit_draft(model, sched.speculative)  # refused before the cache is sized
         lookahead = 0 if sched.speculative is None else sched.speculative.num_speculative_tokens
         self.cache = build_cache(model, cache, max_seqs=sched.max_seqs, prefill_chunk=sched.prefill_chunk,
                                  free_bytes=free_bytes, mesh=mesh, lookahead=lookahead)
@@ -179,6 +179,8 @@ class Engine(Scheduler):
         self._kv_events, self._mesh = enable_kv_events, mesh
         if mesh is not None:  # the model, unless placed already
             sharding.prepare(model, mesh)
+            if draft is not None:
+                sharding.prepare(draft, mesh)
         self._configure_cache()
         #: How the cache was sized (:class:`~jaxkv.serve.sizing.CachePlan`), logged at start-up.
         self.cache_plan: CachePlan = self.cache.plan
@@ -192,7 +194,7 @@ class Engine(Scheduler):
         super().__init__(self.cache, graphdef, params, OutputProcessor(Counters(), tokenizer, detokenizer),
                          max_seqs=sched.max_seqs, decode_chunk=sched.decode_chunk, prefill_chunk=sched.prefill_chunk,
                          max_num_batched_tokens=sched.max_num_batched_tokens, scheduler=sched.scheduler,
-                         speculative=sched.speculative)
+                         speculative=sched.speculative, draft=draft)
         self.key = jax.random.key(sched.seed)
         self.outputs: dict[int, list] = {}
         self._next_id = 0
@@ -452,3 +454,23 @@ class Engine(Scheduler):
             elapsed_seconds=time.perf_counter() - start,
             preemptions=self._count.swaps + self._count.recomputes - before.swaps - before.recomputes,
             iteration=self._count.iterations - before.iterations)
+
+
+def _early_exit_draft(model, config):
+    """The engine's draft model for ``config`` (a ``SpeculativeConfig`` or
+    None): None for n-gram lookup (or no speculation); for ``draft_model``
+    with ``draft_layers``, the target's first layers over its own paged
+    pool (:func:`jaxkv.nn.speculative.early_exit_draft` with
+    ``share_pool``). ``InvalidArgument`` for a separate draft ``model`` (the
+    engine does not run one) and for a hybrid-cache target."""
+    if config is None or config.method != "draft_model":
+        return None
+    if config.model is not None:
+        raise InvalidArgument("speculative draft_model with a separate model: the engine runs the target's own "
+                              "first layers (draft_layers) over the target's cache, not a second model with a "
+                              "cache of its own (jaxkv.nn.generate(..., speculative=...) runs any draft model)")
+    if cache_kind(model) != "paged":
+        raise InvalidArgument(f"speculative draft_layers: {type(model).__name__} keeps a hybrid cache; the engine's "
+                              "early-exit draft runs over a paged pool (the Llama family, DeepSeek-V3); use "
+                              "method 'ngram'")
+    return early_exit_draft(model, config.draft_layers, share_pool=True)

@@ -273,13 +273,15 @@ class Scheduler(FaultContainment):
     tokens were all computed and given out."""
 
     def __init__(self, cache, graphdef, params, output: OutputProcessor, *, max_seqs: int, decode_chunk: int,
-                 prefill_chunk: int, max_num_batched_tokens: int | None, scheduler: str, speculative=None):
+                 prefill_chunk: int, max_num_batched_tokens: int | None, scheduler: str, speculative=None,
+                 draft=None):
         self.cache = cache
         self.graphdef, self.params = graphdef, params
         self.output = output
         self.max_seqs, self.decode_chunk, self.prefill_chunk = max_seqs, decode_chunk, prefill_chunk
         #: Speculative decoding (:class:`~jaxkv.serve.speculation.Speculation`; None: off).
-        self.speculation = None if speculative is None else Speculation(speculative, max_seqs, cache)
+        # ``draft``: an early-exit draft model over the cache's pool (method draft_model), else None.
+        self.speculation = None if speculative is None else Speculation(speculative, max_seqs, cache, draft)
         # The decode steps whose blocks a running request reserves: a decode chunk's, or with speculation the
         # most tokens its verify steps can write (the cache's ``lookahead`` covers a step's rejected tail).
         self.reserve_chunk = decode_chunk if speculative is None else (

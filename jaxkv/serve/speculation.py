@@ -33,6 +33,18 @@ reproducible):
 * a request that, after ``PROBATION_STEPS`` ``k``-draft steps, kept fewer
   than θ per step stops speculating.
 
+With ``{"method": "draft_model", "draft_layers": d}`` the drafts come
+from the target's own first ``d`` layers, its final norm and head (a
+self-speculative early exit, :func:`jaxkv.nn.speculative.early_exit_draft`
+with ``share_pool``): over a paged pool (the Llama family, DeepSeek-V3)
+the draft runs on the target's cache itself, so it costs no memory, no
+prefill and no rollback of its own, and prefix hits, swaps, preemption and
+scrubbing serve it unchanged. Its ``k`` draft steps cost about ``k d / L``
+decode steps of the target (``L`` layers), which θ adds (:func:`break_even`).
+Such requests bring one token in packed iterations (their drafts come
+from a model call, not a lookup: verify lanes are n-gram's) and verify
+in decode chunks.
+
 Packed iterations (prompts being prefilled beside decoding requests, one
 model call) carry **verify lanes** over a paged pool: a request past its
 probation and expected to keep θ drafts brings its token and ``k``
@@ -50,6 +62,7 @@ import dataclasses
 
 import jax
 import numpy as np
+from flax import nnx
 
 from jaxkv._ops import pow2_at_least
 from jaxkv.nn.speculative import SpeculativeConfig
@@ -61,16 +74,21 @@ __all__ = ["PROBATION_STEPS", "Speculation", "break_even", "on_probation"]
 PROBATION_STEPS = 4
 
 
-def break_even(config: SpeculativeConfig) -> float:
+def break_even(config: SpeculativeConfig, draft_fraction: float = 0.0) -> float:
     """θ: ``config.min_accepted_per_step``, or when None the device's: 1.0
     on a CPU (a verify step of k + 1 positions is compute: 1.7x a decode
     step measured with SmolLM2, batch 4, k = 4, so 0.7 kept drafts per step
     break even; 1.0 leaves a margin), 0.25 on an accelerator (decode reads
     the weights and the KV whatever the positions: a verify step at small
-    batch costs about a decode step)."""
+    batch costs about a decode step), plus, for a draft model, the ``k``
+    draft steps it runs per verify step, each ``draft_fraction`` of a
+    target decode step (an early exit's layers over the target's), capped
+    at ``k``."""
     if config.min_accepted_per_step is not None:
         return float(config.min_accepted_per_step)
-    return 1.0 if jax.default_backend() == "cpu" else 0.25
+    base = 1.0 if jax.default_backend() == "cpu" else 0.25
+    k = config.num_speculative_tokens
+    return min(base + k * draft_fraction, float(k))
 
 
 class Speculation:
@@ -82,11 +100,14 @@ class Speculation:
     ``history[row, :length[row]]`` are the first ``length[row]`` of ``r``'s
     tokens (prompt then output; capped at ``width``)."""
 
-    def __init__(self, config: SpeculativeConfig, max_seqs: int, cache):
+    def __init__(self, config: SpeculativeConfig, max_seqs: int, cache, draft=None):
         self.config = config
         #: The probation chunks' config: one draft per verify step.
         self.probe = dataclasses.replace(config, num_speculative_tokens=1, min_accepted_per_step=None)
-        self.theta = break_even(config)
+        #: A draft model's ``(graphdef, params)`` (an early exit over the target's pool), or None (n-gram).
+        self.draft = None if draft is None else nnx.split(draft)
+        fraction = 0.0 if draft is None else draft.config.num_hidden_layers / draft.pool_layers
+        self.theta = break_even(config, fraction)
         # Room for the longest request and the tokens a chunk appends on the device (writes past it are dropped
         # there: the lookup then just does not see them).
         self.width = pow2_at_least(cache.max_context_tokens + 1)
@@ -95,9 +116,10 @@ class Speculation:
         self.owner: list = [None] * max_seqs
 
     def arguments(self, running: dict, decode_chunk: int):
-        """``(config, history, history_len, speculate, steps)`` for a decode
-        chunk of the requests ``running`` (row -> request), or None when the
-        chunk runs plain (module docstring). While a speculating request is
+        """``(config, history, history_len, speculate, steps, draft)`` for a
+        decode chunk of the requests ``running`` (row -> request), or None
+        when the chunk runs plain (module docstring); ``draft``:
+        :attr:`draft` (the histories are kept for n-gram lookup only). While a speculating request is
         on probation: ``PROBATION_STEPS`` verify steps of one draft
         (``config`` is :attr:`probe`); else ``decode_chunk`` steps of ``k``
         drafts when the speculating requests are expected to keep θ drafts
@@ -114,8 +136,9 @@ class Speculation:
         speculate = np.zeros(self.length.shape, bool)
         for row, req in speculating:
             speculate[row] = True
-            self._sync(row, req)
-        return config, self.history, self.length.copy(), speculate, steps
+            if self.draft is None:
+                self._sync(row, req)
+        return config, self.history, self.length.copy(), speculate, steps, self.draft
 
     def packed_arguments(self, decoding: list, budget: int):
         """``(speculation, verify)`` for a packed step whose decode lanes are
@@ -124,7 +147,10 @@ class Speculation:
         verify ``k`` drafts in the step (as many as leave a token of
         ``budget`` to the prompts; ``verify``: a bool per decode lane), the
         others bring their one token. ``speculation`` is what
-        :meth:`~jaxkv.serve.caches.CacheBase.packed_step` takes."""
+        :meth:`~jaxkv.serve.caches.CacheBase.packed_step` takes. A draft
+        model's requests bring one token (verify lanes are n-gram's)."""
+        if self.draft is not None:
+            return None, None
         k = self.config.num_speculative_tokens
         room = max(budget - len(decoding) - 1, 0) // k
         verify = np.zeros((len(decoding),), bool)
