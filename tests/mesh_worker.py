@@ -7,7 +7,9 @@ then on a mesh (``--mesh 4x2``: data x tp), through ``generate`` and the
 device reference on its own first device.
 
 Usage: ``python -m tests.mesh_worker FIXTURE --mesh DxT --devices N
-[--num-processes K --process-id I --port P] --seed S [--paths generate,engine]``
+[--num-processes K --process-id I --port P] --seed S [--paths generate,engine]
+[--speculative JSON]`` (``--speculative``: both engines speculate; the
+speculative drafts verified and kept are printed too).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ def _args(argv):
     add_process_arguments(parser)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--paths", default="generate,engine")
+    parser.add_argument("--speculative", default=None, help="the engine's speculative config (JSON)")
     return parser.parse_args(argv)
 
 
@@ -50,7 +53,8 @@ def main(argv=None) -> None:
     paths = args.paths.split(",")
 
     def run_engine(mesh):
-        engine = Engine(model, max_seqs=4, max_model_len=48, prefill_chunk=16, decode_chunk=4, mesh=mesh)
+        engine = Engine(model, max_seqs=4, max_model_len=48, prefill_chunk=16, decode_chunk=4, mesh=mesh,
+                        speculative=args.speculative)
         ids = [engine.add_request(p, 6 + i, **({"sampling": sampling} if i % 2 else {})) for i, p in enumerate(prompts)]
         # the second round hits the first round's prefixes
         engine.run()
@@ -65,9 +69,11 @@ def main(argv=None) -> None:
             # after serving, every leaf still where cache_sharding puts it (a step's output is not re-split)
             as_planned.append(all(x.sharding.is_equivalent_to(s, x.ndim) for x, s in zip(leaves, planned)))
             planned_split.append(sum(1 for s in planned if not s.is_fully_replicated))
+        stats = engine.stats()
+        drafts.append([stats.spec_draft_tokens, stats.spec_accepted_tokens])
         return [engine.outputs[i] for i in ids]
 
-    single, sharded, split_cache, as_planned, planned_split = {}, {}, [], [], []
+    single, sharded, split_cache, as_planned, planned_split, drafts = {}, {}, [], [], [], []
     if "generate" in paths:
         single["generate"] = generate(model, prompts, 6, sampling=sampling, seed=1).tokens
     if "engine" in paths:
@@ -84,7 +90,7 @@ def main(argv=None) -> None:
         "kind": cache_kind(model), "single": single, "sharded": sharded,
         "split_params": sum(1 for x in leaves if not x.sharding.is_fully_replicated),
         "params": len(leaves), "split_cache": split_cache, "cache_as_planned": as_planned,
-        "planned_split": planned_split,
+        "planned_split": planned_split, "drafts": drafts,
     }), flush=True)
     if args.num_processes > 1:
         jax.distributed.shutdown()

@@ -27,12 +27,14 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TIMEOUT = 600
 
 
-def run_workers(fixture: str, *, processes: int, devices: int, mesh: str, paths: str = "generate,engine") -> list:
+def run_workers(fixture: str, *, processes: int, devices: int, mesh: str, paths: str = "generate,engine",
+                speculative: dict | None = None) -> list:
     """The JSON line of every worker process (all started together, all
     waited for, any left over killed)."""
     seed = int(np.random.default_rng().integers(1 << 30))
+    extra = [] if speculative is None else ["--speculative", json.dumps(speculative)]
     results = run_processes(["-m", "tests.mesh_worker", fixture, "--mesh", mesh, "--devices", str(devices),
-                             "--seed", str(seed), "--paths", paths], processes, timeout=TIMEOUT, cwd=ROOT,
+                             "--seed", str(seed), "--paths", paths, *extra], processes, timeout=TIMEOUT, cwd=ROOT,
                             env=dict(os.environ, PYTHONPATH=ROOT))
     for code, _, err in results:
         assert code == 0, f"seed {seed}: worker exited {code}\n{err[-4000:]}"
@@ -71,3 +73,22 @@ def test_one_process_eight_devices(fixture):
 def test_two_processes(fixture):
     check_same_tokens(run_workers(fixture, processes=2, devices=2, mesh="2x2"), 2, 2,
                       latent_cache=fixture.startswith("dsv4"))
+
+
+#: Speculation on a mesh: an early exit over the sharded paged pool (its heads split over tp like the
+#: target's), and n-gram drafts over Qwen3-Next's checkpoint rows; θ 0, so the rows verify to the end.
+SPECULATIVE = {"parity/llama_0": {"method": "draft_model", "draft_layers": 1, "num_speculative_tokens": 3,
+                                  "min_accepted_per_step": 0},
+               "qwen3_next/small": {"num_speculative_tokens": 3, "min_accepted_per_step": 0}}
+
+
+@pytest.mark.parametrize("fixture", sorted(SPECULATIVE))
+def test_a_speculating_engine_on_a_mesh(fixture):
+    """A speculating engine on a 4x2 mesh gives one device's tokens (both
+    speculating, so each draft's acceptance is the same decision), with
+    the same drafts verified and kept."""
+    results = run_workers(fixture, processes=1, devices=8, mesh="4x2", paths="engine",
+                          speculative=SPECULATIVE[fixture])
+    check_same_tokens(results, 1, 8)
+    single, sharded = results[0]["drafts"]
+    assert single == sharded and single[0] > 0, results[0]["drafts"]

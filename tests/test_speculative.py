@@ -237,11 +237,15 @@ LLAMA = dict(vocab_size=61, hidden_size=32, intermediate_size=64, num_hidden_lay
 
 
 @pytest.mark.parametrize("seed", range(2))
-def test_paged_rollback_equals_a_cache_that_never_saw_the_rejected_tokens(seed):
+@pytest.mark.parametrize("drafts", ["given", "early_exit"])
+def test_paged_rollback_equals_a_cache_that_never_saw_the_rejected_tokens(drafts, seed):
     """Verify k + 1 random tokens per row, keep a random prefix of them:
     lengths, free blocks and every live position's K/V equal those of a
     cache that decoded only the kept tokens, and so do the logits of the
-    steps after, with every free slot and page poisoned with NaN."""
+    steps after, with every free slot and page poisoned with NaN. With
+    ``early_exit`` the drafts come from the model's first layer over the
+    same pool (it writes their K/V into the first layer's slots before the
+    verify pass): nothing of it may survive either."""
     rng = np.random.default_rng(seed)
     model = LlamaForCausalLM(LlamaConfig(**LLAMA), rngs=nnx.Rngs(seed))
     graphdef, params = nnx.split(model)
@@ -257,14 +261,21 @@ def test_paged_rollback_equals_a_cache_that_never_saw_the_rejected_tokens(seed):
     accepted = rng.integers(0, k + 1, batch).astype(np.int32)
     active = np.ones((batch,), bool)
 
+    propose = None
+    if drafts == "early_exit":
+        draft = spec.early_exit_draft(model, 1, share_pool=True)
+        propose = partial(spec._shared_pool_propose, *nnx.split(draft), sampling=GREEDY, key=None)
+
     @jax.jit
     def speculated(manager, pool):
-        _, _, ok, rollback = spec._paged_verify(graphdef, params, manager, pool, inputs, num_drafts, active)
-        return (*rollback(jnp.asarray(accepted)), ok)
+        _, _, ok, rollback, proposed, _ = spec._paged_verify(graphdef, params, manager, pool, inputs, num_drafts,
+                                                             active, propose=propose)
+        return (*rollback(jnp.asarray(accepted)), ok, proposed)
 
     one = jax.jit(lambda m, p, last, act: decode_logits(graphdef, params, m, p, last, act))
-    m_a, p_a, ok = speculated(state.manager, state.pool)
+    m_a, p_a, ok, proposed = speculated(state.manager, state.pool)
     assert bool(ok)
+    inputs[:, 1:] = np.asarray(proposed)  # the drafts that were verified (the given ones, or the early exit's)
     m_b, p_b = state.manager, state.pool
     for i in range(k + 1):  # the reference: the kept tokens one decode step at a time
         m_b, p_b, _, _, ok = one(m_b, p_b, inputs[:, i], jnp.asarray(i <= accepted))

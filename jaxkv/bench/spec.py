@@ -5,7 +5,12 @@ decoding, in the same run.
 without it a random Llama of the same vocabulary stands in and the table
 says so): two workloads of chat requests, greedy, all added at once
 (``max_seqs`` = the requests), served by an engine without speculation and
-one with ``{"method": "ngram", "num_speculative_tokens": K}``:
+one with ``{"method": "ngram", "num_speculative_tokens": K}`` and (not
+for the arriving workload) one drafting with the model's own first
+``DRAFT_LAYERS`` layers over its own pool (``{"method": "draft_model",
+"draft_layers": DRAFT_LAYERS, "num_speculative_tokens": DRAFT_K}``, an
+untrained early exit: what self-speculation gives a model that was not
+trained for it):
 
 * **copy-heavy**: the answer copies a given passage (repeat it, fix its
   typos, quote from it): prompt lookup finds what comes next;
@@ -52,6 +57,7 @@ from jaxkv.bench._timing import machine_description, print_json, print_table
 __all__ = ["PASSAGE", "main"]
 
 K = 4  # num_speculative_tokens
+DRAFT_LAYERS, DRAFT_K = 15, 3  # the early exit's layers (of SmolLM2's 30) and drafts per verify step
 REPEATS = 3
 NEW_TOKENS = {"copy-heavy": 128, "open chat": 64}
 QUICK_NEW_TOKENS = {"copy-heavy": 24, "open chat": 16}
@@ -163,9 +169,14 @@ def engine_rows(quick: bool) -> tuple[list, str, bool]:
         longest = max(map(len, prompts)) + new + 8
         arriving = workload.endswith("arriving")
         every, budget = (ARRIVE_SECONDS, ARRIVE_BUDGET) if arriving else (0.0, None)
+        modes = [("plain", None), ("ngram", {"num_speculative_tokens": K})]
+        if not arriving:  # an early exit verifies in decode chunks only: arriving work would show nothing new
+            layers = min(DRAFT_LAYERS, model.config.num_hidden_layers // 2)
+            modes.append((f"early exit {layers}", {"method": "draft_model", "draft_layers": layers,
+                                                   "num_speculative_tokens": DRAFT_K}))
         engines = {mode: Engine(model, max_seqs=len(prompts), max_model_len=longest, decode_chunk=8,
                                 max_num_batched_tokens=budget, prefix_cache=not arriving, speculative=spec)
-                   for mode, spec in (("plain", None), ("ngram", {"num_speculative_tokens": K}))}
+                   for mode, spec in modes}
         for engine in engines.values():  # compile every program the workload runs
             _serve(engine, prompts, new, eos, every)
         best, figures, tokens = {}, {}, {}
@@ -174,7 +185,7 @@ def engine_rows(quick: bool) -> tuple[list, str, bool]:
                 out, seconds, stats = _serve(engine, prompts, new, eos, every)
                 if mode not in best or seconds < best[mode]:
                     best[mode], figures[mode], tokens[mode] = seconds, stats, out
-        equal &= tokens["plain"] == tokens["ngram"]
+        equal &= all(tokens["plain"] == tokens[mode] for mode in engines)
         generated = sum(map(len, tokens["plain"]))
         for mode in engines:
             f = figures[mode]
@@ -261,8 +272,8 @@ def main(args) -> int:
     machine = machine_description()
     rows, name, equal = engine_rows(quick)
     fmt = lambda v, f: "-" if v is None else format(v, f)  # noqa: E731
-    print_table(f"speculative decoding in the engine: {name}, greedy, n-gram lookup k={K} against plain decode "
-                f"chunks (8 steps), best of {1 if quick else REPEATS}, on {machine}",
+    print_table(f"speculative decoding in the engine: {name}, greedy, n-gram lookup k={K} and an early exit "
+                f"k={DRAFT_K} against plain decode chunks (8 steps), best of {1 if quick else REPEATS}, on {machine}",
                 ["workload", "mode", "requests", "tokens", "tok/s", "ITL p50 ms", "model calls", "drafts",
                  "of which in packed steps", "acceptance", "tokens / verify step", "tok/s vs plain"],
                 [[r["workload"], r["mode"], r["requests"], r["tokens"], f"{r['tok_s']:.1f}", f"{r['itl_ms']:.1f}",
