@@ -155,6 +155,17 @@ RULES = (
      "the engine's early-exit draft runs by default under preemption and prefix hits (the Llama pool); these add "
      "swap, abort and tenants with it, DeepSeek-V3's MLA pool, and the sampled distribution over 1,536 requests "
      "twice (about 50 s together)"),
+    ("long", "other cases", ("test_logprobs.py::test_engine_logprobs_equal_a_no_cache_forward",
+                             "!test_logprobs.py::test_engine_logprobs_equal_a_no_cache_forward[llama-processed]",
+                             "test_logprobs.py::test_padded_scheduler_and_speculation_pause"),
+     "the paged Llama's log-probabilities in the processed mode by default (the packed step, the decode chunk, "
+     "greedy and sampled rows, top-k and top-p, a request asking none); the raw mode, every other family (the "
+     "hybrid caches' packed and decode paths), the padded scheduler and a speculating engine in long (about "
+     "4 minutes together)"),
+    ("long", "other cases", ("test_speculative.py::test_engine_speculates_with_generate_tokens_under_preemption_"
+                             "and_prefix_hits[early_exit]",),
+     "the early exit's shared-pool drafting and rollback run by default in the paged rollback check; the engine "
+     "with it (preemption, prefix hits) in long, with its other engine tests"),
     ("long", "program", ("test_speculative.py::test_smollm2_speculates_with_its_own_first_layers",),
      "the real SmolLM2 (30 layers) compiled three times; random models check the same paths by default"),
     ("long", "other cases", ("test_nn_gemma3.py::test_cached_steps_equal_no_cache_recompute[paged]",

@@ -58,6 +58,7 @@ class PoolOnly:
 
     def __init__(self, config: dict, dtype=jnp.bfloat16):
         self.config, self.dtype = LlamaConfig.from_hf(config), dtype
+        self.pool_layers = self.config.num_hidden_layers  # make_pool's layers (the model's own depth)
 
 
 # ------------------------------------------------------------------ the rule, as a pure function

@@ -237,6 +237,44 @@ def test_token_id_prompts_n_seed_and_stop(client, server):
         assert cut.choices[0].finish_reason == "stop"
 
 
+def test_logprobs_chat_and_completions_streamed_and_not(client):
+    """Log-probabilities through the openai client: one entry per
+    completion token with the top N asked, most likely first; a greedy
+    token is its own top entry; streamed chunks carry the same entries as
+    the whole answer."""
+    for kind in ("completion", "chat"):
+        if kind == "completion":
+            kw = dict(model=MODEL, prompt="Once upon a time", max_tokens=8, temperature=0, logprobs=3)
+            full = client.completions.create(**kw)
+            lp = full.choices[0].logprobs
+            entries = list(zip(lp.tokens, lp.token_logprobs, [sorted(d.items(), key=lambda x: -x[1])
+                                                             for d in lp.top_logprobs]))
+            assert lp.text_offset == sorted(lp.text_offset) and lp.text_offset[0] == 0
+            chunks = [c for c in client.completions.create(**kw, stream=True) if c.choices]
+            streamed = [e for c in chunks if c.choices[0].logprobs for e in zip(
+                c.choices[0].logprobs.tokens, c.choices[0].logprobs.token_logprobs,
+                [sorted(d.items(), key=lambda x: -x[1]) for d in c.choices[0].logprobs.top_logprobs])]
+        else:
+            kw = dict(model=MODEL, messages=[{"role": "user", "content": "Hello!"}], max_tokens=8, temperature=0,
+                      logprobs=True, top_logprobs=3)
+            full = client.chat.completions.create(**kw)
+            entries = [(e.token, e.logprob, [(t.token, t.logprob) for t in e.top_logprobs])
+                       for e in full.choices[0].logprobs.content]
+            assert all(bytes(e.bytes).decode("utf-8", "replace") == e.token for e in full.choices[0].logprobs.content)
+            chunks = [c for c in client.chat.completions.create(**kw, stream=True) if c.choices]
+            streamed = [(e.token, e.logprob, [(t.token, t.logprob) for t in e.top_logprobs])
+                        for c in chunks if c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+        assert len(entries) == full.usage.completion_tokens, kind
+        for token, logprob, top in entries:
+            # (completions' top is a dict by token text: tokens of the same text share an entry)
+            assert (1 <= len(top) <= 3 if kind == "completion" else len(top) == 3) and logprob <= 0
+            assert [v for _, v in top] == sorted((v for _, v in top), reverse=True)
+            assert top[0][1] == pytest.approx(logprob, abs=1e-6)  # greedy: the token is the most likely
+        assert [(t, pytest.approx(v, abs=1e-6)) for t, v, _ in streamed] == [(t, v) for t, v, _ in entries], kind
+    plain = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=2)
+    assert plain.choices[0].logprobs is None
+
+
 def test_concurrent_streams(server):
     async def one(aclient, i):
         stream = await aclient.chat.completions.create(
@@ -362,7 +400,12 @@ def test_errors(server, path):
     for field, value in (("max_tokens", 0), ("max_tokens", -3), ("temperature", -0.1), ("temperature", 2.5),
                          ("top_p", 0), ("top_p", 1.5), ("n", 0), ("n", 1000), ("top_k", -2)):
         _error(post({**good, field: value}), 400, "invalid_value")
-    _error(post({**good, "logprobs": 3} if not chat else {**good, "logprobs": True}), 400, "unsupported_parameter")
+    _error(post({**good, "echo": True}), 400, "unsupported_parameter")
+    _error(post({**good, "logprobs": 21} if not chat else {**good, "logprobs": True, "top_logprobs": 21}), 400,
+           "invalid_value")
+    if chat:
+        _error(post({**good, "logprobs": 3}), 400, "invalid_type")
+        _error(post({**good, "top_logprobs": 2}), 400)  # without logprobs: true
     if chat:
         _error(post({**good, "messages": []}), 400)
         _error(post({**good, "messages": [{"content": "no role"}]}), 400)

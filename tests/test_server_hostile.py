@@ -296,9 +296,11 @@ def _field_mutations(chat: bool) -> st.SearchStrategy:
         st.tuples(st.just("cache_salt"), st.one_of(_json_values(("str",)), st.just(""))),
         st.tuples(st.just("model"), st.one_of(_json_values(("str",)), st.text(min_size=1).filter(lambda t: t != MODEL),
                                               st.integers(10 ** 4, 10 ** 6).map(lambda n: "m" * n))),
-        st.tuples(st.sampled_from(["logprobs", "best_of", "presence_penalty", "echo", "logit_bias", "tools"]),
+        st.tuples(st.sampled_from(["prompt_logprobs", "best_of", "presence_penalty", "echo", "logit_bias", "tools"]),
                   st.sampled_from([5, 2, 0.5, True, {"1": 5}, [{"type": "function"}]]).filter(
                       lambda v: v not in (0, 1, False))),
+        st.tuples(st.just("logprobs"), st.one_of(_outside(0, 20), st.sampled_from([0.5, "3", [1]]))),
+        st.tuples(st.just("top_logprobs"), st.one_of(_outside(0, 20), st.sampled_from([0.5, "3", [1]]))),
     ]
     if chat:
         m += [
@@ -395,6 +397,7 @@ class FakeOutput:
     new_text: str = ""
     cached_tokens: int = 0
     error: str | None = None
+    new_logprobs: tuple | None = None
 
 
 class FakeEngine:

@@ -36,10 +36,18 @@ from flax import struct
 from jaxkv.errors import InvalidArgument
 from jaxtyping import Array, Float, Int
 
-__all__ = ["GREEDY", "TOP_K_MAX", "RowSampling", "SamplingParams", "filtered_logits", "sample", "split_keys"]
+__all__ = ["GREEDY", "LOGPROBS_MODES", "MAX_TOP_LOGPROBS", "TOP_K_MAX", "RowSampling", "SamplingParams",
+           "TokenLogprobs", "filtered_logits", "sample", "sampled_logprobs", "split_keys", "token_logprobs"]
 
 
 _F32 = np.finfo(np.float32)
+#: The most top log-probabilities a token reports (OpenAI's ``top_logprobs`` bound).
+MAX_TOP_LOGPROBS = 20
+#: Where log-probabilities are read (vLLM's ``logprobs_mode`` names, less its logits modes):
+#: ``"processed"`` the distribution a row samples from (``filtered_logits``: temperature, top-k and top-p
+#: applied, tokens outside them at -inf; a greedy row's is the plain softmax), ``"raw"`` the model's
+#: softmax before any of it.
+LOGPROBS_MODES = ("processed", "raw")
 #: The largest ``top_k`` (the device holds it as int32).
 TOP_K_MAX = 2**31 - 1
 
@@ -145,6 +153,12 @@ class RowSampling:
     temperature: Float[Array, " batch"]
     top_k: Int[Array, " batch"]
     top_p: Float[Array, " batch"]
+    #: Static: the top log-probabilities each sampled token reports (:func:`token_logprobs`); -1: none
+    #: computed, 0: the sampled token's own only. A program per value: the engine uses -1 or
+    #: :data:`MAX_TOP_LOGPROBS`.
+    logprobs: int = struct.field(pytree_node=False, default=-1)
+    #: Static: which distribution they are read from (:data:`LOGPROBS_MODES`).
+    logprobs_mode: str = struct.field(pytree_node=False, default="processed")
 
     @classmethod
     def broadcast(cls, params: SamplingParams, rows: int) -> RowSampling:
@@ -228,3 +242,49 @@ def filtered_logits(logits: Float[Array, "B V"], params: SamplingParams | RowSam
     nucleus = (before < top_p[:, None]) | (jnp.arange(vocab) == 0)[None, :]
     cutoff = jnp.min(jnp.where(nucleus, ordered, jnp.inf), axis=-1, keepdims=True)
     return jnp.where(scaled < cutoff, -jnp.inf, scaled), temperature
+
+
+@struct.dataclass
+class TokenLogprobs:
+    """Log-probabilities of sampled tokens (leading axes: the tokens'):
+    ``token`` the sampled token's, ``top_ids`` / ``top`` the ``N`` most
+    likely tokens and theirs, most likely first (ties: the lower id
+    first)."""
+
+    token: Float[Array, "..."]
+    top_ids: Int[Array, "... N"]
+    top: Float[Array, "... N"]
+
+
+def token_logprobs(logits: Float[Array, "B V"], tokens: Int[Array, " B"], params: SamplingParams | RowSampling,
+                   top_n: int, mode: str = "processed") -> TokenLogprobs:
+    """The log-probabilities of ``tokens`` drawn from ``logits`` by
+    ``params``, and the ``top_n`` (static) most likely tokens', read in
+    ``mode`` (:data:`LOGPROBS_MODES`): ``"processed"``: from the
+    distribution :func:`sample` drew from (after temperature, top-k and
+    top-p; a filtered token's is -inf; a greedy row's is the model's
+    softmax, the distribution at temperature 1), ``"raw"``: the model's
+    softmax. Float32."""
+    if mode not in LOGPROBS_MODES:
+        raise InvalidArgument(f"logprobs mode {mode!r}: one of {LOGPROBS_MODES}")
+    raw = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    logprobs = raw
+    if mode == "processed" and not (isinstance(params, SamplingParams) and params.is_greedy):
+        scaled, temperature = filtered_logits(logits, params)
+        logprobs = jnp.where((temperature > 0)[:, None], jax.nn.log_softmax(scaled, axis=-1), raw)
+    token = jnp.take_along_axis(logprobs, tokens.astype(jnp.int32)[:, None], axis=-1)[:, 0]
+    if top_n == 0:
+        return TokenLogprobs(token=token, top_ids=jnp.zeros((*token.shape, 0), jnp.int32),
+                             top=jnp.zeros((*token.shape, 0), jnp.float32))
+    top, top_ids = jax.lax.top_k(logprobs, top_n)
+    return TokenLogprobs(token=token, top_ids=top_ids.astype(jnp.int32), top=top)
+
+
+def sampled_logprobs(logits: Float[Array, "B V"], tokens: Int[Array, " B"],
+                     params: SamplingParams | RowSampling) -> TokenLogprobs | None:
+    """:func:`token_logprobs` as ``params`` asks (a :class:`RowSampling`'s
+    static ``logprobs`` and ``logprobs_mode``), or None when it asks none."""
+    top_n = getattr(params, "logprobs", -1)
+    if top_n < 0:
+        return None
+    return token_logprobs(logits, tokens, params, top_n, params.logprobs_mode)

@@ -61,7 +61,7 @@ from jaxkv.manager.block_space import BlockSpaceManager
 from jaxkv.manager.hybrid import KVCacheManager
 from jaxkv.manager.rows import slot_of
 from jaxkv.nn.packed import PackedBatch
-from jaxkv.nn.sampling import RowSampling, SamplingParams, sample, split_keys
+from jaxkv.nn.sampling import RowSampling, SamplingParams, TokenLogprobs, sample, sampled_logprobs, split_keys
 from jaxkv.pool.kv_pool import KVPool
 from jaxkv.pool.scrub import freed_blocks, scrub_kv_pool
 
@@ -266,6 +266,11 @@ class DecodeState:
             them, and ``generate`` would only pay a table copy per step.
         peak_used: ``[]`` int32, most device blocks in use after any step.
         ok: ``[]`` bool, False once an allocation failed.
+        logprobs: the recorded tokens' log-probabilities
+            (:class:`~jaxkv.nn.sampling.TokenLogprobs`, ``[B, W]`` and
+            ``[B, W, N]``; entry ``[b, i]`` is ``tokens[b, i]``'s), when the
+            sampling parameters ask for them (a ``RowSampling``'s
+            ``logprobs``); else None.
     """
 
     manager: BlockSpaceManager
@@ -284,12 +289,16 @@ class DecodeState:
     final_lens: Int[Array, " batch"] | None
     peak_used: Int[Array, ""]
     ok: Bool[Array, ""]
+    logprobs: TokenLogprobs | None = None
 
     @classmethod
     def create(cls, manager: BlockSpaceManager, pool: KVPool, *, last, finished, num_generated, max_new, eos_id,
-               keys, width: int, step=0, ok=True, keep_final_tables: bool = False) -> DecodeState:
+               keys, width: int, step=0, ok=True, keep_final_tables: bool = False,
+               top_logprobs: int = -1) -> DecodeState:
         """A state with nothing recorded yet (``tokens`` all -1, ``written``
-        0); ``max_new`` and ``eos_id`` broadcast to the batch."""
+        0); ``max_new`` and ``eos_id`` broadcast to the batch.
+        ``top_logprobs`` (>= 0): room for each token's log-probability and
+        its top ``top_logprobs`` (``logprobs``)."""
         last = jnp.asarray(last, jnp.int32)
         batch = last.shape[0]
         if keep_final_tables and not manager.ROW_TABLES:
@@ -304,7 +313,10 @@ class DecodeState:
             final_tables=jnp.full((batch, manager.max_blocks_per_seq), -1, jnp.int32) if keep_final_tables else None,
             final_lens=jnp.zeros((batch,), jnp.int32) if keep_final_tables else None,
             peak_used=manager.blocks_in_use,
-            ok=jnp.asarray(ok, bool))
+            ok=jnp.asarray(ok, bool),
+            logprobs=None if top_logprobs < 0 else TokenLogprobs(
+                token=jnp.zeros((batch, width), jnp.float32), top_ids=jnp.zeros((batch, width, top_logprobs), jnp.int32),
+                top=jnp.zeros((batch, width, top_logprobs), jnp.float32)))
 
 
 def finish_rows(state: DecodeState, done: Bool[Array, " B"], free_finished: bool) -> DecodeState:
@@ -368,6 +380,9 @@ def decode_body(graphdef, params, state: DecodeState, sampling: SamplingParams |
         keys = jnp.where(running, keys, state.keys)
     column = jnp.where(running, state.written, width)  # out of range: dropped
     num_generated = state.num_generated + running
+    if state.logprobs is not None:
+        state = state.replace(logprobs=record_logprobs(state.logprobs, column,
+                                                       sampled_logprobs(logits, new, sampling)))
     state = state.replace(
         manager=manager, pool=pool, tokens=state.tokens.at[jnp.arange(batch), column].set(new, mode="drop"),
         written=state.written + running, num_generated=num_generated, last=jnp.where(running, new, state.last),
@@ -375,6 +390,13 @@ def decode_body(graphdef, params, state: DecodeState, sampling: SamplingParams |
         peak_used=jnp.maximum(state.peak_used, manager.blocks_in_use), ok=state.ok & ok)
     done = running & ((new == state.eos_id) | (num_generated >= state.max_new))
     return finish_rows(state, done, free_finished)
+
+
+def record_logprobs(recorded: TokenLogprobs, column: Int[Array, " B"], new: TokenLogprobs) -> TokenLogprobs:
+    """``recorded`` (``[B, W, ...]``) with row ``b``'s entry ``column[b]``
+    set to ``new``'s ``b``-th (a column past ``W`` is dropped)."""
+    rows = jnp.arange(column.shape[0])
+    return jax.tree.map(lambda acc, x: acc.at[rows, column].set(x, mode="drop"), recorded, new)
 
 
 def run_decode(graphdef, params, state: DecodeState, sampling: SamplingParams | RowSampling, *,
@@ -428,11 +450,12 @@ def drop_decode_lanes(batch: PackedBatch, decode_ok: Bool[Array, ""]) -> PackedB
 
 def _sample_lanes(logits: Float[Array, "S V"], keys: jax.Array, sampling: RowSampling, took: Bool[Array, " S"]):
     """Each lane's token from its last logits, drawn as every other path
-    draws it (one split of the lane's key), and the keys, advanced only for
-    the lanes that ``took`` a token."""
+    draws it (one split of the lane's key), the keys, advanced only for
+    the lanes that ``took`` a token, and the tokens' log-probabilities
+    when ``sampling`` asks for them (else None)."""
     advanced, subs = split_keys(keys)
     tokens = sample(logits, subs, sampling)
-    return tokens, jnp.where(took, advanced, keys)
+    return tokens, jnp.where(took, advanced, keys), sampled_logprobs(logits, tokens, sampling)
 
 
 def grow_decode_lanes(manager: BlockSpaceManager, pool: KVPool, batch: PackedBatch, width: int,
@@ -467,14 +490,16 @@ def paged_packed_step(graphdef, params, manager: BlockSpaceManager, pool: KVPool
     every real token's K/V are written at its row's slot, the model runs
     (``forward_packed``) and the lanes of ``batch.sample`` that ran draw a
     token. Returns ``(manager, pool, tokens [S], keys, decode_ok, blocked
-    [S], blocks in use)``. ``scrub``: the trimmed blocks are zeroed before
-    the append (:mod:`jaxkv.pool.scrub`)."""
+    [S], blocks in use, logprobs)`` (``logprobs``: the tokens'
+    :class:`~jaxkv.nn.sampling.TokenLogprobs` when ``sampling`` asks for
+    them, else None). ``scrub``: the trimmed blocks are zeroed before the
+    append (:mod:`jaxkv.pool.scrub`)."""
     manager, pool, batch, blocked, ok = grow_decode_lanes(manager, pool, batch, 1, window, scrub)
     batch = place_tokens(manager, batch)
     logits, pool = nnx.merge(graphdef, params).forward_packed(batch, pool)
     took = batch.sample & (batch.q_lens > 0)
-    tokens, keys = _sample_lanes(logits, keys, sampling, took)
-    return manager, pool, tokens, keys, ok, blocked, manager.device.num_used
+    tokens, keys, logprobs = _sample_lanes(logits, keys, sampling, took)
+    return manager, pool, tokens, keys, ok, blocked, manager.device.num_used, logprobs
 
 
 def hybrid_packed_step(graphdef, params, manager: KVCacheManager, batch: PackedBatch, sampling: RowSampling,
@@ -485,7 +510,7 @@ def hybrid_packed_step(graphdef, params, manager: KVCacheManager, batch: PackedB
     decode lanes' (all or nothing; on failure they drop out), run the model
     (``forward_packed``), and draw a token for the lanes of ``batch.sample``
     that ran. Returns ``(manager, tokens [S], keys, prefill_ok, decode_ok,
-    blocks in use)``. Nothing here snapshots: the engine keeps its snapshots
+    blocks in use, logprobs)`` (``logprobs`` as :func:`paged_packed_step`'s). Nothing here snapshots: the engine keeps its snapshots
     at prompt-piece ends (:mod:`jaxkv.serve.hybrid_cache`); a caller that
     built its manager with ``capture_every`` calls ``manager.capture`` after
     its own steps."""
@@ -500,5 +525,5 @@ def hybrid_packed_step(graphdef, params, manager: KVCacheManager, batch: PackedB
                                               batch.positions, -1))
     logits, manager = nnx.merge(graphdef, params).forward_packed(batch, manager)
     ran = (batch.q_lens > 0) & jnp.where(decode, decode_ok, prefill_ok)
-    tokens, keys = _sample_lanes(logits, keys, sampling, batch.sample & ran)
-    return manager, tokens, keys, prefill_ok, decode_ok, manager.blocks_in_use
+    tokens, keys, logprobs = _sample_lanes(logits, keys, sampling, batch.sample & ran)
+    return manager, tokens, keys, prefill_ok, decode_ok, manager.blocks_in_use, logprobs

@@ -76,15 +76,16 @@ from jaxkv.manager.block_space import FREE, ON_DEVICE, STATUS_NAMES, SWAPPED
 from jaxkv.manager.rows import row_of, slot_of
 from jaxkv.nn import sharding
 from jaxkv.nn.packed import PackedBatch, PackedLane, host_arrays, write_lanes
-from jaxkv.nn.sampling import RowSampling, sample, split_keys
+from jaxkv.nn.sampling import RowSampling, TokenLogprobs, sample, sampled_logprobs, split_keys
 from jaxkv.nn.speculative import SpecState, speculative_body
 from jaxkv.nn.steps import DecodeState, run_decode
 from jaxkv.serve import sizing
 from jaxkv.serve.sizing import CachePlan
 
 __all__ = ["FREE", "ON_DEVICE", "STATUS_NAMES", "SWAPPED", "CacheBase", "DecodeResult", "KVCache", "PackedResult",
-           "PrefillLane", "PrefixHit", "blocks_from_budget", "decode_chunk", "fixed_ids", "pack_stream",
-           "remembers_arguments", "row_of", "sample_first", "slot_of", "speculative_chunk", "unwrap_keys", "wrap_keys"]
+           "PrefillLane", "PrefixHit", "blocks_from_budget", "decode_chunk", "fixed_ids", "logprob_entries",
+           "pack_stream", "remembers_arguments", "row_of", "sample_first", "slot_of", "speculative_chunk",
+           "unwrap_keys", "wrap_keys"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -146,6 +147,7 @@ class DecodeResult:
     drafted: np.ndarray | None = None  # with speculation: draft tokens each row verified in the chunk,
     accepted: np.ndarray | None = None  # those it kept,
     steps: np.ndarray | None = None  # and the verify steps it ran
+    logprobs: TokenLogprobs | None = None  # the tokens' log-probabilities ([B, W] entries), when asked for
 
 
 @dataclasses.dataclass(frozen=True)
@@ -167,6 +169,7 @@ class PackedResult:
     counts: np.ndarray | None = None
     drafted: np.ndarray | None = None
     accepted: np.ndarray | None = None
+    logprobs: TokenLogprobs | None = None  # the tokens' log-probabilities ([S] entries), when asked for
 
 
 
@@ -252,9 +255,25 @@ def pack_stream(prefill: list[PackedLane], decode_seq_ids, decode_tokens, decode
 
 def sample_first(last_logits, keys, sampling: RowSampling):
     """The first token of each lane, drawn as ``start_decoding`` draws it
-    (one split of the lane's key), and the advanced keys."""
+    (one split of the lane's key), the advanced keys, and the tokens'
+    log-probabilities when ``sampling`` asks for them (else None)."""
     keys, subs = split_keys(keys)
-    return sample(last_logits, subs, sampling), keys
+    tokens = sample(last_logits, subs, sampling)
+    return tokens, keys, sampled_logprobs(last_logits, tokens, sampling)
+
+
+def logprob_entries(logprobs: TokenLogprobs | None, index, count: int) -> list | None:
+    """Host log-probabilities (numpy :class:`~jaxkv.nn.sampling.TokenLogprobs`)
+    of ``count`` tokens at ``index`` (a lane, or a row whose tokens run
+    along the next axis), as the engine records them per token:
+    ``(logprob, ((token id, logprob), ...))`` with every top entry the call
+    computed (the request keeps as many as it asked). None without."""
+    if logprobs is None:
+        return None
+    token, ids, top = logprobs.token[index], logprobs.top_ids[index], logprobs.top[index]
+    if token.ndim == 0:
+        token, ids, top = token[None], ids[None], top[None]
+    return [(float(token[i]), tuple(zip(ids[i].tolist(), top[i].tolist()))) for i in range(count)]
 
 
 
@@ -269,7 +288,8 @@ def decode_chunk(graphdef, params, manager, pool, last, active, num_generated, m
     rows that needed blocks). ``scrub``: blocks a sliding window frees are
     zeroed in the step that frees them (:mod:`jaxkv.pool.scrub`)."""
     state = DecodeState.create(manager, pool, last=last, finished=~active, num_generated=num_generated,
-                               max_new=max_new, eos_id=eos_id, keys=keys, width=num_steps)
+                               max_new=max_new, eos_id=eos_id, keys=keys, width=num_steps,
+                               top_logprobs=sampling.logprobs)
     return run_decode(graphdef, params, state, sampling, num_steps=num_steps, free_finished=False, scrub=scrub)
 
 
@@ -547,8 +567,10 @@ class CacheBase(abc.ABC):
         """ONE jitted call prefilling lane ``i``'s piece ``batch[i][1]``
         (pieces of one lane in order, after :meth:`begin_prefill`) and
         sampling a token from its last position. Returns ``(sampled [n],
-        key data [n, ...] advanced by that draw, blocks in use)``: a lane's
-        first token and key are those of the call with its last piece."""
+        key data [n, ...] advanced by that draw, blocks in use, logprobs)``
+        (``logprobs``: the tokens' host :class:`TokenLogprobs` when
+        ``sampling`` asks for them, else None): a lane's first token and key
+        are those of the call with its last piece."""
         width = self.prefill_width
         starts = np.zeros((self.max_seqs,), np.int32)
         num_new = np.zeros((self.max_seqs,), np.int32)
@@ -557,9 +579,9 @@ class CacheBase(abc.ABC):
             starts[i], num_new[i] = start, end - start
             tokens[i, : end - start] = lane.tokens[start:end]
         lanes = [lane for lane, _ in batch]
-        sampled, keys, used = self._prefill_call(graphdef, params, lanes, starts, num_new, tokens, sampling,
-                                                 self._keys([lane.key for lane in lanes]))
-        return sampled[: len(batch)], keys[: len(batch)], used
+        sampled, keys, used, logprobs = self._prefill_call(graphdef, params, lanes, starts, num_new, tokens,
+                                                           sampling, self._keys([lane.key for lane in lanes]))
+        return sampled[: len(batch)], keys[: len(batch)], used, logprobs
 
     def _cuts(self, lane: PrefillLane) -> list[int]:
         return []
@@ -634,6 +656,9 @@ class CacheBase(abc.ABC):
         result then says how many drafts each row verified and kept)."""
         manager, pool = self._decode_view()
         drafted = accepted = steps = None
+        if speculation is not None and sampling.logprobs >= 0:
+            raise InvalidArgument("log-probabilities are computed by plain decode chunks (the scheduler runs one "
+                                  "while a request asks for them), not by speculative ones")
         if speculation is None:
             state = decode_chunk(graphdef, params, manager, pool, last, active, num_generated, max_new, eos_id,
                                  sampling, self._keys(key_data), num_steps=num_steps, scrub=self.scrub)
@@ -646,12 +671,12 @@ class CacheBase(abc.ABC):
                                      scrub=self.scrub, draft_graphdef=draft_graphdef)
             state, drafted, accepted, steps = spec.decode, spec.drafted, spec.accepted, spec.steps
         self._decode_done(state.manager, state.pool)
-        out, count, finished, ok, blocked, peak, keys, host, drafted, accepted, steps = jax.device_get(
+        out, count, finished, ok, blocked, peak, keys, host, drafted, accepted, steps, logprobs = jax.device_get(
             (state.tokens, state.written, state.finished, state.ok, state.blocked, state.peak_used,
-             unwrap_keys(state.keys), self._host_leaves(self.manager), drafted, accepted, steps))
+             unwrap_keys(state.keys), self._host_leaves(self.manager), drafted, accepted, steps, state.logprobs))
         self._mirror(host)
         return DecodeResult(out, count, finished, np.asarray(keys), bool(ok), blocked, int(peak), drafted, accepted,
-                            steps)
+                            steps, logprobs)
 
     def oom(self, need: np.ndarray, detail: str) -> KVCacheOOM:
         """``KVCacheOOM`` for the group with the largest shortfall of ``need``."""

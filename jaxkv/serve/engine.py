@@ -194,7 +194,7 @@ class Engine(Scheduler):
         super().__init__(self.cache, graphdef, params, OutputProcessor(Counters(), tokenizer, detokenizer),
                          max_seqs=sched.max_seqs, decode_chunk=sched.decode_chunk, prefill_chunk=sched.prefill_chunk,
                          max_num_batched_tokens=sched.max_num_batched_tokens, scheduler=sched.scheduler,
-                         speculative=sched.speculative, draft=draft)
+                         speculative=sched.speculative, draft=draft, logprobs_mode=sched.logprobs_mode)
         self.key = jax.random.key(sched.seed)
         self.outputs: dict[int, list] = {}
         self._next_id = 0
@@ -223,7 +223,8 @@ class Engine(Scheduler):
     def add_request(self, prompt_tokens: Sequence[int], max_new_tokens: int, *,
                     sampling: SamplingParams = GREEDY, eos_token_id: int | None = None,
                     stop_token_ids: Sequence[int] = (), stop: str | Sequence[str] = (),
-                    namespace: Hashable = None, seed: int | None = None, arrival_step: int = 0) -> int:
+                    namespace: Hashable = None, seed: int | None = None, arrival_step: int = 0,
+                    logprobs: int | None = None) -> int:
         """Queue a request; returns its id (its key in :attr:`outputs`).
         Works at any time, also between :meth:`step` calls while other
         requests run: it is admitted at the next iteration that has room.
@@ -243,6 +244,14 @@ class Engine(Scheduler):
         (needs the engine's ``tokenizer``; the tokens up to the one that
         completed it are given out, the text up to the stop string).
 
+        ``logprobs`` (an integer in ``[0, 20]``; None: none): each token's
+        log-probability and the ``logprobs`` most likely tokens' come in
+        ``RequestOutput.new_logprobs``, read where the engine's
+        ``logprobs_mode`` says. They are computed in the same jitted calls
+        as the tokens; an iteration that runs such a request computes the
+        top 20 for every row (one more program), and a speculating engine
+        runs plain decode chunks while one runs.
+
         ``arrival_step``: the scheduler iteration from which it may be
         admitted (simulated arrivals for :meth:`run`; 0: at once; a step
         already passed counts as now, so it queues behind the requests that
@@ -255,7 +264,8 @@ class Engine(Scheduler):
         ``eos_token_id`` or ``stop_token_ids`` outside the vocabulary;
         ``stop`` that is not a string or a sequence of non-empty strings, or
         is given to an engine without a tokenizer; a negative or non-integer
-        ``arrival_step``; a non-integer ``seed``; ``sampling`` that is not a
+        ``arrival_step``; a non-integer ``seed``; ``logprobs`` that is not
+        an integer in ``[0, 20]``; ``sampling`` that is not a
         ``SamplingParams``; an unhashable ``namespace``; a request that could
         never fit (more than ``max_model_len`` tokens, or more blocks than a
         group has at its peak: ``cache.peak_blocks``, the prompt's blocks or,
@@ -270,7 +280,8 @@ class Engine(Scheduler):
         req = new_request(rid, prompt_tokens, max_new_tokens, sampling=sampling, eos_token_id=eos_token_id,
                           stop_token_ids=stop_token_ids, stop=stop, namespace=namespace, seed=seed,
                           arrival_step=arrival_step, now_step=self._step, vocab=self.vocab_size,
-                          has_tokenizer=self.tokenizer is not None, cache=self.cache, engine_key=self.key)
+                          has_tokenizer=self.tokenizer is not None, cache=self.cache, engine_key=self.key,
+                          logprobs=logprobs)
         arrival = req.arrival
         if self.tokenizer is not None:
             req.detok = self.output.detokenizer_for(req.prompt)

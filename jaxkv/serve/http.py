@@ -31,8 +31,14 @@ namespace of the prefix cache, so requests with different salts never share
 a prefix, and requests with the same salt do; with API keys, within the
 request's tenant only: see below), and two vLLM extensions,
 ``ignore_eos`` and ``stop_token_ids`` (ids in the vocabulary, as prompt ids
-are). Fields the server cannot honour
-(``logprobs``, penalties, ``logit_bias``, ``tools``, ``echo``,
+are). ``logprobs``: chat ``logprobs: true`` with ``top_logprobs``
+(0..20), completions ``logprobs`` (0..20): each token's log-probability
+and the top ones', computed in the engine's jitted calls with the tokens
+(read where the server's ``--logprobs-mode`` says: by default the
+distribution the token was sampled from), in OpenAI's shapes for both
+endpoints, streamed and not (a -inf is sent as :data:`LOGPROB_FLOOR`; a
+token's text is its own decoding). Fields the server cannot honour
+(penalties, ``logit_bias``, ``tools``, ``echo``, ``prompt_logprobs``,
 ``best_of``...) set to anything but their neutral value are refused with 400
 rather than silently ignored. Non-stream responses always carry ``usage``
 (``prompt_tokens``: each distinct prompt once, whatever ``n``;
@@ -183,7 +189,7 @@ except ImportError as _missing:  # an optional dependency: say which extra bring
     raise ImportError(f"the HTTP server needs FastAPI ({_missing}): pip install 'jaxkv[serve]'") from _missing
 
 from jaxkv.errors import InvalidArgument, KVCacheError
-from jaxkv.nn.sampling import SamplingParams
+from jaxkv.nn.sampling import MAX_TOP_LOGPROBS, SamplingParams
 from jaxkv.serve.compile_cache import configure_compile_cache, default_compile_cache_dir  # noqa: F401 - re-exported
 from jaxkv.serve.metrics import CONTENT_TYPE, ServerMetrics
 
@@ -301,7 +307,7 @@ def _get(body: dict, name: str, kind, *, default=None, required: bool = False, l
 
 
 # Fields OpenAI defines that this server does not implement, with their neutral values.
-_UNSUPPORTED = {"logprobs": (None, False, 0), "top_logprobs": (None, 0), "echo": (None, False),
+_UNSUPPORTED = {"echo": (None, False), "prompt_logprobs": (None, 0),
                 "best_of": (None, 1), "logit_bias": (None, {}), "presence_penalty": (None, 0, 0.0),
                 "frequency_penalty": (None, 0, 0.0), "suffix": (None, ""), "tools": (None, []),
                 "functions": (None, []), "response_format": (None, {"type": "text"}),
@@ -562,6 +568,7 @@ class _Params:
     stream: bool
     include_usage: bool
     cache_salt: str | None
+    logprobs: int | None = None  # top log-probabilities per token (None: none asked)
 
 
 def _token_ids(value, name: str, vocab: int | None) -> list[int]:
@@ -637,7 +644,24 @@ def _parse_params(body: dict, *, chat: bool, vocab: int | None = None) -> _Param
         seed=seed, stop=stop, stop_token_ids=stop_token_ids,
         ignore_eos=_get(body, "ignore_eos", bool, default=False),
         n=_get(body, "n", int, default=1, low=1, high=MAX_N), stream=stream, include_usage=include_usage,
-        cache_salt=salt)
+        cache_salt=salt, logprobs=_parse_logprobs(body, chat))
+
+
+def _parse_logprobs(body: dict, chat: bool) -> int | None:
+    """The top log-probabilities per token a request asks (None: none).
+    Chat: ``logprobs`` (a boolean) and ``top_logprobs`` (0..20, only with
+    ``logprobs: true``, as OpenAI requires); completions: ``logprobs`` (an
+    integer 0..20; OpenAI's own bound is 5, vLLM's 20)."""
+    if not chat:
+        if body.get("top_logprobs") is not None:
+            raise _bad("'top_logprobs' is a chat completions field; completions take 'logprobs': N (the top N)",
+                       "top_logprobs")
+        return _get(body, "logprobs", int, low=0, high=MAX_TOP_LOGPROBS)
+    wanted = _get(body, "logprobs", bool, default=False)
+    top = _get(body, "top_logprobs", int, low=0, high=MAX_TOP_LOGPROBS)
+    if top is not None and not wanted:
+        raise _bad("'top_logprobs' needs 'logprobs': true", "top_logprobs")
+    return (top or 0) if wanted else None
 
 
 # ------------------------------------------------------------ the engine loop
@@ -1338,6 +1362,8 @@ class _Choice:
     last: float | None = None  # when its last tokens were delivered
     role_sent: bool = False
     cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    logprobs: list = dataclasses.field(default_factory=list)  # (token id, logprob, top) per token, when asked
+    text_length: int = 0  # characters of text before the newest tokens (completions' text_offset)
 
     @property
     def finished(self) -> bool:
@@ -1366,7 +1392,7 @@ def _engine_kwargs(state: ServerState, params: _Params, prompt: list[int], index
     kwargs = dict(max_new_tokens=max_tokens, sampling=params.sampling,
                   eos_token_id=eos[0] if eos else None, stop_token_ids=stop_ids, stop=params.stop,
                   namespace=_namespace(tenant, params.cache_salt),
-                  seed=None if params.seed is None else (params.seed + index) % 2 ** 32)
+                  seed=None if params.seed is None else (params.seed + index) % 2 ** 32, logprobs=params.logprobs)
     return kwargs
 
 
@@ -1426,17 +1452,23 @@ class _Job:
             self.state.metrics.observe_finished(self.arrival, now, "abort", tenant=self.tenant)
         self.live.clear()
 
-    def take(self, index: int, item) -> tuple[str, str | None]:
+    def take(self, index: int, item) -> tuple[str, str | None, list]:
         """Record output ``item`` of choice ``index``; returns ``(new text,
-        finish_reason or None)``. An error item raises."""
+        finish_reason or None, new logprob entries)`` (entries: ``(token id,
+        logprob, top)``, empty unless the request asked). An error item
+        raises."""
         if isinstance(item, tuple):
             if item[0] == "error":
                 self.live.discard(index)
                 raise _as_api_error(item[1], self.params.cache_salt)
-            return "", None
+            return "", None, []
         choice = self.choices[index]
         now = time.perf_counter()
         count = len(item.new_token_ids)
+        entries = []
+        if item.new_logprobs is not None:
+            entries = [(token, logprob, top) for token, (logprob, top) in zip(item.new_token_ids, item.new_logprobs)]
+            choice.logprobs += entries
         metrics = self.state.metrics
         if count:
             metrics.observe_tokens(self.arrival, choice.last, now, count, tenant=self.tenant)
@@ -1453,7 +1485,7 @@ class _Job:
             metrics.observe_finished(self.arrival, now, choice.finish_reason, tenant=self.tenant)
             if choice.finish_reason == "error":  # the engine failed this request alone: an error for its client
                 raise _request_error(getattr(item, "error", None), self.params.cache_salt)
-        return text, (choice.finish_reason if item.finished else None)
+        return text, (choice.finish_reason if item.finished else None), entries
 
     def usage(self) -> dict:
         completion = sum(c.tokens for c in self.choices)
@@ -1528,16 +1560,69 @@ async def _serve(request: Request, state: ServerState, prompts: list[list[int]],
     finally:
         job.abort()  # nothing is left live when the job finished; a client that left frees its blocks
     choices = []
+    asked = params.logprobs is not None
     for choice in job.choices:
         text = "".join(choice.text)
         if chat:
+            logprobs = _chat_logprobs(state.tokenizer, choice.logprobs) if asked else None
             choices.append({"index": choice.index, "message": {"role": "assistant", "content": text},
-                            "logprobs": None, "finish_reason": choice.finish_reason})
+                            "logprobs": logprobs, "finish_reason": choice.finish_reason})
         else:
-            choices.append({"index": choice.index, "text": text, "logprobs": None,
+            logprobs = _completion_logprobs(state.tokenizer, choice.logprobs, 0) if asked else None
+            choices.append({"index": choice.index, "text": text, "logprobs": logprobs,
                             "finish_reason": choice.finish_reason})
     return JSONResponse({"id": rid, "object": "chat.completion" if chat else "text_completion", "created": created,
                          "model": model, "choices": choices, "usage": job.usage()})
+
+
+#: What a log-probability of -inf (a token top-k or top-p filtered out, in the processed mode) is sent as:
+#: JSON has no infinity (vLLM sends the same number).
+LOGPROB_FLOOR = -9999.0
+
+
+def _token_text(tokenizer, token: int) -> str:
+    """A token's text as OpenAI's logprobs show it: its own decoding (an
+    incomplete UTF-8 character reads U+FFFD); ``token_id:N`` without a
+    tokenizer."""
+    if tokenizer is None:
+        return f"token_id:{token}"
+    return tokenizer.decode([token], skip_special_tokens=False)
+
+
+def _finite(logprob: float) -> float:
+    return logprob if logprob > LOGPROB_FLOOR else LOGPROB_FLOOR
+
+
+def _chat_logprobs(tokenizer, entries: list) -> dict:
+    """OpenAI's chat ``logprobs``: ``{"content": [{"token", "logprob",
+    "bytes", "top_logprobs": [...]}, ...]}``."""
+    def one(token: int, logprob: float) -> dict:
+        text = _token_text(tokenizer, token)
+        return {"token": text, "logprob": _finite(logprob), "bytes": list(text.encode("utf-8"))}
+
+    return {"content": [{**one(token, logprob), "top_logprobs": [one(t, lp) for t, lp in top]}
+                        for token, logprob, top in entries]}
+
+
+def _completion_logprobs(tokenizer, entries: list, offset: int) -> dict:
+    """OpenAI's (legacy) completions ``logprobs``: parallel ``tokens``,
+    ``token_logprobs``, ``top_logprobs`` (a dict per token: text ->
+    logprob) and ``text_offset`` (where each token's text starts in the
+    choice's text, from ``offset``)."""
+    tokens, starts = [], []
+    for token, _, _ in entries:
+        text = _token_text(tokenizer, token)
+        starts.append(offset)
+        tokens.append(text)
+        offset += len(text)
+    tops = []
+    for _, _, top in entries:
+        by_text = {}
+        for t, lp in top:  # most likely first: a text two tokens share keeps the likelier one's
+            by_text.setdefault(_token_text(tokenizer, t), _finite(lp))
+        tops.append(by_text)
+    return {"tokens": tokens, "token_logprobs": [_finite(lp) for _, lp, _ in entries], "top_logprobs": tops,
+            "text_offset": starts}
 
 
 def _sse(payload: dict) -> str:
@@ -1564,14 +1649,20 @@ async def _stream(job: _Job, rid: str, created: int, model: str, chat: bool):
             try:
                 out = []
                 for index, item in entries:
-                    text, reason = job.take(index, item)
-                    if not text and reason is None:
+                    text, reason, new = job.take(index, item)
+                    if not text and reason is None and not new:
                         continue
+                    logprobs = None
+                    if job.params.logprobs is not None:
+                        choice = job.choices[index]
+                        logprobs = (_chat_logprobs(job.state.tokenizer, new) if chat else
+                                    _completion_logprobs(job.state.tokenizer, new, choice.text_length))
+                        choice.text_length += len(text)
                     if chat:
-                        out.append({"index": index, "delta": {"content": text} if text else {}, "logprobs": None,
+                        out.append({"index": index, "delta": {"content": text} if text else {}, "logprobs": logprobs,
                                     "finish_reason": reason})
                     else:
-                        out.append({"index": index, "text": text, "logprobs": None, "finish_reason": reason})
+                        out.append({"index": index, "text": text, "logprobs": logprobs, "finish_reason": reason})
             except APIError as err:  # the engine failed mid-stream: an error event, then the end
                 yield _sse({"error": {"message": err.message, "type": err.type, "param": None, "code": err.code}})
                 break

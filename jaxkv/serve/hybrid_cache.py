@@ -40,10 +40,10 @@ logger = logging.getLogger("jaxkv.serve")
 @partial(jax.jit, static_argnames=("graphdef",), donate_argnums=(2,))
 def _hybrid_prefill(graphdef, params, manager: KVCacheManager, slots, tokens, num_new, sampling: RowSampling, keys):
     """Reserve and prefill one chunk of the slots' tokens, sample each lane's
-    first token. Returns ``(manager, sampled, keys, ok, used)``."""
+    first token. Returns ``(manager, sampled, keys, ok, used, logprobs)``."""
     manager, last_logits, ok = hybrid_prefill_chunk(graphdef, params, manager, slots, tokens, num_new)
-    sampled, keys = sample_first(last_logits, keys, sampling)
-    return manager, sampled, keys, ok, manager.blocks_in_use
+    sampled, keys, logprobs = sample_first(last_logits, keys, sampling)
+    return manager, sampled, keys, ok, manager.blocks_in_use, logprobs
 
 
 
@@ -526,14 +526,14 @@ class HybridCache(CacheBase):
     def _prefill_call(self, graphdef, params, lanes, starts, num_new, tokens, sampling, keys):
         slots = fixed_ids([slot_of(lane.row) for lane in lanes], self.max_seqs)
         slots = np.where(num_new > 0, slots, -1).astype(np.int32)
-        self.manager, sampled, new_keys, ok, used = _hybrid_prefill(graphdef, params, self.manager, slots, tokens,
-                                                                    num_new, sampling, keys)
-        sampled, ok, used, new_keys = jax.device_get((sampled, ok, used, unwrap_keys(new_keys)))
+        self.manager, sampled, new_keys, ok, used, logprobs = _hybrid_prefill(graphdef, params, self.manager, slots,
+                                                                              tokens, num_new, sampling, keys)
+        sampled, ok, used, new_keys, logprobs = jax.device_get((sampled, ok, used, unwrap_keys(new_keys), logprobs))
         if not ok:  # every prompt's blocks were taken at admission
             raise BookkeepingError(f"engine prefill refused rows {[lane.row for lane in lanes]} (pieces "
                                    f"{list(zip(starts[: len(lanes)].tolist(), num_new[: len(lanes)].tolist()))})")
         self._after_prefill(lanes, starts, num_new)
-        return sampled, np.asarray(new_keys), int(used)
+        return sampled, np.asarray(new_keys), int(used), logprobs
 
     def _after_prefill(self, lanes, starts, num_new, defer: bool = False) -> None:
         """Snapshot the rows whose piece ended on a cut, or an interval past
@@ -580,10 +580,10 @@ class HybridCache(CacheBase):
         width = num_tokens if self.manager.gdn is None else min(num_tokens, prefill_width or num_tokens)
         batch = pack_stream(prefill, *decode, num_lanes=self.max_seqs, num_tokens=num_tokens, num_prefill_lanes=rows,
                             max_prefill_len=width)
-        self.manager, tokens, keys, prefill_ok, ok, used = _hybrid_packed(graphdef, params, self.manager, batch,
-                                                                          sampling, keys)
-        tokens, keys, prefill_ok, ok, used, host = jax.device_get(
-            (tokens, unwrap_keys(keys), prefill_ok, ok, used, self._host_leaves(self.manager)))
+        self.manager, tokens, keys, prefill_ok, ok, used, logprobs = _hybrid_packed(graphdef, params, self.manager,
+                                                                                    batch, sampling, keys)
+        tokens, keys, prefill_ok, ok, used, host, logprobs = jax.device_get(
+            (tokens, unwrap_keys(keys), prefill_ok, ok, used, self._host_leaves(self.manager), logprobs))
         self._mirror(host)
         if not prefill_ok:  # every prompt's blocks were taken at admission
             raise BookkeepingError(f"engine packed prefill refused slots {[lane.seq_id for lane in prefill]}"
@@ -596,7 +596,7 @@ class HybridCache(CacheBase):
         blocked = np.zeros((self.max_seqs,), bool)
         if not ok:
             blocked[num_prefill:num_prefill + num_decode] = True
-        return PackedResult(tokens, np.asarray(keys), bool(ok), blocked, int(used))
+        return PackedResult(tokens, np.asarray(keys), bool(ok), blocked, int(used), logprobs=logprobs)
 
     def _decode_view(self):
         return self.manager, None

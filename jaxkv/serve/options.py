@@ -225,6 +225,10 @@ class SchedulerOptions(_Checked):
         "(default: off)", flag="--speculative-config")
     seed: int = _option(0, "int", "the engine's PRNG seed (a request without its own seed samples from "
                         "fold_in(key(seed), request id))", flag="--seed")
+    logprobs_mode: str = _option("processed", "choice", "where requests' log-probabilities are read: processed, "
+                                 "the distribution a token is sampled from (temperature, top-k, top-p applied; a "
+                                 "greedy request's is the model's softmax); raw, the model's softmax",
+                                 choices=("processed", "raw"), flag="--logprobs-mode")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -360,6 +364,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                 continue
             if f.metadata["kind"] == "flag":
                 parser.add_argument(flag, dest=f.name, action="store_true", default=None, help=f.metadata["doc"])
+            elif f.metadata["kind"] == "choice":
+                parser.add_argument(flag, dest=f.name, choices=f.metadata["choices"], default=None,
+                                    help=f"{f.metadata['doc']} (default {f.default!r})")
             else:
                 default = "" if f.default is None or is_derived(f.default) else f" (default {f.default!r})"
                 parser.add_argument(flag, dest=f.name, type=_ARG_TYPES[f.metadata["kind"]], default=None,

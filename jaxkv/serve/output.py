@@ -17,6 +17,7 @@ import logging
 
 import numpy as np
 
+from jaxkv.errors import BookkeepingError
 from jaxkv.serve.request import Request, RequestOutput, find_stop
 
 __all__ = ["Counters", "EngineProgress", "EngineStats", "EngineSummary", "OutputProcessor", "latency_stats"]
@@ -263,7 +264,7 @@ class OutputProcessor:
             self.itl_samples.extend(gaps)
             req.last_token_at = now
 
-    def take(self, req: Request, tokens: list, now: float, device_done: bool = False) -> bool:
+    def take(self, req: Request, tokens: list, now: float, device_done: bool = False, logprobs=None) -> bool:
         """Give ``req`` the ``tokens`` a call made for it, in order, up to
         the first stop: a stop token id (EOS included), a stop string in
         its text, or ``max_new_tokens`` (the tokens after it are dropped:
@@ -271,9 +272,11 @@ class OutputProcessor:
         them for this step's :class:`RequestOutput`, with the text they
         complete; returns whether the request is finished (its
         ``finish_reason`` set). ``device_done``: the device stopped the row
-        (EOS or length), which the same checks find."""
+        (EOS or length), which the same checks find. ``logprobs``: the
+        tokens' entries (:func:`jaxkv.serve.caches.logprob_entries`), kept
+        for those taken (each cut to the top count the request asked)."""
         if req.detok is None:  # no text: the first stop id, or max_new_tokens (the loop below, without text)
-            return self._take_ids(req, tokens, now, device_done)
+            return self._take_ids(req, tokens, now, device_done, logprobs)
         taken, reason, cut = [], None, None
         longest = max(map(len, req.stop), default=0)
         for token in tokens:
@@ -302,6 +305,7 @@ class OutputProcessor:
         if reason is None and device_done:  # the checks above find what the device found; this only guards it
             reason = "length" if len(req.generated) + len(taken) >= req.max_new else "stop"
         req.generated += taken
+        _keep_logprobs(req, logprobs, len(taken))
         self.record_tokens(req, len(taken), now)
         if req.detok is not None:
             if cut is not None:
@@ -323,19 +327,19 @@ class OutputProcessor:
         return reason is not None
 
     def take_all(self, items, now: float) -> list:
-        """For each ``(req, tokens, device_done, key)`` of ``items``, in
-        order: ``req.key = key`` (its key data advanced by the call), then
-        :meth:`take` (one call per step, not per request). Returns the
-        requests it finished, in order."""
+        """For each ``(req, tokens, device_done, key, logprobs)`` of
+        ``items``, in order: ``req.key = key`` (its key data advanced by the
+        call), then :meth:`take` (one call per step, not per request).
+        Returns the requests it finished, in order."""
         finished = []
         take_ids, take = self._take_ids, self.take
-        for req, tokens, device_done, key in items:
+        for req, tokens, device_done, key, logprobs in items:
             req.key = key
-            if (take_ids if req.detok is None else take)(req, tokens, now, device_done):
+            if (take_ids if req.detok is None else take)(req, tokens, now, device_done, logprobs):
                 finished.append(req)
         return finished
 
-    def _take_ids(self, req: Request, tokens: list, now: float, device_done: bool) -> bool:
+    def _take_ids(self, req: Request, tokens: list, now: float, device_done: bool, logprobs=None) -> bool:
         """:meth:`take` for a request without a detokenizer (no text, no
         stop strings): the same tokens, reason and records, in one pass."""
         reason, room, stop_ids = None, req.max_new - len(req.generated), req.stop_ids
@@ -356,6 +360,8 @@ class OutputProcessor:
             reason = "length" if len(req.generated) + len(taken) >= req.max_new else "stop"
         req.generated += taken
         count = len(taken)
+        if req.logprobs is not None:
+            _keep_logprobs(req, logprobs, count)
         if count and req.first_token_at is not None:  # record_tokens' common case, inline
             self.counters.generated += count
             gaps = [(now - req.last_token_at) / count] * count
@@ -385,8 +391,25 @@ class OutputProcessor:
         make = RequestOutput._make
         for rid, (tokens, text, finished) in self.pending.items():
             req = requests[rid]
+            logprobs = None
+            if req.logprobs is not None:  # the pending tokens are the last generated
+                logprobs = tuple(req.token_logprobs[len(req.token_logprobs) - len(tokens):])
             out.append(make(rid, tuple(tokens), finished, req.finish_reason if finished else None, text,
                             req.cached_tokens, req.error if finished else None, req.spec_drafted,
-                            req.spec_accepted))
+                            req.spec_accepted, logprobs))
         self.pending = {}
         return out
+
+
+def _keep_logprobs(req: Request, logprobs, count: int) -> None:
+    """Append the first ``count`` of ``logprobs`` (entries of the tokens
+    ``req`` just took) to its record, each cut to the ``req.logprobs`` top
+    entries it asked; nothing for a request that asked none. A call that
+    computed none for a request that asked is a bookkeeping bug."""
+    if req.logprobs is None or count == 0:
+        return
+    if logprobs is None:
+        raise BookkeepingError(f"request {req.id} asked for log-probabilities; the call that gave its tokens "
+                               "computed none")
+    top = req.logprobs
+    req.token_logprobs += [(token, alternatives[:top]) for token, alternatives in logprobs[:count]]

@@ -59,10 +59,10 @@ logger = logging.getLogger("jaxkv.serve")
 def _paged_prefill(graphdef, params, manager: BlockSpaceManager, pool: KVPool, rows, starts, num_new, tokens,
                    sampling: RowSampling, keys):
     """Prefill one chunk of admitted rows and sample from each lane's last
-    chunk position. Returns ``(pool, sampled, keys)``."""
+    chunk position. Returns ``(pool, sampled, keys, logprobs)``."""
     pool, last_logits = prefill_chunk(graphdef, params, manager, pool, rows, tokens, starts, num_new)
-    sampled, keys = sample_first(last_logits, keys, sampling)
-    return pool, sampled, keys
+    sampled, keys, logprobs = sample_first(last_logits, keys, sampling)
+    return pool, sampled, keys, logprobs
 
 
 
@@ -539,11 +539,12 @@ class PagedCache(CacheBase):
 
     def _prefill_call(self, graphdef, params, lanes, starts, num_new, tokens, sampling, keys):
         rows = np.where(num_new > 0, fixed_ids([lane.row for lane in lanes], self.max_seqs), -1).astype(np.int32)
-        self.pool, sampled, new_keys = _paged_prefill(graphdef, params, _device_view(self.manager), self.pool, rows,
-                                                      starts, num_new, tokens, sampling, keys)
-        sampled, new_keys = jax.device_get((sampled, unwrap_keys(new_keys)))
+        self.pool, sampled, new_keys, logprobs = _paged_prefill(graphdef, params, _device_view(self.manager),
+                                                                self.pool, rows, starts, num_new, tokens, sampling,
+                                                                keys)
+        sampled, new_keys, logprobs = jax.device_get((sampled, unwrap_keys(new_keys), logprobs))
         self._after_prefill(lanes, starts, num_new)
-        return sampled, np.asarray(new_keys), self.blocks_in_use()
+        return sampled, np.asarray(new_keys), self.blocks_in_use(), logprobs
 
     #: Speculative verify lanes run in the packed step (:func:`jaxkv.nn.speculative.paged_packed_verify_step`).
     packs_verify_lanes = True
@@ -551,11 +552,11 @@ class PagedCache(CacheBase):
     def _packed_call(self, graphdef, params, prefill, decode, sampling, keys, num_tokens, *, want_tables=False,
                      prefill_width=None, speculation=None):
         host = self.manager.host
-        counts = drafted = accepted = None
+        counts = drafted = accepted = logprobs = None
         if speculation is None:
             batch = pack_stream(prefill, *decode, num_lanes=self.max_seqs, num_tokens=num_tokens,
                                 num_prefill_lanes=self.max_seqs, max_prefill_len=num_tokens)  # one program per bucket
-            manager, self.pool, tokens, keys, ok, blocked, used = _paged_packed(
+            manager, self.pool, tokens, keys, ok, blocked, used, logprobs = _paged_packed(
                 graphdef, params, _device_view(self.manager), self.pool, batch, sampling, keys, window=self.window,
                 scrub=self.scrub)
         else:
@@ -569,13 +570,14 @@ class PagedCache(CacheBase):
                 graphdef, params, _device_view(self.manager), self.pool, batch, sampling, keys, history,
                 history_len, lanes, config=config, window=self.window, scrub=self.scrub)
         self.manager = manager.replace(host=host)
-        tokens, keys, ok, blocked, used, host, tables, counts, drafted, accepted = jax.device_get(
+        tokens, keys, ok, blocked, used, host, tables, counts, drafted, accepted, logprobs = jax.device_get(
             (tokens, unwrap_keys(keys), ok, blocked, used, self._host_leaves(manager),
-             manager.block_tables if want_tables else None, counts, drafted, accepted))
+             manager.block_tables if want_tables else None, counts, drafted, accepted, logprobs))
         self._mirror(host)
         if want_tables:
             self._host_tables = np.asarray(tables)
-        return PackedResult(tokens, np.asarray(keys), bool(ok), blocked, int(used), counts, drafted, accepted)
+        return PackedResult(tokens, np.asarray(keys), bool(ok), blocked, int(used), counts, drafted, accepted,
+                            logprobs)
 
     def _decode_view(self):
         self._host_allocator = self.manager.host

@@ -21,7 +21,7 @@ import numpy as np
 
 from jaxkv import _host
 from jaxkv.errors import InvalidArgument
-from jaxkv.nn.sampling import SamplingParams
+from jaxkv.nn.sampling import MAX_TOP_LOGPROBS, SamplingParams
 
 __all__ = ["Request", "RequestOutput", "RequestState", "check_token_ids", "find_stop", "new_request"]
 
@@ -55,6 +55,11 @@ class RequestOutput:
     preemption; OpenAI's ``usage.prompt_tokens_details.cached_tokens``).
     With speculative decoding: ``draft_tokens`` (drafts its verify steps
     checked so far) and ``accepted_draft_tokens`` (of them kept); 0 without.
+    ``new_logprobs`` (a request that asked for ``logprobs``; None
+    otherwise): per new token ``(logprob, ((token id, logprob), ...))``,
+    the token's log-probability and the ``logprobs`` most likely tokens'
+    (most likely first), read where the engine's ``logprobs_mode`` says
+    (:func:`jaxkv.nn.sampling.token_logprobs`).
     """
 
     request_id: int
@@ -66,11 +71,12 @@ class RequestOutput:
     error: str | None = None
     draft_tokens: int = 0
     accepted_draft_tokens: int = 0
+    new_logprobs: tuple | None = None
 
     @classmethod
     def _make(cls, request_id: int, new_token_ids: tuple, finished: bool, finish_reason: str | None,
               new_text: str, cached_tokens: int, error: str | None, draft_tokens: int = 0,
-              accepted_draft_tokens: int = 0) -> "RequestOutput":
+              accepted_draft_tokens: int = 0, new_logprobs: tuple | None = None) -> "RequestOutput":
         """The same object as the constructor's, for the engine's per-step
         outputs (one per request that moved: 256 a step at 256 rows). A
         frozen dataclass's ``__init__`` sets each field through
@@ -79,7 +85,8 @@ class RequestOutput:
         out = object.__new__(cls)
         out.__dict__.update(request_id=request_id, new_token_ids=new_token_ids, finished=finished,
                             finish_reason=finish_reason, new_text=new_text, cached_tokens=cached_tokens, error=error,
-                            draft_tokens=draft_tokens, accepted_draft_tokens=accepted_draft_tokens)
+                            draft_tokens=draft_tokens, accepted_draft_tokens=accepted_draft_tokens,
+                            new_logprobs=new_logprobs)
         return out
 
 
@@ -125,6 +132,8 @@ class Request:
     spec_probe_kept: int = 0  # and the drafts they kept
     spec_full_steps: int = 0  # of which with k drafts, after probation
     spec_full_kept: int = 0  # and the drafts they kept
+    logprobs: int | None = None  # top log-probabilities asked per token (None: none; 0: the token's own only)
+    token_logprobs: list = dataclasses.field(default_factory=list)  # with logprobs: one entry per generated token
 
     @property
     def tokens(self) -> list:
@@ -169,7 +178,7 @@ def check_token_ids(ids: list, name: str, vocab: int | None) -> None:
 
 def new_request(rid: int, prompt_tokens, max_new_tokens, *, sampling, eos_token_id, stop_token_ids, stop,
                 namespace, seed, arrival_step, now_step: int, vocab: int | None, has_tokenizer: bool, cache,
-                engine_key) -> Request:
+                engine_key, logprobs=None) -> Request:
     """The record of request ``rid`` from :meth:`Engine.add_request
     <jaxkv.serve.Engine.add_request>`'s arguments (that method documents
     them and what is refused), checked against the vocabulary ``vocab``
@@ -209,10 +218,14 @@ def new_request(rid: int, prompt_tokens, max_new_tokens, *, sampling, eos_token_
         raise InvalidArgument(
             f"add_request: {len(prompt)} + {max_new_tokens} tokens need blocks {blocks.tolist()} of groups "
             f"{list(cache.groups)} at their peak and can never fit: {cache.limits()}")
+    if logprobs is not None:
+        logprobs = _host.int_at_least(logprobs, "logprobs", 0)
+        if logprobs > MAX_TOP_LOGPROBS:
+            raise InvalidArgument(f"logprobs={logprobs}: at most {MAX_TOP_LOGPROBS} top log-probabilities per token")
     if seed is not None:
         seed = _host.int_scalar(seed, "seed")
     key = jax.random.fold_in(engine_key, rid) if seed is None else jax.random.key(seed)
     device_stop = eos_id if eos_id >= 0 else (stop_ids[0] if stop_ids else -1)
     return Request(rid, prompt, max_new_tokens, sampling, device_stop, arrival, namespace,
                    np.asarray(jax.random.key_data(key)),
-                   stop_ids=frozenset(stop_ids + ([eos_id] if eos_id >= 0 else [])), stop=stop)
+                   stop_ids=frozenset(stop_ids + ([eos_id] if eos_id >= 0 else [])), stop=stop, logprobs=logprobs)

@@ -98,8 +98,8 @@ import time
 import numpy as np
 
 from jaxkv.errors import BookkeepingError
-from jaxkv.nn.sampling import RowSampling
-from jaxkv.serve.caches import FREE, ON_DEVICE, STATUS_NAMES, SWAPPED, PrefillLane
+from jaxkv.nn.sampling import MAX_TOP_LOGPROBS, RowSampling
+from jaxkv.serve.caches import FREE, ON_DEVICE, STATUS_NAMES, SWAPPED, PrefillLane, logprob_entries
 from jaxkv.serve.faults import MAX_REQUEST_FAULTS, FaultContainment, sampling_row
 from jaxkv.serve.output import OutputProcessor
 from jaxkv.serve.request import Request, RequestState
@@ -166,10 +166,12 @@ def stream_length(tokens: int, lengths: list[int]) -> int:
     return stream_buckets(tokens)[-1]
 
 
-def row_sampling(max_seqs: int, rows: dict, reqs_by_lane: dict) -> RowSampling:
+def row_sampling(max_seqs: int, rows: dict, reqs_by_lane: dict, logprobs_mode: str = "processed") -> RowSampling:
     """Per-lane sampling arrays from the screened ``rows`` (request id ->
     :func:`sampling_row`) of the requests ``reqs_by_lane`` (idle lanes:
-    greedy)."""
+    greedy). When any of them asks for log-probabilities the call computes
+    :data:`~jaxkv.nn.sampling.MAX_TOP_LOGPROBS` of them for every lane
+    (read in ``logprobs_mode``): one more program, not one per count."""
     temperature = np.zeros((max_seqs,), np.float32)
     top_k = np.zeros((max_seqs,), np.int32)
     top_p = np.ones((max_seqs,), np.float32)
@@ -179,7 +181,9 @@ def row_sampling(max_seqs: int, rows: dict, reqs_by_lane: dict) -> RowSampling:
         temperature[lanes] = [v[0] for v in values]
         top_k[lanes] = [v[1] for v in values]
         top_p[lanes] = [v[2] for v in values]
-    return RowSampling(temperature, top_k, top_p)
+    wanted = any(req.logprobs is not None for req in reqs_by_lane.values())
+    return RowSampling(temperature, top_k, top_p, logprobs=MAX_TOP_LOGPROBS if wanted else -1,
+                       logprobs_mode=logprobs_mode)
 
 
 #: ``sampling_row``'s results by sampling parameters (``SamplingParams`` is
@@ -259,6 +263,11 @@ def check_rows(requests: dict, rows: list, swapped: list, status: np.ndarray) ->
                                    f"{requests[rid].state.name} on row {requests[rid].row}")
 
 
+def _wants_logprobs(requests) -> bool:
+    """Whether any of ``requests`` asks for log-probabilities."""
+    return any(req.logprobs is not None for req in requests)
+
+
 class Scheduler(FaultContainment):
     """The engine's core (module docstring): the requests' records, the row
     map and queues, and one scheduler iteration at a time over ``cache``.
@@ -274,11 +283,13 @@ class Scheduler(FaultContainment):
 
     def __init__(self, cache, graphdef, params, output: OutputProcessor, *, max_seqs: int, decode_chunk: int,
                  prefill_chunk: int, max_num_batched_tokens: int | None, scheduler: str, speculative=None,
-                 draft=None):
+                 draft=None, logprobs_mode: str = "processed"):
         self.cache = cache
         self.graphdef, self.params = graphdef, params
         self.output = output
         self.max_seqs, self.decode_chunk, self.prefill_chunk = max_seqs, decode_chunk, prefill_chunk
+        #: Where requests' log-probabilities are read (:data:`~jaxkv.nn.sampling.LOGPROBS_MODES`).
+        self.logprobs_mode = logprobs_mode
         #: Speculative decoding (:class:`~jaxkv.serve.speculation.Speculation`; None: off).
         # ``draft``: an early-exit draft model over the cache's pool (method draft_model), else None.
         self.speculation = None if speculative is None else Speculation(speculative, max_seqs, cache, draft)
@@ -555,9 +566,10 @@ class Scheduler(FaultContainment):
                     break
                 batch.append(req)
                 total += end - start
-            first, keys, peak = self.cache.prefill_step(self.graphdef, self.params,
+            first, keys, peak, logprobs = self.cache.prefill_step(self.graphdef, self.params,
                                                         [(req.lane, req.pieces[0]) for req in batch],
-                                                        row_sampling(self.max_seqs, rows, dict(enumerate(batch))))
+                                                        row_sampling(self.max_seqs, rows, dict(enumerate(batch)),
+                                                                     self.logprobs_mode))
             for req in batch:  # the pieces ran: consumed only now
                 req.pieces.pop(0)
             self._count_call(self.max_seqs * self.cache.prefill_width, total)
@@ -569,7 +581,7 @@ class Scheduler(FaultContainment):
                     continue
                 self._prefilling.remove(req)
                 req.key = keys[lane]
-                if self.output.take(req, [int(first[lane])], now):
+                if self.output.take(req, [int(first[lane])], now, logprobs=logprob_entries(logprobs, lane, 1)):
                     finished.append(req)
             self._retire(finished, final=True)
             calls += 1
@@ -608,7 +620,8 @@ class Scheduler(FaultContainment):
         budget = self.max_num_batched_tokens or self.prefill_chunk
         # Speculating requests verify drafts in this step too: k more tokens each (jaxkv.serve.speculation).
         speculation = verify = None
-        if self.speculation is not None and self.cache.packs_verify_lanes:
+        if self.speculation is not None and self.cache.packs_verify_lanes and not _wants_logprobs(
+                req for _, req in decoding):
             speculation, verify = self.speculation.packed_arguments(decoding, budget)
         extra = 0 if verify is None else int(verify.sum()) * self.speculation.config.num_speculative_tokens
         left = max(budget - len(decoding) - extra, 1)
@@ -629,7 +642,8 @@ class Scheduler(FaultContainment):
         result = self.cache.packed_step(
             self.graphdef, self.params, [(req.lane, piece) for req, piece in batch],
             [(row, req.generated[-1], req.kv_len) for row, req in decoding],
-            row_sampling(self.max_seqs, rows, dict(enumerate(lanes))), [req.key for req in lanes], length,
+            row_sampling(self.max_seqs, rows, dict(enumerate(lanes)), self.logprobs_mode), [req.key for req in lanes],
+            length,
             prefill_width=cap, **({} if speculation is None else {"speculation": speculation}))
         for req, (_, end) in batch:  # the pieces ran
             if end < req.pieces[0][1]:
@@ -651,10 +665,11 @@ class Scheduler(FaultContainment):
                 continue
             self._prefilling.remove(req)
             req.key = result.keys[lane]
-            if self.output.take(req, tokens[lane][:1], now):
+            if self.output.take(req, tokens[lane][:1], now, logprobs=logprob_entries(result.logprobs, lane, 1)):
                 finished.append(req)
         if result.decode_ok:
-            finished += self.output.take_all([(req, tokens[lane], False, result.keys[lane])
+            finished += self.output.take_all([(req, tokens[lane], False, result.keys[lane],
+                                               logprob_entries(result.logprobs, lane, len(tokens[lane])))
                                               for lane, (_, req) in enumerate(decoding, start=len(batch))], now)
         self._retire(finished, final=True)
         self.cache.end_step()  # what the step deferred and its retirement did not do
@@ -696,9 +711,12 @@ class Scheduler(FaultContainment):
         active[index] = True
         for row, req in running.items():
             keys[row] = req.key
-        speculation = None if self.speculation is None else self.speculation.arguments(running, self.decode_chunk)
+        # A request that asks for log-probabilities pauses speculation while it runs (verify steps compute none).
+        speculation = None if self.speculation is None or _wants_logprobs(running.values()) else (
+            self.speculation.arguments(running, self.decode_chunk))
         result = self.cache.decode(self.graphdef, self.params, last, active, num_generated, max_new, eos,
-                                   row_sampling(self.max_seqs, rows, running), keys, self.decode_chunk,
+                                   row_sampling(self.max_seqs, rows, running, self.logprobs_mode), keys,
+                                   self.decode_chunk,
                                    speculation=speculation)
         if speculation is not None:
             self.speculation.record(running, speculation[0], result.drafted, result.accepted, result.steps,
@@ -708,7 +726,8 @@ class Scheduler(FaultContainment):
         self._count_call(self.max_seqs * int(result.count.max(initial=0)), int(result.count.sum()))
         tokens, counts, done = result.tokens.tolist(), result.count.tolist(), result.finished.tolist()
         keys = result.keys
-        finished = self.output.take_all([(req, tokens[row][: counts[row]], done[row], keys[row])
+        finished = self.output.take_all([(req, tokens[row][: counts[row]], done[row], keys[row],
+                                          logprob_entries(result.logprobs, row, counts[row]))
                                          for row, req in running.items()], now)
         self._retire(finished, final=True)
         self._release_trimmed_hits(req for req in running.values() if req.state is RequestState.RUNNING)
