@@ -162,6 +162,10 @@ RULES = (
      "greedy and sampled rows, top-k and top-p, a request asking none); the raw mode, every other family (the "
      "hybrid caches' packed and decode paths), the padded scheduler and a speculating engine in long (about "
      "4 minutes together)"),
+    ("long", "other cases", ("test_penalties.py::test_engine_penalties_equal_numpy_over_a_no_cache_forward",
+                             "!test_penalties.py::test_engine_penalties_equal_numpy_over_a_no_cache_forward[llama]"),
+     "the paged Llama's penalties by default (the packed step, the decode loop's own counts); the hybrid caches' "
+     "paths (Qwen3-Next, Gemma 3) in long"),
     ("long", "other cases", ("test_speculative.py::test_engine_speculates_with_generate_tokens_under_preemption_"
                              "and_prefix_hits[early_exit]",),
      "the early exit's shared-pool drafting and rollback run by default in the paged rollback check; the engine "

@@ -275,6 +275,23 @@ def test_logprobs_chat_and_completions_streamed_and_not(client):
     assert plain.choices[0].logprobs is None
 
 
+def test_penalties_and_logit_bias_reach_the_sampler(client, checkpoint):
+    """A +100 bias on one token makes greedy decoding emit only it; a
+    frequency penalty of 2 on top of a +3 bias stops it repeating forever;
+    min_tokens holds off the end of the text."""
+    from jaxkv.text import Tokenizer
+
+    (target,) = Tokenizer.from_pretrained(str(checkpoint)).encode("x", add_special_tokens=False)
+    kw = dict(model=MODEL, prompt="Once upon a time", max_tokens=6, temperature=0, logprobs=0)
+    forced = client.completions.create(**kw, logit_bias={str(target): 100})
+    assert forced.choices[0].text == "x" * 6
+    assert all(lp == pytest.approx(0.0, abs=1e-3) for lp in forced.choices[0].logprobs.token_logprobs)
+    tamed = client.completions.create(**kw, logit_bias={str(target): 3}, frequency_penalty=2.0)
+    assert tamed.choices[0].text != "x" * 6
+    held = client.completions.create(**{**kw, "max_tokens": 8}, extra_body={"min_tokens": 8, "ignore_eos": False})
+    assert held.usage.completion_tokens == 8
+
+
 def test_concurrent_streams(server):
     async def one(aclient, i):
         stream = await aclient.chat.completions.create(

@@ -296,9 +296,18 @@ def _field_mutations(chat: bool) -> st.SearchStrategy:
         st.tuples(st.just("cache_salt"), st.one_of(_json_values(("str",)), st.just(""))),
         st.tuples(st.just("model"), st.one_of(_json_values(("str",)), st.text(min_size=1).filter(lambda t: t != MODEL),
                                               st.integers(10 ** 4, 10 ** 6).map(lambda n: "m" * n))),
-        st.tuples(st.sampled_from(["prompt_logprobs", "best_of", "presence_penalty", "echo", "logit_bias", "tools"]),
+        st.tuples(st.sampled_from(["prompt_logprobs", "best_of", "echo", "tools", "response_format"]),
                   st.sampled_from([5, 2, 0.5, True, {"1": 5}, [{"type": "function"}]]).filter(
                       lambda v: v not in (0, 1, False))),
+        st.tuples(st.sampled_from(["presence_penalty", "frequency_penalty"]),
+                  st.one_of(st.floats(2.0001, 1e300), st.floats(-1e300, -2.0001), st.sampled_from(["1", [1], True]))),
+        st.tuples(st.just("repetition_penalty"), st.one_of(st.floats(-1e300, 0), st.floats(10.0001, 1e300),
+                                                           st.sampled_from(["1", True]))),
+        st.tuples(st.just("min_tokens"), st.one_of(_outside(0, 2 ** 31 - 1), st.sampled_from([0.5, "3"]))),
+        st.tuples(st.just("logit_bias"), st.one_of(
+            st.sampled_from([[1], "x", {"x": 1}, {"-1": 1}, {"1": 101}, {"1": -100.5}, {"1": "5"}, {"1": True},
+                             {str(VOCAB): 1}, {"99999999999": 1}]),
+            st.integers(301, 400).map(lambda n: {str(i): 1 for i in range(n)}))),
         st.tuples(st.just("logprobs"), st.one_of(_outside(0, 20), st.sampled_from([0.5, "3", [1]]))),
         st.tuples(st.just("top_logprobs"), st.one_of(_outside(0, 20), st.sampled_from([0.5, "3", [1]]))),
     ]

@@ -34,6 +34,7 @@ import numpy as np
 from flax import struct
 
 from jaxkv.errors import InvalidArgument
+from jaxkv.nn.penalties import RowPenalties
 from jaxtyping import Array, Float, Int
 
 __all__ = ["GREEDY", "LOGPROBS_MODES", "MAX_TOP_LOGPROBS", "TOP_K_MAX", "RowSampling", "SamplingParams",
@@ -159,6 +160,9 @@ class RowSampling:
     logprobs: int = struct.field(pytree_node=False, default=-1)
     #: Static: which distribution they are read from (:data:`LOGPROBS_MODES`).
     logprobs_mode: str = struct.field(pytree_node=False, default="processed")
+    #: Penalties, logit bias and ``min_tokens`` (:mod:`jaxkv.nn.penalties`), applied before the rest; None:
+    #: no row has any (then nothing is computed for them).
+    penalties: RowPenalties | None = None
 
     @classmethod
     def broadcast(cls, params: SamplingParams, rows: int) -> RowSampling:

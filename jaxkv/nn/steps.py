@@ -61,6 +61,7 @@ from jaxkv.manager.block_space import BlockSpaceManager
 from jaxkv.manager.hybrid import KVCacheManager
 from jaxkv.manager.rows import slot_of
 from jaxkv.nn.packed import PackedBatch
+from jaxkv.nn.penalties import SeenTokens, apply_penalties, count, penalized
 from jaxkv.nn.sampling import RowSampling, SamplingParams, TokenLogprobs, sample, sampled_logprobs, split_keys
 from jaxkv.pool.kv_pool import KVPool
 from jaxkv.pool.scrub import freed_blocks, scrub_kv_pool
@@ -271,6 +272,9 @@ class DecodeState:
             ``[B, W, N]``; entry ``[b, i]`` is ``tokens[b, i]``'s), when the
             sampling parameters ask for them (a ``RowSampling``'s
             ``logprobs``); else None.
+        seen: with penalties (a ``RowSampling``'s ``penalties``), each row's
+            prompt tokens and output counts (:class:`~jaxkv.nn.penalties.SeenTokens`),
+            updated with every token the loop samples; else None.
     """
 
     manager: BlockSpaceManager
@@ -290,11 +294,12 @@ class DecodeState:
     peak_used: Int[Array, ""]
     ok: Bool[Array, ""]
     logprobs: TokenLogprobs | None = None
+    seen: SeenTokens | None = None
 
     @classmethod
     def create(cls, manager: BlockSpaceManager, pool: KVPool, *, last, finished, num_generated, max_new, eos_id,
                keys, width: int, step=0, ok=True, keep_final_tables: bool = False,
-               top_logprobs: int = -1) -> DecodeState:
+               top_logprobs: int = -1, seen: SeenTokens | None = None) -> DecodeState:
         """A state with nothing recorded yet (``tokens`` all -1, ``written``
         0); ``max_new`` and ``eos_id`` broadcast to the batch.
         ``top_logprobs`` (>= 0): room for each token's log-probability and
@@ -316,7 +321,8 @@ class DecodeState:
             ok=jnp.asarray(ok, bool),
             logprobs=None if top_logprobs < 0 else TokenLogprobs(
                 token=jnp.zeros((batch, width), jnp.float32), top_ids=jnp.zeros((batch, width, top_logprobs), jnp.int32),
-                top=jnp.zeros((batch, width, top_logprobs), jnp.float32)))
+                top=jnp.zeros((batch, width, top_logprobs), jnp.float32)),
+            seen=seen)
 
 
 def finish_rows(state: DecodeState, done: Bool[Array, " B"], free_finished: bool) -> DecodeState:
@@ -370,6 +376,8 @@ def decode_body(graphdef, params, state: DecodeState, sampling: SamplingParams |
     active = ~state.finished
     manager, pool, logits, now_blocked, ok = decode_logits(graphdef, params, state.manager, state.pool,
                                                            state.last, active, scrub=scrub)
+    if state.seen is not None:
+        logits = apply_penalties(logits, sampling.penalties, state.seen)
     if isinstance(sampling, SamplingParams) and sampling.is_greedy:  # static: no draw, so no key is spent
         keys, new = state.keys, sample(logits, state.keys, sampling)
     else:
@@ -383,6 +391,8 @@ def decode_body(graphdef, params, state: DecodeState, sampling: SamplingParams |
     if state.logprobs is not None:
         state = state.replace(logprobs=record_logprobs(state.logprobs, column,
                                                        sampled_logprobs(logits, new, sampling)))
+    if state.seen is not None:
+        state = state.replace(seen=count(state.seen, new, running))
     state = state.replace(
         manager=manager, pool=pool, tokens=state.tokens.at[jnp.arange(batch), column].set(new, mode="drop"),
         written=state.written + running, num_generated=num_generated, last=jnp.where(running, new, state.last),
@@ -454,6 +464,7 @@ def _sample_lanes(logits: Float[Array, "S V"], keys: jax.Array, sampling: RowSam
     the lanes that ``took`` a token, and the tokens' log-probabilities
     when ``sampling`` asks for them (else None)."""
     advanced, subs = split_keys(keys)
+    logits = penalized(logits, sampling.penalties)
     tokens = sample(logits, subs, sampling)
     return tokens, jnp.where(took, advanced, keys), sampled_logprobs(logits, tokens, sampling)
 

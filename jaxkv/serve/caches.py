@@ -70,12 +70,14 @@ from typing import Protocol
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 from jaxkv.errors import BookkeepingError, InvalidArgument, KVCacheOOM
 from jaxkv.manager.block_space import FREE, ON_DEVICE, STATUS_NAMES, SWAPPED
 from jaxkv.manager.rows import row_of, slot_of
 from jaxkv.nn import sharding
 from jaxkv.nn.packed import PackedBatch, PackedLane, host_arrays, write_lanes
+from jaxkv.nn.penalties import penalized, seen_tokens
 from jaxkv.nn.sampling import RowSampling, TokenLogprobs, sample, sampled_logprobs, split_keys
 from jaxkv.nn.speculative import SpecState, speculative_body
 from jaxkv.nn.steps import DecodeState, run_decode
@@ -258,6 +260,7 @@ def sample_first(last_logits, keys, sampling: RowSampling):
     (one split of the lane's key), the advanced keys, and the tokens'
     log-probabilities when ``sampling`` asks for them (else None)."""
     keys, subs = split_keys(keys)
+    last_logits = penalized(last_logits, sampling.penalties)
     tokens = sample(last_logits, subs, sampling)
     return tokens, keys, sampled_logprobs(last_logits, tokens, sampling)
 
@@ -287,9 +290,12 @@ def decode_chunk(graphdef, params, manager, pool, last, active, num_generated, m
     no row runs or an allocation fails (``ok`` False; ``blocked`` marks the
     rows that needed blocks). ``scrub``: blocks a sliding window frees are
     zeroed in the step that frees them (:mod:`jaxkv.pool.scrub`)."""
+    seen = None
+    if sampling.penalties is not None:
+        seen = seen_tokens(sampling.penalties, nnx.merge(graphdef, params).config.vocab_size)
     state = DecodeState.create(manager, pool, last=last, finished=~active, num_generated=num_generated,
                                max_new=max_new, eos_id=eos_id, keys=keys, width=num_steps,
-                               top_logprobs=sampling.logprobs)
+                               top_logprobs=sampling.logprobs, seen=seen)
     return run_decode(graphdef, params, state, sampling, num_steps=num_steps, free_finished=False, scrub=scrub)
 
 
@@ -656,9 +662,9 @@ class CacheBase(abc.ABC):
         result then says how many drafts each row verified and kept)."""
         manager, pool = self._decode_view()
         drafted = accepted = steps = None
-        if speculation is not None and sampling.logprobs >= 0:
-            raise InvalidArgument("log-probabilities are computed by plain decode chunks (the scheduler runs one "
-                                  "while a request asks for them), not by speculative ones")
+        if speculation is not None and (sampling.logprobs >= 0 or sampling.penalties is not None):
+            raise InvalidArgument("log-probabilities and penalties are computed by plain decode chunks (the "
+                                  "scheduler runs one while a request asks for them), not by speculative ones")
         if speculation is None:
             state = decode_chunk(graphdef, params, manager, pool, last, active, num_generated, max_new, eos_id,
                                  sampling, self._keys(key_data), num_steps=num_steps, scrub=self.scrub)

@@ -224,7 +224,7 @@ class Engine(Scheduler):
                     sampling: SamplingParams = GREEDY, eos_token_id: int | None = None,
                     stop_token_ids: Sequence[int] = (), stop: str | Sequence[str] = (),
                     namespace: Hashable = None, seed: int | None = None, arrival_step: int = 0,
-                    logprobs: int | None = None) -> int:
+                    logprobs: int | None = None, penalties=None) -> int:
         """Queue a request; returns its id (its key in :attr:`outputs`).
         Works at any time, also between :meth:`step` calls while other
         requests run: it is admitted at the next iteration that has room.
@@ -252,6 +252,15 @@ class Engine(Scheduler):
         top 20 for every row (one more program), and a speculating engine
         runs plain decode chunks while one runs.
 
+        ``penalties`` (a :class:`jaxkv.nn.penalties.Penalties` or a dict of
+        its fields: ``presence``, ``frequency``, ``repetition``,
+        ``logit_bias``, ``min_tokens``; None: none): applied to the logits
+        in the jitted calls before temperature, top-k and top-p, from the
+        request's prompt and output tokens (a ``[rows, vocab]`` state the
+        decode loop updates itself). An iteration that runs such a request
+        sends every penalized row's tokens with the call; a speculating
+        engine runs plain decode chunks while one runs.
+
         ``arrival_step``: the scheduler iteration from which it may be
         admitted (simulated arrivals for :meth:`run`; 0: at once; a step
         already passed counts as now, so it queues behind the requests that
@@ -265,7 +274,10 @@ class Engine(Scheduler):
         ``stop`` that is not a string or a sequence of non-empty strings, or
         is given to an engine without a tokenizer; a negative or non-integer
         ``arrival_step``; a non-integer ``seed``; ``logprobs`` that is not
-        an integer in ``[0, 20]``; ``sampling`` that is not a
+        an integer in ``[0, 20]``; ``penalties`` out of their ranges
+        (:class:`~jaxkv.nn.penalties.Penalties`), with a ``logit_bias`` id
+        outside the vocabulary or ``min_tokens`` above ``max_new_tokens``;
+        ``sampling`` that is not a
         ``SamplingParams``; an unhashable ``namespace``; a request that could
         never fit (more than ``max_model_len`` tokens, or more blocks than a
         group has at its peak: ``cache.peak_blocks``, the prompt's blocks or,
@@ -281,7 +293,7 @@ class Engine(Scheduler):
                           stop_token_ids=stop_token_ids, stop=stop, namespace=namespace, seed=seed,
                           arrival_step=arrival_step, now_step=self._step, vocab=self.vocab_size,
                           has_tokenizer=self.tokenizer is not None, cache=self.cache, engine_key=self.key,
-                          logprobs=logprobs)
+                          logprobs=logprobs, penalties=penalties)
         arrival = req.arrival
         if self.tokenizer is not None:
             req.detok = self.output.detokenizer_for(req.prompt)

@@ -37,8 +37,12 @@ and the top ones', computed in the engine's jitted calls with the tokens
 (read where the server's ``--logprobs-mode`` says: by default the
 distribution the token was sampled from), in OpenAI's shapes for both
 endpoints, streamed and not (a -inf is sent as :data:`LOGPROB_FLOOR`; a
-token's text is its own decoding). Fields the server cannot honour
-(penalties, ``logit_bias``, ``tools``, ``echo``, ``prompt_logprobs``,
+token's text is its own decoding). ``presence_penalty`` /
+``frequency_penalty`` (-2..2), ``logit_bias`` (token id strings -> -100..100,
+at most 300), and vLLM's ``repetition_penalty`` (0 exclusive..10) and
+``min_tokens`` (:mod:`jaxkv.nn.penalties`, applied on the device before
+temperature, top-k and top-p). Fields the server cannot honour
+(``tools``, ``response_format``, ``echo``, ``prompt_logprobs``,
 ``best_of``...) set to anything but their neutral value are refused with 400
 rather than silently ignored. Non-stream responses always carry ``usage``
 (``prompt_tokens``: each distinct prompt once, whatever ``n``;
@@ -189,6 +193,7 @@ except ImportError as _missing:  # an optional dependency: say which extra bring
     raise ImportError(f"the HTTP server needs FastAPI ({_missing}): pip install 'jaxkv[serve]'") from _missing
 
 from jaxkv.errors import InvalidArgument, KVCacheError
+from jaxkv.nn.penalties import MAX_LOGIT_BIAS, Penalties
 from jaxkv.nn.sampling import MAX_TOP_LOGPROBS, SamplingParams
 from jaxkv.serve.compile_cache import configure_compile_cache, default_compile_cache_dir  # noqa: F401 - re-exported
 from jaxkv.serve.metrics import CONTENT_TYPE, ServerMetrics
@@ -308,10 +313,8 @@ def _get(body: dict, name: str, kind, *, default=None, required: bool = False, l
 
 # Fields OpenAI defines that this server does not implement, with their neutral values.
 _UNSUPPORTED = {"echo": (None, False), "prompt_logprobs": (None, 0),
-                "best_of": (None, 1), "logit_bias": (None, {}), "presence_penalty": (None, 0, 0.0),
-                "frequency_penalty": (None, 0, 0.0), "suffix": (None, ""), "tools": (None, []),
-                "functions": (None, []), "response_format": (None, {"type": "text"}),
-                "repetition_penalty": (None, 1, 1.0), "min_tokens": (None, 0)}
+                "best_of": (None, 1), "suffix": (None, ""), "tools": (None, []),
+                "functions": (None, []), "response_format": (None, {"type": "text"})}
 
 
 def _refuse_unsupported(body: dict) -> None:
@@ -569,6 +572,7 @@ class _Params:
     include_usage: bool
     cache_salt: str | None
     logprobs: int | None = None  # top log-probabilities per token (None: none asked)
+    penalties: Penalties | None = None  # penalties, logit bias, min_tokens (None: none asked)
 
 
 def _token_ids(value, name: str, vocab: int | None) -> list[int]:
@@ -644,7 +648,35 @@ def _parse_params(body: dict, *, chat: bool, vocab: int | None = None) -> _Param
         seed=seed, stop=stop, stop_token_ids=stop_token_ids,
         ignore_eos=_get(body, "ignore_eos", bool, default=False),
         n=_get(body, "n", int, default=1, low=1, high=MAX_N), stream=stream, include_usage=include_usage,
-        cache_salt=salt, logprobs=_parse_logprobs(body, chat))
+        cache_salt=salt, logprobs=_parse_logprobs(body, chat), penalties=_parse_penalties(body, max_tokens, vocab))
+
+
+def _parse_penalties(body: dict, max_tokens: int | None, vocab: int | None) -> Penalties | None:
+    """``presence_penalty`` / ``frequency_penalty`` (-2..2), vLLM's
+    ``repetition_penalty`` (0 exclusive..10) and ``min_tokens`` (0..
+    ``max_tokens``), ``logit_bias`` (token id strings -> -100..100, at most
+    300): a :class:`~jaxkv.nn.penalties.Penalties`, None when all are off."""
+    presence = _get(body, "presence_penalty", float, default=0.0, low=-2, high=2)
+    frequency = _get(body, "frequency_penalty", float, default=0.0, low=-2, high=2)
+    repetition = _get(body, "repetition_penalty", float, default=1.0, low=0, low_open=True, high=10)
+    min_tokens = _get(body, "min_tokens", int, default=0, low=0, high=INT32_MAX)
+    if max_tokens is not None and min_tokens > max_tokens:
+        raise _bad(f"'min_tokens' ({min_tokens}) must be <= 'max_tokens' ({max_tokens})", "min_tokens")
+    bias = _get(body, "logit_bias", dict, default={})
+    if len(bias) > MAX_LOGIT_BIAS:
+        raise _bad(f"'logit_bias' has {len(bias)} entries; at most {MAX_LOGIT_BIAS}", "logit_bias")
+    entries = {}
+    for key, value in bias.items():
+        if not re.fullmatch(r"[0-9]{1,10}", key):
+            raise _bad(f"'logit_bias' keys are token ids, got {_show(key)!r}", "logit_bias")
+        if not _is(value, float):
+            raise _bad(f"'logit_bias[{key}]' must be a number, got {_json_type(value)}", "logit_bias", "invalid_type")
+        if not -100 <= value <= 100:
+            raise _bad(f"'logit_bias[{key}]' must be in [-100, 100], got {value}", "logit_bias")
+        entries[_token_ids([int(key)], "logit_bias", vocab)[0]] = float(value)
+    penalties = Penalties(presence=presence, frequency=frequency, repetition=repetition, logit_bias=entries,
+                          min_tokens=min_tokens)
+    return None if penalties.is_off else penalties
 
 
 def _parse_logprobs(body: dict, chat: bool) -> int | None:
@@ -1392,7 +1424,8 @@ def _engine_kwargs(state: ServerState, params: _Params, prompt: list[int], index
     kwargs = dict(max_new_tokens=max_tokens, sampling=params.sampling,
                   eos_token_id=eos[0] if eos else None, stop_token_ids=stop_ids, stop=params.stop,
                   namespace=_namespace(tenant, params.cache_salt),
-                  seed=None if params.seed is None else (params.seed + index) % 2 ** 32, logprobs=params.logprobs)
+                  seed=None if params.seed is None else (params.seed + index) % 2 ** 32, logprobs=params.logprobs,
+                  penalties=params.penalties)
     return kwargs
 
 

@@ -21,6 +21,7 @@ import numpy as np
 
 from jaxkv import _host
 from jaxkv.errors import InvalidArgument
+from jaxkv.nn.penalties import OFF, Penalties
 from jaxkv.nn.sampling import MAX_TOP_LOGPROBS, SamplingParams
 
 __all__ = ["Request", "RequestOutput", "RequestState", "check_token_ids", "find_stop", "new_request"]
@@ -133,6 +134,7 @@ class Request:
     spec_full_steps: int = 0  # of which with k drafts, after probation
     spec_full_kept: int = 0  # and the drafts they kept
     logprobs: int | None = None  # top log-probabilities asked per token (None: none; 0: the token's own only)
+    penalties: Penalties = OFF  # penalties, logit bias and min_tokens (jaxkv.nn.penalties)
     token_logprobs: list = dataclasses.field(default_factory=list)  # with logprobs: one entry per generated token
 
     @property
@@ -176,9 +178,28 @@ def check_token_ids(ids: list, name: str, vocab: int | None) -> None:
                               f"{_host.preview(bad)}")
 
 
+def _penalties(penalties, vocab: int | None, max_new_tokens: int) -> Penalties:
+    """``penalties`` (a :class:`~jaxkv.nn.penalties.Penalties`, a dict of its
+    fields, or None) checked against the vocabulary and ``max_new_tokens``."""
+    if penalties is None:
+        return OFF
+    if isinstance(penalties, dict):
+        unknown = sorted(set(penalties) - {f.name for f in dataclasses.fields(Penalties)})
+        if unknown:
+            raise InvalidArgument(f"penalties: unknown keys {unknown}")
+        penalties = Penalties(**penalties)
+    if not isinstance(penalties, Penalties):
+        raise InvalidArgument(f"penalties must be a Penalties or a dict of its fields, got {penalties!r}")
+    check_token_ids([token for token, _ in penalties.logit_bias], "penalties.logit_bias", vocab)
+    if penalties.min_tokens > max_new_tokens:
+        raise InvalidArgument(f"penalties.min_tokens={penalties.min_tokens} is more than max_new_tokens="
+                              f"{max_new_tokens}")
+    return penalties
+
+
 def new_request(rid: int, prompt_tokens, max_new_tokens, *, sampling, eos_token_id, stop_token_ids, stop,
                 namespace, seed, arrival_step, now_step: int, vocab: int | None, has_tokenizer: bool, cache,
-                engine_key, logprobs=None) -> Request:
+                engine_key, logprobs=None, penalties=None) -> Request:
     """The record of request ``rid`` from :meth:`Engine.add_request
     <jaxkv.serve.Engine.add_request>`'s arguments (that method documents
     them and what is refused), checked against the vocabulary ``vocab``
@@ -222,10 +243,12 @@ def new_request(rid: int, prompt_tokens, max_new_tokens, *, sampling, eos_token_
         logprobs = _host.int_at_least(logprobs, "logprobs", 0)
         if logprobs > MAX_TOP_LOGPROBS:
             raise InvalidArgument(f"logprobs={logprobs}: at most {MAX_TOP_LOGPROBS} top log-probabilities per token")
+    penalties = _penalties(penalties, vocab, max_new_tokens)
     if seed is not None:
         seed = _host.int_scalar(seed, "seed")
     key = jax.random.fold_in(engine_key, rid) if seed is None else jax.random.key(seed)
     device_stop = eos_id if eos_id >= 0 else (stop_ids[0] if stop_ids else -1)
     return Request(rid, prompt, max_new_tokens, sampling, device_stop, arrival, namespace,
                    np.asarray(jax.random.key_data(key)),
-                   stop_ids=frozenset(stop_ids + ([eos_id] if eos_id >= 0 else [])), stop=stop, logprobs=logprobs)
+                   stop_ids=frozenset(stop_ids + ([eos_id] if eos_id >= 0 else [])), stop=stop, logprobs=logprobs,
+                   penalties=penalties)

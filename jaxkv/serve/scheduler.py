@@ -98,6 +98,8 @@ import time
 import numpy as np
 
 from jaxkv.errors import BookkeepingError
+from jaxkv._ops import pow2_at_least
+from jaxkv.nn.penalties import RowPenalties
 from jaxkv.nn.sampling import MAX_TOP_LOGPROBS, RowSampling
 from jaxkv.serve.caches import FREE, ON_DEVICE, STATUS_NAMES, SWAPPED, PrefillLane, logprob_entries
 from jaxkv.serve.faults import MAX_REQUEST_FAULTS, FaultContainment, sampling_row
@@ -166,12 +168,16 @@ def stream_length(tokens: int, lengths: list[int]) -> int:
     return stream_buckets(tokens)[-1]
 
 
-def row_sampling(max_seqs: int, rows: dict, reqs_by_lane: dict, logprobs_mode: str = "processed") -> RowSampling:
+def row_sampling(max_seqs: int, rows: dict, reqs_by_lane: dict, logprobs_mode: str = "processed",
+                 history_width: int = 0) -> RowSampling:
     """Per-lane sampling arrays from the screened ``rows`` (request id ->
     :func:`sampling_row`) of the requests ``reqs_by_lane`` (idle lanes:
     greedy). When any of them asks for log-probabilities the call computes
     :data:`~jaxkv.nn.sampling.MAX_TOP_LOGPROBS` of them for every lane
-    (read in ``logprobs_mode``): one more program, not one per count."""
+    (read in ``logprobs_mode``): one more program, not one per count.
+    When any asks for penalties, every lane gets its request's
+    (:class:`~jaxkv.nn.penalties.RowPenalties`, histories ``history_width``
+    wide; lanes without: none)."""
     temperature = np.zeros((max_seqs,), np.float32)
     top_k = np.zeros((max_seqs,), np.int32)
     top_p = np.ones((max_seqs,), np.float32)
@@ -182,8 +188,15 @@ def row_sampling(max_seqs: int, rows: dict, reqs_by_lane: dict, logprobs_mode: s
         top_k[lanes] = [v[1] for v in values]
         top_p[lanes] = [v[2] for v in values]
     wanted = any(req.logprobs is not None for req in reqs_by_lane.values())
+    penalties = None
+    if any(not req.penalties.is_off for req in reqs_by_lane.values()):
+        lanes = [None] * max_seqs
+        for lane, req in reqs_by_lane.items():
+            if not req.penalties.is_off:
+                lanes[lane] = (req.penalties, req.prompt, req.generated, sorted(req.stop_ids))
+        penalties = RowPenalties.stack(lanes, history_width)
     return RowSampling(temperature, top_k, top_p, logprobs=MAX_TOP_LOGPROBS if wanted else -1,
-                       logprobs_mode=logprobs_mode)
+                       logprobs_mode=logprobs_mode, penalties=penalties)
 
 
 #: ``sampling_row``'s results by sampling parameters (``SamplingParams`` is
@@ -263,9 +276,10 @@ def check_rows(requests: dict, rows: list, swapped: list, status: np.ndarray) ->
                                    f"{requests[rid].state.name} on row {requests[rid].row}")
 
 
-def _wants_logprobs(requests) -> bool:
-    """Whether any of ``requests`` asks for log-probabilities."""
-    return any(req.logprobs is not None for req in requests)
+def _plain_only(requests) -> bool:
+    """Whether any of ``requests`` asks for log-probabilities or penalties
+    (which speculative verify steps do not compute)."""
+    return any(req.logprobs is not None or not req.penalties.is_off for req in requests)
 
 
 class Scheduler(FaultContainment):
@@ -290,6 +304,8 @@ class Scheduler(FaultContainment):
         self.max_seqs, self.decode_chunk, self.prefill_chunk = max_seqs, decode_chunk, prefill_chunk
         #: Where requests' log-probabilities are read (:data:`~jaxkv.nn.sampling.LOGPROBS_MODES`).
         self.logprobs_mode = logprobs_mode
+        #: The width of the token histories penalties read (every request fits: one program).
+        self.history_width = pow2_at_least(cache.max_context_tokens + 1)
         #: Speculative decoding (:class:`~jaxkv.serve.speculation.Speculation`; None: off).
         # ``draft``: an early-exit draft model over the cache's pool (method draft_model), else None.
         self.speculation = None if speculative is None else Speculation(speculative, max_seqs, cache, draft)
@@ -569,7 +585,7 @@ class Scheduler(FaultContainment):
             first, keys, peak, logprobs = self.cache.prefill_step(self.graphdef, self.params,
                                                         [(req.lane, req.pieces[0]) for req in batch],
                                                         row_sampling(self.max_seqs, rows, dict(enumerate(batch)),
-                                                                     self.logprobs_mode))
+                                                                     self.logprobs_mode, self.history_width))
             for req in batch:  # the pieces ran: consumed only now
                 req.pieces.pop(0)
             self._count_call(self.max_seqs * self.cache.prefill_width, total)
@@ -620,7 +636,7 @@ class Scheduler(FaultContainment):
         budget = self.max_num_batched_tokens or self.prefill_chunk
         # Speculating requests verify drafts in this step too: k more tokens each (jaxkv.serve.speculation).
         speculation = verify = None
-        if self.speculation is not None and self.cache.packs_verify_lanes and not _wants_logprobs(
+        if self.speculation is not None and self.cache.packs_verify_lanes and not _plain_only(
                 req for _, req in decoding):
             speculation, verify = self.speculation.packed_arguments(decoding, budget)
         extra = 0 if verify is None else int(verify.sum()) * self.speculation.config.num_speculative_tokens
@@ -642,7 +658,8 @@ class Scheduler(FaultContainment):
         result = self.cache.packed_step(
             self.graphdef, self.params, [(req.lane, piece) for req, piece in batch],
             [(row, req.generated[-1], req.kv_len) for row, req in decoding],
-            row_sampling(self.max_seqs, rows, dict(enumerate(lanes)), self.logprobs_mode), [req.key for req in lanes],
+            row_sampling(self.max_seqs, rows, dict(enumerate(lanes)), self.logprobs_mode, self.history_width),
+            [req.key for req in lanes],
             length,
             prefill_width=cap, **({} if speculation is None else {"speculation": speculation}))
         for req, (_, end) in batch:  # the pieces ran
@@ -711,11 +728,13 @@ class Scheduler(FaultContainment):
         active[index] = True
         for row, req in running.items():
             keys[row] = req.key
-        # A request that asks for log-probabilities pauses speculation while it runs (verify steps compute none).
-        speculation = None if self.speculation is None or _wants_logprobs(running.values()) else (
+        # A request that asks for log-probabilities or penalties pauses speculation while it runs (verify steps
+        # compute neither).
+        speculation = None if self.speculation is None or _plain_only(running.values()) else (
             self.speculation.arguments(running, self.decode_chunk))
         result = self.cache.decode(self.graphdef, self.params, last, active, num_generated, max_new, eos,
-                                   row_sampling(self.max_seqs, rows, running, self.logprobs_mode), keys,
+                                   row_sampling(self.max_seqs, rows, running, self.logprobs_mode,
+                                                self.history_width), keys,
                                    self.decode_chunk,
                                    speculation=speculation)
         if speculation is not None:
