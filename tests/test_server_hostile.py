@@ -723,3 +723,80 @@ def test_render_pool_survives_interrupts_at_any_moment():
 
     outcomes = asyncio.run(run())
     assert outcomes["done"] and outcomes["timed_out"], outcomes
+
+
+# ------------------------------------------------------------------ tool calls (a scripted engine)
+
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city.",
+                                            "parameters": {"type": "object",
+                                                           "properties": {"city": {"type": "string"}}}}}
+
+
+class ScriptedEngine(FakeEngine):
+    """Every request's output is ``script``, given out in pieces of 1 to 4
+    characters (a stream splits a ``<tool_call>`` tag across chunks), then
+    ``"stop"``."""
+
+    def __init__(self, script: str):
+        super().__init__()
+        self.script = script
+
+    def add_request(self, prompt, max_new_tokens=16, **kwargs) -> int:
+        rid = super().add_request(prompt, max_new_tokens, **kwargs)
+        self.requests[rid]["text"] = self.script
+        return rid
+
+    def step(self) -> list[FakeOutput]:
+        time.sleep(0.002)
+        out = []
+        for rid, request in list(self.requests.items()):
+            piece, request["text"] = request["text"][: 1 + rid % 4], request["text"][1 + rid % 4:]
+            done = not request["text"]
+            out.append(FakeOutput(rid, (120,), done, "stop" if done else None, new_text=piece))
+            if done:
+                del self.requests[rid]
+        return out
+
+
+def test_tool_calls_are_parsed_streamed_and_not(tokenizer):
+    """Hermes-style calls in the output come back as OpenAI ``tool_calls``
+    (the text around them as content, finish reason ``tool_calls``),
+    streamed (the tag held back across chunks) and not, through the openai
+    client; a malformed call stays text; ``tool_choice: none`` parses
+    nothing; ``required`` is refused with 400."""
+    import openai
+
+    script = ('Let me look.<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+              '<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}</tool_call>')
+    srv = _serve_fake(tokenizer, ScriptedEngine(script))
+    try:
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0)
+        kw = dict(model=MODEL, messages=[{"role": "user", "content": "Weather?"}], tools=[WEATHER], max_tokens=200)
+        for n in range(3):  # requests of different ids: pieces of 1, 2, 3 characters
+            full = client.chat.completions.create(**kw)
+            message = full.choices[0].message
+            assert message.content == "Let me look." and full.choices[0].finish_reason == "tool_calls"
+            assert [json.loads(c.function.arguments) for c in message.tool_calls] == [{"city": "Paris"},
+                                                                                     {"city": "Oslo"}]
+            assert all(c.function.name == "get_weather" and c.type == "function" for c in message.tool_calls)
+            chunks = [c for c in client.chat.completions.create(**kw, stream=True) if c.choices]
+            assert "".join(c.choices[0].delta.content or "" for c in chunks) == "Let me look."
+            calls = [t for c in chunks for t in (c.choices[0].delta.tool_calls or [])]
+            assert [json.loads(t.function.arguments) for t in calls] == [{"city": "Paris"}, {"city": "Oslo"}]
+            assert [t.index for t in calls] == [0, 1]
+            assert [c.choices[0].finish_reason for c in chunks if c.choices[0].finish_reason] == ["tool_calls"]
+        plain = client.chat.completions.create(**kw, tool_choice="none")
+        assert plain.choices[0].message.content == script and not plain.choices[0].message.tool_calls
+        with pytest.raises(openai.BadRequestError, match="structured outputs"):
+            client.chat.completions.create(**kw, tool_choice="required")
+    finally:
+        srv.stop()
+    broken = _serve_fake(tokenizer, ScriptedEngine('<tool_call>{"name": "get_weather", "arguments": {</tool_call>'))
+    try:
+        response = post(broken.url + "/v1/chat/completions", {**kw, "tools": [WEATHER]})
+        choice = response.json()["choices"][0]
+        assert choice["message"]["content"].startswith("<tool_call>") and "tool_calls" not in choice["message"]
+        assert choice["finish_reason"] == "stop"
+    finally:
+        broken.stop()

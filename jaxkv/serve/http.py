@@ -41,8 +41,10 @@ token's text is its own decoding). ``presence_penalty`` /
 ``frequency_penalty`` (-2..2), ``logit_bias`` (token id strings -> -100..100,
 at most 300), and vLLM's ``repetition_penalty`` (0 exclusive..10) and
 ``min_tokens`` (:mod:`jaxkv.nn.penalties`, applied on the device before
-temperature, top-k and top-p). Fields the server cannot honour
-(``tools``, ``response_format``, ``echo``, ``prompt_logprobs``,
+temperature, top-k and top-p). Chat ``tools`` / ``tool_choice`` (``auto``,
+``none``) go through the chat template and Hermes-style calls are parsed
+from the output (:mod:`jaxkv.serve.tools`). Fields the server cannot honour
+(``response_format``, ``tool_choice`` ``required``, ``echo``, ``prompt_logprobs``,
 ``best_of``...) set to anything but their neutral value are refused with 400
 rather than silently ignored. Non-stream responses always carry ``usage``
 (``prompt_tokens``: each distinct prompt once, whatever ``n``;
@@ -197,6 +199,8 @@ from jaxkv.nn.penalties import MAX_LOGIT_BIAS, Penalties
 from jaxkv.nn.sampling import MAX_TOP_LOGPROBS, SamplingParams
 from jaxkv.serve.compile_cache import configure_compile_cache, default_compile_cache_dir  # noqa: F401 - re-exported
 from jaxkv.serve.metrics import CONTENT_TYPE, ServerMetrics
+from jaxkv.serve.tools import (CALL_START, ToolRequest, parse_tool_calls, parse_tools, split_stream_text,
+                               template_messages)
 
 __all__ = ["MAX_N", "OPEN_PATHS", "APIError", "APIKeys", "EngineLoop", "ServerState", "configure_compile_cache",
            "create_app", "default_compile_cache_dir", "run_server", "warm_up"]
@@ -313,7 +317,7 @@ def _get(body: dict, name: str, kind, *, default=None, required: bool = False, l
 
 # Fields OpenAI defines that this server does not implement, with their neutral values.
 _UNSUPPORTED = {"echo": (None, False), "prompt_logprobs": (None, 0),
-                "best_of": (None, 1), "suffix": (None, ""), "tools": (None, []),
+                "best_of": (None, 1), "suffix": (None, ""),
                 "functions": (None, []), "response_format": (None, {"type": "text"})}
 
 
@@ -573,6 +577,7 @@ class _Params:
     cache_salt: str | None
     logprobs: int | None = None  # top log-probabilities per token (None: none asked)
     penalties: Penalties | None = None  # penalties, logit bias, min_tokens (None: none asked)
+    tools: ToolRequest | None = None  # chat: the request's tools and whether calls are parsed
 
 
 def _token_ids(value, name: str, vocab: int | None) -> list[int]:
@@ -1210,6 +1215,7 @@ def create_app(build: Callable[[], tuple[object, object]], *, served_model_names
         _check_model(state, body)
         inputs = _chat_inputs(state, body)
         params = _parse_params(body, chat=True, vocab=getattr(state.tokenizer, "vocab_size", None))
+        params = dataclasses.replace(params, tools=inputs["tools"])
         prompt = await state.renderer.run(functools.partial(_render_chat, state.tokenizer, **inputs))
         return await _serve(request, state, [prompt], params, chat=True, tenant=tenant_of(request))
 
@@ -1355,21 +1361,23 @@ def _chat_inputs(state: ServerState, body: dict) -> dict:
                    "sets the rendering call's own arguments ('add_generation_prompt' is a field of the "
                    "request)", "chat_template_kwargs")
     add_generation_prompt = _get(body, "add_generation_prompt", bool, default=True)
+    tools = parse_tools(body, _bad)
     return dict(messages=rendered, add_generation_prompt=add_generation_prompt, template=template, kwargs=kwargs,
                 from_request=template is not None and template not in (getattr(state.tokenizer, "chat_templates",
-                                                                               None) or {}))
+                                                                               None) or {}), tools=tools)
 
 
 def _render_chat(tokenizer, *, messages: list, add_generation_prompt: bool, template: str | None, kwargs: dict,
-                 from_request: bool) -> list[int]:
+                 from_request: bool, tools: ToolRequest | None = None) -> list[int]:
     """The conversation's token ids (on a render worker). A template that
     refuses the conversation or fails on it answers 400 (``param``
     ``chat_template`` for a request's own template, else ``messages``): the
     request's data or template made it fail."""
     param = "chat_template" if from_request else "messages"
     try:
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False,
-                                             chat_template=template, **kwargs)
+        text = tokenizer.apply_chat_template(template_messages(messages), add_generation_prompt=add_generation_prompt,
+                                             tokenize=False, chat_template=template,
+                                             tools=None if tools is None else list(tools.tools), **kwargs)
         ids = _encode(tokenizer, text, add_special_tokens=False)  # as tokenize=True does: the template wrote them
     except KVCacheError as err:  # ChatTemplateError / no template: the conversation is refused
         raise _bad(f"the chat template refused the messages: {_show(str(err), 500)}", param) from None
@@ -1396,6 +1404,26 @@ class _Choice:
     cached_tokens: int = 0  # prompt tokens served from the prefix cache
     logprobs: list = dataclasses.field(default_factory=list)  # (token id, logprob, top) per token, when asked
     text_length: int = 0  # characters of text before the newest tokens (completions' text_offset)
+    held: str = ""  # streaming with tools: the text held back from the first "<tool_call>" on
+
+    def hold_calls(self, text: str, reason: str | None, names: frozenset) -> tuple[str, list | None, str | None]:
+        """Streaming a chat whose output is parsed for tool calls: ``(text to
+        send now, calls, finish reason)``. Text from the first
+        ``<tool_call>`` on (or a partial one at the end) is held until the
+        output ends; then its calls are parsed (what is not a call is sent
+        as content) and the reason becomes ``"tool_calls"`` if any."""
+        if self.held.startswith(CALL_START):
+            self.held += text
+            send = ""
+        else:
+            send, self.held = split_stream_text(self.held + text)
+        if reason is None:
+            return send, None, None
+        rest, calls = parse_tool_calls(self.held, names)
+        self.held = ""
+        if not calls:
+            return send + rest, None, reason
+        return send + (rest or ""), calls, _call_reason(reason)
 
     @property
     def finished(self) -> bool:
@@ -1598,14 +1626,26 @@ async def _serve(request: Request, state: ServerState, prompts: list[list[int]],
         text = "".join(choice.text)
         if chat:
             logprobs = _chat_logprobs(state.tokenizer, choice.logprobs) if asked else None
-            choices.append({"index": choice.index, "message": {"role": "assistant", "content": text},
-                            "logprobs": logprobs, "finish_reason": choice.finish_reason})
+            message, reason = {"role": "assistant", "content": text}, choice.finish_reason
+            if params.tools is not None and params.tools.parse:
+                content, calls = parse_tool_calls(text, params.tools.names)
+                if calls:
+                    message, reason = {"role": "assistant", "content": content, "tool_calls": calls}, _call_reason(
+                        reason)
+            choices.append({"index": choice.index, "message": message, "logprobs": logprobs,
+                            "finish_reason": reason})
         else:
             logprobs = _completion_logprobs(state.tokenizer, choice.logprobs, 0) if asked else None
             choices.append({"index": choice.index, "text": text, "logprobs": logprobs,
                             "finish_reason": choice.finish_reason})
     return JSONResponse({"id": rid, "object": "chat.completion" if chat else "text_completion", "created": created,
                          "model": model, "choices": choices, "usage": job.usage()})
+
+
+def _call_reason(reason: str | None) -> str | None:
+    """The finish reason of an answer that made tool calls: OpenAI's
+    ``"tool_calls"`` where the model stopped by itself."""
+    return "tool_calls" if reason == "stop" else reason
 
 
 #: What a log-probability of -inf (a token top-k or top-p filtered out, in the processed mode) is sent as:
@@ -1683,6 +1723,9 @@ async def _stream(job: _Job, rid: str, created: int, model: str, chat: bool):
                 out = []
                 for index, item in entries:
                     text, reason, new = job.take(index, item)
+                    calls = None
+                    if chat and job.params.tools is not None and job.params.tools.parse:
+                        text, calls, reason = job.choices[index].hold_calls(text, reason, job.params.tools.names)
                     if not text and reason is None and not new:
                         continue
                     logprobs = None
@@ -1692,8 +1735,10 @@ async def _stream(job: _Job, rid: str, created: int, model: str, chat: bool):
                                     _completion_logprobs(job.state.tokenizer, new, choice.text_length))
                         choice.text_length += len(text)
                     if chat:
-                        out.append({"index": index, "delta": {"content": text} if text else {}, "logprobs": logprobs,
-                                    "finish_reason": reason})
+                        delta = {"content": text} if text else {}
+                        if calls:
+                            delta["tool_calls"] = [{"index": j, **call} for j, call in enumerate(calls)]
+                        out.append({"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": reason})
                     else:
                         out.append({"index": index, "text": text, "logprobs": logprobs, "finish_reason": reason})
             except APIError as err:  # the engine failed mid-stream: an error event, then the end
