@@ -464,7 +464,7 @@ def _sample_lanes(logits: Float[Array, "S V"], keys: jax.Array, sampling: RowSam
     the lanes that ``took`` a token, and the tokens' log-probabilities
     when ``sampling`` asks for them (else None)."""
     advanced, subs = split_keys(keys)
-    logits = penalized(logits, sampling.penalties)
+    logits = penalized(logits, getattr(sampling, "penalties", None))  # a SamplingParams has none
     tokens = sample(logits, subs, sampling)
     return tokens, jnp.where(took, advanced, keys), sampled_logprobs(logits, tokens, sampling)
 

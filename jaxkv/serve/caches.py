@@ -260,7 +260,7 @@ def sample_first(last_logits, keys, sampling: RowSampling):
     (one split of the lane's key), the advanced keys, and the tokens'
     log-probabilities when ``sampling`` asks for them (else None)."""
     keys, subs = split_keys(keys)
-    last_logits = penalized(last_logits, sampling.penalties)
+    last_logits = penalized(last_logits, getattr(sampling, "penalties", None))
     tokens = sample(last_logits, subs, sampling)
     return tokens, keys, sampled_logprobs(last_logits, tokens, sampling)
 
@@ -290,12 +290,12 @@ def decode_chunk(graphdef, params, manager, pool, last, active, num_generated, m
     no row runs or an allocation fails (``ok`` False; ``blocked`` marks the
     rows that needed blocks). ``scrub``: blocks a sliding window frees are
     zeroed in the step that frees them (:mod:`jaxkv.pool.scrub`)."""
-    seen = None
-    if sampling.penalties is not None:
-        seen = seen_tokens(sampling.penalties, nnx.merge(graphdef, params).config.vocab_size)
+    penalties, seen = getattr(sampling, "penalties", None), None  # a SamplingParams has neither field
+    if penalties is not None:
+        seen = seen_tokens(penalties, nnx.merge(graphdef, params).config.vocab_size)
     state = DecodeState.create(manager, pool, last=last, finished=~active, num_generated=num_generated,
                                max_new=max_new, eos_id=eos_id, keys=keys, width=num_steps,
-                               top_logprobs=sampling.logprobs, seen=seen)
+                               top_logprobs=getattr(sampling, "logprobs", -1), seen=seen)
     return run_decode(graphdef, params, state, sampling, num_steps=num_steps, free_finished=False, scrub=scrub)
 
 
@@ -662,7 +662,8 @@ class CacheBase(abc.ABC):
         result then says how many drafts each row verified and kept)."""
         manager, pool = self._decode_view()
         drafted = accepted = steps = None
-        if speculation is not None and (sampling.logprobs >= 0 or sampling.penalties is not None):
+        if speculation is not None and (getattr(sampling, "logprobs", -1) >= 0
+                                        or getattr(sampling, "penalties", None) is not None):
             raise InvalidArgument("log-probabilities and penalties are computed by plain decode chunks (the "
                                   "scheduler runs one while a request asks for them), not by speculative ones")
         if speculation is None:
