@@ -292,6 +292,26 @@ def test_penalties_and_logit_bias_reach_the_sampler(client, checkpoint):
     assert held.usage.completion_tokens == 8
 
 
+def test_best_of_and_echo(client):
+    """``best_of`` returns the ``n`` candidates of highest cumulative
+    log-probability: with the same seeds, those of an ``n = best_of`` run
+    ranked by their own logprobs; ``echo`` puts the prompt's text before
+    each choice's, streamed and not."""
+    kw = dict(model=MODEL, prompt="Once upon a time", max_tokens=5, temperature=1.0, seed=3, logprobs=0)
+    every = client.completions.create(**kw, n=4)
+    ranked = sorted(every.choices, key=lambda c: -sum(c.logprobs.token_logprobs))[:2]
+    best = client.completions.create(**kw, n=2, best_of=4)
+    assert [c.index for c in best.choices] == [0, 1]
+    assert [c.text for c in best.choices] == [c.text for c in ranked]
+    assert best.usage.completion_tokens == every.usage.completion_tokens  # every candidate's tokens were made
+    plain = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=5, temperature=0)
+    echoed = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=5, temperature=0, echo=True)
+    assert echoed.choices[0].text == "Once upon a time" + plain.choices[0].text
+    stream = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=5, temperature=0,
+                                       echo=True, stream=True)
+    assert "".join(c.choices[0].text for c in stream if c.choices) == echoed.choices[0].text
+
+
 def test_concurrent_streams(server):
     async def one(aclient, i):
         stream = await aclient.chat.completions.create(
@@ -417,7 +437,14 @@ def test_errors(server, path):
     for field, value in (("max_tokens", 0), ("max_tokens", -3), ("temperature", -0.1), ("temperature", 2.5),
                          ("top_p", 0), ("top_p", 1.5), ("n", 0), ("n", 1000), ("top_k", -2)):
         _error(post({**good, field: value}), 400, "invalid_value")
-    _error(post({**good, "echo": True}), 400, "unsupported_parameter")
+    _error(post({**good, "prompt_logprobs": 1}), 400, "unsupported_parameter")
+    if chat:
+        _error(post({**good, "echo": True}), 400, "unsupported_parameter")
+        _error(post({**good, "best_of": 2}), 400, "unsupported_parameter")
+    else:
+        _error(post({**good, "echo": True, "logprobs": 1}), 400, "unsupported_parameter")
+        _error(post({**good, "n": 3, "best_of": 2}), 400, "invalid_value")
+        _error(post({**good, "best_of": 2, "stream": True}), 400, "invalid_value")
     _error(post({**good, "logprobs": 21} if not chat else {**good, "logprobs": True, "top_logprobs": 21}), 400,
            "invalid_value")
     if chat:

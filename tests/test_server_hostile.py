@@ -296,7 +296,9 @@ def _field_mutations(chat: bool) -> st.SearchStrategy:
         st.tuples(st.just("cache_salt"), st.one_of(_json_values(("str",)), st.just(""))),
         st.tuples(st.just("model"), st.one_of(_json_values(("str",)), st.text(min_size=1).filter(lambda t: t != MODEL),
                                               st.integers(10 ** 4, 10 ** 6).map(lambda n: "m" * n))),
-        st.tuples(st.sampled_from(["prompt_logprobs", "best_of", "echo", "tools", "response_format"]),
+        st.tuples(st.just("best_of"), st.one_of(_outside(1, 16), st.sampled_from([0.5, "3", True]))),
+        st.tuples(st.just("echo"), st.sampled_from([1, "yes", [True]])),
+        st.tuples(st.sampled_from(["prompt_logprobs", "tools", "response_format"]),
                   st.sampled_from([5, 2, 0.5, True, {"1": 5}, [{"type": "function"}]]).filter(
                       lambda v: v not in (0, 1, False))),
         st.tuples(st.sampled_from(["presence_penalty", "frequency_penalty"]),

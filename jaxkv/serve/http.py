@@ -43,10 +43,12 @@ at most 300), and vLLM's ``repetition_penalty`` (0 exclusive..10) and
 ``min_tokens`` (:mod:`jaxkv.nn.penalties`, applied on the device before
 temperature, top-k and top-p). Chat ``tools`` / ``tool_choice`` (``auto``,
 ``none``) go through the chat template and Hermes-style calls are parsed
-from the output (:mod:`jaxkv.serve.tools`). Fields the server cannot honour
-(``response_format``, ``tool_choice`` ``required``, ``echo``, ``prompt_logprobs``,
-``best_of``...) set to anything but their neutral value are refused with 400
-rather than silently ignored. Non-stream responses always carry ``usage``
+from the output (:mod:`jaxkv.serve.tools`). Completions' ``best_of`` (the
+``n`` of ``best_of`` candidates with the highest cumulative logprob) and
+``echo``. Fields the server cannot honour (``response_format``,
+``tool_choice`` ``required``, ``prompt_logprobs``, ``suffix``...) set to
+anything but their neutral value are refused with 400 rather than silently
+ignored. Non-stream responses always carry ``usage``
 (``prompt_tokens``: each distinct prompt once, whatever ``n``;
 ``completion_tokens``: over every choice).
 
@@ -316,8 +318,7 @@ def _get(body: dict, name: str, kind, *, default=None, required: bool = False, l
 
 
 # Fields OpenAI defines that this server does not implement, with their neutral values.
-_UNSUPPORTED = {"echo": (None, False), "prompt_logprobs": (None, 0),
-                "best_of": (None, 1), "suffix": (None, ""),
+_UNSUPPORTED = {"prompt_logprobs": (None, 0), "suffix": (None, ""),
                 "functions": (None, []), "response_format": (None, {"type": "text"})}
 
 
@@ -578,6 +579,8 @@ class _Params:
     logprobs: int | None = None  # top log-probabilities per token (None: none asked)
     penalties: Penalties | None = None  # penalties, logit bias, min_tokens (None: none asked)
     tools: ToolRequest | None = None  # chat: the request's tools and whether calls are parsed
+    best_of: int = 1  # completions: candidates per prompt, the n of highest cumulative logprob returned
+    echo: bool = False  # completions: the prompt's text before each choice's
 
 
 def _token_ids(value, name: str, vocab: int | None) -> list[int]:
@@ -653,7 +656,35 @@ def _parse_params(body: dict, *, chat: bool, vocab: int | None = None) -> _Param
         seed=seed, stop=stop, stop_token_ids=stop_token_ids,
         ignore_eos=_get(body, "ignore_eos", bool, default=False),
         n=_get(body, "n", int, default=1, low=1, high=MAX_N), stream=stream, include_usage=include_usage,
-        cache_salt=salt, logprobs=_parse_logprobs(body, chat), penalties=_parse_penalties(body, max_tokens, vocab))
+        cache_salt=salt, logprobs=_parse_logprobs(body, chat), penalties=_parse_penalties(body, max_tokens, vocab),
+        **_parse_best_of_and_echo(body, chat, stream))
+
+
+def _parse_best_of_and_echo(body: dict, chat: bool, stream: bool) -> dict:
+    """Completions' ``best_of`` (``n``..:data:`MAX_N`; not streamed when
+    above ``n``) and ``echo`` (not with ``logprobs``: the prompt's own
+    log-probabilities are not computed); chat has neither (400 unless
+    neutral)."""
+    n = _get(body, "n", int, default=1, low=1, high=MAX_N)
+    if chat:
+        for name, neutral in (("best_of", 1), ("echo", False)):
+            if body.get(name) not in (None, neutral):
+                raise _bad(f"'{name}' is a completions field; chat completions do not take it", name,
+                           "unsupported_parameter")
+        return {}
+    for name in ("tools", "tool_choice"):  # chat's fields: refused here rather than ignored
+        if body.get(name) not in (None, []):
+            raise _bad(f"'{name}' is a chat completions field", name, "unsupported_parameter")
+    best_of = _get(body, "best_of", int, default=n, low=1, high=MAX_N)
+    if best_of < n:
+        raise _bad(f"'best_of' ({best_of}) must be >= 'n' ({n})", "best_of")
+    if best_of > n and stream:
+        raise _bad("'best_of' above 'n' cannot be streamed (the best are known at the end)", "best_of")
+    echo = _get(body, "echo", bool, default=False)
+    if echo and body.get("logprobs") is not None:
+        raise _bad("'echo' with 'logprobs' needs the prompt's log-probabilities (prompt_logprobs), which this "
+                   "server does not compute", "echo", "unsupported_parameter")
+    return {"best_of": best_of, "echo": echo}
 
 
 def _parse_penalties(body: dict, max_tokens: int | None, vocab: int | None) -> Penalties | None:
@@ -1206,7 +1237,10 @@ def create_app(build: Callable[[], tuple[object, object]], *, served_model_names
         inputs = _completion_inputs(state, body)
         params = _parse_params(body, chat=False, vocab=getattr(state.tokenizer, "vocab_size", None))
         prompts = await state.renderer.run(_tokenize_prompts, state.tokenizer, inputs)
-        return await _serve(request, state, prompts, params, chat=False, tenant=tenant_of(request))
+        echo = None
+        if params.echo:  # a text prompt as given, a token-id prompt decoded
+            echo = [p if isinstance(p, str) else _echo_text(state.tokenizer, p) for _, p in inputs]
+        return await _serve(request, state, prompts, params, chat=False, tenant=tenant_of(request), echo_texts=echo)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
@@ -1452,7 +1486,9 @@ def _engine_kwargs(state: ServerState, params: _Params, prompt: list[int], index
     kwargs = dict(max_new_tokens=max_tokens, sampling=params.sampling,
                   eos_token_id=eos[0] if eos else None, stop_token_ids=stop_ids, stop=params.stop,
                   namespace=_namespace(tenant, params.cache_salt),
-                  seed=None if params.seed is None else (params.seed + index) % 2 ** 32, logprobs=params.logprobs,
+                  seed=None if params.seed is None else (params.seed + index) % 2 ** 32,
+                  # best_of ranks its candidates by their tokens' log-probabilities: computed even if not asked
+                  logprobs=params.logprobs if params.logprobs is not None or params.best_of <= params.n else 0,
                   penalties=params.penalties)
     return kwargs
 
@@ -1471,9 +1507,10 @@ class _Job:
         self.sinks: list[_Sink] = []
         self.submissions = []
         self.prompt_tokens = sum(len(p) for p in prompts)
+        candidates = max(params.n, params.best_of)
         for p, prompt in enumerate(prompts):
-            for j in range(params.n):
-                index = p * params.n + j
+            for j in range(candidates):
+                index = p * candidates + j
                 self.choices.append(_Choice(index, len(prompt)))
                 self.submissions.append((prompt, _engine_kwargs(state, params, prompt, j, tenant)))
         self.live: set[int] = set()
@@ -1595,9 +1632,27 @@ def _completion_id(chat: bool) -> str:
     return ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
 
 
+def _best_choices(choices: list, n: int, best_of: int) -> list:
+    """Of each prompt's ``best_of`` candidates (consecutive in ``choices``),
+    the ``n`` of highest cumulative log-probability (vLLM's ``best_of``
+    rule; ties: the earlier), reindexed ``prompt * n + j``."""
+    if best_of <= n:
+        return choices
+    kept = []
+    for start in range(0, len(choices), best_of):
+        group = choices[start:start + best_of]
+        ranked = sorted(group, key=lambda c: -sum(logprob for _, logprob, _ in c.logprobs))[:n]
+        kept += [dataclasses.replace(c, index=start // best_of * n + j) for j, c in enumerate(ranked)]
+    return kept
+
+
 async def _serve(request: Request, state: ServerState, prompts: list[list[int]], params: _Params, *, chat: bool,
-                 tenant: str | None = None):
+                 tenant: str | None = None, echo_texts: list | None = None):
     job = _Job(state, prompts, params, tenant)
+    if echo_texts is not None:  # each choice starts with its prompt's text
+        candidates = max(params.n, params.best_of)
+        for choice in job.choices:
+            choice.text.append(echo_texts[choice.index // candidates])
     await job.submit()
     rid = _completion_id(chat)
     created = int(time.time())
@@ -1622,7 +1677,7 @@ async def _serve(request: Request, state: ServerState, prompts: list[list[int]],
         job.abort()  # nothing is left live when the job finished; a client that left frees its blocks
     choices = []
     asked = params.logprobs is not None
-    for choice in job.choices:
+    for choice in _best_choices(job.choices, params.n, params.best_of):
         text = "".join(choice.text)
         if chat:
             logprobs = _chat_logprobs(state.tokenizer, choice.logprobs) if asked else None
@@ -1640,6 +1695,11 @@ async def _serve(request: Request, state: ServerState, prompts: list[list[int]],
                             "finish_reason": choice.finish_reason})
     return JSONResponse({"id": rid, "object": "chat.completion" if chat else "text_completion", "created": created,
                          "model": model, "choices": choices, "usage": job.usage()})
+
+
+def _echo_text(tokenizer, ids: list) -> str:
+    """A token-id prompt's text for ``echo`` (its special tokens included)."""
+    return "" if tokenizer is None else tokenizer.decode(ids, skip_special_tokens=False)
 
 
 def _call_reason(reason: str | None) -> str | None:
@@ -1715,6 +1775,9 @@ async def _stream(job: _Job, rid: str, created: int, model: str, chat: bool):
         if chat:  # the assistant's role first, as OpenAI sends it
             yield chunk([{"index": c.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                           "finish_reason": None} for c in job.choices])
+        elif job.params.echo:  # the prompts' texts first (_serve put each at the head of its choice's text)
+            yield "".join(chunk([{"index": c.index, "text": c.text[0], "logprobs": None, "finish_reason": None}])
+                          for c in job.choices)
         while not job.finished:
             entries = [await job.queue.get()]
             while not job.queue.empty():  # whatever else arrived with it: one write
