@@ -6,7 +6,11 @@ and 128) against the padded scheduler (a ``[max_seqs, prefill_chunk]``
 prefill call then a decode chunk per iteration), whose whole-prompt
 configuration (prompts prefilled whole at admission) is the baseline; then
 a hybrid family (a tiny Qwen3-Next: Gated DeltaNet and full attention) the
-same way.
+same way. The **mixed** row is the packed scheduler at budget 128 with a
+quarter of the requests asking for the top 5 log-probabilities and a
+quarter for penalties (:data:`MIXED_PENALTIES`): the cost of computing
+them in the same calls (its penalized requests' tokens differ; the others'
+must not).
 
 The workload (``numpy.random.default_rng(0)``): a small random-weight Llama
 (2 layers, hidden 128, the demo's model) on CPU; requests arrive at
@@ -111,21 +115,32 @@ def poisson_workload(num_requests: int, rng, vocab: int = CONFIG["vocab_size"]) 
     return out
 
 
-def _serve(model, workload, scheduler: str, budget, engine_args: dict):
-    """The workload on a fresh engine: ``(summary, stats, outputs)``."""
+#: The mixed configuration's extras: request ``i`` with ``i % 4 == 1`` asks for the top 5 log-probabilities,
+#: ``i % 4 == 2`` for penalties (their tokens differ from the plain run's; the others' must not).
+MIXED_LOGPROBS = 5
+MIXED_PENALTIES = dict(presence=0.5, frequency=0.5, repetition=1.1, logit_bias={7: -5.0})
+
+
+def _serve(model, workload, scheduler: str, budget, engine_args: dict, mixed: bool = False):
+    """The workload on a fresh engine: ``(summary, stats, outputs)``; with
+    ``mixed`` a quarter of the requests ask for log-probabilities and a
+    quarter for penalties (:data:`MIXED_PENALTIES`)."""
     engine = Engine(model, **engine_args, max_num_batched_tokens=budget, scheduler=scheduler)
     sampling = SamplingParams(temperature=0.7)
-    ids = [engine.add_request(p, n, arrival_step=a, sampling=sampling, seed=i)
+    ids = [engine.add_request(p, n, arrival_step=a, sampling=sampling, seed=i,
+                              logprobs=MIXED_LOGPROBS if mixed and i % 4 == 1 else None,
+                              penalties=MIXED_PENALTIES if mixed and i % 4 == 2 else None)
            for i, (p, n, a) in enumerate(workload)]
     summary = engine.run()
     return summary, engine.stats(), [engine.outputs[i] for i in ids]
 
 
 BASELINE = "padded, whole prompts"
-#: name -> (scheduler, max_num_batched_tokens)
-PAGED_CONFIGS = {BASELINE: ("padded", None), "padded, budget 128": ("padded", 128),
-                 "packed, budget 512": ("packed", 512), "packed, budget 256": ("packed", 256),
-                 "packed, budget 128": ("packed", 128)}
+MIXED = "packed, budget 128, mixed"
+#: name -> (scheduler, max_num_batched_tokens, mixed: a quarter with logprobs, a quarter with penalties)
+PAGED_CONFIGS = {BASELINE: ("padded", None, False), "padded, budget 128": ("padded", 128, False),
+                 "packed, budget 512": ("packed", 512, False), "packed, budget 256": ("packed", 256, False),
+                 "packed, budget 128": ("packed", 128, False), MIXED: ("packed", 128, True)}
 QUICK_CONFIGS = (BASELINE, "packed, budget 128")  # CI's smoke run: the two ends
 HYBRID_CONFIGS = (BASELINE, "padded, budget 128", "packed, budget 128")
 HYBRID_ENGINE = dict(max_model_len=512, max_seqs=8, decode_chunk=4, prefill_chunk=256)
@@ -137,15 +152,18 @@ def _table(title: str, family: str, model, workload, names, engine_args: dict, r
     same tokens everywhere)."""
     configs = {name: PAGED_CONFIGS[name] for name in names}
     if warm:  # compile every program once first (the configurations of one scheduler share them)
-        for scheduler, budget in {v for v in configs.values()}:
-            _serve(model, workload[:6], scheduler, budget, engine_args)
+        for scheduler, budget, mixed in {v for v in configs.values()}:
+            _serve(model, workload[:6], scheduler, budget, engine_args, mixed)
     runs: dict[str, list] = {name: [] for name in configs}
     outputs = {}
     for _ in range(repeats):
-        for name, (scheduler, budget) in configs.items():
-            summary, stats, outputs[name] = _serve(model, workload, scheduler, budget, engine_args)
+        for name, (scheduler, budget, mixed) in configs.items():
+            summary, stats, outputs[name] = _serve(model, workload, scheduler, budget, engine_args, mixed)
             runs[name].append((summary, stats))
-    same = all(out == outputs[BASELINE] for out in outputs.values())
+    # Every request's tokens are the same everywhere, but a mixed run's penalized ones (logprobs change none).
+    same = all([o for i, o in enumerate(out) if not (configs[name][2] and i % 4 == 2)]
+               == [o for i, o in enumerate(outputs[BASELINE]) if not (configs[name][2] and i % 4 == 2)]
+               for name, out in outputs.items())
 
     def med(name, f):
         return statistics.median(f(summary, stats) for summary, stats in runs[name])
@@ -166,8 +184,8 @@ def _table(title: str, family: str, model, workload, names, engine_args: dict, r
         rows.append([name, f"{wall:.2f}", f"{tps:.0f}", "/".join(f"{1e3 * x:.0f}" for x in ttft),
                      "/".join(f"{1e3 * x:.1f}" for x in itl), f"{calls:.2f}", f"{padding:.1%}", f"{hit:.0%}",
                      f"{ttft[1] / base_ttft:.2f}", f"{tps / base_tps:.2f}"])
-        scheduler, budget = configs[name]
-        payload.append({"family": family, "scheduler": name, "engine_scheduler": scheduler,
+        scheduler, budget, mixed = configs[name]
+        payload.append({"family": family, "scheduler": name, "engine_scheduler": scheduler, "mixed": mixed,
                         "max_num_batched_tokens": budget, "wall_seconds": wall, "tokens_per_s": tps,
                         "ttft_ms": {"mean": 1e3 * ttft[0], "p50": 1e3 * ttft[1], "p99": 1e3 * ttft[2]},
                         "itl_ms": {"mean": 1e3 * itl[0], "p50": 1e3 * itl[1], "p99": 1e3 * itl[2]},
