@@ -170,6 +170,9 @@ RULES = (
                              "and_prefix_hits[early_exit]",),
      "the early exit's shared-pool drafting and rollback run by default in the paged rollback check; the engine "
      "with it (preemption, prefix hits) in long, with its other engine tests"),
+    ("long", "program", ("test_logprobs.py::test_smollm2_logprobs_and_penalties_equal_a_no_cache_forward",),
+     "the real SmolLM2 (30 layers) compiled with logprobs and penalties; random models and fixtures check the "
+     "same paths by default"),
     ("long", "program", ("test_speculative.py::test_smollm2_speculates_with_its_own_first_layers",),
      "the real SmolLM2 (30 layers) compiled three times; random models check the same paths by default"),
     ("long", "other cases", ("test_nn_gemma3.py::test_cached_steps_equal_no_cache_recompute[paged]",

@@ -167,3 +167,41 @@ def test_token_logprobs_of_filtered_tokens_are_minus_infinity():
         model = x - np.log(np.exp(x - x.max()).sum()) - x.max()
         np.testing.assert_allclose(float(raw.token[row]), model[token], rtol=1e-5)
         np.testing.assert_allclose(np.asarray(raw.top[row]), np.sort(model)[::-1][:5], rtol=1e-5)
+
+
+def test_smollm2_logprobs_and_penalties_equal_a_no_cache_forward():
+    """The real SmolLM2 (Q4_1 GGUF): a chat request's log-probabilities
+    (greedy and sampled at temperature 0.7) equal ``log_softmax`` of a
+    no-cache forward over its tokens, and a penalized greedy request's
+    tokens are the argmax of the penalized logits."""
+    from jaxkv.nn.gguf import SMOLLM2_INSTALL, find_smollm2
+    from jaxkv.nn.penalties import Penalties
+    from jaxkv.serve import Engine
+    from jaxkv.text import Tokenizer
+
+    path = find_smollm2()
+    if path is None:
+        pytest.skip(SMOLLM2_INSTALL)
+    model, tokenizer = AutoModelForCausalLM.from_pretrained(path), Tokenizer.from_pretrained(path)
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "Name three colours."}], tokenize=True)
+    samplings = [SamplingParams(), SamplingParams(temperature=0.7, top_k=40)]
+    penalties = Penalties(presence=0.8, frequency=0.6, repetition=1.3)
+    engine = Engine(model, max_seqs=3, max_model_len=256, decode_chunk=4)
+    ids = [engine.add_request(prompt, 12, sampling=s, logprobs=TOP, seed=i) for i, s in enumerate(samplings)]
+    ids.append(engine.add_request(prompt, 12, logprobs=0, penalties=penalties))
+    engine.run()
+    for rid, sampling in zip(ids, samplings + [None]):
+        tokens = engine.outputs[rid]
+        logits = np.asarray(model.forward_dense(jnp.asarray([prompt + tokens]))[0, len(prompt) - 1:-1], np.float64)
+        if sampling is None:  # penalized: each greedy token the argmax of the penalized logits
+            from tests.test_penalties import numpy_penalized
+
+            logits = np.stack([numpy_penalized(row, prompt, tokens[:i], penalties, [])
+                               for i, row in enumerate(logits)])
+            assert tokens == np.argmax(logits, axis=-1).tolist()
+            want = logits - logits.max(-1, keepdims=True)
+            want = want - np.log(np.exp(want).sum(-1, keepdims=True))
+        else:
+            want = _expected(model, prompt, tokens, sampling, "processed")
+        got = [logprob for logprob, _ in engine._requests[rid].token_logprobs]
+        np.testing.assert_allclose(got, want[np.arange(len(tokens)), tokens], rtol=1e-3, atol=2e-3)
