@@ -33,7 +33,6 @@ import dataclasses
 import math
 import numbers
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import struct

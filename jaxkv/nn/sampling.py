@@ -38,7 +38,7 @@ from jaxkv.nn.penalties import RowPenalties
 from jaxtyping import Array, Float, Int
 
 __all__ = ["GREEDY", "LOGPROBS_MODES", "MAX_TOP_LOGPROBS", "TOP_K_MAX", "RowSampling", "SamplingParams",
-           "TokenLogprobs", "filtered_logits", "sample", "sampled_logprobs", "split_keys", "token_logprobs"]
+           "TokenLogprobs", "filtered_logits", "sample", "sample_with_logprobs", "split_keys", "token_logprobs"]
 
 
 _F32 = np.finfo(np.float32)
@@ -197,10 +197,30 @@ def sample(logits: Float[Array, "B V"], keys: jax.Array, params: SamplingParams 
     or ``[B]`` keys, one per row. ``params``: a :class:`SamplingParams` for
     every row, or :class:`RowSampling` arrays."""
     logits = jnp.asarray(logits)
-    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     if isinstance(params, SamplingParams) and params.is_greedy:  # static: no sort, no draw
-        return greedy
-    scaled, temperature = filtered_logits(logits, params)
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    return _draw(logits, keys, *filtered_logits(logits, params))
+
+
+def sample_with_logprobs(logits: Float[Array, "B V"], keys: jax.Array, params: SamplingParams | RowSampling
+                         ) -> tuple[Int[Array, " B"], TokenLogprobs | None]:
+    """:func:`sample`, and the tokens' :func:`token_logprobs` as ``params``
+    asks (a :class:`RowSampling`'s static ``logprobs`` and
+    ``logprobs_mode``; None when it asks none), the filtered logits
+    computed once for both."""
+    top_n = getattr(params, "logprobs", -1)
+    if top_n < 0:
+        return sample(logits, keys, params), None
+    logits = jnp.asarray(logits)
+    filtered = filtered_logits(logits, params)
+    tokens = _draw(logits, keys, *filtered)
+    return tokens, token_logprobs(logits, tokens, params, top_n, params.logprobs_mode, filtered=filtered)
+
+
+def _draw(logits, keys, scaled, temperature) -> Int[Array, " B"]:
+    """A draw from ``softmax(scaled)`` per row (:func:`filtered_logits`'
+    results), the argmax of ``logits`` for a greedy row."""
+    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     if not jnp.issubdtype(keys.dtype, jax.dtypes.prng_key):
         raise InvalidArgument(f"sample needs typed PRNG keys (jax.random.key), got dtype {keys.dtype}")
     if keys.ndim == 0:
@@ -261,20 +281,21 @@ class TokenLogprobs:
 
 
 def token_logprobs(logits: Float[Array, "B V"], tokens: Int[Array, " B"], params: SamplingParams | RowSampling,
-                   top_n: int, mode: str = "processed") -> TokenLogprobs:
+                   top_n: int, mode: str = "processed", *, filtered=None) -> TokenLogprobs:
     """The log-probabilities of ``tokens`` drawn from ``logits`` by
     ``params``, and the ``top_n`` (static) most likely tokens', read in
     ``mode`` (:data:`LOGPROBS_MODES`): ``"processed"``: from the
     distribution :func:`sample` drew from (after temperature, top-k and
     top-p; a filtered token's is -inf; a greedy row's is the model's
     softmax, the distribution at temperature 1), ``"raw"``: the model's
-    softmax. Float32."""
+    softmax. Float32. ``filtered``: :func:`filtered_logits` of these
+    logits and params when already computed."""
     if mode not in LOGPROBS_MODES:
         raise InvalidArgument(f"logprobs mode {mode!r}: one of {LOGPROBS_MODES}")
     raw = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
     logprobs = raw
     if mode == "processed" and not (isinstance(params, SamplingParams) and params.is_greedy):
-        scaled, temperature = filtered_logits(logits, params)
+        scaled, temperature = filtered_logits(logits, params) if filtered is None else filtered
         logprobs = jnp.where((temperature > 0)[:, None], jax.nn.log_softmax(scaled, axis=-1), raw)
     token = jnp.take_along_axis(logprobs, tokens.astype(jnp.int32)[:, None], axis=-1)[:, 0]
     if top_n == 0:
@@ -282,13 +303,3 @@ def token_logprobs(logits: Float[Array, "B V"], tokens: Int[Array, " B"], params
                              top=jnp.zeros((*token.shape, 0), jnp.float32))
     top, top_ids = jax.lax.top_k(logprobs, top_n)
     return TokenLogprobs(token=token, top_ids=top_ids.astype(jnp.int32), top=top)
-
-
-def sampled_logprobs(logits: Float[Array, "B V"], tokens: Int[Array, " B"],
-                     params: SamplingParams | RowSampling) -> TokenLogprobs | None:
-    """:func:`token_logprobs` as ``params`` asks (a :class:`RowSampling`'s
-    static ``logprobs`` and ``logprobs_mode``), or None when it asks none."""
-    top_n = getattr(params, "logprobs", -1)
-    if top_n < 0:
-        return None
-    return token_logprobs(logits, tokens, params, top_n, params.logprobs_mode)

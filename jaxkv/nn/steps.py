@@ -62,7 +62,8 @@ from jaxkv.manager.hybrid import KVCacheManager
 from jaxkv.manager.rows import slot_of
 from jaxkv.nn.packed import PackedBatch
 from jaxkv.nn.penalties import SeenTokens, apply_penalties, count, penalized
-from jaxkv.nn.sampling import RowSampling, SamplingParams, TokenLogprobs, sample, sampled_logprobs, split_keys
+from jaxkv.nn.sampling import (RowSampling, SamplingParams, TokenLogprobs, sample, sample_with_logprobs,
+                               split_keys)
 from jaxkv.pool.kv_pool import KVPool
 from jaxkv.pool.scrub import freed_blocks, scrub_kv_pool
 
@@ -379,18 +380,17 @@ def decode_body(graphdef, params, state: DecodeState, sampling: SamplingParams |
     if state.seen is not None:
         logits = apply_penalties(logits, sampling.penalties, state.seen)
     if isinstance(sampling, SamplingParams) and sampling.is_greedy:  # static: no draw, so no key is spent
-        keys, new = state.keys, sample(logits, state.keys, sampling)
+        keys, new, logprobs = state.keys, sample(logits, state.keys, sampling), None
     else:
         keys, subs = split_keys(state.keys)
-        new = sample(logits, subs, sampling)
+        new, logprobs = sample_with_logprobs(logits, subs, sampling)
     running = active & ok
     if keys.ndim:  # per-row streams advance only with their row
         keys = jnp.where(running, keys, state.keys)
     column = jnp.where(running, state.written, width)  # out of range: dropped
     num_generated = state.num_generated + running
     if state.logprobs is not None:
-        state = state.replace(logprobs=record_logprobs(state.logprobs, column,
-                                                       sampled_logprobs(logits, new, sampling)))
+        state = state.replace(logprobs=record_logprobs(state.logprobs, column, logprobs))
     if state.seen is not None:
         state = state.replace(seen=count(state.seen, new, running))
     state = state.replace(
@@ -465,8 +465,8 @@ def _sample_lanes(logits: Float[Array, "S V"], keys: jax.Array, sampling: RowSam
     when ``sampling`` asks for them (else None)."""
     advanced, subs = split_keys(keys)
     logits = penalized(logits, getattr(sampling, "penalties", None))  # a SamplingParams has none
-    tokens = sample(logits, subs, sampling)
-    return tokens, jnp.where(took, advanced, keys), sampled_logprobs(logits, tokens, sampling)
+    tokens, logprobs = sample_with_logprobs(logits, subs, sampling)
+    return tokens, jnp.where(took, advanced, keys), logprobs
 
 
 def grow_decode_lanes(manager: BlockSpaceManager, pool: KVPool, batch: PackedBatch, width: int,

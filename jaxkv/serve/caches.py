@@ -78,7 +78,7 @@ from jaxkv.manager.rows import row_of, slot_of
 from jaxkv.nn import sharding
 from jaxkv.nn.packed import PackedBatch, PackedLane, host_arrays, write_lanes
 from jaxkv.nn.penalties import penalized, seen_tokens
-from jaxkv.nn.sampling import RowSampling, TokenLogprobs, sample, sampled_logprobs, split_keys
+from jaxkv.nn.sampling import RowSampling, TokenLogprobs, sample_with_logprobs, split_keys
 from jaxkv.nn.speculative import SpecState, speculative_body
 from jaxkv.nn.steps import DecodeState, run_decode
 from jaxkv.serve import sizing
@@ -260,9 +260,9 @@ def sample_first(last_logits, keys, sampling: RowSampling):
     (one split of the lane's key), the advanced keys, and the tokens'
     log-probabilities when ``sampling`` asks for them (else None)."""
     keys, subs = split_keys(keys)
-    last_logits = penalized(last_logits, getattr(sampling, "penalties", None))
-    tokens = sample(last_logits, subs, sampling)
-    return tokens, keys, sampled_logprobs(last_logits, tokens, sampling)
+    tokens, logprobs = sample_with_logprobs(penalized(last_logits, getattr(sampling, "penalties", None)), subs,
+                                            sampling)
+    return tokens, keys, logprobs
 
 
 def logprob_entries(logprobs: TokenLogprobs | None, index, count: int) -> list | None:
