@@ -229,7 +229,8 @@ def hybrid_rows(quick: bool) -> list:
         spec = outs["ngram"]
         tokens = sum(map(len, spec.tokens))
         _, checkpoints = hybrid_cache_options(model, K, 1, max_context_tokens=64)
-        rows.append(dict(family=family, rollback="checkpoint + replay" if checkpoints else "ring slack", tokens=tokens, plain_tok_s=tokens / times["plain"],
+        rows.append(dict(family=family, rollback="checkpoint + replay" if checkpoints else "ring slack",
+                         tokens=tokens, plain_tok_s=tokens / times["plain"],
                          ngram_tok_s=tokens / times["ngram"], speedup=times["plain"] / times["ngram"],
                          drafted=sum(spec.draft_tokens), accepted=sum(spec.accepted_tokens),
                          steps=sum(spec.verify_steps), equal=spec.tokens == outs["plain"].tokens))

@@ -321,7 +321,8 @@ class DecodeState:
             peak_used=manager.blocks_in_use,
             ok=jnp.asarray(ok, bool),
             logprobs=None if top_logprobs < 0 else TokenLogprobs(
-                token=jnp.zeros((batch, width), jnp.float32), top_ids=jnp.zeros((batch, width, top_logprobs), jnp.int32),
+                token=jnp.zeros((batch, width), jnp.float32),
+                top_ids=jnp.zeros((batch, width, top_logprobs), jnp.int32),
                 top=jnp.zeros((batch, width, top_logprobs), jnp.float32)),
             seen=seen)
 
@@ -521,7 +522,8 @@ def hybrid_packed_step(graphdef, params, manager: KVCacheManager, batch: PackedB
     decode lanes' (all or nothing; on failure they drop out), run the model
     (``forward_packed``), and draw a token for the lanes of ``batch.sample``
     that ran. Returns ``(manager, tokens [S], keys, prefill_ok, decode_ok,
-    blocks in use, logprobs)`` (``logprobs`` as :func:`paged_packed_step`'s). Nothing here snapshots: the engine keeps its snapshots
+    blocks in use, logprobs)`` (``logprobs`` as :func:`paged_packed_step`'s).
+    Nothing here snapshots: the engine keeps its snapshots
     at prompt-piece ends (:mod:`jaxkv.serve.hybrid_cache`); a caller that
     built its manager with ``capture_every`` calls ``manager.capture`` after
     its own steps."""

@@ -119,7 +119,8 @@ class Speculation:
         """``(config, history, history_len, speculate, steps, draft)`` for a
         decode chunk of the requests ``running`` (row -> request), or None
         when the chunk runs plain (module docstring); ``draft``:
-        :attr:`draft` (the histories are kept for n-gram lookup only). While a speculating request is
+        :attr:`draft` (the histories are kept for n-gram lookup only).
+        While a speculating request is
         on probation: ``PROBATION_STEPS`` verify steps of one draft
         (``config`` is :attr:`probe`); else ``decode_chunk`` steps of ``k``
         drafts when the speculating requests are expected to keep θ drafts
