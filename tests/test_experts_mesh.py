@@ -74,11 +74,18 @@ def test_sharded_experts_equal_one_device(worker):
 def test_sharded_moe_families_equal_one_device(worker):
     """The forward of every family on ``Experts`` (logits of 13 tokens),
     each MoE layer placed, against one device's: equal up to float32
-    summation order (tensor parallelism's own all-reduces included)."""
+    summation order (tensor parallelism's own all-reduces included).
+
+    The bound is 1e-4 of the largest logit, not the module's 1e-5: the
+    order's rounding is amplified through every layer, and gpt-oss (clamped
+    SwiGLU, attention sinks) reaches 1.4e-5 on some draws (seed 768117123
+    in CI; per-token worst over seeds 0-7 spans 4e-7 to 1.0e-5). What this
+    test exists to catch, a missing all-reduce or a wrong expert shard,
+    drops or doubles whole partial sums: a change of the logits' own scale."""
     seed, result = worker
     assert {case["fixture"] for case in result["families"]} == {"dsv3/small", "dsv4/small", "qwen3_next/small",
                                                                 "gpt_oss/small"}
     for case in result["families"]:
         assert case["placed"] == case["moe_modules"] > 0, (seed, case)
-        assert case["max_abs_diff"] <= 1e-5 * max(case["max_abs"], 1.0), (seed, case)
+        assert case["max_abs_diff"] <= 1e-4 * max(case["max_abs"], 1.0), (seed, case)
         assert case["shard_map"], (seed, case)
