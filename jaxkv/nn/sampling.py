@@ -34,11 +34,13 @@ import numpy as np
 from flax import struct
 
 from jaxkv.errors import InvalidArgument
-from jaxkv.nn.penalties import RowPenalties
+from jaxkv.nn.constraints import RowConstraints, constrain
+from jaxkv.nn.penalties import RowPenalties, penalized
 from jaxtyping import Array, Float, Int
 
 __all__ = ["GREEDY", "LOGPROBS_MODES", "MAX_TOP_LOGPROBS", "TOP_K_MAX", "RowSampling", "SamplingParams",
-           "TokenLogprobs", "filtered_logits", "sample", "sample_with_logprobs", "split_keys", "token_logprobs"]
+           "TokenLogprobs", "filtered_logits", "row_rules", "sample", "sample_with_logprobs", "split_keys",
+           "token_logprobs"]
 
 
 _F32 = np.finfo(np.float32)
@@ -163,6 +165,9 @@ class RowSampling:
     #: Penalties, logit bias and ``min_tokens`` (:mod:`jaxkv.nn.penalties`), applied before the rest; None:
     #: no row has any (then nothing is computed for them).
     penalties: RowPenalties | None = None
+    #: Structured-output constraints (:mod:`jaxkv.nn.constraints`), applied after the penalties; None: no
+    #: row is constrained (then nothing is computed for them).
+    constraints: RowConstraints | None = None
 
     @classmethod
     def broadcast(cls, params: SamplingParams, rows: int) -> RowSampling:
@@ -180,6 +185,17 @@ class RowSampling:
         rows = [GREEDY if p is None else p for p in rows]
         return cls(np.asarray([p.temperature for p in rows], np.float32), np.asarray([p.top_k for p in rows], np.int32),
                    np.asarray([p.top_p for p in rows], np.float32))
+
+
+def row_rules(logits: Float[Array, "B V"], sampling: SamplingParams | RowSampling) -> Float[Array, "B V"]:
+    """``logits`` with a :class:`RowSampling`'s per-row rules applied, for a
+    call that samples one token per row from the rows' states as the host
+    gave them: penalties and bias (:func:`~jaxkv.nn.penalties.penalized`),
+    then structured-output masks (:func:`~jaxkv.nn.constraints.constrain`).
+    A :class:`SamplingParams` has none."""
+    if isinstance(sampling, SamplingParams):
+        return logits
+    return constrain(penalized(logits, sampling.penalties), sampling.constraints)
 
 
 def split_keys(keys: jax.Array) -> tuple[jax.Array, jax.Array]:

@@ -61,8 +61,9 @@ from jaxkv.manager.block_space import BlockSpaceManager
 from jaxkv.manager.hybrid import KVCacheManager
 from jaxkv.manager.rows import slot_of
 from jaxkv.nn.packed import PackedBatch
-from jaxkv.nn.penalties import SeenTokens, apply_penalties, count, penalized
-from jaxkv.nn.sampling import (RowSampling, SamplingParams, TokenLogprobs, sample, sample_with_logprobs,
+from jaxkv.nn.constraints import advance, constrain
+from jaxkv.nn.penalties import SeenTokens, apply_penalties, count
+from jaxkv.nn.sampling import (RowSampling, SamplingParams, TokenLogprobs, row_rules, sample, sample_with_logprobs,
                                split_keys)
 from jaxkv.pool.kv_pool import KVPool
 from jaxkv.pool.scrub import freed_blocks, scrub_kv_pool
@@ -276,6 +277,10 @@ class DecodeState:
         seen: with penalties (a ``RowSampling``'s ``penalties``), each row's
             prompt tokens and output counts (:class:`~jaxkv.nn.penalties.SeenTokens`),
             updated with every token the loop samples; else None.
+        grammar: with structured-output constraints (a ``RowSampling``'s
+            ``constraints``), each row's automaton state
+            (:mod:`jaxkv.nn.constraints`), advanced by every token the loop
+            samples; else None.
     """
 
     manager: BlockSpaceManager
@@ -296,15 +301,17 @@ class DecodeState:
     ok: Bool[Array, ""]
     logprobs: TokenLogprobs | None = None
     seen: SeenTokens | None = None
+    grammar: Int[Array, " batch"] | None = None
 
     @classmethod
     def create(cls, manager: BlockSpaceManager, pool: KVPool, *, last, finished, num_generated, max_new, eos_id,
                keys, width: int, step=0, ok=True, keep_final_tables: bool = False,
-               top_logprobs: int = -1, seen: SeenTokens | None = None) -> DecodeState:
+               top_logprobs: int = -1, seen: SeenTokens | None = None, grammar=None) -> DecodeState:
         """A state with nothing recorded yet (``tokens`` all -1, ``written``
         0); ``max_new`` and ``eos_id`` broadcast to the batch.
         ``top_logprobs`` (>= 0): room for each token's log-probability and
-        its top ``top_logprobs`` (``logprobs``)."""
+        its top ``top_logprobs`` (``logprobs``). ``grammar``: each row's
+        constraint state (a ``RowSampling``'s ``constraints.state``)."""
         last = jnp.asarray(last, jnp.int32)
         batch = last.shape[0]
         if keep_final_tables and not manager.ROW_TABLES:
@@ -324,7 +331,7 @@ class DecodeState:
                 token=jnp.zeros((batch, width), jnp.float32),
                 top_ids=jnp.zeros((batch, width, top_logprobs), jnp.int32),
                 top=jnp.zeros((batch, width, top_logprobs), jnp.float32)),
-            seen=seen)
+            seen=seen, grammar=grammar)
 
 
 def finish_rows(state: DecodeState, done: Bool[Array, " B"], free_finished: bool) -> DecodeState:
@@ -380,6 +387,8 @@ def decode_body(graphdef, params, state: DecodeState, sampling: SamplingParams |
                                                            state.last, active, scrub=scrub)
     if state.seen is not None:
         logits = apply_penalties(logits, sampling.penalties, state.seen)
+    if state.grammar is not None:
+        logits = constrain(logits, sampling.constraints, state.grammar)
     if isinstance(sampling, SamplingParams) and sampling.is_greedy:  # static: no draw, so no key is spent
         keys, new, logprobs = state.keys, sample(logits, state.keys, sampling), None
     else:
@@ -394,6 +403,8 @@ def decode_body(graphdef, params, state: DecodeState, sampling: SamplingParams |
         state = state.replace(logprobs=record_logprobs(state.logprobs, column, logprobs))
     if state.seen is not None:
         state = state.replace(seen=count(state.seen, new, running))
+    if state.grammar is not None:
+        state = state.replace(grammar=advance(sampling.constraints, state.grammar, new, running))
     state = state.replace(
         manager=manager, pool=pool, tokens=state.tokens.at[jnp.arange(batch), column].set(new, mode="drop"),
         written=state.written + running, num_generated=num_generated, last=jnp.where(running, new, state.last),
@@ -465,8 +476,7 @@ def _sample_lanes(logits: Float[Array, "S V"], keys: jax.Array, sampling: RowSam
     the lanes that ``took`` a token, and the tokens' log-probabilities
     when ``sampling`` asks for them (else None)."""
     advanced, subs = split_keys(keys)
-    logits = penalized(logits, getattr(sampling, "penalties", None))  # a SamplingParams has none
-    tokens, logprobs = sample_with_logprobs(logits, subs, sampling)
+    tokens, logprobs = sample_with_logprobs(row_rules(logits, sampling), subs, sampling)
     return tokens, jnp.where(took, advanced, keys), logprobs
 
 

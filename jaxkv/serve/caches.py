@@ -77,8 +77,8 @@ from jaxkv.manager.block_space import FREE, ON_DEVICE, STATUS_NAMES, SWAPPED
 from jaxkv.manager.rows import row_of, slot_of
 from jaxkv.nn import sharding
 from jaxkv.nn.packed import PackedBatch, PackedLane, host_arrays, write_lanes
-from jaxkv.nn.penalties import penalized, seen_tokens
-from jaxkv.nn.sampling import RowSampling, TokenLogprobs, sample_with_logprobs, split_keys
+from jaxkv.nn.penalties import seen_tokens
+from jaxkv.nn.sampling import RowSampling, TokenLogprobs, row_rules, sample_with_logprobs, split_keys
 from jaxkv.nn.speculative import SpecState, speculative_body
 from jaxkv.nn.steps import DecodeState, run_decode
 from jaxkv.serve import sizing
@@ -260,8 +260,7 @@ def sample_first(last_logits, keys, sampling: RowSampling):
     (one split of the lane's key), the advanced keys, and the tokens'
     log-probabilities when ``sampling`` asks for them (else None)."""
     keys, subs = split_keys(keys)
-    tokens, logprobs = sample_with_logprobs(penalized(last_logits, getattr(sampling, "penalties", None)), subs,
-                                            sampling)
+    tokens, logprobs = sample_with_logprobs(row_rules(last_logits, sampling), subs, sampling)
     return tokens, keys, logprobs
 
 
@@ -293,9 +292,11 @@ def decode_chunk(graphdef, params, manager, pool, last, active, num_generated, m
     penalties, seen = getattr(sampling, "penalties", None), None  # a SamplingParams has neither field
     if penalties is not None:
         seen = seen_tokens(penalties, nnx.merge(graphdef, params).config.vocab_size)
+    constraints = getattr(sampling, "constraints", None)
     state = DecodeState.create(manager, pool, last=last, finished=~active, num_generated=num_generated,
                                max_new=max_new, eos_id=eos_id, keys=keys, width=num_steps,
-                               top_logprobs=getattr(sampling, "logprobs", -1), seen=seen)
+                               top_logprobs=getattr(sampling, "logprobs", -1), seen=seen,
+                               grammar=None if constraints is None else constraints.state)
     return run_decode(graphdef, params, state, sampling, num_steps=num_steps, free_finished=False, scrub=scrub)
 
 

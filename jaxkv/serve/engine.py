@@ -224,7 +224,7 @@ class Engine(Scheduler):
                     sampling: SamplingParams = GREEDY, eos_token_id: int | None = None,
                     stop_token_ids: Sequence[int] = (), stop: str | Sequence[str] = (),
                     namespace: Hashable = None, seed: int | None = None, arrival_step: int = 0,
-                    logprobs: int | None = None, penalties=None) -> int:
+                    logprobs: int | None = None, penalties=None, constraint=None) -> int:
         """Queue a request; returns its id (its key in :attr:`outputs`).
         Works at any time, also between :meth:`step` calls while other
         requests run: it is admitted at the next iteration that has room.
@@ -261,6 +261,15 @@ class Engine(Scheduler):
         sends every penalized row's tokens with the call; a speculating
         engine runs plain decode chunks while one runs.
 
+        ``constraint`` (a :class:`~jaxkv.nn.constraints.TokenAutomaton`,
+        e.g. :func:`jaxkv.serve.structured.compile_constraint` of a JSON
+        schema; None: none): the output follows it, every token outside it
+        masked to -inf on the device after the penalties; the decode loop
+        advances the row's automaton itself. An iteration that runs such a
+        request stacks the running constraints' tables into the call (built
+        again only when that set changes); a speculating engine runs plain
+        decode chunks while one runs.
+
         ``arrival_step``: the scheduler iteration from which it may be
         admitted (simulated arrivals for :meth:`run`; 0: at once; a step
         already passed counts as now, so it queues behind the requests that
@@ -277,7 +286,8 @@ class Engine(Scheduler):
         an integer in ``[0, 20]``; ``penalties`` out of their ranges
         (:class:`~jaxkv.nn.penalties.Penalties`), with a ``logit_bias`` id
         outside the vocabulary or ``min_tokens`` above ``max_new_tokens``;
-        ``sampling`` that is not a
+        a ``constraint`` that is not a ``TokenAutomaton`` or was built for
+        another vocabulary size; ``sampling`` that is not a
         ``SamplingParams``; an unhashable ``namespace``; a request that could
         never fit (more than ``max_model_len`` tokens, or more blocks than a
         group has at its peak: ``cache.peak_blocks``, the prompt's blocks or,
@@ -293,7 +303,7 @@ class Engine(Scheduler):
                           stop_token_ids=stop_token_ids, stop=stop, namespace=namespace, seed=seed,
                           arrival_step=arrival_step, now_step=self._step, vocab=self.vocab_size,
                           has_tokenizer=self.tokenizer is not None, cache=self.cache, engine_key=self.key,
-                          logprobs=logprobs, penalties=penalties)
+                          logprobs=logprobs, penalties=penalties, constraint=constraint)
         arrival = req.arrival
         if self.tokenizer is not None:
             req.detok = self.output.detokenizer_for(req.prompt)

@@ -21,6 +21,7 @@ import numpy as np
 
 from jaxkv import _host
 from jaxkv.errors import InvalidArgument
+from jaxkv.nn.constraints import TokenAutomaton
 from jaxkv.nn.penalties import OFF, Penalties
 from jaxkv.nn.sampling import MAX_TOP_LOGPROBS, SamplingParams
 
@@ -136,6 +137,22 @@ class Request:
     logprobs: int | None = None  # top log-probabilities asked per token (None: none; 0: the token's own only)
     penalties: Penalties = OFF  # penalties, logit bias and min_tokens (jaxkv.nn.penalties)
     token_logprobs: list = dataclasses.field(default_factory=list)  # with logprobs: one entry per generated token
+    constraint: TokenAutomaton | None = None  # structured output (jaxkv.nn.constraints), None: unconstrained
+    constraint_state: int = -1  # its automaton's state after the first constraint_read generated tokens
+    constraint_read: int = 0
+
+    def automaton_state(self) -> int:
+        """The constraint's state after every generated token (walked on
+        the host from where it was last read: the device advances its own
+        copy inside decode loops)."""
+        if self.constraint_read > len(self.generated):  # recomputed from the start (preemption)
+            self.constraint_state, self.constraint_read = self.constraint.initial, 0
+        new = self.generated[self.constraint_read:]
+        state = self.constraint.walk(self.constraint_state, new)
+        if state < 0:  # a token the device's mask allowed must be allowed here: stop where it was
+            raise InvalidArgument(f"request {self.id}: generated token outside its constraint {self.constraint.key!r}")
+        self.constraint_state, self.constraint_read = state, len(self.generated)
+        return state
 
     @property
     def tokens(self) -> list:
@@ -199,7 +216,7 @@ def _penalties(penalties, vocab: int | None, max_new_tokens: int) -> Penalties:
 
 def new_request(rid: int, prompt_tokens, max_new_tokens, *, sampling, eos_token_id, stop_token_ids, stop,
                 namespace, seed, arrival_step, now_step: int, vocab: int | None, has_tokenizer: bool, cache,
-                engine_key, logprobs=None, penalties=None) -> Request:
+                engine_key, logprobs=None, penalties=None, constraint=None) -> Request:
     """The record of request ``rid`` from :meth:`Engine.add_request
     <jaxkv.serve.Engine.add_request>`'s arguments (that method documents
     them and what is refused), checked against the vocabulary ``vocab``
@@ -244,6 +261,13 @@ def new_request(rid: int, prompt_tokens, max_new_tokens, *, sampling, eos_token_
         if logprobs > MAX_TOP_LOGPROBS:
             raise InvalidArgument(f"logprobs={logprobs}: at most {MAX_TOP_LOGPROBS} top log-probabilities per token")
     penalties = _penalties(penalties, vocab, max_new_tokens)
+    if constraint is not None:
+        if not isinstance(constraint, TokenAutomaton):
+            raise InvalidArgument(f"constraint must be a TokenAutomaton (jaxkv.serve.structured.compile_constraint), "
+                                  f"got {type(constraint).__name__}")
+        if vocab is not None and constraint.vocab_size != vocab:
+            raise InvalidArgument(f"constraint {constraint.key!r} was built for {constraint.vocab_size} tokens; the "
+                                  f"model has {vocab}")
     if seed is not None:
         seed = _host.int_scalar(seed, "seed")
     key = jax.random.fold_in(engine_key, rid) if seed is None else jax.random.key(seed)
@@ -251,4 +275,5 @@ def new_request(rid: int, prompt_tokens, max_new_tokens, *, sampling, eos_token_
     return Request(rid, prompt, max_new_tokens, sampling, device_stop, arrival, namespace,
                    np.asarray(jax.random.key_data(key)),
                    stop_ids=frozenset(stop_ids + ([eos_id] if eos_id >= 0 else [])), stop=stop, logprobs=logprobs,
-                   penalties=penalties)
+                   penalties=penalties, constraint=constraint,
+                   constraint_state=-1 if constraint is None else constraint.initial)

@@ -107,6 +107,7 @@ from jaxkv.serve.output import OutputProcessor
 from jaxkv.serve.request import Request, RequestState
 from jaxkv.serve.reserve import admission_blocks, growth, growth_total, make_room, no_hit, readmittable
 from jaxkv.serve.speculation import Speculation
+from jaxkv.serve.structured import ConstraintTable
 
 __all__ = ["MAX_REQUEST_FAULTS", "Scheduler", "WAIT_FOR_PREFIX_TOKENS", "cached_sampling_row", "check_rows",
            "row_sampling", "sampling_row", "stream_buckets", "stream_length", "stream_lengths"]
@@ -169,7 +170,7 @@ def stream_length(tokens: int, lengths: list[int]) -> int:
 
 
 def row_sampling(max_seqs: int, rows: dict, reqs_by_lane: dict, logprobs_mode: str = "processed",
-                 history_width: int = 0) -> RowSampling:
+                 history_width: int = 0, constraints: ConstraintTable | None = None) -> RowSampling:
     """Per-lane sampling arrays from the screened ``rows`` (request id ->
     :func:`sampling_row`) of the requests ``reqs_by_lane`` (idle lanes:
     greedy). When any of them asks for log-probabilities the call computes
@@ -177,7 +178,10 @@ def row_sampling(max_seqs: int, rows: dict, reqs_by_lane: dict, logprobs_mode: s
     (read in ``logprobs_mode``): one more program, not one per count.
     When any asks for penalties, every lane gets its request's
     (:class:`~jaxkv.nn.penalties.RowPenalties`, histories ``history_width``
-    wide; lanes without: none)."""
+    wide; lanes without: none). When any follows a structured-output
+    constraint, ``constraints`` (the engine's
+    :class:`~jaxkv.serve.structured.ConstraintTable`) gives every lane its
+    automaton and state (lanes without: the universal one)."""
     temperature = np.zeros((max_seqs,), np.float32)
     top_k = np.zeros((max_seqs,), np.int32)
     top_p = np.ones((max_seqs,), np.float32)
@@ -195,8 +199,11 @@ def row_sampling(max_seqs: int, rows: dict, reqs_by_lane: dict, logprobs_mode: s
             if not req.penalties.is_off:
                 lanes[lane] = (req.penalties, req.prompt, req.generated, sorted(req.stop_ids))
         penalties = RowPenalties.stack(lanes, history_width)
+    constrained = {lane: (req.constraint, req.automaton_state()) for lane, req in reqs_by_lane.items()
+                   if req.constraint is not None}
     return RowSampling(temperature, top_k, top_p, logprobs=MAX_TOP_LOGPROBS if wanted else -1,
-                       logprobs_mode=logprobs_mode, penalties=penalties)
+                       logprobs_mode=logprobs_mode, penalties=penalties,
+                       constraints=constraints.rows(max_seqs, constrained) if constrained else None)
 
 
 #: ``sampling_row``'s results by sampling parameters (``SamplingParams`` is
@@ -277,9 +284,10 @@ def check_rows(requests: dict, rows: list, swapped: list, status: np.ndarray) ->
 
 
 def _plain_only(requests) -> bool:
-    """Whether any of ``requests`` asks for log-probabilities or penalties
-    (which speculative verify steps do not compute)."""
-    return any(req.logprobs is not None or not req.penalties.is_off for req in requests)
+    """Whether any of ``requests`` asks for log-probabilities, penalties or
+    a constraint (which speculative verify steps do not compute)."""
+    return any(req.logprobs is not None or not req.penalties.is_off or req.constraint is not None
+               for req in requests)
 
 
 class Scheduler(FaultContainment):
@@ -306,6 +314,8 @@ class Scheduler(FaultContainment):
         self.logprobs_mode = logprobs_mode
         #: The width of the token histories penalties read (every request fits: one program).
         self.history_width = pow2_at_least(cache.max_context_tokens + 1)
+        #: The running requests' structured-output automata as device tables (built at the first one).
+        self.constraints: ConstraintTable | None = None
         #: Speculative decoding (:class:`~jaxkv.serve.speculation.Speculation`; None: off).
         # ``draft``: an early-exit draft model over the cache's pool (method draft_model), else None.
         self.speculation = None if speculative is None else Speculation(speculative, max_seqs, cache, draft)
@@ -584,8 +594,7 @@ class Scheduler(FaultContainment):
                 total += end - start
             first, keys, peak, logprobs = self.cache.prefill_step(self.graphdef, self.params,
                                                         [(req.lane, req.pieces[0]) for req in batch],
-                                                        row_sampling(self.max_seqs, rows, dict(enumerate(batch)),
-                                                                     self.logprobs_mode, self.history_width))
+                                                        self._row_sampling(rows, dict(enumerate(batch))))
             for req in batch:  # the pieces ran: consumed only now
                 req.pieces.pop(0)
             self._count_call(self.max_seqs * self.cache.prefill_width, total)
@@ -604,6 +613,17 @@ class Scheduler(FaultContainment):
             if budget is not None:
                 break
         return calls
+
+    def _row_sampling(self, rows: dict, reqs_by_lane: dict) -> RowSampling:
+        """:func:`row_sampling` of ``reqs_by_lane`` with the engine's
+        settings (the constraint table made at the first constrained
+        request)."""
+        if self.constraints is None:
+            first = next((req.constraint for req in reqs_by_lane.values() if req.constraint is not None), None)
+            if first is not None:
+                self.constraints = ConstraintTable(first.vocab_size)
+        return row_sampling(self.max_seqs, rows, reqs_by_lane, self.logprobs_mode, self.history_width,
+                            self.constraints)
 
     def _count_call(self, slots: int, real: int) -> None:
         self._count.model_calls += 1
@@ -658,7 +678,7 @@ class Scheduler(FaultContainment):
         result = self.cache.packed_step(
             self.graphdef, self.params, [(req.lane, piece) for req, piece in batch],
             [(row, req.generated[-1], req.kv_len) for row, req in decoding],
-            row_sampling(self.max_seqs, rows, dict(enumerate(lanes)), self.logprobs_mode, self.history_width),
+            self._row_sampling(rows, dict(enumerate(lanes))),
             [req.key for req in lanes],
             length,
             prefill_width=cap, **({} if speculation is None else {"speculation": speculation}))
@@ -728,13 +748,12 @@ class Scheduler(FaultContainment):
         active[index] = True
         for row, req in running.items():
             keys[row] = req.key
-        # A request that asks for log-probabilities or penalties pauses speculation while it runs (verify steps
-        # compute neither).
+        # A request that asks for log-probabilities, penalties or a constraint pauses speculation while it runs
+        # (verify steps compute none of them).
         speculation = None if self.speculation is None or _plain_only(running.values()) else (
             self.speculation.arguments(running, self.decode_chunk))
         result = self.cache.decode(self.graphdef, self.params, last, active, num_generated, max_new, eos,
-                                   row_sampling(self.max_seqs, rows, running, self.logprobs_mode,
-                                                self.history_width), keys,
+                                   self._row_sampling(rows, running), keys,
                                    self.decode_chunk,
                                    speculation=speculation)
         if speculation is not None:

@@ -1,0 +1,275 @@
+"""Structured outputs (:mod:`jaxkv.serve.structured`, :mod:`jaxkv.nn.constraints`).
+
+Expectations we did not write: ``jsonschema`` validates every constrained
+output against its schema (schemas drawn at random: nesting, enums, arrays,
+bounded integers and numbers, optional properties, unions), Python's ``re``
+full-matches regex outputs, outlines-core's own ``Index`` gives the allowed
+tokens and next states our compressed tables must reproduce, and Python's
+integers check the range regexes. The model is a random Llama over a small
+byte-level BPE trained here on JSON (multi-byte tokens such as ``":``), which
+left alone emits garbage: the mask alone must make its outputs valid.
+Unconstrained requests batched beside constrained ones must produce exactly
+the tokens they produce alone. SmolLM2 (the real model) runs in the ``long``
+profile.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+import numpy as np
+import pytest
+
+pytest.importorskip("outlines_core")
+jsonschema = pytest.importorskip("jsonschema")
+
+from jaxkv.errors import InvalidArgument  # noqa: E402
+from jaxkv.nn.constraints import RowConstraints, advance, constrain, stack_automata  # noqa: E402
+from jaxkv.serve.structured import (compile_constraint, constraint_regex, integer_range_regex,  # noqa: E402
+                                    number_range_regex)
+
+
+# ------------------------------------------------------------ a tokenizer and a model
+
+
+def _corpus(rng, n: int) -> list[str]:
+    words = ["name", "age", "tags", "ok", "x", "value", "items", "true", "false", "null", "alpha", "beta"]
+    out = []
+    for _ in range(n):
+        values = [int(rng.integers(-999, 999)), float(np.round(rng.normal(), 3)), str(rng.choice(words)),
+                  bool(rng.integers(2)), None, [int(x) for x in rng.integers(0, 50, 3)]]
+        doc = {str(rng.choice(words)): values[int(rng.integers(len(values)))] for _ in range(int(rng.integers(1, 4)))}
+        out.append(json.dumps(doc, separators=(",", ":") if rng.random() < 0.5 else (", ", ": ")))
+    return out
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from tokenizers import Tokenizer as Backend
+    from tokenizers import decoders, models, pre_tokenizers, trainers
+    from tokenizers.pre_tokenizers import ByteLevel
+
+    from jaxkv.text import Tokenizer
+
+    backend = Backend(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<|endoftext|>", "<|im_end|>"],
+                                  initial_alphabet=ByteLevel.alphabet(), show_progress=False)
+    backend.train_from_iterator(_corpus(np.random.default_rng(0), 2000), trainer)
+    return Tokenizer(backend, eos_token_ids=[backend.token_to_id("<|im_end|>")])
+
+
+@pytest.fixture(scope="module")
+def model(tokenizer):
+    from flax import nnx
+
+    from jaxkv.nn import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=tokenizer.vocab_size + 5, hidden_size=32, intermediate_size=64,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                         max_position_embeddings=512)  # 5 ids past the tokenizer: never allowed
+    return LlamaForCausalLM(config, rngs=nnx.Rngs(int(np.random.default_rng().integers(1 << 30))))
+
+
+# ------------------------------------------------------------ random schemas
+
+
+def draw_schema(rng, depth: int = 0) -> dict:
+    """A JSON schema every output of which is short (strings and arrays
+    bounded), drawn over the kinds outlines-core and jaxkv's ranges cover."""
+    kinds = ["string", "enum", "integer", "number", "boolean", "null", "anyOf"] + (["object", "array"] * 2
+                                                                                   if depth < 2 else [])
+    kind = kinds[int(rng.integers(len(kinds)))]
+    if kind == "object":
+        names = rng.choice(["a", "bb", "name", "x_1", "value", "ok"], int(rng.integers(1, 4)), replace=False)
+        props = {str(n): draw_schema(rng, depth + 1) for n in names}
+        required = [n for n in props if rng.random() < 0.6]
+        return {"type": "object", "properties": props, "required": required}
+    if kind == "array":
+        low = int(rng.integers(0, 2))
+        return {"type": "array", "items": draw_schema(rng, depth + 1), "minItems": low,
+                "maxItems": low + int(rng.integers(0, 3))}
+    if kind == "string":
+        return {"type": "string", "maxLength": int(rng.integers(1, 6))}
+    if kind == "enum":
+        pool = ["red", "green", "a b", 'q"t', 7, -2.5, True, None]
+        return {"enum": [pool[i] for i in rng.choice(len(pool), int(rng.integers(1, 4)), replace=False)]}
+    if kind == "integer":
+        lo = int(rng.integers(-300, 300))
+        return {"type": "integer", "minimum": lo, "maximum": lo + int(rng.integers(0, 500))}
+    if kind == "number":
+        lo = float(np.round(rng.uniform(-50, 50), 1))
+        bound = {"minimum": lo, "maximum": lo + float(np.round(rng.uniform(2, 80), 1))}
+        if rng.random() < 0.3:
+            bound = {"exclusiveMinimum": lo, "exclusiveMaximum": bound["maximum"]}
+        return {"type": "number", **bound}
+    if kind == "anyOf":
+        return {"anyOf": [draw_schema(rng, depth + 1), {"type": "null"}]}
+    return {"type": kind}
+
+
+# ------------------------------------------------------------ ranges
+
+
+def test_integer_ranges_match_exactly_the_integers_inside():
+    rng = np.random.default_rng()
+    for _ in range(150):
+        lo, hi = (None if rng.random() < 0.2 else int(rng.integers(-3000, 3000)) for _ in range(2))
+        if lo is not None and hi is not None and lo > hi:
+            lo, hi = hi, lo
+        pattern = re.compile(integer_range_regex(lo, hi))
+        for v in range(-3200, 3200):
+            assert bool(pattern.fullmatch(str(v))) == ((lo is None or v >= lo) and (hi is None or v <= hi)), (lo, hi, v)
+        assert not pattern.fullmatch("-0") and not pattern.fullmatch("01")
+    with pytest.raises(InvalidArgument, match="empty"):
+        integer_range_regex(5, 4)
+
+
+def test_number_ranges_produce_only_numbers_inside():
+    rng = np.random.default_rng()
+    for _ in range(150):
+        lo, hi = sorted(float(np.round(x, int(rng.integers(0, 3)))) for x in rng.uniform(-400, 400, 2))
+        if np.floor(hi) - np.ceil(lo) < 2:
+            continue
+        lo_open, hi_open = bool(rng.integers(2)), bool(rng.integers(2))
+        pattern = re.compile(number_range_regex(lo, hi, lo_open, hi_open))
+        inside = 0
+        for x in (round(float(v), int(d)) for v, d in zip(rng.uniform(lo - 50, hi + 50, 400), rng.integers(0, 4, 400))):
+            text = repr(float(x)) if rng.random() < 0.5 else f"{x:.3f}"
+            if pattern.fullmatch(text):
+                inside += 1
+                value = float(text)
+                assert (value > lo if lo_open else value >= lo) and (value < hi if hi_open else value <= hi), \
+                    (lo, hi, lo_open, hi_open, text)
+        assert inside > 0, (lo, hi)  # the subset is not empty where the range spans integers
+    with pytest.raises(InvalidArgument, match="no integer"):
+        number_range_regex(0.2, 0.8)
+
+
+# ------------------------------------------------------------ tables against outlines-core's index
+
+
+def test_tables_reproduce_the_outlines_index(tokenizer, model):
+    """Every state's allowed tokens and next states equal outlines-core's
+    Index (our tables compress tokens into classes and add EOS ourselves),
+    on the host and through the device mask and advance."""
+    import jax.numpy as jnp
+    import outlines_core
+
+    from jaxkv.serve.structured import _vocabulary
+
+    vocab = model.config.vocab_size
+    rng = np.random.default_rng()
+    schema = draw_schema(rng)
+    kind, regex = constraint_regex(json_schema={"type": "object", "properties": {"k": schema}, "required": ["k"]})
+    automaton = compile_constraint(tokenizer, vocab, json_schema={"type": "object", "properties": {"k": schema},
+                                                                  "required": ["k"]})
+    index = outlines_core.Index(regex, _vocabulary(tokenizer, vocab)[0])
+    eos = set(tokenizer.eos_token_ids)
+    # Walk the index from its initial state, alongside ours.
+    transitions = index.get_transitions()
+    start_state = index.get_initial_state()
+    ours, frontier = {start_state: automaton.initial}, [start_state]
+    while frontier:
+        theirs_state = frontier.pop()
+        state = ours[theirs_state]
+        theirs = {t: n for t, n in transitions.get(theirs_state, {}).items() if t not in eos}
+        want = set(theirs) | (eos if index.is_final_state(theirs_state) else set())
+        assert set(automaton.allowed(state).tolist()) == want, (schema, theirs_state)
+        for token, nxt in theirs.items():
+            if nxt not in ours:
+                frontier.append(nxt)
+            assert ours.setdefault(nxt, automaton.step(state, token)) == automaton.step(state, token)
+    assert len(set(ours.values())) == len(ours) == automaton.num_states
+    # The device tables, stacked with a second automaton, for random states and tokens.
+    other = compile_constraint(tokenizer, vocab, choice=["yes", "no"])
+    table, offsets = stack_automata([other, automaton], vocab)
+    states = rng.integers(0, automaton.num_states, 6)
+    rows = RowConstraints(table.allowed_bits, table.next_state, table.class_of,
+                          jnp.asarray([2] * 6 + [0], jnp.int32), jnp.asarray([*(states + offsets[1]), 0], jnp.int32))
+    logits = jnp.asarray(rng.normal(size=(7, vocab)), jnp.float32)
+    masked = np.asarray(constrain(logits, rows))
+    for r, s in enumerate(states):
+        assert set(np.flatnonzero(np.isfinite(masked[r])).tolist()) == set(automaton.allowed(int(s)).tolist())
+    assert np.isfinite(masked[6]).all()  # the universal row
+    tokens = [int(rng.choice(automaton.allowed(int(s)))) for s in states] + [3]
+    after = np.asarray(advance(rows, rows.state, jnp.asarray(tokens, jnp.int32), jnp.ones(7, bool)))
+    assert after[:6].tolist() == [automaton.step(int(s), t) + offsets[1] for s, t in zip(states, tokens[:6])]
+    assert after[6] == 0
+
+
+# ------------------------------------------------------------ the engine
+
+
+def _run(engine, requests: list) -> list:
+    """``requests``: ``add_request`` keyword dicts; ``(tokens, finish
+    reason)`` per request once all finished."""
+    ids = [engine.add_request(**kw) for kw in requests]
+    outputs: dict = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            outputs.setdefault(out.request_id, []).append(out)
+    engine.check_bookkeeping()
+    return [([t for o in outputs[rid] for t in o.new_token_ids], outputs[rid][-1].finish_reason) for rid in ids]
+
+
+def _check_output(tokenizer, tokens, reason, kind, spec) -> str:
+    assert reason == "stop" and tokens[-1] in tokenizer.eos_token_ids, (kind, spec, reason, tokens)
+    text = tokenizer.decode(tokens[:-1])
+    if kind == "json_schema":
+        jsonschema.validate(json.loads(text), spec)
+    elif kind == "json_object":
+        assert isinstance(json.loads(text), dict), text
+    elif kind == "regex":
+        assert re.fullmatch(spec, text), (spec, text)
+    else:
+        assert text in spec, (spec, text)
+    return text
+
+
+def engine_follows_constraints(tokenizer, model, scheduler: str, num_schemas: int) -> None:
+    """Random schemas, a regex and a choice on a random model (sampled at
+    temperature 1, two seeds each), beside unconstrained requests: every
+    constrained output valid, the others' tokens those of a run without
+    the constrained ones."""
+    from jaxkv.nn.sampling import SamplingParams
+    from jaxkv.serve import Engine
+
+    vocab = model.config.vocab_size
+    rng = np.random.default_rng()
+    specs = [("json_schema", draw_schema(rng)) for _ in range(num_schemas)]
+    specs += [("regex", r"(ab|c[0-9]{1,3})+-?[xyz]"), ("choice", ["left", "right", "up down"])]
+    sampling = SamplingParams(temperature=1.0)
+    eos = tokenizer.eos_token_ids[0]
+
+    def request(seed, **extra):
+        prompt = rng.integers(0, tokenizer.vocab_size, int(rng.integers(2, 20))).tolist()
+        return dict(prompt_tokens=prompt, max_new_tokens=160, sampling=sampling, seed=seed, eos_token_id=eos) | extra
+
+    constrained, labels = [], []
+    for k, (kind, spec) in enumerate(specs):
+        automaton = compile_constraint(tokenizer, vocab, **{kind: spec})
+        for seed in (2 * k, 2 * k + 1):
+            constrained.append(request(seed, constraint=automaton))
+            labels.append((kind, spec))
+    plain = [request(1000 + i, max_new_tokens=int(rng.integers(5, 40))) for i in range(3)]
+    options = dict(max_seqs=6, max_model_len=256, decode_chunk=8, prefill_chunk=16, scheduler=scheduler)
+    mixed = _run(Engine(model, tokenizer=tokenizer, **options), constrained[:3] + plain + constrained[3:])
+    for (tokens, reason), (kind, spec) in zip(mixed[:3] + mixed[6:], labels):
+        _check_output(tokenizer, tokens, reason, kind, spec)
+    assert mixed[3:6] == _run(Engine(model, tokenizer=tokenizer, **options), plain)
+    # Left alone the model emits garbage: the mask did it.
+    free = _run(Engine(model, tokenizer=tokenizer, **options), [dict(r, constraint=None) for r in constrained[:4]])
+    assert not all(reason == "stop" for _, reason in free)
+
+
+def test_engine_outputs_follow_random_schemas(tokenizer, model):
+    engine_follows_constraints(tokenizer, model, "packed", 4)
+
+
+@pytest.mark.long
+def test_engine_outputs_follow_random_schemas_padded_and_more(tokenizer, model):
+    engine_follows_constraints(tokenizer, model, "padded", 6)
+    engine_follows_constraints(tokenizer, model, "packed", 10)
