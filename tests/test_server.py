@@ -18,11 +18,13 @@ import asyncio
 import json
 import os
 import pathlib
+import re
 import socket
 import subprocess
 import sys
 import time
 
+import numpy as np
 import pytest
 
 httpx = pytest.importorskip("httpx")
@@ -310,6 +312,61 @@ def test_best_of_and_echo(client):
     stream = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=5, temperature=0,
                                        echo=True, stream=True)
     assert "".join(c.choices[0].text for c in stream if c.choices) == echoed.choices[0].text
+
+
+def test_structured_outputs_and_forced_tool_calls(client):
+    """A random model's output constrained through the openai client:
+    ``response_format`` json_schema (a schema drawn at random, validated by
+    ``jsonschema``), vLLM's ``structured_outputs`` regex and choice and
+    ``guided_choice``, streamed equal to not streamed, and
+    ``tool_choice`` required / named answered with a call whose arguments
+    follow the function's schema; invalid constraints are 400s."""
+    import jsonschema
+
+    from tests.test_structured import draw_schema
+
+    rng = np.random.default_rng()
+    schema = {"type": "object", "properties": {"k": draw_schema(rng, 1), "n": {"type": "integer", "minimum": -5,
+                                                                                "maximum": 40}},
+              "required": ["k", "n"]}
+    chat = dict(model=MODEL, messages=[{"role": "user", "content": "JSON please"}], max_tokens=200, temperature=1.0)
+    for seed in range(2):
+        full = client.chat.completions.create(**chat, seed=seed, response_format={
+            "type": "json_schema", "json_schema": {"name": "drawn", "schema": schema}})
+        assert full.choices[0].finish_reason == "stop", full
+        jsonschema.validate(json.loads(full.choices[0].message.content), schema)
+        chunks = [c for c in client.chat.completions.create(**chat, seed=seed, stream=True, response_format={
+            "type": "json_schema", "json_schema": {"name": "drawn", "schema": schema}}) if c.choices]
+        assert "".join(c.choices[0].delta.content or "" for c in chunks) == full.choices[0].message.content
+    regex = r"[a-c]{2,5}-(x|yz)[0-9]"
+    text = client.completions.create(model=MODEL, prompt="Once", max_tokens=40, temperature=1.0, seed=3,
+                                     extra_body={"structured_outputs": {"regex": regex}}).choices[0].text
+    assert re.fullmatch(regex, text), text
+    picks = {client.completions.create(model=MODEL, prompt="Pick", max_tokens=20, temperature=1.0, seed=s,
+                                       extra_body={"guided_choice": ["north", "south", "east west"]}).choices[0].text
+             for s in range(3)}
+    assert picks <= {"north", "south", "east west"}, picks
+    weather = {"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"enum": ["Paris", "Oslo"]}, "days": {"type": "integer",
+                                                                                       "minimum": 1, "maximum": 7}},
+        "required": ["city", "days"]}}}
+    noop = {"type": "function", "function": {"name": "noop"}}
+    for choice, names in (("required", {"get_weather", "noop"}),
+                          ({"type": "function", "function": {"name": "get_weather"}}, {"get_weather"})):
+        out = client.chat.completions.create(**chat, seed=4, tools=[weather, noop], tool_choice=choice)
+        calls = out.choices[0].message.tool_calls
+        assert len(calls) == 1 and calls[0].function.name in names, out
+        if calls[0].function.name == "get_weather":
+            jsonschema.validate(json.loads(calls[0].function.arguments), weather["function"]["parameters"])
+    for bad in ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+                    "type": "integer", "multipleOf": 3}}}},
+                {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": 5}}}},
+                {"response_format": {"type": "xml"}},
+                {"structured_outputs": {"regex": "(unclosed"}},
+                {"structured_outputs": {"grammar": "root ::= 'a'"}},
+                {"guided_regex": "a+", "guided_choice": ["a"]}):
+        with pytest.raises(openai.BadRequestError):
+            client.chat.completions.create(**chat, extra_body=bad)
 
 
 def test_concurrent_streams(server):

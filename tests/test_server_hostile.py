@@ -766,7 +766,8 @@ def test_tool_calls_are_parsed_streamed_and_not(tokenizer):
     (the text around them as content, finish reason ``tool_calls``),
     streamed (the tag held back across chunks) and not, through the openai
     client; a malformed call stays text; ``tool_choice: none`` parses
-    nothing; ``required`` is refused with 400."""
+    nothing; a named function that is not declared is a 400 (``required``
+    and named calls are constrained: tests/test_server.py)."""
     import openai
 
     script = ('Let me look.<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
@@ -790,8 +791,8 @@ def test_tool_calls_are_parsed_streamed_and_not(tokenizer):
             assert [c.choices[0].finish_reason for c in chunks if c.choices[0].finish_reason] == ["tool_calls"]
         plain = client.chat.completions.create(**kw, tool_choice="none")
         assert plain.choices[0].message.content == script and not plain.choices[0].message.tool_calls
-        with pytest.raises(openai.BadRequestError, match="structured outputs"):
-            client.chat.completions.create(**kw, tool_choice="required")
+        with pytest.raises(openai.BadRequestError, match="does not declare"):
+            client.chat.completions.create(**kw, tool_choice={"type": "function", "function": {"name": "nope"}})
     finally:
         srv.stop()
     broken = _serve_fake(tokenizer, ScriptedEngine('<tool_call>{"name": "get_weather", "arguments": {</tool_call>'))

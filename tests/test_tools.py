@@ -66,11 +66,14 @@ def test_tool_checks():
     request = parse_tools({"tools": [tool]}, bad)
     assert request.parse and request.names == {"add"}
     assert not parse_tools({"tools": [tool], "tool_choice": "none"}, bad).parse
+    assert request.forced == () and parse_tools({"tools": [tool], "tool_choice": "required"}, bad).forced == ("add",)
+    assert parse_tools({"tools": [tool], "tool_choice": {"type": "function", "function": {"name": "add"}}},
+                       bad).forced == ("add",)
     for body in ({"tools": "x"}, {"tools": [{"type": "web"}]}, {"tools": [{"type": "function", "function": {}}]},
                  {"tools": [tool, tool]}, {"tools": [{"type": "function", "function": {"name": "a b"}}]},
                  {"tools": [{"type": "function", "function": {"name": "a", "parameters": []}}]},
-                 {"tools": [tool], "tool_choice": "required"},
-                 {"tools": [tool], "tool_choice": {"type": "function", "function": {"name": "add"}}},
+                 {"tools": [tool], "tool_choice": {"type": "function", "function": {"name": "sub"}}},
+                 {"tools": [tool], "tool_choice": {"type": "function", "name": "add"}},
                  {"tools": [tool], "tool_choice": "sometimes"}, {"tool_choice": "auto"}):
         with pytest.raises(Bad):
             parse_tools(body, bad)

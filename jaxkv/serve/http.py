@@ -201,8 +201,9 @@ from jaxkv.nn.penalties import MAX_LOGIT_BIAS, Penalties
 from jaxkv.nn.sampling import MAX_TOP_LOGPROBS, SamplingParams
 from jaxkv.serve.compile_cache import configure_compile_cache, default_compile_cache_dir  # noqa: F401 - re-exported
 from jaxkv.serve.metrics import CONTENT_TYPE, ServerMetrics
+from jaxkv.serve.structured import compile_constraint
 from jaxkv.serve.tools import (CALL_START, ToolRequest, parse_tool_calls, parse_tools, split_stream_text,
-                               template_messages)
+                               template_messages, tool_call_regex)
 
 __all__ = ["MAX_N", "OPEN_PATHS", "APIError", "APIKeys", "EngineLoop", "ServerState", "configure_compile_cache",
            "create_app", "default_compile_cache_dir", "run_server", "warm_up"]
@@ -318,8 +319,7 @@ def _get(body: dict, name: str, kind, *, default=None, required: bool = False, l
 
 
 # Fields OpenAI defines that this server does not implement, with their neutral values.
-_UNSUPPORTED = {"prompt_logprobs": (None, 0), "suffix": (None, ""),
-                "functions": (None, []), "response_format": (None, {"type": "text"})}
+_UNSUPPORTED = {"prompt_logprobs": (None, 0), "suffix": (None, ""), "functions": (None, [])}
 
 
 def _refuse_unsupported(body: dict) -> None:
@@ -581,6 +581,7 @@ class _Params:
     tools: ToolRequest | None = None  # chat: the request's tools and whether calls are parsed
     best_of: int = 1  # completions: candidates per prompt, the n of highest cumulative logprob returned
     echo: bool = False  # completions: the prompt's text before each choice's
+    structured: tuple | None = None  # (field, compile_constraint keywords) of a structured output, None: none
 
 
 def _token_ids(value, name: str, vocab: int | None) -> list[int]:
@@ -657,7 +658,55 @@ def _parse_params(body: dict, *, chat: bool, vocab: int | None = None) -> _Param
         ignore_eos=_get(body, "ignore_eos", bool, default=False),
         n=_get(body, "n", int, default=1, low=1, high=MAX_N), stream=stream, include_usage=include_usage,
         cache_salt=salt, logprobs=_parse_logprobs(body, chat), penalties=_parse_penalties(body, max_tokens, vocab),
-        **_parse_best_of_and_echo(body, chat, stream))
+        structured=_parse_structured(body), **_parse_best_of_and_echo(body, chat, stream))
+
+
+def _parse_structured(body: dict) -> tuple | None:
+    """The request's structured output, if any: ``(field, keywords of
+    compile_constraint)``. OpenAI's ``response_format`` (``text``,
+    ``json_object``, ``json_schema``), vLLM's ``structured_outputs``
+    (``json``, ``regex``, ``choice``, ``json_object``) and its older
+    ``guided_json`` / ``guided_regex`` / ``guided_choice``; at most one.
+    A ``grammar`` is refused (module docstring of
+    :mod:`jaxkv.serve.structured`)."""
+    found = []
+    fmt = body.get("response_format")
+    if fmt is not None:
+        kind = fmt.get("type") if isinstance(fmt, dict) else None
+        if kind not in ("text", "json_object", "json_schema"):
+            raise _bad("'response_format' must be {\"type\": \"text\" | \"json_object\" | \"json_schema\", ...}",
+                       "response_format")
+        if kind == "json_object":
+            found.append(("response_format", {"json_object": True}))
+        elif kind == "json_schema":
+            spec = fmt.get("json_schema")
+            if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), (dict, bool)):
+                raise _bad("'response_format.json_schema' must be {\"name\": ..., \"schema\": {...}}",
+                           "response_format")
+            found.append(("response_format", {"json_schema": spec.get("schema", {})}))
+    options = body.get("structured_outputs")
+    if options is not None and not isinstance(options, dict):
+        raise _bad("'structured_outputs' must be an object", "structured_outputs", "invalid_type")
+    named = [(f"structured_outputs.{k}", k, v) for k, v in (options or {}).items() if v not in (None, False)]
+    named += [(f"guided_{k}", k, body[f"guided_{k}"]) for k in ("json", "regex", "choice", "grammar")
+              if body.get(f"guided_{k}") is not None]
+    for field, key, value in named:
+        if key == "grammar":
+            raise _bad(f"'{field}': context-free grammars are not served (jaxkv's constraints are token automata on "
+                       "the device; give a regex or a JSON schema)", field.split(".")[0], "unsupported_parameter")
+        if key == "json" and isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except ValueError:
+                raise _bad(f"'{field}' is not a JSON schema (not JSON)", field.split(".")[0]) from None
+        keyword = {"json": "json_schema", "regex": "regex", "choice": "choice", "json_object": "json_object"}.get(key)
+        if keyword is None:
+            raise _bad(f"'{field}' is not a structured-output field (json, regex, choice, json_object)",
+                       field.split(".")[0])
+        found.append((field.split(".")[0], {keyword: value}))
+    if len(found) > 1:
+        raise _bad(f"give one structured output, got {', '.join(f for f, _ in found)}", found[1][0])
+    return found[0] if found else None
 
 
 def _parse_best_of_and_echo(body: dict, chat: bool, stream: bool) -> dict:
@@ -1080,6 +1129,7 @@ class ServerState:
     failed: BaseException | None = None
     created: int = dataclasses.field(default_factory=lambda: int(time.time()))
     eos_token_ids: tuple[int, ...] = ()
+    vocab_size: int | None = None  # the model's logits (structured outputs' automata span them)
     renderer: _RenderPool = dataclasses.field(default_factory=_RenderPool)
     trust_request_chat_template: bool = False
     max_body_bytes: int = MAX_BODY_BYTES
@@ -1146,6 +1196,7 @@ def create_app(build: Callable[[], tuple[object, object]], *, served_model_names
         def on_ready(engine):
             state.tokenizer = built["tokenizer"]
             state.max_model_len = _engine_max_model_len(engine)
+            state.vocab_size = getattr(engine, "vocab_size", None)
             eos = getattr(state.tokenizer, "eos_token_ids", ()) or ()
             state.eos_token_ids = tuple(int(i) for i in eos)
             state.ready = metrics.ready = True
@@ -1464,7 +1515,8 @@ class _Choice:
         return self.finish_reason is not None
 
 
-def _engine_kwargs(state: ServerState, params: _Params, prompt: list[int], index: int, tenant: str | None) -> dict:
+def _engine_kwargs(state: ServerState, params: _Params, prompt: list[int], index: int, tenant: str | None,
+                   constraint=None) -> dict:
     max_tokens = params.max_tokens
     limit = state.max_model_len
     if limit is not None:
@@ -1489,7 +1541,7 @@ def _engine_kwargs(state: ServerState, params: _Params, prompt: list[int], index
                   seed=None if params.seed is None else (params.seed + index) % 2 ** 32,
                   # best_of ranks its candidates by their tokens' log-probabilities: computed even if not asked
                   logprobs=params.logprobs if params.logprobs is not None or params.best_of <= params.n else 0,
-                  penalties=params.penalties)
+                  penalties=params.penalties, constraint=constraint)
     return kwargs
 
 
@@ -1497,7 +1549,8 @@ class _Job:
     """One HTTP request's engine requests (prompts x n choices) for
     ``tenant`` (None: a server without API keys)."""
 
-    def __init__(self, state: ServerState, prompts: list[list[int]], params: _Params, tenant: str | None = None):
+    def __init__(self, state: ServerState, prompts: list[list[int]], params: _Params, tenant: str | None = None,
+                 constraint=None):
         self.state = state
         self.params = params
         self.tenant = tenant
@@ -1512,7 +1565,7 @@ class _Job:
             for j in range(candidates):
                 index = p * candidates + j
                 self.choices.append(_Choice(index, len(prompt)))
-                self.submissions.append((prompt, _engine_kwargs(state, params, prompt, j, tenant)))
+                self.submissions.append((prompt, _engine_kwargs(state, params, prompt, j, tenant, constraint)))
         self.live: set[int] = set()
 
     async def submit(self) -> None:
@@ -1646,9 +1699,30 @@ def _best_choices(choices: list, n: int, best_of: int) -> list:
     return kept
 
 
+async def _constraint(state: ServerState, params: _Params):
+    """The token automaton of the request's structured output or forced
+    tool call (None: none), compiled off the event loop (a new JSON schema
+    takes up to seconds; :func:`~jaxkv.serve.structured.compile_constraint`
+    caches them); an invalid one is a 400 naming the field."""
+    spec = params.structured
+    if params.tools is not None and params.tools.forced:
+        if spec is not None:
+            raise _bad(f"'tool_choice' {'required' if len(params.tools.forced) > 1 else 'naming a function'} and "
+                       f"'{spec[0]}' both constrain the output; give one", "tool_choice")
+        spec = ("tool_choice", {"regex": tool_call_regex(params.tools)})
+    if spec is None:
+        return None
+    if state.tokenizer is None or state.vocab_size is None:
+        raise _bad("structured outputs need the model's tokenizer", spec[0], "unsupported_parameter")
+    try:
+        return await asyncio.to_thread(compile_constraint, state.tokenizer, state.vocab_size, **spec[1])
+    except InvalidArgument as err:
+        raise _bad(str(err), spec[0]) from None
+
+
 async def _serve(request: Request, state: ServerState, prompts: list[list[int]], params: _Params, *, chat: bool,
                  tenant: str | None = None, echo_texts: list | None = None):
-    job = _Job(state, prompts, params, tenant)
+    job = _Job(state, prompts, params, tenant, await _constraint(state, params))
     if echo_texts is not None:  # each choice starts with its prompt's text
         candidates = max(params.n, params.best_of)
         for choice in job.choices:

@@ -11,9 +11,14 @@ model's malformed call is shown, not dropped).
 
 ``tool_choice``: ``"auto"`` (the default with tools: the model decides),
 ``"none"`` (the tools still reach the template, as OpenAI renders them, but
-no call is parsed). ``"required"`` and a named function need the output
-constrained to a call (structured outputs), which this server does not do
-yet: they are refused with 400 rather than served unenforced.
+no call is parsed), ``"required"`` and a named function
+(``{"type": "function", "function": {"name": ...}}``): the output is
+constrained (:mod:`jaxkv.serve.structured`) to exactly one call
+``<tool_call>\n{"name": ..., "arguments": ...}\n</tool_call>`` naming one
+of the declared functions (``required``) or that one, its ``arguments``
+following the function's ``parameters`` schema (a function without
+``parameters`` takes ``{}``). One call, not several: OpenAI's ``required``
+also allows more, which the constraint does not produce.
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ import re
 import uuid
 
 __all__ = ["CALL_END", "CALL_START", "ToolRequest", "parse_tool_calls", "parse_tools", "split_stream_text",
-           "template_messages"]
+           "template_messages", "tool_call_regex"]
 
 CALL_START, CALL_END = "<tool_call>", "</tool_call>"
 _CALL = re.compile(re.escape(CALL_START) + r"\s*(.*?)\s*" + re.escape(CALL_END), re.DOTALL)
@@ -37,6 +42,7 @@ class ToolRequest:
 
     tools: tuple
     parse: bool
+    forced: tuple = ()  # the functions a call is constrained to (tool_choice required / named); () none
 
     @property
     def names(self) -> frozenset:
@@ -73,13 +79,36 @@ def parse_tools(body: dict, bad) -> ToolRequest | None:
         parse = True
     elif choice == "none":
         parse = False
-    elif choice == "required" or isinstance(choice, dict):
-        raise bad("'tool_choice' 'required' or a named function needs the output constrained to a call "
-                  "(structured outputs), which this server does not do yet; use 'auto'", "tool_choice")
+    elif choice == "required":
+        return ToolRequest(tools=tuple(tools), parse=True, forced=tuple(sorted(names)))
+    elif isinstance(choice, dict):
+        function = choice.get("function")
+        name = function.get("name") if isinstance(function, dict) else None
+        if choice.get("type") != "function" or not isinstance(name, str):
+            raise bad("'tool_choice' naming a function must be {\"type\": \"function\", \"function\": "
+                      "{\"name\": ...}}", "tool_choice")
+        if name not in names:
+            raise bad(f"'tool_choice' names the function {name[:64]!r}, which 'tools' does not declare", "tool_choice")
+        return ToolRequest(tools=tuple(tools), parse=True, forced=(name,))
     else:
         raise bad(f"'tool_choice' must be 'auto', 'none', 'required' or a function, got {json.dumps(choice)[:60]}",
                   "tool_choice")
     return ToolRequest(tools=tuple(tools), parse=parse)
+
+
+def tool_call_regex(request: ToolRequest) -> str:
+    """The regex of one Hermes-style call to one of ``request.forced``
+    (module docstring); ``InvalidArgument`` when a function's
+    ``parameters`` schema cannot be enforced."""
+    from jaxkv.serve.structured import schema_regex
+
+    functions = {tool["function"]["name"]: tool["function"] for tool in request.tools}
+    calls = [{"type": "object", "properties": {
+        "name": {"const": name},
+        "arguments": functions[name].get("parameters") or {"type": "object", "properties": {}}},
+        "required": ["name", "arguments"], "additionalProperties": False} for name in request.forced]
+    schema = calls[0] if len(calls) == 1 else {"anyOf": calls}
+    return re.escape(CALL_START) + r"\n" + schema_regex(schema) + r"\n" + re.escape(CALL_END)
 
 
 def template_messages(messages: list) -> list:
