@@ -273,3 +273,34 @@ def test_engine_outputs_follow_random_schemas(tokenizer, model):
 def test_engine_outputs_follow_random_schemas_padded_and_more(tokenizer, model):
     engine_follows_constraints(tokenizer, model, "padded", 6)
     engine_follows_constraints(tokenizer, model, "packed", 10)
+
+
+@pytest.mark.long
+def test_smollm2_follows_random_schemas_and_json_mode():
+    """The real SmolLM2 (Q4_1 GGUF, 49,152 tokens, many of them multi-byte):
+    chat requests under random schemas (greedy and sampled) and JSON mode
+    give documents ``jsonschema`` accepts."""
+    from jaxkv.nn import AutoModelForCausalLM
+    from jaxkv.nn.gguf import SMOLLM2_INSTALL, find_smollm2
+    from jaxkv.nn.sampling import SamplingParams
+    from jaxkv.serve import Engine
+    from jaxkv.text import Tokenizer
+
+    path = find_smollm2()
+    if path is None:
+        pytest.skip(SMOLLM2_INSTALL)
+    model, tokenizer = AutoModelForCausalLM.from_pretrained(path), Tokenizer.from_pretrained(path)
+    vocab = model.config.vocab_size
+    rng = np.random.default_rng()
+    specs = [("json_schema", {"type": "object", "properties": {"colour": draw_schema(rng, 1),
+                                                               "count": draw_schema(rng, 1)},
+                              "required": ["colour", "count"]}) for _ in range(3)]
+    specs.append(("json_object", True))
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "Describe a colour as JSON."}], tokenize=True)
+    engine = Engine(model, tokenizer=tokenizer, max_seqs=4, max_model_len=512, decode_chunk=8)
+    requests = [dict(prompt_tokens=prompt, max_new_tokens=200, eos_token_id=tokenizer.eos_token_ids[0], seed=k,
+                     sampling=SamplingParams(temperature=0.7) if k % 2 else SamplingParams(),
+                     constraint=compile_constraint(tokenizer, vocab, **{kind: spec}))
+                for k, (kind, spec) in enumerate(specs)]
+    for (tokens, reason), (kind, spec) in zip(_run(engine, requests), specs):
+        _check_output(tokenizer, tokens, reason, kind, spec)

@@ -8,9 +8,11 @@ configuration (prompts prefilled whole at admission) is the baseline; then
 a hybrid family (a tiny Qwen3-Next: Gated DeltaNet and full attention) the
 same way. The **mixed** row is the packed scheduler at budget 128 with a
 quarter of the requests asking for the top 5 log-probabilities and a
-quarter for penalties (:data:`MIXED_PENALTIES`): the cost of computing
-them in the same calls (its penalized requests' tokens differ; the others'
-must not).
+quarter for penalties (:data:`MIXED_PENALTIES`) and a quarter constrained
+to a JSON schema (:data:`MIXED_SCHEMA`, a token automaton on the device):
+the cost of computing them in the same calls (its penalized and constrained
+requests' tokens differ; the others' must not, and the constrained ones
+must follow the automaton).
 
 The workload (``numpy.random.default_rng(0)``): a small random-weight Llama
 (2 layers, hidden 128, the demo's model) on CPU; requests arrive at
@@ -84,6 +86,8 @@ the timed steps at the largest row count, the top host functions.
 
 from __future__ import annotations
 
+import functools
+
 import statistics
 
 import numpy as np
@@ -116,9 +120,32 @@ def poisson_workload(num_requests: int, rng, vocab: int = CONFIG["vocab_size"]) 
 
 
 #: The mixed configuration's extras: request ``i`` with ``i % 4 == 1`` asks for the top 5 log-probabilities,
-#: ``i % 4 == 2`` for penalties (their tokens differ from the plain run's; the others' must not).
+#: ``i % 4 == 2`` for penalties, ``i % 4 == 3`` follows :data:`MIXED_SCHEMA` (the tokens of the last two differ
+#: from the plain run's; the others' must not).
 MIXED_LOGPROBS = 5
 MIXED_PENALTIES = dict(presence=0.5, frequency=0.5, repetition=1.1, logit_bias={7: -5.0})
+MIXED_SCHEMA = {"type": "object", "properties": {
+    "name": {"type": "string", "maxLength": 12}, "age": {"type": "integer", "minimum": 0, "maximum": 120},
+    "tags": {"type": "array", "items": {"enum": ["red", "green", "blue"]}, "maxItems": 3}},
+    "required": ["name", "age", "tags"]}
+#: The stop id of the constrained requests (ends their JSON; the bench's requests otherwise never stop early).
+MIXED_STOP = 2
+
+
+@functools.lru_cache(maxsize=2)
+def mixed_constraint(vocab: int):
+    """:data:`MIXED_SCHEMA` as a token automaton over a synthetic spelling of
+    the bench model's vocabulary (it has no tokenizer): ids 3..258 the 256
+    bytes, the rest 2- to 4-byte strings of JSON's characters drawn from
+    ``default_rng(7)``; id :data:`MIXED_STOP` ends it."""
+    from jaxkv.serve.structured import compile_regex, schema_regex
+
+    rng = np.random.default_rng(7)
+    alphabet = np.frombuffer(b'{}[]:," abcdefghijklmnopqrstuvwxyz0123456789-.', np.uint8)
+    spellings = {3 + b: bytes([b]) for b in range(min(256, vocab - 3))}
+    for i in range(259, vocab):
+        spellings[i] = bytes(rng.choice(alphabet, int(rng.integers(2, 5))).tolist())
+    return compile_regex(schema_regex(MIXED_SCHEMA), spellings, [MIXED_STOP], vocab, key="bench mixed schema")
 
 
 def _serve(model, workload, scheduler: str, budget, engine_args: dict, mixed: bool = False):
@@ -127,9 +154,13 @@ def _serve(model, workload, scheduler: str, budget, engine_args: dict, mixed: bo
     quarter for penalties (:data:`MIXED_PENALTIES`)."""
     engine = Engine(model, **engine_args, max_num_batched_tokens=budget, scheduler=scheduler)
     sampling = SamplingParams(temperature=0.7)
+    constraint = mixed_constraint(model.config.vocab_size) if mixed else None
+    # A constrained request that completes its JSON emits only the stop id: not a stop for it here, so that it
+    # runs its full length as the plain run's request does (the same token count, the same schedule).
     ids = [engine.add_request(p, n, arrival_step=a, sampling=sampling, seed=i,
                               logprobs=MIXED_LOGPROBS if mixed and i % 4 == 1 else None,
-                              penalties=MIXED_PENALTIES if mixed and i % 4 == 2 else None)
+                              penalties=MIXED_PENALTIES if mixed and i % 4 == 2 else None,
+                              constraint=constraint if mixed and i % 4 == 3 else None)
            for i, (p, n, a) in enumerate(workload)]
     summary = engine.run()
     return summary, engine.stats(), [engine.outputs[i] for i in ids]
@@ -146,6 +177,14 @@ HYBRID_CONFIGS = (BASELINE, "padded, budget 128", "packed, budget 128")
 HYBRID_ENGINE = dict(max_model_len=512, max_seqs=8, decode_chunk=4, prefill_chunk=256)
 
 
+def _follows_schema(tokens: list, vocab: int) -> bool:
+    """Whether a constrained request's tokens spell a document of
+    :data:`MIXED_SCHEMA` (up to its first stop id; cut by its length, a
+    prefix of one) in :func:`mixed_constraint`'s spelling."""
+    automaton = mixed_constraint(vocab)
+    return automaton.walk(automaton.initial, tokens) >= 0
+
+
 def _table(title: str, family: str, model, workload, names, engine_args: dict, repeats: int, warm: bool):
     """Serve ``workload`` under each configuration ``names`` (median of
     ``repeats`` interleaved runs); print the table, return (rows for JSON,
@@ -160,10 +199,14 @@ def _table(title: str, family: str, model, workload, names, engine_args: dict, r
         for name, (scheduler, budget, mixed) in configs.items():
             summary, stats, outputs[name] = _serve(model, workload, scheduler, budget, engine_args, mixed)
             runs[name].append((summary, stats))
-    # Every request's tokens are the same everywhere, but a mixed run's penalized ones (logprobs change none).
-    same = all([o for i, o in enumerate(out) if not (configs[name][2] and i % 4 == 2)]
-               == [o for i, o in enumerate(outputs[BASELINE]) if not (configs[name][2] and i % 4 == 2)]
+    # Every request's tokens are the same everywhere, but a mixed run's penalized and constrained ones (logprobs
+    # change none); a constrained one's output follows its schema.
+    same = all([o for i, o in enumerate(out) if not (configs[name][2] and i % 4 in (2, 3))]
+               == [o for i, o in enumerate(outputs[BASELINE]) if not (configs[name][2] and i % 4 in (2, 3))]
                for name, out in outputs.items())
+    if MIXED in outputs:
+        same = same and all(_follows_schema(o, model.config.vocab_size) for i, o in enumerate(outputs[MIXED])
+                            if i % 4 == 3)
 
     def med(name, f):
         return statistics.median(f(summary, stats) for summary, stats in runs[name])

@@ -45,10 +45,15 @@ temperature, top-k and top-p). Chat ``tools`` / ``tool_choice`` (``auto``,
 ``none``) go through the chat template and Hermes-style calls are parsed
 from the output (:mod:`jaxkv.serve.tools`). Completions' ``best_of`` (the
 ``n`` of ``best_of`` candidates with the highest cumulative logprob) and
-``echo``. Fields the server cannot honour (``response_format``,
-``tool_choice`` ``required``, ``prompt_logprobs``, ``suffix``...) set to
-anything but their neutral value are refused with 400 rather than silently
-ignored. Non-stream responses always carry ``usage``
+``echo``. Structured outputs: ``response_format`` (``json_object``,
+``json_schema``), vLLM's ``structured_outputs`` (``json``, ``regex``,
+``choice``, ``json_object``) and ``guided_json`` / ``guided_regex`` /
+``guided_choice``, and chat's ``tool_choice`` ``required`` or a named
+function, compiled into a token automaton the engine applies on the device
+(:mod:`jaxkv.serve.structured`; an invalid or unenforceable constraint is
+a 400). Fields the server cannot honour (``prompt_logprobs``, ``suffix``,
+a ``grammar`` constraint...) set to anything but their neutral value are
+refused with 400 rather than silently ignored. Non-stream responses always carry ``usage``
 (``prompt_tokens``: each distinct prompt once, whatever ``n``;
 ``completion_tokens``: over every choice).
 

@@ -47,8 +47,8 @@ import numpy as np
 from jaxkv.errors import InvalidArgument
 from jaxkv.nn.constraints import RowConstraints, TokenAutomaton, stack_automata
 
-__all__ = ["ConstraintTable", "MAX_AUTOMATON_BYTES", "compile_constraint", "constraint_regex", "integer_range_regex",
-           "number_range_regex", "token_bytes"]
+__all__ = ["ConstraintTable", "MAX_AUTOMATON_BYTES", "compile_constraint", "compile_regex", "constraint_regex",
+           "integer_range_regex", "number_range_regex", "schema_regex", "token_bytes"]
 
 #: The largest automaton accepted (its device tables' bytes).
 MAX_AUTOMATON_BYTES = 256 << 20
@@ -308,6 +308,31 @@ def _vocabulary(tokenizer, vocab_size: int):
     return vocabulary, stops
 
 
+def compile_regex(regex: str, vocabulary, stop_ids, vocab_size: int, *, key: str = "") -> TokenAutomaton:
+    """The automaton of ``regex`` over ``vocabulary`` (an outlines-core
+    ``Vocabulary``, or a dict ``{token id: bytes}`` of the tokens that may
+    be emitted), ended by any of ``stop_ids``; not cached."""
+    outlines = _require_outlines()
+    stop_ids = list(stop_ids)
+    if isinstance(vocabulary, dict):
+        spellings: dict = {}
+        for i, text in vocabulary.items():
+            if i not in stop_ids and text:
+                spellings.setdefault(text, []).append(i)
+        vocabulary = outlines.Vocabulary(stop_ids[0], spellings)
+    try:
+        index = outlines.Index(regex, vocabulary)
+    except (ValueError, TypeError) as err:
+        raise InvalidArgument(f"constraint {key or regex[:80]!r} cannot be compiled: "
+                              f"{str(err).splitlines()[0][:300]}") from None
+    automaton = TokenAutomaton.from_transitions(index.get_transitions(), index.get_initial_state(),
+                                                index.get_final_states(), vocab_size, stop_ids, key=key)
+    if automaton.nbytes > MAX_AUTOMATON_BYTES:
+        raise InvalidArgument(f"constraint {key[:80]!r} needs {automaton.nbytes / 2**20:.0f} MiB of tables "
+                              f"({automaton.num_states} states); at most {MAX_AUTOMATON_BYTES >> 20} MiB")
+    return automaton
+
+
 def compile_constraint(tokenizer, vocab_size: int, **constraint) -> TokenAutomaton:
     """The :class:`TokenAutomaton` of one constraint (keywords of
     :func:`constraint_regex`) over ``tokenizer``'s tokens, for a model of
@@ -321,17 +346,7 @@ def compile_constraint(tokenizer, vocab_size: int, **constraint) -> TokenAutomat
             _AUTOMATA.move_to_end(key)
             return entry[1]
     vocabulary, stops = _vocabulary(tokenizer, vocab_size)
-    outlines = _require_outlines()
-    try:
-        index = outlines.Index(regex, vocabulary)
-    except (ValueError, TypeError) as err:
-        raise InvalidArgument(f"{kind} constraint cannot be compiled: {str(err).splitlines()[0][:300]}") from None
-    automaton = TokenAutomaton.from_transitions(index.get_transitions(), index.get_initial_state(),
-                                                index.get_final_states(), vocab_size, stops,
-                                                key=f"{kind}:{regex[:200]}")
-    if automaton.nbytes > MAX_AUTOMATON_BYTES:
-        raise InvalidArgument(f"{kind} constraint needs {automaton.nbytes / 2**20:.0f} MiB of tables "
-                              f"({automaton.num_states} states); at most {MAX_AUTOMATON_BYTES >> 20} MiB")
+    automaton = compile_regex(regex, vocabulary, stops, vocab_size, key=f"{kind}:{regex[:200]}")
     with _LOCK:
         _AUTOMATA[key] = (tokenizer, automaton)
         while sum(a.nbytes for _, a in _AUTOMATA.values()) > _AUTOMATA_BYTES and len(_AUTOMATA) > 1:
