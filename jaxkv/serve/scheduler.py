@@ -203,7 +203,18 @@ def row_sampling(max_seqs: int, rows: dict, reqs_by_lane: dict, logprobs_mode: s
                    if req.constraint is not None}
     return RowSampling(temperature, top_k, top_p, logprobs=MAX_TOP_LOGPROBS if wanted else -1,
                        logprobs_mode=logprobs_mode, penalties=penalties,
-                       constraints=constraints.rows(max_seqs, constrained) if constrained else None)
+                       constraints=_constraint_rows(constraints, max_seqs, constrained))
+
+
+def _constraint_rows(table: ConstraintTable | None, max_seqs: int, constrained: dict):
+    """The batch's :class:`~jaxkv.nn.constraints.RowConstraints` (None when
+    no lane is constrained); without the engine's table, a table of its
+    own for this call."""
+    if not constrained:
+        return None
+    if table is None:
+        table = ConstraintTable(next(iter(constrained.values()))[0].vocab_size)
+    return table.rows(max_seqs, constrained)
 
 
 #: ``sampling_row``'s results by sampling parameters (``SamplingParams`` is
