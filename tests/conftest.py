@@ -162,6 +162,10 @@ RULES = (
      "greedy and sampled rows, top-k and top-p, a request asking none); the raw mode, every other family (the "
      "hybrid caches' packed and decode paths), the padded scheduler and a speculating engine in long (about "
      "4 minutes together)"),
+    ("long", "other cases", ("test_logprobs.py::test_prompt_logprobs_equal_a_no_cache_forward",
+                             "!test_logprobs.py::test_prompt_logprobs_equal_a_no_cache_forward[llama]"),
+     "the paged Llama's prompt scoring by default (pieces, a prefix twin); every other family's packed step "
+     "(the hybrid caches' and window models' logits) in long"),
     ("long", "other cases", ("test_penalties.py::test_engine_penalties_equal_numpy_over_a_no_cache_forward",
                              "!test_penalties.py::test_engine_penalties_equal_numpy_over_a_no_cache_forward[llama]"),
      "the paged Llama's penalties by default (the packed step, the decode loop's own counts); the hybrid caches' "
@@ -173,6 +177,9 @@ RULES = (
     ("long", "program", ("test_logprobs.py::test_smollm2_logprobs_and_penalties_equal_a_no_cache_forward",),
      "the real SmolLM2 (30 layers) compiled with logprobs and penalties; random models and fixtures check the "
      "same paths by default"),
+    ("long", "program", ("test_structured.py::test_smollm2_follows_random_schemas_and_json_mode",),
+     "the real SmolLM2 (30 layers) and JSON mode's index over its 49,152 tokens (about 19 s); a random model "
+     "under random schemas checks the same paths by default"),
     ("long", "program", ("test_speculative.py::test_smollm2_speculates_with_its_own_first_layers",),
      "the real SmolLM2 (30 layers) compiled three times; random models check the same paths by default"),
     ("long", "other cases", ("test_nn_gemma3.py::test_cached_steps_equal_no_cache_recompute[paged]",

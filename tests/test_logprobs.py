@@ -132,6 +132,52 @@ def test_padded_scheduler_and_speculation_pause():
     assert engine.stats().spec_draft_tokens == 0
 
 
+@pytest.mark.parametrize("family", FAMILIES)
+def test_prompt_logprobs_equal_a_no_cache_forward(family):
+    """``prompt_logprobs``: every prompt token's log-probability (after the
+    first), rank and top ``N`` equal ``log_softmax`` of a no-cache forward
+    of the prompt, for prompts prefilled in several pieces of a small token
+    budget beside decoding requests, for a prompt whose twin is in the
+    prefix cache (it is computed, not hit) and after a recompute
+    preemption; a request asking none gets None."""
+    from jaxkv.serve import Engine
+
+    model = _model(family)
+    vocab = model.config.vocab_size
+    rng = np.random.default_rng()
+    prompts = [rng.integers(1, vocab, int(n)).tolist() for n in rng.integers(5, 30, 3)]
+    prompts.append(list(prompts[0]))  # the same prompt again: its pages are in the prefix cache by then
+    engine = Engine(model, max_seqs=3, max_model_len=64, decode_chunk=4, max_num_batched_tokens=16)
+    asks = [TOP, None, 0, TOP]
+    ids = [engine.add_request(p, 6, prompt_logprobs=a, arrival_step=3 * i) for i, (p, a) in enumerate(zip(prompts,
+                                                                                                          asks))]
+    outputs = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            outputs.setdefault(out.request_id, []).append(out)
+    engine.check_bookkeeping()
+    for rid, prompt, ask in zip(ids, prompts, asks):
+        given = [o.prompt_logprobs for o in outputs[rid] if o.prompt_logprobs is not None]
+        if ask is None:
+            assert not given
+            continue
+        [scores] = given  # once, with the first token
+        assert outputs[rid][0].prompt_logprobs is scores and len(scores) == len(prompt) and scores[0] is None
+        want = np.asarray(jax.nn.log_softmax(model.forward_dense(jnp.asarray([prompt]))[0].astype(jnp.float32)))
+        for i, (logprob, rank, top) in enumerate(scores[1:], start=1):
+            row = want[i - 1]
+            np.testing.assert_allclose(logprob, row[prompt[i]], rtol=1e-4, atol=2e-4, err_msg=f"{family} {i}")
+            assert abs(rank - (1 + int((row > row[prompt[i]] + 2e-4).sum()))) <= int(
+                (np.abs(row - row[prompt[i]]) <= 2e-4).sum()), (family, i, rank)
+            assert len(top) == ask
+            if ask:
+                ids_, values = zip(*top)
+                assert list(values) == sorted(values, reverse=True)
+                np.testing.assert_allclose(values, row[list(ids_)], rtol=1e-4, atol=2e-4)
+    with pytest.raises(InvalidArgument, match="packed"):
+        Engine(model, max_seqs=2, max_model_len=64, scheduler="padded").add_request(prompts[0], 2, prompt_logprobs=1)
+
+
 def test_logprob_refusals():
     from jaxkv.serve import Engine
 

@@ -120,7 +120,7 @@ def _run(model, kv_dtype=None, *, tol=2e-4, steps=14, rng=None):
         batch = pack([lane for *_, lane in order], num_lanes=LANES, num_tokens=TOKENS, num_prefill_lanes=LANES,
                      max_prefill_len=TOKENS, num_prefill=len(prefill))
         keys = jax.random.split(jax.random.key(0), LANES)
-        manager, pool, tokens, _, ok, _, _, _ = _step(graphdef, params, manager, pool, batch,
+        manager, pool, tokens, _, ok, _, _, _, _ = _step(graphdef, params, manager, pool, batch,
                                                    RowSampling.broadcast(GREEDY, LANES), keys, window)
         assert bool(ok)
         tokens = np.asarray(tokens)

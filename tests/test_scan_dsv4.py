@@ -57,13 +57,23 @@ def _models(rng):
             DeepseekV4ForCausalLM(config, rngs=nnx.Rngs(seed), scan_layers=False))
 
 
-def test_a_scanned_deepseek_v4_is_the_unrolled_one(tmp_path):
+def _scanned_is_unrolled(tmp_path, generate_kws) -> None:
     rng = np.random.default_rng()
     config, scanned, unrolled = _models(rng)
     signatures = [(config.layer_types[i], config.mlp_layer_types[i]) for i in range(config.num_hidden_layers)]
     prompts = [rng.integers(2, config.vocab_size, int(rng.integers(3, 22))).tolist() for _ in range(2)]
     assert_scanned_is_unrolled(scanned, unrolled, signatures, rng, tmp_path, dense_tokens=29, prompts=prompts,
-                               new_tokens=6, generate_kws=({}, {"prefill_chunk_size": 5, "entry_format": "fp8"}))
+                               new_tokens=6, generate_kws=generate_kws)
+
+
+def test_a_scanned_deepseek_v4_is_the_unrolled_one(tmp_path):
+    """Whole prompts, lossless entries (the chunked fp8 run in the wide twin)."""
+    _scanned_is_unrolled(tmp_path, ({},))
+
+
+def test_a_scanned_deepseek_v4_is_the_unrolled_one_wide(tmp_path):
+    """Another drawn schedule, with prefill chunks of 5 and fp8 entries too."""
+    _scanned_is_unrolled(tmp_path, ({}, {"prefill_chunk_size": 5, "entry_format": "fp8"}))
 
 
 def test_the_cache_stacks_the_layers_of_one_store_class():

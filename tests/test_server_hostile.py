@@ -298,7 +298,8 @@ def _field_mutations(chat: bool) -> st.SearchStrategy:
                                               st.integers(10 ** 4, 10 ** 6).map(lambda n: "m" * n))),
         st.tuples(st.just("best_of"), st.one_of(_outside(1, 16), st.sampled_from([0.5, "3", True]))),
         st.tuples(st.just("echo"), st.sampled_from([1, "yes", [True]])),
-        st.tuples(st.sampled_from(["prompt_logprobs", "tools", "response_format"]),
+        st.tuples(st.just("prompt_logprobs"), st.one_of(_outside(0, 20), st.sampled_from([0.5, "3", [1]]))),
+        st.tuples(st.sampled_from(["tools", "response_format"]),
                   st.sampled_from([5, 2, 0.5, True, {"1": 5}, [{"type": "function"}]]).filter(
                       lambda v: v not in (0, 1, False))),
         st.tuples(st.sampled_from(["presence_penalty", "frequency_penalty"]),

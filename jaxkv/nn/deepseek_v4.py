@@ -601,7 +601,7 @@ class DeepseekV4ForCausalLM(nnx.Module):
         those ``S`` tokens only; finite garbage for a lane with none)."""
         streams, manager = self._through_cache(batch.token_ids, manager, batch.seq_ids, batch.positions,
                                                batch.token_lanes)
-        return self._logits(streams[batch.last_tokens]), manager
+        return self._logits(streams[batch.logits_at]), manager
 
     def _through_cache(self, tokens: Int[Array, " T"], manager: KVCacheManager, slots: Int[Array, " B"],
                        positions: Int[Array, " T"], request_ids: Int[Array, " T"]):

@@ -113,6 +113,10 @@ class PackedBatch:
     num_prefill: Int[Array, ""]
     slots: Int[Array, " T"] | None = None
     block_tables: Int[Array, "S M"] | None = None
+    #: Prompt scoring (``prompt_logprobs``): stream indices whose logits are returned too, after each lane's
+    #: last token's, and the token that follows each (whose log-probability is read); None: none.
+    scored: Int[Array, " E"] | None = None
+    scored_targets: Int[Array, " E"] | None = None
     num_prefill_lanes: int = struct.field(pytree_node=False, default=0)
     max_prefill_len: int = struct.field(pytree_node=False, default=1)
 
@@ -143,6 +147,14 @@ class PackedBatch:
     def last_tokens(self) -> Int[Array, " S"]:
         """Flat index of each lane's last token (0 for a lane with none)."""
         return jnp.maximum(self.cu_q_lens[1:] - 1, 0)
+
+    @property
+    def logits_at(self) -> Int[Array, " L"]:
+        """The stream indices a model's packed step returns logits for:
+        each lane's last token (``[S]``), then the ``scored`` ones."""
+        if self.scored is None:
+            return self.last_tokens
+        return jnp.concatenate([self.last_tokens, self.scored])
 
     def segments(self, lanes: str):
         """A ``[rows, width]`` view of one lane class: ``"prefill"`` (rows
@@ -253,6 +265,6 @@ def packed_logits(model, batch: PackedBatch, pool, x, verify=None, width: int = 
 
     x, pool = model.layers.run(step, (x, pool))  # a DecoderStack: scanned where layers repeat
     if verify is None:
-        return model.logits_from_hidden(x[:, batch.last_tokens])[0], pool
+        return model.logits_from_hidden(x[:, batch.logits_at])[0], pool
     index = logit_tokens(batch, verify, width)
     return model.logits_from_hidden(x[0][index]), pool

@@ -502,7 +502,7 @@ class Qwen3NextForCausalLM(nnx.Module):
 
         x, manager = self._through_cache(self._embed(batch.token_ids)[None], manager, batch.seq_ids,
                                          batch.positions[None], batch.token_lanes, linear)
-        return self._logits(x[0, batch.last_tokens]), manager
+        return self._logits(x[0, batch.logits_at]), manager
 
     def _through_cache(self, x, manager: KVCacheManager, slots, positions, request_ids, linear):
         """Every layer from the embeddings ``x [B, W, hidden]`` at

@@ -39,8 +39,8 @@ from jaxkv.nn.penalties import RowPenalties, penalized
 from jaxtyping import Array, Float, Int
 
 __all__ = ["GREEDY", "LOGPROBS_MODES", "MAX_TOP_LOGPROBS", "TOP_K_MAX", "RowSampling", "SamplingParams",
-           "TokenLogprobs", "filtered_logits", "row_rules", "sample", "sample_with_logprobs", "split_keys",
-           "token_logprobs"]
+           "TokenLogprobs", "filtered_logits", "row_rules", "sample", "sample_with_logprobs", "score_tokens",
+           "split_keys", "token_logprobs"]
 
 
 _F32 = np.finfo(np.float32)
@@ -319,3 +319,17 @@ def token_logprobs(logits: Float[Array, "B V"], tokens: Int[Array, " B"], params
                              top=jnp.zeros((*token.shape, 0), jnp.float32))
     top, top_ids = jax.lax.top_k(logprobs, top_n)
     return TokenLogprobs(token=token, top_ids=top_ids.astype(jnp.int32), top=top)
+
+
+def score_tokens(logits: Float[Array, "E V"], targets: Int[Array, " E"], top_n: int
+                 ) -> tuple[TokenLogprobs, Int[Array, " E"]]:
+    """Prompt scoring: each ``targets[e]``'s log-probability under the
+    model's softmax of ``logits[e]`` (raw: no temperature, penalties or
+    constraint apply to a prompt), the ``top_n`` (static) most likely
+    tokens', and the target's rank (1: the most likely; ties share the
+    better rank), float32."""
+    logprobs = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    token = jnp.take_along_axis(logprobs, targets.astype(jnp.int32)[:, None], axis=-1)[:, 0]
+    rank = 1 + jnp.sum(logprobs > token[:, None], axis=-1, dtype=jnp.int32)
+    top, top_ids = jax.lax.top_k(logprobs, top_n)
+    return TokenLogprobs(token=token, top_ids=top_ids.astype(jnp.int32), top=top), rank

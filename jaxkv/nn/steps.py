@@ -63,8 +63,8 @@ from jaxkv.manager.rows import slot_of
 from jaxkv.nn.packed import PackedBatch
 from jaxkv.nn.constraints import advance, constrain
 from jaxkv.nn.penalties import SeenTokens, apply_penalties, count
-from jaxkv.nn.sampling import (RowSampling, SamplingParams, TokenLogprobs, row_rules, sample, sample_with_logprobs,
-                               split_keys)
+from jaxkv.nn.sampling import (MAX_TOP_LOGPROBS, RowSampling, SamplingParams, TokenLogprobs, row_rules, sample,
+                               sample_with_logprobs, score_tokens, split_keys)
 from jaxkv.pool.kv_pool import KVPool
 from jaxkv.pool.scrub import freed_blocks, scrub_kv_pool
 
@@ -480,6 +480,17 @@ def _sample_lanes(logits: Float[Array, "S V"], keys: jax.Array, sampling: RowSam
     return tokens, jnp.where(took, advanced, keys), logprobs
 
 
+def _split_scores(logits, batch: PackedBatch):
+    """A packed step's logits split into the lanes' (``[S, V]``) and, when
+    ``batch`` scores prompt tokens, their scores
+    (:func:`~jaxkv.nn.sampling.score_tokens`: ``(TokenLogprobs, rank)``
+    with the top :data:`~jaxkv.nn.sampling.MAX_TOP_LOGPROBS`); else None."""
+    if batch.scored is None:
+        return logits, None
+    lanes = batch.num_lanes
+    return logits[:lanes], score_tokens(logits[lanes:], batch.scored_targets, MAX_TOP_LOGPROBS)
+
+
 def grow_decode_lanes(manager: BlockSpaceManager, pool: KVPool, batch: PackedBatch, width: int,
                       window: int | None, scrub: bool):
     """A paged packed step's decode lanes, grown: blocks out of every
@@ -512,16 +523,18 @@ def paged_packed_step(graphdef, params, manager: BlockSpaceManager, pool: KVPool
     every real token's K/V are written at its row's slot, the model runs
     (``forward_packed``) and the lanes of ``batch.sample`` that ran draw a
     token. Returns ``(manager, pool, tokens [S], keys, decode_ok, blocked
-    [S], blocks in use, logprobs)`` (``logprobs``: the tokens'
+    [S], blocks in use, logprobs, scores)`` (``logprobs``: the tokens'
     :class:`~jaxkv.nn.sampling.TokenLogprobs` when ``sampling`` asks for
-    them, else None). ``scrub``: the trimmed blocks are zeroed before the
+    them, else None; ``scores``: the ``batch.scored`` prompt tokens' scores,
+    :func:`~jaxkv.nn.sampling.score_tokens`, else None). ``scrub``: the trimmed blocks are zeroed before the
     append (:mod:`jaxkv.pool.scrub`)."""
     manager, pool, batch, blocked, ok = grow_decode_lanes(manager, pool, batch, 1, window, scrub)
     batch = place_tokens(manager, batch)
     logits, pool = nnx.merge(graphdef, params).forward_packed(batch, pool)
+    logits, scores = _split_scores(logits, batch)
     took = batch.sample & (batch.q_lens > 0)
     tokens, keys, logprobs = _sample_lanes(logits, keys, sampling, took)
-    return manager, pool, tokens, keys, ok, blocked, manager.device.num_used, logprobs
+    return manager, pool, tokens, keys, ok, blocked, manager.device.num_used, logprobs, scores
 
 
 def hybrid_packed_step(graphdef, params, manager: KVCacheManager, batch: PackedBatch, sampling: RowSampling,
@@ -532,7 +545,8 @@ def hybrid_packed_step(graphdef, params, manager: KVCacheManager, batch: PackedB
     decode lanes' (all or nothing; on failure they drop out), run the model
     (``forward_packed``), and draw a token for the lanes of ``batch.sample``
     that ran. Returns ``(manager, tokens [S], keys, prefill_ok, decode_ok,
-    blocks in use, logprobs)`` (``logprobs`` as :func:`paged_packed_step`'s).
+    blocks in use, logprobs, scores)`` (``logprobs`` and ``scores`` as
+    :func:`paged_packed_step`'s).
     Nothing here snapshots: the engine keeps its snapshots
     at prompt-piece ends (:mod:`jaxkv.serve.hybrid_cache`); a caller that
     built its manager with ``capture_every`` calls ``manager.capture`` after
@@ -547,6 +561,7 @@ def hybrid_packed_step(graphdef, params, manager: KVCacheManager, batch: PackedB
     batch = batch.replace(positions=jnp.where(prefill_ok | (batch.token_lanes >= batch.num_prefill),
                                               batch.positions, -1))
     logits, manager = nnx.merge(graphdef, params).forward_packed(batch, manager)
+    logits, scores = _split_scores(logits, batch)
     ran = (batch.q_lens > 0) & jnp.where(decode, decode_ok, prefill_ok)
     tokens, keys, logprobs = _sample_lanes(logits, keys, sampling, batch.sample & ran)
-    return manager, tokens, keys, prefill_ok, decode_ok, manager.blocks_in_use, logprobs
+    return manager, tokens, keys, prefill_ok, decode_ok, manager.blocks_in_use, logprobs, scores

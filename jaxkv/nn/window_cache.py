@@ -193,7 +193,7 @@ class InterleavedWindowModel:
         token's (finite garbage for a lane with none)."""
         x, manager = self._through_cache(self._embed(batch.token_ids)[None], manager, batch.seq_ids,
                                          batch.positions[None], batch.token_lanes)
-        return self._logits(x[0, batch.last_tokens]), manager
+        return self._logits(x[0, batch.logits_at]), manager
 
     def _through_cache(self, x, manager, slots, positions, request_ids):
         """Every layer from the embeddings ``x [B, W, hidden]`` at

@@ -72,6 +72,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxkv._ops import pow2_at_least
 from jaxkv.errors import BookkeepingError, InvalidArgument, KVCacheOOM
 from jaxkv.manager.block_space import FREE, ON_DEVICE, STATUS_NAMES, SWAPPED
 from jaxkv.manager.rows import row_of, slot_of
@@ -172,6 +173,7 @@ class PackedResult:
     drafted: np.ndarray | None = None
     accepted: np.ndarray | None = None
     logprobs: TokenLogprobs | None = None  # the tokens' log-probabilities ([S] entries), when asked for
+    scores: tuple | None = None  # prompt scoring: (TokenLogprobs, rank) of the scored tokens, in the order given
 
 
 
@@ -200,7 +202,8 @@ def fixed_ids(ids, size: int) -> np.ndarray:
 
 
 def pack_stream(prefill: list[PackedLane], decode_seq_ids, decode_tokens, decode_positions, *, num_lanes: int,
-                num_tokens: int, num_prefill_lanes: int, max_prefill_len: int, decode_widths=None) -> PackedBatch:
+                num_tokens: int, num_prefill_lanes: int, max_prefill_len: int, decode_widths=None,
+                scored=None) -> PackedBatch:
     """:func:`jaxkv.nn.packed.pack` of the lanes ``prefill`` followed by one
     decode lane ``PackedLane(decode_seq_ids[j], [decode_tokens[j]],
     decode_positions[j])`` per entry of the decode arrays, with ``num_prefill
@@ -211,7 +214,10 @@ def pack_stream(prefill: list[PackedLane], decode_seq_ids, decode_tokens, decode
     ``decode_widths`` (default all 1): a decode lane of width ``w > 1`` is
     a speculative verify lane: its token, then ``w - 1`` placeholder
     tokens (0) at the following positions, which the device fills with
-    drafts (:func:`jaxkv.nn.speculative.paged_packed_verify_step`)."""
+    drafts (:func:`jaxkv.nn.speculative.paged_packed_verify_step`).
+    ``scored`` (prompt scoring): ``(prefill lane, offsets, next tokens)``
+    per lane whose tokens at those offsets of its piece are scored
+    (``PackedBatch.scored``, padded to a power of two with index 0)."""
     num_prefill = len(prefill)
     decode_tokens = np.asarray(decode_tokens, np.int64).reshape(-1)
     decode_positions = np.asarray(decode_positions, np.int64).reshape(-1)
@@ -249,9 +255,17 @@ def pack_stream(prefill: list[PackedLane], decode_seq_ids, decode_tokens, decode
         cu[lanes + 1] = at + ends
         at += int(ends[-1])
     cu[num_prefill + num_decode + 1:] = at
+    index = targets = None
+    if scored:  # (prefill lane, token offsets in its piece, next tokens): stream indices, a power-of-two count
+        index = np.concatenate([cu[lane] + np.asarray(offsets, np.int64) for lane, offsets, _ in scored])
+        targets = np.concatenate([np.asarray(t, np.int64) for _, _, t in scored])
+        width = pow2_at_least(len(index))
+        index = np.pad(index, (0, width - len(index))).astype(np.int32)
+        targets = np.pad(targets, (0, width - len(targets))).astype(np.int32)
     return PackedBatch(token_ids=token_ids, positions=positions, token_lanes=token_lanes, cu_q_lens=cu,
                        kv_lens=kv_lens, seq_ids=seq_ids, sample=sample, num_prefill=np.asarray(num_prefill, np.int32),
-                       num_prefill_lanes=int(num_prefill_lanes), max_prefill_len=int(max_prefill_len))
+                       scored=index, scored_targets=targets, num_prefill_lanes=int(num_prefill_lanes),
+                       max_prefill_len=int(max_prefill_len))
 
 
 
@@ -598,7 +612,8 @@ class CacheBase(abc.ABC):
 
     def packed_step(self, graphdef, params, prefill: list[tuple[PrefillLane, tuple[int, int]]],
                     decode: list[tuple[int, int, int]], sampling: RowSampling, key_data: list,
-                    num_tokens: int, prefill_width: int | None = None, speculation=None) -> PackedResult:
+                    num_tokens: int, prefill_width: int | None = None, speculation=None,
+                    scored=None) -> PackedResult:
         """ONE jitted call for a scheduler iteration: the prefill pieces
         ``prefill`` (lane, ``(start, end)``; pieces of one lane in order,
         after :meth:`begin_prefill`; a piece that ends the lane's tokens
@@ -612,7 +627,8 @@ class CacheBase(abc.ABC):
         history, history_len, verify)``, ``verify`` a bool per decode entry:
         those rows are verify lanes of ``k + 1`` tokens (drafts found on the
         device from the history; the result then has their tokens and
-        counts)."""
+        counts). ``scored``: prompt tokens to score (:func:`pack_stream`'s;
+        the result's ``scores`` then has them, in that order)."""
         lanes = [PackedLane(self._seq_id(lane.row), lane.tokens[start:end], start, end == len(lane.tokens))
                  for lane, (start, end) in prefill]
         rows, tokens, positions = np.asarray(decode, np.int64).reshape(-1, 3).T
@@ -621,7 +637,8 @@ class CacheBase(abc.ABC):
         result = self._packed_call(graphdef, params, lanes, (self._seq_ids(rows), tokens, positions), sampling,
                                    self._keys(key_data), num_tokens, want_tables=self._wants_tables(prefill),
                                    prefill_width=min(num_tokens, prefill_width or num_tokens),
-                                   **({} if speculation is None else {"speculation": speculation}))
+                                   **({} if speculation is None else {"speculation": speculation}),
+                                   **({} if not scored else {"scored": scored}))
         self._after_prefill([lane for lane, _ in prefill], [start for _, (start, _) in prefill],
                             [end - start for _, (start, end) in prefill], defer=True)
         return result
@@ -664,9 +681,10 @@ class CacheBase(abc.ABC):
         manager, pool = self._decode_view()
         drafted = accepted = steps = None
         if speculation is not None and (getattr(sampling, "logprobs", -1) >= 0
-                                        or getattr(sampling, "penalties", None) is not None):
-            raise InvalidArgument("log-probabilities and penalties are computed by plain decode chunks (the "
-                                  "scheduler runs one while a request asks for them), not by speculative ones")
+                                        or getattr(sampling, "penalties", None) is not None
+                                        or getattr(sampling, "constraints", None) is not None):
+            raise InvalidArgument("log-probabilities, penalties and constraints are computed by plain decode chunks "
+                                  "(the scheduler runs one while a request asks for them), not by speculative ones")
         if speculation is None:
             state = decode_chunk(graphdef, params, manager, pool, last, active, num_generated, max_new, eos_id,
                                  sampling, self._keys(key_data), num_steps=num_steps, scrub=self.scrub)
@@ -770,7 +788,8 @@ class KVCache(Protocol):
     def pieces(self, lane: PrefillLane, width: int | None = None) -> list[tuple[int, int]]: ...
     def prefill_step(self, graphdef, params, batch, sampling: RowSampling): ...
     def packed_step(self, graphdef, params, prefill, decode, sampling: RowSampling, key_data: list,
-                    num_tokens: int, prefill_width: int | None = None, speculation=None) -> PackedResult: ...
+                    num_tokens: int, prefill_width: int | None = None, speculation=None,
+                    scored=None) -> PackedResult: ...
     def prefill_lane_cap(self, num_prefill: int, budget: int) -> int: ...
     def decode(self, graphdef, params, last, active, num_generated, max_new, eos_id, sampling: RowSampling,
                key_data: list, num_steps: int, speculation=None) -> DecodeResult: ...

@@ -224,7 +224,8 @@ class Engine(Scheduler):
                     sampling: SamplingParams = GREEDY, eos_token_id: int | None = None,
                     stop_token_ids: Sequence[int] = (), stop: str | Sequence[str] = (),
                     namespace: Hashable = None, seed: int | None = None, arrival_step: int = 0,
-                    logprobs: int | None = None, penalties=None, constraint=None) -> int:
+                    logprobs: int | None = None, penalties=None, constraint=None,
+                    prompt_logprobs: int | None = None) -> int:
         """Queue a request; returns its id (its key in :attr:`outputs`).
         Works at any time, also between :meth:`step` calls while other
         requests run: it is admitted at the next iteration that has room.
@@ -261,6 +262,15 @@ class Engine(Scheduler):
         sends every penalized row's tokens with the call; a speculating
         engine runs plain decode chunks while one runs.
 
+        ``prompt_logprobs`` (an integer in ``[0, 20]``; None: none): each
+        prompt token's log-probability given the tokens before it, its rank
+        and the ``prompt_logprobs`` most likely tokens', computed in the
+        packed steps that prefill the prompt (the logits of every prompt
+        position, scored on the device) and given in the
+        ``RequestOutput.prompt_logprobs`` of the output carrying the first
+        token. Such a request takes no prefix-cache hit (every prompt token
+        is computed); the packed scheduler only.
+
         ``constraint`` (a :class:`~jaxkv.nn.constraints.TokenAutomaton`,
         e.g. :func:`jaxkv.serve.structured.compile_constraint` of a JSON
         schema; None: none): the output follows it, every token outside it
@@ -282,8 +292,9 @@ class Engine(Scheduler):
         ``eos_token_id`` or ``stop_token_ids`` outside the vocabulary;
         ``stop`` that is not a string or a sequence of non-empty strings, or
         is given to an engine without a tokenizer; a negative or non-integer
-        ``arrival_step``; a non-integer ``seed``; ``logprobs`` that is not
-        an integer in ``[0, 20]``; ``penalties`` out of their ranges
+        ``arrival_step``; a non-integer ``seed``; ``logprobs`` or
+        ``prompt_logprobs`` that is not an integer in ``[0, 20]``,
+        ``prompt_logprobs`` under the padded scheduler; ``penalties`` out of their ranges
         (:class:`~jaxkv.nn.penalties.Penalties`), with a ``logit_bias`` id
         outside the vocabulary or ``min_tokens`` above ``max_new_tokens``;
         a ``constraint`` that is not a ``TokenAutomaton`` or was built for
@@ -303,7 +314,11 @@ class Engine(Scheduler):
                           stop_token_ids=stop_token_ids, stop=stop, namespace=namespace, seed=seed,
                           arrival_step=arrival_step, now_step=self._step, vocab=self.vocab_size,
                           has_tokenizer=self.tokenizer is not None, cache=self.cache, engine_key=self.key,
-                          logprobs=logprobs, penalties=penalties, constraint=constraint)
+                          logprobs=logprobs, penalties=penalties, constraint=constraint,
+                          prompt_logprobs=prompt_logprobs)
+        if prompt_logprobs is not None and self.scheduler != "packed":
+            raise InvalidArgument("prompt_logprobs are scored in packed steps: use the packed scheduler "
+                                  "(Engine(..., scheduler='packed'), the default)")
         arrival = req.arrival
         if self.tokenizer is not None:
             req.detok = self.output.detokenizer_for(req.prompt)

@@ -51,9 +51,13 @@ from the output (:mod:`jaxkv.serve.tools`). Completions' ``best_of`` (the
 ``guided_choice``, and chat's ``tool_choice`` ``required`` or a named
 function, compiled into a token automaton the engine applies on the device
 (:mod:`jaxkv.serve.structured`; an invalid or unenforceable constraint is
-a 400). Fields the server cannot honour (``prompt_logprobs``, ``suffix``,
-a ``grammar`` constraint...) set to anything but their neutral value are
-refused with 400 rather than silently ignored. Non-stream responses always carry ``usage``
+a 400). vLLM's ``prompt_logprobs`` (0..20: each prompt token's
+log-probability, rank and top ones, scored in the packed steps that
+prefill the prompt; such a request takes no prefix-cache hit), and
+completions' ``echo`` with ``logprobs`` (the prompt's tokens first, the
+first one's None). Fields the server cannot honour (``suffix``,
+``functions``, a ``grammar`` constraint...) set to anything but their
+neutral value are refused with 400 rather than silently ignored. Non-stream responses always carry ``usage``
 (``prompt_tokens``: each distinct prompt once, whatever ``n``;
 ``completion_tokens``: over every choice).
 
@@ -324,7 +328,7 @@ def _get(body: dict, name: str, kind, *, default=None, required: bool = False, l
 
 
 # Fields OpenAI defines that this server does not implement, with their neutral values.
-_UNSUPPORTED = {"prompt_logprobs": (None, 0), "suffix": (None, ""), "functions": (None, [])}
+_UNSUPPORTED = {"suffix": (None, ""), "functions": (None, [])}
 
 
 def _refuse_unsupported(body: dict) -> None:
@@ -587,6 +591,8 @@ class _Params:
     best_of: int = 1  # completions: candidates per prompt, the n of highest cumulative logprob returned
     echo: bool = False  # completions: the prompt's text before each choice's
     structured: tuple | None = None  # (field, compile_constraint keywords) of a structured output, None: none
+    prompt_logprobs: int | None = None  # vLLM's prompt_logprobs: top log-probabilities per prompt token
+    tokens_as_ids: bool = False  # vLLM's return_tokens_as_token_ids: logprobs name tokens "token_id:N"
 
 
 def _token_ids(value, name: str, vocab: int | None) -> list[int]:
@@ -663,7 +669,10 @@ def _parse_params(body: dict, *, chat: bool, vocab: int | None = None) -> _Param
         ignore_eos=_get(body, "ignore_eos", bool, default=False),
         n=_get(body, "n", int, default=1, low=1, high=MAX_N), stream=stream, include_usage=include_usage,
         cache_salt=salt, logprobs=_parse_logprobs(body, chat), penalties=_parse_penalties(body, max_tokens, vocab),
-        structured=_parse_structured(body), **_parse_best_of_and_echo(body, chat, stream))
+        structured=_parse_structured(body),
+        prompt_logprobs=_get(body, "prompt_logprobs", int, low=0, high=MAX_TOP_LOGPROBS),
+        tokens_as_ids=_get(body, "return_tokens_as_token_ids", bool, default=False),
+        **_parse_best_of_and_echo(body, chat, stream))
 
 
 def _parse_structured(body: dict) -> tuple | None:
@@ -716,9 +725,9 @@ def _parse_structured(body: dict) -> tuple | None:
 
 def _parse_best_of_and_echo(body: dict, chat: bool, stream: bool) -> dict:
     """Completions' ``best_of`` (``n``..:data:`MAX_N`; not streamed when
-    above ``n``) and ``echo`` (not with ``logprobs``: the prompt's own
-    log-probabilities are not computed); chat has neither (400 unless
-    neutral)."""
+    above ``n``) and ``echo`` (with ``logprobs``, the prompt's tokens'
+    log-probabilities come first, its first token's None); chat has
+    neither (400 unless neutral)."""
     n = _get(body, "n", int, default=1, low=1, high=MAX_N)
     if chat:
         for name, neutral in (("best_of", 1), ("echo", False)):
@@ -735,9 +744,6 @@ def _parse_best_of_and_echo(body: dict, chat: bool, stream: bool) -> dict:
     if best_of > n and stream:
         raise _bad("'best_of' above 'n' cannot be streamed (the best are known at the end)", "best_of")
     echo = _get(body, "echo", bool, default=False)
-    if echo and body.get("logprobs") is not None:
-        raise _bad("'echo' with 'logprobs' needs the prompt's log-probabilities (prompt_logprobs), which this "
-                   "server does not compute", "echo", "unsupported_parameter")
     return {"best_of": best_of, "echo": echo}
 
 
@@ -1495,6 +1501,8 @@ class _Choice:
     logprobs: list = dataclasses.field(default_factory=list)  # (token id, logprob, top) per token, when asked
     text_length: int = 0  # characters of text before the newest tokens (completions' text_offset)
     held: str = ""  # streaming with tools: the text held back from the first "<tool_call>" on
+    prompt_ids: list = dataclasses.field(default_factory=list)
+    prompt_scores: tuple | None = None  # RequestOutput.prompt_logprobs, when the prompt was scored
 
     def hold_calls(self, text: str, reason: str | None, names: frozenset) -> tuple[str, list | None, str | None]:
         """Streaming a chat whose output is parsed for tool calls: ``(text to
@@ -1547,7 +1555,18 @@ def _engine_kwargs(state: ServerState, params: _Params, prompt: list[int], index
                   # best_of ranks its candidates by their tokens' log-probabilities: computed even if not asked
                   logprobs=params.logprobs if params.logprobs is not None or params.best_of <= params.n else 0,
                   penalties=params.penalties, constraint=constraint)
+    scored = _scored_prompt(params)
+    if scored is not None:
+        kwargs["prompt_logprobs"] = scored
     return kwargs
+
+
+def _scored_prompt(params: _Params) -> int | None:
+    """The top count the engine scores each prompt token with: vLLM's
+    ``prompt_logprobs``, or completions' ``logprobs`` with ``echo``; None:
+    the prompt is not scored."""
+    asks = [n for n in (params.prompt_logprobs, params.logprobs if params.echo else None) if n is not None]
+    return max(asks) if asks else None
 
 
 class _Job:
@@ -1569,7 +1588,7 @@ class _Job:
         for p, prompt in enumerate(prompts):
             for j in range(candidates):
                 index = p * candidates + j
-                self.choices.append(_Choice(index, len(prompt)))
+                self.choices.append(_Choice(index, len(prompt), prompt_ids=prompt))
                 self.submissions.append((prompt, _engine_kwargs(state, params, prompt, j, tenant, constraint)))
         self.live: set[int] = set()
 
@@ -1621,6 +1640,8 @@ class _Job:
         choice = self.choices[index]
         now = time.perf_counter()
         count = len(item.new_token_ids)
+        if getattr(item, "prompt_logprobs", None) is not None:
+            choice.prompt_scores = item.prompt_logprobs
         entries = []
         if item.new_logprobs is not None:
             entries = [(token, logprob, top) for token, (logprob, top) in zip(item.new_token_ids, item.new_logprobs)]
@@ -1759,7 +1780,7 @@ async def _serve(request: Request, state: ServerState, prompts: list[list[int]],
     for choice in _best_choices(job.choices, params.n, params.best_of):
         text = "".join(choice.text)
         if chat:
-            logprobs = _chat_logprobs(state.tokenizer, choice.logprobs) if asked else None
+            logprobs = _chat_logprobs(_names(state, params), choice.logprobs) if asked else None
             message, reason = {"role": "assistant", "content": text}, choice.finish_reason
             if params.tools is not None and params.tools.parse:
                 content, calls = parse_tool_calls(text, params.tools.names)
@@ -1769,11 +1790,43 @@ async def _serve(request: Request, state: ServerState, prompts: list[list[int]],
             choices.append({"index": choice.index, "message": message, "logprobs": logprobs,
                             "finish_reason": reason})
         else:
-            logprobs = _completion_logprobs(state.tokenizer, choice.logprobs, 0) if asked else None
+            entries = (_prompt_entries(choice, params.logprobs) if params.echo else []) + choice.logprobs
+            logprobs = _completion_logprobs(_names(state, params), entries, 0) if asked else None
             choices.append({"index": choice.index, "text": text, "logprobs": logprobs,
-                            "finish_reason": choice.finish_reason})
+                            "finish_reason": choice.finish_reason,
+                            **_prompt_logprobs_field(_names(state, params), choice, params.prompt_logprobs)})
+    extra = {}
+    if chat and params.prompt_logprobs is not None and job.choices:  # chat: the response's, of its one prompt
+        extra = _prompt_logprobs_field(_names(state, params), job.choices[0], params.prompt_logprobs)
     return JSONResponse({"id": rid, "object": "chat.completion" if chat else "text_completion", "created": created,
-                         "model": model, "choices": choices, "usage": job.usage()})
+                         "model": model, "choices": choices, "usage": job.usage(), **extra})
+
+
+def _prompt_entries(choice: _Choice, top: int) -> list:
+    """Completions' ``echo`` with ``logprobs``: the prompt's tokens as
+    entries ``(token id, logprob, top)``, the first one's logprob and top
+    None (nothing precedes it); [] when the prompt was not scored."""
+    if choice.prompt_scores is None or not choice.prompt_ids:
+        return []
+    return [(choice.prompt_ids[0], None, None)] + [
+        (token, logprob, alternatives[:top])
+        for token, (logprob, _, alternatives) in zip(choice.prompt_ids[1:], choice.prompt_scores[1:])]
+
+
+def _prompt_logprobs_field(tokenizer, choice: _Choice, top: int | None) -> dict:
+    """vLLM's ``prompt_logprobs``: per prompt token None (the first) or
+    ``{token id: {"logprob", "rank", "decoded_token"}}`` holding the token
+    and the ``top`` most likely (ranks 1..top); {} when not asked."""
+    if top is None or choice.prompt_scores is None:
+        return {}
+    out = [None]
+    for token, (logprob, rank, alternatives) in zip(choice.prompt_ids[1:], choice.prompt_scores[1:]):
+        entry = {str(token): {"logprob": _finite(logprob), "rank": rank, "decoded_token": _token_text(tokenizer, token)}}
+        for place, (other, value) in enumerate(alternatives[:top], start=1):
+            entry.setdefault(str(other), {"logprob": _finite(value), "rank": place,
+                                          "decoded_token": _token_text(tokenizer, other)})
+        out.append(entry)
+    return {"prompt_logprobs": out}
 
 
 def _echo_text(tokenizer, ids: list) -> str:
@@ -1790,6 +1843,14 @@ def _call_reason(reason: str | None) -> str | None:
 #: What a log-probability of -inf (a token top-k or top-p filtered out, in the processed mode) is sent as:
 #: JSON has no infinity (vLLM sends the same number).
 LOGPROB_FLOOR = -9999.0
+
+
+def _names(state: ServerState, params: _Params):
+    """What names tokens in log-probabilities: the tokenizer (each token's
+    own decoding), or None for ``token_id:N`` (vLLM's
+    ``return_tokens_as_token_ids``: byte tokens that are no whole
+    character stay distinguishable)."""
+    return None if params.tokens_as_ids else state.tokenizer
 
 
 def _token_text(tokenizer, token: int) -> str:
@@ -1829,16 +1890,36 @@ def _completion_logprobs(tokenizer, entries: list, offset: int) -> dict:
         offset += len(text)
     tops = []
     for _, _, top in entries:
+        if top is None:  # an echoed prompt's first token: nothing precedes it
+            tops.append(None)
+            continue
         by_text = {}
         for t, lp in top:  # most likely first: a text two tokens share keeps the likelier one's
             by_text.setdefault(_token_text(tokenizer, t), _finite(lp))
         tops.append(by_text)
-    return {"tokens": tokens, "token_logprobs": [_finite(lp) for _, lp, _ in entries], "top_logprobs": tops,
-            "text_offset": starts}
+    return {"tokens": tokens, "token_logprobs": [None if lp is None else _finite(lp) for _, lp, _ in entries],
+            "top_logprobs": tops, "text_offset": starts}
 
 
 def _sse(payload: dict) -> str:
     return f"data: {json.dumps(payload, separators=(',', ':'), ensure_ascii=False)}\n\n"
+
+
+def _first_stream_pieces(job: _Job, index: int, chat: bool) -> list:
+    """What a stream sends with a choice's first output: completions'
+    echoed prompt with its scores (``echo`` with ``logprobs``), and vLLM's
+    ``prompt_logprobs`` when asked; [] otherwise."""
+    params, choice, tokenizer = job.params, job.choices[index], _names(job.state, job.params)
+    field = _prompt_logprobs_field(tokenizer, choice, params.prompt_logprobs)
+    if not chat and params.echo and params.logprobs is not None:
+        logprobs = _completion_logprobs(tokenizer, _prompt_entries(choice, params.logprobs), 0)
+        choice.text_length = sum(len(t) for t in logprobs["tokens"])
+        return [{"index": index, "text": choice.text[0], "logprobs": logprobs, "finish_reason": None, **field}]
+    if not field:
+        return []
+    if chat:
+        return [{"index": index, "delta": {}, "logprobs": None, "finish_reason": None, **field}]
+    return [{"index": index, "text": "", "logprobs": None, "finish_reason": None, **field}]
 
 
 async def _stream(job: _Job, rid: str, created: int, model: str, chat: bool):
@@ -1854,9 +1935,11 @@ async def _stream(job: _Job, rid: str, created: int, model: str, chat: bool):
         if chat:  # the assistant's role first, as OpenAI sends it
             yield chunk([{"index": c.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                           "finish_reason": None} for c in job.choices])
-        elif job.params.echo:  # the prompts' texts first (_serve put each at the head of its choice's text)
+        elif job.params.echo and job.params.logprobs is None:  # the prompts' texts first (_serve put each at
+            # the head of its choice's text); with logprobs, each with its scores when its first output comes
             yield "".join(chunk([{"index": c.index, "text": c.text[0], "logprobs": None, "finish_reason": None}])
                           for c in job.choices)
+        first = set(range(len(job.choices)))  # choices whose first output is still to come
         while not job.finished:
             entries = [await job.queue.get()]
             while not job.queue.empty():  # whatever else arrived with it: one write
@@ -1865,6 +1948,9 @@ async def _stream(job: _Job, rid: str, created: int, model: str, chat: bool):
                 out = []
                 for index, item in entries:
                     text, reason, new = job.take(index, item)
+                    if index in first and not isinstance(item, tuple):
+                        first.discard(index)
+                        out += _first_stream_pieces(job, index, chat)
                     calls = None
                     if chat and job.params.tools is not None and job.params.tools.parse:
                         text, calls, reason = job.choices[index].hold_calls(text, reason, job.params.tools.names)
@@ -1873,8 +1959,9 @@ async def _stream(job: _Job, rid: str, created: int, model: str, chat: bool):
                     logprobs = None
                     if job.params.logprobs is not None:
                         choice = job.choices[index]
-                        logprobs = (_chat_logprobs(job.state.tokenizer, new) if chat else
-                                    _completion_logprobs(job.state.tokenizer, new, choice.text_length))
+                        names = _names(job.state, job.params)
+                        logprobs = (_chat_logprobs(names, new) if chat else
+                                    _completion_logprobs(names, new, choice.text_length))
                         choice.text_length += len(text)
                     if chat:
                         delta = {"content": text} if text else {}

@@ -575,15 +575,15 @@ class HybridCache(CacheBase):
         return max(budget // self._prefill_rows(num_prefill), 1)
 
     def _packed_call(self, graphdef, params, prefill, decode, sampling, keys, num_tokens, *, want_tables=False,
-                     prefill_width=None):
+                     prefill_width=None, scored=None):
         rows = self._prefill_rows(len(prefill))
         width = num_tokens if self.manager.gdn is None else min(num_tokens, prefill_width or num_tokens)
         batch = pack_stream(prefill, *decode, num_lanes=self.max_seqs, num_tokens=num_tokens, num_prefill_lanes=rows,
-                            max_prefill_len=width)
-        self.manager, tokens, keys, prefill_ok, ok, used, logprobs = _hybrid_packed(graphdef, params, self.manager,
-                                                                                    batch, sampling, keys)
-        tokens, keys, prefill_ok, ok, used, host, logprobs = jax.device_get(
-            (tokens, unwrap_keys(keys), prefill_ok, ok, used, self._host_leaves(self.manager), logprobs))
+                            max_prefill_len=width, scored=scored)
+        self.manager, tokens, keys, prefill_ok, ok, used, logprobs, scores = _hybrid_packed(
+            graphdef, params, self.manager, batch, sampling, keys)
+        tokens, keys, prefill_ok, ok, used, host, logprobs, scores = jax.device_get(
+            (tokens, unwrap_keys(keys), prefill_ok, ok, used, self._host_leaves(self.manager), logprobs, scores))
         self._mirror(host)
         if not prefill_ok:  # every prompt's blocks were taken at admission
             raise BookkeepingError(f"engine packed prefill refused slots {[lane.seq_id for lane in prefill]}"
@@ -595,8 +595,8 @@ class HybridCache(CacheBase):
         # The reserve is all or nothing and does not say which row was short.
         blocked = np.zeros((self.max_seqs,), bool)
         if not ok:
-            blocked[num_prefill:num_prefill + num_decode] = True
-        return PackedResult(tokens, np.asarray(keys), bool(ok), blocked, int(used), logprobs=logprobs)
+            blocked[len(prefill):len(prefill) + num_decode] = True
+        return PackedResult(tokens, np.asarray(keys), bool(ok), blocked, int(used), logprobs=logprobs, scores=scores)
 
     def _decode_view(self):
         return self.manager, None

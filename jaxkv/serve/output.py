@@ -394,9 +394,13 @@ class OutputProcessor:
             logprobs = None
             if req.logprobs is not None:  # the pending tokens are the last generated
                 logprobs = tuple(req.token_logprobs[len(req.token_logprobs) - len(tokens):])
+            prompt = None
+            if req.prompt_logprobs is not None and not req.prompt_scores_given and req.generated:
+                prompt = (None, *(req.prompt_scores.get(i) for i in range(1, len(req.prompt))))
+                req.prompt_scores_given = True
             out.append(make(rid, tuple(tokens), finished, req.finish_reason if finished else None, text,
                             req.cached_tokens, req.error if finished else None, req.spec_drafted,
-                            req.spec_accepted, logprobs))
+                            req.spec_accepted, logprobs, prompt))
         self.pending = {}
         return out
 

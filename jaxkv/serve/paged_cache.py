@@ -550,13 +550,14 @@ class PagedCache(CacheBase):
     packs_verify_lanes = True
 
     def _packed_call(self, graphdef, params, prefill, decode, sampling, keys, num_tokens, *, want_tables=False,
-                     prefill_width=None, speculation=None):
+                     prefill_width=None, speculation=None, scored=None):
         host = self.manager.host
-        counts = drafted = accepted = logprobs = None
+        counts = drafted = accepted = logprobs = scores = None
         if speculation is None:
             batch = pack_stream(prefill, *decode, num_lanes=self.max_seqs, num_tokens=num_tokens,
-                                num_prefill_lanes=self.max_seqs, max_prefill_len=num_tokens)  # one program per bucket
-            manager, self.pool, tokens, keys, ok, blocked, used, logprobs = _paged_packed(
+                                num_prefill_lanes=self.max_seqs, max_prefill_len=num_tokens,
+                                scored=scored)  # one program per bucket
+            manager, self.pool, tokens, keys, ok, blocked, used, logprobs, scores = _paged_packed(
                 graphdef, params, _device_view(self.manager), self.pool, batch, sampling, keys, window=self.window,
                 scrub=self.scrub)
         else:
@@ -570,14 +571,14 @@ class PagedCache(CacheBase):
                 graphdef, params, _device_view(self.manager), self.pool, batch, sampling, keys, history,
                 history_len, lanes, config=config, window=self.window, scrub=self.scrub)
         self.manager = manager.replace(host=host)
-        tokens, keys, ok, blocked, used, host, tables, counts, drafted, accepted, logprobs = jax.device_get(
+        tokens, keys, ok, blocked, used, host, tables, counts, drafted, accepted, logprobs, scores = jax.device_get(
             (tokens, unwrap_keys(keys), ok, blocked, used, self._host_leaves(manager),
-             manager.block_tables if want_tables else None, counts, drafted, accepted, logprobs))
+             manager.block_tables if want_tables else None, counts, drafted, accepted, logprobs, scores))
         self._mirror(host)
         if want_tables:
             self._host_tables = np.asarray(tables)
         return PackedResult(tokens, np.asarray(keys), bool(ok), blocked, int(used), counts, drafted, accepted,
-                            logprobs)
+                            logprobs, scores)
 
     def _decode_view(self):
         self._host_allocator = self.manager.host

@@ -61,7 +61,14 @@ class RequestOutput:
     otherwise): per new token ``(logprob, ((token id, logprob), ...))``,
     the token's log-probability and the ``logprobs`` most likely tokens'
     (most likely first), read where the engine's ``logprobs_mode`` says
-    (:func:`jaxkv.nn.sampling.token_logprobs`).
+    (:func:`jaxkv.nn.sampling.token_logprobs`). ``prompt_logprobs`` (a
+    request that asked for ``prompt_logprobs``, in the output that carries
+    its first token; None otherwise): per prompt token, None for the first,
+    then ``(logprob, rank, ((token id, logprob), ...))``: the token's
+    log-probability given the tokens before it under the model's softmax
+    (raw: no temperature, penalty or constraint applies to a prompt), its
+    rank (1: the most likely) and the ``prompt_logprobs`` most likely
+    tokens'.
     """
 
     request_id: int
@@ -74,11 +81,13 @@ class RequestOutput:
     draft_tokens: int = 0
     accepted_draft_tokens: int = 0
     new_logprobs: tuple | None = None
+    prompt_logprobs: tuple | None = None
 
     @classmethod
     def _make(cls, request_id: int, new_token_ids: tuple, finished: bool, finish_reason: str | None,
               new_text: str, cached_tokens: int, error: str | None, draft_tokens: int = 0,
-              accepted_draft_tokens: int = 0, new_logprobs: tuple | None = None) -> "RequestOutput":
+              accepted_draft_tokens: int = 0, new_logprobs: tuple | None = None,
+              prompt_logprobs: tuple | None = None) -> "RequestOutput":
         """The same object as the constructor's, for the engine's per-step
         outputs (one per request that moved: 256 a step at 256 rows). A
         frozen dataclass's ``__init__`` sets each field through
@@ -88,7 +97,7 @@ class RequestOutput:
         out.__dict__.update(request_id=request_id, new_token_ids=new_token_ids, finished=finished,
                             finish_reason=finish_reason, new_text=new_text, cached_tokens=cached_tokens, error=error,
                             draft_tokens=draft_tokens, accepted_draft_tokens=accepted_draft_tokens,
-                            new_logprobs=new_logprobs)
+                            new_logprobs=new_logprobs, prompt_logprobs=prompt_logprobs)
         return out
 
 
@@ -137,6 +146,9 @@ class Request:
     logprobs: int | None = None  # top log-probabilities asked per token (None: none; 0: the token's own only)
     penalties: Penalties = OFF  # penalties, logit bias and min_tokens (jaxkv.nn.penalties)
     token_logprobs: list = dataclasses.field(default_factory=list)  # with logprobs: one entry per generated token
+    prompt_logprobs: int | None = None  # top log-probabilities asked per prompt token (None: its prompt unscored)
+    prompt_scores: dict = dataclasses.field(default_factory=dict)  # prompt index -> (logprob, rank, top entries)
+    prompt_scores_given: bool = False  # whether an output carried them
     constraint: TokenAutomaton | None = None  # structured output (jaxkv.nn.constraints), None: unconstrained
     constraint_state: int = -1  # its automaton's state after the first constraint_read generated tokens
     constraint_read: int = 0
@@ -216,7 +228,7 @@ def _penalties(penalties, vocab: int | None, max_new_tokens: int) -> Penalties:
 
 def new_request(rid: int, prompt_tokens, max_new_tokens, *, sampling, eos_token_id, stop_token_ids, stop,
                 namespace, seed, arrival_step, now_step: int, vocab: int | None, has_tokenizer: bool, cache,
-                engine_key, logprobs=None, penalties=None, constraint=None) -> Request:
+                engine_key, logprobs=None, penalties=None, constraint=None, prompt_logprobs=None) -> Request:
     """The record of request ``rid`` from :meth:`Engine.add_request
     <jaxkv.serve.Engine.add_request>`'s arguments (that method documents
     them and what is refused), checked against the vocabulary ``vocab``
@@ -268,6 +280,11 @@ def new_request(rid: int, prompt_tokens, max_new_tokens, *, sampling, eos_token_
         if vocab is not None and constraint.vocab_size != vocab:
             raise InvalidArgument(f"constraint {constraint.key!r} was built for {constraint.vocab_size} tokens; the "
                                   f"model has {vocab}")
+    if prompt_logprobs is not None:
+        prompt_logprobs = _host.int_at_least(prompt_logprobs, "prompt_logprobs", 0)
+        if prompt_logprobs > MAX_TOP_LOGPROBS:
+            raise InvalidArgument(f"prompt_logprobs={prompt_logprobs}: at most {MAX_TOP_LOGPROBS} top "
+                                  "log-probabilities per prompt token")
     if seed is not None:
         seed = _host.int_scalar(seed, "seed")
     key = jax.random.fold_in(engine_key, rid) if seed is None else jax.random.key(seed)
@@ -275,5 +292,5 @@ def new_request(rid: int, prompt_tokens, max_new_tokens, *, sampling, eos_token_
     return Request(rid, prompt, max_new_tokens, sampling, device_stop, arrival, namespace,
                    np.asarray(jax.random.key_data(key)),
                    stop_ids=frozenset(stop_ids + ([eos_id] if eos_id >= 0 else [])), stop=stop, logprobs=logprobs,
-                   penalties=penalties, constraint=constraint,
+                   penalties=penalties, constraint=constraint, prompt_logprobs=prompt_logprobs,
                    constraint_state=-1 if constraint is None else constraint.initial)

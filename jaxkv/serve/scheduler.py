@@ -294,6 +294,37 @@ def check_rows(requests: dict, rows: list, swapped: list, status: np.ndarray) ->
                                    f"{requests[rid].state.name} on row {requests[rid].row}")
 
 
+def _prompt_scoring(batch: list) -> list:
+    """The prompt tokens this packed step scores: for each piece ``(start,
+    end)`` of a request asking ``prompt_logprobs`` (lane = its index in
+    ``batch``), the positions ``p`` in it before the prompt's last whose
+    next prompt token is not scored yet, as ``(lane, offsets in the piece,
+    next tokens)`` (:func:`~jaxkv.serve.caches.pack_stream`'s ``scored``)."""
+    scored = []
+    for lane, (req, (start, end)) in enumerate(batch):
+        if req.prompt_logprobs is None:
+            continue
+        positions = [p for p in range(start, min(end, len(req.prompt) - 1)) if p + 1 not in req.prompt_scores]
+        if positions:
+            scored.append((lane, [p - start for p in positions], [req.prompt[p + 1] for p in positions]))
+    return scored
+
+
+def _record_prompt_scores(batch: list, scored: list, scores) -> None:
+    """Each scored prompt token's entry into its request's
+    ``prompt_scores`` (prompt index -> ``(logprob, rank, ((token id,
+    logprob), ...))``, the top cut to what it asked)."""
+    entries, rank = scores
+    at = 0
+    for lane, offsets, _ in scored:
+        req, (start, _) = batch[lane]
+        for offset in offsets:
+            top = tuple(zip(entries.top_ids[at, :req.prompt_logprobs].tolist(),
+                            entries.top[at, :req.prompt_logprobs].tolist()))
+            req.prompt_scores[start + offset + 1] = (float(entries.token[at]), int(rank[at]), top)
+            at += 1
+
+
 def _plain_only(requests) -> bool:
     """Whether any of ``requests`` asks for log-probabilities, penalties or
     a constraint (which speculative verify steps do not compute)."""
@@ -506,8 +537,9 @@ class Scheduler(FaultContainment):
             if req.arrival > self._step:
                 break
             tokens = req.tokens
-            hit = self.cache.match(tokens, req.namespace)
-            if self._wait_for_prefix(req, hit, admitted):
+            # A request that scores its prompt computes all of it: no prefix hit, no waiting for one.
+            hit = no_hit(self.cache) if req.prompt_logprobs is not None else self.cache.match(tokens, req.namespace)
+            if req.prompt_logprobs is None and self._wait_for_prefix(req, hit, admitted):
                 self.cache.unpin(hit)
                 deferred.append(self._waiting.popleft())
                 continue
@@ -667,8 +699,9 @@ class Scheduler(FaultContainment):
         budget = self.max_num_batched_tokens or self.prefill_chunk
         # Speculating requests verify drafts in this step too: k more tokens each (jaxkv.serve.speculation).
         speculation = verify = None
+        # (Not in a step that scores a prompt: verify lanes' steps score none.)
         if self.speculation is not None and self.cache.packs_verify_lanes and not _plain_only(
-                req for _, req in decoding):
+                req for _, req in decoding) and all(req.prompt_logprobs is None for req in self._prefilling):
             speculation, verify = self.speculation.packed_arguments(decoding, budget)
         extra = 0 if verify is None else int(verify.sum()) * self.speculation.config.num_speculative_tokens
         left = max(budget - len(decoding) - extra, 1)
@@ -686,13 +719,17 @@ class Scheduler(FaultContainment):
         lanes = [req for req, _ in batch] + [req for _, req in decoding]
         total = sum(end - start for _, (start, end) in batch) + len(decoding) + extra
         length = stream_length(total, self.stream_lengths())
+        scored = _prompt_scoring(batch)
         result = self.cache.packed_step(
             self.graphdef, self.params, [(req.lane, piece) for req, piece in batch],
             [(row, req.generated[-1], req.kv_len) for row, req in decoding],
             self._row_sampling(rows, dict(enumerate(lanes))),
             [req.key for req in lanes],
             length,
-            prefill_width=cap, **({} if speculation is None else {"speculation": speculation}))
+            prefill_width=cap, **({} if speculation is None else {"speculation": speculation}),
+            **({"scored": scored} if scored else {}))
+        if scored:
+            _record_prompt_scores(batch, scored, result.scores)
         for req, (_, end) in batch:  # the pieces ran
             if end < req.pieces[0][1]:
                 req.pieces[0] = (end, req.pieces[0][1])  # the rest stays at the head
