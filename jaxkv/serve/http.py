@@ -61,13 +61,15 @@ neutral value are refused with 400 rather than silently ignored. Non-stream resp
 (``prompt_tokens``: each distinct prompt once, whatever ``n``;
 ``completion_tokens``: over every choice).
 
-``n > 1`` is served as ``n`` engine requests on the same prompt with seeds
-``seed, seed + 1, ...`` (without a ``seed``, each request draws from the
-engine's own per-request stream): the engine cannot fork a running request
-yet, so the prompt is shared through the prefix cache (the first request to
-finish prefilling leaves its full pages in the cache for the others when
-they are admitted later; requests admitted in the same iteration each
-prefill their own copy).
+``n > 1`` (and ``best_of``) is served as ``n`` engine requests on the same
+prompt with seeds ``seed, seed + 1, ...`` (without a ``seed``, each request
+draws from the engine's own per-request stream) that share one prefill:
+the first is admitted and prefills the prompt, the others wait for it (the
+scheduler's in-batch prefix rule) and take its pages from the prefix
+cache, computing only what the cache's hit grain leaves (the partial last
+page and the last token on a paged pool, the last token on a hybrid
+cache; ``tests/test_parallel_sampling.py``). Not a fork of the first
+request's cache: that would save at most a page per sibling.
 
 **API keys and tenants** (``create_app(api_keys={key: tenant})``; the
 command line's ``--api-key`` / ``--api-keys-file``). Without keys every
