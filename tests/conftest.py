@@ -101,10 +101,11 @@ RULES = (
     ("long", "other cases", ("test_scan_layers.py::test_a_scanned_llama_is_the_unrolled_one[5-None]",
                              "test_scan_layers.py::test_a_scanned_llama_is_the_unrolled_one[6-windows1]"),
      "the interleaved-window Llama (a pattern of two) and DeepSeek-V3 (a dense head) by default"),
-    ("long", "other cases", ("test_scan_interleaved.py::test_a_scanned_interleaved_model_is_the_unrolled_one[gpt_oss]",
+    ("long", "other cases", ("test_scan_interleaved.py::test_a_scanned_interleaved_model_is_the_unrolled_one[*]",
                              "test_scan_layers.py::test_a_scanned_qwen3_next_is_the_unrolled_one"),
-     "Gemma 3 by default (its pattern is two runs, an inner scan; gpt-oss's alternation is runs of one); "
-     "Qwen3-Next's transformers fixture qwen3_next/defaults runs scanned in the default pass"),
+     "the interleaved-window Llama by default (test_scan_layers' pattern of two, windows2); Gemma 3's two runs "
+     "(an inner scan) and gpt-oss's runs of one in long (about 50 s each); Qwen3-Next's transformers fixture "
+     "qwen3_next/defaults runs scanned in the default pass"),
     ("long", "program", ("test_experts_mesh.py::test_sharded_experts_equal_one_device",
                          "test_experts_mesh.py::test_sharded_moe_families_equal_one_device"),
      "a subprocess on eight CPU devices (about a minute); the placement rule is checked by default"),
@@ -129,12 +130,10 @@ RULES = (
      "the paged Llama's tokens and the Gated DeltaNet Qwen3-Next's rollback by default; window rings (Gemma 3, "
      "gpt-oss), DeepSeek-V3 and DeepSeek-V4's compressors roll back through the same checkpoint and replay"),
     ("long", "other cases", ("test_speculative.py::test_hybrid_engine_speculates_with_generate_tokens_under_"
-                             "preemption_and_prefix_hits[*]",
-                             "!test_speculative.py::test_hybrid_engine_speculates_with_generate_tokens_under_"
-                             "preemption_and_prefix_hits[gemma3/small]"),
-     "Gemma 3's window rings in the engine by default (its loops keep drafts, its rejections roll rings back); "
-     "Qwen3-Next's Gated DeltaNet and gpt-oss's sinks through the same checkpoint rows (the hybrid engine fuzz "
-     "speculates too, in long)"),
+                             "preemption_and_prefix_hits[*]",),
+     "the hybrid caches' rollback by default (test_hybrid_rollback_equals_a_cache_that_never_saw_the_rejected_"
+     "tokens on Qwen3-Next's Gated DeltaNet) and the paged engine's speculation; the hybrid engines' (Gemma 3's "
+     "window rings, Qwen3-Next, gpt-oss's sinks; about 70 s each) in long, with the hybrid engine fuzz"),
     ("long", "other cases", ("test_speculative.py::test_paged_rollback_equals_a_cache_that_never_saw_the_rejected_"
                              "tokens[*-1]",),
      "a second seed of the paged rollback check (seed 0 runs by default, given drafts and an early exit's)"),
