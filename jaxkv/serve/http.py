@@ -1823,7 +1823,8 @@ def _prompt_logprobs_field(tokenizer, choice: _Choice, top: int | None) -> dict:
         return {}
     out = [None]
     for token, (logprob, rank, alternatives) in zip(choice.prompt_ids[1:], choice.prompt_scores[1:]):
-        entry = {str(token): {"logprob": _finite(logprob), "rank": rank, "decoded_token": _token_text(tokenizer, token)}}
+        entry = {str(token): {"logprob": _finite(logprob), "rank": rank,
+                              "decoded_token": _token_text(tokenizer, token)}}
         for place, (other, value) in enumerate(alternatives[:top], start=1):
             entry.setdefault(str(other), {"logprob": _finite(value), "rank": place,
                                           "decoded_token": _token_text(tokenizer, other)})
