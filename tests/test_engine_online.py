@@ -396,7 +396,8 @@ def test_request_output_fast_path_is_the_dataclass():
     the constructor builds: equal, same hash and repr, still frozen."""
     import dataclasses
 
-    args = (7, (1, 2, 3), True, "stop", "abc", 4, None, 9, 5, ((-0.5, ((1, -0.5),)),))
+    args = (7, (1, 2, 3), True, "stop", "abc", 4, None, 9, 5, ((-0.5, ((1, -0.5),)),),
+            (None, (-1.25, 3, ((8, -0.5),))))
     made, built = RequestOutput._make(*args), RequestOutput(*args)
     assert made == built and hash(made) == hash(built) and repr(made) == repr(built)
     assert dataclasses.astuple(made) == args
