@@ -302,3 +302,36 @@ def test_smollm2_follows_random_schemas_and_json_mode():
                 for k, (kind, spec) in enumerate(specs)]
     for (tokens, reason), (kind, spec) in zip(_run(engine, requests), specs):
         _check_output(tokenizer, tokens, reason, kind, spec)
+
+
+def test_constraints_arriving_beside_a_speculating_request(tokenizer, model):
+    """A speculating engine (n-gram drafts, packed verify lanes): requests
+    that arrive, constrained or asking log-probabilities, while a plain one
+    verifies drafts, are prefilled in plain steps (verify steps apply no
+    constraint and compute no log-probabilities): the JSON is valid and
+    every token has its entry."""
+    from jaxkv.nn.sampling import SamplingParams
+    from jaxkv.serve import Engine
+
+    rng = np.random.default_rng()
+    loop = rng.integers(0, tokenizer.vocab_size, 6).tolist() * 4  # repeats: n-gram drafts are found
+    schema = draw_schema(rng)
+    constraint = compile_constraint(tokenizer, model.config.vocab_size, json_schema=schema)
+    engine = Engine(model, tokenizer=tokenizer, max_seqs=4, max_model_len=256, decode_chunk=4,
+                    speculative={"method": "ngram", "num_speculative_tokens": 3})
+    eos = tokenizer.eos_token_ids[0]
+    requests = [dict(prompt_tokens=loop, max_new_tokens=40, arrival_step=0),
+                dict(prompt_tokens=loop[:9], max_new_tokens=160, sampling=SamplingParams(temperature=1.0), seed=1,
+                     eos_token_id=eos, constraint=constraint, arrival_step=3),
+                dict(prompt_tokens=loop[:7], max_new_tokens=12, logprobs=2, arrival_step=4)]
+    ids = [engine.add_request(**kw) for kw in requests]
+    outputs: dict = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            outputs.setdefault(out.request_id, []).append(out)
+    engine.check_bookkeeping()
+    tokens = [t for o in outputs[ids[1]] for t in o.new_token_ids]
+    _check_output(tokenizer, tokens, outputs[ids[1]][-1].finish_reason, "json_schema", schema)
+    entries = [e for o in outputs[ids[2]] for e in (o.new_logprobs or ())]
+    assert len(entries) == sum(len(o.new_token_ids) for o in outputs[ids[2]]) == 12
+    assert engine.stats().spec_draft_tokens > 0  # the plain request did speculate

@@ -699,9 +699,11 @@ class Scheduler(FaultContainment):
         budget = self.max_num_batched_tokens or self.prefill_chunk
         # Speculating requests verify drafts in this step too: k more tokens each (jaxkv.serve.speculation).
         speculation = verify = None
-        # (Not in a step that scores a prompt: verify lanes' steps score none.)
+        # Not while any request of the step, prefilling ones included, asks for what verify steps do not compute
+        # (their plain lanes draw with no logprobs, penalties or constraint, and score no prompt).
         if self.speculation is not None and self.cache.packs_verify_lanes and not _plain_only(
-                req for _, req in decoding) and all(req.prompt_logprobs is None for req in self._prefilling):
+                [req for _, req in decoding] + self._prefilling) and all(
+                req.prompt_logprobs is None for req in self._prefilling):
             speculation, verify = self.speculation.packed_arguments(decoding, budget)
         extra = 0 if verify is None else int(verify.sum()) * self.speculation.config.num_speculative_tokens
         left = max(budget - len(decoding) - extra, 1)
