@@ -279,7 +279,9 @@ def filtered_logits(logits: Float[Array, "B V"], params: SamplingParams | RowSam
     # The most likely token is always in the nucleus: with a top_p the device
     # reads as 0 (or any top_p <= 0 in a RowSampling) no token would be, and
     # the draw over all -inf is token 0.
-    nucleus = (before < top_p[:, None]) | (jnp.arange(vocab) == 0)[None, :]
+    # top_p = 1 keeps every token: float32's cumulative sum reaches 1.0 before the tail (tokens under ~6e-8
+    # after a likely one), which ``before < 1`` would drop.
+    nucleus = (before < top_p[:, None]) | (top_p >= 1)[:, None] | (jnp.arange(vocab) == 0)[None, :]
     cutoff = jnp.min(jnp.where(nucleus, ordered, jnp.inf), axis=-1, keepdims=True)
     return jnp.where(scaled < cutoff, -jnp.inf, scaled), temperature
 

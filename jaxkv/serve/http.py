@@ -733,7 +733,8 @@ def _parse_best_of_and_echo(body: dict, chat: bool, stream: bool) -> dict:
     n = _get(body, "n", int, default=1, low=1, high=MAX_N)
     if chat:
         for name, neutral in (("best_of", 1), ("echo", False)):
-            if body.get(name) not in (None, neutral):
+            value = body.get(name)  # typed: True == 1 and 0 == False, but neither is the neutral value
+            if value is not None and not (value == neutral and type(value) is type(neutral)):
                 raise _bad(f"'{name}' is a completions field; chat completions do not take it", name,
                            "unsupported_parameter")
         return {}
