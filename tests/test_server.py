@@ -530,6 +530,8 @@ def test_errors(server, path):
     if chat:
         _error(post({**good, "echo": True}), 400, "unsupported_parameter")
         _error(post({**good, "best_of": 2}), 400, "unsupported_parameter")
+        _error(post({**good, "best_of": True}), 400, "unsupported_parameter")  # True == 1, not the neutral 1
+        _error(post({**good, "echo": 0}), 400, "unsupported_parameter")
     else:
         _error(post({**good, "n": 3, "best_of": 2}), 400, "invalid_value")
         _error(post({**good, "best_of": 2, "stream": True}), 400, "invalid_value")
