@@ -437,7 +437,8 @@ def test_client_disconnect_mid_stream_frees_blocks(server):
     goes back to its idle value. The same request first runs to its end, so
     its pages are in the prefix cache: the aborted run's prompt hits them and
     the pages it computed duplicate them (the tree keeps its own), so every
-    block it held is free again after the abort."""
+    block it held is free again after the abort (the cache's use is back at
+    its idle value, or below it where the run evicted other prefixes)."""
     body = {"model": MODEL, "prompt": "A long story: ", "max_tokens": MAX_MODEL_LEN - 32, "temperature": 0,
             "ignore_eos": True, "cache_salt": "disconnect"}
     full = httpx.post(server.url + "/v1/completions", json=body, timeout=120)
@@ -465,7 +466,10 @@ def test_client_disconnect_mid_stream_frees_blocks(server):
         time.sleep(0.05)
     assert metric(after, "jaxkv_request_success_total", finish_reason="abort") == aborted + 1
     for key in used:
-        assert after[key] == idle[key], (key, after[key], idle[key])
+        # Equal unless the aborted run evicted other tests' cached prefixes for room (this module's server is
+        # shared: the structured-output tests leave long outputs in the tree), which only lowers it; a block
+        # the aborted request kept would raise it.
+        assert after[key] <= idle[key], (key, after[key], idle[key])
     # and the server goes on serving
     ok = httpx.post(server.url + "/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 2}, timeout=60)
     assert ok.status_code == 200
