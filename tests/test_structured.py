@@ -203,16 +203,21 @@ def test_tables_reproduce_the_outlines_index(tokenizer, model):
 # ------------------------------------------------------------ the engine
 
 
-def _run(engine, requests: list) -> list:
-    """``requests``: ``add_request`` keyword dicts; ``(tokens, finish
-    reason)`` per request once all finished."""
+def _served(engine, requests: list) -> list:
+    """``requests``: ``add_request`` keyword dicts; each one's outputs
+    (``RequestOutput`` list) once all finished."""
     ids = [engine.add_request(**kw) for kw in requests]
     outputs: dict = {}
     while engine.has_unfinished():
         for out in engine.step():
             outputs.setdefault(out.request_id, []).append(out)
     engine.check_bookkeeping()
-    return [([t for o in outputs[rid] for t in o.new_token_ids], outputs[rid][-1].finish_reason) for rid in ids]
+    return [outputs[rid] for rid in ids]
+
+
+def _run(engine, requests: list) -> list:
+    """``(tokens, finish reason)`` per request of :func:`_served`."""
+    return [([t for o in outs for t in o.new_token_ids], outs[-1].finish_reason) for outs in _served(engine, requests)]
 
 
 def _check_output(tokenizer, tokens, reason, kind, spec) -> str:
@@ -324,14 +329,9 @@ def test_constraints_arriving_beside_a_speculating_request(tokenizer, model):
                 dict(prompt_tokens=loop[:9], max_new_tokens=160, sampling=SamplingParams(temperature=1.0), seed=1,
                      eos_token_id=eos, constraint=constraint, arrival_step=3),
                 dict(prompt_tokens=loop[:7], max_new_tokens=12, logprobs=2, arrival_step=4)]
-    ids = [engine.add_request(**kw) for kw in requests]
-    outputs: dict = {}
-    while engine.has_unfinished():
-        for out in engine.step():
-            outputs.setdefault(out.request_id, []).append(out)
-    engine.check_bookkeeping()
-    tokens = [t for o in outputs[ids[1]] for t in o.new_token_ids]
-    _check_output(tokenizer, tokens, outputs[ids[1]][-1].finish_reason, "json_schema", schema)
-    entries = [e for o in outputs[ids[2]] for e in (o.new_logprobs or ())]
-    assert len(entries) == sum(len(o.new_token_ids) for o in outputs[ids[2]]) == 12
+    _, constrained, asking = _served(engine, requests)
+    tokens = [t for o in constrained for t in o.new_token_ids]
+    _check_output(tokenizer, tokens, constrained[-1].finish_reason, "json_schema", schema)
+    entries = [e for o in asking for e in (o.new_logprobs or ())]
+    assert len(entries) == sum(len(o.new_token_ids) for o in asking) == 12
     assert engine.stats().spec_draft_tokens > 0  # the plain request did speculate
