@@ -315,13 +315,13 @@ def _record_prompt_scores(batch: list, scored: list, scores) -> None:
     ``prompt_scores`` (prompt index -> ``(logprob, rank, ((token id,
     logprob), ...))``, the top cut to what it asked)."""
     entries, rank = scores
+    token, ids, top, rank = entries.token.tolist(), entries.top_ids.tolist(), entries.top.tolist(), rank.tolist()
     at = 0
     for lane, offsets, _ in scored:
         req, (start, _) = batch[lane]
+        n = req.prompt_logprobs
         for offset in offsets:
-            top = tuple(zip(entries.top_ids[at, :req.prompt_logprobs].tolist(),
-                            entries.top[at, :req.prompt_logprobs].tolist()))
-            req.prompt_scores[start + offset + 1] = (float(entries.token[at]), int(rank[at]), top)
+            req.prompt_scores[start + offset + 1] = (token[at], rank[at], tuple(zip(ids[at][:n], top[at][:n])))
             at += 1
 
 

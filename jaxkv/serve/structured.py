@@ -288,21 +288,29 @@ _AUTOMATA: OrderedDict = OrderedDict()  # (id(tokenizer), vocab_size, regex) -> 
 _AUTOMATA_BYTES = 1 << 30  # the cache's bound
 
 
+def _outlines_vocabulary(spelled: dict, stop_ids: list):
+    """An outlines-core ``Vocabulary`` of ``spelled`` (token id -> bytes):
+    tokens grouped by spelling, the stop ids and empty spellings left out
+    (a stop is the automaton's own STOP class)."""
+    stops = set(stop_ids)
+    spellings: dict = {}
+    for i, text in spelled.items():
+        if i not in stops and text:
+            spellings.setdefault(text, []).append(i)
+    return _require_outlines().Vocabulary(stop_ids[0], spellings)
+
+
 def _vocabulary(tokenizer, vocab_size: int):
     key = (id(tokenizer), vocab_size)
     with _LOCK:
         entry = _VOCABULARIES.get(key)
     if entry is not None and entry[0] is tokenizer:
         return entry[1], entry[2]
-    outlines = _require_outlines()
     stops = [t for t in tokenizer.eos_token_ids if 0 <= t < vocab_size]
     if not stops:
         raise InvalidArgument("structured outputs need the tokenizer's end-of-sequence id (it has none)")
-    spellings: dict = {}
-    for i, text in token_bytes(tokenizer).items():
-        if i < vocab_size and i not in stops and text:
-            spellings.setdefault(text, []).append(i)
-    vocabulary = outlines.Vocabulary(stops[0], spellings)
+    spelled = {i: text for i, text in token_bytes(tokenizer).items() if i < vocab_size}
+    vocabulary = _outlines_vocabulary(spelled, stops)
     with _LOCK:
         _VOCABULARIES[key] = (tokenizer, vocabulary, stops)
     return vocabulary, stops
@@ -315,11 +323,7 @@ def compile_regex(regex: str, vocabulary, stop_ids, vocab_size: int, *, key: str
     outlines = _require_outlines()
     stop_ids = list(stop_ids)
     if isinstance(vocabulary, dict):
-        spellings: dict = {}
-        for i, text in vocabulary.items():
-            if i not in stop_ids and text:
-                spellings.setdefault(text, []).append(i)
-        vocabulary = outlines.Vocabulary(stop_ids[0], spellings)
+        vocabulary = _outlines_vocabulary(vocabulary, stop_ids)
     try:
         index = outlines.Index(regex, vocabulary)
     except (ValueError, TypeError) as err:
