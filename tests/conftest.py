@@ -21,7 +21,8 @@ import pytest  # noqa: E402
 from hypothesis import HealthCheck, settings  # noqa: E402
 
 _COMMON = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
-settings.register_profile("ci", max_examples=30, stateful_step_count=60, **_COMMON)
+# ``ci`` was 30 examples of 60 steps until CI's VM slowed 2.2x (2026-11-29); each run draws fresh examples.
+settings.register_profile("ci", max_examples=20, stateful_step_count=40, **_COMMON)
 settings.register_profile("long", max_examples=400, stateful_step_count=100, **_COMMON)
 settings.load_profile(os.environ.get("JAXKV_HYPOTHESIS", "ci"))
 
@@ -102,12 +103,12 @@ RULES = (
                              "test_isolation.py::test_manager_tables_feed_jax_pallas_paged_attention"
                              "[float8_e4m3fn]"),
      "bfloat16 (float32) by default: every pool stores raw bits alike"),
-    ("long", "other cases", ("test_scan_layers.py::test_a_scanned_llama_is_the_unrolled_one[5-None]",
-                             "test_scan_layers.py::test_a_scanned_llama_is_the_unrolled_one[6-windows1]"),
-     "the interleaved-window Llama (a pattern of two) and DeepSeek-V3 (a dense head) by default"),
+    ("long", "second route", ("test_scan_layers.py::test_a_scanned_llama_is_the_unrolled_one",),
+     "whole scanned Llamas against unrolled ones (about 20 s each); by default the scanned Qwen3-Next fixture "
+     "meets transformers (qwen3_next/defaults) and the scanned DeepSeek-V4's caches equal the unrolled one's"),
     ("long", "other cases", ("test_scan_interleaved.py::test_a_scanned_interleaved_model_is_the_unrolled_one[*]",
                              "test_scan_layers.py::test_a_scanned_qwen3_next_is_the_unrolled_one"),
-     "the interleaved-window Llama by default (test_scan_layers' pattern of two, windows2); Gemma 3's two runs "
+     "whole scanned models (see the row above); Gemma 3's two runs "
      "(an inner scan) and gpt-oss's runs of one in long (about 50 s each); Qwen3-Next's transformers fixture "
      "qwen3_next/defaults runs scanned in the default pass"),
     ("long", "program", ("test_experts_mesh.py::test_sharded_experts_equal_one_device",
@@ -214,9 +215,9 @@ RULES = (
      "eight-device subprocesses through interpret-mode Pallas kernels (~1-2 min each); the head placement is "
      "checked by default, and every family's mesh tokens through test_mesh"),
 
-    ("long", "fuzz", ("test_fuzz_engine_hybrid.py::*",
-                      "!test_fuzz_engine_hybrid.py::test_gpt_oss_engine_matches_generate[device]"),
-     "the default pass fuzzes one hybrid engine against generate: gpt-oss, device tiers"),
+    ("long", "fuzz", ("test_fuzz_engine_hybrid.py::*",),
+     "the hybrid engines against generate (about 17 s a case); the default pass fuzzes the paged engine "
+     "(test_fuzz_engine) and the hybrid manager (test_fuzz_hybrid)"),
     ("long", "fuzz", ("test_fuzz_host_paths.py::TestWindowMachine::*",
                       "test_fuzz_host_paths.py::TestSnapshotMachine::*"),
      "the window and snapshot host-path machines; the prefix-pin machine runs by default"),
@@ -280,10 +281,16 @@ RULES = (
                               "test_structured.py::test_constraints_arriving_beside_a_speculating_request",
                               "test_engine_admission.py::test_the_fit_rule_and_generate_agree[12-3-True]",
                               "test_engine_sizing.py::test_engine_with_no_sizing_argument_serves_every_family"
-                              "[dsv3/small]"),
+                              "[dsv3/small]",
+                              "test_engine_online.py::test_hybrid_engine_streams_and_aborts_give_back_every_block_"
+                              "and_slot",
+                              "test_tenants.py::test_prefix_quota_keeps_a_tenant_hitting_while_another_floods",
+                              "test_nn_deepseek_v4.py::test_too_few_blocks_raise_oom_naming_the_group"),
      "Qwen3-Next engine runs and second cases of paged ones (15-35 s each); by default the same rule runs on "
-     "the Llama engine (fault containment, scrub-on-free, speculation's own checks, constraints, the fit rule) "
-     "and Qwen3-Next's packed steps and swaps in test_packed_hybrid and test_hybrid_host"),
+     "the Llama engine (fault containment, scrub-on-free, flooding tenants, speculation's own checks, "
+     "constraints, the fit rule, streaming and aborts), the paged engine's fuzz, Qwen3-Next's packed steps and "
+     "swaps in test_packed_hybrid and test_hybrid_host, gpt-oss's engine tokens under preemption, and the "
+     "scanned Qwen3-Next fixture and DeepSeek-V4's scanned caches"),
 
     ("aot", "compile without a GPU", ("test_kernels_aot.py::*", "*::test_aot_*"),
      "kernels compiled for H100/A100 through XLA's GPU pipeline; they skip without the CUDA plugin"),
