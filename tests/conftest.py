@@ -261,17 +261,17 @@ RULES = (
                          "test_bench_host_overhead.py::test_host_overhead_table_has_every_row_and_column",
                          "test_bench_deployment.py::test_llama_70b_by_hand",
                          "test_bench_smoke.py::test_benchmark_runs_and_prints_json[*]"),
-     "every benchmark run end to end (5-40 s each; ``serve`` ~55 s, ``spec`` ~1.5 min); what they measure is tested by default in the modules "
-     "they drive (tenant isolation in test_tenants and test_isolation, the engine's packed step and its "
-     "tokens, the host paths)"),
+     "every benchmark run end to end (5-40 s each; ``serve`` ~55 s, ``spec`` ~1.5 min); what they measure "
+     "is tested by default in the modules they drive (tenant isolation in test_tenants and test_isolation, "
+     "the engine's packed step and its tokens, the host paths)"),
     ("long", "program", ("test_examples.py::test_example_runs[*]",),
      "every example as a subprocess (8-15 s each); what each shows is tested by default in the library's own "
      "tests"),
     ("long", "second route", ("test_scan_dsv4.py::test_a_scanned_deepseek_v4_is_the_unrolled_one",
                               "test_scan_layers.py::test_a_scanned_deepseek_v3_keeps_its_dense_head"),
      "whole scanned models against unrolled ones (20-45 s each); by default the scanned DeepSeek-V4's caches "
-     "equal the unrolled one's (test_scanned_and_unrolled_caches_are_equal) and the interleaved-window Llama "
-     "scans"),
+     "equal the unrolled one's (test_scanned_and_unrolled_caches_are_equal), its decode step updates the cache "
+     "in place, and the scanned Qwen3-Next fixture meets transformers"),
     ("long", "second route", ("test_engine_families.py::test_gated_deltanet_prefill_lanes_hold_at_most_the_budget",
                               "test_engine_faults.py::test_hybrid_faults_touch_no_other_request",
                               "test_tenants.py::test_scrub_reaches_the_host_tiers",
