@@ -433,11 +433,13 @@ def _release_compiled_programs_near_the_map_limit():
     """The module-scoped release below is not enough for a module whose
     tests compile many programs each (the long pass's drawn parity
     configurations, the real SmolLM2 in several forms): CI's long pass lost
-    a worker to a segfault in an XLA compile at 31%. After any test that
-    leaves the worker above half of ``vm.max_map_count``'s default, drop the
-    compiled programs at once rather than at the module's end."""
+    a worker to a segfault in an XLA compile at 31%. A heavy engine test adds
+    about 100 mappings a second (a worker of the long pass was seen at 31,170,
+    2026-11-29), so after any test that leaves the worker above 20,000 (under
+    a third of ``vm.max_map_count``'s default), drop the compiled programs at
+    once rather than at the module's end."""
     yield
-    if _memory_mappings() > 30_000:
+    if _memory_mappings() > 20_000:
         import gc
 
         import jax
