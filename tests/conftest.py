@@ -105,7 +105,7 @@ RULES = (
      "bfloat16 (float32) by default: every pool stores raw bits alike"),
     ("long", "second route", ("test_scan_layers.py::test_a_scanned_llama_is_the_unrolled_one",),
      "whole scanned Llamas against unrolled ones (about 20 s each); by default the scanned Qwen3-Next fixture "
-     "meets transformers (qwen3_next/defaults) and the scanned DeepSeek-V4's caches equal the unrolled one's"),
+     "meets transformers (qwen3_next/defaults)"),
     ("long", "other cases", ("test_scan_interleaved.py::test_a_scanned_interleaved_model_is_the_unrolled_one[*]",
                              "test_scan_layers.py::test_a_scanned_qwen3_next_is_the_unrolled_one"),
      "whole scanned models (see the row above); Gemma 3's two runs "
@@ -269,9 +269,8 @@ RULES = (
      "tests"),
     ("long", "second route", ("test_scan_dsv4.py::test_a_scanned_deepseek_v4_is_the_unrolled_one",
                               "test_scan_layers.py::test_a_scanned_deepseek_v3_keeps_its_dense_head"),
-     "whole scanned models against unrolled ones (20-45 s each); by default the scanned DeepSeek-V4's caches "
-     "equal the unrolled one's (test_scanned_and_unrolled_caches_are_equal), its decode step updates the cache "
-     "in place, and the scanned Qwen3-Next fixture meets transformers"),
+     "whole scanned models against unrolled ones (20-45 s each); by default the scanned Qwen3-Next fixture "
+     "meets transformers"),
     ("long", "second route", ("test_engine_families.py::test_gated_deltanet_prefill_lanes_hold_at_most_the_budget",
                               "test_engine_faults.py::test_hybrid_faults_touch_no_other_request",
                               "test_tenants.py::test_scrub_reaches_the_host_tiers",
@@ -285,22 +284,26 @@ RULES = (
                               "test_engine_online.py::test_hybrid_engine_streams_and_aborts_give_back_every_block_"
                               "and_slot",
                               "test_tenants.py::test_prefix_quota_keeps_a_tenant_hitting_while_another_floods",
-                              "test_nn_deepseek_v4.py::test_too_few_blocks_raise_oom_naming_the_group"),
+                              "test_nn_deepseek_v4.py::test_too_few_blocks_raise_oom_naming_the_group",
+                              "test_nn_deepseek_v4.py::test_eos_stops_a_row_and_frees_its_blocks",
+                              "test_nn_deepseek_v4.py::test_cached_equals_no_cache_recompute_lossless_chunks",
+                              "test_scan_dsv4.py::*",
+                              "test_paged_host_tier.py::*",
+                              "test_speculative.py::test_packed_steps_verify_drafts_beside_prompt_pieces",
+                              "test_nn_engine.py::test_seeded_requests_sample_what_generate_samples[swap]",
+                              "test_tenants.py::test_paged_scrub_leaves_no_byte_of_finished_requests[True]"),
      "Qwen3-Next engine runs and second cases of paged ones (15-35 s each); by default the same rule runs on "
      "the Llama engine (fault containment, scrub-on-free, flooding tenants, speculation's own checks, "
      "constraints, the fit rule, streaming and aborts), the paged engine's fuzz, Qwen3-Next's packed steps and "
-     "swaps in test_packed_hybrid and test_hybrid_host, gpt-oss's engine tokens under preemption, and the "
-     "scanned Qwen3-Next fixture and DeepSeek-V4's scanned caches"),
+     "swaps in test_packed_hybrid and test_hybrid_host, gpt-oss's engine tokens under preemption, the "
+     "scanned Qwen3-Next fixture, DeepSeek-V4's chunked prefill against transformers, the host tier's state "
+     "machine (test_prefix_property's TestPrefixSchedulerHostTier) and the engine's speculation under "
+     "preemption and prefix hits. Also here: all of test_scan_dsv4 and test_paged_host_tier, DeepSeek-V4's "
+     "eos and lossless-chunk runs, the packed verify lane, a swap case and the scrub's second case"),
 
     ("aot", "compile without a GPU", ("test_kernels_aot.py::*", "*::test_aot_*"),
      "kernels compiled for H100/A100 through XLA's GPU pipeline; they skip without the CUDA plugin"),
 )
-
-
-# Modules whose module-scoped fixture is a costly start (a server process, an engine and its model): under
-# pyproject's ``--dist loadgroup`` each runs on one xdist worker, so the start is paid once, not once per
-# worker (about 15-20 s each on a 2-core CPU).
-ONE_WORKER = ("test_server.py", "test_server_hostile.py", "test_server_tenants.py", "test_paged_host_tier.py")
 
 
 # ============================================================================ a share of the long pass
@@ -387,8 +390,6 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         for mark in sorted({row.mark for row in rows if row(item)}):
             item.add_marker(mark)
-        if item.path.name in ONE_WORKER:
-            item.add_marker(pytest.mark.xdist_group(item.path.name))
     # A pattern that names a collected module but matches none of its tests is stale (a test renamed or
     # gone): say so, unless only some tests were asked for (``path::name`` arguments).
     collected = {item.path.name for item in items}
