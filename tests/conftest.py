@@ -312,8 +312,9 @@ RULES = (
 # past what CI allows beside the default and ``aot`` passes (90 minutes in all). With JAXKV_LONG_SHARE=f
 # (``.ci/run`` sets 0.5), each ``long`` test runs with probability f, drawn from a hash of its node id and
 # the draw's name: JAXKV_LONG_DRAW if set, else the checked-out commit. The same commit runs the same tests
-# (a failure reproduces), and every commit draws anew, so each test runs in about half of CI's runs; the
-# header says which draw ran. Without the variable (or f >= 1) every ``long`` test runs.
+# (a failure reproduces), and every commit draws anew, so each test runs in about half of CI's runs; a
+# line at the end of pytest's output says which draw ran. Without the variable (or f >= 1) every ``long``
+# test runs.
 
 
 def _long_share() -> float:
@@ -339,11 +340,11 @@ def _drawn_into_the_share(nodeid: str, draw: str, share: float) -> bool:
     return int.from_bytes(digest[:8], "big") / 2.0**64 < share
 
 
-def pytest_report_header(config):
+def pytest_terminal_summary(terminalreporter):
+    """Says which share of the ``long`` tests ran (also under ``-q``)."""
     if _long_share() < 1:
-        return (f"long tests drawn: a share of {_long_share():g}, draw {_long_draw_name()} "
-                "(JAXKV_LONG_SHARE, JAXKV_LONG_DRAW; tests/conftest.py)")
-    return None
+        terminalreporter.write_line(f"long tests drawn: a share of {_long_share():g}, draw {_long_draw_name()} "
+                                    "(JAXKV_LONG_SHARE, JAXKV_LONG_DRAW; tests/conftest.py)")
 
 
 class _Row:
