@@ -49,6 +49,8 @@ def main(argv=None) -> None:
     rng = np.random.default_rng(args.seed)
     vocab = model.config.vocab_size
     prompts = [rng.integers(1, vocab, size=int(n)).tolist() for n in rng.integers(3, 20, size=4)]
+    if args.speculative:  # each prompt twice: its tail recurs, so n-gram drafts are certain, not luck
+        prompts = [p + p for p in prompts]
     sampling = SamplingParams(temperature=0.8, top_k=30)
     paths = args.paths.split(",")
 
