@@ -442,12 +442,7 @@ def _release_compiled_programs_near_the_map_limit():
     once rather than at the module's end."""
     yield
     if _memory_mappings() > 20_000:
-        import gc
-
-        import jax
-
-        jax.clear_caches()
-        gc.collect()
+        _drop_compiled_programs()
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -461,6 +456,10 @@ def _release_compiled_programs():
     recompiling the few programs two modules share (each module builds its
     own models and keeps them in module-level caches)."""
     yield
+    _drop_compiled_programs()
+
+
+def _drop_compiled_programs() -> None:
     import gc
 
     import jax
