@@ -135,6 +135,14 @@ RULES = (
      "the hybrid caches' rollback by default (test_hybrid_rollback_equals_a_cache_that_never_saw_the_rejected_"
      "tokens on Qwen3-Next's Gated DeltaNet) and the paged engine's speculation; the hybrid engines' (Gemma 3's "
      "window rings, Qwen3-Next, gpt-oss's sinks; about 70 s each) in long, with the hybrid engine fuzz"),
+    ("long", "other cases", ("test_speculative.py::test_a_speculating_engine_swaps_aborts_and_keeps_tenants_apart"
+                             "[separate]",
+                             "test_speculative.py::test_a_hybrid_target_drafts_with_a_separate_paged_model",
+                             "test_speculative.py::test_a_ragged_append_equals_appending_each_row_alone[1]",
+                             "test_speculative.py::test_a_ragged_append_equals_appending_each_row_alone[2]"),
+     "a separate draft model's cache runs by default under preemption and prefix hits and under a small pool "
+     "with a catch-up cap (the paged Llama); swap, abort and tenants with it, a hybrid target (Gemma 3) and two "
+     "more seeds of the ragged append in long (about 90 s together)"),
     ("long", "other cases", ("test_speculative.py::test_paged_rollback_equals_a_cache_that_never_saw_the_rejected_"
                              "tokens[*-1]",),
      "a second seed of the paged rollback check (seed 0 runs by default, given drafts and an early exit's)"),

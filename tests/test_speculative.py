@@ -464,11 +464,23 @@ def _engine_run(model, prompts, new, **options):
     return engine, [[t for o in outputs[i] for t in o.new_token_ids] for i in ids], [outputs[i][-1] for i in ids]
 
 
-#: The engine's two ways to draft: prompt lookup, and the target's first layer of two over its own pool
-#: (an early exit; θ 0 so that its requests verify drafts to the end, kept or not).
+#: The engine's three ways to draft: prompt lookup, the target's first layer of two over its own pool (an
+#: early exit), and a separate model with a cache of its own (here the target itself, as a model apart: it
+#: proposes the target's own tokens, so it keeps every draft exactly when its cache holds the target's tokens);
+#: θ 0 so that requests verify drafts to the end, kept or not.
 ENGINE_DRAFTS = {"ngram": {"num_speculative_tokens": 3},
                  "early_exit": {"method": "draft_model", "draft_layers": 1, "num_speculative_tokens": 3,
-                                "min_accepted_per_step": 0.0}}
+                                "min_accepted_per_step": 0.0},
+                 "separate": {"method": "draft_model", "model": "the target", "num_speculative_tokens": 3,
+                              "min_accepted_per_step": 0.0}}
+
+
+def _drafts(method: str, model) -> dict:
+    """``ENGINE_DRAFTS[method]`` with the target as the separate draft model."""
+    config = dict(ENGINE_DRAFTS[method])
+    if "model" in config:
+        config["model"] = model
+    return config
 
 
 @pytest.mark.parametrize("method", sorted(ENGINE_DRAFTS))
@@ -489,12 +501,14 @@ def test_engine_speculates_with_generate_tokens_under_preemption_and_prefix_hits
     expected = generate(model, prompts, 40, page_size=4).tokens
     # Three rows whose prompts and next chunk fit the pool, not their outputs: the newest is preempted.
     options = dict(max_seqs=3, page_size=4, num_pages=33, max_model_len=72, decode_chunk=4)
-    engine, tokens, last = _engine_run(model, prompts, 40, speculative=ENGINE_DRAFTS[method], **options)
+    engine, tokens, last = _engine_run(model, prompts, 40, speculative=_drafts(method, model), **options)
     assert tokens == expected
     stats = engine.stats()
     assert stats.preemptions > 0 and stats.prefix_hit_tokens > 0
     assert stats.spec_draft_tokens == sum(o.draft_tokens for o in last) > 0
     assert 0 < stats.spec_accepted_tokens == sum(o.accepted_draft_tokens for o in last) <= stats.spec_draft_tokens
+    if method == "separate":  # its cache, filled lazily beside preemption and prefix hits, held the target's tokens
+        assert stats.spec_accepted_tokens == stats.spec_draft_tokens
     engine.check_bookkeeping()
     metrics = ServerMetrics()
     metrics.set_engine_stats(stats)
@@ -560,7 +574,7 @@ def test_a_speculating_engine_swaps_aborts_and_keeps_tenants_apart(method):
     # 24 pages: two rows of 60 tokens (15 pages each) outgrow them even after the abort.
     engine = Engine(model, max_seqs=3, page_size=4, num_pages=25, max_model_len=72, decode_chunk=4,
                     num_host_pages=64, host_memory_kind="numpy",
-                    speculative={**ENGINE_DRAFTS[method], "min_accepted_per_step": 0.0})
+                    speculative={**_drafts(method, model), "min_accepted_per_step": 0.0})
     ids = [engine.add_request(p, 40, namespace=tenant, arrival_step=step)
            for p, tenant, step in zip(prompts, "ABABA", (0, 40, 0, 0, 40))]
     for _ in range(3):
@@ -571,7 +585,10 @@ def test_a_speculating_engine_swaps_aborts_and_keeps_tenants_apart(method):
         got = engine.outputs[rid]
         assert got == (expected[i][:len(got)] if i == 2 else expected[i]), f"request {i}"
     assert len(engine.outputs[ids[2]]) < 40 and summary.swap_preemptions > 0
-    assert engine.stats().spec_accepted_tokens > 0
+    stats = engine.stats()
+    assert stats.spec_accepted_tokens > 0
+    if method == "separate":  # swapped rows come back elsewhere: their draft rows are filled again from the start
+        assert stats.spec_accepted_tokens == stats.spec_draft_tokens
     assert engine.cached_tokens(ids[1]) == 0 < engine.cached_tokens(ids[4])  # no hit across tenants
     engine.check_bookkeeping()
 
@@ -708,6 +725,112 @@ def test_draft_model_refusals():
         Engine(qwen, max_seqs=2, max_model_len=64, speculative={"method": "draft_model", "draft_layers": 1})
     with pytest.raises(InvalidArgument, match=r"draft_layers=2: must be in \[1, 2\)"):
         Engine(model, max_seqs=2, max_model_len=64, speculative={"method": "draft_model", "draft_layers": 2})
+
+
+def test_a_separate_draft_model_is_refused_on_a_mesh():
+    from jaxkv.serve import Engine
+
+    model = LlamaForCausalLM(LlamaConfig(**LLAMA), rngs=nnx.Rngs(0))
+    mesh = jax.sharding.Mesh(np.asarray(jax.devices()[:1]), ("tp",))
+    with pytest.raises(InvalidArgument, match="separate model on a mesh"):
+        Engine(model, max_seqs=2, max_model_len=64, mesh=mesh,
+               speculative={"method": "draft_model", "model": model})
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_a_ragged_append_equals_appending_each_row_alone(seed):
+    """``append_slots(..., counts=)`` grows row ``i`` by ``counts[i]``
+    tokens (0 included, shared last blocks copied on write): the lengths,
+    the free blocks and each row's slots equal those of appending each row
+    alone, and every slot lies in the row's own table."""
+    from jaxkv import BlockSpaceManager
+
+    rng = np.random.default_rng(seed)
+    rows, bs, width = 5, 4, 11
+    manager = BlockSpaceManager.create(num_device_blocks=64, num_host_blocks=2, block_size=bs, max_seqs=rows,
+                                       max_blocks_per_seq=8, watermark=0.0)
+    pool = LlamaForCausalLM(LlamaConfig(**LLAMA), rngs=nnx.Rngs(0)).make_pool(64, bs)
+    manager, ok = manager.allocate([0, 1], int(rng.integers(1, 7)))  # rows 0 and 1 share a prompt
+    assert bool(ok)
+    for row in range(2, rows):
+        manager, ok = manager.allocate([row], int(rng.integers(1, 9)))
+        assert bool(ok)
+    counts = rng.integers(0, width + 1, rows).astype(np.int32)
+    counts[int(rng.integers(rows))] = 0
+    ragged, _, slots, _, ok = manager.append_slots(pool, np.arange(rows), width, counts=counts)
+    assert bool(ok)
+    alone = manager
+    for row in range(rows):
+        if counts[row]:
+            alone, _, _, _, ok = alone.append_slots(pool, [row], int(counts[row]))
+            assert bool(ok)
+    np.testing.assert_array_equal(np.asarray(ragged.seq_lens), np.asarray(alone.seq_lens))
+    assert int(ragged.device.num_free) == int(alone.device.num_free)
+    slots = np.asarray(slots)
+    before = np.asarray(manager.seq_lens)
+    for row in range(rows):
+        assert (slots[row, counts[row]:] == -1).all()
+        positions = before[row] + np.arange(counts[row])
+        want = np.asarray(ragged.token_slots(jnp.asarray([row]), jnp.asarray(positions)[None]))[0]
+        np.testing.assert_array_equal(slots[row, :counts[row]], want)
+    assert len(set(slots[slots >= 0].tolist())) == int((slots >= 0).sum())  # no slot written twice
+
+
+def test_a_separate_draft_cache_plans_for_a_small_pool_and_a_catch_up_cap(monkeypatch):
+    """A separate draft whose cache holds few pages and catches up at most 8
+    tokens a chunk: the plan leaves rows out (they decode plainly in that
+    chunk) and feeds long prompts over several chunks, no append in a
+    chunk fails (the engine would raise), and the greedy tokens are plain
+    ``generate``'s; the target as its own draft keeps every draft."""
+    from jaxkv.serve import Engine, drafts
+
+    model = LlamaForCausalLM(LlamaConfig(**LLAMA), rngs=nnx.Rngs(3))
+    rng = np.random.default_rng(5)
+    prompts = [rng.integers(1, LLAMA["vocab_size"], n).tolist() for n in (21, 9, 14, 6)]
+    expected = generate(model, prompts, 30, page_size=4).tokens
+    small = partial(drafts.DraftCache, num_pages=13)  # 12 pages of 4: not every row's peak at once
+
+    def make(*args, num_pages, catch_up_tokens, **kwargs):
+        return small(*args, catch_up_tokens=8, **kwargs)
+
+    monkeypatch.setattr("jaxkv.serve.engine.DraftCache", make)
+    plans = []
+    real = drafts.DraftCache.plan
+
+    def spy(self, running, speculate, steps, k):
+        drafting = real(self, running, speculate, steps, k)
+        plans.append((int(speculate.sum()), int(drafting.sum())))
+        return drafting
+
+    monkeypatch.setattr(drafts.DraftCache, "plan", spy)
+    engine, tokens, _ = _engine_run(model, prompts, 30, max_seqs=3, page_size=4, num_pages=40, max_model_len=64,
+                                    decode_chunk=2, speculative=_drafts("separate", model))
+    assert tokens == expected
+    assert any(d < s for s, d in plans) and any(d > 0 for _, d in plans)
+    stats = engine.stats()
+    assert 0 < stats.spec_accepted_tokens == stats.spec_draft_tokens
+    engine.check_bookkeeping()
+
+
+def test_a_hybrid_target_drafts_with_a_separate_paged_model():
+    """Gemma 3 (window rings with slack, a hybrid cache) drafting with a
+    one-layer Llama of its vocabulary over a paged cache of its own: plain
+    ``generate``'s greedy tokens under preemption, drafts verified."""
+    from jaxkv.serve import Engine
+
+    model = AutoModelForCausalLM.from_pretrained(os.path.join(FIXTURES, "gemma3/small"))
+    with open(os.path.join(FIXTURES, "gemma3/small", "expected.json"), encoding="utf-8") as f:
+        prompts = json.load(f)["prompts"]
+    draft = LlamaForCausalLM(LlamaConfig(**{**LLAMA, "vocab_size": model.config.vocab_size, "num_hidden_layers": 1}),
+                             rngs=nnx.Rngs(1))
+    expected = generate(model, prompts, 24).tokens
+    engine = Engine(model, max_seqs=3, max_context_tokens=256, num_blocks={"full": 12}, decode_chunk=2,
+                    prefill_chunk=64, speculative={"method": "draft_model", "model": draft,
+                                                   "num_speculative_tokens": 3, "min_accepted_per_step": 0.0})
+    ids = [engine.add_request(p, 24) for p in prompts]
+    engine.run()
+    assert [engine.outputs[i] for i in ids] == expected
+    assert engine.stats().spec_draft_tokens > 0
 
 
 def _early_exit_sampled_second_tokens(model, prompt, sampling, draws):

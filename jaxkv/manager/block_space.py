@@ -241,22 +241,24 @@ class BlockSpaceManager:
         plan = self._append_plan(seq_ids, n)
         return plan.valid & (plan.total <= self.device.num_free)
 
-    def _append_plan(self, seq_ids: Ids, n: int) -> "_AppendPlan":
-        """What appending ``n`` tokens to each of ``seq_ids`` needs: shared by
-        :meth:`append_slots` and :meth:`can_append` so both count alike."""
+    def _append_plan(self, seq_ids: Ids, n: int, counts=None) -> "_AppendPlan":
+        """What appending ``n`` tokens (or ``counts[i]`` of them) to each of
+        ``seq_ids`` needs: shared by :meth:`append_slots` and
+        :meth:`can_append` so both count alike."""
         bs = self.block_size
         seqs, given = _ids(seq_ids)
         rows = jnp.where(given, seqs, 0)
         lens = jnp.where(given, self.seq_lens.at[rows].get(mode="fill", fill_value=0), 0)
+        grow = n if counts is None else jnp.clip(jnp.asarray(counts, jnp.int32).reshape(seqs.shape), 0, n)
         have = self.blocks_for(lens)
-        needed = self.blocks_for(lens + n)
+        needed = self.blocks_for(lens + grow)
         last_block = _table_at(self.block_tables, rows, have - 1)
         # The first new token lands in the partly filled last block, if any; a
         # shared one is copied, except that when every owner of a block appends
         # in this step the first of them keeps it (as vLLM's sequential appends
         # would): the others copy away and leave it to that one.
         owners = self.device.ref_count(last_block)
-        shared = given & (lens % bs != 0) & (owners > 1)
+        shared = given & (lens % bs != 0) & (owners > 1) & (grow > 0)
         same_block = (last_block[:, None] == last_block[None, :]) & shared[:, None] & shared[None, :]
         batch_lane = jnp.arange(seqs.shape[0])
         earlier_sharers = jnp.sum(same_block & (batch_lane[None, :] < batch_lane[:, None]), axis=1)
@@ -276,13 +278,15 @@ class BlockSpaceManager:
         valid = ~jnp.any(bad_row | repeated)
         total = jnp.sum(jnp.where(given, takes, 0), dtype=jnp.int32)
         return _AppendPlan(seqs, given, rows, lens, have, last_block, cow, fresh, takes, bad_row, repeated, valid,
-                           total)
+                           total, jnp.broadcast_to(jnp.asarray(grow, jnp.int32), seqs.shape))
 
     def append_slots(
-        self, pool: KVPool, seq_ids: Ids, num_new_tokens: int = 1
+        self, pool: KVPool, seq_ids: Ids, num_new_tokens: int = 1, counts: Count | None = None
     ) -> tuple["BlockSpaceManager", KVPool, Int[Array, "batch num_new_tokens"], Bool[Array, "batch"], Ok]:
         """Grow each sequence of ``seq_ids`` (ON_DEVICE rows, -1 padding) by
-        ``num_new_tokens`` (static) tokens.
+        ``num_new_tokens`` (static) tokens, or with ``counts`` (``[batch]``,
+        traced; clipped to ``[0, num_new_tokens]``) by ``counts[i]`` tokens
+        each (a ragged append: slots past a row's count are -1).
 
         A sequence takes a new block for each block boundary it crosses. If the
         block its new tokens land in first is shared (ref count > 1, e.g. after
@@ -305,7 +309,7 @@ class BlockSpaceManager:
         if n < 0:
             raise InvalidArgument(f"append_slots of num_new_tokens={n}: a sequence cannot shrink")
         bs = self.block_size
-        plan = self._append_plan(seq_ids, n)
+        plan = self._append_plan(seq_ids, n, counts)
         seqs, given, rows, lens, have = plan.seqs, plan.given, plan.rows, plan.lens, plan.have
         last_block, cow, fresh, takes = plan.last_block, plan.cow, plan.fresh, plan.takes
         bad_row, valid, total = plan.bad_row, plan.valid, plan.total
@@ -344,11 +348,12 @@ class BlockSpaceManager:
         device, tables, pool, ok = jax.lax.switch(
             (valid & (total > 0)).astype(jnp.int32), [lambda d, t, p: (d, t, p, valid), take_blocks], self.device,
             self.block_tables, pool)
-        seq_lens = self.seq_lens.at[jnp.where(ok & given, rows, self.max_seqs)].add(n, mode="drop")
+        seq_lens = self.seq_lens.at[jnp.where(ok & given, rows, self.max_seqs)].add(plan.grow, mode="drop")
 
-        position = lens[:, None] + jnp.arange(n, dtype=jnp.int32)
+        lane = jnp.arange(n, dtype=jnp.int32)
+        position = lens[:, None] + lane
         page = _table_at(tables, rows[:, None], position // bs)
-        slots = jnp.where((ok & given)[:, None], page * bs + position % bs, -1)
+        slots = jnp.where((ok & given)[:, None] & (lane < plan.grow[:, None]), page * bs + position % bs, -1)
         blocked = jnp.where(valid, given & (takes > 0), bad_row | plan.repeated) & ~ok
         state = self.replace(block_tables=tables, seq_lens=seq_lens, device=device)
         return state, pool, slots, blocked, ok
@@ -847,6 +852,7 @@ class _AppendPlan(NamedTuple):
     repeated: Bool[Array, "batch"]  # names a sequence another lane names too
     valid: Bool[Array, ""]
     total: Int[Array, ""]  # blocks the step acquires
+    grow: Int[Array, "batch"]  # tokens each sequence grows by
 
 
 @struct.dataclass

@@ -15,7 +15,6 @@ the per-step host loop and the multi-step loop can be compared exactly.
 from __future__ import annotations
 
 import dataclasses
-import os
 from functools import partial
 
 import jax
@@ -29,7 +28,7 @@ from jaxkv.manager.block_space import BlockSpaceManager
 from jaxkv.nn import sharding
 from jaxkv.nn.packed import cache_kind
 from jaxkv.nn.sampling import GREEDY, SamplingParams, sample
-from jaxkv.nn.speculative import (SpecState, SpeculativeConfig, early_exit_draft, hybrid_cache_options,
+from jaxkv.nn.speculative import (SpecState, SpeculativeConfig, draft_model_for, hybrid_cache_options,
                                    speculative_loop, speculative_step)
 from jaxkv.nn.steps import (DecodeState, decode_loop, decode_step, hybrid_prefill_chunk, paged_peak_blocks,
                             paged_window, prefill_chunk, start_decoding)
@@ -303,7 +302,7 @@ def _generate_speculative(model, prompts, max_new_tokens, config: SpeculativeCon
     verify step with ``per_step``)."""
     k = config.num_speculative_tokens
     batch = len(prompts)
-    draft_model = _draft_model(model, config) if config.method == "draft_model" else None  # refused before a compile
+    draft_model = draft_model_for(model, config) if config.method == "draft_model" else None  # refused before a compile
     if cache_kind(model) == "hybrid":
         if kv_dtype is not None or num_pages is not None:
             raise InvalidArgument("kv_dtype and num_pages are for the paged pool; a hybrid-cache model takes "
@@ -353,28 +352,3 @@ def _generate_speculative(model, prompts, max_new_tokens, config: SpeculativeCon
                                                                spec.accepted, spec.steps))
     return GenerateOutput([tokens[b, : counts[b]].tolist() for b in range(batch)], state,
                           drafted.tolist(), accepted.tolist(), steps.tolist())
-
-
-def _draft_model(target, config: SpeculativeConfig):
-    """The draft model of a ``draft_model`` config: the target's first
-    ``draft_layers`` layers over the target's own pool
-    (:func:`~jaxkv.nn.speculative.early_exit_draft` with ``share_pool``),
-    or ``model`` (a jaxkv model, or a checkpoint path loaded with
-    ``AutoModelForCausalLM``). It must run over a paged pool and share the
-    target's vocabulary (``InvalidArgument`` otherwise)."""
-    if config.draft_layers is not None:
-        draft = early_exit_draft(target, config.draft_layers, share_pool=True)
-    elif isinstance(config.model, (str, os.PathLike)):
-        from jaxkv.nn.auto import AutoModelForCausalLM  # noqa: PLC0415 (auto imports every family)
-
-        draft = AutoModelForCausalLM.from_pretrained(config.model)
-    else:
-        draft = config.model
-    if cache_kind(draft) != "paged":
-        raise InvalidArgument(f"the draft model {type(draft).__name__} keeps a hybrid cache; a draft runs over a "
-                              "paged pool (a Llama-family or DeepSeek-V3 model)")
-    vocab, draft_vocab = target.config.vocab_size, draft.config.vocab_size
-    if vocab != draft_vocab:
-        raise InvalidArgument(f"the draft model's vocabulary has {draft_vocab} tokens, the target's {vocab}: "
-                              "they must be the same")
-    return draft

@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import os
 from functools import partial
 
 import jax
@@ -60,14 +61,15 @@ from flax import nnx, struct
 from jaxtyping import Array, Bool, Float, Int
 
 from jaxkv.errors import InvalidArgument
-from jaxkv.nn.packed import PackedBatch
+from jaxkv.nn.packed import PackedBatch, cache_kind
 from jaxkv.nn.sampling import RowSampling, SamplingParams, filtered_logits, sample, split_keys
 from jaxkv.manager.rows import slot_of
 from jaxkv.nn.steps import (DecodeState, decode_logits, finish_rows, grow_decode_lanes, model_step, paged_window,
                             place_tokens, trim_out_of_window)
 from jaxkv.pool.scrub import freed_blocks, scrub_kv_pool
 
-__all__ = ["SpecState", "SpeculativeConfig", "accept_drafts", "early_exit_draft", "hybrid_cache_options",
+__all__ = ["SpecState", "SpeculativeConfig", "accept_drafts", "draft_catch_up", "draft_model_for", "early_exit_draft",
+           "hybrid_cache_options",
            "ngram_propose", "paged_packed_verify_step", "speculative_body", "speculative_loop", "speculative_step"]
 
 
@@ -296,11 +298,17 @@ def speculative_body(graphdef, params, state: SpecState, sampling: SamplingParam
     active = ~d.finished
     options = dict(sampling=sampling, free_finished=free_finished, scrub=scrub)
     if draft_graphdef is not None and state.draft_manager is not None:  # a draft with a cache of its own
-        keys, key = (d.keys, None) if _greedy(sampling) else jax.random.split(d.keys)
-        drafts, probs, state = _draft_propose(draft_graphdef, draft_params, state, k, sampling, key)
-        num_drafts = jnp.where(active if speculate is None else active & speculate, k, 0).astype(jnp.int32)
+        if _greedy(sampling):
+            keys, key = d.keys, None
+        elif d.keys.ndim == 0:
+            keys, key = jax.random.split(d.keys)
+        else:  # one stream per row: the draft's draws fold off it, the verify's split then advances it
+            keys, key = d.keys, _fold_keys(d.keys, _DRAFT_STREAM)
+        drafting = active if speculate is None else active & speculate
+        drafts, probs, state = _draft_propose(draft_graphdef, draft_params, state, k, sampling, key, drafting)
+        num_drafts = jnp.where(drafting, k, 0).astype(jnp.int32)
         return _advance(graphdef, params, state.replace(decode=state.decode.replace(keys=keys)), drafts,
-                        num_drafts, draft_probs=probs, **options)
+                        num_drafts, draft_probs=probs, draft_rows=drafting, **options)
     if draft_graphdef is not None:  # an early exit over the target's own pool: drafts after the append
         if d.pool is None:
             raise InvalidArgument("a draft that shares the target's pool (early_exit_draft(..., share_pool=True)) "
@@ -341,23 +349,25 @@ def _fold_keys(keys: jax.Array, data: int) -> jax.Array:
     return jax.vmap(lambda key: jax.random.fold_in(key, data))(keys)
 
 
-def _draft_propose(draft_graphdef, draft_params, state: SpecState, k: int, sampling, key):
-    """``k`` drafts per unfinished row from the draft model, one decode step
-    each over its own paged cache (its token, its argmax or a draw from its
-    distribution after the same temperature / top-k / top-p), and one step
-    more that writes the last draft's K/V (so that a row that keeps every
-    draft has them all). Returns ``(drafts [B, k], probs [B, k, V] or None
-    (greedy), state)`` with the draft cache grown by ``k + 1`` positions;
+def _draft_propose(draft_graphdef, draft_params, state: SpecState, k: int, sampling, key, drafting):
+    """``k`` drafts per ``drafting`` row from the draft model, one decode
+    step each over its own paged cache (its token, its argmax or a draw
+    from its distribution after the same temperature / top-k / top-p), and
+    one step more that writes the last draft's K/V (so that a row that
+    keeps every draft has them all). Returns ``(drafts [B, k], probs [B, k,
+    V] or None (greedy), state)`` with the draft cache of the drafting rows
+    grown by ``k + 1`` positions (the other rows' left alone);
     :func:`_advance` truncates it to what the target keeps. The draft cache
-    must hold every row at full length (``generate`` sizes it so): a failed
-    append there sets the state's ``ok`` False, which stops the loop
+    must have room (``generate`` sizes it for every row at full length, the
+    engine plans it: :class:`~jaxkv.serve.draft_cache.DraftCache`): a
+    failed append there sets the state's ``ok`` False, which stops the loop
     (``generate`` then raises ``KVCacheOOM``)."""
     d = state.decode
-    active = ~d.finished
     manager, pool = state.draft_manager, state.draft_pool
     token, drafts, probs, ok = d.last, [], [], jnp.asarray(True)
     for i in range(k + 1):
-        manager, pool, logits, _, step_ok = decode_logits(draft_graphdef, draft_params, manager, pool, token, active)
+        manager, pool, logits, _, step_ok = decode_logits(draft_graphdef, draft_params, manager, pool, token,
+                                                          drafting)
         ok = ok & step_ok
         if i == k:
             break
@@ -367,6 +377,34 @@ def _draft_propose(draft_graphdef, draft_params, state: SpecState, k: int, sampl
             probs.append(q)
     state = state.replace(decode=d.replace(ok=d.ok & ok), draft_manager=manager, draft_pool=pool)
     return jnp.stack(drafts, axis=1), jnp.stack(probs, axis=1) if probs else None, state
+
+
+def draft_catch_up(graphdef, params, manager, pool, reset: Bool[Array, " B"], batch: PackedBatch | None):
+    """Bring a draft model's own paged cache up to tokens its target holds
+    already (the engine's separate draft: :class:`~jaxkv.serve.draft_cache.DraftCache`
+    plans the batch on the host). Rows of ``reset`` are emptied first
+    (truncated to no token: a row that now serves another request, or one
+    whose draft is given up), then lane ``s`` of ``batch`` grows its row
+    ``seq_ids[s]`` by its ``q_len`` tokens (one ragged ``append_slots``, all
+    or nothing) and the draft model writes their K/V (``forward_packed``;
+    the logits are dropped). Every row of ``manager`` must be ON_DEVICE,
+    empty ones at length 0, and a lane's first position its row's length.
+    Returns ``(manager, pool, ok)``; on a failed append nothing is written
+    (the resets stand)."""
+    rows = jnp.arange(reset.shape[0], dtype=jnp.int32)
+    manager, _ = manager.truncate(jnp.where(reset, rows, -1), 0)
+    if batch is None:
+        return manager, pool, jnp.asarray(True)
+    seqs = jnp.where(batch.q_lens > 0, batch.seq_ids, -1)
+    manager, pool, _, _, ok = manager.append_slots(pool, seqs, batch.num_tokens, counts=batch.q_lens)
+    batch = place_tokens(manager, batch)
+
+    def write(p):
+        return nnx.merge(graphdef, params).forward_packed(batch, p)[1]
+
+    # An index switch, not a predicated cond (see BlockSpaceManager.append_slots).
+    pool = jax.lax.switch(ok.astype(jnp.int32), [lambda p: p, write], pool)
+    return manager, pool, ok
 
 
 def _draft_token(logits: Float[Array, "B V"], sampling, key, i: int):
@@ -410,13 +448,13 @@ def _shared_pool_propose(draft_graphdef, draft_params, pool, last, slots, tables
 
 
 def _advance(graphdef, params, state: SpecState, drafts, num_drafts, *, sampling, free_finished: bool,
-             scrub: bool, draft_probs=None, propose=None) -> SpecState:
+             scrub: bool, draft_probs=None, propose=None, draft_rows=None) -> SpecState:
     """:func:`speculative_body` once the drafts are known (``drafts [B, k]``;
     ``k`` may be 0: a plain decode step), or with ``propose`` once the
     verify step's positions are appended (an early exit over the target's
     pool: :func:`_shared_pool_propose`; ``drafts`` are placeholders). A
     draft model's cache (``state.draft_manager``) is truncated with the
-    target's."""
+    target's on the rows that drafted (``draft_rows``, bool ``[B]``)."""
     d = state.decode
     batch, width = d.tokens.shape
     k = drafts.shape[1]
@@ -437,8 +475,8 @@ def _advance(graphdef, params, state: SpecState, drafts, num_drafts, *, sampling
             keys = jnp.where(running, keys, d.keys)
     emitted, accepted = accept_drafts(logits, drafts, num_drafts, sampling, key, draft_probs)
     manager, pool = rollback(jnp.where(running, accepted, -1))
-    if state.draft_manager is not None:  # the draft keeps what the target keeps (a row that did not run: nothing)
-        draft_rows = jnp.where(active, jnp.arange(batch, dtype=jnp.int32), -1)
+    if draft_rows is not None:  # the draft keeps what the target keeps (a row that did not run: nothing)
+        draft_rows = jnp.where(draft_rows, jnp.arange(batch, dtype=jnp.int32), -1)
         kept, _ = state.draft_manager.truncate(draft_rows, state.draft_manager.seq_lens - (k + 1)
                                                + jnp.where(running, accepted + 1, 0))
         state = state.replace(draft_manager=kept)
@@ -652,6 +690,31 @@ def speculative_step(graphdef, params, state: SpecState, sampling: SamplingParam
     """One :func:`speculative_body` as one jitted call (the state is donated)."""
     return speculative_body(graphdef, params, state, sampling, config, draft_graphdef=draft_graphdef,
                             draft_params=draft_params)
+
+
+def draft_model_for(target, config: SpeculativeConfig):
+    """The draft model of a ``draft_model`` config: the target's first
+    ``draft_layers`` layers over the target's own pool
+    (:func:`~jaxkv.nn.speculative.early_exit_draft` with ``share_pool``),
+    or ``model`` (a jaxkv model, or a checkpoint path loaded with
+    ``AutoModelForCausalLM``). It must run over a paged pool and share the
+    target's vocabulary (``InvalidArgument`` otherwise)."""
+    if config.draft_layers is not None:
+        draft = early_exit_draft(target, config.draft_layers, share_pool=True)
+    elif isinstance(config.model, (str, os.PathLike)):
+        from jaxkv.nn.auto import AutoModelForCausalLM  # noqa: PLC0415 (auto imports every family)
+
+        draft = AutoModelForCausalLM.from_pretrained(config.model)
+    else:
+        draft = config.model
+    if cache_kind(draft) != "paged":
+        raise InvalidArgument(f"the draft model {type(draft).__name__} keeps a hybrid cache; a draft runs over a "
+                              "paged pool (a Llama-family or DeepSeek-V3 model)")
+    vocab, draft_vocab = target.config.vocab_size, draft.config.vocab_size
+    if vocab != draft_vocab:
+        raise InvalidArgument(f"the draft model's vocabulary has {draft_vocab} tokens, the target's {vocab}: "
+                              "they must be the same")
+    return draft
 
 
 def early_exit_draft(model, num_layers: int, *, share_pool: bool = False):

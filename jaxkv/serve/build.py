@@ -40,7 +40,8 @@ logger = logging.getLogger("jaxkv.serve")
 
 
 def build_cache(model, options: CacheOptions, *, max_seqs: int, prefill_chunk: int,
-                free_bytes: int | None = None, mesh=None, lookahead: int = 0) -> KVCache:
+                free_bytes: int | None = None, mesh=None, lookahead: int = 0,
+                draft_token_bytes: float = 0.0) -> KVCache:
     """The cache for ``model`` by its ``cache_kind`` (:mod:`jaxkv.nn.packed`):
     a :class:`~jaxkv.serve.hybrid_cache.HybridCache` or a
     :class:`~jaxkv.serve.paged_cache.PagedCache`, sized by the one rule of
@@ -51,7 +52,10 @@ def build_cache(model, options: CacheOptions, *, max_seqs: int, prefill_chunk: i
     the least free memory of the mesh's devices. ``lookahead``: tokens a
     row may hold past its request's end for a moment (a speculative verify
     step's rejected drafts): the tables get room for them and the
-    reserve counts them. An option of the other kind of cache is refused
+    reserve counts them. ``draft_token_bytes``: the bytes one token costs
+    a separate draft model's cache, which holds the tokens the target's
+    holds (:class:`~jaxkv.serve.drafts.DraftCache`): a budget sizes both
+    together. An option of the other kind of cache is refused
     (``InvalidArgument`` naming it and the options that apply)."""
     o = options
     if free_bytes is None and mesh is not None:
@@ -70,7 +74,8 @@ def build_cache(model, options: CacheOptions, *, max_seqs: int, prefill_chunk: i
             num_blocks=_block_counts(o.num_blocks), kv_cache_memory=o.kv_cache_memory, num_snapshots=o.num_snapshots,
             entry_format=o.entry_format, prefill_chunk=prefill_chunk, prefix_cache=o.prefix_cache,
             free_bytes=free_bytes, retention=o.snapshot_retention, snapshot_interval=o.snapshot_interval,
-            host_kv_memory=o.host_kv_memory, host_prefix_memory=o.host_prefix_memory, mesh=mesh, lookahead=lookahead)
+            host_kv_memory=o.host_kv_memory, host_prefix_memory=o.host_prefix_memory, mesh=mesh, lookahead=lookahead,
+            draft_token_bytes=draft_token_bytes)
     given = [name for name, value in (("max_context_tokens", o.max_context_tokens), ("num_blocks", o.num_blocks),
                                       ("num_snapshots", o.num_snapshots), ("snapshot_interval", o.snapshot_interval))
              if value is not None] + (["snapshot_retention"] if o.snapshot_retention != "value" else [])
@@ -84,7 +89,7 @@ def build_cache(model, options: CacheOptions, *, max_seqs: int, prefill_chunk: i
         num_host_pages=o.num_host_pages, host_kv_memory=o.host_kv_memory, kv_dtype=o.kv_dtype,
         prefix_cache=o.prefix_cache, prefill_chunk=prefill_chunk, host_memory_kind=o.host_memory_kind,
         free_bytes=free_bytes, host_prefix_pages=o.host_prefix_pages, host_prefix_memory=o.host_prefix_memory,
-        mesh=mesh, lookahead=lookahead)
+        mesh=mesh, lookahead=lookahead, draft_token_bytes=draft_token_bytes)
 
 
 def _pool_bytes(pool, mesh) -> int:
@@ -150,7 +155,8 @@ def build_paged_cache(model, *, max_seqs: int, page_size: int, max_model_len: in
           max_blocks_per_seq: int | None, kv_cache_memory, num_host_pages: int | None, host_kv_memory,
           kv_dtype, prefix_cache: bool, prefill_chunk: int, host_memory_kind: str,
           free_bytes: int | None = None, host_prefix_pages: int | None = None,
-          host_prefix_memory: int | None = None, mesh=None, lookahead: int = 0) -> PagedCache:
+          host_prefix_memory: int | None = None, mesh=None, lookahead: int = 0,
+          draft_token_bytes: float = 0.0) -> PagedCache:
     """The one sizing rule (:mod:`jaxkv.serve.sizing`) for a paged pool.
 
     ``max_model_len`` (None: from ``max_blocks_per_seq * page_size`` when
@@ -222,8 +228,8 @@ def build_paged_cache(model, *, max_seqs: int, page_size: int, max_model_len: in
     budget, source = None, f"num_pages={num_pages} (expert option)"
     if num_pages is None:
         blocks, budget, source = blocks_from_budget(
-            lambda counts: measure(counts, max_model_len), [page_size], [max_seqs * need(max_model_len)],
-            kv_cache_memory, free_bytes)
+            lambda counts: measure(counts, max_model_len) + int(draft_token_bytes * counts[0] * page_size),
+            [page_size], [max_seqs * need(max_model_len)], kv_cache_memory, free_bytes)
         held = blocks[0] * page_size
         if need(max_model_len) > blocks[0] and not len_given and held >= 2:
             logger.info("KV cache: the default max_model_len %d does not fit %d pages of %d; lowered to %d",
@@ -264,7 +270,8 @@ def build_hybrid_cache(model, *, max_seqs: int, max_model_len: int | None, max_c
           num_blocks: dict | None, kv_cache_memory, num_snapshots: int | None, entry_format: str,
           prefill_chunk: int, prefix_cache: bool, free_bytes: int | None = None, retention: str = "value",
           snapshot_interval: int | None = None, host_kv_memory: int | None = None,
-          host_prefix_memory: int | None = None, mesh=None, lookahead: int = 0) -> HybridCache:
+          host_prefix_memory: int | None = None, mesh=None, lookahead: int = 0,
+          draft_token_bytes: float = 0.0) -> HybridCache:
     """The one sizing rule (:mod:`jaxkv.serve.sizing`) for a hybrid cache.
 
     ``max_model_len`` and ``max_context_tokens`` name the same limit
@@ -332,7 +339,8 @@ def build_hybrid_cache(model, *, max_seqs: int, max_model_len: int | None, max_c
         cached = min(2 * max_seqs, budget_hint // 4 // row) if row > 0 else 2 * max_seqs
         cached = max(int(cached), 0)
     blocks, budget, source = blocks_from_budget(
-        lambda counts: measure(counts, cached, length), tokens_per_block,
+        lambda counts: measure(counts, cached, length) + int(draft_token_bytes * counts[0] * tokens_per_block[0]),
+        tokens_per_block,
         [max_seqs * b for b in blocks_for(length + lookahead)], kv_cache_memory, free_bytes)
     held = min(b * t for b, t in zip(blocks, tokens_per_block))  # tokens every group holds
     # A request at max_model_len holds a verify step's rejected drafts past it for a moment.
@@ -373,6 +381,32 @@ def _platform(mesh) -> str:
     if isinstance(mesh, jax.sharding.Mesh):
         return mesh.devices.flat[0].platform
     return jax.devices()[0].platform
+
+
+def paged_token_bytes(model, page_size: int, kv_dtype, mesh=None) -> tuple[float, float]:
+    """The pool bytes one token costs ``model``'s paged pool: ``(on one
+    device of mesh, whole)`` (the same without a mesh)."""
+    pools = [jax.eval_shape(lambda n=n: model.make_pool(n, page_size, dtype=kv_dtype)) for n in (2, 3)]
+    whole = sizing.tree_bytes(pools[1]) - sizing.tree_bytes(pools[0])
+    device = _pool_bytes(pools[1], mesh) - _pool_bytes(pools[0], mesh)
+    return device / page_size, whole / page_size
+
+
+def hybrid_token_bytes(model, entry_format: str, length: int, mesh=None) -> tuple[float, float]:
+    """The block bytes one token costs ``model``'s hybrid cache, summed
+    over its groups: ``(on one device of mesh, whole)``."""
+    probe = jax.eval_shape(lambda: model.make_cache(1, length, entry_format=entry_format))
+    names = list(probe.groups)
+    tokens_per_block = [g.tokens_per_block for g in probe.groups.values()]
+
+    def measure(counts, on):
+        return _hybrid_bytes(jax.eval_shape(lambda: model.make_cache(
+            1, length, entry_format=entry_format, num_blocks=dict(zip(names, counts)), num_snapshots=0)), on)
+
+    device = sizing.affine_bytes(lambda counts: measure(counts, mesh), len(names))[1]
+    whole = device if mesh is None else sizing.affine_bytes(lambda counts: measure(counts, None), len(names))[1]
+    return (sum(b / t for b, t in zip(device, tokens_per_block)),
+            sum(b / t for b, t in zip(whole, tokens_per_block)))
 
 
 def derive_scheduler_defaults(model, options: EngineOptions, *, mesh=None, free_bytes: int | None = None,
@@ -419,10 +453,7 @@ def derive_scheduler_defaults(model, options: EngineOptions, *, mesh=None, free_
                 rows, length, entry_format=o.entry_format, num_blocks=dict(zip(names, counts)),
                 num_snapshots=snapshots)), on)
 
-        device = sizing.affine_bytes(lambda counts: measure(1, counts, 0, mesh), len(names))[1]
-        whole = device if mesh is None else sizing.affine_bytes(lambda c: measure(1, c, 0, None), len(names))[1]
-        per_token = sum(b / t for b, t in zip(device, tokens_per_block))
-        per_token_whole = sum(b / t for b, t in zip(whole, tokens_per_block))
+        per_token, per_token_whole = hybrid_token_bytes(model, o.entry_format, length, mesh)
         row = measure(2, [2] * len(names), 1, mesh) - measure(1, [2] * len(names), 1, mesh)
         if o.prefix_cache:
             budget = budget * 3 // 4
@@ -431,10 +462,8 @@ def derive_scheduler_defaults(model, options: EngineOptions, *, mesh=None, free_
         if held is not None:  # expert block counts: the tokens the groups given hold
             budget, row = max(int(held * per_token), 1), 0
     else:
-        pools = [jax.eval_shape(lambda n=n: model.make_pool(n, o.page_size, dtype=o.kv_dtype)) for n in (2, 3)]
-        page_whole = sizing.tree_bytes(pools[1]) - sizing.tree_bytes(pools[0])
-        page_device = _pool_bytes(pools[1], mesh) - _pool_bytes(pools[0], mesh)
-        per_token, per_token_whole = page_device / o.page_size, page_whole / o.page_size
+        per_token, per_token_whole = paged_token_bytes(model, o.page_size, o.kv_dtype, mesh)
+        page_device = per_token * o.page_size
 
         def manager(rows):
             return sizing.tree_bytes(jax.eval_shape(lambda: BlockSpaceManager.create(

@@ -80,7 +80,7 @@ from jaxkv.nn import sharding
 from jaxkv.nn.packed import PackedBatch, PackedLane, host_arrays, write_lanes
 from jaxkv.nn.penalties import seen_tokens
 from jaxkv.nn.sampling import RowSampling, TokenLogprobs, row_rules, sample_with_logprobs, split_keys
-from jaxkv.nn.speculative import SpecState, speculative_body
+from jaxkv.nn.speculative import SpecState, draft_catch_up, speculative_body
 from jaxkv.nn.steps import DecodeState, run_decode
 from jaxkv.serve import sizing
 from jaxkv.serve.sizing import CachePlan
@@ -315,9 +315,10 @@ def decode_chunk(graphdef, params, manager, pool, last, active, num_generated, m
 
 
 @partial(jax.jit, static_argnames=("graphdef", "num_steps", "config", "scrub", "draft_graphdef"),
-         donate_argnums=(2, 3))
+         donate_argnums=(2, 3, 16, 17))
 def speculative_chunk(graphdef, params, manager, pool, last, active, num_generated, max_new, eos_id,
-                      sampling: RowSampling, keys, history, history_len, speculate, steps, draft_params=None, *,
+                      sampling: RowSampling, keys, history, history_len, speculate, steps, draft_params=None,
+                      draft_manager=None, draft_pool=None, draft_reset=None, catch_up=None, *,
                       num_steps: int, config, scrub: bool = False, draft_graphdef=None) -> SpecState:
     """The engine's decode chunk with speculation (a paged cache's): up to
     ``num_steps`` verify steps (:func:`jaxkv.nn.speculative.speculative_body`,
@@ -325,16 +326,27 @@ def speculative_chunk(graphdef, params, manager, pool, last, active, num_generat
     one ``lax.while_loop``; rows stay allocated when they finish. A row
     drafts from ``history[r, :history_len[r]]`` (its prompt and output, the
     last being ``last[r]``) when ``speculate[r]``, else decodes one token
-    per step; with ``draft_graphdef`` / ``draft_params`` (an early exit
-    that shares the pool: ``early_exit_draft(..., share_pool=True)``) the
-    drafts are that model's instead. Runs ``steps`` (traced, at most
+    per step; with ``draft_graphdef`` / ``draft_params`` the drafts are
+    that model's instead: an early exit that shares the pool
+    (``early_exit_draft(..., share_pool=True)``), or, with
+    ``draft_manager`` / ``draft_pool`` (donated), a separate model over its
+    own paged cache, whose rows ``draft_reset`` are emptied and which is
+    first fed the packed batch ``catch_up`` (None: nothing;
+    :func:`~jaxkv.nn.speculative.draft_catch_up`; a failed catch-up sets
+    ``ok`` False and runs no step). Runs ``steps`` (traced, at most
     ``num_steps``) verify steps; stops early as :func:`decode_chunk` does."""
     width = num_steps * (config.num_speculative_tokens + 1)
     state = DecodeState.create(manager, pool, last=last, finished=~active, num_generated=num_generated,
                                max_new=max_new, eos_id=eos_id, keys=keys, width=width)
+    draft = {}
+    if draft_manager is not None:
+        draft_manager, draft_pool, caught_up = draft_catch_up(draft_graphdef, draft_params, draft_manager, draft_pool,
+                                                              draft_reset, catch_up)
+        state = state.replace(ok=state.ok & caught_up)
+        draft = dict(draft_manager=draft_manager, draft_pool=draft_pool)
     zeros = jnp.zeros(last.shape, jnp.int32)
     spec = SpecState(decode=state, history=history, history_len=history_len, drafted=zeros, accepted=zeros,
-                     steps=zeros)
+                     steps=zeros, **draft)
     stop_at = state.step + jnp.minimum(steps, num_steps)
     return jax.lax.while_loop(
         lambda s: jnp.any(~s.decode.finished) & s.decode.ok & (s.decode.step < stop_at),
@@ -676,10 +688,10 @@ class CacheBase(abc.ABC):
         loop; finished rows stay allocated until :meth:`retire`.
         ``speculation``: ``(config, history, history_len, speculate, steps,
         draft)``: ``steps`` verify steps instead (:func:`speculative_chunk`;
-        ``draft`` an early-exit draft's ``(graphdef, params)`` or None; the
-        result then says how many drafts each row verified and kept)."""
+        ``draft`` a :mod:`jaxkv.serve.drafts` draft (its plan made) or None;
+        the result then says how many drafts each row verified and kept)."""
         manager, pool = self._decode_view()
-        drafted = accepted = steps = None
+        drafted = accepted = steps = draft_lengths = None
         if speculation is not None and (getattr(sampling, "logprobs", -1) >= 0
                                         or getattr(sampling, "penalties", None) is not None
                                         or getattr(sampling, "constraints", None) is not None):
@@ -690,16 +702,22 @@ class CacheBase(abc.ABC):
                                  sampling, self._keys(key_data), num_steps=num_steps, scrub=self.scrub)
         else:
             config, history, history_len, speculate, steps, draft = speculation
-            draft_graphdef, draft_params = (None, None) if draft is None else draft
+            draft_args, draft_graphdef = (None,) * 5, None
+            if draft is not None:
+                draft_args, draft_graphdef = draft.chunk_arguments()
             spec = speculative_chunk(graphdef, params, manager, pool, last, active, num_generated, max_new, eos_id,
                                      sampling, self._keys(key_data), history, history_len, speculate,
-                                     np.int32(steps), draft_params, num_steps=num_steps, config=config,
+                                     np.int32(steps), *draft_args, num_steps=num_steps, config=config,
                                      scrub=self.scrub, draft_graphdef=draft_graphdef)
             state, drafted, accepted, steps = spec.decode, spec.drafted, spec.accepted, spec.steps
+            draft_lengths = None if draft is None else draft.lengths(spec)
         self._decode_done(state.manager, state.pool)
-        out, count, finished, ok, blocked, peak, keys, host, drafted, accepted, steps, logprobs = jax.device_get(
-            (state.tokens, state.written, state.finished, state.ok, state.blocked, state.peak_used,
-             unwrap_keys(state.keys), self._host_leaves(self.manager), drafted, accepted, steps, state.logprobs))
+        out, count, finished, ok, blocked, peak, keys, host, drafted, accepted, steps, logprobs, draft_lengths = (
+            jax.device_get((state.tokens, state.written, state.finished, state.ok, state.blocked, state.peak_used,
+                            unwrap_keys(state.keys), self._host_leaves(self.manager), drafted, accepted, steps,
+                            state.logprobs, draft_lengths)))
+        if speculation is not None and speculation[-1] is not None:
+            speculation[-1].finish(spec, draft_lengths, bool(ok), blocked)
         self._mirror(host)
         return DecodeResult(out, count, finished, np.asarray(keys), bool(ok), blocked, int(peak), drafted, accepted,
                             steps, logprobs)

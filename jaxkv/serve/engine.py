@@ -74,8 +74,10 @@ from jaxkv.errors import InvalidArgument
 from jaxkv.nn import sharding
 from jaxkv.nn.packed import cache_kind
 from jaxkv.nn.sampling import GREEDY, SamplingParams
-from jaxkv.nn.speculative import early_exit_draft
-from jaxkv.serve.build import build_cache, resolve_options
+from jaxkv._ops import ceil_div
+from jaxkv.nn.speculative import draft_model_for, early_exit_draft
+from jaxkv.serve.build import build_cache, paged_token_bytes, resolve_options
+from jaxkv.serve.drafts import DraftCache, SharedPoolDraft
 from jaxkv.serve.options import EngineOptions
 from jaxkv.serve.output import (Counters, EngineProgress, EngineStats, EngineSummary, OutputProcessor,
                                 latency_stats)
@@ -168,10 +170,27 @@ class Engine(Scheduler):
         #: left out derived for the device and logged, :func:`~jaxkv.serve.build.resolve_options`).
         self.options = options = resolve_options(model, options, mesh=mesh, free_bytes=free_bytes)
         cache, sched, tenants = options.cache, options.scheduler, options.tenants
-        draft = _early_exit_draft(model, sched.speculative)  # refused before the cache is sized
+        draft_model, shares_pool = _draft_model(model, sched.speculative, mesh)  # refused before the cache is sized
         lookahead = 0 if sched.speculative is None else sched.speculative.num_speculative_tokens
+        draft_kv_dtype = cache.kv_dtype if cache_kind(model) == "paged" else None
+        draft_token_bytes = (0.0 if draft_model is None or shares_pool else
+                             paged_token_bytes(draft_model, cache.page_size, draft_kv_dtype)[0])
         self.cache = build_cache(model, cache, max_seqs=sched.max_seqs, prefill_chunk=sched.prefill_chunk,
-                                 free_bytes=free_bytes, mesh=mesh, lookahead=lookahead)
+                                 free_bytes=free_bytes, mesh=mesh, lookahead=lookahead,
+                                 draft_token_bytes=draft_token_bytes)
+        draft = None
+        if draft_model is not None and shares_pool:
+            draft = SharedPoolDraft(draft_model, model)
+        elif draft_model is not None:  # as many tokens as the target's cache holds, at most every row at full length
+            tokens = min(max(g.tokens for g in self.cache.plan.groups),
+                         sched.max_seqs * (self.cache.max_context_tokens + lookahead + 1))
+            draft = DraftCache(draft_model, model, max_seqs=sched.max_seqs,
+                               num_pages=ceil_div(tokens, cache.page_size) + 1, page_size=cache.page_size,
+                               max_tokens=self.cache.max_context_tokens + lookahead + 1,
+                               catch_up_tokens=sched.max_num_batched_tokens or max(sched.prefill_chunk, 512),
+                               kv_dtype=draft_kv_dtype)
+            logger.info("speculative draft model %s: its own paged cache of %d pages of %d tokens (%d bytes)",
+                        type(draft_model).__name__, draft.num_pages, draft.page_size, draft.pool_bytes)
         scrub_on_free, prefix_quota = tenants.scrub_on_free, tenants.prefix_quota
         enable_kv_events = tenants.enable_kv_events
         # What a rebuilt cache gets again (see _recover).
@@ -179,8 +198,8 @@ class Engine(Scheduler):
         self._kv_events, self._mesh = enable_kv_events, mesh
         if mesh is not None:  # the model, unless placed already
             sharding.prepare(model, mesh)
-            if draft is not None:
-                sharding.prepare(draft, mesh)
+            if draft_model is not None:
+                sharding.prepare(draft_model, mesh)
         self._configure_cache()
         #: How the cache was sized (:class:`~jaxkv.serve.sizing.CachePlan`), logged at start-up.
         self.cache_plan: CachePlan = self.cache.plan
@@ -504,21 +523,27 @@ class Engine(Scheduler):
             iteration=self._count.iterations - before.iterations)
 
 
-def _early_exit_draft(model, config):
+def _draft_model(model, config, mesh) -> tuple:
     """The engine's draft model for ``config`` (a ``SpeculativeConfig`` or
-    None): None for n-gram lookup (or no speculation); for ``draft_model``
-    with ``draft_layers``, the target's first layers over its own paged
-    pool (:func:`jaxkv.nn.speculative.early_exit_draft` with
-    ``share_pool``). ``InvalidArgument`` for a separate draft ``model`` (the
-    engine does not run one) and for a hybrid-cache target."""
+    None) and whether it runs over the target's pool: ``(None, False)``
+    for n-gram lookup (or no speculation); for ``draft_layers``, the
+    target's first layers over its own paged pool
+    (:func:`jaxkv.nn.speculative.early_exit_draft` with ``share_pool``);
+    for ``model``, that model (:func:`~jaxkv.nn.speculative.draft_model_for`:
+    a paged-pool model of the target's vocabulary), which keeps a cache of
+    its own (:class:`~jaxkv.serve.drafts.DraftCache`). ``InvalidArgument``
+    for an early exit of a hybrid-cache target and for a separate draft on
+    a mesh."""
     if config is None or config.method != "draft_model":
-        return None
+        return None, False
     if config.model is not None:
-        raise InvalidArgument("speculative draft_model with a separate model: the engine runs the target's own "
-                              "first layers (draft_layers) over the target's cache, not a second model with a "
-                              "cache of its own (jaxkv.nn.generate(..., speculative=...) runs any draft model)")
+        if mesh is not None:
+            raise InvalidArgument("speculative draft_model with a separate model on a mesh: its cache is not "
+                                  "placed on a mesh yet; use draft_layers (the target's own first layers) or "
+                                  "method 'ngram'")
+        return draft_model_for(model, config), False
     if cache_kind(model) != "paged":
         raise InvalidArgument(f"speculative draft_layers: {type(model).__name__} keeps a hybrid cache; the engine's "
-                              "early-exit draft runs over a paged pool (the Llama family, DeepSeek-V3); use "
-                              "method 'ngram'")
-    return early_exit_draft(model, config.draft_layers, share_pool=True)
+                              "early-exit draft runs over a paged pool (the Llama family, DeepSeek-V3); give a "
+                              "separate draft model (\"model\") or use method 'ngram'")
+    return early_exit_draft(model, config.draft_layers, share_pool=True), True

@@ -123,6 +123,8 @@ class FaultContainment:
         self._rows = [None] * self.max_seqs
         self._prefilling, self._swapped = [], []
         self.cache = self.cache.rebuilt()
+        if self.speculation is not None:  # rows now serve other requests; a draft's cache may be half updated
+            self.speculation.rebuilt()
         self._configure_cache()
 
     def _error(self, req: Request, message: str) -> None:

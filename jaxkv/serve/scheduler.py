@@ -359,7 +359,7 @@ class Scheduler(FaultContainment):
         #: The running requests' structured-output automata as device tables (built at the first one).
         self.constraints: ConstraintTable | None = None
         #: Speculative decoding (:class:`~jaxkv.serve.speculation.Speculation`; None: off).
-        # ``draft``: an early-exit draft model over the cache's pool (method draft_model), else None.
+        # ``draft``: a jaxkv.serve.drafts draft (method draft_model), else None.
         self.speculation = None if speculative is None else Speculation(speculative, max_seqs, cache, draft)
         # The decode steps whose blocks a running request reserves: a decode chunk's, or with speculation the
         # most tokens its verify steps can write (the cache's ``lookahead`` covers a step's rejected tail).

@@ -41,9 +41,14 @@ the draft runs on the target's cache itself, so it costs no memory, no
 prefill and no rollback of its own, and prefix hits, swaps, preemption and
 scrubbing serve it unchanged. Its ``k`` draft steps cost about ``k d / L``
 decode steps of the target (``L`` layers), which θ adds (:func:`break_even`).
-Such requests bring one token in packed iterations (their drafts come
-from a model call, not a lookup: verify lanes are n-gram's) and verify
-in decode chunks.
+With ``{"method": "draft_model", "model": m}`` (a jaxkv paged-pool model
+or a checkpoint path, same vocabulary; any target, a hybrid cache's too)
+the draft keeps a paged cache of its own, filled lazily in the
+speculative chunks themselves (:class:`jaxkv.serve.drafts.DraftCache`);
+θ adds ``k`` times its parameters over the target's. Draft-model
+requests bring one token in packed iterations (their drafts come from a
+model call, not a lookup: verify lanes are n-gram's) and verify in decode
+chunks.
 
 Packed iterations (prompts being prefilled beside decoding requests, one
 model call) carry **verify lanes** over a paged pool: a request past its
@@ -62,7 +67,6 @@ import dataclasses
 
 import jax
 import numpy as np
-from flax import nnx
 
 from jaxkv._ops import pow2_at_least
 from jaxkv.nn.speculative import SpeculativeConfig
@@ -104,10 +108,10 @@ class Speculation:
         self.config = config
         #: The probation chunks' config: one draft per verify step.
         self.probe = dataclasses.replace(config, num_speculative_tokens=1, min_accepted_per_step=None)
-        #: A draft model's ``(graphdef, params)`` (an early exit over the target's pool), or None (n-gram).
-        self.draft = None if draft is None else nnx.split(draft)
-        fraction = 0.0 if draft is None else draft.config.num_hidden_layers / draft.pool_layers
-        self.theta = break_even(config, fraction)
+        #: A draft model (:mod:`jaxkv.serve.drafts`: an early exit over the target's pool or a separate model
+        #: with a cache of its own), or None (n-gram).
+        self.draft = draft
+        self.theta = break_even(config, 0.0 if draft is None else draft.cost_fraction)
         # Room for the longest request and the tokens a chunk appends on the device (writes past it are dropped
         # there: the lookup then just does not see them).
         self.width = pow2_at_least(cache.max_context_tokens + 1)
@@ -119,7 +123,9 @@ class Speculation:
         """``(config, history, history_len, speculate, steps, draft)`` for a
         decode chunk of the requests ``running`` (row -> request), or None
         when the chunk runs plain (module docstring); ``draft``:
-        :attr:`draft` (the histories are kept for n-gram lookup only).
+        :attr:`draft`, its plan for the chunk made (the histories are kept
+        for n-gram lookup only; a separate draft's cache may take rows out
+        of ``speculate``: :meth:`jaxkv.serve.drafts.DraftCache.plan`).
         While a speculating request is
         on probation: ``PROBATION_STEPS`` verify steps of one draft
         (``config`` is :attr:`probe`); else ``decode_chunk`` steps of ``k``
@@ -139,7 +145,19 @@ class Speculation:
             speculate[row] = True
             if self.draft is None:
                 self._sync(row, req)
+        if self.draft is not None:  # a separate draft's cache may leave rows out of this chunk
+            speculate = self.draft.plan(running, speculate, steps, config.num_speculative_tokens)
+            if not speculate.any():
+                return None
         return config, self.history, self.length.copy(), speculate, steps, self.draft
+
+    def rebuilt(self) -> None:
+        """Forget the rows' histories and empty a draft's cache (after the
+        engine rebuilt its cache: rows now serve other requests)."""
+        self.length[:] = 0
+        self.owner = [None] * len(self.owner)
+        if self.draft is not None:
+            self.draft.rebuilt()
 
     def packed_arguments(self, decoding: list, budget: int):
         """``(speculation, verify)`` for a packed step whose decode lanes are
