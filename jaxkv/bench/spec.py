@@ -10,7 +10,10 @@ for the arriving workload) one drafting with the model's own first
 ``DRAFT_LAYERS`` layers over its own pool (``{"method": "draft_model",
 "draft_layers": DRAFT_LAYERS, "num_speculative_tokens": DRAFT_K}``, an
 untrained early exit: what self-speculation gives a model that was not
-trained for it):
+trained for it), and one drafting with the same layers as a separate
+model over a paged cache of its own (``{"method": "draft_model",
+"model": early_exit_draft(model, DRAFT_LAYERS)}``: what a separate draft
+model's cache, filled lazily in the chunks, costs beside the shared pool):
 
 * **copy-heavy**: the answer copies a given passage (repeat it, fix its
   typos, quote from it): prompt lookup finds what comes next;
@@ -154,6 +157,7 @@ def _serve(engine, prompts, new: int, eos, arrive_seconds: float = 0.0) -> tuple
 def engine_rows(quick: bool) -> tuple[list, str, bool]:
     """The engine table's rows, the model's name and whether every pair of
     runs gave equal tokens."""
+    from jaxkv.nn.speculative import early_exit_draft
     from jaxkv.serve import Engine
 
     real = _smollm2()
@@ -170,10 +174,13 @@ def engine_rows(quick: bool) -> tuple[list, str, bool]:
         arriving = workload.endswith("arriving")
         every, budget = (ARRIVE_SECONDS, ARRIVE_BUDGET) if arriving else (0.0, None)
         modes = [("plain", None), ("ngram", {"num_speculative_tokens": K})]
-        if not arriving:  # an early exit verifies in decode chunks only: arriving work would show nothing new
+        if not arriving:  # draft models verify in decode chunks only: arriving work would show nothing new
             layers = min(DRAFT_LAYERS, model.config.num_hidden_layers // 2)
             modes.append((f"early exit {layers}", {"method": "draft_model", "draft_layers": layers,
                                                    "num_speculative_tokens": DRAFT_K}))
+            # The same layers as a model apart, over a paged cache of its own (what a separate draft costs).
+            modes.append((f"draft model {layers}", {"method": "draft_model", "model": early_exit_draft(model, layers),
+                                                    "num_speculative_tokens": DRAFT_K}))
         engines = {mode: Engine(model, max_seqs=len(prompts), max_model_len=longest, decode_chunk=8,
                                 max_num_batched_tokens=budget, prefix_cache=not arriving, speculative=spec)
                    for mode, spec in modes}

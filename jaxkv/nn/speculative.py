@@ -359,7 +359,7 @@ def _draft_propose(draft_graphdef, draft_params, state: SpecState, k: int, sampl
     grown by ``k + 1`` positions (the other rows' left alone);
     :func:`_advance` truncates it to what the target keeps. The draft cache
     must have room (``generate`` sizes it for every row at full length, the
-    engine plans it: :class:`~jaxkv.serve.draft_cache.DraftCache`): a
+    engine plans it: :class:`~jaxkv.serve.drafts.DraftCache`): a
     failed append there sets the state's ``ok`` False, which stops the loop
     (``generate`` then raises ``KVCacheOOM``)."""
     d = state.decode
@@ -381,7 +381,7 @@ def _draft_propose(draft_graphdef, draft_params, state: SpecState, k: int, sampl
 
 def draft_catch_up(graphdef, params, manager, pool, reset: Bool[Array, " B"], batch: PackedBatch | None):
     """Bring a draft model's own paged cache up to tokens its target holds
-    already (the engine's separate draft: :class:`~jaxkv.serve.draft_cache.DraftCache`
+    already (the engine's separate draft: :class:`~jaxkv.serve.drafts.DraftCache`
     plans the batch on the host). Rows of ``reset`` are emptied first
     (truncated to no token: a row that now serves another request, or one
     whose draft is given up), then lane ``s`` of ``batch`` grows its row

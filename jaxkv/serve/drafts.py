@@ -48,7 +48,7 @@ from jaxkv.errors import KVCacheError
 from jaxkv.manager.block_space import BlockSpaceManager
 from jaxkv.nn.packed import PackedLane, pack
 
-__all__ = ["DraftCache", "DraftPlan", "SharedPoolDraft", "param_fraction"]
+__all__ = ["DraftCache", "DraftPlan", "SharedPoolDraft", "catch_up_bucket", "param_fraction"]
 
 
 def param_fraction(draft, target) -> float:
@@ -88,6 +88,18 @@ class SharedPoolDraft:
 
     def rebuilt(self) -> None:
         """Nothing held."""
+
+
+def catch_up_bucket(tokens: int, cap: int) -> int:
+    """The stream length of a catch-up of ``tokens``: the least power of 4
+    from 16 that holds them, at most ``pow2_at_least(cap)``. Each length
+    compiles the speculative chunk once more (it is a static shape), so
+    the lengths are few: a catch-up pads at most 4x, and only the draft
+    runs over it."""
+    size, top = 16, max(pow2_at_least(cap), 16)
+    while size < tokens and size < top:
+        size *= 4
+    return min(size, top)
 
 
 @dataclasses.dataclass
@@ -199,7 +211,7 @@ class DraftCache:
             drafting[row] = level
         batch = None
         if lanes:
-            size = max(pow2_at_least(sum(len(lane.tokens) for lane in lanes)), 16)
+            size = catch_up_bucket(sum(len(lane.tokens) for lane in lanes), self.catch_up_tokens)
             batch = pack(lanes, num_lanes=self.max_seqs, num_tokens=size, num_prefill_lanes=self.max_seqs,
                          max_prefill_len=size)
         self.pending = DraftPlan(reset, batch, owner)
