@@ -669,8 +669,19 @@ def test_engine_speculation_options():
     with pytest.raises(InvalidArgument, match="unknown keys"):
         EngineOptions.from_kwargs(speculative={"method": "ngram", "k": 2})
     model = LlamaForCausalLM(LlamaConfig(**LLAMA), rngs=nnx.Rngs(3))
-    with pytest.raises(InvalidArgument, match="not a second model"):
-        Engine(model, max_seqs=2, max_model_len=64, speculative={"method": "draft_model", "model": model})
+    # A separate draft's cache holds the target's tokens, at most every row at full length, out of the same
+    # budget: the target as its own draft costs what the target costs per token.
+    for rows, budget in ((2, 400_000), (16, 200_000)):
+        plain = Engine(model, max_seqs=rows, max_model_len=64, kv_cache_memory=budget)
+        drafted = Engine(model, max_seqs=rows, max_model_len=64, kv_cache_memory=budget,
+                         speculative={"method": "draft_model", "model": model})
+        tokens = [engine.cache_plan.group("pages").tokens for engine in (plain, drafted)]
+        draft = drafted.speculation.draft
+        held = (draft.num_pages - 1) * draft.page_size
+        cap = rows * (64 + 4 + 1)
+        assert min(tokens[1], cap) <= held < min(tokens[1], cap) + draft.page_size
+        assert tokens[1] + held <= tokens[0] * 1.02  # the two share what the target alone held
+        assert drafted.cache_plan.device_bytes + draft.pool_bytes <= budget * 1.02
     # A hybrid cache's checkpoint rows (one per sequence row) come out of the same budget as its blocks.
     qwen = AutoModelForCausalLM.from_pretrained(os.path.join(FIXTURES, "qwen3_next/small"))
     plain, spec = (Engine(qwen, max_seqs=4, max_model_len=256, kv_cache_memory=2_000_000, speculative=config).cache_plan
@@ -953,10 +964,13 @@ def test_the_server_flag_reaches_the_engine_options():
     assert from_cli(parser.parse_args([])).scheduler.speculative is None
 
 
-def test_a_speculating_engine_recovers_from_a_failed_step_with_its_lookahead():
+@pytest.mark.parametrize("method", ["ngram", "separate"])
+def test_a_speculating_engine_recovers_from_a_failed_step_with_its_lookahead(method):
     """A contained failure rebuilds the cache (jaxkv.serve.faults): the new
-    one keeps the verify step's lookahead, and the requests finish with
-    plain ``generate``'s tokens."""
+    one keeps the verify step's lookahead, a separate draft's cache is
+    emptied with it (the target as its own draft keeps every draft after,
+    so its rows were filled again), and the requests finish with plain
+    ``generate``'s tokens."""
     model = LlamaForCausalLM(LlamaConfig(**LLAMA), rngs=nnx.Rngs(3))
     rng = np.random.default_rng(4)
     base = rng.integers(1, LLAMA["vocab_size"], 7).tolist()
@@ -964,7 +978,7 @@ def test_a_speculating_engine_recovers_from_a_failed_step_with_its_lookahead():
     from jaxkv.serve import Engine
 
     engine = Engine(model, max_seqs=2, page_size=4, num_pages=40, max_model_len=64, decode_chunk=4,
-                    speculative={"num_speculative_tokens": 3})
+                    speculative=_drafts(method, model))
     ids = [engine.add_request(p, 20) for p in prompts]
     engine.step()
     engine.step()
@@ -979,5 +993,8 @@ def test_a_speculating_engine_recovers_from_a_failed_step_with_its_lookahead():
 
     engine.cache.decode = fail_once
     engine.run()
-    assert engine.stats().step_failures == 1 and engine.cache.lookahead == 3
+    stats = engine.stats()
+    assert stats.step_failures == 1 and engine.cache.lookahead == 3
     assert [engine.outputs[i] for i in ids] == generate(model, prompts, 20, page_size=4).tokens
+    if method == "separate":
+        assert 0 < stats.spec_accepted_tokens == stats.spec_draft_tokens

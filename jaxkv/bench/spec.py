@@ -280,8 +280,8 @@ def main(args) -> int:
     machine = machine_description()
     rows, name, equal = engine_rows(quick)
     fmt = lambda v, f: "-" if v is None else format(v, f)  # noqa: E731
-    print_table(f"speculative decoding in the engine: {name}, greedy, n-gram lookup k={K} and an early exit "
-                f"k={DRAFT_K} against plain decode chunks (8 steps), best of {1 if quick else REPEATS}, on {machine}",
+    print_table(f"speculative decoding in the engine: {name}, greedy, n-gram lookup k={K}, an early exit and "
+                f"the same layers as a separate draft model with its own cache, k={DRAFT_K}, against plain decode chunks (8 steps), best of {1 if quick else REPEATS}, on {machine}",
                 ["workload", "mode", "requests", "tokens", "tok/s", "ITL p50 ms", "model calls", "drafts",
                  "of which in packed steps", "acceptance", "tokens / verify step", "tok/s vs plain"],
                 [[r["workload"], r["mode"], r["requests"], r["tokens"], f"{r['tok_s']:.1f}", f"{r['itl_ms']:.1f}",

@@ -151,6 +151,21 @@ def _block_counts(value) -> dict[str, int] | None:
     return counts
 
 
+def _sized_with_draft(sized, draft_token_bytes: float, tokens_per_block: int, draft_cap: int):
+    """Blocks from the budget with a separate draft model's cache beside
+    the target's (``sized(draft_bytes)``: :func:`blocks_from_budget` with
+    ``draft_bytes(counts)`` added to the cache's bytes). The draft holds
+    the tokens the target's first group holds, at most ``draft_cap`` (every
+    row at full length: its rows share nothing): first solved with the
+    draft's bytes growing with the target's tokens; when the target then
+    holds more than the cap, solved again with the draft at the cap (a
+    fixed cost, so the target's tokens only grow and stay past the cap)."""
+    blocks, budget, source = sized(lambda counts: int(draft_token_bytes * counts[0] * tokens_per_block))
+    if draft_token_bytes and blocks[0] * tokens_per_block > draft_cap:
+        blocks, budget, source = sized(lambda counts: int(draft_token_bytes * draft_cap))
+    return blocks, budget, source
+
+
 def build_paged_cache(model, *, max_seqs: int, page_size: int, max_model_len: int | None, num_pages: int | None,
           max_blocks_per_seq: int | None, kv_cache_memory, num_host_pages: int | None, host_kv_memory,
           kv_dtype, prefix_cache: bool, prefill_chunk: int, host_memory_kind: str,
@@ -227,9 +242,12 @@ def build_paged_cache(model, *, max_seqs: int, page_size: int, max_model_len: in
 
     budget, source = None, f"num_pages={num_pages} (expert option)"
     if num_pages is None:
-        blocks, budget, source = blocks_from_budget(
-            lambda counts: measure(counts, max_model_len) + int(draft_token_bytes * counts[0] * page_size),
-            [page_size], [max_seqs * need(max_model_len)], kv_cache_memory, free_bytes)
+        def sized(draft_bytes):
+            return blocks_from_budget(lambda counts: measure(counts, max_model_len) + draft_bytes(counts),
+                                      [page_size], [max_seqs * need(max_model_len)], kv_cache_memory, free_bytes)
+
+        blocks, budget, source = _sized_with_draft(sized, draft_token_bytes, page_size,
+                                                   max_seqs * (max_model_len + lookahead + 1))
         held = blocks[0] * page_size
         if need(max_model_len) > blocks[0] and not len_given and held >= 2:
             logger.info("KV cache: the default max_model_len %d does not fit %d pages of %d; lowered to %d",
@@ -338,10 +356,13 @@ def build_hybrid_cache(model, *, max_seqs: int, max_model_len: int | None, max_c
         row = measure([2] * len(names), 2, length) - measure([2] * len(names), 1, length)
         cached = min(2 * max_seqs, budget_hint // 4 // row) if row > 0 else 2 * max_seqs
         cached = max(int(cached), 0)
-    blocks, budget, source = blocks_from_budget(
-        lambda counts: measure(counts, cached, length) + int(draft_token_bytes * counts[0] * tokens_per_block[0]),
-        tokens_per_block,
-        [max_seqs * b for b in blocks_for(length + lookahead)], kv_cache_memory, free_bytes)
+    def sized(draft_bytes):
+        return blocks_from_budget(lambda counts: measure(counts, cached, length) + draft_bytes(counts),
+                                  tokens_per_block, [max_seqs * b for b in blocks_for(length + lookahead)],
+                                  kv_cache_memory, free_bytes)
+
+    blocks, budget, source = _sized_with_draft(sized, draft_token_bytes, tokens_per_block[0],
+                                               max_seqs * (length + lookahead + 1))
     held = min(b * t for b, t in zip(blocks, tokens_per_block))  # tokens every group holds
     # A request at max_model_len holds a verify step's rejected drafts past it for a moment.
     fits = all(need <= have for need, have in zip(blocks_for(length + lookahead), blocks))
