@@ -308,8 +308,7 @@ def _assert_same_live_state(m_a, m_b, slots, tol: float) -> None:
     the Gated DeltaNet recurrent and conv states, and every window-ring
     slot holding a position inside the window below the length (rings may
     differ where they hold positions past it: rolled-back drafts, which
-    reads mask). DeepSeek-V4's compressed stores are compared by behaviour
-    only (the steps after)."""
+    reads mask), and DeepSeek-V4's stores (:func:`_assert_same_v4_stores`)."""
     slots = np.asarray(slots)
     lengths = np.asarray(m_a.seq_lens)[slots]
     np.testing.assert_array_equal(lengths, np.asarray(m_b.seq_lens)[slots])
@@ -338,6 +337,46 @@ def _assert_same_live_state(m_a, m_b, slots, tol: float) -> None:
             x_a = np.moveaxis(np.asarray(from_bits(getattr(ring_a, name), ring_a.dtype), np.float32)[:, slots], 2, 3)
             x_b = np.moveaxis(np.asarray(from_bits(getattr(ring_b, name), ring_b.dtype), np.float32)[:, slots], 2, 3)
             np.testing.assert_allclose(x_a[live], x_b[live], rtol=tol, atol=tol)
+    if m_a.v4_stores:
+        _assert_same_v4_stores(m_a, m_b, slots, lengths, tol)
+
+
+def _assert_same_v4_stores(m_a, m_b, slots, lengths, tol: float) -> None:
+    """DeepSeek-V4's stores, leaf by leaf, for ``slots``: each slot's whole
+    state rows (SWA rings, the compressors' and the indexer's partial
+    buffers: a row restored from its checkpoint and replayed holds what
+    one that only ever ran the kept tokens holds, slots past the length
+    included), and the compressed entries and indexer keys of every
+    complete entry below the length (``length // ratio`` of them), read
+    through each manager's own tables."""
+    from jaxkv.manager.hybrid import v4_layout
+
+    for schema, store_a, store_b in zip(v4_layout(m_a.schemas)[0], m_a.v4_stores, m_b.v4_stores):
+        rows = ["swa"] + [f for f in ("comp_kv", "comp_score", "index_kv", "index_score")
+                          if getattr(store_a, f) is not None]
+        for name in rows:  # [layers, state rows, ...]
+            for leaf_a, leaf_b in zip(jax.tree.leaves(getattr(store_a, name)), jax.tree.leaves(getattr(store_b, name))):
+                np.testing.assert_allclose(np.asarray(leaf_a, np.float32)[:, slots],
+                                           np.asarray(leaf_b, np.float32)[:, slots], rtol=tol, atol=tol,
+                                           err_msg=f"{schema.kind} store {name}")
+        if store_a.entries is None:
+            continue
+        group_a, group_b = m_a.groups[schema.group], m_b.groups[schema.group]
+        per_block, ratio = group_a.entries_per_block, group_a.tokens_per_entry
+        (ta, tb) = (np.asarray(group_a.tables), np.asarray(group_b.tables))
+        checked = 0
+        for slot, length in zip(slots, lengths):
+            index = np.arange(length // ratio)
+            checked += len(index)
+            for name in ("entries", "index_keys"):
+                if getattr(store_a, name) is None:
+                    continue
+                for leaf_a, leaf_b in zip(jax.tree.leaves(getattr(store_a, name)),
+                                          jax.tree.leaves(getattr(store_b, name))):
+                    x_a = np.asarray(leaf_a, np.float32)[:, ta[slot, index // per_block], index % per_block]
+                    x_b = np.asarray(leaf_b, np.float32)[:, tb[slot, index // per_block], index % per_block]
+                    np.testing.assert_allclose(x_a, x_b, rtol=tol, atol=tol, err_msg=f"{schema.group} {name}")
+        assert checked > 0, f"no complete {schema.group} entry to compare"
 
 
 @pytest.mark.parametrize("name", HYBRID)
