@@ -636,18 +636,30 @@ def test_packed_steps_verify_drafts_beside_prompt_pieces(monkeypatch):
     """Requests arriving while others decode: the packed steps that
     prefill their prompts (in 8-token pieces) carry verify lanes for the
     decoding requests past probation, in the same call; drafts are kept
-    there, and every request gets plain ``generate``'s tokens."""
+    there, and every request gets plain ``generate``'s tokens. The rows'
+    histories stay on the device: every call but the first gets them as a
+    device array, the host sends each token at most once, and at the end
+    each row holds its request's prompt and output."""
+    import jaxkv.serve.caches as caches
     import jaxkv.serve.paged_cache as paged_cache
     from jaxkv.serve import Engine
 
-    real, seen = paged_cache._paged_packed_verify, []
+    real, seen, sent = paged_cache._paged_packed_verify, [], []
 
     def spy(*args, **kwargs):
         out = real(*args, **kwargs)
-        seen.append((np.asarray(args[-1]).sum(), int(np.asarray(out[-2]).sum()), int(np.asarray(out[-1]).sum())))
+        seen.append((np.asarray(args[9]).sum(), int(np.asarray(out[8]).sum()), int(np.asarray(out[9]).sum())))
+        sent.append((isinstance(args[7], jax.Array), int((np.asarray(args[10][0]) < 4).sum())))
         return out
 
+    real_chunk = caches.speculative_chunk
+
+    def chunk_spy(*args, **kwargs):
+        sent.append((isinstance(args[11], jax.Array), int((np.asarray(args[20][0]) < 4).sum())))
+        return real_chunk(*args, **kwargs)
+
     monkeypatch.setattr(paged_cache, "_paged_packed_verify", spy)
+    monkeypatch.setattr(caches, "speculative_chunk", chunk_spy)
     model = LlamaForCausalLM(LlamaConfig(**LLAMA), rngs=nnx.Rngs(3))
     rng = np.random.default_rng(3)
     base = rng.integers(1, LLAMA["vocab_size"], 9).tolist()
@@ -660,6 +672,14 @@ def test_packed_steps_verify_drafts_beside_prompt_pieces(monkeypatch):
     assert seen and sum(verify for verify, _, _ in seen) > 0
     assert 0 < sum(kept for *_, kept in seen) <= sum(drafted for _, drafted, _ in seen)
     engine.check_bookkeeping()
+    assert len(sent) > 2 and not sent[0][0] and all(on_device for on_device, _ in sent[1:])
+    assert 0 < sum(n for _, n in sent) <= sum(len(p) + 40 for p in prompts)
+    speculation = engine.speculation
+    history = np.asarray(speculation.base)
+    for row, owner in enumerate(speculation.owner):
+        if owner is not None:
+            want = prompts[ids.index(owner)] + engine.outputs[owner]
+            assert history[row, :speculation.length[row]].tolist() == want[:speculation.length[row]]
     # Sampled: the rejection rule in the packed step; each request runs to its length, every block back.
     seen.clear()
     ids = [engine.add_request(p, 30, sampling=SamplingParams(temperature=0.8), seed=i, arrival_step=engine._step + 4 * i)

@@ -89,6 +89,7 @@ __all__ = ["MODELS", "QUICK", "Buffer", "Result", "Setup", "big_buffers", "build
 
 GB = 10**9
 PAGE_SIZE = 16
+SPEC_K = 4  # drafts per verify step in the "spec" and "verify" programs (the bench's n-gram k)
 #: The engine's GPU defaults (:mod:`jaxkv.serve.sizing`: vLLM's on an H100) when its derivation is not importable.
 GPU_MAX_SEQS, GPU_MAX_NUM_BATCHED_TOKENS, GPU_DECODE_CHUNK = 256, 8192, 16
 #: A temporary of at least this share of the cache's bytes is a copy of it (a defect).
@@ -370,10 +371,14 @@ def programs(setup: Setup, which=None, *, prefill: bool = False) -> list[tuple[s
     programs for ``setup``: ``which`` None for every packed bucket and the
     decode chunk (and the padded prefill with ``prefill``), else names of
     ``"packed:N"``, ``"packed:first"``, ``"packed:last"``, ``"decode"``,
-    ``"prefill"``."""
-    from jaxkv.serve.caches import decode_chunk
+    ``"prefill"``, ``"spec"`` (the speculative decode chunk: n-gram verify
+    steps of :data:`SPEC_K` drafts) and ``"verify:N"`` / ``"verify:first"``
+    / ``"verify:last"`` (a paged pool's packed step with verify lanes)."""
+    from jaxkv.nn.speculative import SpeculativeConfig
+    from jaxkv.serve.caches import decode_chunk, speculative_chunk
     from jaxkv.serve.hybrid_cache import jitted_packed as _hybrid_packed, jitted_prefill as _hybrid_prefill
-    from jaxkv.serve.paged_cache import jitted_packed as _paged_packed, jitted_prefill as _paged_prefill
+    from jaxkv.serve.paged_cache import (jitted_packed as _paged_packed, jitted_packed_verify as _paged_packed_verify,
+                                         jitted_prefill as _paged_prefill)
 
     buckets = setup.buckets
     if which is None:
@@ -397,6 +402,25 @@ def programs(setup: Setup, which=None, *, prefill: bool = False) -> list[tuple[s
             out.append((f"decode chunk x{setup.decode_chunk}", decode_chunk,
                         (g, p, manager, pool, vec(jnp.int32), vec(jnp.bool_), vec(jnp.int32), vec(jnp.int32),
                          vec(jnp.int32), sampling, keys), dict(num_steps=setup.decode_chunk, scrub=False)))
+        elif name == "spec":  # n-gram verify steps of SPEC_K drafts: the engine's speculative decode chunk
+            manager, pool = setup.cache if setup.kind == "paged" else (setup.cache[0], None)
+            history = vec(jnp.int32, (rows, pow2_at_least(setup.max_model_len + 1)))
+            out.append((f"spec chunk x{setup.decode_chunk} k{SPEC_K}", speculative_chunk,
+                        (g, p, manager, pool, vec(jnp.int32), vec(jnp.bool_), vec(jnp.int32), vec(jnp.int32),
+                         vec(jnp.int32), sampling, keys, history, vec(jnp.int32), vec(jnp.bool_),
+                         jax.ShapeDtypeStruct((), jnp.int32, sharding=setup.replicated)),
+                        dict(num_steps=setup.decode_chunk, config=SpeculativeConfig(num_speculative_tokens=SPEC_K),
+                             scrub=False)))
+        elif name.startswith("verify:"):  # a packed step whose decode lanes verify SPEC_K n-gram drafts
+            if setup.kind != "paged":
+                raise ValueError("verify lanes run in a paged pool's packed step only")
+            arg = name.split(":", 1)[1]
+            n = buckets[0] if arg == "first" else buckets[-1] if arg == "last" else int(arg)
+            history = vec(jnp.int32, (rows, pow2_at_least(setup.max_model_len + 1)))
+            out.append((f"packed verify[{n}] k{SPEC_K}", _paged_packed_verify,
+                        (g, p, *setup.cache, _packed_batch(setup, n), sampling, keys, history, vec(jnp.int32),
+                         vec(jnp.bool_)),
+                        dict(config=SpeculativeConfig(num_speculative_tokens=SPEC_K), window=None, scrub=False)))
         elif name == "prefill":
             tokens = vec(jnp.int32, (rows, setup.prefill_width))
             label = f"prefill {rows}x{setup.prefill_width}"

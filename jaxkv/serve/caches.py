@@ -86,8 +86,8 @@ from jaxkv.serve import sizing
 from jaxkv.serve.sizing import CachePlan
 
 __all__ = ["FREE", "ON_DEVICE", "STATUS_NAMES", "SWAPPED", "CacheBase", "DecodeResult", "KVCache", "PackedResult",
-           "PrefillLane", "PrefixHit", "blocks_from_budget", "decode_chunk", "fixed_ids", "logprob_entries",
-           "pack_stream", "remembers_arguments", "row_of", "sample_first", "slot_of", "speculative_chunk",
+           "PrefillLane", "PrefixHit", "apply_history_updates", "blocks_from_budget", "decode_chunk", "fixed_ids",
+           "logprob_entries", "pack_stream", "remembers_arguments", "row_of", "sample_first", "slot_of", "speculative_chunk",
            "unwrap_keys", "wrap_keys"]
 
 
@@ -151,6 +151,7 @@ class DecodeResult:
     accepted: np.ndarray | None = None  # those it kept,
     steps: np.ndarray | None = None  # and the verify steps it ran
     logprobs: TokenLogprobs | None = None  # the tokens' log-probabilities ([B, W] entries), when asked for
+    history: object = None  # with speculation: the rows' token histories, updated, on the device
 
 
 @dataclasses.dataclass(frozen=True)
@@ -174,6 +175,7 @@ class PackedResult:
     accepted: np.ndarray | None = None
     logprobs: TokenLogprobs | None = None  # the tokens' log-probabilities ([S] entries), when asked for
     scores: tuple | None = None  # prompt scoring: (TokenLogprobs, rank) of the scored tokens, in the order given
+    history: object = None  # with verify lanes: the rows' token histories, updated, on the device
 
 
 
@@ -314,11 +316,20 @@ def decode_chunk(graphdef, params, manager, pool, last, active, num_generated, m
     return run_decode(graphdef, params, state, sampling, num_steps=num_steps, free_finished=False, scrub=scrub)
 
 
+def apply_history_updates(history, updates):
+    """``history`` with ``updates`` (``(rows, columns, tokens)``, None:
+    none) written; rows out of range (padding) are dropped."""
+    if updates is None:
+        return history
+    rows, columns, tokens = updates
+    return jnp.asarray(history).at[rows, columns].set(tokens, mode="drop")
+
+
 @partial(jax.jit, static_argnames=("graphdef", "num_steps", "config", "scrub", "draft_graphdef"),
-         donate_argnums=(2, 3, 16, 17))
+         donate_argnums=(2, 3, 11, 16, 17))
 def speculative_chunk(graphdef, params, manager, pool, last, active, num_generated, max_new, eos_id,
                       sampling: RowSampling, keys, history, history_len, speculate, steps, draft_params=None,
-                      draft_manager=None, draft_pool=None, draft_reset=None, catch_up=None, *,
+                      draft_manager=None, draft_pool=None, draft_reset=None, catch_up=None, history_updates=None, *,
                       num_steps: int, config, scrub: bool = False, draft_graphdef=None) -> SpecState:
     """The engine's decode chunk with speculation (a paged cache's): up to
     ``num_steps`` verify steps (:func:`jaxkv.nn.speculative.speculative_body`,
@@ -326,7 +337,10 @@ def speculative_chunk(graphdef, params, manager, pool, last, active, num_generat
     one ``lax.while_loop``; rows stay allocated when they finish. A row
     drafts from ``history[r, :history_len[r]]`` (its prompt and output, the
     last being ``last[r]``) when ``speculate[r]``, else decodes one token
-    per step; with ``draft_graphdef`` / ``draft_params`` the drafts are
+    per step (``history`` donated, ``history_updates`` written into it
+    first: :func:`apply_history_updates`; the result's ``history`` has the
+    rows' emitted tokens appended at ``history_len``); with
+    ``draft_graphdef`` / ``draft_params`` the drafts are
     that model's instead: an early exit that shares the pool
     (``early_exit_draft(..., share_pool=True)``), or, with
     ``draft_manager`` / ``draft_pool`` (donated), a separate model over its
@@ -345,8 +359,8 @@ def speculative_chunk(graphdef, params, manager, pool, last, active, num_generat
         state = state.replace(ok=state.ok & caught_up)
         draft = dict(draft_manager=draft_manager, draft_pool=draft_pool)
     zeros = jnp.zeros(last.shape, jnp.int32)
-    spec = SpecState(decode=state, history=history, history_len=history_len, drafted=zeros, accepted=zeros,
-                     steps=zeros, **draft)
+    spec = SpecState(decode=state, history=apply_history_updates(history, history_updates), history_len=history_len,
+                     drafted=zeros, accepted=zeros, steps=zeros, **draft)
     stop_at = state.step + jnp.minimum(steps, num_steps)
     return jax.lax.while_loop(
         lambda s: jnp.any(~s.decode.finished) & s.decode.ok & (s.decode.step < stop_at),
@@ -636,7 +650,7 @@ class CacheBase(abc.ABC):
         decode rows in order. ``prefill_width``: the longest piece this step
         may carry (:meth:`prefill_lane_cap`; default ``num_tokens``).
         ``speculation`` (caches with :attr:`packs_verify_lanes`): ``(config,
-        history, history_len, verify)``, ``verify`` a bool per decode entry:
+        (history, updates), history_len, verify)``, ``verify`` a bool per decode entry:
         those rows are verify lanes of ``k + 1`` tokens (drafts found on the
         device from the history; the result then has their tokens and
         counts). ``scored``: prompt tokens to score (:func:`pack_stream`'s;
@@ -686,12 +700,12 @@ class CacheBase(abc.ABC):
                key_data: list, num_steps: int, speculation=None) -> DecodeResult:
         """``num_steps`` decode steps of the rows ``active`` in one jitted
         loop; finished rows stay allocated until :meth:`retire`.
-        ``speculation``: ``(config, history, history_len, speculate, steps,
-        draft)``: ``steps`` verify steps instead (:func:`speculative_chunk`;
+        ``speculation``: ``(config, (history, updates), history_len,
+        speculate, steps, draft)``: ``steps`` verify steps instead (:func:`speculative_chunk`;
         ``draft`` a :mod:`jaxkv.serve.drafts` draft (its plan made) or None;
         the result then says how many drafts each row verified and kept)."""
         manager, pool = self._decode_view()
-        drafted = accepted = steps = draft_lengths = None
+        drafted = accepted = steps = draft_lengths = history = None
         if speculation is not None and (getattr(sampling, "logprobs", -1) >= 0
                                         or getattr(sampling, "penalties", None) is not None
                                         or getattr(sampling, "constraints", None) is not None):
@@ -701,15 +715,16 @@ class CacheBase(abc.ABC):
             state = decode_chunk(graphdef, params, manager, pool, last, active, num_generated, max_new, eos_id,
                                  sampling, self._keys(key_data), num_steps=num_steps, scrub=self.scrub)
         else:
-            config, history, history_len, speculate, steps, draft = speculation
+            config, (history, updates), history_len, speculate, steps, draft = speculation
             draft_args, draft_graphdef = (None,) * 5, None
             if draft is not None:
                 draft_args, draft_graphdef = draft.chunk_arguments()
             spec = speculative_chunk(graphdef, params, manager, pool, last, active, num_generated, max_new, eos_id,
                                      sampling, self._keys(key_data), history, history_len, speculate,
-                                     np.int32(steps), *draft_args, num_steps=num_steps, config=config,
+                                     np.int32(steps), *draft_args, updates, num_steps=num_steps, config=config,
                                      scrub=self.scrub, draft_graphdef=draft_graphdef)
             state, drafted, accepted, steps = spec.decode, spec.drafted, spec.accepted, spec.steps
+            history = spec.history
             draft_lengths = None if draft is None else draft.lengths(spec)
         self._decode_done(state.manager, state.pool)
         out, count, finished, ok, blocked, peak, keys, host, drafted, accepted, steps, logprobs, draft_lengths = (
@@ -720,7 +735,7 @@ class CacheBase(abc.ABC):
             speculation[-1].finish(spec, draft_lengths, bool(ok), blocked)
         self._mirror(host)
         return DecodeResult(out, count, finished, np.asarray(keys), bool(ok), blocked, int(peak), drafted, accepted,
-                            steps, logprobs)
+                            steps, logprobs, None if speculation is None else history)
 
     def oom(self, need: np.ndarray, detail: str) -> KVCacheOOM:
         """``KVCacheOOM`` for the group with the largest shortfall of ``need``."""

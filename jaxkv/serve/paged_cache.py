@@ -46,11 +46,12 @@ from jaxkv.pool.scrub import freed_blocks, scrub_kv_pool
 from jaxkv.prefix import PrefixCacheManager, PrefixCacheStats
 from jaxkv.prefix.radix import HOST
 from jaxkv.serve import sizing
-from jaxkv.serve.caches import (CacheBase, PackedResult, PrefillLane, PrefixHit, fixed_ids, pack_stream,
-                                remembers_arguments, sample_first, unwrap_keys)
+from jaxkv.serve.caches import (CacheBase, PackedResult, PrefillLane, PrefixHit, apply_history_updates, fixed_ids,
+                                pack_stream, remembers_arguments, sample_first, unwrap_keys)
 from jaxkv.serve.sizing import CachePlan, GroupPlan
 
-__all__ = ["HostTierRate", "PagedCache", "PagedPrefixStats", "host_tier_rate", "jitted_packed", "jitted_prefill"]
+__all__ = ["HostTierRate", "PagedCache", "PagedPrefixStats", "host_tier_rate", "jitted_packed",
+           "jitted_packed_verify", "jitted_prefill"]
 
 logger = logging.getLogger("jaxkv.serve")
 
@@ -73,12 +74,16 @@ def _paged_packed(graphdef, params, manager: BlockSpaceManager, pool: KVPool, ba
     return paged_packed_step(graphdef, params, manager, pool, batch, sampling, keys, window=window, scrub=scrub)
 
 
-@partial(jax.jit, static_argnames=("graphdef", "config", "window", "scrub"), donate_argnums=(2, 3))
+@partial(jax.jit, static_argnames=("graphdef", "config", "window", "scrub"), donate_argnums=(2, 3, 7))
 def _paged_packed_verify(graphdef, params, manager: BlockSpaceManager, pool: KVPool, batch: PackedBatch,
-                         sampling: RowSampling, keys, history, history_len, verify, *, config, window, scrub=False):
-    """:func:`jaxkv.nn.speculative.paged_packed_verify_step` jitted (manager and pool donated)."""
-    return paged_packed_verify_step(graphdef, params, manager, pool, batch, sampling, keys, history, history_len,
-                                    verify, config=config, window=window, scrub=scrub)
+                         sampling: RowSampling, keys, history, history_len, verify, history_updates=None, *, config,
+                         window, scrub=False):
+    """:func:`jaxkv.nn.speculative.paged_packed_verify_step` jitted (manager,
+    pool and the rows' histories donated; ``history_updates`` written into
+    the histories first, which come back last)."""
+    history = apply_history_updates(history, history_updates)
+    return (*paged_packed_verify_step(graphdef, params, manager, pool, batch, sampling, keys, history, history_len,
+                                      verify, config=config, window=window, scrub=scrub), history)
 
 
 @partial(jax.jit, donate_argnums=(0, 1))
@@ -552,7 +557,7 @@ class PagedCache(CacheBase):
     def _packed_call(self, graphdef, params, prefill, decode, sampling, keys, num_tokens, *, want_tables=False,
                      prefill_width=None, speculation=None, scored=None):
         host = self.manager.host
-        counts = drafted = accepted = logprobs = scores = None
+        counts = drafted = accepted = logprobs = scores = history = None
         if speculation is None:
             batch = pack_stream(prefill, *decode, num_lanes=self.max_seqs, num_tokens=num_tokens,
                                 num_prefill_lanes=self.max_seqs, max_prefill_len=num_tokens,
@@ -561,15 +566,16 @@ class PagedCache(CacheBase):
                 graphdef, params, _device_view(self.manager), self.pool, batch, sampling, keys, window=self.window,
                 scrub=self.scrub)
         else:
-            config, history, history_len, verify = speculation
+            config, (history, updates), history_len, verify = speculation
             widths = np.where(verify, config.num_speculative_tokens + 1, 1)
             batch = pack_stream(prefill, *decode, num_lanes=self.max_seqs, num_tokens=num_tokens,
                                 num_prefill_lanes=self.max_seqs, max_prefill_len=num_tokens, decode_widths=widths)
             lanes = np.zeros((self.max_seqs,), bool)
             lanes[len(prefill):len(prefill) + len(verify)] = verify
-            manager, self.pool, tokens, counts, keys, ok, blocked, used, drafted, accepted = _paged_packed_verify(
-                graphdef, params, _device_view(self.manager), self.pool, batch, sampling, keys, history,
-                history_len, lanes, config=config, window=self.window, scrub=self.scrub)
+            (manager, self.pool, tokens, counts, keys, ok, blocked, used, drafted, accepted,
+             history) = _paged_packed_verify(graphdef, params, _device_view(self.manager), self.pool, batch, sampling,
+                                             keys, history, history_len, lanes, updates, config=config,
+                                             window=self.window, scrub=self.scrub)
         self.manager = manager.replace(host=host)
         tokens, keys, ok, blocked, used, host, tables, counts, drafted, accepted, logprobs, scores = jax.device_get(
             (tokens, unwrap_keys(keys), ok, blocked, used, self._host_leaves(manager),
@@ -578,7 +584,7 @@ class PagedCache(CacheBase):
         if want_tables:
             self._host_tables = np.asarray(tables)
         return PackedResult(tokens, np.asarray(keys), bool(ok), blocked, int(used), counts, drafted, accepted,
-                            logprobs, scores)
+                            logprobs, scores, None if speculation is None else history)
 
     def _decode_view(self):
         self._host_allocator = self.manager.host
@@ -730,4 +736,4 @@ def host_tier_rate(cache, num_pages: int, *, repeats: int = 3) -> HostTierRate:
 
 #: The engine's jitted steps of this cache kind, by public name (``jaxkv.bench.engine_aot`` compiles them
 #: at real sizes without a GPU).
-jitted_packed, jitted_prefill = _paged_packed, _paged_prefill
+jitted_packed, jitted_prefill, jitted_packed_verify = _paged_packed, _paged_prefill, _paged_packed_verify

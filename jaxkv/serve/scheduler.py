@@ -730,6 +730,8 @@ class Scheduler(FaultContainment):
             length,
             prefill_width=cap, **({} if speculation is None else {"speculation": speculation}),
             **({"scored": scored} if scored else {}))
+        if speculation is not None:
+            self.speculation.took(result.history)
         if scored:
             _record_prompt_scores(batch, scored, result.scores)
         for req, (_, end) in batch:  # the pieces ran
@@ -807,6 +809,7 @@ class Scheduler(FaultContainment):
                                    self.decode_chunk,
                                    speculation=speculation)
         if speculation is not None:
+            self.speculation.took(result.history, result.count)
             self.speculation.record(running, speculation[0], result.drafted, result.accepted, result.steps,
                                     self._count)
         now = time.perf_counter()

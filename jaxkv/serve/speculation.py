@@ -6,10 +6,11 @@ A decode iteration whose running requests speculate runs
 chunk: ``decode_chunk`` verify steps in one jitted loop, each feeding a row
 its next token and up to ``num_speculative_tokens`` prompt-lookup drafts
 (:mod:`jaxkv.nn.speculative`; the drafts are found on the device from the
-row's history). The host keeps that history (:class:`Speculation`): one
-``[max_seqs, width]`` array of each row's prompt and output, written only
-where a row's request or length changed since the last chunk (a new
-request's tokens once, then the tokens each chunk added).
+row's history). That history stays on the device (:class:`Speculation`):
+one ``[max_seqs, width]`` array of each row's prompt and output, which each
+call that reads it returns updated (the chunk appends what it emits); the
+host sends only what changed since (a new request's tokens once, then the
+tokens plain chunks and packed steps added).
 
 A verify step computes ``k + 1`` positions for every row, so it costs more
 than a decode step (on the 2-core CPU with SmolLM2 at batch 4, k = 4: 1.7x);
@@ -100,9 +101,14 @@ class Speculation:
     histories, the per-request acceptance record and the rules that turn a
     request's speculation off (module docstring).
 
-    Invariant: for a row whose ``owner`` is request ``r``,
-    ``history[row, :length[row]]`` are the first ``length[row]`` of ``r``'s
-    tokens (prompt then output; capped at ``width``)."""
+    The histories live on the device (:attr:`base`, ``[max_seqs,
+    width]``), the array each call that reads them returns updated: the
+    host sends only what changed since (:attr:`pending`, applied first in
+    that call: :meth:`history_arguments`), and a speculative chunk writes
+    the tokens it emits itself. Invariant: for a row whose ``owner`` is
+    request ``r``, :attr:`base` with :attr:`pending` applied holds ``r``'s
+    first ``length[row]`` tokens in ``[row, :length[row]]`` (prompt then
+    output; capped at ``width``)."""
 
     def __init__(self, config: SpeculativeConfig, max_seqs: int, cache, draft=None):
         self.config = config
@@ -115,9 +121,8 @@ class Speculation:
         # Room for the longest request and the tokens a chunk appends on the device (writes past it are dropped
         # there: the lookup then just does not see them).
         self.width = pow2_at_least(cache.max_context_tokens + 1)
-        self.history = np.zeros((max_seqs, self.width), np.int32)
-        self.length = np.zeros((max_seqs,), np.int32)
-        self.owner: list = [None] * max_seqs
+        self.max_seqs = max_seqs
+        self.rebuilt()
 
     def arguments(self, running: dict, decode_chunk: int):
         """``(config, history, history_len, speculate, steps, draft)`` for a
@@ -149,13 +154,54 @@ class Speculation:
             speculate = self.draft.plan(running, speculate, steps, config.num_speculative_tokens)
             if not speculate.any():
                 return None
-        return config, self.history, self.length.copy(), speculate, steps, self.draft
+        # The chunk appends each synced row's emitted tokens to its history; the others' are left alone (a
+        # length past the width drops the writes).
+        self._synced = speculate if self.draft is None else np.zeros_like(speculate)
+        history_len = np.where(self._synced, self.length, self.width).astype(np.int32)
+        return config, self.history_arguments(), history_len, speculate, steps, self.draft
+
+    def history_arguments(self) -> tuple:
+        """``(base, updates)`` for a call that reads the histories:
+        :attr:`base` (zeros from the host before the first call), and the
+        pending writes as ``(rows, columns, tokens)`` int32 vectors of a
+        power-of-two length of at least 64 (padding rows ``max_seqs``: the
+        scatter drops them). The call returns the histories updated, for
+        :meth:`took`."""
+        base = self.base if self.base is not None else np.zeros((self.max_seqs, self.width), np.int32)
+        count = sum(len(tokens) for _, _, tokens in self.pending)
+        size = max(pow2_at_least(count), 64)
+        rows = np.full((size,), self.max_seqs, np.int32)
+        columns = np.zeros((size,), np.int32)
+        values = np.zeros((size,), np.int32)
+        at = 0
+        for row, start, tokens in self.pending:
+            n = len(tokens)
+            rows[at:at + n], columns[at:at + n], values[at:at + n] = row, np.arange(start, start + n), tokens
+            at += n
+        return base, (rows, columns, values)
+
+    def took(self, history, counts=None) -> None:
+        """After a call given :meth:`history_arguments`: ``history`` (its
+        updated histories, on the device) becomes :attr:`base` and the
+        pending writes are done. ``counts`` (a speculative chunk's tokens
+        per row): the rows synced for it grew by them on the device."""
+        self.base, self.pending = history, []
+        if counts is not None:
+            synced = self._synced
+            self.length = np.where(synced, np.minimum(self.length + np.asarray(counts), self.width),
+                                   self.length).astype(np.int32)
 
     def rebuilt(self) -> None:
-        """Forget the rows' histories and empty a draft's cache (after the
-        engine rebuilt its cache: rows now serve other requests)."""
-        self.length[:] = 0
-        self.owner = [None] * len(self.owner)
+        """Forget the rows' histories and empty a draft's cache (at
+        start-up, and after the engine rebuilt its cache: rows now serve
+        other requests; a failed call may have taken :attr:`base`)."""
+        #: The rows' histories on the device (None: none yet; the first call takes zeros from the host).
+        self.base = None
+        #: Writes :attr:`base` has not had yet: ``(row, first column, tokens)``.
+        self.pending: list = []
+        self.length = np.zeros((self.max_seqs,), np.int32)
+        self.owner: list = [None] * self.max_seqs
+        self._synced = np.zeros((self.max_seqs,), bool)
         if self.draft is not None:
             self.draft.rebuilt()
 
@@ -180,7 +226,7 @@ class Speculation:
                 self._sync(row, req)
         if not verify.any():
             return None, None
-        return (self.config, self.history, self.length.copy(), verify), verify
+        return (self.config, self.history_arguments(), self.length.copy(), verify), verify
 
     def record_packed(self, decoding: list, first_lane: int, result, counters) -> None:
         """:meth:`record` for a packed step's verify lanes (decode lane ``j``
@@ -204,16 +250,15 @@ class Speculation:
         return sum(rate ** i for i in range(1, self.config.num_speculative_tokens + 1))
 
     def _sync(self, row: int, req) -> None:
-        """Bring ``history[row]`` to ``req``'s tokens, writing what changed."""
+        """Bring row ``row``'s history to ``req``'s tokens: what changed goes
+        to :attr:`pending` (a new request's tokens once, then what was added)."""
         prompt, generated = req.prompt, req.generated
         total = min(len(prompt) + len(generated), self.width)
         have = int(self.length[row]) if self.owner[row] == req.id else 0
-        if have < len(prompt):
-            head = prompt[have:total]
-            self.history[row, have:have + len(head)] = head
-            have += len(head)
         if have < total:
-            self.history[row, have:total] = generated[have - len(prompt):total - len(prompt)]
+            tail = (list(prompt[have:total])
+                    + list(generated[max(have - len(prompt), 0):max(total - len(prompt), 0)]))
+            self.pending.append((row, have, np.asarray(tail, np.int32)))
         self.length[row], self.owner[row] = total, req.id
 
     def record(self, running: dict, config: SpeculativeConfig, drafted: np.ndarray, accepted: np.ndarray,
