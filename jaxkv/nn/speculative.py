@@ -285,7 +285,9 @@ def speculative_body(graphdef, params, state: SpecState, sampling: SamplingParam
     record the emitted tokens (cut at EOS and at ``max_new``), roll the rows
     back to the positions kept and finish the rows that ended (freeing them
     with ``free_finished``, as :func:`~jaxkv.nn.steps.decode_body`). A step
-    in which no row has a draft runs one position per row instead. The
+    in which no row has a draft runs one position per row instead over a
+    hybrid cache (a paged pool verifies ``k + 1`` positions every step:
+    the switch would copy the pool on XLA:GPU). The
     cache is a paged pool (:func:`_paged_verify`) or a hybrid
     :class:`~jaxkv.KVCacheManager` (:func:`_hybrid_verify`). ``scrub``
     (static; paged pool): blocks the step releases are zeroed in it.
@@ -325,9 +327,15 @@ def speculative_body(graphdef, params, state: SpecState, sampling: SamplingParam
                                            min_n=config.prompt_lookup_min)
         num_drafts = jnp.where(active if speculate is None else active & speculate, num_drafts, 0)
         propose = None
-    # A step in which no row has a draft is a plain decode step (one position per row, not k + 1). An index
-    # switch, not a predicated cond: XLA:GPU copies the operand of a predicated conditional that a branch
-    # updates in place (see BlockSpaceManager.append_slots).
+    if d.pool is not None:
+        # A paged pool: every step verifies k + 1 positions, drafts or not. A switch to a one-position decode
+        # step when no row has a draft (as a hybrid cache's below) makes XLA:GPU copy the pool in the
+        # conditional, both branches writing K/V into it (python -m jaxkv.bench engine_aot's speculative chunk
+        # of Llama-3.1-8B: three 25.6 GB copies, a 153 GB program; none without the switch).
+        return _advance(graphdef, params, state, drafts, num_drafts, propose=propose, **options)
+    # A hybrid cache: a step in which no row has a draft is a plain decode step (one position per row, not
+    # k + 1). An index switch, not a predicated cond: XLA:GPU copies the operand of a predicated conditional
+    # that a branch updates in place (see BlockSpaceManager.append_slots).
     return jax.lax.switch(
         jnp.any(num_drafts > 0).astype(jnp.int32),
         [lambda s: _advance(graphdef, params, s, drafts[:, :0], jnp.zeros_like(num_drafts), **options),
