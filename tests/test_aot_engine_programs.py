@@ -1,6 +1,7 @@
 """The engine's own jitted programs compiled for H100 without a GPU, at real
 sizes (``python -m jaxkv.bench engine_aot``'s quick subset): Llama-3.1-8B's
-smallest and largest packed step and its decode chunk on one H100 (a 51 GB
+smallest and largest packed step, its decode chunk, its speculative decode
+chunk and a packed step with speculative verify lanes on one H100 (a 51 GB
 paged pool beside 16 GB of weights), gpt-oss-20b's decode chunk (its hybrid
 cache beside 42 GB of weights). ``aot`` tests (the ``test_aot_`` names put
 them in that pass): they need the CUDA plugin (``pip install
@@ -69,6 +70,23 @@ def test_aot_hybrid_decode_chunk_updates_its_cache_in_place():
     for r in results:
         assert r.temp_bytes < 0.5 * r.cache_bytes, (r.program, r.temp_bytes / GB, r.cache_buffers or r.largest)
         assert r.verdict == "ok" and r.peak_bytes < 80 * GB, (r.program, r.verdict, r.peak_bytes / GB)
+
+
+def test_aot_speculative_programs_update_the_pool_in_place():
+    """Llama-3.1-8B's speculative decode chunk (n-gram verify steps of k =
+    4) and a packed step with verify lanes: the pool updated in place, no
+    cache-sized temporary, within an H100 (a switch between a verify step
+    and a plain one copied the pool three times: 153 GB)."""
+    from jaxkv.bench import engine_aot
+
+    setup, _ = _results("Llama-3.1-8B")
+    results = [engine_aot.compile_program(setup, *program)
+               for program in engine_aot.programs(setup, ("spec", "verify:first"))]
+    assert [r.program for r in results] == ["spec chunk x16 k4", "packed verify[16] k4"]
+    _sane(setup, results)
+    for r in results:
+        assert r.verdict == "ok" and r.peak_bytes < 80 * GB, (r.program, r.verdict, r.peak_bytes / GB,
+                                                             r.cache_buffers or r.largest)
 
 
 def test_a_copy_is_traced_to_the_operation_it_sits_in():

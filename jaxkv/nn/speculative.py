@@ -525,7 +525,8 @@ def _paged_verify(graphdef, params, manager, pool, inputs, num_drafts, active, s
     row that did not run) truncates each row to its length before the step
     plus ``accepted + 1`` (the fed token and the accepted drafts) and
     returns ``(manager, pool)``; with ``scrub`` the blocks it releases are
-    zeroed (:mod:`jaxkv.pool.scrub`)."""
+    zeroed (:mod:`jaxkv.pool.scrub`). The model runs its packed (ragged)
+    step over the rows' ``k + 1`` tokens (:func:`_verify_batch`)."""
     batch, width = inputs.shape
     if width == 1:  # no drafts: a plain decode step (the decode attention, not a one-token prefill)
         manager, pool, logits, blocked, ok = decode_logits(graphdef, params, manager, pool, inputs[:, 0], active,
@@ -543,9 +544,10 @@ def _paged_verify(graphdef, params, manager, pool, inputs, num_drafts, active, s
     if propose is not None:
         drafts, probs, pool = propose(pool, inputs[:, 0], slots, tables, starts, running)
         inputs = jnp.concatenate([inputs[:, :1], drafts], axis=1)
-    positions = starts[:, None] + jnp.arange(width, dtype=jnp.int32)[None, :]
-    logits, pool = model_step(graphdef, params, inputs, positions, pool, slots, tables, starts,
-                              jnp.where(running, width, 0).astype(jnp.int32), "prefill")
+    # The packed (ragged) attention, as a packed step's: the dense prefill attention would gather each row's
+    # whole context (engine_aot's speculative chunk of Llama-3.1-8B: [256, 8, 4096, 128] f32 per K and V).
+    logits, pool = nnx.merge(graphdef, params).forward_packed(_verify_batch(inputs, starts, running, slots, tables),
+                                                              pool, verify=running, width=width)
 
     def rollback(accepted):
         kept, _ = manager.truncate(jnp.where(accepted >= 0, seqs, -1), starts + accepted + 1)
@@ -554,6 +556,31 @@ def _paged_verify(graphdef, params, manager, pool, inputs, num_drafts, active, s
         return kept, pool
 
     return logits, blocked, ok, rollback, inputs[:, 1:], probs
+
+
+def _verify_batch(inputs: Int[Array, "B W"], starts: Int[Array, " B"], running: Bool[Array, " B"],
+                  slots: Int[Array, "B W"], tables: Int[Array, "B M"]) -> PackedBatch:
+    """The verify pass of rows ``running`` as one packed batch: lane ``b``
+    is row ``b``'s ``W`` tokens ``inputs[b]`` at positions ``starts[b] +
+    i`` (written into ``slots[b]``, attending through ``tables[b]``), end to
+    end in a stream of ``B x W`` (a row that does not run brings none; the
+    stream's tail is padding)."""
+    batch, width = inputs.shape
+    total = batch * width
+    q_lens = jnp.where(running, width, 0).astype(jnp.int32)
+    cu = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(q_lens, dtype=jnp.int32)])
+    offset = jnp.arange(width, dtype=jnp.int32)[None, :]
+    at = jnp.where(running[:, None], cu[:-1, None] + offset, total)  # stream index of each token (dropped: none)
+
+    def stream(values, fill):
+        return jnp.full((total,), fill, jnp.int32).at[at].set(values.astype(jnp.int32), mode="drop")
+
+    rows = jnp.broadcast_to(jnp.arange(batch, dtype=jnp.int32)[:, None], inputs.shape)
+    return PackedBatch(token_ids=stream(inputs, 0), positions=stream(starts[:, None] + offset, -1),
+                       token_lanes=stream(rows, 0), cu_q_lens=cu, kv_lens=jnp.where(running, starts + width, 0),
+                       seq_ids=jnp.where(running, rows[:, 0], -1), sample=running,
+                       num_prefill=jnp.asarray(batch, jnp.int32), slots=stream(slots, -1), block_tables=tables,
+                       num_prefill_lanes=batch, max_prefill_len=width)
 
 
 def _hybrid_verify(graphdef, params, manager, inputs, num_drafts, active):
