@@ -22,7 +22,11 @@ Programs, as the engine calls them (``scheduler="packed"``, its default):
 * ``decode chunk``: :func:`jaxkv.serve.caches.decode_chunk`, ``decode_chunk``
   steps in one ``lax.while_loop``;
 * ``prefill`` (``--prefill``): the padded scheduler's ``[max_seqs,
-  prefill_width]`` prefill call.
+  prefill_width]`` prefill call;
+* ``spec`` and ``verify:N`` (``--speculative``; :func:`programs`): speculative
+  decoding's decode chunk (:func:`jaxkv.serve.caches.speculative_chunk`,
+  n-gram verify steps of :data:`SPEC_K` drafts) and a paged pool's packed
+  step with verify lanes.
 
 Sizing, as the engine sizes itself on the GPU (nothing measured): the
 weights one device holds (the shards of ``shard_model``'s specs),
@@ -639,12 +643,14 @@ def compile_program(setup: Setup, label: str, fn, args: tuple, kwargs: dict) -> 
 
 
 def run(names=None, *, quick: bool = False, prefill: bool = False, buckets=None, on_result=None,
-        stacked: bool = False, local: bool = False) -> list[Result]:
+        stacked: bool = False, local: bool = False, speculative: bool = False) -> list[Result]:
     """Compile the programs of the models ``names`` (default all of
     :data:`MODELS`; ``quick``: :data:`QUICK`); ``buckets``: the packed
     buckets to compile (``"all"``, ``"ends"``: the smallest and the largest,
-    or a list of ints; default all). ``on_result(setup, result)`` is called
-    after each compile."""
+    or a list of ints; default all); ``speculative``: speculative
+    decoding's programs too (``spec``, and a paged pool's ``verify:first``
+    and ``verify:last``). ``on_result(setup, result)`` is called after each
+    compile."""
     specs = {spec.name: spec for spec in MODELS}
     names = list(QUICK) if quick and names is None else list(names or specs)
     results = []
@@ -657,6 +663,10 @@ def run(names=None, *, quick: bool = False, prefill: bool = False, buckets=None,
         else:
             picks = ["first", "last"] if buckets == "ends" else [str(int(n)) for n in buckets]
             which = [f"packed:{b}" for b in picks] + ["decode"] + (["prefill"] if prefill else [])
+        if speculative:  # speculative decoding's programs too (a paged pool's packed verify at both ends)
+            which = list(which) if which is not None else [f"packed:{n}" for n in setup.buckets] + ["decode"] + (
+                ["prefill"] if prefill else [])
+            which += ["spec"] + (["verify:first", "verify:last"] if setup.kind == "paged" else [])
         for label, fn, args, kwargs in programs(setup, which, prefill=prefill):
             result = compile_program(setup, label, fn, args, kwargs)
             results.append(result)
@@ -681,6 +691,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--buckets", default="all",
                         help="packed buckets: all (default), ends (smallest and largest), or comma-separated lengths")
     parser.add_argument("--prefill", action="store_true", help="also the padded scheduler's prefill call")
+    parser.add_argument("--speculative", action="store_true",
+                        help="also speculative decoding's programs: the spec chunk, packed verify steps")
     parser.add_argument("--layers", choices=("stacked", "per-layer"), default="per-layer",
                         help="stacked under a scan, or a parameter per layer (default: what a GPU builds)")
     parser.add_argument("--local", action="store_true",
@@ -758,7 +770,8 @@ def main(args=None) -> int:
 
     started = time.perf_counter()
     results = run(models.split(",") if models else None, quick=args.quick, prefill=getattr(args, "prefill", False),
-                  buckets=buckets, on_result=progress, stacked=stacked, local=local)
+                  buckets=buckets, on_result=progress, stacked=stacked, local=local,
+                  speculative=getattr(args, "speculative", False))
     total = time.perf_counter() - started
     target = f"{jax.devices()[0].device_kind}, local" if local else "H100 (deviceless"
     layers = "stacked" if stacked else "per layer"
