@@ -858,21 +858,22 @@ def test_a_separate_draft_cache_plans_for_a_small_pool_and_a_catch_up_cap(monkey
     rng = np.random.default_rng(5)
     prompts = [rng.integers(1, LLAMA["vocab_size"], n).tolist() for n in (21, 9, 14, 6)]
     expected = generate(model, prompts, 30, page_size=4).tokens
-    small = partial(drafts.DraftCache, num_pages=13)  # 12 pages of 4: not every row's peak at once
+    cls = drafts.DraftCache
+    small = partial(cls, num_pages=13)  # 12 pages of 4: not every row's peak at once
 
     def make(*args, num_pages, catch_up_tokens, **kwargs):
         return small(*args, catch_up_tokens=8, **kwargs)
 
-    monkeypatch.setattr("jaxkv.serve.engine.DraftCache", make)
     plans = []
-    real = drafts.DraftCache.plan
+    real = cls.plan
 
     def spy(self, running, speculate, steps, k):
         drafting = real(self, running, speculate, steps, k)
         plans.append((int(speculate.sum()), int(drafting.sum())))
         return drafting
 
-    monkeypatch.setattr(drafts.DraftCache, "plan", spy)
+    monkeypatch.setattr(cls, "plan", spy)
+    monkeypatch.setattr(drafts, "DraftCache", make)
     engine, tokens, _ = _engine_run(model, prompts, 30, max_seqs=3, page_size=4, num_pages=40, max_model_len=64,
                                     decode_chunk=2, speculative=_drafts("separate", model))
     assert tokens == expected

@@ -36,6 +36,7 @@ next chunk).
 from __future__ import annotations
 
 import dataclasses
+import logging
 from functools import partial
 
 import jax
@@ -48,7 +49,9 @@ from jaxkv.errors import KVCacheError
 from jaxkv.manager.block_space import BlockSpaceManager
 from jaxkv.nn.packed import PackedLane, pack
 
-__all__ = ["DraftCache", "DraftPlan", "SharedPoolDraft", "catch_up_bucket", "param_fraction"]
+logger = logging.getLogger("jaxkv.serve")
+
+__all__ = ["DraftCache", "DraftPlan", "SharedPoolDraft", "build_draft", "catch_up_bucket", "param_fraction"]
 
 
 def param_fraction(draft, target) -> float:
@@ -243,3 +246,22 @@ class DraftCache:
                                "DraftCache.plan is wrong")
         self.length, self.owner = lengths, plan.owner
 
+
+def build_draft(draft_model, target, shares_pool: bool, cache, *, max_seqs: int, page_size: int, lookahead: int,
+                catch_up_tokens: int, kv_dtype=None):
+    """The engine's draft for ``draft_model`` (None: none): over the
+    target's pool (``shares_pool``) or a :class:`DraftCache` holding as
+    many tokens as the target's ``cache`` (its plan's largest group), at
+    most every row at full length (``max_context_tokens + lookahead + 1``
+    tokens each: its rows share nothing), logged."""
+    if draft_model is None:
+        return None
+    if shares_pool:
+        return SharedPoolDraft(draft_model, target)
+    row = cache.max_context_tokens + lookahead + 1
+    tokens = min(max(g.tokens for g in cache.plan.groups), max_seqs * row)
+    draft = DraftCache(draft_model, target, max_seqs=max_seqs, num_pages=ceil_div(tokens, page_size) + 1,
+                       page_size=page_size, max_tokens=row, catch_up_tokens=catch_up_tokens, kv_dtype=kv_dtype)
+    logger.info("speculative draft model %s: a paged cache of its own, %d pages of %d tokens (%d bytes)",
+                type(draft_model).__name__, draft.num_pages, draft.page_size, draft.pool_bytes)
+    return draft

@@ -74,10 +74,9 @@ from jaxkv.errors import InvalidArgument
 from jaxkv.nn import sharding
 from jaxkv.nn.packed import cache_kind
 from jaxkv.nn.sampling import GREEDY, SamplingParams
-from jaxkv._ops import ceil_div
 from jaxkv.nn.speculative import draft_model_for, early_exit_draft
 from jaxkv.serve.build import build_cache, paged_token_bytes, resolve_options
-from jaxkv.serve.drafts import DraftCache, SharedPoolDraft
+from jaxkv.serve.drafts import build_draft
 from jaxkv.serve.options import EngineOptions
 from jaxkv.serve.output import (Counters, EngineProgress, EngineStats, EngineSummary, OutputProcessor,
                                 latency_stats)
@@ -178,19 +177,9 @@ class Engine(Scheduler):
         self.cache = build_cache(model, cache, max_seqs=sched.max_seqs, prefill_chunk=sched.prefill_chunk,
                                  free_bytes=free_bytes, mesh=mesh, lookahead=lookahead,
                                  draft_token_bytes=draft_token_bytes)
-        draft = None
-        if draft_model is not None and shares_pool:
-            draft = SharedPoolDraft(draft_model, model)
-        elif draft_model is not None:  # as many tokens as the target's cache holds, at most every row at full length
-            tokens = min(max(g.tokens for g in self.cache.plan.groups),
-                         sched.max_seqs * (self.cache.max_context_tokens + lookahead + 1))
-            draft = DraftCache(draft_model, model, max_seqs=sched.max_seqs,
-                               num_pages=ceil_div(tokens, cache.page_size) + 1, page_size=cache.page_size,
-                               max_tokens=self.cache.max_context_tokens + lookahead + 1,
-                               catch_up_tokens=sched.max_num_batched_tokens or max(sched.prefill_chunk, 512),
-                               kv_dtype=draft_kv_dtype)
-            logger.info("speculative draft model %s: its own paged cache of %d pages of %d tokens (%d bytes)",
-                        type(draft_model).__name__, draft.num_pages, draft.page_size, draft.pool_bytes)
+        draft = build_draft(draft_model, model, shares_pool, self.cache, max_seqs=sched.max_seqs,
+                            page_size=cache.page_size, lookahead=lookahead, kv_dtype=draft_kv_dtype,
+                            catch_up_tokens=sched.max_num_batched_tokens or max(sched.prefill_chunk, 512))
         scrub_on_free, prefix_quota = tenants.scrub_on_free, tenants.prefix_quota
         enable_kv_events = tenants.enable_kv_events
         # What a rebuilt cache gets again (see _recover).
