@@ -138,11 +138,13 @@ RULES = (
     ("long", "other cases", ("test_speculative.py::test_a_speculating_engine_swaps_aborts_and_keeps_tenants_apart"
                              "[separate]",
                              "test_speculative.py::test_a_hybrid_target_drafts_with_a_separate_paged_model",
+                             "test_speculative.py::test_a_separate_draft_cache_plans_for_a_small_pool_and_a_"
+                             "catch_up_cap",
                              "test_speculative.py::test_a_ragged_append_equals_appending_each_row_alone[1]",
                              "test_speculative.py::test_a_ragged_append_equals_appending_each_row_alone[2]"),
-     "a separate draft model's cache runs by default under preemption and prefix hits and under a small pool "
-     "with a catch-up cap (the paged Llama); swap, abort and tenants with it, a hybrid target (Gemma 3) and two "
-     "more seeds of the ragged append in long (about 90 s together)"),
+     "a separate draft model's cache runs by default under preemption and prefix hits (the paged Llama); a small "
+     "draft pool with a catch-up cap, swap, abort and tenants with it, a hybrid target (Gemma 3) and two more "
+     "seeds of the ragged append in long (about 2 minutes together)"),
     ("long", "other cases", ("test_speculative.py::test_paged_rollback_equals_a_cache_that_never_saw_the_rejected_"
                              "tokens[*-1]",),
      "a second seed of the paged rollback check (seed 0 runs by default, given drafts and an early exit's)"),

@@ -168,17 +168,18 @@ class Engine(Scheduler):
         #: The options the engine runs with (checked, :mod:`jaxkv.serve.options`; the scheduler options
         #: left out derived for the device and logged, :func:`~jaxkv.serve.build.resolve_options`).
         self.options = options = resolve_options(model, options, mesh=mesh, free_bytes=free_bytes)
-        cache, sched, tenants = options.cache, options.scheduler, options.tenants
+        cache_options = options.cache
+        sched, tenants = options.scheduler, options.tenants
         draft_model, shares_pool = _draft_model(model, sched.speculative, mesh)  # refused before the cache is sized
         lookahead = 0 if sched.speculative is None else sched.speculative.num_speculative_tokens
-        draft_kv_dtype = cache.kv_dtype if cache_kind(model) == "paged" else None
+        draft_kv_dtype = cache_options.kv_dtype if cache_kind(model) == "paged" else None
         draft_token_bytes = (0.0 if draft_model is None or shares_pool else
-                             paged_token_bytes(draft_model, cache.page_size, draft_kv_dtype)[0])
-        self.cache = build_cache(model, cache, max_seqs=sched.max_seqs, prefill_chunk=sched.prefill_chunk,
+                             paged_token_bytes(draft_model, cache_options.page_size, draft_kv_dtype)[0])
+        self.cache = build_cache(model, cache_options, max_seqs=sched.max_seqs, prefill_chunk=sched.prefill_chunk,
                                  free_bytes=free_bytes, mesh=mesh, lookahead=lookahead,
                                  draft_token_bytes=draft_token_bytes)
         draft = build_draft(draft_model, model, shares_pool, self.cache, max_seqs=sched.max_seqs,
-                            page_size=cache.page_size, lookahead=lookahead, kv_dtype=draft_kv_dtype,
+                            page_size=cache_options.page_size, lookahead=lookahead, kv_dtype=draft_kv_dtype,
                             catch_up_tokens=sched.max_num_batched_tokens or max(sched.prefill_chunk, 512))
         scrub_on_free, prefix_quota = tenants.scrub_on_free, tenants.prefix_quota
         enable_kv_events = tenants.enable_kv_events

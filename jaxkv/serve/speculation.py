@@ -122,7 +122,7 @@ class Speculation:
         # there: the lookup then just does not see them).
         self.width = pow2_at_least(cache.max_context_tokens + 1)
         self.max_seqs = max_seqs
-        self.rebuilt()
+        self._forget()
 
     def arguments(self, running: dict, decode_chunk: int):
         """``(config, history, history_len, speculate, steps, draft)`` for a
@@ -192,9 +192,15 @@ class Speculation:
                                    self.length).astype(np.int32)
 
     def rebuilt(self) -> None:
-        """Forget the rows' histories and empty a draft's cache (at
-        start-up, and after the engine rebuilt its cache: rows now serve
-        other requests; a failed call may have taken :attr:`base`)."""
+        """Forget the rows' histories and empty a draft's cache (after the
+        engine rebuilt its cache: rows now serve other requests; a failed
+        call may have taken :attr:`base`)."""
+        self._forget()
+        if self.draft is not None:
+            self.draft.rebuilt()
+
+    def _forget(self) -> None:
+        """No history on the device yet, none pending, no row owned."""
         #: The rows' histories on the device (None: none yet; the first call takes zeros from the host).
         self.base = None
         #: Writes :attr:`base` has not had yet: ``(row, first column, tokens)``.
@@ -202,8 +208,6 @@ class Speculation:
         self.length = np.zeros((self.max_seqs,), np.int32)
         self.owner: list = [None] * self.max_seqs
         self._synced = np.zeros((self.max_seqs,), bool)
-        if self.draft is not None:
-            self.draft.rebuilt()
 
     def packed_arguments(self, decoding: list, budget: int):
         """``(speculation, verify)`` for a packed step whose decode lanes are
