@@ -178,9 +178,6 @@ class Engine(Scheduler):
         self.cache = build_cache(model, cache_options, max_seqs=sched.max_seqs, prefill_chunk=sched.prefill_chunk,
                                  free_bytes=free_bytes, mesh=mesh, lookahead=lookahead,
                                  draft_token_bytes=draft_token_bytes)
-        draft = build_draft(draft_model, model, shares_pool, self.cache, max_seqs=sched.max_seqs,
-                            page_size=cache_options.page_size, lookahead=lookahead, kv_dtype=draft_kv_dtype,
-                            catch_up_tokens=sched.max_num_batched_tokens or max(sched.prefill_chunk, 512))
         scrub_on_free, prefix_quota = tenants.scrub_on_free, tenants.prefix_quota
         enable_kv_events = tenants.enable_kv_events
         # What a rebuilt cache gets again (see _recover).
@@ -190,6 +187,10 @@ class Engine(Scheduler):
             sharding.prepare(model, mesh)
             if draft_model is not None:
                 sharding.prepare(draft_model, mesh)
+        # After the placement: the draft keeps its parameters as they are now.
+        draft = build_draft(draft_model, model, shares_pool, self.cache, max_seqs=sched.max_seqs,
+                            page_size=cache_options.page_size, lookahead=lookahead, kv_dtype=draft_kv_dtype,
+                            catch_up_tokens=sched.max_num_batched_tokens or max(sched.prefill_chunk, 512))
         self._configure_cache()
         #: How the cache was sized (:class:`~jaxkv.serve.sizing.CachePlan`), logged at start-up.
         self.cache_plan: CachePlan = self.cache.plan
