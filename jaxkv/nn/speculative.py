@@ -517,7 +517,8 @@ def _advance(graphdef, params, state: SpecState, drafts, num_drafts, *, sampling
 def _paged_verify(graphdef, params, manager, pool, inputs, num_drafts, active, scrub: bool = False, propose=None):
     """The verify pass over a paged pool: ``append_slots`` of ``k + 1``
     tokens per row (a windowed model's dead blocks trimmed first, as
-    :func:`~jaxkv.nn.steps.decode_logits` does), the model in prefill mode.
+    :func:`~jaxkv.nn.steps.decode_logits` does), the model's packed
+    (ragged) step over the rows' ``k + 1`` tokens (:func:`_verify_batch`).
     ``propose`` (:func:`_shared_pool_propose`, bound to its draft): called
     after the append, it supplies the drafts ``inputs[:, 1:]`` (else they
     are given). Returns ``(logits [B, k+1, V], blocked, ok, rollback,
@@ -525,13 +526,8 @@ def _paged_verify(graphdef, params, manager, pool, inputs, num_drafts, active, s
     row that did not run) truncates each row to its length before the step
     plus ``accepted + 1`` (the fed token and the accepted drafts) and
     returns ``(manager, pool)``; with ``scrub`` the blocks it releases are
-    zeroed (:mod:`jaxkv.pool.scrub`). The model runs its packed (ragged)
-    step over the rows' ``k + 1`` tokens (:func:`_verify_batch`)."""
+    zeroed (:mod:`jaxkv.pool.scrub`)."""
     batch, width = inputs.shape
-    if width == 1:  # no drafts: a plain decode step (the decode attention, not a one-token prefill)
-        manager, pool, logits, blocked, ok = decode_logits(graphdef, params, manager, pool, inputs[:, 0], active,
-                                                           scrub=scrub)
-        return logits[:, None], blocked, ok, lambda accepted: (manager, pool), inputs[:, 1:], None
     seqs = jnp.where(active, jnp.arange(batch, dtype=jnp.int32), -1)
     window = paged_window(nnx.merge(graphdef, params))
     if window is not None:

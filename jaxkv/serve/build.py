@@ -413,23 +413,6 @@ def paged_token_bytes(model, page_size: int, kv_dtype, mesh=None) -> tuple[float
     return device / page_size, whole / page_size
 
 
-def hybrid_token_bytes(model, entry_format: str, length: int, mesh=None) -> tuple[float, float]:
-    """The block bytes one token costs ``model``'s hybrid cache, summed
-    over its groups: ``(on one device of mesh, whole)``."""
-    probe = jax.eval_shape(lambda: model.make_cache(1, length, entry_format=entry_format))
-    names = list(probe.groups)
-    tokens_per_block = [g.tokens_per_block for g in probe.groups.values()]
-
-    def measure(counts, on):
-        return _hybrid_bytes(jax.eval_shape(lambda: model.make_cache(
-            1, length, entry_format=entry_format, num_blocks=dict(zip(names, counts)), num_snapshots=0)), on)
-
-    device = sizing.affine_bytes(lambda counts: measure(counts, mesh), len(names))[1]
-    whole = device if mesh is None else sizing.affine_bytes(lambda counts: measure(counts, None), len(names))[1]
-    return (sum(b / t for b, t in zip(device, tokens_per_block)),
-            sum(b / t for b, t in zip(whole, tokens_per_block)))
-
-
 def derive_scheduler_defaults(model, options: EngineOptions, *, mesh=None, free_bytes: int | None = None,
                               platform: str | None = None) -> sizing.SchedulerDefaults:
     """What :func:`jaxkv.serve.sizing.scheduler_defaults` calls for on this
@@ -474,7 +457,10 @@ def derive_scheduler_defaults(model, options: EngineOptions, *, mesh=None, free_
                 rows, length, entry_format=o.entry_format, num_blocks=dict(zip(names, counts)),
                 num_snapshots=snapshots)), on)
 
-        per_token, per_token_whole = hybrid_token_bytes(model, o.entry_format, length, mesh)
+        device = sizing.affine_bytes(lambda counts: measure(1, counts, 0, mesh), len(names))[1]
+        whole = device if mesh is None else sizing.affine_bytes(lambda c: measure(1, c, 0, None), len(names))[1]
+        per_token = sum(b / t for b, t in zip(device, tokens_per_block))
+        per_token_whole = sum(b / t for b, t in zip(whole, tokens_per_block))
         row = measure(2, [2] * len(names), 1, mesh) - measure(1, [2] * len(names), 1, mesh)
         if o.prefix_cache:
             budget = budget * 3 // 4

@@ -705,7 +705,7 @@ class CacheBase(abc.ABC):
         ``draft`` a :mod:`jaxkv.serve.drafts` draft (its plan made) or None;
         the result then says how many drafts each row verified and kept)."""
         manager, pool = self._decode_view()
-        drafted = accepted = steps = draft_lengths = history = None
+        drafted = accepted = steps = draft_lengths = history = draft = None
         if speculation is not None and (getattr(sampling, "logprobs", -1) >= 0
                                         or getattr(sampling, "penalties", None) is not None
                                         or getattr(sampling, "constraints", None) is not None):
@@ -731,8 +731,8 @@ class CacheBase(abc.ABC):
             jax.device_get((state.tokens, state.written, state.finished, state.ok, state.blocked, state.peak_used,
                             unwrap_keys(state.keys), self._host_leaves(self.manager), drafted, accepted, steps,
                             state.logprobs, draft_lengths)))
-        if speculation is not None and speculation[-1] is not None:
-            speculation[-1].finish(spec, draft_lengths, bool(ok), blocked)
+        if draft is not None:
+            draft.finish(spec, draft_lengths, bool(ok), blocked)
         self._mirror(host)
         return DecodeResult(out, count, finished, np.asarray(keys), bool(ok), blocked, int(peak), drafted, accepted,
                             steps, logprobs, None if speculation is None else history)

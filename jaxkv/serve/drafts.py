@@ -194,8 +194,7 @@ class DraftCache:
         budget, lanes = self.catch_up_tokens, []
         for row, req in sorted(((row, req) for row, req in running.items() if speculate[row]),
                                key=lambda item: item[1].order):
-            tokens = list(req.prompt) + list(req.generated)
-            held = len(tokens) - 1  # the target holds all but the last (the next verify step feeds it)
+            held = req.kv_len  # all but the last token (the next verify step feeds it)
             if have[row] > held:  # never expected (the target only grows): start again
                 reset[row], free, have[row] = True, free + self._blocks(have[row]), 0
             take = min(held - int(have[row]), budget)
@@ -209,7 +208,8 @@ class DraftCache:
                 continue
             free -= more
             if take:
-                lanes.append(PackedLane(row, tokens[have[row]:have[row] + take], int(have[row]), sample=False))
+                start = int(have[row])
+                lanes.append(PackedLane(row, req.tokens_between(start, start + take), start, sample=False))
                 budget -= take
             drafting[row] = level
         batch = None

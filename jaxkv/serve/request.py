@@ -170,6 +170,13 @@ class Request:
     def tokens(self) -> list:
         return self.prompt + self.generated
 
+    def tokens_between(self, start: int, stop: int) -> list:
+        """``tokens[start:stop]``, sliced where they lie (no copy of the
+        whole context)."""
+        cut = len(self.prompt)
+        return (list(self.prompt[start:min(stop, cut)])
+                + list(self.generated[max(start - cut, 0):max(stop - cut, 0)]))
+
     @property
     def kv_len(self) -> int:
         """Tokens whose K/V are in the cache: all but the last sampled one."""

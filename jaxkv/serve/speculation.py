@@ -256,13 +256,10 @@ class Speculation:
     def _sync(self, row: int, req) -> None:
         """Bring row ``row``'s history to ``req``'s tokens: what changed goes
         to :attr:`pending` (a new request's tokens once, then what was added)."""
-        prompt, generated = req.prompt, req.generated
-        total = min(len(prompt) + len(generated), self.width)
+        total = min(len(req.prompt) + len(req.generated), self.width)
         have = int(self.length[row]) if self.owner[row] == req.id else 0
         if have < total:
-            tail = (list(prompt[have:total])
-                    + list(generated[max(have - len(prompt), 0):max(total - len(prompt), 0)]))
-            self.pending.append((row, have, np.asarray(tail, np.int32)))
+            self.pending.append((row, have, np.asarray(req.tokens_between(have, total), np.int32)))
         self.length[row], self.owner[row] = total, req.id
 
     def record(self, running: dict, config: SpeculativeConfig, drafted: np.ndarray, accepted: np.ndarray,
