@@ -130,6 +130,14 @@ RULES = (
                              "tokens[parity/qwen3_next_2]"),
      "the paged Llama's tokens and the Gated DeltaNet Qwen3-Next's rollback by default; window rings (Gemma 3, "
      "gpt-oss), DeepSeek-V3 and DeepSeek-V4's compressors roll back through the same checkpoint and replay"),
+    ("long", "other cases", ("test_speculative.py::test_hybrid_packed_verify_equals_a_cache_that_never_saw_the_"
+                             "rejected_tokens[*]",
+                             "!test_speculative.py::test_hybrid_packed_verify_equals_a_cache_that_never_saw_the_"
+                             "rejected_tokens[parity/qwen3_next_2]",
+                             "test_speculative.py::test_hybrid_packed_steps_verify_drafts_beside_prompt_pieces[*]"),
+     "a hybrid packed step's verify lanes checked exactly on Qwen3-Next's Gated DeltaNet (checkpoint and replay) "
+     "by default; the window rings' (rolled back by length) and DeepSeek-V4's stores, and every hybrid family's "
+     "engine with verify lanes beside prompt pieces (about 60 s each), in long"),
     ("long", "other cases", ("test_speculative.py::test_hybrid_engine_speculates_with_generate_tokens_under_"
                              "preemption_and_prefix_hits[*]",),
      "the hybrid caches' rollback by default (test_hybrid_rollback_equals_a_cache_that_never_saw_the_rejected_"

@@ -451,6 +451,94 @@ def test_rings_without_slack_fail_the_rollback_check(monkeypatch):
 # ---------------------------------------------------------------- generate, every family, against transformers
 
 
+@pytest.mark.parametrize("name", HYBRID)
+def test_hybrid_packed_verify_equals_a_cache_that_never_saw_the_rejected_tokens(name):
+    """A hybrid packed step with verify lanes (one model call: a new
+    request's prompt piece, a verify lane whose drafts are the target's
+    own greedy continuation with one draft at a random place changed, a
+    verify lane of two random drafts and placeholders left over, a plain
+    decode lane): lane 0 keeps exactly the drafts before the changed
+    one, every lane's tokens are the argmax of a cache that ran only the
+    kept tokens (one chunk per row), and that cache's lengths, blocks and
+    live state (pages, GDN states, rings, DeepSeek-V4's stores) equal the
+    step's leaf by leaf, then three more steps agree; free pages and the
+    checkpoint rows start as NaN."""
+    from jaxkv.nn.packed import PackedLane
+    from jaxkv.nn.sampling import RowSampling
+    from jaxkv.serve.caches import pack_stream
+
+    rng = np.random.default_rng(len(name) + 7)
+    model = AutoModelForCausalLM.from_pretrained(os.path.join(FIXTURES, name))
+    vocab = model.config.vocab_size
+    graphdef, params = nnx.split(model)
+    rows, k = 4, 4
+    config = SpeculativeConfig(num_speculative_tokens=k, prompt_lookup_max=2, prompt_lookup_min=1)
+    options, checkpoints = spec.hybrid_cache_options(model, k, rows, max_context_tokens=128)
+    manager = _poison(model.make_cache(rows, 128, num_snapshots=checkpoints, **options))
+    manager, slots, ok = jax.jit(lambda m: m.admit(rows, max_n=rows))(manager)
+    assert bool(ok)
+    slots = np.asarray(slots)
+    chunk = jax.jit(partial(hybrid_prefill_chunk, graphdef))
+    lengths = np.append(rng.integers(9, 40, rows - 1), 0).astype(np.int32)  # the last row's prompt comes packed
+    prompt = rng.integers(1, vocab, (rows, 40)).astype(np.int32)
+    manager, _, ok = chunk(params, manager, slots, jnp.asarray(prompt), jnp.asarray(lengths))
+    assert bool(ok)
+    fed = rng.integers(1, vocab, rows).astype(np.int32)
+    # Row 0's drafts: the target's greedy continuation after its fed token, one draft changed (or none).
+    greedy, m, token = [], manager, fed.copy()
+    for _ in range(k + 1):
+        m, logits, _ = chunk(params, m, slots, jnp.asarray(token[:, None]), jnp.asarray([1, 0, 0, 0], jnp.int32))
+        token[0] = int(np.argmax(np.asarray(logits)[0]))
+        greedy.append(int(token[0]))
+    changed = int(rng.integers(0, k + 1))  # k: every draft kept
+    drafts = greedy[:k]
+    if changed < k:
+        drafts[changed] = (drafts[changed] + 1) % vocab
+    # Histories whose lookup gives those drafts (row 0: "a fed" seen before, followed by them; row 1: its fed
+    # token seen before, followed by two tokens that end the history).
+    a = next(t for t in range(1, vocab) if t not in drafts and t != fed[0])
+    history = np.zeros((rows, 32), np.int32)
+    history_len = np.zeros((rows,), np.int32)
+    for row, tokens in ((0, [a, int(fed[0]), *drafts, a, int(fed[0])]),
+                        (1, [int(fed[1]), int(rng.integers(1, vocab)), int(fed[1])])):
+        history[row, :len(tokens)] = tokens
+        history_len[row] = len(tokens)
+    piece = rng.integers(1, vocab, 13).tolist()
+    batch = pack_stream([PackedLane(int(slots[3]), piece, 0)], slots[:3], fed[:3], lengths[:3], num_lanes=rows,
+                        num_tokens=32, num_prefill_lanes=1, max_prefill_len=len(piece),
+                        decode_widths=[k + 1, k + 1, 1])
+    verify = np.asarray([False, True, True, False])
+    step = jax.jit(partial(spec.hybrid_packed_verify_step, graphdef, config=config))
+    m_a, tokens, counts, _, prefill_ok, decode_ok, *_, drafted, accepted = step(
+        params, manager, batch, RowSampling.broadcast(GREEDY, rows), jax.random.split(jax.random.key(0), rows),
+        jnp.asarray(history), jnp.asarray(history_len), jnp.asarray(verify))
+    assert bool(prefill_ok) and bool(decode_ok)
+    tokens, counts, drafted, accepted = (np.asarray(x) for x in (tokens, counts, drafted, accepted))
+    assert drafted.tolist() == [0, k, 2, 0]
+    assert accepted[1] == changed and tokens[1, :counts[1]].tolist() == greedy[:changed + 1]
+    assert counts.tolist() == [1, changed + 1, accepted[2] + 1, 1]
+    # The reference: each row runs only what it kept, in one chunk.
+    kept = np.zeros((rows, 16), np.int32)
+    kept[3, :len(piece)] = piece
+    for row, lane in ((0, 1), (1, 2), (2, 3)):
+        kept[row, :counts[lane]] = [fed[row], *tokens[lane, :counts[lane] - 1]]
+    m_b, logits_b, ok = chunk(params, manager, slots, jnp.asarray(kept),
+                              jnp.asarray([counts[1], counts[2], counts[3], len(piece)], jnp.int32))
+    assert bool(ok)
+    want = np.argmax(np.asarray(logits_b), axis=-1)
+    assert [tokens[lane, counts[lane] - 1] for lane in (1, 2, 3, 0)] == want.tolist()
+    for group in m_a.groups:
+        np.testing.assert_array_equal(np.asarray(m_a.groups[group].lens), np.asarray(m_b.groups[group].lens))
+        assert int(m_a.groups[group].allocator.num_free) == int(m_b.groups[group].allocator.num_free)
+    _assert_same_live_state(m_a, m_b, slots, tol=2e-4)
+    for _ in range(3):
+        token = rng.integers(1, vocab, (rows, 1)).astype(np.int32)
+        m_a, logits_a, _ = chunk(params, m_a, slots, jnp.asarray(token), jnp.ones((rows,), jnp.int32))
+        m_b, logits_b, _ = chunk(params, m_b, slots, jnp.asarray(token), jnp.ones((rows,), jnp.int32))
+        assert np.isfinite(np.asarray(logits_a)).all()
+        np.testing.assert_allclose(np.asarray(logits_a), np.asarray(logits_b), rtol=2e-4, atol=2e-4)
+
+
 FAMILIES = ["parity/llama_3", "parity/qwen3_next_2", "parity/dsv3_4", "gemma3/small", "gpt_oss/small", "dsv4/small"]
 
 
@@ -594,6 +682,51 @@ def test_hybrid_engine_speculates_with_generate_tokens_under_preemption_and_pref
     assert engine.cache_plan.checkpoint_rows == (3 if name == "qwen3_next/small" else 0)  # rings: slack instead
 
 
+@pytest.mark.parametrize("name", HYBRID_ENGINE + ["dsv4/small"])
+def test_hybrid_packed_steps_verify_drafts_beside_prompt_pieces(name, monkeypatch):
+    """Over a hybrid cache too (Gated DeltaNet states and DeepSeek-V4's
+    stores restored from checkpoints, window rings with slack): requests
+    arriving while others decode get packed steps that carry verify lanes
+    beside their prompt pieces, drafts are verified there, and every
+    request gets plain ``generate``'s tokens, greedy; sampled
+    requests run to their lengths; every block comes back."""
+    import jaxkv.serve.hybrid_cache as hybrid_cache
+    import jaxkv.serve.speculation as speculation
+    from jaxkv.serve import Engine
+    from tests.test_fuzz_engine_hybrid import check_hybrid_no_leak
+
+    real, seen = hybrid_cache._hybrid_packed_verify, []
+
+    def spy(*args, **kwargs):
+        out = real(*args, **kwargs)
+        seen.append((int(np.asarray(args[8]).sum()), int(np.asarray(out[7]).sum()), int(np.asarray(out[8]).sum())))
+        return out
+
+    monkeypatch.setattr(hybrid_cache, "_hybrid_packed_verify", spy)
+    # No probation (its rule has tests of its own): every decoding request verifies in the packed steps.
+    monkeypatch.setattr(speculation, "on_probation", lambda req: False)
+    model = AutoModelForCausalLM.from_pretrained(os.path.join(FIXTURES, name))
+    vocab = model.config.vocab_size
+    rng = np.random.default_rng(len(name))
+    base = rng.integers(1, vocab, 9).tolist()
+    prompts = [base * 3, base * 2 + [4], rng.integers(1, vocab, 21).tolist(), base[:5] * 4]
+    engine = Engine(model, max_seqs=4, max_context_tokens=128, decode_chunk=2, prefill_chunk=8,
+                    speculative={"num_speculative_tokens": 3, "min_accepted_per_step": 0.0})
+    ids = [engine.add_request(p, 30, arrival_step=step) for p, step in zip(prompts, (0, 8, 12, 16))]
+    engine.run()
+    assert [engine.outputs[i] for i in ids] == generate(model, prompts, 30).tokens
+    assert seen and sum(verify for verify, _, _ in seen) > 0
+    # Drafts were verified there (what a random model keeps of them is chance; the step's accept and reject
+    # paths are checked exactly in test_hybrid_packed_verify_equals_a_cache_that_never_saw_the_rejected_tokens).
+    assert 0 <= sum(kept for *_, kept in seen) < sum(drafted for _, drafted, _ in seen)
+    seen.clear()
+    ids = [engine.add_request(p, 20, sampling=SamplingParams(temperature=0.8), seed=i, arrival_step=engine._step + 4 * i)
+           for i, p in enumerate(prompts)]
+    engine.run()
+    assert [len(engine.outputs[i]) for i in ids] == [20] * 4 and seen
+    check_hybrid_no_leak(engine)
+
+
 @pytest.mark.parametrize("method", sorted(ENGINE_DRAFTS))
 def test_a_speculating_engine_swaps_aborts_and_keeps_tenants_apart(method):
     """Speculation beside preemption by swap (host pages), an abort in
@@ -686,6 +819,55 @@ def test_packed_steps_verify_drafts_beside_prompt_pieces(monkeypatch):
            for i, p in enumerate(prompts)]
     engine.run()
     assert [len(engine.outputs[i]) for i in ids] == [30] * 4 and seen
+    engine.check_bookkeeping()
+
+
+@pytest.mark.parametrize("draft", ["first_layer", "whole_target"])
+def test_early_exit_drafts_verify_in_packed_steps(draft, monkeypatch):
+    """An early exit's requests ride in packed steps as verify lanes too:
+    the draft's ``k`` decode steps run over the lanes' appended positions
+    inside the packed call, before the target's. Requests arriving while
+    others decode (probation patched away, so every decoding request
+    verifies there) get plain ``generate``'s tokens; with the whole
+    target as its own early exit (the layer-count check patched) every
+    draft verified in a packed step is kept, greedy, which holds only if
+    the draft steps saw exactly the target's context; sampled requests
+    run to their lengths; every block comes back."""
+    import jaxkv.serve.engine as engine_module
+    import jaxkv.serve.paged_cache as paged_cache
+    import jaxkv.serve.speculation as speculation
+    from jaxkv.serve import Engine
+
+    real, seen = paged_cache._paged_packed_verify, []
+
+    def spy(*args, **kwargs):
+        out = real(*args, **kwargs)
+        seen.append((int(np.asarray(args[9]).sum()), int(np.asarray(out[8]).sum()), int(np.asarray(out[9]).sum())))
+        return out
+
+    monkeypatch.setattr(paged_cache, "_paged_packed_verify", spy)
+    monkeypatch.setattr(speculation, "on_probation", lambda req: False)
+    model = LlamaForCausalLM(LlamaConfig(**LLAMA), rngs=nnx.Rngs(3))
+    if draft == "whole_target":
+        monkeypatch.setattr(engine_module, "early_exit_draft", lambda target, layers, share_pool=False: target)
+    rng = np.random.default_rng(5)
+    prompts = [rng.integers(1, LLAMA["vocab_size"], n).tolist() for n in (27, 19, 21, 20)]
+    engine = Engine(model, max_seqs=4, page_size=4, num_pages=96, max_model_len=96, decode_chunk=2,
+                    prefill_chunk=8, speculative={"method": "draft_model", "draft_layers": 1,
+                                                  "num_speculative_tokens": 3, "min_accepted_per_step": 0.0})
+    ids = [engine.add_request(p, 30, arrival_step=step) for p, step in zip(prompts, (0, 8, 12, 16))]
+    engine.run()
+    assert [engine.outputs[i] for i in ids] == generate(model, prompts, 30, page_size=4).tokens
+    verified, drafted, kept = (sum(x) for x in zip(*seen))
+    assert verified > 0 and drafted == 3 * verified
+    assert kept == drafted if draft == "whole_target" else 0 <= kept < drafted
+    engine.check_bookkeeping()
+    seen.clear()
+    prompts = [rng.integers(1, LLAMA["vocab_size"], n).tolist() for n in (27, 19, 21, 20)]  # no prefix hits
+    ids = [engine.add_request(p, 20, sampling=SamplingParams(temperature=0.8), seed=i, arrival_step=engine._step + 4 * i)
+           for i, p in enumerate(prompts)]
+    engine.run()
+    assert [len(engine.outputs[i]) for i in ids] == [20] * 4 and seen
     engine.check_bookkeeping()
 
 

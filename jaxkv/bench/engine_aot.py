@@ -25,8 +25,8 @@ Programs, as the engine calls them (``scheduler="packed"``, its default):
   prefill_width]`` prefill call;
 * ``spec`` and ``verify:N`` (``--speculative``; :func:`programs`): speculative
   decoding's decode chunk (:func:`jaxkv.serve.caches.speculative_chunk`,
-  n-gram verify steps of :data:`SPEC_K` drafts) and a paged pool's packed
-  step with verify lanes.
+  n-gram verify steps of :data:`SPEC_K` drafts) and the packed step with
+  verify lanes (a paged pool's, or a hybrid cache's with its rollback).
 
 Sizing, as the engine sizes itself on the GPU (nothing measured): the
 weights one device holds (the shards of ``shard_model``'s specs),
@@ -377,10 +377,12 @@ def programs(setup: Setup, which=None, *, prefill: bool = False) -> list[tuple[s
     ``"packed:N"``, ``"packed:first"``, ``"packed:last"``, ``"decode"``,
     ``"prefill"``, ``"spec"`` (the speculative decode chunk: n-gram verify
     steps of :data:`SPEC_K` drafts) and ``"verify:N"`` / ``"verify:first"``
-    / ``"verify:last"`` (a paged pool's packed step with verify lanes)."""
+    / ``"verify:last"`` (the packed step with verify lanes)."""
     from jaxkv.nn.speculative import SpeculativeConfig
     from jaxkv.serve.caches import decode_chunk, speculative_chunk
-    from jaxkv.serve.hybrid_cache import jitted_packed as _hybrid_packed, jitted_prefill as _hybrid_prefill
+    from jaxkv.serve.hybrid_cache import (jitted_packed as _hybrid_packed,
+                                          jitted_packed_verify as _hybrid_packed_verify,
+                                          jitted_prefill as _hybrid_prefill)
     from jaxkv.serve.paged_cache import (jitted_packed as _paged_packed, jitted_packed_verify as _paged_packed_verify,
                                          jitted_prefill as _paged_prefill)
 
@@ -416,15 +418,17 @@ def programs(setup: Setup, which=None, *, prefill: bool = False) -> list[tuple[s
                         dict(num_steps=setup.decode_chunk, config=SpeculativeConfig(num_speculative_tokens=SPEC_K),
                              scrub=False)))
         elif name.startswith("verify:"):  # a packed step whose decode lanes verify SPEC_K n-gram drafts
-            if setup.kind != "paged":
-                raise ValueError("verify lanes run in a paged pool's packed step only")
             arg = name.split(":", 1)[1]
             n = buckets[0] if arg == "first" else buckets[-1] if arg == "last" else int(arg)
             history = vec(jnp.int32, (rows, pow2_at_least(setup.max_model_len + 1)))
-            out.append((f"packed verify[{n}] k{SPEC_K}", _paged_packed_verify,
-                        (g, p, *setup.cache, _packed_batch(setup, n), sampling, keys, history, vec(jnp.int32),
-                         vec(jnp.bool_)),
-                        dict(config=SpeculativeConfig(num_speculative_tokens=SPEC_K), window=None, scrub=False)))
+            args = (g, p, *setup.cache, _packed_batch(setup, n), sampling, keys, history, vec(jnp.int32),
+                    vec(jnp.bool_))
+            config = SpeculativeConfig(num_speculative_tokens=SPEC_K)
+            if setup.kind == "paged":
+                out.append((f"packed verify[{n}] k{SPEC_K}", _paged_packed_verify, args,
+                            dict(config=config, window=None, scrub=False)))
+            else:
+                out.append((f"packed verify[{n}] k{SPEC_K}", _hybrid_packed_verify, args, dict(config=config)))
         elif name == "prefill":
             tokens = vec(jnp.int32, (rows, setup.prefill_width))
             label = f"prefill {rows}x{setup.prefill_width}"
@@ -648,8 +652,8 @@ def run(names=None, *, quick: bool = False, prefill: bool = False, buckets=None,
     :data:`MODELS`; ``quick``: :data:`QUICK`); ``buckets``: the packed
     buckets to compile (``"all"``, ``"ends"``: the smallest and the largest,
     or a list of ints; default all); ``speculative``: speculative
-    decoding's programs too (``spec``, and a paged pool's ``verify:first``
-    and ``verify:last``). ``on_result(setup, result)`` is called after each
+    decoding's programs too (``spec``, ``verify:first`` and
+    ``verify:last``). ``on_result(setup, result)`` is called after each
     compile."""
     specs = {spec.name: spec for spec in MODELS}
     names = list(QUICK) if quick and names is None else list(names or specs)
@@ -663,10 +667,10 @@ def run(names=None, *, quick: bool = False, prefill: bool = False, buckets=None,
         else:
             picks = ["first", "last"] if buckets == "ends" else [str(int(n)) for n in buckets]
             which = [f"packed:{b}" for b in picks] + ["decode"] + (["prefill"] if prefill else [])
-        if speculative:  # speculative decoding's programs too (a paged pool's packed verify at both ends)
+        if speculative:  # speculative decoding's programs too (the packed verify step at both ends)
             which = list(which) if which is not None else [f"packed:{n}" for n in setup.buckets] + ["decode"] + (
                 ["prefill"] if prefill else [])
-            which += ["spec"] + (["verify:first", "verify:last"] if setup.kind == "paged" else [])
+            which += ["spec", "verify:first", "verify:last"]
         for label, fn, args, kwargs in programs(setup, which, prefill=prefill):
             result = compile_program(setup, label, fn, args, kwargs)
             results.append(result)

@@ -84,7 +84,7 @@ from jaxkv.nn.attention import check_implementation
 from jaxkv.nn.deepseek_v4_config import DeepseekV4Config
 from jaxkv.nn.layers import (Experts, Linear, RMSNorm, SwiGLU, fuse_experts, load_state, named_state, param,
                              read_checkpoint, save_checkpoint, unit_rms)
-from jaxkv.nn.packed import PackedBatch
+from jaxkv.nn.packed import PackedBatch, lane_logits
 from jaxkv.nn.scan import DecoderStack
 from kernels_pallas.formats import CompressedEntries, EntryFormat
 
@@ -590,7 +590,8 @@ class DeepseekV4ForCausalLM(nnx.Module):
         streams, manager = self._through_cache(tokens.reshape(-1), manager, slots, positions, request_ids)
         return self._logits(streams).reshape(batch, width, -1), manager
 
-    def forward_packed(self, batch: PackedBatch, manager: KVCacheManager) -> tuple[Float[Array, "S V"], KVCacheManager]:
+    def forward_packed(self, batch: PackedBatch, manager: KVCacheManager, verify=None,
+                       width: int = 1) -> tuple[Float[Array, "S V"], KVCacheManager]:
         """One packed step (:class:`~jaxkv.nn.packed.PackedBatch`) through the
         cache: every layer runs over the flat stream of ``T`` tokens (no
         padding per lane; the handle tells the lanes apart by
@@ -598,10 +599,12 @@ class DeepseekV4ForCausalLM(nnx.Module):
         positions, which ``manager.reserve(batch.seq_ids, batch.q_lens,
         ...)`` must have reserved. Returns ``(logits [S, vocab] float32,
         manager)``: the logits of each lane's last token (the LM head runs on
-        those ``S`` tokens only; finite garbage for a lane with none)."""
+        those ``S`` tokens only; finite garbage for a lane with none); with
+        ``verify`` (speculative verify lanes) ``[S, width, vocab]``
+        (:func:`~jaxkv.nn.packed.lane_logits`)."""
         streams, manager = self._through_cache(batch.token_ids, manager, batch.seq_ids, batch.positions,
                                                batch.token_lanes)
-        return self._logits(streams[batch.logits_at]), manager
+        return lane_logits(self._logits, streams, batch, verify, width), manager
 
     def _through_cache(self, tokens: Int[Array, " T"], manager: KVCacheManager, slots: Int[Array, " B"],
                        positions: Int[Array, " T"], request_ids: Int[Array, " T"]):

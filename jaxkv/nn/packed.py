@@ -52,7 +52,8 @@ from jaxtyping import Array, Bool, Int
 
 from jaxkv.errors import InvalidArgument
 
-__all__ = ["CACHE_KINDS", "PackedBatch", "PackedLane", "cache_kind", "host_arrays", "pack", "packed_logits", "write_lanes"]
+__all__ = ["CACHE_KINDS", "PackedBatch", "PackedLane", "cache_kind", "host_arrays", "lane_logits", "logit_tokens", "pack",
+           "packed_logits", "write_lanes"]
 
 
 #: What a model keeps its cache in: ``"paged"`` (a :class:`~jaxkv.KVPool`
@@ -156,10 +157,11 @@ class PackedBatch:
             return self.last_tokens
         return jnp.concatenate([self.last_tokens, self.scored])
 
-    def segments(self, lanes: str):
+    def segments(self, lanes: str, decode_width: int = 1):
         """A ``[rows, width]`` view of one lane class: ``"prefill"`` (rows
         ``num_prefill_lanes``, width ``max_prefill_len``) or ``"decode"``
-        (the other lanes, width 1). Returns ``(first_lane, index [rows,
+        (the other lanes, width ``decode_width``: 1, or a speculative verify
+        lane's ``k + 1`` when the step has them). Returns ``(first_lane, index [rows,
         width], valid [rows, width])``: ``index`` are flat token indices
         (clamped into ``[0, T)``), ``valid`` marks the lane's real tokens.
         Gather with ``x[index]``; scatter back with ``x.at[where(valid,
@@ -167,7 +169,7 @@ class PackedBatch:
         if lanes == "prefill":
             first, rows, width = 0, self.num_prefill_lanes, self.max_prefill_len
         elif lanes == "decode":
-            first, rows, width = self.num_prefill_lanes, self.num_lanes - self.num_prefill_lanes, 1
+            first, rows, width = self.num_prefill_lanes, self.num_lanes - self.num_prefill_lanes, decode_width
         else:
             raise InvalidArgument(f"lanes must be 'prefill' or 'decode', got {lanes!r}")
         lane = first + jnp.arange(rows, dtype=jnp.int32)
@@ -245,6 +247,18 @@ def logit_tokens(batch: PackedBatch, verify, width: int):
     first = batch.cu_q_lens[:-1][:, None]
     last = batch.last_tokens[:, None]
     return jnp.where(verify[:, None], jnp.minimum(first + offset, last), last)
+
+
+def lane_logits(logits_of, hidden, batch: PackedBatch, verify=None, width: int = 1):
+    """``logits_of`` (a model's final norm and LM head) on the stream's
+    hidden states ``hidden [T, ...]`` that a packed step returns logits
+    for: ``batch.logits_at`` (``[S, V]``, or more with scored prompt
+    tokens), or with ``verify`` (bool ``[S]``) those of
+    :func:`logit_tokens` (``[S, width, V]``)."""
+    if verify is None:
+        return logits_of(hidden[batch.logits_at])
+    index = logit_tokens(batch, verify, width)
+    return logits_of(hidden[index.reshape(-1)]).reshape(*index.shape, -1)
 
 
 def packed_logits(model, batch: PackedBatch, pool, x, verify=None, width: int = 1):

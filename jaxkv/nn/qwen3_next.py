@@ -73,7 +73,7 @@ from jaxkv.manager.hybrid_schema import AttentionKind, HybridConfig, LayerSpec
 from jaxkv.nn.attention import check_implementation
 from jaxkv.nn.layers import (Experts, Linear, SwiGLU, ZeroCenteredRMSNorm, fuse_experts, load_state, named_state,
                              param, read_checkpoint, save_checkpoint)
-from jaxkv.nn.packed import PackedBatch
+from jaxkv.nn.packed import PackedBatch, lane_logits
 from jaxkv.nn.qwen3_next_config import Qwen3NextConfig
 from jaxkv.nn.rope import apply_rope, rope_inv_freq
 from jaxkv.nn.scan import DecoderStack
@@ -464,7 +464,8 @@ class Qwen3NextForCausalLM(nnx.Module):
         x, manager = self._through_cache(self._embed(tokens), manager, slots, positions, request_ids, linear)
         return self._logits(x), manager
 
-    def forward_packed(self, batch: PackedBatch, manager: KVCacheManager) -> tuple[Float[Array, "S V"], KVCacheManager]:
+    def forward_packed(self, batch: PackedBatch, manager: KVCacheManager, verify=None,
+                       width: int = 1) -> tuple[Float[Array, "S V"], KVCacheManager]:
         """One packed step (:class:`~jaxkv.nn.packed.PackedBatch`) through the
         cache, lane ``s`` as request slot ``seq_ids[s]`` at its positions,
         which ``manager.reserve(batch.seq_ids, batch.q_lens, ...)`` must have
@@ -476,15 +477,20 @@ class Qwen3NextForCausalLM(nnx.Module):
         recurrent form), each from its request's states, scattered back into
         the stream. Returns ``(logits [S, vocab] float32, manager)``: each
         lane's last token's (the LM head runs on those ``S`` tokens only;
-        finite garbage for a lane with none)."""
+        finite garbage for a lane with none); with ``verify`` (bool ``[S]``,
+        speculative verify lanes: decode lanes of up to ``width`` tokens,
+        which the GDN layers then run as ``[lanes, width]`` rows in the
+        chunked form) ``logits [S, width, vocab]``
+        (:func:`~jaxkv.nn.packed.lane_logits`)."""
         num_tokens = batch.num_tokens
+        decode_width = 1 if verify is None else width
 
         def linear(module, h, handle):  # the rows are the lanes' segments
             mixed, z, beta_in, a = module.project(h[0])
             real = handle.positions >= 0  # reserved tokens of held slots
             segments = []
             for lanes in ("prefill", "decode"):
-                first, index, valid = batch.segments(lanes)
+                first, index, valid = batch.segments(lanes, decode_width)
                 if index.shape[0]:
                     segments.append((first, index, valid & real[index]))
             rows = jnp.where(jnp.concatenate([jnp.any(r, axis=1) for _, _, r in segments]), handle.request_slots, -1)
@@ -502,7 +508,7 @@ class Qwen3NextForCausalLM(nnx.Module):
 
         x, manager = self._through_cache(self._embed(batch.token_ids)[None], manager, batch.seq_ids,
                                          batch.positions[None], batch.token_lanes, linear)
-        return self._logits(x[0, batch.logits_at]), manager
+        return lane_logits(self._logits, x[0], batch, verify, width), manager
 
     def _through_cache(self, x, manager: KVCacheManager, slots, positions, request_ids, linear):
         """Every layer from the embeddings ``x [B, W, hidden]`` at

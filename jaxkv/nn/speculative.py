@@ -40,7 +40,9 @@ Gated DeltaNet states and DeepSeek-V4's SWA and compressor rings,
 compressed entries and indexer keys take a checkpoint and a replay: every
 state row a row's verify pass advances is copied first into a checkpoint
 row, and a row that rejected a draft gets it back and replays the tokens
-it keeps (one more model call of the verify's width). The blocks past
+it keeps (one more model call of the verify's width), in a decode
+chunk's verify step as in a packed step's verify lanes
+(:func:`hybrid_packed_verify_step`). The blocks past
 the kept tokens are released by :meth:`~jaxkv.KVCacheManager.truncate`.
 Paged positions need no undo: a length and the blocks past it.
 
@@ -64,13 +66,13 @@ from jaxkv.errors import InvalidArgument
 from jaxkv.nn.packed import PackedBatch, cache_kind
 from jaxkv.nn.sampling import RowSampling, SamplingParams, filtered_logits, sample, split_keys
 from jaxkv.manager.rows import slot_of
-from jaxkv.nn.steps import (DecodeState, decode_logits, finish_rows, grow_decode_lanes, model_step, paged_window,
-                            place_tokens, trim_out_of_window)
+from jaxkv.nn.steps import (DecodeState, decode_logits, drop_decode_lanes, finish_rows, grow_decode_lanes, model_step,
+                            paged_window, place_tokens, trim_out_of_window)
 from jaxkv.pool.scrub import freed_blocks, scrub_kv_pool
 
 __all__ = ["SpecState", "SpeculativeConfig", "accept_drafts", "draft_catch_up", "draft_model_for", "early_exit_draft",
-           "hybrid_cache_options",
-           "ngram_propose", "paged_packed_verify_step", "speculative_body", "speculative_loop", "speculative_step"]
+           "hybrid_cache_options", "hybrid_packed_verify_step", "ngram_propose", "paged_packed_verify_step",
+           "speculative_body", "speculative_loop", "speculative_step"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -579,19 +581,51 @@ def _verify_batch(inputs: Int[Array, "B W"], starts: Int[Array, " B"], running: 
                        num_prefill_lanes=batch, max_prefill_len=width)
 
 
+def _checkpoint_rows(manager, slots: Int[Array, " B"], rows: int) -> Int[Array, " B"]:
+    """The checkpoint state row of each request slot ``slots`` (-1 stays
+    -1) when the engine has ``rows`` rows: the ``b``-th of the manager's
+    last ``rows`` snapshot rows for row ``b`` (slot ``b + 1``; the prefix
+    cache keeps the snapshot rows before them). Raises ``InvalidArgument``
+    when the manager has fewer snapshot rows."""
+    if manager.num_snapshots < rows:
+        raise InvalidArgument(f"speculating over a hybrid cache needs a checkpoint row per row: {rows} rows, "
+                              f"the manager has {manager.num_snapshots} snapshot rows (make_cache(..., "
+                              "num_snapshots=))")
+    return jnp.where(slots >= 0, manager.num_slots + manager.num_snapshots - rows + slots - 1, -1)
+
+
+def _restore_and_replay(model, manager, replay: Bool[Array, " B"], slots, checkpoint, inputs: Int[Array, "B W"],
+                        starts, accepted):
+    """The hybrid rollback of the rows ``replay`` (request ``slots``, whose
+    state rows were copied to ``checkpoint`` before a verify pass fed
+    ``inputs`` at ``starts``): truncated to ``starts + accepted + 1``,
+    their state rows restored from the checkpoint and the kept tokens
+    ``inputs[:, :accepted + 1]`` run through ``model`` again (one model
+    call, skipped when no row replays)."""
+    rows = jnp.where(replay, slots, -1)
+    kept, _ = manager.truncate(rows, starts + accepted + 1)
+
+    def restore_and_replay(m):
+        m = m.copy_state(jnp.where(replay, checkpoint, -1), rows)
+        _, m = model(inputs, m, rows, jnp.maximum(starts, 0), jnp.where(replay, accepted + 1, 0))
+        return m
+
+    # An index switch, not a predicated cond: XLA:GPU copies the operand of a predicated conditional that a branch
+    # updates in place (see BlockSpaceManager.append_slots).
+    return jax.lax.switch(jnp.any(replay).astype(jnp.int32), [lambda m: m, restore_and_replay], kept)
+
+
 def _hybrid_verify(graphdef, params, manager, inputs, num_drafts, active):
     """The verify pass over a hybrid :class:`~jaxkv.KVCacheManager` (row
     ``b`` = slot ``b + 1``): each row with drafts first copies its state
     rows (GDN conv and recurrent states, SWA, window and compressor rings)
-    into its checkpoint row, the ``b``-th of the manager's last ``B``
-    snapshot rows (the manager needs ``num_snapshots >= B``; the engine's
-    prefix cache keeps the rows before them), then reserves ``num_drafts +
-    1`` tokens and runs them. ``rollback(accepted)``: a row that rejected a
-    draft is truncated to its length before the step plus ``accepted + 1``
-    (:meth:`~jaxkv.KVCacheManager.truncate`), its state rows restored from
-    the checkpoint and the kept tokens replayed through the model (one more
-    model call, skipped when every row kept all its drafts). A manager
-    whose only state rows are window rings with ``k`` slots of slack
+    into its checkpoint row (:func:`_checkpoint_rows`; the manager needs
+    ``num_snapshots >= B``), then reserves ``num_drafts + 1`` tokens and
+    runs them. ``rollback(accepted)``: a row that rejected a draft is
+    truncated to its length before the step plus ``accepted + 1``, its
+    state rows restored from the checkpoint and the kept tokens replayed
+    (:func:`_restore_and_replay`). A manager whose only state rows are
+    window rings with ``k`` slots of slack
     (:meth:`~jaxkv.KVCacheManager.rolls_back_by_length`) needs neither: it
     is truncated, no checkpoint taken. Returns ``(logits, blocked, ok,
     rollback)`` as :func:`_paged_verify`."""
@@ -600,52 +634,112 @@ def _hybrid_verify(graphdef, params, manager, inputs, num_drafts, active):
     slots = slot_of(jnp.where(active, jnp.arange(batch, dtype=jnp.int32), -1))
     by_length = manager.rolls_back_by_length(width - 1)  # static
     if not by_length:
-        if manager.num_snapshots < batch:
-            raise InvalidArgument(f"speculating over a hybrid cache needs a checkpoint row per row: {batch} rows, "
-                                  f"the manager has {manager.num_snapshots} snapshot rows (make_cache(..., "
-                                  "num_snapshots=))")
-        checkpoint = manager.num_slots + manager.num_snapshots - batch + slots - 1
+        checkpoint = _checkpoint_rows(manager, slots, batch)
         drafted = active & (num_drafts > 0)
         manager = manager.copy_state(jnp.where(drafted, slots, -1), jnp.where(drafted, checkpoint, -1))
     manager, starts, ok = manager.reserve(slots, jnp.where(active, num_drafts + 1, 0), max_new_tokens=width)
     logits, manager = model(inputs, manager, jnp.where(ok, slots, -1), jnp.maximum(starts, 0),
                             jnp.where(ok & active, num_drafts + 1, 0))
 
-    if by_length:
-        def rollback(accepted):
+    def rollback(accepted):
+        if by_length:
             kept, _ = manager.truncate(jnp.where(accepted >= 0, slots, -1), starts + accepted + 1)
             return kept, None
-
-        return logits, active & ~ok, ok, rollback
-
-    def rollback(accepted):
         replay = (accepted >= 0) & (accepted < num_drafts)
-        rows = jnp.where(replay, slots, -1)
-        kept, _ = manager.truncate(rows, starts + accepted + 1)
-
-        def restore_and_replay(m):
-            m = m.copy_state(jnp.where(replay, checkpoint, -1), rows)
-            _, m = model(inputs, m, rows, jnp.maximum(starts, 0), jnp.where(replay, accepted + 1, 0))
-            return m
-
-        # An index switch, not a predicated cond: XLA:GPU copies the operand of a predicated conditional that a
-        # branch updates in place (see BlockSpaceManager.append_slots).
-        kept = jax.lax.switch(jnp.any(replay).astype(jnp.int32), [lambda m: m, restore_and_replay], kept)
-        return kept, None
+        return _restore_and_replay(model, manager, replay, slots, checkpoint, inputs, starts, accepted), None
 
     return logits, active & ~ok, ok, rollback
 
 
+def hybrid_packed_verify_step(graphdef, params, manager, batch: PackedBatch, sampling: RowSampling, keys, history,
+                              history_len, verify, *, config: SpeculativeConfig):
+    """:func:`~jaxkv.nn.steps.hybrid_packed_step` with speculative verify
+    lanes: a decode lane marked in ``verify`` (bool ``[S]``) brings ``k +
+    1`` tokens (its next token, then ``k`` placeholders:
+    :func:`jaxkv.serve.caches.pack_stream`'s verify lanes), whose first
+    ``n`` become the n-gram drafts of its row's history (``history[slot -
+    1, :history_len[slot - 1]]``) here on the device and whose rest turn
+    into padding, so prefill pieces, plain decode lanes and verify lanes
+    run in one model call (``forward_packed(..., verify=, width=)``).
+
+    The prefill lanes reserve their pieces, every decode lane its token
+    and drafts (all or nothing; on failure the decode lanes drop out). A
+    verify lane with drafts over a cache with state a rejected token
+    overwrites (GDN states, DeepSeek-V4's rings and compressors) copies its
+    state rows to its checkpoint row first; after verification a lane that
+    rejected a draft is truncated to its token and accepted drafts and, on
+    such a cache, restored and replayed (:func:`_restore_and_replay`: one
+    more model call over the decode lanes, skipped when none rejected);
+    a cache of slack window rings is only truncated. Returns ``(manager,
+    tokens [S, k+1], counts [S], keys, prefill_ok, decode_ok, blocks in
+    use, drafted [S], accepted [S])``: lane ``s`` gave ``tokens[s,
+    :counts[s]]``."""
+    k = config.num_speculative_tokens
+    width = k + 1
+    model = nnx.merge(graphdef, params)
+    decode = batch.decode_lanes
+    prefill = ~decode & (batch.q_lens > 0) & (batch.seq_ids >= 0)
+    verify = verify & decode
+    rows = jnp.where(verify, batch.seq_ids - 1, 0)  # a hybrid lane's seq_id is its request slot, row + 1
+    drafts, num_drafts = ngram_propose(history[rows], history_len[rows], k=k, max_n=config.prompt_lookup_max,
+                                       min_n=config.prompt_lookup_min)
+    num_drafts = jnp.where(verify, num_drafts, 0)
+    first = batch.cu_q_lens[:-1]
+    offset = jnp.arange(width, dtype=jnp.int32)[None, :]
+    # A verify lane's drafts take its placeholders 1..n; the placeholders past them become padding.
+    spots = first[:, None] + offset[:, 1:]
+    token_ids = batch.token_ids.at[jnp.where(verify[:, None], spots, batch.num_tokens)].set(drafts, mode="drop")
+    unused = (verify[batch.token_lanes]
+              & (jnp.arange(batch.num_tokens) - first[batch.token_lanes] > num_drafts[batch.token_lanes]))
+    batch = batch.replace(token_ids=token_ids, positions=jnp.where(unused, -1, batch.positions))
+    manager, _, prefill_ok = manager.reserve(jnp.where(prefill, batch.seq_ids, -1), jnp.where(prefill, batch.q_lens, 0),
+                                             max_new_tokens=batch.max_prefill_len)
+    by_length = manager.rolls_back_by_length(k)  # static
+    drafted = verify & (num_drafts > 0)
+    slots = jnp.where(decode, batch.seq_ids, -1)
+    if not by_length:
+        checkpoint = _checkpoint_rows(manager, slots, batch.num_lanes)
+        manager = manager.copy_state(jnp.where(drafted, slots, -1), jnp.where(drafted, checkpoint, -1))
+    manager, starts, decode_ok = manager.reserve(slots, jnp.where(decode, num_drafts + 1, 0), max_new_tokens=width)
+    batch = drop_decode_lanes(batch, decode_ok)
+    batch = batch.replace(positions=jnp.where(prefill_ok | (batch.token_lanes >= batch.num_prefill),
+                                              batch.positions, -1))
+    verify = verify & decode_ok
+    logits, manager = model.forward_packed(batch, manager, verify=verify, width=width)
+    ran = (batch.q_lens > 0) & jnp.where(decode, decode_ok, prefill_ok)
+    took = batch.sample & ran
+    advanced, subs = split_keys(keys)
+    plain = sample(logits[:, -1], subs, sampling)  # a plain lane's columns all hold its last token's logits
+    emitted, accepted = accept_drafts(logits, drafts, num_drafts, sampling, None if _greedy(sampling) else subs)
+    tokens = jnp.where(verify[:, None], emitted, plain[:, None])
+    counts = jnp.where(verify, accepted + 1, took.astype(jnp.int32))
+    accepted = jnp.where(verify, accepted, 0)
+    rejected = verify & (accepted < num_drafts)
+    if by_length:
+        manager, _ = manager.truncate(jnp.where(rejected, slots, -1), starts + accepted + 1)
+    else:
+        inputs = batch.token_ids[jnp.clip(first[:, None] + offset, 0, batch.num_tokens - 1)]
+        manager = _restore_and_replay(model, manager, rejected, slots, checkpoint, inputs, starts, accepted)
+    return (manager, tokens, counts, jnp.where(took, advanced, keys), prefill_ok, decode_ok, manager.blocks_in_use,
+            num_drafts, accepted)
+
+
 def paged_packed_verify_step(graphdef, params, manager, pool, batch: PackedBatch, sampling: RowSampling, keys,
                              history, history_len, verify, *, config: SpeculativeConfig, window=None,
-                             scrub: bool = False):
+                             scrub: bool = False, draft_graphdef=None, draft_params=None):
     """:func:`~jaxkv.nn.steps.paged_packed_step` with speculative verify
     lanes: a decode lane marked in ``verify`` (bool ``[S]``) brings ``k +
     1`` tokens (its next token, then ``k`` placeholders at the following
     positions: :func:`jaxkv.serve.caches.pack_stream`'s verify lanes),
     which become n-gram drafts of its row's ``history[seq_id,
     :history_len[seq_id]]`` here on the device, so prefill pieces, plain
-    decode lanes and verify lanes run in one model call.
+    decode lanes and verify lanes run in one model call. With
+    ``draft_graphdef`` / ``draft_params`` (an early exit over this pool:
+    ``early_exit_draft(..., share_pool=True)``; ``history`` unused) the
+    drafts are that model's instead, ``k`` of them per verify lane, drawn
+    in ``k`` decode steps of the draft over the lanes' appended positions
+    before the packed call (:func:`_shared_pool_propose`; sampled lanes
+    verify by the rejection rule against the draft's distribution).
 
     Every decode lane appends ``k + 1`` positions (one ``append_slots``,
     all or nothing: the engine's reserve counts the lookahead), the model
@@ -663,19 +757,33 @@ def paged_packed_verify_step(graphdef, params, manager, pool, batch: PackedBatch
     starts = manager.seq_lens[jnp.clip(seqs, 0, manager.seq_lens.shape[0] - 1)]  # a trim keeps the lengths
     manager, pool, batch, blocked, ok = grow_decode_lanes(manager, pool, batch, k + 1, window, scrub)
     verify = verify & decode & ok
-    rows = jnp.where(verify, batch.seq_ids, 0)
-    drafts, num_drafts = ngram_propose(history[rows], history_len[rows], k=k, max_n=config.prompt_lookup_max,
-                                       min_n=config.prompt_lookup_min)
-    num_drafts = jnp.where(verify, num_drafts, 0)
+    batch = place_tokens(manager, batch)
+    first = batch.cu_q_lens[:-1]
+    probs = None
+    if draft_graphdef is None:
+        rows = jnp.where(verify, batch.seq_ids, 0)
+        drafts, num_drafts = ngram_propose(history[rows], history_len[rows], k=k, max_n=config.prompt_lookup_max,
+                                           min_n=config.prompt_lookup_min)
+        num_drafts = jnp.where(verify, num_drafts, 0)
+    else:
+        # The draft's draws: a stream folded off each lane's key, which the verify's split then advances.
+        key = None if _greedy(sampling) else _fold_keys(keys, _DRAFT_STREAM)
+        lane_slots = jnp.where(verify[:, None], batch.slots[jnp.clip(
+            first[:, None] + jnp.arange(k + 1, dtype=jnp.int32)[None, :], 0, batch.num_tokens - 1)], -1)
+        drafts, probs, pool = _shared_pool_propose(draft_graphdef, draft_params, pool, batch.token_ids[first],
+                                                   lane_slots, batch.block_tables, starts, verify, sampling=sampling,
+                                                   key=key)
+        num_drafts = jnp.where(verify, k, 0).astype(jnp.int32)
     # The drafts take the lane's placeholder tokens 1..k (padding lanes' writes dropped).
-    spots = batch.cu_q_lens[:-1][:, None] + 1 + jnp.arange(k, dtype=jnp.int32)[None, :]
+    spots = first[:, None] + 1 + jnp.arange(k, dtype=jnp.int32)[None, :]
     token_ids = batch.token_ids.at[jnp.where(verify[:, None], spots, batch.num_tokens)].set(drafts, mode="drop")
-    batch = place_tokens(manager, batch.replace(token_ids=token_ids))
+    batch = batch.replace(token_ids=token_ids)
     logits, pool = nnx.merge(graphdef, params).forward_packed(batch, pool, verify=verify, width=k + 1)
     took = batch.sample & (batch.q_lens > 0)
     advanced, subs = split_keys(keys)
     plain = sample(logits[:, -1], subs, sampling)  # a plain lane's columns all hold its last token's logits
-    emitted, accepted = accept_drafts(logits, drafts, num_drafts, sampling, None if _greedy(sampling) else subs)
+    emitted, accepted = accept_drafts(logits, drafts, num_drafts, sampling, None if _greedy(sampling) else subs,
+                                      draft_probs=probs)
     tokens = jnp.where(verify[:, None], emitted, plain[:, None])
     counts = jnp.where(verify, accepted + 1, took.astype(jnp.int32))
     # Each decode lane that ran keeps its token and a verify lane its accepted drafts.

@@ -38,6 +38,7 @@ import jax.numpy as jnp
 
 from jaxkv._ops import place_kv
 from jaxkv.errors import InvalidArgument
+from jaxkv.nn.packed import lane_logits
 from jaxkv.manager.hybrid import KVCacheManager
 from jaxkv.manager.hybrid_schema import AttentionKind, HybridConfig, LayerSpec
 
@@ -184,16 +185,18 @@ class InterleavedWindowModel:
         x, manager = self._through_cache(self._embed(tokens), manager, slots, positions, request_ids)
         return self._logits(x), manager
 
-    def forward_packed(self, batch, manager):
+    def forward_packed(self, batch, manager, verify=None, width: int = 1):
         """One packed step (:class:`~jaxkv.nn.packed.PackedBatch`) through the
         cache, lane ``s`` as request slot ``seq_ids[s]`` at its positions,
         which ``manager.reserve(batch.seq_ids, batch.q_lens, ...)`` must have
         reserved; every layer runs over the flat stream of ``T`` tokens.
         Returns ``(logits [S, vocab] float32, manager)``: each lane's last
-        token's (finite garbage for a lane with none)."""
+        token's (finite garbage for a lane with none); with ``verify``
+        (speculative verify lanes) ``[S, width, vocab]``
+        (:func:`~jaxkv.nn.packed.lane_logits`)."""
         x, manager = self._through_cache(self._embed(batch.token_ids)[None], manager, batch.seq_ids,
                                          batch.positions[None], batch.token_lanes)
-        return self._logits(x[0, batch.logits_at]), manager
+        return lane_logits(self._logits, x[0], batch, verify, width), manager
 
     def _through_cache(self, x, manager, slots, positions, request_ids):
         """Every layer from the embeddings ``x [B, W, hidden]`` at

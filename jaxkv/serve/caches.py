@@ -239,7 +239,9 @@ def pack_stream(prefill: list[PackedLane], decode_seq_ids, decode_tokens, decode
     at = write_lanes(prefill, arrays, num_prefill_lanes=num_prefill_lanes, max_prefill_len=max_prefill_len)
     if num_decode:
         lanes = np.arange(num_prefill, num_prefill + num_decode)
-        bounds = np.where(lanes < num_prefill_lanes, max_prefill_len, 1)
+        # A decode-class lane brings one token, or a verify lane's k + 1 (the step views that class at its
+        # widest: jaxkv.nn.speculative.hybrid_packed_verify_step).
+        bounds = np.where(lanes < num_prefill_lanes, max_prefill_len, widths.max())
         if (widths > bounds).any():  # a lane over its class's bound
             j = int(np.flatnonzero(widths > bounds)[0])
             raise InvalidArgument(f"lane {lanes[j]} brings {widths[j]} tokens; lanes of its class take at most "
@@ -650,10 +652,11 @@ class CacheBase(abc.ABC):
         decode rows in order. ``prefill_width``: the longest piece this step
         may carry (:meth:`prefill_lane_cap`; default ``num_tokens``).
         ``speculation`` (caches with :attr:`packs_verify_lanes`): ``(config,
-        (history, updates), history_len, verify)``, ``verify`` a bool per decode entry:
-        those rows are verify lanes of ``k + 1`` tokens (drafts found on the
-        device from the history; the result then has their tokens and
-        counts). ``scored``: prompt tokens to score (:func:`pack_stream`'s;
+        (history, updates), history_len, verify, draft)``, ``verify`` a bool
+        per decode entry: those rows are verify lanes of ``k + 1`` tokens
+        (drafts found on the device from the history, or drawn by
+        ``draft``, an early exit's ``(graphdef, params)``, over a paged
+        pool; the result then has their tokens and counts). ``scored``: prompt tokens to score (:func:`pack_stream`'s;
         the result's ``scores`` then has them, in that order)."""
         lanes = [PackedLane(self._seq_id(lane.row), lane.tokens[start:end], start, end == len(lane.tokens))
                  for lane, (start, end) in prefill]

@@ -68,6 +68,9 @@ class SharedPoolDraft:
     """An early-exit draft over the target's own paged pool
     (:func:`jaxkv.nn.speculative.early_exit_draft` with ``share_pool``)."""
 
+    #: Its drafts are drawn in a packed step's verify lanes too (over the pool the lanes were appended to).
+    packs_verify_lanes = True
+
     def __init__(self, draft, target):
         self.graphdef, self.params = nnx.split(draft)
         #: A draft step's cost in target decode steps: its layers over the target's.
@@ -134,6 +137,9 @@ class DraftCache:
     row ``r`` holds; a row whose ``owner`` is request ``q`` holds the K/V
     the draft model computes for ``q``'s first ``length[r]`` tokens (prompt
     then output); a row with no owner is empty."""
+
+    #: Its requests bring one token to packed steps (the cache is caught up in the speculative chunks only).
+    packs_verify_lanes = False
 
     def __init__(self, draft, target, *, max_seqs: int, num_pages: int, page_size: int, max_tokens: int,
                  catch_up_tokens: int, kv_dtype=None):

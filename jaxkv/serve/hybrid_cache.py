@@ -21,18 +21,18 @@ from jaxkv.manager.hybrid import KVCacheManager
 from jaxkv.manager.hybrid_swap import RequestImages, release_blocks_scrubbed, release_scrubbed, reset_rows
 from jaxkv.nn.packed import PackedBatch
 from jaxkv.nn.sampling import RowSampling
-from jaxkv.nn.speculative import hybrid_cache_options
+from jaxkv.nn.speculative import hybrid_cache_options, hybrid_packed_verify_step
 from jaxkv.nn.steps import hybrid_packed_step, hybrid_prefill_chunk
 from jaxkv.prefix.snapshot_cache import BlockOps, SnapshotCache
 from jaxkv.prefix.snapshot_host import SnapshotHostTier
 from jaxkv.prefix.snapshot_points import SnapshotPoints
-from jaxkv.serve.caches import (CacheBase, DecodeResult, PackedResult, PrefillLane, PrefixHit, fixed_ids,
-                                pack_stream, remembers_arguments, row_of, sample_first, slot_of,
+from jaxkv.serve.caches import (CacheBase, DecodeResult, PackedResult, PrefillLane, PrefixHit, apply_history_updates,
+                                fixed_ids, pack_stream, remembers_arguments, row_of, sample_first, slot_of,
                                 unwrap_keys)
 from jaxkv.serve import sizing
 from jaxkv.serve.sizing import CachePlan
 
-__all__ = ["HybridCache", "jitted_packed", "jitted_prefill"]
+__all__ = ["HybridCache", "jitted_packed", "jitted_packed_verify", "jitted_prefill"]
 
 logger = logging.getLogger("jaxkv.serve")
 
@@ -51,6 +51,17 @@ def _hybrid_prefill(graphdef, params, manager: KVCacheManager, slots, tokens, nu
 def _hybrid_packed(graphdef, params, manager: KVCacheManager, batch: PackedBatch, sampling: RowSampling, keys):
     """:func:`jaxkv.nn.steps.hybrid_packed_step` jitted (manager donated)."""
     return hybrid_packed_step(graphdef, params, manager, batch, sampling, keys)
+
+
+@partial(jax.jit, static_argnames=("graphdef", "config"), donate_argnums=(2, 6))
+def _hybrid_packed_verify(graphdef, params, manager: KVCacheManager, batch: PackedBatch, sampling: RowSampling, keys,
+                          history, history_len, verify, history_updates=None, *, config):
+    """:func:`jaxkv.nn.speculative.hybrid_packed_verify_step` jitted (manager
+    and the rows' histories donated; ``history_updates`` written into the
+    histories first, which come back last)."""
+    history = apply_history_updates(history, history_updates)
+    return (*hybrid_packed_verify_step(graphdef, params, manager, batch, sampling, keys, history, history_len, verify,
+                                       config=config), history)
 
 
 
@@ -574,29 +585,49 @@ class HybridCache(CacheBase):
             return budget
         return max(budget // self._prefill_rows(num_prefill), 1)
 
+    #: A packed step takes speculative verify lanes (:func:`jaxkv.nn.speculative.hybrid_packed_verify_step`).
+    packs_verify_lanes = True
+
     def _packed_call(self, graphdef, params, prefill, decode, sampling, keys, num_tokens, *, want_tables=False,
-                     prefill_width=None, scored=None):
+                     prefill_width=None, speculation=None, scored=None):
         rows = self._prefill_rows(len(prefill))
         width = num_tokens if self.manager.gdn is None else min(num_tokens, prefill_width or num_tokens)
-        batch = pack_stream(prefill, *decode, num_lanes=self.max_seqs, num_tokens=num_tokens, num_prefill_lanes=rows,
-                            max_prefill_len=width, scored=scored)
-        self.manager, tokens, keys, prefill_ok, ok, used, logprobs, scores = _hybrid_packed(
-            graphdef, params, self.manager, batch, sampling, keys)
-        tokens, keys, prefill_ok, ok, used, host, logprobs, scores = jax.device_get(
-            (tokens, unwrap_keys(keys), prefill_ok, ok, used, self._host_leaves(self.manager), logprobs, scores))
+        num_decode = len(decode[0])
+        counts = drafted = accepted = logprobs = scores = history = None
+        if speculation is None:
+            batch = pack_stream(prefill, *decode, num_lanes=self.max_seqs, num_tokens=num_tokens,
+                                num_prefill_lanes=rows, max_prefill_len=width, scored=scored)
+            self.manager, tokens, keys, prefill_ok, ok, used, logprobs, scores = _hybrid_packed(
+                graphdef, params, self.manager, batch, sampling, keys)
+        else:
+            config, (history, updates), history_len, verify, draft = speculation
+            if draft is not None:  # the engine refuses an early exit over a hybrid cache at start-up
+                raise InvalidArgument("a hybrid cache's packed step verifies n-gram drafts only")
+            batch = pack_stream(prefill, *decode, num_lanes=self.max_seqs, num_tokens=num_tokens,
+                                num_prefill_lanes=rows, max_prefill_len=width,
+                                decode_widths=np.where(verify, config.num_speculative_tokens + 1, 1))
+            lanes = np.zeros((self.max_seqs,), bool)
+            lanes[len(prefill):len(prefill) + num_decode] = verify
+            self.manager, tokens, counts, keys, prefill_ok, ok, used, drafted, accepted, history = (
+                _hybrid_packed_verify(graphdef, params, self.manager, batch, sampling, keys, history, history_len,
+                                      lanes, updates, config=config))
+        tokens, keys, prefill_ok, ok, used, host, logprobs, scores, counts, drafted, accepted = jax.device_get(
+            (tokens, unwrap_keys(keys), prefill_ok, ok, used, self._host_leaves(self.manager), logprobs, scores,
+             counts, drafted, accepted))
         self._mirror(host)
         if not prefill_ok:  # every prompt's blocks were taken at admission
             raise BookkeepingError(f"engine packed prefill refused slots {[lane.seq_id for lane in prefill]}"
                                    f" (pieces {[(lane.start, len(lane.tokens)) for lane in prefill]})")
-        num_decode = len(decode[0])
-        if ok:  # each decode lane's row grew by its token
+        if ok:  # each decode lane's row grew by its token (and a verify lane's kept drafts)
             rows = [row_of(slot) for slot in decode[0].tolist()]
-            self.points.grew_many(rows, np.ones(len(rows), np.int64))
+            grew = np.ones(len(rows), np.int64) if counts is None else counts[len(prefill):len(prefill) + num_decode]
+            self.points.grew_many(rows, grew)
         # The reserve is all or nothing and does not say which row was short.
         blocked = np.zeros((self.max_seqs,), bool)
         if not ok:
             blocked[len(prefill):len(prefill) + num_decode] = True
-        return PackedResult(tokens, np.asarray(keys), bool(ok), blocked, int(used), logprobs=logprobs, scores=scores)
+        return PackedResult(tokens, np.asarray(keys), bool(ok), blocked, int(used), counts, drafted, accepted,
+                            logprobs, scores, history)
 
     def _decode_view(self):
         return self.manager, None
@@ -680,4 +711,4 @@ class HybridCache(CacheBase):
 
 #: The engine's jitted steps of this cache kind, by public name (``jaxkv.bench.engine_aot`` compiles them
 #: at real sizes without a GPU).
-jitted_packed, jitted_prefill = _hybrid_packed, _hybrid_prefill
+jitted_packed, jitted_prefill, jitted_packed_verify = _hybrid_packed, _hybrid_prefill, _hybrid_packed_verify

@@ -74,16 +74,19 @@ def _paged_packed(graphdef, params, manager: BlockSpaceManager, pool: KVPool, ba
     return paged_packed_step(graphdef, params, manager, pool, batch, sampling, keys, window=window, scrub=scrub)
 
 
-@partial(jax.jit, static_argnames=("graphdef", "config", "window", "scrub"), donate_argnums=(2, 3, 7))
+@partial(jax.jit, static_argnames=("graphdef", "config", "window", "scrub", "draft_graphdef"),
+         donate_argnums=(2, 3, 7))
 def _paged_packed_verify(graphdef, params, manager: BlockSpaceManager, pool: KVPool, batch: PackedBatch,
-                         sampling: RowSampling, keys, history, history_len, verify, history_updates=None, *, config,
-                         window, scrub=False):
+                         sampling: RowSampling, keys, history, history_len, verify, history_updates=None,
+                         draft_params=None, *, config, window, scrub=False, draft_graphdef=None):
     """:func:`jaxkv.nn.speculative.paged_packed_verify_step` jitted (manager,
     pool and the rows' histories donated; ``history_updates`` written into
-    the histories first, which come back last)."""
+    the histories first, which come back last; ``draft_graphdef`` /
+    ``draft_params``: an early exit's drafts instead of n-gram's)."""
     history = apply_history_updates(history, history_updates)
     return (*paged_packed_verify_step(graphdef, params, manager, pool, batch, sampling, keys, history, history_len,
-                                      verify, config=config, window=window, scrub=scrub), history)
+                                      verify, config=config, window=window, scrub=scrub,
+                                      draft_graphdef=draft_graphdef, draft_params=draft_params), history)
 
 
 @partial(jax.jit, donate_argnums=(0, 1))
@@ -566,7 +569,8 @@ class PagedCache(CacheBase):
                 graphdef, params, _device_view(self.manager), self.pool, batch, sampling, keys, window=self.window,
                 scrub=self.scrub)
         else:
-            config, (history, updates), history_len, verify = speculation
+            config, (history, updates), history_len, verify, draft = speculation
+            draft_graphdef, draft_params = (None, None) if draft is None else draft
             widths = np.where(verify, config.num_speculative_tokens + 1, 1)
             batch = pack_stream(prefill, *decode, num_lanes=self.max_seqs, num_tokens=num_tokens,
                                 num_prefill_lanes=self.max_seqs, max_prefill_len=num_tokens, decode_widths=widths)
@@ -574,8 +578,9 @@ class PagedCache(CacheBase):
             lanes[len(prefill):len(prefill) + len(verify)] = verify
             (manager, self.pool, tokens, counts, keys, ok, blocked, used, drafted, accepted,
              history) = _paged_packed_verify(graphdef, params, _device_view(self.manager), self.pool, batch, sampling,
-                                             keys, history, history_len, lanes, updates, config=config,
-                                             window=self.window, scrub=self.scrub)
+                                             keys, history, history_len, lanes, updates, draft_params,
+                                             config=config, window=self.window, scrub=self.scrub,
+                                             draft_graphdef=draft_graphdef)
         self.manager = manager.replace(host=host)
         tokens, keys, ok, blocked, used, host, tables, counts, drafted, accepted, logprobs, scores = jax.device_get(
             (tokens, unwrap_keys(keys), ok, blocked, used, self._host_leaves(manager),

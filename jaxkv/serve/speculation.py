@@ -46,20 +46,22 @@ With ``{"method": "draft_model", "model": m}`` (a jaxkv paged-pool model
 or a checkpoint path, same vocabulary; any target, a hybrid cache's too)
 the draft keeps a paged cache of its own, filled lazily in the
 speculative chunks themselves (:class:`jaxkv.serve.drafts.DraftCache`);
-θ adds ``k`` times its parameters over the target's. Draft-model
-requests bring one token in packed iterations (their drafts come from a
-model call, not a lookup: verify lanes are n-gram's) and verify in decode
-chunks.
+θ adds ``k`` times its parameters over the target's. Its requests bring
+one token in packed iterations (its cache is caught up in the speculative
+chunks only) and verify in decode chunks; an early exit's verify in
+packed iterations too (below).
 
 Packed iterations (prompts being prefilled beside decoding requests, one
-model call) carry **verify lanes** over a paged pool: a request past its
-probation and expected to keep θ drafts brings its token and ``k``
-placeholders, which the device fills with drafts from the row's history
-and verifies in the same call as the prompt pieces and the other decode
-lanes (:func:`jaxkv.nn.speculative.paged_packed_verify_step`); the verify
-lanes take ``k`` more tokens of the step's budget each. A hybrid cache's
-packed step brings one token per decoding request (its verify steps run
-in decode chunks only).
+model call) carry **verify lanes**: a request past its probation and
+expected to keep θ drafts brings its token and ``k`` placeholders, which
+the device fills with drafts from the row's history and verifies in the
+same call as the prompt pieces and the other decode lanes (an early
+exit's drafts are drawn there by its ``k`` decode steps over the lanes'
+appended positions, before the packed model call;
+:func:`jaxkv.nn.speculative.paged_packed_verify_step` over a paged pool,
+:func:`jaxkv.nn.speculative.hybrid_packed_verify_step` over a hybrid
+cache, its rollback inside the call); the verify lanes take ``k`` more
+tokens of the step's budget each.
 """
 
 from __future__ import annotations
@@ -216,9 +218,12 @@ class Speculation:
         verify ``k`` drafts in the step (as many as leave a token of
         ``budget`` to the prompts; ``verify``: a bool per decode lane), the
         others bring their one token. ``speculation`` is what
-        :meth:`~jaxkv.serve.caches.CacheBase.packed_step` takes. A draft
-        model's requests bring one token (verify lanes are n-gram's)."""
-        if self.draft is not None:
+        :meth:`~jaxkv.serve.caches.CacheBase.packed_step` takes: ``(config,
+        histories, history_len, verify, draft)``, ``draft`` an early exit's
+        ``(graphdef, params)`` (its drafts are drawn in the packed call)
+        or None (n-gram). A separate draft model's requests bring one token
+        (its cache is caught up in the speculative chunks only)."""
+        if self.draft is not None and not self.draft.packs_verify_lanes:
             return None, None
         k = self.config.num_speculative_tokens
         room = max(budget - len(decoding) - 1, 0) // k
@@ -227,10 +232,12 @@ class Speculation:
             if room and req.spec_on and not on_probation(req) and self.expected(req) >= self.theta:
                 verify[lane] = True
                 room -= 1
-                self._sync(row, req)
+                if self.draft is None:
+                    self._sync(row, req)
         if not verify.any():
             return None, None
-        return (self.config, self.history_arguments(), self.length.copy(), verify), verify
+        draft = None if self.draft is None else (self.draft.graphdef, self.draft.params)
+        return (self.config, self.history_arguments(), self.length.copy(), verify, draft), verify
 
     def record_packed(self, decoding: list, first_lane: int, result, counters) -> None:
         """:meth:`record` for a packed step's verify lanes (decode lane ``j``
