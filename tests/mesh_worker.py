@@ -71,11 +71,14 @@ def main(argv=None) -> None:
             # after serving, every leaf still where cache_sharding puts it (a step's output is not re-split)
             as_planned.append(all(x.sharding.is_equivalent_to(s, x.ndim) for x, s in zip(leaves, planned)))
             planned_split.append(sum(1 for s in planned if not s.is_fully_replicated))
+            draft = None if engine.speculation is None else engine.speculation.draft
+            if getattr(draft, "pool", None) is not None:  # a separate draft's own cache, split as the target's
+                draft_split.append(sum(1 for x in jax.tree.leaves(draft.pool) if not x.sharding.is_fully_replicated))
         stats = engine.stats()
         drafts.append([stats.spec_draft_tokens, stats.spec_accepted_tokens])
         return [engine.outputs[i] for i in ids]
 
-    single, sharded, split_cache, as_planned, planned_split, drafts = {}, {}, [], [], [], []
+    single, sharded, split_cache, as_planned, planned_split, drafts, draft_split = {}, {}, [], [], [], [], []
     if "generate" in paths:
         single["generate"] = generate(model, prompts, 6, sampling=sampling, seed=1).tokens
     if "engine" in paths:
@@ -92,7 +95,7 @@ def main(argv=None) -> None:
         "kind": cache_kind(model), "single": single, "sharded": sharded,
         "split_params": sum(1 for x in leaves if not x.sharding.is_fully_replicated),
         "params": len(leaves), "split_cache": split_cache, "cache_as_planned": as_planned,
-        "planned_split": planned_split, "drafts": drafts,
+        "planned_split": planned_split, "drafts": drafts, "draft_split": draft_split,
     }), flush=True)
     if args.num_processes > 1:
         jax.distributed.shutdown()

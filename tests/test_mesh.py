@@ -76,19 +76,28 @@ def test_two_processes(fixture):
 
 
 #: Speculation on a mesh: an early exit over the sharded paged pool (its heads split over tp like the
-#: target's), and n-gram drafts over Qwen3-Next's checkpoint rows; θ 0, so the rows verify to the end.
-SPECULATIVE = {"parity/llama_0": {"method": "draft_model", "draft_layers": 1, "num_speculative_tokens": 3,
-                                  "min_accepted_per_step": 0},
-               "qwen3_next/small": {"num_speculative_tokens": 3, "min_accepted_per_step": 0}}
+#: target's), a separate draft model (the target's own checkpoint: every draft kept) with a cache of its own
+#: split the same way, and n-gram drafts over Qwen3-Next's checkpoint rows; θ 0, so the rows verify to the end.
+SPECULATIVE = {
+    "early_exit": ("parity/llama_0", {"method": "draft_model", "draft_layers": 1, "num_speculative_tokens": 3,
+                                      "min_accepted_per_step": 0}),
+    "separate_draft": ("parity/llama_0", {"method": "draft_model", "num_speculative_tokens": 3,
+                                          "model": os.path.join(ROOT, "tests", "fixtures", "parity", "llama_0"),
+                                          "min_accepted_per_step": 0}),
+    "ngram_hybrid": ("qwen3_next/small", {"num_speculative_tokens": 3, "min_accepted_per_step": 0}),
+}
 
 
-@pytest.mark.parametrize("fixture", sorted(SPECULATIVE))
-def test_a_speculating_engine_on_a_mesh(fixture):
+@pytest.mark.parametrize("case", sorted(SPECULATIVE))
+def test_a_speculating_engine_on_a_mesh(case):
     """A speculating engine on a 4x2 mesh gives one device's tokens (both
     speculating, so each draft's acceptance is the same decision), with
-    the same drafts verified and kept."""
-    results = run_workers(fixture, processes=1, devices=8, mesh="4x2", paths="engine",
-                          speculative=SPECULATIVE[fixture])
+    the same drafts verified and kept; a separate draft's cache is split
+    over the mesh and keeps every draft of the target's own weights."""
+    fixture, config = SPECULATIVE[case]
+    results = run_workers(fixture, processes=1, devices=8, mesh="4x2", paths="engine", speculative=config)
     check_same_tokens(results, 1, 8)
     single, sharded = results[0]["drafts"]
+    if case == "separate_draft":
+        assert single[0] == single[1] and all(n > 0 for n in results[0]["draft_split"]), results[0]
     assert single == sharded and single[0] > 0, results[0]["drafts"]

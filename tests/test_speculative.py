@@ -979,14 +979,30 @@ def test_draft_model_refusals():
         Engine(model, max_seqs=2, max_model_len=64, speculative={"method": "draft_model", "draft_layers": 2})
 
 
-def test_a_separate_draft_model_is_refused_on_a_mesh():
+def test_a_separate_draft_model_runs_on_a_mesh():
+    """A separate draft on a (one-device) mesh: its cache is placed there
+    as the target's (the pool by ``cache_sharding``, the manager
+    replicated), and the target as its own draft keeps every draft and
+    gives plain ``generate``'s tokens (eight devices, the cache split over
+    ``tp``: tests/test_mesh.py, long)."""
+    from jaxkv.nn.sharding import cache_sharding
     from jaxkv.serve import Engine
 
     model = LlamaForCausalLM(LlamaConfig(**LLAMA), rngs=nnx.Rngs(0))
+    prompts = [np.random.default_rng(9).integers(1, LLAMA["vocab_size"], n).tolist() for n in (7, 12)]
+    expected = generate(model, prompts, 16, page_size=4).tokens
     mesh = jax.sharding.Mesh(np.asarray(jax.devices()[:1]), ("tp",))
-    with pytest.raises(InvalidArgument, match="separate model on a mesh"):
-        Engine(model, max_seqs=2, max_model_len=64, mesh=mesh,
-               speculative={"method": "draft_model", "model": model})
+    engine = Engine(model, max_seqs=2, max_model_len=64, page_size=4, decode_chunk=4, mesh=mesh,
+                    speculative={"method": "draft_model", "model": model, "num_speculative_tokens": 3,
+                                 "min_accepted_per_step": 0.0})
+    draft = engine.speculation.draft
+    for leaf, planned in zip(jax.tree.leaves(draft.pool), jax.tree.leaves(cache_sharding(draft.pool, mesh))):
+        assert leaf.sharding.is_equivalent_to(planned, leaf.ndim)
+    ids = [engine.add_request(p, 16) for p in prompts]
+    engine.run()
+    assert [engine.outputs[i] for i in ids] == expected
+    stats = engine.stats()
+    assert 0 < stats.spec_accepted_tokens == stats.spec_draft_tokens
 
 
 @pytest.mark.parametrize("seed", range(3))

@@ -40,6 +40,12 @@ draft replays the kept tokens) and the Gemma 3 fixture (window rings with
 ``K`` slots of slack: rolled back by length alone), prompts that repeat,
 so drafts are kept and rejected: tokens/s with and without speculation.
 
+**Verify lanes in a hybrid cache's packed steps** (the engine): the same
+two fixtures, requests arriving while others decode (their prompts
+prefilled in pieces by packed steps that carry the decoding requests'
+verify lanes, rollback inside the call), θ 0: tokens/s with and without
+speculation, drafts verified in packed steps.
+
 **Rollback's memory at real sizes** (shapes only, no weights: the
 configs of :mod:`jaxkv.bench.deployment` at 8,192 tokens): per request,
 the state row (rings, Gated DeltaNet states, DeepSeek-V4's rings and
@@ -127,6 +133,7 @@ def _random_workloads(quick: bool) -> tuple:
 #: prompts prefilled in pieces of at most ARRIVE_BUDGET tokens, no prefix cache (the repeats would hit it), so
 #: the packed steps that prefill them carry the decoding requests' verify lanes.
 ARRIVE_SECONDS, ARRIVE_BUDGET = 1.5, 32
+HYBRID_ARRIVE_STEPS = 6  # iterations between the hybrid engine table's arrivals
 
 
 def _serve(engine, prompts, new: int, eos, arrive_seconds: float = 0.0) -> tuple[list, float, dict]:
@@ -174,10 +181,12 @@ def engine_rows(quick: bool) -> tuple[list, str, bool]:
         arriving = workload.endswith("arriving")
         every, budget = (ARRIVE_SECONDS, ARRIVE_BUDGET) if arriving else (0.0, None)
         modes = [("plain", None), ("ngram", {"num_speculative_tokens": K})]
-        if not arriving:  # draft models verify in decode chunks only: arriving work would show nothing new
-            layers = min(DRAFT_LAYERS, model.config.num_hidden_layers // 2)
-            modes.append((f"early exit {layers}", {"method": "draft_model", "draft_layers": layers,
-                                                   "num_speculative_tokens": DRAFT_K}))
+        layers = min(DRAFT_LAYERS, model.config.num_hidden_layers // 2)
+        # An early exit verifies in packed steps too; a separate draft in decode chunks only (arriving work
+        # would show nothing new for it).
+        modes.append((f"early exit {layers}", {"method": "draft_model", "draft_layers": layers,
+                                               "num_speculative_tokens": DRAFT_K}))
+        if not arriving:
             # The same layers as a model apart, over a paged cache of its own (what a separate draft costs).
             modes.append((f"draft model {layers}", {"method": "draft_model", "model": early_exit_draft(model, layers),
                                                     "num_speculative_tokens": DRAFT_K}))
@@ -244,6 +253,60 @@ def hybrid_rows(quick: bool) -> list:
     return rows
 
 
+def hybrid_engine_rows(quick: bool) -> list:
+    """The engine on the hybrid fixtures with requests arriving while
+    others decode (one every ``HYBRID_ARRIVE_STEPS`` iterations, prompts
+    in 8-token pieces): the packed steps that prefill them carry verify
+    lanes, whose rollback (checkpoint and replay, or ring slack) runs
+    inside the packed call. θ is 0, so every request verifies to its end
+    (what the verify lanes cost, not whether the rule would keep them):
+    tokens/s of the n-gram engine against the plain one, drafts verified
+    in packed steps and kept."""
+    from jaxkv.nn import AutoModelForCausalLM
+    from jaxkv.serve import Engine
+
+    root = os.path.join(os.path.dirname(__file__), "..", "..", "tests", "fixtures")
+    rows = []
+    for family, fixture in (("Qwen3-Next (Gated DeltaNet)", "qwen3_next/small"), ("Gemma 3 (window rings)",
+                                                                                   "gemma3/small")):
+        path = os.path.join(root, fixture)
+        if not os.path.isdir(path):  # an installed jaxkv has no tests folder
+            continue
+        model = AutoModelForCausalLM.from_pretrained(path)
+        rng = np.random.default_rng(2)
+        prompts = [rng.integers(1, model.config.vocab_size, 10).tolist() * 3 for _ in range(4)]
+        new = 16 if quick else 40
+        modes = (("plain", None), ("ngram", {"num_speculative_tokens": K, "min_accepted_per_step": 0.0}))
+        engines = {mode: Engine(model, max_seqs=len(prompts), max_context_tokens=128, decode_chunk=4, prefill_chunk=8,
+                                prefix_cache=False, speculative=spec) for mode, spec in modes}
+
+        def serve(engine):
+            before, start = engine.stats(), time.perf_counter()
+            ids = [engine.add_request(p, new, arrival_step=engine._step + HYBRID_ARRIVE_STEPS * i)
+                   for i, p in enumerate(prompts)]
+            engine.run()
+            after = engine.stats()
+            return [engine.outputs[i] for i in ids], time.perf_counter() - start, dict(
+                packed=after.spec_packed_draft_tokens - before.spec_packed_draft_tokens,
+                drafted=after.spec_draft_tokens - before.spec_draft_tokens,
+                accepted=after.spec_accepted_tokens - before.spec_accepted_tokens)
+
+        for engine in engines.values():  # compile
+            serve(engine)
+        best, outs, stats = {}, {}, {}
+        for _ in range(1 if quick else REPEATS):
+            for mode, engine in engines.items():
+                out, seconds, figures = serve(engine)
+                if seconds < best.get(mode, np.inf):
+                    best[mode], outs[mode], stats[mode] = seconds, out, figures
+        tokens = sum(map(len, outs["plain"]))
+        rows.append(dict(family=family, tokens=tokens, plain_tok_s=tokens / best["plain"],
+                         ngram_tok_s=tokens / best["ngram"], speedup=best["plain"] / best["ngram"],
+                         packed_drafts=stats["ngram"]["packed"], drafted=stats["ngram"]["drafted"],
+                         accepted=stats["ngram"]["accepted"], equal=outs["ngram"] == outs["plain"]))
+    return rows
+
+
 MEMORY_MODELS = ("Gemma-3-27B", "gpt-oss-20b", "Qwen3-Next-80B-A3B", "DeepSeek-V4-Flash-like")
 
 
@@ -294,14 +357,24 @@ def main(args) -> int:
                      "verify steps", "tokens equal"],
                     [[r["family"], r["rollback"], r["tokens"], f"{r['plain_tok_s']:.1f}", f"{r['ngram_tok_s']:.1f}",
                       f"{r['speedup']:.2f}x", r["drafted"], r["accepted"], r["steps"], r["equal"]] for r in hybrid])
+    arriving = hybrid_engine_rows(quick)
+    if arriving:
+        print_table(f"verify lanes in a hybrid cache's packed steps (engine, fixtures, k={K}, θ 0, requests arriving "
+                    f"every {HYBRID_ARRIVE_STEPS} iterations, 8-token prompt pieces, best of "
+                    f"{1 if quick else REPEATS})",
+                    ["family", "tokens", "plain tok/s", "ngram tok/s", "ngram vs plain", "drafts",
+                     "of which in packed steps", "kept", "tokens equal"],
+                    [[r["family"], r["tokens"], f"{r['plain_tok_s']:.1f}", f"{r['ngram_tok_s']:.1f}",
+                      f"{r['speedup']:.2f}x", r["drafted"], r["packed_drafts"], r["accepted"], r["equal"]]
+                     for r in arriving])
     memory = memory_rows()
     print_table(f"rollback's state memory per request at real sizes (8,192 tokens, bf16; k={K}; shapes only)",
                 ["model", "rollback", "state row MiB", "speculation adds MiB", "a checkpoint would add MiB"],
                 [[r["model"], r["mechanism"], f"{r['state_mib']:.1f}", f"{r['added_mib']:.2f}",
                   f"{r['checkpoint_mib']:.1f}"] for r in memory])
-    equal &= all(r["equal"] for r in hybrid)
+    equal &= all(r["equal"] for r in hybrid + arriving)
     print(f"\ngreedy tokens equal with and without speculation: {equal}")
     if getattr(args, "json", False):
         print_json({"benchmark": "spec", "machine": machine, "model": name, "k": K, "tokens_equal": equal,
-                    "results": {"engine": rows, "hybrid": hybrid, "memory": memory}})
+                    "results": {"engine": rows, "hybrid": hybrid, "hybrid_engine": arriving, "memory": memory}})
     return 0 if equal else 1

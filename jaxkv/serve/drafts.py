@@ -47,6 +47,7 @@ from flax import nnx
 from jaxkv._ops import ceil_div, pow2_at_least
 from jaxkv.errors import KVCacheError
 from jaxkv.manager.block_space import BlockSpaceManager
+from jaxkv.nn import sharding
 from jaxkv.nn.packed import PackedLane, pack
 
 logger = logging.getLogger("jaxkv.serve")
@@ -142,21 +143,27 @@ class DraftCache:
     packs_verify_lanes = False
 
     def __init__(self, draft, target, *, max_seqs: int, num_pages: int, page_size: int, max_tokens: int,
-                 catch_up_tokens: int, kv_dtype=None):
+                 catch_up_tokens: int, kv_dtype=None, mesh=None):
         self.graphdef, self.params = nnx.split(draft)
         self.cost_fraction = param_fraction(draft, target)
         self.max_seqs, self.page_size, self.num_pages = max_seqs, page_size, num_pages
         #: The longest a row grows (a request at max_model_len with a verify step's drafts past it).
         self.max_tokens = max_tokens
         self.catch_up_tokens = max(int(catch_up_tokens), 1)
-        self._make = partial(self._fresh, draft, kv_dtype)
+        self._make = partial(self._fresh, draft, kv_dtype, mesh)
         self.rebuilt()
 
-    def _fresh(self, draft, kv_dtype):
+    def _fresh(self, draft, kv_dtype, mesh):
+        """An empty cache; on ``mesh`` placed as the target's paged cache is
+        (:meth:`~jaxkv.serve.caches.CacheBase.place_on`: the pool's heads
+        over ``tp``, the manager replicated)."""
         manager = BlockSpaceManager.create(
             num_device_blocks=self.num_pages, num_host_blocks=2, block_size=self.page_size, max_seqs=self.max_seqs,
             max_blocks_per_seq=ceil_div(self.max_tokens, self.page_size), watermark=0.0)
-        return _open_rows(manager), draft.make_pool(self.num_pages, self.page_size, dtype=kv_dtype)
+        manager, pool = _open_rows(manager), draft.make_pool(self.num_pages, self.page_size, dtype=kv_dtype)
+        if mesh is not None:
+            manager, pool = sharding.replicate(manager, mesh), sharding.shard_cache(pool, mesh)
+        return manager, pool
 
     def rebuilt(self) -> None:
         """Empty again (at start-up, and after a contained engine failure:
@@ -254,12 +261,13 @@ class DraftCache:
 
 
 def build_draft(draft_model, target, shares_pool: bool, cache, *, max_seqs: int, page_size: int, lookahead: int,
-                catch_up_tokens: int, kv_dtype=None):
+                catch_up_tokens: int, kv_dtype=None, mesh=None):
     """The engine's draft for ``draft_model`` (None: none): over the
     target's pool (``shares_pool``) or a :class:`DraftCache` holding as
     many tokens as the target's ``cache`` (its plan's largest group), at
     most every row at full length (``max_context_tokens + lookahead + 1``
-    tokens each: its rows share nothing), logged."""
+    tokens each: its rows share nothing), logged; on ``mesh`` (the draft
+    model placed there already) its cache too."""
     if draft_model is None:
         return None
     if shares_pool:
@@ -267,7 +275,8 @@ def build_draft(draft_model, target, shares_pool: bool, cache, *, max_seqs: int,
     row = cache.max_context_tokens + lookahead + 1
     tokens = min(max(g.tokens for g in cache.plan.groups), max_seqs * row)
     draft = DraftCache(draft_model, target, max_seqs=max_seqs, num_pages=ceil_div(tokens, page_size) + 1,
-                       page_size=page_size, max_tokens=row, catch_up_tokens=catch_up_tokens, kv_dtype=kv_dtype)
+                       page_size=page_size, max_tokens=row, catch_up_tokens=catch_up_tokens, kv_dtype=kv_dtype,
+                       mesh=mesh)
     logger.info("speculative draft model %s: a paged cache of its own, %d pages of %d tokens (%d bytes)",
                 type(draft_model).__name__, draft.num_pages, draft.page_size, draft.pool_bytes)
     return draft

@@ -170,7 +170,7 @@ class Engine(Scheduler):
         self.options = options = resolve_options(model, options, mesh=mesh, free_bytes=free_bytes)
         cache_options = options.cache
         sched, tenants = options.scheduler, options.tenants
-        draft_model, shares_pool = _draft_model(model, sched.speculative, mesh)  # refused before the cache is sized
+        draft_model, shares_pool = _draft_model(model, sched.speculative)  # refused before the cache is sized
         lookahead = 0 if sched.speculative is None else sched.speculative.num_speculative_tokens
         draft_kv_dtype = cache_options.kv_dtype if cache_kind(model) == "paged" else None
         draft_token_bytes = (0.0 if draft_model is None or shares_pool else
@@ -190,7 +190,7 @@ class Engine(Scheduler):
         # After the placement: the draft keeps its parameters as they are now.
         draft = build_draft(draft_model, model, shares_pool, self.cache, max_seqs=sched.max_seqs,
                             page_size=cache_options.page_size, lookahead=lookahead, kv_dtype=draft_kv_dtype,
-                            catch_up_tokens=sched.max_num_batched_tokens or max(sched.prefill_chunk, 512))
+                            catch_up_tokens=sched.max_num_batched_tokens or max(sched.prefill_chunk, 512), mesh=mesh)
         self._configure_cache()
         #: How the cache was sized (:class:`~jaxkv.serve.sizing.CachePlan`), logged at start-up.
         self.cache_plan: CachePlan = self.cache.plan
@@ -514,7 +514,7 @@ class Engine(Scheduler):
             iteration=self._count.iterations - before.iterations)
 
 
-def _draft_model(model, config, mesh) -> tuple:
+def _draft_model(model, config) -> tuple:
     """The engine's draft model for ``config`` (a ``SpeculativeConfig`` or
     None) and whether it runs over the target's pool: ``(None, False)``
     for n-gram lookup (or no speculation); for ``draft_layers``, the
@@ -522,16 +522,12 @@ def _draft_model(model, config, mesh) -> tuple:
     (:func:`jaxkv.nn.speculative.early_exit_draft` with ``share_pool``);
     for ``model``, that model (:func:`~jaxkv.nn.speculative.draft_model_for`:
     a paged-pool model of the target's vocabulary), which keeps a cache of
-    its own (:class:`~jaxkv.serve.drafts.DraftCache`). ``InvalidArgument``
-    for an early exit of a hybrid-cache target and for a separate draft on
-    a mesh."""
+    its own (:class:`~jaxkv.serve.drafts.DraftCache`; on a mesh, placed
+    there as the target's cache is). ``InvalidArgument`` for an early exit
+    of a hybrid-cache target."""
     if config is None or config.method != "draft_model":
         return None, False
     if config.model is not None:
-        if mesh is not None:
-            raise InvalidArgument("speculative draft_model with a separate model on a mesh: its cache is not "
-                                  "placed on a mesh yet; use draft_layers (the target's own first layers) or "
-                                  "method 'ngram'")
         return draft_model_for(model, config), False
     if cache_kind(model) != "paged":
         raise InvalidArgument(f"speculative draft_layers: {type(model).__name__} keeps a hybrid cache; the engine's "
