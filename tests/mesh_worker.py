@@ -72,8 +72,10 @@ def main(argv=None) -> None:
             as_planned.append(all(x.sharding.is_equivalent_to(s, x.ndim) for x, s in zip(leaves, planned)))
             planned_split.append(sum(1 for s in planned if not s.is_fully_replicated))
             draft = None if engine.speculation is None else engine.speculation.draft
-            if getattr(draft, "pool", None) is not None:  # a separate draft's own cache, split as the target's
-                draft_split.append(sum(1 for x in jax.tree.leaves(draft.pool) if not x.sharding.is_fully_replicated))
+            if getattr(draft, "pool", None) is not None:  # a separate draft's own cache, placed as planned
+                leaves, planned = jax.tree.leaves(draft.pool), jax.tree.leaves(cache_sharding(draft.pool, mesh))
+                draft_split.append([sum(1 for x in leaves if not x.sharding.is_fully_replicated),
+                                    all(x.sharding.is_equivalent_to(s, x.ndim) for x, s in zip(leaves, planned))])
         stats = engine.stats()
         drafts.append([stats.spec_draft_tokens, stats.spec_accepted_tokens])
         return [engine.outputs[i] for i in ids]

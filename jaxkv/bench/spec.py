@@ -40,11 +40,11 @@ draft replays the kept tokens) and the Gemma 3 fixture (window rings with
 ``K`` slots of slack: rolled back by length alone), prompts that repeat,
 so drafts are kept and rejected: tokens/s with and without speculation.
 
-**Verify lanes in a hybrid cache's packed steps** (the engine): the same
-two fixtures, requests arriving while others decode (their prompts
-prefilled in pieces by packed steps that carry the decoding requests'
-verify lanes, rollback inside the call), θ 0: tokens/s with and without
-speculation, drafts verified in packed steps.
+**Verify lanes in a hybrid cache's packed step**: the same two fixtures,
+one packed step (a prompt piece and three decoding rows) with plain
+decode lanes, with verify lanes whose drafts are mostly rejected (the
+rollback inside the call: checkpoint and replay, or ring slack), and
+with verify lanes that found no draft: milliseconds per call.
 
 **Rollback's memory at real sizes** (shapes only, no weights: the
 configs of :mod:`jaxkv.bench.deployment` at 8,192 tokens): per request,
@@ -133,7 +133,6 @@ def _random_workloads(quick: bool) -> tuple:
 #: prompts prefilled in pieces of at most ARRIVE_BUDGET tokens, no prefix cache (the repeats would hit it), so
 #: the packed steps that prefill them carry the decoding requests' verify lanes.
 ARRIVE_SECONDS, ARRIVE_BUDGET = 1.5, 32
-HYBRID_ARRIVE_STEPS = 6  # iterations between the hybrid engine table's arrivals
 
 
 def _serve(engine, prompts, new: int, eos, arrive_seconds: float = 0.0) -> tuple[list, float, dict]:
@@ -253,17 +252,27 @@ def hybrid_rows(quick: bool) -> list:
     return rows
 
 
-def hybrid_engine_rows(quick: bool) -> list:
-    """The engine on the hybrid fixtures with requests arriving while
-    others decode (one every ``HYBRID_ARRIVE_STEPS`` iterations, prompts
-    in 8-token pieces): the packed steps that prefill them carry verify
-    lanes, whose rollback (checkpoint and replay, or ring slack) runs
-    inside the packed call. θ is 0, so every request verifies to its end
-    (what the verify lanes cost, not whether the rule would keep them):
-    tokens/s of the n-gram engine against the plain one, drafts verified
-    in packed steps and kept."""
+def hybrid_packed_rows(quick: bool) -> list:
+    """One packed step of each hybrid fixture (a 16-token prompt piece and
+    three decoding rows, one jitted call): plain decode lanes against
+    verify lanes of ``K`` n-gram drafts (histories made so that the
+    lookup finds ``K`` drafts, random ones, so rows reject and roll back:
+    checkpoint and replay, or ring slack, inside the call) and against
+    verify lanes that find no draft (the step's fixed cost). Best of
+    interleaved calls on the same inputs (no donation)."""
+    from functools import partial
+
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from jaxkv.bench._timing import best_seconds_interleaved
     from jaxkv.nn import AutoModelForCausalLM
-    from jaxkv.serve import Engine
+    from jaxkv.nn.packed import PackedLane
+    from jaxkv.nn.sampling import GREEDY, RowSampling
+    from jaxkv.nn.speculative import SpeculativeConfig, hybrid_cache_options, hybrid_packed_verify_step
+    from jaxkv.nn.steps import hybrid_packed_step, hybrid_prefill_chunk
+    from jaxkv.serve.caches import pack_stream
 
     root = os.path.join(os.path.dirname(__file__), "..", "..", "tests", "fixtures")
     rows = []
@@ -273,37 +282,50 @@ def hybrid_engine_rows(quick: bool) -> list:
         if not os.path.isdir(path):  # an installed jaxkv has no tests folder
             continue
         model = AutoModelForCausalLM.from_pretrained(path)
-        rng = np.random.default_rng(2)
-        prompts = [rng.integers(1, model.config.vocab_size, 10).tolist() * 3 for _ in range(4)]
-        new = 16 if quick else 40
-        modes = (("plain", None), ("ngram", {"num_speculative_tokens": K, "min_accepted_per_step": 0.0}))
-        engines = {mode: Engine(model, max_seqs=len(prompts), max_context_tokens=128, decode_chunk=4, prefill_chunk=8,
-                                prefix_cache=False, speculative=spec) for mode, spec in modes}
-
-        def serve(engine):
-            before, start = engine.stats(), time.perf_counter()
-            ids = [engine.add_request(p, new, arrival_step=engine._step + HYBRID_ARRIVE_STEPS * i)
-                   for i, p in enumerate(prompts)]
-            engine.run()
-            after = engine.stats()
-            return [engine.outputs[i] for i in ids], time.perf_counter() - start, dict(
-                packed=after.spec_packed_draft_tokens - before.spec_packed_draft_tokens,
-                drafted=after.spec_draft_tokens - before.spec_draft_tokens,
-                accepted=after.spec_accepted_tokens - before.spec_accepted_tokens)
-
-        for engine in engines.values():  # compile
-            serve(engine)
-        best, outs, stats = {}, {}, {}
-        for _ in range(1 if quick else REPEATS):
-            for mode, engine in engines.items():
-                out, seconds, figures = serve(engine)
-                if seconds < best.get(mode, np.inf):
-                    best[mode], outs[mode], stats[mode] = seconds, out, figures
-        tokens = sum(map(len, outs["plain"]))
-        rows.append(dict(family=family, tokens=tokens, plain_tok_s=tokens / best["plain"],
-                         ngram_tok_s=tokens / best["ngram"], speedup=best["plain"] / best["ngram"],
-                         packed_drafts=stats["ngram"]["packed"], drafted=stats["ngram"]["drafted"],
-                         accepted=stats["ngram"]["accepted"], equal=outs["ngram"] == outs["plain"]))
+        graphdef, params = nnx.split(model)
+        vocab, lanes = model.config.vocab_size, 4
+        rng = np.random.default_rng(3)
+        options, checkpoints = hybrid_cache_options(model, K, lanes, max_context_tokens=256)
+        manager = model.make_cache(lanes, 256, num_snapshots=checkpoints, **options)
+        manager, slots, _ = jax.jit(lambda m: m.admit(lanes, max_n=lanes))(manager)
+        slots = np.asarray(slots)
+        lengths = np.asarray([40, 40, 40, 0], np.int32)
+        manager, _, _ = jax.jit(partial(hybrid_prefill_chunk, graphdef))(
+            params, manager, slots, jnp.asarray(rng.integers(1, vocab, (lanes, 40)), jnp.int32), jnp.asarray(lengths))
+        fed = rng.integers(1, vocab, 3)
+        history = np.zeros((lanes, 64), np.int32)
+        for row in range(3):  # "a fed" seen before, followed by K random tokens: K drafts, mostly rejected
+            tokens = [int(vocab - 1), int(fed[row]), *rng.integers(1, vocab - 1, K).tolist(), int(vocab - 1),
+                      int(fed[row])]
+            history[row, :len(tokens)] = tokens
+        history_len = np.asarray([K + 4] * 3 + [0], np.int32)
+        piece = PackedLane(int(slots[3]), rng.integers(1, vocab, 16).tolist(), 0)
+        config = SpeculativeConfig(num_speculative_tokens=K)
+        sampling = RowSampling.broadcast(GREEDY, lanes)
+        keys = jax.random.split(jax.random.key(0), lanes)
+        stream = dict(num_lanes=lanes, num_tokens=32, num_prefill_lanes=1, max_prefill_len=16)
+        plain_batch = pack_stream([piece], slots[:3], fed, lengths[:3], **stream)
+        verify_batch = pack_stream([piece], slots[:3], fed, lengths[:3], decode_widths=[K + 1] * 3, **stream)
+        verify = jnp.asarray([False, True, True, True])
+        plain = jax.jit(partial(hybrid_packed_step, graphdef))
+        verified = jax.jit(partial(hybrid_packed_verify_step, graphdef, config=config))
+        calls = {
+            "plain": lambda: plain(params, manager, plain_batch, sampling, keys)[1],
+            "verify": lambda: verified(params, manager, verify_batch, sampling, keys, jnp.asarray(history),
+                                       jnp.asarray(history_len), verify)[1],
+            "no draft": lambda: verified(params, manager, verify_batch, sampling, keys, jnp.asarray(history),
+                                         jnp.zeros((lanes,), jnp.int32), verify)[1],
+        }
+        for call in calls.values():  # compile
+            jax.block_until_ready(call())
+        out = verified(params, manager, verify_batch, sampling, keys, jnp.asarray(history), jnp.asarray(history_len),
+                       verify)
+        drafted, accepted = int(np.asarray(out[-2]).sum()), int(np.asarray(out[-1]).sum())
+        best = best_seconds_interleaved(calls, repeats=5 if quick else 20)
+        rows.append(dict(family=family, rollback="checkpoint + replay" if checkpoints else "ring slack",
+                         plain_ms=1e3 * best["plain"], verify_ms=1e3 * best["verify"],
+                         no_draft_ms=1e3 * best["no draft"], ratio=best["verify"] / best["plain"],
+                         drafted=drafted, accepted=accepted))
     return rows
 
 
@@ -357,24 +379,22 @@ def main(args) -> int:
                      "verify steps", "tokens equal"],
                     [[r["family"], r["rollback"], r["tokens"], f"{r['plain_tok_s']:.1f}", f"{r['ngram_tok_s']:.1f}",
                       f"{r['speedup']:.2f}x", r["drafted"], r["accepted"], r["steps"], r["equal"]] for r in hybrid])
-    arriving = hybrid_engine_rows(quick)
-    if arriving:
-        print_table(f"verify lanes in a hybrid cache's packed steps (engine, fixtures, k={K}, θ 0, requests arriving "
-                    f"every {HYBRID_ARRIVE_STEPS} iterations, 8-token prompt pieces, best of "
-                    f"{1 if quick else REPEATS})",
-                    ["family", "tokens", "plain tok/s", "ngram tok/s", "ngram vs plain", "drafts",
-                     "of which in packed steps", "kept", "tokens equal"],
-                    [[r["family"], r["tokens"], f"{r['plain_tok_s']:.1f}", f"{r['ngram_tok_s']:.1f}",
-                      f"{r['speedup']:.2f}x", r["drafted"], r["packed_drafts"], r["accepted"], r["equal"]]
-                     for r in arriving])
+    packed = hybrid_packed_rows(quick)
+    if packed:
+        print_table(f"verify lanes in a hybrid cache's packed step (one call: a 16-token prompt piece and three "
+                    f"decoding rows, k={K}; fixtures)",
+                    ["family", "rollback", "plain lanes ms", "verify lanes ms", "verify, no draft found ms",
+                     "verify vs plain", "drafts", "kept"],
+                    [[r["family"], r["rollback"], f"{r['plain_ms']:.2f}", f"{r['verify_ms']:.2f}",
+                      f"{r['no_draft_ms']:.2f}", f"{r['ratio']:.2f}x", r["drafted"], r["accepted"]] for r in packed])
     memory = memory_rows()
     print_table(f"rollback's state memory per request at real sizes (8,192 tokens, bf16; k={K}; shapes only)",
                 ["model", "rollback", "state row MiB", "speculation adds MiB", "a checkpoint would add MiB"],
                 [[r["model"], r["mechanism"], f"{r['state_mib']:.1f}", f"{r['added_mib']:.2f}",
                   f"{r['checkpoint_mib']:.1f}"] for r in memory])
-    equal &= all(r["equal"] for r in hybrid + arriving)
+    equal &= all(r["equal"] for r in hybrid)
     print(f"\ngreedy tokens equal with and without speculation: {equal}")
     if getattr(args, "json", False):
         print_json({"benchmark": "spec", "machine": machine, "model": name, "k": K, "tokens_equal": equal,
-                    "results": {"engine": rows, "hybrid": hybrid, "hybrid_engine": arriving, "memory": memory}})
+                    "results": {"engine": rows, "hybrid": hybrid, "hybrid_packed": packed, "memory": memory}})
     return 0 if equal else 1
