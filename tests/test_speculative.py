@@ -379,6 +379,26 @@ def _assert_same_v4_stores(m_a, m_b, slots, lengths, tol: float) -> None:
         assert checked > 0, f"no complete {schema.group} entry to compare"
 
 
+def _assert_same_hybrid_caches(m_a, m_b, slots, chunk, rng, vocab: int) -> None:
+    """Two hybrid managers hold the same for ``slots``: lengths, each
+    group's lengths and free blocks, the live state leaf by leaf
+    (:func:`_assert_same_live_state`), then three more random tokens per
+    row through ``chunk(manager, slots, tokens, num_new)`` give the same
+    finite logits."""
+    rows = len(slots)
+    np.testing.assert_array_equal(np.asarray(m_a.seq_lens), np.asarray(m_b.seq_lens))
+    for group in m_a.groups:
+        np.testing.assert_array_equal(np.asarray(m_a.groups[group].lens), np.asarray(m_b.groups[group].lens))
+        assert int(m_a.groups[group].allocator.num_free) == int(m_b.groups[group].allocator.num_free)
+    _assert_same_live_state(m_a, m_b, slots, tol=2e-4)
+    for _ in range(3):
+        token = jnp.asarray(rng.integers(1, vocab, (rows, 1)).astype(np.int32))
+        m_a, logits_a, _ = chunk(m_a, slots, token, jnp.ones((rows,), jnp.int32))
+        m_b, logits_b, _ = chunk(m_b, slots, token, jnp.ones((rows,), jnp.int32))
+        assert np.isfinite(np.asarray(logits_a)).all()
+        np.testing.assert_allclose(np.asarray(logits_a), np.asarray(logits_b), rtol=2e-4, atol=2e-4)
+
+
 @pytest.mark.parametrize("name", HYBRID)
 def test_hybrid_rollback_equals_a_cache_that_never_saw_the_rejected_tokens(name):
     """The same for a hybrid cache: Gated DeltaNet states, window rings,
@@ -423,17 +443,7 @@ def test_hybrid_rollback_equals_a_cache_that_never_saw_the_rejected_tokens(name)
     assert bool(ok)
     m_b, _, ok = chunk(params, manager, slots, jnp.asarray(inputs), jnp.asarray(accepted + 1))
     assert bool(ok)
-    np.testing.assert_array_equal(np.asarray(m_a.seq_lens), np.asarray(m_b.seq_lens))
-    for group in m_a.groups:
-        np.testing.assert_array_equal(np.asarray(m_a.groups[group].lens), np.asarray(m_b.groups[group].lens))
-        assert int(m_a.groups[group].allocator.num_free) == int(m_b.groups[group].allocator.num_free)
-    _assert_same_live_state(m_a, m_b, slots, tol=2e-4)
-    for _ in range(3):
-        token = rng.integers(1, vocab, (batch, 1)).astype(np.int32)
-        m_a, logits_a, _ = chunk(params, m_a, slots, jnp.asarray(token), jnp.ones((batch,), jnp.int32))
-        m_b, logits_b, _ = chunk(params, m_b, slots, jnp.asarray(token), jnp.ones((batch,), jnp.int32))
-        assert np.isfinite(np.asarray(logits_a)).all()
-        np.testing.assert_allclose(np.asarray(logits_a), np.asarray(logits_b), rtol=2e-4, atol=2e-4)
+    _assert_same_hybrid_caches(m_a, m_b, slots, partial(chunk, params), rng, vocab)
 
 
 def test_rings_without_slack_fail_the_rollback_check(monkeypatch):
@@ -527,16 +537,7 @@ def test_hybrid_packed_verify_equals_a_cache_that_never_saw_the_rejected_tokens(
     assert bool(ok)
     want = np.argmax(np.asarray(logits_b), axis=-1)
     assert [tokens[lane, counts[lane] - 1] for lane in (1, 2, 3, 0)] == want.tolist()
-    for group in m_a.groups:
-        np.testing.assert_array_equal(np.asarray(m_a.groups[group].lens), np.asarray(m_b.groups[group].lens))
-        assert int(m_a.groups[group].allocator.num_free) == int(m_b.groups[group].allocator.num_free)
-    _assert_same_live_state(m_a, m_b, slots, tol=2e-4)
-    for _ in range(3):
-        token = rng.integers(1, vocab, (rows, 1)).astype(np.int32)
-        m_a, logits_a, _ = chunk(params, m_a, slots, jnp.asarray(token), jnp.ones((rows,), jnp.int32))
-        m_b, logits_b, _ = chunk(params, m_b, slots, jnp.asarray(token), jnp.ones((rows,), jnp.int32))
-        assert np.isfinite(np.asarray(logits_a)).all()
-        np.testing.assert_allclose(np.asarray(logits_a), np.asarray(logits_b), rtol=2e-4, atol=2e-4)
+    _assert_same_hybrid_caches(m_a, m_b, slots, partial(chunk, params), rng, vocab)
 
 
 FAMILIES = ["parity/llama_3", "parity/qwen3_next_2", "parity/dsv3_4", "gemma3/small", "gpt_oss/small", "dsv4/small"]

@@ -215,19 +215,27 @@ def engine_rows(quick: bool) -> tuple[list, str, bool]:
     return rows, name, equal
 
 
-def hybrid_rows(quick: bool) -> list:
-    """``generate`` with and without speculation on the hybrid fixtures."""
-    from jaxkv.nn import AutoModelForCausalLM, generate
-    from jaxkv.nn.speculative import hybrid_cache_options
+def _hybrid_fixtures():
+    """``(family, model)`` of the hybrid fixtures of the rollback tables:
+    Qwen3-Next (Gated DeltaNet states) and Gemma 3 (window rings); none
+    from an installed jaxkv, which has no tests folder."""
+    from jaxkv.nn import AutoModelForCausalLM
 
     root = os.path.join(os.path.dirname(__file__), "..", "..", "tests", "fixtures")
-    rows = []
-    for family, fixture in (("Qwen3-Next (Gated DeltaNet)", "qwen3_next/small"), ("Gemma 3 (window rings)",
-                                                                                   "gemma3/small")):
+    for family, fixture in (("Qwen3-Next (Gated DeltaNet)", "qwen3_next/small"),
+                            ("Gemma 3 (window rings)", "gemma3/small")):
         path = os.path.join(root, fixture)
-        if not os.path.isdir(path):  # an installed jaxkv has no tests folder
-            continue
-        model = AutoModelForCausalLM.from_pretrained(path)
+        if os.path.isdir(path):
+            yield family, AutoModelForCausalLM.from_pretrained(path)
+
+
+def hybrid_rows(quick: bool) -> list:
+    """``generate`` with and without speculation on the hybrid fixtures."""
+    from jaxkv.nn import generate
+    from jaxkv.nn.speculative import hybrid_cache_options
+
+    rows = []
+    for family, model in _hybrid_fixtures():
         rng = np.random.default_rng(1)
         vocab = model.config.vocab_size
         prompts = [(rng.integers(1, vocab, 12).tolist() * 3) for _ in range(2)]
@@ -267,21 +275,14 @@ def hybrid_packed_rows(quick: bool) -> list:
     from flax import nnx
 
     from jaxkv.bench._timing import best_seconds_interleaved
-    from jaxkv.nn import AutoModelForCausalLM
     from jaxkv.nn.packed import PackedLane
     from jaxkv.nn.sampling import GREEDY, RowSampling
     from jaxkv.nn.speculative import SpeculativeConfig, hybrid_cache_options, hybrid_packed_verify_step
     from jaxkv.nn.steps import hybrid_packed_step, hybrid_prefill_chunk
     from jaxkv.serve.caches import pack_stream
 
-    root = os.path.join(os.path.dirname(__file__), "..", "..", "tests", "fixtures")
     rows = []
-    for family, fixture in (("Qwen3-Next (Gated DeltaNet)", "qwen3_next/small"), ("Gemma 3 (window rings)",
-                                                                                   "gemma3/small")):
-        path = os.path.join(root, fixture)
-        if not os.path.isdir(path):  # an installed jaxkv has no tests folder
-            continue
-        model = AutoModelForCausalLM.from_pretrained(path)
+    for family, model in _hybrid_fixtures():
         graphdef, params = nnx.split(model)
         vocab, lanes = model.config.vocab_size, 4
         rng = np.random.default_rng(3)
