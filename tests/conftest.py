@@ -138,6 +138,9 @@ RULES = (
      "a hybrid packed step's verify lanes checked exactly on Qwen3-Next's Gated DeltaNet (checkpoint and replay) "
      "by default; the window rings' (rolled back by length) and DeepSeek-V4's stores, and every hybrid family's "
      "engine with verify lanes beside prompt pieces (about 60 s each), in long"),
+    ("long", "other cases", ("test_speculative.py::test_early_exit_drafts_verify_in_packed_steps[first_layer]",),
+     "the whole target as its own early exit by default (every draft verified in a packed step kept: the "
+     "stronger check of the same path); an untrained first layer's drafts in long"),
     ("long", "other cases", ("test_speculative.py::test_hybrid_engine_speculates_with_generate_tokens_under_"
                              "preemption_and_prefix_hits[*]",),
      "the hybrid caches' rollback by default (test_hybrid_rollback_equals_a_cache_that_never_saw_the_rejected_"
