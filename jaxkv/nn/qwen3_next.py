@@ -228,11 +228,12 @@ class GatedDeltaNet(nnx.Module):
         mixed = jnp.concatenate([q.reshape(*lead, -1), k.reshape(*lead, -1), v.reshape(*lead, -1)], axis=-1)
         return mixed, z, beta_in, a
 
-    def mix(self, mixed, beta_in, a, real, conv_state, state):
+    def mix(self, mixed, beta_in, a, real, conv_state, state, recurrent: bool | None = None):
         """The sequence mixing of rows ``[B, W]`` (one request each; ``real``
         a prefix of each row) from :meth:`project`'s ``mixed``, ``b`` and
         ``a``: causal conv from ``conv_state``, then the gated delta rule
-        from ``state`` (width 1: the recurrent form, else the chunked).
+        from ``state`` (``recurrent``: the recurrent form, token by token,
+        else the chunked; None: recurrent for width 1).
         Returns ``(out [B, W, Hv, Dv] float32, conv_state, state)``."""
         c = self.config
         b, w, _ = mixed.shape
@@ -258,7 +259,7 @@ class GatedDeltaNet(nnx.Module):
         g = -jnp.exp(self.A_log[...].astype(_F32)) * jax.nn.softplus(a.astype(_F32) + self.dt_bias[...].astype(_F32))
         mask = real[..., None]
         k, beta, g = jnp.where(mask[..., None], k, 0.0), jnp.where(mask, beta, 0.0), jnp.where(mask, g, 0.0)
-        form = recurrent_gated_delta_rule if w == 1 else chunk_gated_delta_rule
+        form = recurrent_gated_delta_rule if (w == 1 if recurrent is None else recurrent) else chunk_gated_delta_rule
         out, state = form(q, k, v, g, beta, state)
         return out, new_conv.astype(conv_state.dtype), state
 
@@ -480,7 +481,7 @@ class Qwen3NextForCausalLM(nnx.Module):
         finite garbage for a lane with none); with ``verify`` (bool ``[S]``,
         speculative verify lanes: decode lanes of up to ``width`` tokens,
         which the GDN layers then run as ``[lanes, width]`` rows in the
-        chunked form) ``logits [S, width, vocab]``
+        recurrent form) ``logits [S, width, vocab]``
         (:func:`~jaxkv.nn.packed.lane_logits`)."""
         num_tokens = batch.num_tokens
         decode_width = 1 if verify is None else width
@@ -499,7 +500,10 @@ class Qwen3NextForCausalLM(nnx.Module):
             convs, states = [], []
             for first, index, seg_real in segments:
                 lanes = slice(first, first + index.shape[0])
-                o, c, s = module.mix(mixed[index], beta_in[index], a[index], seg_real, conv[lanes], state[lanes])
+                # Decode lanes (one token, or a verify lane's k + 1) token by token: the chunked form would pad
+                # them to its chunk.
+                o, c, s = module.mix(mixed[index], beta_in[index], a[index], seg_real, conv[lanes], state[lanes],
+                                     recurrent=True if first == batch.num_prefill_lanes else None)
                 out = out.at[jnp.where(seg_real, index, num_tokens)].set(o, mode="drop")
                 convs.append(c)
                 states.append(s)
