@@ -493,17 +493,17 @@ class Qwen3NextForCausalLM(nnx.Module):
             for lanes in ("prefill", "decode"):
                 first, index, valid = batch.segments(lanes, decode_width)
                 if index.shape[0]:
-                    segments.append((first, index, valid & real[index]))
-            rows = jnp.where(jnp.concatenate([jnp.any(r, axis=1) for _, _, r in segments]), handle.request_slots, -1)
+                    segments.append((lanes, first, index, valid & real[index]))  # lanes: the class
+            rows = jnp.where(jnp.concatenate([jnp.any(r, axis=1) for *_, r in segments]), handle.request_slots, -1)
             conv, state = _gdn_states(handle, rows)
             out = jnp.zeros((num_tokens,) + z.shape[1:], _F32)
             convs, states = [], []
-            for first, index, seg_real in segments:
+            for kind, first, index, seg_real in segments:
                 lanes = slice(first, first + index.shape[0])
                 # Decode lanes (one token, or a verify lane's k + 1) token by token: the chunked form would pad
                 # them to its chunk.
                 o, c, s = module.mix(mixed[index], beta_in[index], a[index], seg_real, conv[lanes], state[lanes],
-                                     recurrent=True if first == batch.num_prefill_lanes else None)
+                                     recurrent=True if kind == "decode" else None)
                 out = out.at[jnp.where(seg_real, index, num_tokens)].set(o, mode="drop")
                 convs.append(c)
                 states.append(s)

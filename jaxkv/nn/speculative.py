@@ -706,22 +706,35 @@ def hybrid_packed_verify_step(graphdef, params, manager, batch: PackedBatch, sam
                                               batch.positions, -1))
     verify = verify & decode_ok
     logits, manager = model.forward_packed(batch, manager, verify=verify, width=width)
-    ran = (batch.q_lens > 0) & jnp.where(decode, decode_ok, prefill_ok)
-    took = batch.sample & ran
-    advanced, subs = split_keys(keys)
-    plain = sample(logits[:, -1], subs, sampling)  # a plain lane's columns all hold its last token's logits
-    emitted, accepted = accept_drafts(logits, drafts, num_drafts, sampling, None if _greedy(sampling) else subs)
-    tokens = jnp.where(verify[:, None], emitted, plain[:, None])
-    counts = jnp.where(verify, accepted + 1, took.astype(jnp.int32))
-    accepted = jnp.where(verify, accepted, 0)
+    took = batch.sample & (batch.q_lens > 0) & jnp.where(decode, decode_ok, prefill_ok)
+    tokens, counts, keys, accepted = _draw_lanes(logits, drafts, num_drafts, verify, took, sampling, keys)
     rejected = verify & (accepted < num_drafts)
     if by_length:
         manager, _ = manager.truncate(jnp.where(rejected, slots, -1), starts + accepted + 1)
     else:
         inputs = batch.token_ids[jnp.clip(first[:, None] + offset, 0, batch.num_tokens - 1)]
         manager = _restore_and_replay(model, manager, rejected, slots, checkpoint, inputs, starts, accepted)
-    return (manager, tokens, counts, jnp.where(took, advanced, keys), prefill_ok, decode_ok, manager.blocks_in_use,
-            num_drafts, accepted)
+    return manager, tokens, counts, keys, prefill_ok, decode_ok, manager.blocks_in_use, num_drafts, accepted
+
+
+def _draw_lanes(logits: Float[Array, "S K1 V"], drafts, num_drafts, verify: Bool[Array, " S"],
+                took: Bool[Array, " S"], sampling: RowSampling, keys, draft_probs=None):
+    """A packed step's tokens with verify lanes (``logits`` as
+    ``forward_packed(..., verify=, width=)`` returns them: a plain lane's
+    columns all hold its last token's): a plain lane draws one token as
+    :func:`~jaxkv.nn.steps.paged_packed_step` does, a verify lane its
+    accepted drafts and one token of the target's (:func:`accept_drafts`).
+    Returns ``(tokens [S, K1], counts [S], keys, accepted [S])``: lane
+    ``s`` gave ``tokens[s, :counts[s]]`` (a plain lane 1 when it ``took`` a
+    token, else 0); keys advanced for the lanes that took one; ``accepted``
+    0 off the verify lanes."""
+    advanced, subs = split_keys(keys)
+    plain = sample(logits[:, -1], subs, sampling)
+    emitted, accepted = accept_drafts(logits, drafts, num_drafts, sampling, None if _greedy(sampling) else subs,
+                                      draft_probs=draft_probs)
+    tokens = jnp.where(verify[:, None], emitted, plain[:, None])
+    counts = jnp.where(verify, accepted + 1, took.astype(jnp.int32))
+    return tokens, counts, jnp.where(took, advanced, keys), jnp.where(verify, accepted, 0)
 
 
 def paged_packed_verify_step(graphdef, params, manager, pool, batch: PackedBatch, sampling: RowSampling, keys,
@@ -780,18 +793,12 @@ def paged_packed_verify_step(graphdef, params, manager, pool, batch: PackedBatch
     batch = batch.replace(token_ids=token_ids)
     logits, pool = nnx.merge(graphdef, params).forward_packed(batch, pool, verify=verify, width=k + 1)
     took = batch.sample & (batch.q_lens > 0)
-    advanced, subs = split_keys(keys)
-    plain = sample(logits[:, -1], subs, sampling)  # a plain lane's columns all hold its last token's logits
-    emitted, accepted = accept_drafts(logits, drafts, num_drafts, sampling, None if _greedy(sampling) else subs,
-                                      draft_probs=probs)
-    tokens = jnp.where(verify[:, None], emitted, plain[:, None])
-    counts = jnp.where(verify, accepted + 1, took.astype(jnp.int32))
+    tokens, counts, keys, accepted = _draw_lanes(logits, drafts, num_drafts, verify, took, sampling, keys, probs)
     # Each decode lane that ran keeps its token and a verify lane its accepted drafts.
-    kept, _ = manager.truncate(jnp.where(decode & ok, seqs, -1), starts + jnp.where(verify, accepted, 0) + 1)
+    kept, _ = manager.truncate(jnp.where(decode & ok, seqs, -1), starts + accepted + 1)
     if scrub:
         pool = scrub_kv_pool(pool, freed_blocks(manager.device, kept.device, null=False))
-    return (kept, pool, tokens, counts, jnp.where(took, advanced, keys), ok, blocked, kept.device.num_used,
-            num_drafts, jnp.where(verify, accepted, 0))
+    return kept, pool, tokens, counts, keys, ok, blocked, kept.device.num_used, num_drafts, accepted
 
 
 def hybrid_cache_options(model, num_drafts: int, rows: int, **make_cache_args) -> tuple[dict, int]:
