@@ -351,7 +351,9 @@ def test_structured_outputs_and_forced_tool_calls(client):
     ``jsonschema``), vLLM's ``structured_outputs`` regex and choice and
     ``guided_choice``, streamed equal to not streamed, and
     ``tool_choice`` required / named answered with a call whose arguments
-    follow the function's schema; invalid constraints are 400s."""
+    follow the function's schema; a drawn context-free grammar (vLLM's
+    ``guided_grammar`` or ``structured_outputs.grammar``), streamed equal
+    to not streamed; invalid constraints are 400s."""
     import jsonschema
 
     from tests.test_structured import draw_schema
@@ -389,12 +391,25 @@ def test_structured_outputs_and_forced_tool_calls(client):
         assert len(calls) == 1 and calls[0].function.name in names, out
         if calls[0].function.name == "get_weather":
             jsonschema.validate(json.loads(calls[0].function.arguments), weather["function"]["parameters"])
+    from tests.test_grammar import draw_nested, nested_state
+
+    grammar, parts = draw_nested(rng)  # a context-free grammar (Lark or GBNF), masked on the host by llguidance
+    field = "guided_grammar" if rng.random() < 0.5 else "structured_outputs"
+    body = {field: grammar} if field == "guided_grammar" else {field: {"grammar": grammar}}
+    full = client.completions.create(model=MODEL, prompt="Nest", max_tokens=30, temperature=1.0, seed=seed,
+                                     extra_body=body).choices[0]
+    assert nested_state(full.text, parts) in (("done",) if full.finish_reason == "stop" else ("done", "prefix")), (
+        grammar, full)
+    streamed = client.completions.create(model=MODEL, prompt="Nest", max_tokens=30, temperature=1.0, seed=seed,
+                                         extra_body=body, stream=True)
+    assert "".join(c.choices[0].text for c in streamed if c.choices) == full.text
     for bad in ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
                     "type": "integer", "multipleOf": 3}}}},
                 {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": 5}}}},
                 {"response_format": {"type": "xml"}},
                 {"structured_outputs": {"regex": "(unclosed"}},
-                {"structured_outputs": {"grammar": "root ::= 'a'"}},
+                {"structured_outputs": {"grammar": "start: undefined_rule"}},
+                {"guided_grammar": "root ::: 'a'"},
                 {"guided_regex": "a+", "guided_choice": ["a"]}):
         with pytest.raises(openai.BadRequestError):
             client.chat.completions.create(**chat, extra_body=bad)

@@ -30,6 +30,7 @@ BENCHMARKS = {
     "compile_depth": "jaxkv.bench.compile_depth",
     "engine_aot": "jaxkv.bench.engine_aot",
     "spec": "jaxkv.bench.spec",
+    "structured": "jaxkv.bench.structured",
 }
 
 

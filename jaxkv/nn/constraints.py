@@ -189,18 +189,25 @@ class RowConstraints:
     of every automaton in the batch, stacked (global state numbers; state 0
     the universal one); ``class_of [A, V]`` int32, automaton ``a``'s token
     classes; per row ``automaton [B]`` and ``state [B]`` int32 (0 and 0: an
-    unconstrained row)."""
+    unconstrained row); ``row_bits [B, W]`` uint32, a mask computed on the
+    host for each row's next token and ANDed with its state's (a grammar
+    row, :mod:`jaxkv.serve.grammar`; every bit set for the others), or None
+    when no row has one (then nothing is computed for it)."""
 
     allowed_bits: Int[Array, "S W"]
     next_state: Int[Array, "S C"]
     class_of: Int[Array, "A V"]
     automaton: Int[Array, " B"]
     state: Int[Array, " B"]
+    row_bits: Int[Array, "B W"] | None = None
 
 
 def allowed_tokens(constraints: RowConstraints, states: Int[Array, " B"], vocab: int) -> Bool[Array, "B V"]:
-    """Per row, the tokens ``states`` allow (``[B, vocab]`` bool)."""
+    """Per row, the tokens ``states`` allow (``[B, vocab]`` bool), and its
+    ``row_bits`` where given."""
     words = constraints.allowed_bits[states]  # [B, W]
+    if constraints.row_bits is not None:
+        words = words & constraints.row_bits
     bits = (words[:, :, None] >> jnp.arange(32, dtype=jnp.uint32)) & jnp.uint32(1)
     return bits.reshape(words.shape[0], -1)[:, :vocab].astype(bool)
 

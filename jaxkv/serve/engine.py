@@ -288,7 +288,11 @@ class Engine(Scheduler):
         advances the row's automaton itself. An iteration that runs such a
         request stacks the running constraints' tables into the call (built
         again only when that set changes); a speculating engine runs plain
-        decode chunks while one runs.
+        decode chunks while one runs. A
+        :class:`~jaxkv.serve.grammar.HostGrammar` (``compile_constraint(...,
+        grammar=...)``: a context-free grammar) is parsed on the host
+        instead: the request takes one token per device call, its mask
+        computed before each, while the other rows keep their decode chunk.
 
         ``arrival_step``: the scheduler iteration from which it may be
         admitted (simulated arrivals for :meth:`run`; 0: at once; a step

@@ -143,15 +143,24 @@ class FaultContainment:
         self._finish(req, "error")
 
     def _screen(self, reqs) -> dict:
-        """Each request's sampling row as the device takes it (``{id: row}``);
-        a request whose parameters cannot be put there is finished with
-        ``"error"`` (:meth:`_error`) and left out."""
+        """Each request's sampling row as the device takes it (``{id: row}``)
+        and, for a request with a grammar, its next token's mask
+        (``grammar_bits``, :mod:`jaxkv.serve.grammar`); a request whose
+        parameters cannot be put there, or whose grammar fails, is finished
+        with ``"error"`` (:meth:`_error`) and left out."""
         rows = {}
         for req in list(reqs):
             try:
                 rows[req.id] = self._sampling_row(req)
             except Exception as err:  # noqa: BLE001 - this request's own failure
                 self._error(req, f"its sampling parameters cannot be used: {type(err).__name__}: {err}")
+                continue
+            if req.grammar is not None:
+                try:
+                    req.grammar_bits = req.grammar.mask(req.generated)
+                except Exception as err:  # noqa: BLE001 - this request's own failure
+                    del rows[req.id]
+                    self._error(req, f"its grammar failed: {type(err).__name__}: {err}")
         return rows
 
     #: ``req``'s sampling row (:func:`sampling_row`; an attribute, so a test can inject a fault here).

@@ -50,13 +50,15 @@ from the output (:mod:`jaxkv.serve.tools`). Completions' ``best_of`` (the
 ``choice``, ``json_object``) and ``guided_json`` / ``guided_regex`` /
 ``guided_choice``, and chat's ``tool_choice`` ``required`` or a named
 function, compiled into a token automaton the engine applies on the device
-(:mod:`jaxkv.serve.structured`; an invalid or unenforceable constraint is
-a 400). vLLM's ``prompt_logprobs`` (0..20: each prompt token's
+(:mod:`jaxkv.serve.structured`); ``structured_outputs.grammar`` /
+``guided_grammar`` (Lark or GBNF), parsed on the host by llguidance
+(:mod:`jaxkv.serve.grammar`); an invalid or unenforceable constraint is
+a 400. vLLM's ``prompt_logprobs`` (0..20: each prompt token's
 log-probability, rank and top ones, scored in the packed steps that
 prefill the prompt; such a request takes no prefix-cache hit), and
 completions' ``echo`` with ``logprobs`` (the prompt's tokens first, the
 first one's None). Fields the server cannot honour (``suffix``,
-``functions``, a ``grammar`` constraint...) set to anything but their
+``functions``...) set to anything but their
 neutral value are refused with 400 rather than silently ignored. Non-stream responses always carry ``usage``
 (``prompt_tokens``: each distinct prompt once, whatever ``n``;
 ``completion_tokens``: over every choice).
@@ -681,10 +683,10 @@ def _parse_structured(body: dict) -> tuple | None:
     """The request's structured output, if any: ``(field, keywords of
     compile_constraint)``. OpenAI's ``response_format`` (``text``,
     ``json_object``, ``json_schema``), vLLM's ``structured_outputs``
-    (``json``, ``regex``, ``choice``, ``json_object``) and its older
-    ``guided_json`` / ``guided_regex`` / ``guided_choice``; at most one.
-    A ``grammar`` is refused (module docstring of
-    :mod:`jaxkv.serve.structured`)."""
+    (``json``, ``regex``, ``choice``, ``grammar``, ``json_object``) and
+    its older ``guided_json`` / ``guided_regex`` / ``guided_choice`` /
+    ``guided_grammar``; at most one. A ``grammar`` (Lark or GBNF) is
+    parsed on the host (:mod:`jaxkv.serve.grammar`)."""
     found = []
     fmt = body.get("response_format")
     if fmt is not None:
@@ -707,17 +709,15 @@ def _parse_structured(body: dict) -> tuple | None:
     named += [(f"guided_{k}", k, body[f"guided_{k}"]) for k in ("json", "regex", "choice", "grammar")
               if body.get(f"guided_{k}") is not None]
     for field, key, value in named:
-        if key == "grammar":
-            raise _bad(f"'{field}': context-free grammars are not served (jaxkv's constraints are token automata on "
-                       "the device; give a regex or a JSON schema)", field.split(".")[0], "unsupported_parameter")
         if key == "json" and isinstance(value, str):
             try:
                 value = json.loads(value)
             except ValueError:
                 raise _bad(f"'{field}' is not a JSON schema (not JSON)", field.split(".")[0]) from None
-        keyword = {"json": "json_schema", "regex": "regex", "choice": "choice", "json_object": "json_object"}.get(key)
+        keyword = {"json": "json_schema", "regex": "regex", "choice": "choice", "json_object": "json_object",
+                   "grammar": "grammar"}.get(key)
         if keyword is None:
-            raise _bad(f"'{field}' is not a structured-output field (json, regex, choice, json_object)",
+            raise _bad(f"'{field}' is not a structured-output field (json, regex, choice, grammar, json_object)",
                        field.split(".")[0])
         found.append((field.split(".")[0], {keyword: value}))
     if len(found) > 1:

@@ -24,6 +24,7 @@ from jaxkv.errors import InvalidArgument
 from jaxkv.nn.constraints import TokenAutomaton
 from jaxkv.nn.penalties import OFF, Penalties
 from jaxkv.nn.sampling import MAX_TOP_LOGPROBS, SamplingParams
+from jaxkv.serve.grammar import GrammarState, HostGrammar
 
 __all__ = ["Request", "RequestOutput", "RequestState", "check_token_ids", "find_stop", "new_request"]
 
@@ -152,6 +153,8 @@ class Request:
     constraint: TokenAutomaton | None = None  # structured output (jaxkv.nn.constraints), None: unconstrained
     constraint_state: int = -1  # its automaton's state after the first constraint_read generated tokens
     constraint_read: int = 0
+    grammar: GrammarState | None = None  # a context-free grammar, masked on the host (jaxkv.serve.grammar)
+    grammar_bits: np.ndarray | None = None  # its mask for the next token, computed when the request is screened
 
     def automaton_state(self) -> int:
         """The constraint's state after every generated token (walked on
@@ -280,13 +283,16 @@ def new_request(rid: int, prompt_tokens, max_new_tokens, *, sampling, eos_token_
         if logprobs > MAX_TOP_LOGPROBS:
             raise InvalidArgument(f"logprobs={logprobs}: at most {MAX_TOP_LOGPROBS} top log-probabilities per token")
     penalties = _penalties(penalties, vocab, max_new_tokens)
+    grammar = None
     if constraint is not None:
-        if not isinstance(constraint, TokenAutomaton):
-            raise InvalidArgument(f"constraint must be a TokenAutomaton (jaxkv.serve.structured.compile_constraint), "
-                                  f"got {type(constraint).__name__}")
+        if not isinstance(constraint, (TokenAutomaton, HostGrammar)):
+            raise InvalidArgument(f"constraint must be a TokenAutomaton or a HostGrammar "
+                                  f"(jaxkv.serve.structured.compile_constraint), got {type(constraint).__name__}")
         if vocab is not None and constraint.vocab_size != vocab:
             raise InvalidArgument(f"constraint {constraint.key!r} was built for {constraint.vocab_size} tokens; the "
                                   f"model has {vocab}")
+        if isinstance(constraint, HostGrammar):  # parsed on the host, one state per request
+            constraint, grammar = None, constraint.state()
     if prompt_logprobs is not None:
         prompt_logprobs = _host.int_at_least(prompt_logprobs, "prompt_logprobs", 0)
         if prompt_logprobs > MAX_TOP_LOGPROBS:
@@ -300,4 +306,4 @@ def new_request(rid: int, prompt_tokens, max_new_tokens, *, sampling, eos_token_
                    np.asarray(jax.random.key_data(key)),
                    stop_ids=frozenset(stop_ids + ([eos_id] if eos_id >= 0 else [])), stop=stop, logprobs=logprobs,
                    penalties=penalties, constraint=constraint, prompt_logprobs=prompt_logprobs,
-                   constraint_state=-1 if constraint is None else constraint.initial)
+                   constraint_state=-1 if constraint is None else constraint.initial, grammar=grammar)

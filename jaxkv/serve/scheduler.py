@@ -201,20 +201,23 @@ def row_sampling(max_seqs: int, rows: dict, reqs_by_lane: dict, logprobs_mode: s
         penalties = RowPenalties.stack(lanes, history_width)
     constrained = {lane: (req.constraint, req.automaton_state()) for lane, req in reqs_by_lane.items()
                    if req.constraint is not None}
+    masked = {lane: req.grammar_bits for lane, req in reqs_by_lane.items() if req.grammar is not None}
+    if (constrained or masked) and constraints is None:  # no engine table: one of its own for this call
+        constraints = ConstraintTable(_constraint_vocab(reqs_by_lane.values()))
     return RowSampling(temperature, top_k, top_p, logprobs=MAX_TOP_LOGPROBS if wanted else -1,
                        logprobs_mode=logprobs_mode, penalties=penalties,
-                       constraints=_constraint_rows(constraints, max_seqs, constrained))
+                       constraints=None if constraints is None else constraints.rows(max_seqs, constrained, masked))
 
 
-def _constraint_rows(table: ConstraintTable | None, max_seqs: int, constrained: dict):
-    """The batch's :class:`~jaxkv.nn.constraints.RowConstraints` (None when
-    no lane is constrained); without the engine's table, a table of its
-    own for this call."""
-    if not constrained:
-        return None
-    if table is None:
-        table = ConstraintTable(next(iter(constrained.values()))[0].vocab_size)
-    return table.rows(max_seqs, constrained)
+def _constraint_vocab(requests) -> int | None:
+    """The logits' width the first constrained request's automaton or
+    grammar was built for (None: none is constrained)."""
+    for req in requests:
+        if req.constraint is not None:
+            return req.constraint.vocab_size
+        if req.grammar is not None:
+            return req.grammar.grammar.vocab_size
+    return None
 
 
 #: ``sampling_row``'s results by sampling parameters (``SamplingParams`` is
@@ -326,10 +329,11 @@ def _record_prompt_scores(batch: list, scored: list, scores) -> None:
 
 
 def _plain_only(requests) -> bool:
-    """Whether any of ``requests`` asks for log-probabilities, penalties or
-    a constraint (which speculative verify steps do not compute)."""
+    """Whether any of ``requests`` asks for log-probabilities, penalties, a
+    constraint or a grammar (which speculative verify steps do not
+    compute)."""
     return any(req.logprobs is not None or not req.penalties.is_off or req.constraint is not None
-               for req in requests)
+               or req.grammar is not None for req in requests)
 
 
 class Scheduler(FaultContainment):
@@ -662,9 +666,9 @@ class Scheduler(FaultContainment):
         settings (the constraint table made at the first constrained
         request)."""
         if self.constraints is None:
-            first = next((req.constraint for req in reqs_by_lane.values() if req.constraint is not None), None)
-            if first is not None:
-                self.constraints = ConstraintTable(first.vocab_size)
+            vocab = _constraint_vocab(reqs_by_lane.values())
+            if vocab is not None:
+                self.constraints = ConstraintTable(vocab)
         return row_sampling(self.max_seqs, rows, reqs_by_lane, self.logprobs_mode, self.history_width,
                             self.constraints)
 
@@ -788,8 +792,11 @@ class Scheduler(FaultContainment):
         batch = self.max_seqs
         index = np.fromiter(running, np.int64, len(running))
         # One pass over the records, then one assignment per array (not a pass per field).
-        columns = np.array([(req.generated[-1], len(req.generated), req.max_new, req.eos_id)
-                            for req in running.values()], np.int64)
+        # A row with a grammar takes one token (its mask is the host's, for that token alone): its max_new is
+        # the next token, and the device's "done" for it means only that (jaxkv.serve.grammar).
+        columns = np.array([(req.generated[-1], len(req.generated),
+                             req.max_new if req.grammar is None else min(req.max_new, len(req.generated) + 1),
+                             req.eos_id) for req in running.values()], np.int64)
         last = np.zeros((batch,), np.int32)
         active = np.zeros((batch,), bool)
         num_generated = np.zeros((batch,), np.int32)
@@ -817,8 +824,8 @@ class Scheduler(FaultContainment):
         self._count_call(self.max_seqs * int(result.count.max(initial=0)), int(result.count.sum()))
         tokens, counts, done = result.tokens.tolist(), result.count.tolist(), result.finished.tolist()
         keys = result.keys
-        finished = self.output.take_all([(req, tokens[row][: counts[row]], done[row], keys[row],
-                                          logprob_entries(result.logprobs, row, counts[row]))
+        finished = self.output.take_all([(req, tokens[row][: counts[row]], done[row] and req.grammar is None,
+                                          keys[row], logprob_entries(result.logprobs, row, counts[row]))
                                          for row, req in running.items()], now)
         self._retire(finished, final=True)
         self._release_trimmed_hits(req for req in running.values() if req.state is RequestState.RUNNING)

@@ -7,10 +7,11 @@ token-level DFA, built once per (constraint, vocabulary), which is exactly
 what fits on the device as tables, so a constrained row keeps the
 multi-step decode loop (no host round trip per token). xgrammar and
 llguidance accept more (context-free grammars), but compute each token's
-mask on the host from a pushdown automaton / Earley parser, which would take
-constrained rows out of the device loop. The price of a DFA: recursion is
-unrolled to a fixed depth (``json_object``'s nesting), context-free
-``grammar`` constraints are refused, and building the index for a large
+mask on the host from a pushdown automaton / Earley parser, which takes
+constrained rows out of the device loop: jaxkv uses llguidance for
+``grammar`` constraints only (:mod:`jaxkv.serve.grammar`, one token per
+device call for such a row). The price of a DFA: recursion is unrolled to a
+fixed depth (``json_object``'s nesting), and building the index for a large
 regex takes seconds (``json_object`` on SmolLM2's 49,152 tokens: about 19 s
 on 2 cores, once per server: :func:`compile_constraint` caches automata).
 
@@ -46,6 +47,7 @@ import numpy as np
 
 from jaxkv.errors import InvalidArgument
 from jaxkv.nn.constraints import RowConstraints, TokenAutomaton, stack_automata
+from jaxkv.serve.grammar import HostGrammar, compile_grammar
 
 __all__ = ["ConstraintTable", "MAX_AUTOMATON_BYTES", "compile_constraint", "compile_regex", "constraint_regex",
            "integer_range_regex", "number_range_regex", "schema_regex", "token_bytes"]
@@ -337,11 +339,18 @@ def compile_regex(regex: str, vocabulary, stop_ids, vocab_size: int, *, key: str
     return automaton
 
 
-def compile_constraint(tokenizer, vocab_size: int, **constraint) -> TokenAutomaton:
+def compile_constraint(tokenizer, vocab_size: int, **constraint) -> TokenAutomaton | HostGrammar:
     """The :class:`TokenAutomaton` of one constraint (keywords of
     :func:`constraint_regex`) over ``tokenizer``'s tokens, for a model of
     ``vocab_size`` logits; cached (same tokenizer, size and regex: the same
-    automaton). Thread-safe; the build itself runs outside the lock."""
+    automaton). Thread-safe; the build itself runs outside the lock.
+    ``grammar=`` (alone): a context-free grammar, a
+    :class:`~jaxkv.serve.grammar.HostGrammar` (:func:`compile_grammar`)."""
+    if "grammar" in constraint:
+        grammar = constraint.pop("grammar")
+        if constraint:
+            raise InvalidArgument(f"give exactly one structured-output constraint, got {['grammar', *constraint]}")
+        return compile_grammar(tokenizer, vocab_size, grammar)
     kind, regex = constraint_regex(**constraint)
     key = (id(tokenizer), vocab_size, regex)
     with _LOCK:
@@ -374,13 +383,16 @@ class ConstraintTable:
         self._offsets: dict = {}
         self.rebuilds = 0
 
-    def rows(self, max_rows: int, constrained: dict) -> RowConstraints | None:
+    def rows(self, max_rows: int, constrained: dict, masked: dict | None = None) -> RowConstraints | None:
         """``constrained``: lane -> ``(automaton, state)`` (states local to
-        the automaton); None when empty (nothing is computed then)."""
-        if not constrained:
+        the automaton); ``masked``: lane -> ``[W]`` uint32, a mask the host
+        computed for the lane's next token (a grammar,
+        :mod:`jaxkv.serve.grammar`: ``row_bits``, every bit set for the
+        other lanes). None when both are empty (nothing is computed then)."""
+        if not constrained and not masked:
             return None
         automata = tuple(dict.fromkeys(a for a, _ in constrained.values()))
-        if {id(a) for a in automata} != {id(a) for a in self._automata}:
+        if self._device is None or {id(a) for a in automata} != {id(a) for a in self._automata}:
             self._automata = automata
             self._device, offsets = stack_automata(list(automata), self.vocab)
             self._offsets = {id(a): (k + 1, offset) for k, (a, offset) in enumerate(zip(automata, offsets))}
@@ -390,4 +402,9 @@ class ConstraintTable:
         for lane, (a, local) in constrained.items():
             automaton[lane], offset = self._offsets[id(a)]
             state[lane] = offset + local
-        return self._device.replace(automaton=automaton, state=state)
+        row_bits = None
+        if masked:
+            row_bits = np.full((max_rows, -(-self.vocab // 32)), 0xFFFFFFFF, np.uint32)
+            for lane, bits in masked.items():
+                row_bits[lane] = bits
+        return self._device.replace(automaton=automaton, state=state, row_bits=row_bits)
