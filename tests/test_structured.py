@@ -344,3 +344,46 @@ def test_constraints_arriving_beside_a_speculating_request(tokenizer, model):
     entries = [e for o in asking for e in (o.new_logprobs or ())]
     assert len(entries) == sum(len(o.new_token_ids) for o in asking) == 12
     assert engine.stats().spec_draft_tokens > 0  # the plain request did speculate
+
+
+def test_automata_kept_on_disk_load_as_built_and_damaged_files_are_rebuilt(tokenizer, model, tmp_path, caplog):
+    """With a disk folder, a new process's first request (a new tokenizer
+    object: nothing in memory) loads the automaton the last one built,
+    array for array; a truncated file, a file whose arrays were changed
+    (its checksum) and a half-written temporary file (a power cut) are
+    never used: the automaton is built again, equal."""
+    from jaxkv.serve.structured import set_automaton_cache_dir
+    from jaxkv.text import Tokenizer
+
+    vocab = model.config.vocab_size
+    schema = draw_schema(np.random.default_rng())
+    fields = ("next_state", "class_of", "allowed_bits", "final", "initial")
+
+    def fresh():  # another process's view: a tokenizer object of its own
+        return compile_constraint(Tokenizer(tokenizer.backend, eos_token_ids=list(tokenizer.eos_token_ids)), vocab,
+                                  json_schema=schema)
+
+    set_automaton_cache_dir(str(tmp_path))
+    try:
+        built = fresh()
+        files = list(tmp_path.glob("*.npz"))
+        assert len(files) == 1, files
+        (tmp_path / "half.npz.tmp").write_bytes(files[0].read_bytes()[:100])  # a write cut short: never read
+        loaded = fresh()
+        for field in fields:
+            assert np.array_equal(getattr(loaded, field), getattr(built, field)), field
+        data = dict(np.load(files[0]))
+        data["final"] = ~data["final"]  # another automaton under the old checksum
+        np.savez(files[0], **data)
+        for damage in ("changed", "truncated"):
+            if damage == "truncated":
+                files[0].write_bytes(files[0].read_bytes()[:200])
+            caplog.clear()
+            with caplog.at_level("WARNING", logger="jaxkv.serve"):
+                again = fresh()
+            assert "building again" in caplog.text, damage
+            for field in fields:
+                assert np.array_equal(getattr(again, field), getattr(built, field)), (damage, field)
+            assert fresh().initial == built.initial  # the rebuilt file replaced the damaged one
+    finally:
+        set_automaton_cache_dir(None)

@@ -6,18 +6,29 @@ from __future__ import annotations
 
 import os
 
-__all__ = ["configure_compile_cache", "default_compile_cache_dir"]
+__all__ = ["configure_compile_cache", "default_automaton_cache_dir", "default_compile_cache_dir"]
+
+
+def _cache_root() -> str:
+    root = os.environ.get("JAXKV_CACHE_DIR")
+    if not root:
+        root = os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"),
+                            "jaxkv")
+    return root
 
 
 def default_compile_cache_dir() -> str:
     """Where the persistent JAX compilation cache lives by default:
     ``$JAXKV_CACHE_DIR/jax`` when ``JAXKV_CACHE_DIR`` is set, else
     ``$XDG_CACHE_HOME/jaxkv/jax``, else ``~/.cache/jaxkv/jax``."""
-    root = os.environ.get("JAXKV_CACHE_DIR")
-    if not root:
-        root = os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"),
-                            "jaxkv")
-    return os.path.join(root, "jax")
+    return os.path.join(_cache_root(), "jax")
+
+
+def default_automaton_cache_dir() -> str:
+    """Where the server keeps structured outputs' compiled automata
+    (:func:`jaxkv.serve.structured.set_automaton_cache_dir`): ``automata``
+    beside :func:`default_compile_cache_dir`'s ``jax``."""
+    return os.path.join(_cache_root(), "automata")
 
 
 def configure_compile_cache(path: str | None) -> int:
