@@ -201,9 +201,10 @@ RULES = (
      "the real SmolLM2 (30 layers) compiled with logprobs and penalties; random models and fixtures check the "
      "same paths by default"),
     ("long", "other cases", ("test_grammar.py::test_engine_grammar_rows_beside_plain_rows[padded]",
-                             "test_grammar.py::test_engine_grammar_rows_beside_plain_rows[speculative]"),
-     "grammar rows in the packed scheduler by default; the padded scheduler and a speculating engine (paused "
-     "while a grammar row runs) in long"),
+                             "test_grammar.py::test_engine_grammar_rows_beside_plain_rows[speculative]",
+                             "test_grammar.py::test_engine_grammar_rows_beside_plain_rows[gemma3]"),
+     "grammar rows in the packed scheduler by default (the paged Llama); the padded scheduler, a speculating "
+     "engine (paused while a grammar row runs) and a hybrid cache (Gemma 3) in long"),
     ("long", "program", ("test_structured.py::test_smollm2_follows_random_schemas_and_json_mode",),
      "the real SmolLM2 (30 layers) and JSON mode's index over its 49,152 tokens (about 19 s); a random model "
      "under random schemas checks the same paths by default"),

@@ -128,8 +128,32 @@ def test_host_masks_walk_only_into_the_language(tokenizer):
 # ------------------------------------------------------------ the engine
 
 
-@pytest.mark.parametrize("variant", ["packed", "padded", "speculative"])
-def test_engine_grammar_rows_beside_plain_rows(tokenizer, model, variant):
+@pytest.fixture(scope="module")
+def small_tokenizer():
+    """A byte-level BPE of 250 tokens (only the characters of its corpus:
+    the fixtures' 256 logits), for the hybrid cache's fixture."""
+    from tokenizers import Tokenizer as Backend
+    from tokenizers import decoders, models, pre_tokenizers, trainers
+
+    from jaxkv.text import Tokenizer
+
+    rng = np.random.default_rng(0)
+    corpus = []
+    for _ in range(400):
+        k, n = int(rng.integers(len(OPENS))), int(rng.integers(0, 5))
+        corpus.append(OPENS[k] * n + str(rng.choice(MIDS)) + CLOSES[k] * n)
+        corpus.append("".join(str(rng.choice(list("0123456789+-*/%()"))) for _ in range(12)))
+    backend = Backend(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=250, special_tokens=["<|endoftext|>", "<|im_end|>"],
+                                  show_progress=False)
+    backend.train_from_iterator(corpus, trainer)
+    return Tokenizer(backend, eos_token_ids=[backend.token_to_id("<|im_end|>")])
+
+
+@pytest.mark.parametrize("variant", ["packed", "padded", "speculative", "gemma3"])
+def test_engine_grammar_rows_beside_plain_rows(tokenizer, model, small_tokenizer, variant):
     """Grammars drawn at random (the nested family, arithmetic) on a random
     model sampled at temperature 1, beside unconstrained requests: every
     grammar output is in its language (finished: ``lark`` and the hand
@@ -139,9 +163,19 @@ def test_engine_grammar_rows_beside_plain_rows(tokenizer, model, variant):
     rows; left alone, the same requests leave the language. Both
     schedulers, and a speculating engine (which pauses speculation while a
     grammar row runs: the plain rows are greedy, so their tokens are the
-    same either way)."""
+    same either way); and a hybrid cache (Gemma 3's fixture: window rings,
+    its packed and decode steps) with a smaller tokenizer."""
     from jaxkv.nn.sampling import SamplingParams
     from jaxkv.serve import Engine
+
+    if variant == "gemma3":
+        import os
+
+        from jaxkv.nn import AutoModelForCausalLM
+
+        tokenizer = small_tokenizer
+        model = AutoModelForCausalLM.from_pretrained(os.path.join(os.path.dirname(__file__), "fixtures",
+                                                                  "gemma3", "small"))
 
     vocab = model.config.vocab_size
     rng = np.random.default_rng()
