@@ -235,3 +235,44 @@ def test_engine_grammar_rows_beside_plain_rows(tokenizer, model, small_tokenizer
     # Left alone the model leaves the language: the mask did it.
     free = [tokenizer.decode([t for t in alone_tokens[rid] if t != eos]) for rid in free_ids]
     assert not all(_lark_parses(as_lark(g, parts), text) for (g, parts), text in zip(specs, free)), free
+
+
+def test_a_grammar_that_fails_finishes_its_request_alone(tokenizer, model, monkeypatch):
+    """A grammar whose parser fails mid-output (injected) finishes its own
+    request with ``"error"`` and the reason; the request beside it gives
+    the tokens it gives alone, and nothing leaks."""
+    from jaxkv.nn.sampling import SamplingParams
+    from jaxkv.serve import Engine
+    from jaxkv.serve.grammar import GrammarState
+
+    rng = np.random.default_rng()
+    grammar, _ = draw_nested(rng)
+    constraint = compile_constraint(tokenizer, model.config.vocab_size, grammar=grammar)
+    real = GrammarState.mask
+
+    def failing(self, generated):
+        if len(generated) >= 2:
+            raise RuntimeError("parser broke")
+        return real(self, generated)
+
+    monkeypatch.setattr(GrammarState, "mask", failing)
+    prompt = rng.integers(0, tokenizer.vocab_size, 9).tolist()
+    plain = dict(prompt_tokens=prompt[:5], max_new_tokens=20, sampling=SamplingParams())
+    options = dict(max_seqs=4, max_model_len=128, decode_chunk=8, prefill_chunk=16)
+    engine = Engine(model, tokenizer=tokenizer, **options)
+    bad = engine.add_request(prompt_tokens=prompt, max_new_tokens=20, constraint=constraint,
+                             sampling=SamplingParams(temperature=1.0), seed=3)
+    good = engine.add_request(**plain)
+    outs: dict = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            outs.setdefault(out.request_id, []).append(out)
+    engine.check_bookkeeping()
+    assert outs[bad][-1].finish_reason == "error" and "parser broke" in outs[bad][-1].error, outs[bad][-1]
+    assert sum(len(o.new_token_ids) for o in outs[bad]) == 2
+    alone = Engine(model, tokenizer=tokenizer, **options)
+    rid = alone.add_request(**plain)
+    tokens = []
+    while alone.has_unfinished():
+        tokens += [t for out in alone.step() if out.request_id == rid for t in out.new_token_ids]
+    assert [t for o in outs[good] for t in o.new_token_ids] == tokens
