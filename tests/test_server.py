@@ -225,9 +225,14 @@ def test_token_id_prompts_n_seed_and_stop(client, server):
     greedy = client.completions.create(model=MODEL, prompt=ids, max_tokens=8, temperature=0)
     assert greedy.usage.prompt_tokens == len(ids)
     # Two prompts x n=2, sampled with a seed: 4 choices, indices 0..3; seeded runs repeat.
-    kw = dict(model=MODEL, prompt=[ids, "Another prompt"], max_tokens=6, temperature=1.0, top_p=0.9, n=2, seed=7,
-              extra_body={"top_k": 20})
-    one, two = client.completions.create(**kw), client.completions.create(**kw)
+    # Prompts of more than a page, new to the prefix cache: each prompt's second choice forks the first's pages
+    # (counted on /metrics); the second time, the prefix cache holds them and serves the hits.
+    kw = dict(model=MODEL, prompt=[ids * 3, "Another prompt, long enough to fill a page"], max_tokens=6,
+              temperature=1.0, top_p=0.9, n=2, seed=7, extra_body={"top_k": 20})
+    forked = metric(metrics(server), "jaxkv_forked_requests_total")
+    one = client.completions.create(**kw)
+    assert metric(metrics(server), "jaxkv_forked_requests_total") - forked == 2
+    two = client.completions.create(**kw)
     assert sorted(c.index for c in one.choices) == [0, 1, 2, 3]
     assert [c.text for c in one.choices] == [c.text for c in two.choices]
     # stop: the text ends before the stop string's first occurrence

@@ -551,6 +551,14 @@ class CacheBase(abc.ABC):
         """Whether the prefix cache holds a page it could evict now."""
         return self.prefix_cache.evictable_blocks > 0
 
+    def fork_hit(self, row: int, num_tokens: int) -> PrefixHit | None:
+        """A hit on row ``row``'s own first ``num_tokens`` tokens (a
+        sibling forking it, :meth:`Engine.add_request`'s ``fork_of``),
+        admitted as a prefix hit is; None when this cache has no such hit
+        (a hybrid cache's siblings take the state it snapshots at their
+        cut, through its prefix cache)."""
+        return None
+
     def growth(self, num_tokens: int, steps: int, held: np.ndarray, shared: np.ndarray) -> np.ndarray:
         """Free blocks a row may still take over its next ``steps`` decode
         steps: it holds ``num_tokens`` tokens in ``held`` blocks, ``shared``
@@ -821,6 +829,7 @@ class KVCache(Protocol):
     def evict(self, shortfall: np.ndarray) -> None: ...
     def begin_prefill(self, lanes: list[PrefillLane]) -> None: ...
     def add_cut(self, row: int, position: int) -> bool: ...
+    def fork_hit(self, row: int, num_tokens: int) -> PrefixHit | None: ...
     def pieces(self, lane: PrefillLane, width: int | None = None) -> list[tuple[int, int]]: ...
     def prefill_step(self, graphdef, params, batch, sampling: RowSampling): ...
     def packed_step(self, graphdef, params, prefill, decode, sampling: RowSampling, key_data: list,

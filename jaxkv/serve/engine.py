@@ -235,7 +235,7 @@ class Engine(Scheduler):
                     stop_token_ids: Sequence[int] = (), stop: str | Sequence[str] = (),
                     namespace: Hashable = None, seed: int | None = None, arrival_step: int = 0,
                     logprobs: int | None = None, penalties=None, constraint=None,
-                    prompt_logprobs: int | None = None) -> int:
+                    prompt_logprobs: int | None = None, fork_of: int | None = None) -> int:
         """Queue a request; returns its id (its key in :attr:`outputs`).
         Works at any time, also between :meth:`step` calls while other
         requests run: it is admitted at the next iteration that has room.
@@ -294,6 +294,20 @@ class Engine(Scheduler):
         instead: the request takes one token per device call, its mask
         computed before each, while the other rows keep their decode chunk.
 
+        ``fork_of`` (the id of a request added before with the same prompt
+        and namespace; None: none): a sibling of that request (``n`` > 1,
+        ``best_of``), which prefills the prompt once for both. This one
+        waits while the other is queued or prefilling before the prompt's
+        last token, then starts from the other's cache: on a paged pool it
+        takes the other's full pages straight from its block table (one
+        more owner each, no prefix cache needed) and computes only the
+        partial last page and the last token; on a hybrid cache it takes
+        the other's state at the last token but one (a snapshot the cache
+        captures there for it, through the prefix cache) and computes only
+        the last token. Its tokens are those it gives alone. When the other
+        is past that point (it ran on, was preempted, finished or was
+        aborted), this one is admitted as any other request.
+
         ``arrival_step``: the scheduler iteration from which it may be
         admitted (simulated arrivals for :meth:`run`; 0: at once; a step
         already passed counts as now, so it queues behind the requests that
@@ -330,6 +344,14 @@ class Engine(Scheduler):
                           has_tokenizer=self.tokenizer is not None, cache=self.cache, engine_key=self.key,
                           logprobs=logprobs, penalties=penalties, constraint=constraint,
                           prompt_logprobs=prompt_logprobs)
+        if fork_of is not None:
+            parent = self._requests.get(fork_of) if isinstance(fork_of, int) else None
+            if parent is None:
+                raise InvalidArgument(f"fork_of={fork_of!r}: no request of this engine has that id")
+            if parent.prompt != req.prompt or parent.namespace != req.namespace:
+                raise InvalidArgument(f"fork_of={fork_of}: request {fork_of} has another prompt or namespace "
+                                      f"({len(parent.prompt)} tokens against {len(req.prompt)})")
+            req.fork_of = fork_of
         if prompt_logprobs is not None and self.scheduler != "packed":
             raise InvalidArgument("prompt_logprobs are scored in packed steps: use the packed scheduler "
                                   "(Engine(..., scheduler='packed'), the default)")
@@ -505,7 +527,8 @@ class Engine(Scheduler):
             token_slots=count.slots_computed, padding_slots=count.slots_computed - count.slots_real,
             cache_usage=tuple(self.cache.usage()), step_failures=count.step_failures,
             failed_requests=count.failed_requests, spec_draft_tokens=count.spec_drafted,
-            spec_accepted_tokens=count.spec_accepted, spec_packed_draft_tokens=count.spec_packed_drafted)
+            spec_accepted_tokens=count.spec_accepted, spec_packed_draft_tokens=count.spec_packed_drafted,
+            forked_requests=count.forked)
 
     def _progress(self, pending, total, start, generated_before, before: Counters) -> EngineProgress:
         states = collections.Counter(r.state for r in pending)

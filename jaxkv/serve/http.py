@@ -66,12 +66,12 @@ neutral value are refused with 400 rather than silently ignored. Non-stream resp
 ``n > 1`` (and ``best_of``) is served as ``n`` engine requests on the same
 prompt with seeds ``seed, seed + 1, ...`` (without a ``seed``, each request
 draws from the engine's own per-request stream) that share one prefill:
-the first is admitted and prefills the prompt, the others wait for it (the
-scheduler's in-batch prefix rule) and take its pages from the prefix
-cache, computing only what the cache's hit grain leaves (the partial last
-page and the last token on a paged pool, the last token on a hybrid
-cache; ``tests/test_parallel_sampling.py``). Not a fork of the first
-request's cache: that would save at most a page per sibling.
+the first is admitted and prefills the prompt, the others are its siblings
+(``Engine.add_request``'s ``fork_of``): they wait for it and fork its
+cache, computing only what the cache's grain leaves (on a paged pool its
+full pages taken from its block table, the partial last page and the last
+token computed; on a hybrid cache its state at the last token but one,
+the last token computed; ``tests/test_parallel_sampling.py``).
 
 **API keys and tenants** (``create_app(api_keys={key: tenant})``; the
 command line's ``--api-key`` / ``--api-keys-file``). Without keys every
@@ -933,6 +933,8 @@ class EngineLoop:
         kind = command[0]
         if kind == "add":
             _, sink, prompt, kwargs = command
+            if isinstance(kwargs.get("fork_of"), _Sink):  # its sibling's engine id (None: refused or gone)
+                kwargs = dict(kwargs, fork_of=self._live.get(kwargs["fork_of"]))
             try:
                 rid = engine.add_request(prompt, **kwargs)
             except Exception as err:  # noqa: BLE001 - answered to its client; others go on
@@ -1599,9 +1601,12 @@ class _Job:
         """Queue every engine request; raise the first refusal (400) after
         aborting the ones that were accepted."""
         loop = self.state.engine_loop
+        candidates = max(self.params.n, self.params.best_of)
         for index, (prompt, kwargs) in enumerate(self.submissions):
             sink = _Sink(self.queue, index)
             self.sinks.append(sink)
+            if index % candidates:  # a sibling: forks the first candidate's prompt (the engine thread resolves it)
+                kwargs = dict(kwargs, fork_of=self.sinks[index - index % candidates])
             loop.add(sink, prompt, kwargs)
         pending = set(range(len(self.sinks)))
         error = None

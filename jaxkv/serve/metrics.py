@@ -37,7 +37,8 @@ Two kinds of series:
   ``jaxkv_preemptions_total``, ``jaxkv_engine_aborted_requests_total``,
   ``jaxkv_engine_finished_requests_total``, ``jaxkv_engine_iterations_total``,
   ``jaxkv_spec_draft_tokens_total`` / ``jaxkv_spec_accepted_tokens_total``
-  (speculative decoding's drafts verified / kept),
+  (speculative decoding's drafts verified / kept), ``jaxkv_forked_requests_total``
+  (``n`` / ``best_of`` siblings admitted on the first one's own pages),
   and the engine's own TTFT / ITL samples (drained from each snapshot) in
   ``jaxkv_engine_time_to_first_token_seconds`` and
   ``jaxkv_engine_inter_token_latency_seconds``;
@@ -172,7 +173,9 @@ class _EngineCollector:
                                ("jaxkv_spec_draft_tokens", "Speculative decoding: draft tokens verified.",
                                 "spec_draft_tokens"),
                                ("jaxkv_spec_accepted_tokens", "Speculative decoding: draft tokens accepted.",
-                                "spec_accepted_tokens")):
+                                "spec_accepted_tokens"),
+                               ("jaxkv_forked_requests", "Siblings (n > 1, best_of) admitted on the first "
+                                "one's own pages.", "forked_requests")):
             yield CounterMetricFamily(name, doc, value=float(get(key, 0) or 0))
         with self.metrics.lock:
             compiles, compile_seconds = self.metrics.compiles, self.metrics.compile_seconds

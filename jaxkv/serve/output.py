@@ -55,7 +55,9 @@ class EngineStats:
     ``failed_requests`` (requests finished with ``"error"``),
     ``spec_draft_tokens`` / ``spec_accepted_tokens`` (speculative decoding:
     draft tokens verified / kept; ``spec_packed_draft_tokens`` of them
-    verified in packed steps' verify lanes). ``cache_usage``:
+    verified in packed steps' verify lanes), ``forked_requests``
+    (siblings admitted on their parent's own pages: ``fork_of``).
+    ``cache_usage``:
     the cache's usage per group now (:class:`EngineSummary`). Since the
     previous :meth:`Engine.stats` call (drained by each call; at most the
     last 65536 of each are kept between calls): ``ttft`` (seconds from the
@@ -94,6 +96,7 @@ class EngineStats:
     spec_draft_tokens: int = 0
     spec_accepted_tokens: int = 0
     spec_packed_draft_tokens: int = 0
+    forked_requests: int = 0
 
     @property
     def prefix_query_tokens(self) -> int:
@@ -122,6 +125,7 @@ class Counters:
     spec_drafted: int = 0  # speculative decoding: draft tokens verified
     spec_accepted: int = 0  # and kept
     spec_packed_drafted: int = 0  # of the verified, those in packed steps' verify lanes
+    forked: int = 0  # siblings admitted on their parent's own pages (Engine.add_request's fork_of)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -462,6 +462,20 @@ class PagedCache(CacheBase):
                      cached_blocks=len(self.prefix_cache.device_blocks()), hit_unit=self.page_size,
                      min_hit=self.page_size)]
 
+    def fork_hit(self, row: int, num_tokens: int) -> PrefixHit | None:
+        """Row ``row``'s first ``num_tokens // page_size`` pages, straight
+        from its block table (written: the engine forks only past them),
+        as a hit with no tree node: admission gives each one more owner, so
+        the sibling shares them with the row, not with the prefix cache.
+        None for a windowed pool (decode trims a row's first pages)."""
+        pages = num_tokens // self.page_size
+        if self.window is not None or pages == 0:
+            return None
+        blocks = self._block_tables()[row, :pages]
+        if (blocks < 0).any():
+            return None
+        return PrefixHit(pages * self.page_size, (blocks.tolist(),))
+
     def add_cut(self, row: int, position: int) -> bool:
         """Insert row ``row``'s whole pages into the prefix cache as soon as
         its prefill passes ``position`` (another request waits for that

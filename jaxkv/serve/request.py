@@ -153,6 +153,7 @@ class Request:
     constraint: TokenAutomaton | None = None  # structured output (jaxkv.nn.constraints), None: unconstrained
     constraint_state: int = -1  # its automaton's state after the first constraint_read generated tokens
     constraint_read: int = 0
+    fork_of: int | None = None  # the sibling whose prompt's KV this one forks (Engine.add_request's fork_of)
     grammar: GrammarState | None = None  # a context-free grammar, masked on the host (jaxkv.serve.grammar)
     grammar_bits: np.ndarray | None = None  # its mask for the next token, computed when the request is screened
 

@@ -543,10 +543,17 @@ class Scheduler(FaultContainment):
             tokens = req.tokens
             # A request that scores its prompt computes all of it: no prefix hit, no waiting for one.
             hit = no_hit(self.cache) if req.prompt_logprobs is not None else self.cache.match(tokens, req.namespace)
-            if req.prompt_logprobs is None and self._wait_for_prefix(req, hit, admitted):
+            wait, fork = self._fork(req, hit, admitted) if req.prompt_logprobs is None else (False, None)
+            if not wait and fork is None and req.prompt_logprobs is None:
+                wait = self._wait_for_prefix(req, hit, admitted)
+            if wait:
                 self.cache.unpin(hit)
                 deferred.append(self._waiting.popleft())
                 continue
+            if fork is not None:  # the sibling's own pages: the tree's hit is not needed
+                self.cache.unpin(hit)
+                hit = fork
+                self._count.forked += 1
             if running is None:
                 running = self._growth_reserve()
             want = admission_blocks(self.cache, req, hit, self.reserve_chunk)
@@ -588,6 +595,36 @@ class Scheduler(FaultContainment):
                 req.lane, req.pieces = lane, self.cache.pieces(lane, width)
                 self._prefilling.append(req)
         return len(admitted)
+
+    def _fork(self, req: Request, hit, admitted: list) -> tuple[bool, object]:
+        """For a sibling (``req.fork_of``, :meth:`Engine.add_request`):
+        ``(wait, fork)``. It waits while its parent is queued, admitted in
+        this same batch, or prefilling before the fork point (the prompt's
+        last token but one, down to the cache's hit grain; the parent's
+        pieces are cut there and the cache asked to keep its state there,
+        :meth:`add_cut`). Past it, ``fork`` is the cache's hit on the
+        parent's own row (:meth:`fork_hit`; None where the cache has none
+        or ``hit`` already covers as much: the prefix cache's hit serves).
+        A request prefilled before (a recompute), or whose parent is
+        swapped out, finished or gone, neither waits nor forks."""
+        parent = self._requests.get(req.fork_of) if req.fork_of is not None else None
+        if parent is None or req.generated or parent.state is RequestState.FINISHED:
+            return False, None
+        point = len(req.prompt) - 1
+        point -= point % self.cache.hit_grain
+        if parent.state is RequestState.RUNNING and not any(lane.row == parent.row for lane in admitted):
+            done = parent.pieces[0][0] if parent.pieces else parent.kv_len
+            if done >= point:
+                fork = self.cache.fork_hit(parent.row, point)
+                return False, fork if fork is not None and fork.tokens >= hit.tokens else None
+            if point > hit.tokens:  # not cached yet: wait for the parent to get there
+                if self.cache.add_cut(parent.row, point) and parent.pieces:
+                    parent.pieces = _cut_pieces(parent.pieces, point)
+                return True, None
+        # Queued, or admitted in this batch (its blocks are attached at the batch's end): wait for it, unless the
+        # prefix cache holds the prompt already.
+        waits = parent.state is RequestState.WAITING or any(lane.row == parent.row for lane in admitted)
+        return waits and point > hit.tokens, None
 
     def _wait_for_prefix(self, req: Request, hit, admitted: list) -> bool:
         """Whether ``req`` should wait (stay in the queue, others may pass)
