@@ -188,10 +188,11 @@ RULES = (
      "the paged Llama's prompt scoring by default (pieces, a prefix twin); every other family's packed step "
      "(the hybrid caches' and window models' logits) in long"),
     ("long", "other cases", ("test_parallel_sampling.py::test_n_siblings_share_one_prefill[qwen3_next/small]",
+                             "test_parallel_sampling.py::test_n_siblings_share_one_prefill[dsv3/small]",
                              "test_parallel_sampling.py::test_hybrid_siblings_share_a_short_prompt_and_run_without_"
                              "the_prefix_cache"),
      "the paged Llama's siblings by default (forks, the prefix cache off, a short prompt, an aborted first); "
-     "a hybrid cache's token-grain sharing in long"),
+     "DeepSeek-V3's MLA pool and a hybrid cache's token-grain sharing in long"),
     ("long", "other cases", ("test_penalties.py::test_engine_penalties_equal_numpy_over_a_no_cache_forward",
                              "!test_penalties.py::test_engine_penalties_equal_numpy_over_a_no_cache_forward[llama]"),
      "the paged Llama's penalties by default (the packed step, the decode loop's own counts); the hybrid caches' "

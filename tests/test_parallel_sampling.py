@@ -3,12 +3,12 @@ seeded requests on the same prompt, the others added with ``fork_of`` the
 first) share one prefill.
 
 The first sibling is admitted and prefills the prompt; the others wait for
-it and fork its cache, so each computes only what the cache's grain
-leaves: on a paged pool the first one's full pages come straight from its
-block table (no prefix cache needed: also with it off, and for prompts of
-any length), the partial last page and the last token are computed; on a
-hybrid cache the state snapshotted at the last token but one, the last
-token alone computed. Expectation we did not write: each sibling's tokens
+it and fork its cache, so each computes only the last prompt token (whose
+logits give its first token): on a paged pool the first one's full pages
+come straight from its block table and its partly filled page is copied
+(no prefix cache needed: also with it off, and for prompts of any
+length); on a hybrid cache the state snapshotted for them at the last
+token but one. Expectation we did not write: each sibling's tokens
 equal the same seeded request served alone, on an engine of its own (no
 sharing there).
 """
@@ -61,7 +61,7 @@ def _alone(model, prompt, seed, sampling):
     return _serve(model, prompt, [seed], sampling)[0][0]
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3_next/small"])
+@pytest.mark.parametrize("family", ["llama", "dsv3/small", "qwen3_next/small"])
 def test_n_siblings_share_one_prefill(family):
     model = _model(family)
     rng = np.random.default_rng()
@@ -71,18 +71,18 @@ def test_n_siblings_share_one_prefill(family):
     tokens, cached, grain, stats = _serve(model, prompt, seeds, sampling)
     assert cached[0] == 0
     computable = len(prompt) - 1  # the last prompt token is always computed (its logits give the first token)
-    assert cached[1:] == [computable - computable % grain] * 3, (cached, grain)
-    assert stats.forked_requests == (3 if family == "llama" else 0)  # a hybrid cache forks through a snapshot
+    assert cached[1:] == [computable] * 3, (cached, grain)  # token grain: a paged fork copies the partial page
+    # A paged pool (the Llama, DeepSeek-V3's MLA pool) forks pages; a hybrid cache takes a snapshot.
+    assert stats.forked_requests == (0 if family == "qwen3_next/small" else 3)
     for seed, got in zip(seeds, tokens):
         assert _alone(model, prompt, seed, sampling) == got
 
 
 def test_a_paged_fork_needs_no_prefix_cache_and_takes_short_prompts():
-    """On a paged pool the siblings fork the first one's own pages: with
+    """On a paged pool the siblings fork the first one's own pages (the
+    partly filled one copied: a wrong copy would change the tokens): with
     the prefix cache off, and for a prompt shorter than the in-batch
-    prefix rule's minimum (which requests that are not siblings need);
-    the pages are shared, not copied (fewer blocks at the peak than four
-    prompts' worth)."""
+    prefix rule's minimum (which requests that are not siblings need)."""
     from jaxkv.serve.scheduler import WAIT_FOR_PREFIX_TOKENS
 
     model = _model("llama")
@@ -93,8 +93,7 @@ def test_a_paged_fork_needs_no_prefix_cache_and_takes_short_prompts():
                             (int(rng.integers(17, WAIT_FOR_PREFIX_TOKENS)), {})):
         prompt = rng.integers(1, model.config.vocab_size, length).tolist()
         tokens, cached, grain, stats = _serve(model, prompt, seeds, sampling, **options)
-        point = (length - 1) - (length - 1) % grain
-        assert cached == [0] + [point] * 3 and stats.forked_requests == 3, (cached, length, options)
+        assert cached == [0] + [length - 1] * 3 and stats.forked_requests == 3, (cached, length, options)
         for seed, got in zip(seeds, tokens):
             assert _alone(model, prompt, seed, sampling) == got
         # Without fork_of, a short prompt is prefilled by each request (the in-batch rule's minimum).

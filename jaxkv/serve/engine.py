@@ -298,13 +298,13 @@ class Engine(Scheduler):
         and namespace; None: none): a sibling of that request (``n`` > 1,
         ``best_of``), which prefills the prompt once for both. This one
         waits while the other is queued or prefilling before the prompt's
-        last token, then starts from the other's cache: on a paged pool it
-        takes the other's full pages straight from its block table (one
-        more owner each, no prefix cache needed) and computes only the
-        partial last page and the last token; on a hybrid cache it takes
-        the other's state at the last token but one (a snapshot the cache
-        captures there for it, through the prefix cache) and computes only
-        the last token. Its tokens are those it gives alone. When the other
+        last token, then starts from the other's cache and computes only
+        the last prompt token: on a paged pool it takes the other's whole
+        pages straight from its block table (one more owner each, no prefix
+        cache needed) and a copy of its partly filled page; on a hybrid
+        cache it takes the other's state at the last token but one (a
+        snapshot the cache captures there for it, through the prefix
+        cache). Its tokens are those it gives alone. When the other
         is past that point (it ran on, was preempted, finished or was
         aborted), this one is admitted as any other request.
 

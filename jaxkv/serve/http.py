@@ -68,10 +68,10 @@ prompt with seeds ``seed, seed + 1, ...`` (without a ``seed``, each request
 draws from the engine's own per-request stream) that share one prefill:
 the first is admitted and prefills the prompt, the others are its siblings
 (``Engine.add_request``'s ``fork_of``): they wait for it and fork its
-cache, computing only what the cache's grain leaves (on a paged pool its
-full pages taken from its block table, the partial last page and the last
-token computed; on a hybrid cache its state at the last token but one,
-the last token computed; ``tests/test_parallel_sampling.py``).
+cache, computing only the last prompt token (on a paged pool its whole
+pages taken from its block table and its partly filled page copied; on a
+hybrid cache its state at the last token but one;
+``tests/test_parallel_sampling.py``).
 
 **API keys and tenants** (``create_app(api_keys={key: tenant})``; the
 command line's ``--api-key`` / ``--api-keys-file``). Without keys every

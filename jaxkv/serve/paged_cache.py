@@ -105,6 +105,8 @@ def _scrub_freed(pool: KVPool, before: BlockAllocator, after: BlockAllocator) ->
 
 
 
+# A forked sibling's copy of its parent's partly filled page (pairs of -1 skipped; the pool updated in place).
+_copy_pages = jax.jit(lambda pool, src, dst: pool.copy_pages(src, dst)[0], donate_argnums=(0,))
 _retire_paged = jax.jit(BlockSpaceManager.retire)
 _admit_paged = jax.jit(BlockSpaceManager.admit_with_prefix, donate_argnums=(0,))
 # Fresh blocks for host-tier pages loaded back (one owner: the prefix cache's).
@@ -463,18 +465,21 @@ class PagedCache(CacheBase):
                      min_hit=self.page_size)]
 
     def fork_hit(self, row: int, num_tokens: int) -> PrefixHit | None:
-        """Row ``row``'s first ``num_tokens // page_size`` pages, straight
-        from its block table (written: the engine forks only past them),
-        as a hit with no tree node: admission gives each one more owner, so
-        the sibling shares them with the row, not with the prefix cache.
-        None for a windowed pool (decode trims a row's first pages)."""
-        pages = num_tokens // self.page_size
+        """Row ``row``'s first ``num_tokens`` tokens (written: the engine
+        forks only past them) straight from its block table, as a hit with
+        no tree node: its whole pages get one more owner at admission (the
+        sibling shares them with the row, not with the prefix cache), and a
+        partly filled last page is ``copied`` into the sibling's own fresh
+        block (:meth:`_begin_prefill`), as ``BlockSpaceManager.fork``'s
+        copy-on-write would. None for a windowed pool (decode trims a row's
+        first pages) or for no token."""
+        pages = -(-num_tokens // self.page_size)
         if self.window is not None or pages == 0:
             return None
         blocks = self._block_tables()[row, :pages]
         if (blocks < 0).any():
             return None
-        return PrefixHit(pages * self.page_size, (blocks.tolist(),))
+        return PrefixHit(num_tokens, (blocks.tolist(),), copied=(int(num_tokens % self.page_size > 0),))
 
     def add_cut(self, row: int, position: int) -> bool:
         """Insert row ``row``'s whole pages into the prefix cache as soon as
@@ -544,7 +549,11 @@ class PagedCache(CacheBase):
         rows = fixed_ids([lane.row for lane in lanes], batch)
         prefix = np.full((batch, self.max_blocks_per_seq), -1, np.int32)
         lengths = np.zeros((batch,), np.int32)
+        copies = []  # (row, page index, parent's block): a fork's partly filled page, copied once admitted
         for i, (lane, blocks) in enumerate(zip(lanes, self._load_host_hits(lanes))):
+            if lane.hit.copied and lane.hit.copied[0]:
+                copies.append((lane.row, len(blocks) - 1, blocks[-1]))
+                blocks = blocks[:-1]
             prefix[i, : len(blocks)] = blocks
             lengths[i] = len(lane.tokens)
         host = self.manager.host
@@ -558,6 +567,12 @@ class PagedCache(CacheBase):
                 f"{int(sum(ceil_div(int(n), self.page_size) for n in lengths))} blocks "
                 f"({int((prefix >= 0).sum())} cached), {int(self.free_blocks()[0])} of {int(self.capacity[0])} "
                 "blocks free")
+        if copies:
+            tables = self._block_tables()
+            src, dst = np.full((batch,), -1, np.int32), np.full((batch,), -1, np.int32)
+            for i, (row, page, parent_block) in enumerate(copies):
+                src[i], dst[i] = parent_block, tables[row, page]
+            self.pool = _copy_pages(self.pool, src, dst)
 
     def _prefill_call(self, graphdef, params, lanes, starts, num_new, tokens, sampling, keys):
         rows = np.where(num_new > 0, fixed_ids([lane.row for lane in lanes], self.max_seqs), -1).astype(np.int32)

@@ -600,18 +600,18 @@ class Scheduler(FaultContainment):
         """For a sibling (``req.fork_of``, :meth:`Engine.add_request`):
         ``(wait, fork)``. It waits while its parent is queued, admitted in
         this same batch, or prefilling before the fork point (the prompt's
-        last token but one, down to the cache's hit grain; the parent's
+        last token but one; the parent's
         pieces are cut there and the cache asked to keep its state there,
         :meth:`add_cut`). Past it, ``fork`` is the cache's hit on the
-        parent's own row (:meth:`fork_hit`; None where the cache has none
-        or ``hit`` already covers as much: the prefix cache's hit serves).
+        parent's own row (:meth:`fork_hit`, token grain; None where the
+        cache has none or ``hit`` already covers as much: the prefix
+        cache's hit serves).
         A request prefilled before (a recompute), or whose parent is
         swapped out, finished or gone, neither waits nor forks."""
         parent = self._requests.get(req.fork_of) if req.fork_of is not None else None
         if parent is None or req.generated or parent.state is RequestState.FINISHED:
             return False, None
-        point = len(req.prompt) - 1
-        point -= point % self.cache.hit_grain
+        point = len(req.prompt) - 1  # the sibling computes the last prompt token itself: its first token's logits
         if parent.state is RequestState.RUNNING and not any(lane.row == parent.row for lane in admitted):
             done = parent.pieces[0][0] if parent.pieces else parent.kv_len
             if done >= point:
