@@ -276,3 +276,33 @@ def test_a_grammar_that_fails_finishes_its_request_alone(tokenizer, model, monke
     while alone.has_unfinished():
         tokens += [t for out in alone.step() if out.request_id == rid for t in out.new_token_ids]
     assert [t for o in outs[good] for t in o.new_token_ids] == tokens
+
+
+def test_a_grammar_over_spellings_without_a_tokenizer():
+    """``compile_grammar`` over a dict of spellings (a model with no
+    tokenizer, as the serving bench's): walks drawn among what the mask
+    allows stay in the nested language, a spelling-less id is never
+    allowed, and the stop id only where the text is complete."""
+    rng = np.random.default_rng()
+    vocab, stop = 300, 2
+    alphabet = list(OPENS + CLOSES + "".join(MIDS))
+    spellings = {3 + i: bytes([b]) for i, b in enumerate(sorted(set("".join(alphabet).encode())))}
+    for i in range(3 + len(spellings), vocab - 10):  # 10 ids past the end spell nothing
+        spellings[i] = "".join(rng.choice(alphabet, int(rng.integers(2, 4)))).encode()
+    for _ in range(4):
+        grammar, parts = draw_nested(rng)
+        state = compile_grammar(spellings, vocab, grammar, stop_ids=[stop]).state()
+        generated = []
+        for _ in range(25):
+            bits = state.mask(generated)
+            allowed = np.flatnonzero((bits[:, None] >> np.arange(32, dtype=np.uint32)) & 1)
+            text = b"".join(spellings[t] for t in generated).decode()
+            assert set(allowed.tolist()) <= set(spellings) | {stop}, allowed
+            assert nested_state(text, parts) != "bad", (grammar, text)
+            assert (stop in allowed) == (nested_state(text, parts) == "done"), (grammar, text)
+            choices = allowed[allowed != stop]
+            if not len(choices) or (stop in allowed and rng.random() < 0.3):
+                break
+            generated.append(int(rng.choice(choices)))
+    with pytest.raises(InvalidArgument, match="stop ids"):
+        compile_grammar(spellings, vocab, grammar)

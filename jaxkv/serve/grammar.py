@@ -139,17 +139,56 @@ class GrammarState:
         return self._bits[0].view(np.uint32).copy()
 
 
-def compile_grammar(tokenizer, vocab_size: int, grammar: str) -> HostGrammar:
+class _Spelled:
+    """A vocabulary given as spellings (token id -> bytes), as llguidance's
+    ``TokenizerWrapper`` reads one: ``tokens`` by id (ids without a
+    spelling, the stops among them, are special tokens, never allowed but
+    the stop at a grammar's end), and a greedy longest-match encoder
+    (llguidance encodes the grammar's literal strings with it)."""
+
+    def __init__(self, spellings: dict, stop_ids: list, vocab_size: int):
+        self.eos_token_id, self.bos_token_id = stop_ids[0], None
+        self.special_token_ids = [i for i in range(vocab_size) if not spellings.get(i) or i in stop_ids]
+        special = set(self.special_token_ids)
+        self.tokens = [f"<|special_{i}|>".encode() if i in special else spellings[i] for i in range(vocab_size)]
+        self._ids = {spellings[i]: i for i in range(vocab_size) if i not in special}
+        self._longest = max(map(len, self._ids), default=1)
+
+    def __call__(self, data: bytes | str) -> list[int]:
+        data = data.encode() if isinstance(data, str) else data
+        out, at = [], 0
+        while at < len(data):
+            for size in range(min(self._longest, len(data) - at), 0, -1):
+                token = self._ids.get(data[at:at + size])
+                if token is not None:
+                    out.append(token)
+                    at += size
+                    break
+            else:  # a byte no token spells: no output can hold it, so it is left out
+                at += 1
+        return out
+
+
+def compile_grammar(tokenizer, vocab_size: int, grammar: str, *, stop_ids=None) -> HostGrammar:
     """A :class:`HostGrammar` of ``grammar`` (Lark, or GBNF: a text with
     ``::=`` rules) over ``tokenizer``'s tokens for a model of
     ``vocab_size`` logits; ``InvalidArgument`` naming what is wrong when
-    llguidance rejects it."""
+    llguidance rejects it. ``tokenizer`` may instead be a dict ``{token id:
+    bytes}`` of the tokens that may be emitted, ended by ``stop_ids`` (a
+    model without a tokenizer, as :func:`~jaxkv.serve.structured.compile_regex`
+    takes one)."""
     llguidance = _require_llguidance()
     if not isinstance(grammar, str) or not grammar.strip():
         raise InvalidArgument("a grammar constraint is a non-empty string (Lark or GBNF)")
     if len(grammar) > MAX_GRAMMAR_CHARS:
         raise InvalidArgument(f"the grammar has {len(grammar)} characters; at most {MAX_GRAMMAR_CHARS}")
-    lltokenizer = _lltokenizer(tokenizer, vocab_size)
+    if isinstance(tokenizer, dict):
+        if not stop_ids:
+            raise InvalidArgument("a grammar over spellings needs its stop ids")
+        lltokenizer = llguidance.LLTokenizer(llguidance.TokenizerWrapper(_Spelled(tokenizer, list(stop_ids),
+                                                                                  vocab_size)), n_vocab=vocab_size)
+    else:
+        lltokenizer = _lltokenizer(tokenizer, vocab_size)
     try:
         definition = llguidance.grammar_from("grammar", grammar)
     except ValueError as err:
