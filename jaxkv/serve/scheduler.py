@@ -553,7 +553,6 @@ class Scheduler(FaultContainment):
             if fork is not None:  # the sibling's own pages: the tree's hit is not needed
                 self.cache.unpin(hit)
                 hit = fork
-                self._count.forked += 1
             if running is None:
                 running = self._growth_reserve()
             want = admission_blocks(self.cache, req, hit, self.reserve_chunk)
@@ -572,6 +571,7 @@ class Scheduler(FaultContainment):
                 if not make_room(self.cache, reserved + want + running):
                     break
             reserved += want
+            self._count.forked += fork is not None
             self._waiting.popleft()
             req.row = free_rows.pop(0)
             req.hit, req.shared = hit, hit.block_counts()
@@ -600,14 +600,14 @@ class Scheduler(FaultContainment):
         """For a sibling (``req.fork_of``, :meth:`Engine.add_request`):
         ``(wait, fork)``. It waits while its parent is queued, admitted in
         this same batch, or prefilling before the fork point (the prompt's
-        last token but one; the parent's
-        pieces are cut there and the cache asked to keep its state there,
-        :meth:`add_cut`). Past it, ``fork`` is the cache's hit on the
-        parent's own row (:meth:`fork_hit`, token grain; None where the
-        cache has none or ``hit`` already covers as much: the prefix
-        cache's hit serves).
-        A request prefilled before (a recompute), or whose parent is
-        swapped out, finished or gone, neither waits nor forks."""
+        last token but one; the cache is asked to keep the parent's state
+        there, :meth:`add_cut`, which may cut its pieces there), unless the
+        prefix cache's ``hit`` covers the point already. Past it, ``fork``
+        is the cache's hit on the parent's own row (:meth:`fork_hit`, token
+        grain; None where the cache has none or ``hit`` covers as much: the
+        prefix cache's hit serves). A request prefilled before (a
+        recompute), or whose parent is swapped out, finished or gone,
+        neither waits nor forks."""
         parent = self._requests.get(req.fork_of) if req.fork_of is not None else None
         if parent is None or req.generated or parent.state is RequestState.FINISHED:
             return False, None
