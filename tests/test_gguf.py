@@ -187,3 +187,25 @@ def test_smollm2_greedy_matches_transformers():
                    eos_token_id=ref["tokenizer"]["generation_eos_token_id"])
     for chat, tokens in zip(chats, out.tokens):
         assert tokens == chat["greedy"], (chat["messages"][-1]["content"], tokens, chat["greedy"])
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "gemma3"])
+def test_other_architectures_equal_transformers_gguf_loader(arch):
+    """Tiny ``qwen2`` / ``qwen3`` / ``gemma3`` files written as llama.cpp
+    writes them (tests/fixtures/make_gguf_families.py: Qwen3's q/k norms,
+    Gemma's four norms per layer stored as ``1 + w``, a 4-token sliding
+    window that the 14 tokens wrap): jaxkv's model gives the logits
+    transformers computes from the same file with its own GGUF loader."""
+    import json
+
+    from jaxkv.nn import AutoModelForCausalLM, Gemma3ForCausalLM, LlamaForCausalLM
+
+    folder = os.path.join(os.path.dirname(__file__), "fixtures", "gguf_families")
+    with open(os.path.join(folder, "reference.json")) as f:
+        reference = json.load(f)
+    model = AutoModelForCausalLM.from_pretrained(os.path.join(folder, f"{arch}.gguf"))
+    assert isinstance(model, Gemma3ForCausalLM if arch == "gemma3" else LlamaForCausalLM)
+    tokens = reference["tokens"]
+    logits = np.asarray(model.forward_dense(jnp.asarray([tokens]) if arch != "gemma3" else jnp.asarray(tokens)))
+    np.testing.assert_allclose(logits.reshape(len(tokens), -1), np.asarray(reference["logits"][arch]),
+                               rtol=1e-4, atol=1e-4)

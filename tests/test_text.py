@@ -313,7 +313,8 @@ def test_gguf_tokenizer_refusals(tmp_path):
     model = LlamaForCausalLM(LlamaConfig(vocab_size=300, hidden_size=32, intermediate_size=32, num_hidden_layers=1,
                                          num_attention_heads=2, head_dim=16), rngs=nnx.Rngs(0))
     write_llama_gguf(tmp_path / "spm.gguf", model, tokenizer_model="llama")
-    with pytest.raises(InvalidArgument, match=r"spm\.gguf has tokenizer model 'llama'; jaxkv builds 'gpt2'"):
+    with pytest.raises(InvalidArgument, match=r"spm\.gguf has tokenizer model 'llama' \(architecture 'llama'\); "
+                                              r"jaxkv builds 'gpt2'"):
         Tokenizer.from_pretrained(tmp_path / "spm.gguf")
     write_llama_gguf(tmp_path / "none.gguf", model, tokenizer=False)
     with pytest.raises(InvalidArgument, match=r"none\.gguf has no tokenizer"):

@@ -14,8 +14,9 @@ model_type                                      class
 ==============================================  ==========================================
 
 A GGUF file (llama.cpp's format; a file starting with ``b"GGUF"``) is read
-by :mod:`jaxkv.nn.gguf` instead: architecture ``llama`` gives a
-:class:`~jaxkv.nn.LlamaForCausalLM`, any other is refused naming it.
+by :mod:`jaxkv.nn.gguf` instead: architectures ``llama``, ``qwen2`` and
+``qwen3`` give a :class:`~jaxkv.nn.LlamaForCausalLM`, ``gemma3`` a
+:class:`~jaxkv.nn.Gemma3ForCausalLM`; any other is refused naming it.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from jaxkv.nn.config import SUPPORTED_MODEL_TYPES
 from jaxkv.nn.deepseek_v3 import DeepseekV3ForCausalLM
 from jaxkv.nn.deepseek_v4 import DeepseekV4ForCausalLM
 from jaxkv.nn.gemma3 import Gemma3ForCausalLM
-from jaxkv.nn.gguf import SUPPORTED_GGUF_ARCHITECTURES, is_gguf, load_gguf_model, read_gguf
+from jaxkv.nn.gguf import GGUF_MODEL_TYPES, SUPPORTED_GGUF_ARCHITECTURES, is_gguf, load_gguf_model, read_gguf
 from jaxkv.nn.gpt_oss import GptOssForCausalLM
 from jaxkv.nn.llama import LlamaForCausalLM
 from jaxkv.nn.qwen3_next import Qwen3NextForCausalLM
@@ -55,7 +56,7 @@ class AutoModelForCausalLM:
             if architecture not in SUPPORTED_GGUF_ARCHITECTURES:
                 raise InvalidArgument(f"GGUF file {os.fspath(path)} has architecture {architecture!r}; jaxkv "
                                       f"loads GGUF architectures {', '.join(SUPPORTED_GGUF_ARCHITECTURES)}")
-            return LlamaForCausalLM
+            return MODEL_CLASSES[GGUF_MODEL_TYPES[architecture]]
         model_type = read_config(path).get("model_type")
         if model_type not in MODEL_CLASSES:
             raise InvalidArgument(f"model_type {model_type!r} in {os.fspath(path)} is not supported; jaxkv.nn "

