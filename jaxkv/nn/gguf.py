@@ -421,7 +421,7 @@ def gguf_hf_config(g: GGUFFile) -> dict:
         "num_attention_heads": heads,
         "num_key_value_heads": _int(g, "attention.head_count_kv", heads),
         "rms_norm_eps": float(g.arch_key("attention.layer_norm_rms_epsilon", 1e-6)),
-        "rope_theta": float(g.arch_key("rope.freq_base", 10000.0 if arch == "gemma3" else 1_000_000.0)),
+        "rope_theta": float(g.arch_key("rope.freq_base", 1_000_000.0 if arch == "gemma3" else 10000.0)),
         "max_position_embeddings": _int(g, "context_length", 32768),
         "tie_word_embeddings": "output.weight" not in g.tensors,
         "bos_token_id": g.metadata.get("tokenizer.ggml.bos_token_id"),
