@@ -381,9 +381,9 @@ def real_gemma3_rows(repeats: int = 2, requests: int = 4, prompt_len: int = 1500
     engines = {name: Engine(model, **options) for name, model in models.items()}
     memory = []
     for name, engine in engines.items():
-        per_token, state = engine.cache.bytes_per_token, getattr(engine.cache.plan, "snapshot_bytes", 0)
-        if name.startswith("one table"):
-            state = 0  # no window layers: no ring rows
+        # One request's state rows are its rings (none when every layer is global).
+        state = 0 if name.startswith("one table") else engine.cache.plan.snapshot_bytes
+        per_token = engine.cache.bytes_per_token
         for context in (1024, 8192, 32768):
             memory.append({"cache": name, "context": context, "bytes_per_request": per_token * context + state})
     runs: dict = {name: [] for name in engines}
