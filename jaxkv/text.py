@@ -28,9 +28,13 @@ special tokens of a checkpoint, read without transformers:
   bos / eos / unk / pad from their ids; and Gemma 3's ``llama``
   (sentencepiece BPE) vocabulary as transformers' converter rebuilds it
   (:func:`_gguf_gemma_sentencepiece`: whitespace tokens respelled, merges
-  recovered from the vocabulary in its order, byte fallback). Other
-  tokenizer models (``llama`` sentencepiece of other architectures, ``t5``,
-  ...) are refused with ``InvalidArgument`` naming it.
+  recovered from the vocabulary in its order, byte fallback); the ``llama``
+  vocabulary of every other architecture (Llama 2, Mistral, TinyLlama,
+  Phi-3) as transformers' ``LlamaTokenizer`` (:func:`_gguf_llama_sentencepiece`:
+  merges recovered from the scores, ``Metaspace``, byte fallback), with a BOS
+  unless the file says otherwise, as llama.cpp. Other tokenizer models
+  (``t5``'s unigram, ``gemma4``, ...) are refused with ``InvalidArgument``
+  naming it.
 
 **Chat templates** render in a jinja2 ``ImmutableSandboxedEnvironment`` set up
 as transformers 5.24 sets it up (``utils/chat_template_utils.py``):
@@ -62,6 +66,7 @@ import functools
 import json
 import numbers
 import os
+import re
 from collections.abc import Mapping, Sequence
 from datetime import datetime
 from typing import Any
@@ -430,6 +435,34 @@ def _gguf_gemma_sentencepiece(meta: dict, tokens: list):
     return backend, vocab, lambda t: True
 
 
+def _gguf_llama_sentencepiece(meta: dict, path: str, tokens: list):
+    """A sentencepiece BPE vocabulary from GGUF metadata outside Gemma
+    (Llama 2, Mistral, TinyLlama: ``tokenizer.ggml.model`` = ``llama``), as
+    transformers' ``LlamaTokenizer`` is built from it: the pieces as the file
+    spells them, merges recovered from ``tokenizer.ggml.scores`` (a piece's
+    score ranks its merges), BPE with byte fallback and the unknown piece
+    fused, no normalizer, the ``Metaspace`` pre-tokenizer that prepends
+    ``\u2581`` to the text's start only (non-legacy; a text already starting
+    with a space gets none more) and a decoder that strips that one space
+    back."""
+    from tokenizers import decoders, pre_tokenizers
+    from tokenizers import Tokenizer as Backend
+    from tokenizers.models import BPE
+
+    scores = meta.get("tokenizer.ggml.scores")
+    if not scores or len(scores) != len(tokens):
+        raise InvalidArgument(f"GGUF file {path} has a sentencepiece ('llama') tokenizer whose "
+                              f"tokenizer.ggml.scores has {len(scores or [])} entries for {len(tokens)} tokens: "
+                              "the merges are recovered from the scores")
+    vocab = {t: i for i, t in enumerate(tokens)}
+    backend = Backend(BPE(vocab=vocab, merges=_merges_by_rank(vocab, dict(zip(tokens, scores))), fuse_unk=True,
+                          dropout=None, byte_fallback=True))
+    backend.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="first", split=False)
+    backend.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                         decoders.Strip(content=" ", left=1, right=0)])
+    return backend, vocab, lambda t: True
+
+
 class Tokenizer:
     """A checkpoint's tokenizer and chat template.
 
@@ -474,6 +507,25 @@ class Tokenizer:
         max_token_id]`` never draws one. Usually ``vocab_size - 1``; larger
         where the vocabulary leaves ids unused."""
         return max(self.backend.get_vocab(with_added_tokens=True).values(), default=-1)
+
+    @functools.cached_property
+    def special_ids(self) -> frozenset[int]:
+        """Ids of the special added tokens (what ``skip_special_tokens``
+        leaves out of a decode)."""
+        return frozenset(i for i, t in self.backend.get_added_tokens_decoder().items() if t.special)
+
+    @functools.cached_property
+    def byte_piece_ids(self) -> frozenset[int]:
+        """Ids of the byte-fallback pieces (``<0x00>`` .. ``<0xFF>``) of a
+        sentencepiece-style BPE with byte fallback; empty otherwise. Its
+        decoder turns a run of them into one byte string, all U+FFFD when
+        the run is not valid UTF-8, so a later byte piece can change the
+        text of earlier ones (:class:`IncrementalDetokenizer` holds a run's
+        text back until the run ends)."""
+        if not getattr(self.backend.model, "byte_fallback", False):
+            return frozenset()
+        vocab = self.backend.get_vocab(with_added_tokens=False)
+        return frozenset(i for t, i in vocab.items() if re.fullmatch(r"<0x[0-9A-F]{2}>", t))
 
     def __repr__(self) -> str:
         return (f"Tokenizer({self.name_or_path!r}, vocab_size={self.vocab_size}, bos_token_id={self.bos_token_id}, "
@@ -580,12 +632,20 @@ class Tokenizer:
         types = meta.get("tokenizer.ggml.token_type") or []
         if kind == "gpt2":
             backend, vocab, spelled = _gguf_byte_level(meta, path, tokens)
-        elif kind == "llama" and g.architecture == "gemma3":
+        elif kind == "llama" and g.architecture in ("gemma", "gemma2", "gemma3"):
             backend, vocab, spelled = _gguf_gemma_sentencepiece(meta, tokens)
+        elif kind == "llama":
+            backend, vocab, spelled = _gguf_llama_sentencepiece(meta, path, tokens)
+            if g.architecture == "phi3":  # Phi-3's prefix space comes from a normalizer (transformers' phi3 builder)
+                from tokenizers import normalizers
+
+                backend.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"),
+                                                           normalizers.Replace(" ", "\u2581")])
+                backend.pre_tokenizer = None
         else:
             raise InvalidArgument(f"GGUF file {path} has tokenizer model {kind!r} (architecture {g.architecture!r}); "
-                                  "jaxkv builds 'gpt2' (byte-level BPE) tokenizers, and Gemma 3's 'llama' "
-                                  "(sentencepiece BPE) tokenizer, from GGUF metadata")
+                                  "jaxkv builds 'gpt2' (byte-level BPE) and 'llama' (sentencepiece BPE) "
+                                  "tokenizers from GGUF metadata")
 
         def token_of(key):
             i = meta.get(f"tokenizer.ggml.{key}")
@@ -593,11 +653,16 @@ class Tokenizer:
 
         bos, bos_id = token_of("bos_token_id")
         eos, eos_id = token_of("eos_token_id")
-        backend.post_processor = _template_processing(bos, bos_id, eos, eos_id,
-                                                      bool(meta.get("tokenizer.ggml.add_bos_token", False)),
+        # llama.cpp adds a BOS to a sentencepiece vocabulary whose file does not say otherwise (older files carry
+        # no flag); transformers' GGUF loader follows it.
+        add_bos = meta.get("tokenizer.ggml.add_bos_token", kind == "llama")
+        backend.post_processor = _template_processing(bos, bos_id, eos, eos_id, bool(add_bos),
                                                       bool(meta.get("tokenizer.ggml.add_eos_token", False)))
+        # Control tokens, and the tokens the file names BOS / EOS / unknown (a sentencepiece <unk> has its own
+        # type), are special: matched whole in a text, skipped on decode.
+        named = {t for t in (bos, eos, token_of("unknown_token_id")[0]) if t is not None}
         control = [AddedToken(t, normalized=False, special=True) for t, ty in zip(tokens, types)
-                   if ty == _CONTROL and spelled(t)]
+                   if (ty == _CONTROL or t in named) and spelled(t)]
         if control:
             backend.add_special_tokens(control)
         user = [AddedToken(t, normalized=False, special=False) for t, ty in zip(tokens, types)
@@ -719,6 +784,12 @@ class IncrementalDetokenizer:
     vocabulary) decode to nothing in :meth:`Tokenizer.decode`, so they add
     nothing here either, and never raise.
 
+    A run of byte-fallback pieces (:attr:`Tokenizer.byte_piece_ids`) at the
+    end of the ids is held back whole until a piece of another kind follows
+    (or :meth:`finish`): the decoder turns an invalid run into U+FFFD only,
+    so a later byte can change the text of earlier ones (``<0x00>`` is
+    "\x00", ``<0x00><0x80>`` is two U+FFFD).
+
     Never splits a character: a trailing U+FFFD in the decoded window (the
     bytes of an incomplete UTF-8 character, or one that may still complete)
     is held back until a later token completes it; :meth:`finish` returns
@@ -765,13 +836,33 @@ class IncrementalDetokenizer:
         character ends inside the prompt, but if its bytes reached the
         prompt's end (tokens that decode to nothing between them), the ids
         completing it would complete nothing in the window."""
-        back = 5
+        back = 5 + len(self.ids) - self._cut()  # and before a trailing run of byte pieces
         while True:
             start = max(len(self.ids) - back, 0)
             head = self._decode(self.ids[start:]) if start else ""
             if start == 0 or (head and not head.startswith("\ufffd")):
                 return start
             back *= 2
+
+    def _cut(self) -> int:
+        """The start of the ids' trailing run of byte pieces (``len(ids)``
+        when they end otherwise). Ids that decode to nothing (skipped
+        special tokens, ids with no token) inside or after the run do not
+        end it: the decoder joins the bytes around them."""
+        byte = self.tokenizer.byte_piece_ids
+        if not byte:
+            return len(self.ids)
+        end = first = len(self.ids)
+        while end and (self.ids[end - 1] in byte or self._silent(self.ids[end - 1])):
+            end -= 1
+            if self.ids[end] in byte:
+                first = end
+        return first
+
+    def _silent(self, token_id: int) -> bool:
+        if not 0 <= token_id <= self.tokenizer.max_token_id:
+            return True
+        return self.skip_special_tokens and token_id in self.tokenizer.special_ids
 
     def _start(self, window: str) -> int | None:
         """Where the new text starts in ``window`` (the decode of
@@ -799,7 +890,8 @@ class IncrementalDetokenizer:
         if not token_ids:
             return ""
         self.ids.extend(token_ids)
-        window = self._decode(self.ids[self.prefix_offset:])
+        cut = self._cut()
+        window = self._decode(self.ids[self.prefix_offset:cut])
         start = self._start(window)
         if start is None:
             return self._emit(self._fallback(final=False))
@@ -807,12 +899,17 @@ class IncrementalDetokenizer:
         # neither `start` nor the released text can move once something is released.
         stable = self._stable(window[start:])
         new = stable[self._released:]
-        if window.endswith("\ufffd"):  # a character may still be completing: keep the window, hold the U+FFFD
+        if window.endswith("\ufffd") or cut < len(self.ids):
+            # a character (or a run of byte pieces) may still be completing: keep the window, hold it back
             self._released = len(stable)
         else:  # ends on a complete character: move the window on
-            self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
-            self._base = self._decode(self.ids[self.prefix_offset:self.read_offset])
-            self._released = 0
+            base = self._decode(self.ids[self.read_offset:])
+            if base:
+                self.prefix_offset = self.read_offset
+            else:  # a window of ids that decode to nothing (skipped special tokens) would let a sentencepiece
+                # decoder strip the next piece's space as if it began the text: keep the window's start
+                base = window
+            self.read_offset, self._base, self._released = len(self.ids), base, 0
         return self._emit(new)
 
     def finish(self) -> str:
@@ -834,7 +931,7 @@ class IncrementalDetokenizer:
         changed, only what follows it is returned)."""
         if self._prompt_text is None:
             self._prompt_text = self._decode(self.ids[: self._prompt_len])
-        full = self._decode(self.ids)
+        full = self._decode(self.ids if final else self.ids[:self._cut()])
         body = full[len(os.path.commonprefix([self._prompt_text, full])):]
         if not final:
             body = self._stable(body)
