@@ -35,7 +35,8 @@ from jaxkv import _host
 from jaxkv.errors import InvalidArgument, InvalidId
 from jaxkv.pool.kv_pool import KVPool
 
-__all__ = ["clear_host_pages", "create_host_pool", "is_pinned", "swap_in_pages", "swap_out_pages"]
+__all__ = ["clear_host_pages", "create_host_pool", "is_pinned", "read_pages", "swap_in_pages", "swap_out_pages",
+           "write_host_pages"]
 
 # Page ids are checked on the host before these run: drop their ``ok``.
 _read_pages = jax.jit(lambda pool, pages: pool.read_pages(pages)[0])
@@ -166,6 +167,37 @@ def swap_out_pages(pool: KVPool, host_pool: KVPool, device_pages, host_pages) ->
     data = jax.device_get(data)
     for host_leaf, leaf in zip(jax.tree_util.tree_leaves(host_pool), jax.tree_util.tree_leaves(data)):
         host_leaf[:, :, dst] = leaf[:, :, : src.size]
+    return host_pool
+
+
+def read_pages(pool: KVPool, device_pages) -> KVPool:
+    """Pages ``device_pages`` of ``pool`` gathered into new device arrays (one
+    jitted call, not waited for; the page axis is padded to a power of two:
+    page ``i`` is index ``i`` of axis 2). A snapshot: later writes to the
+    pool do not change it. ``InvalidId`` for a page outside the pool."""
+    src, _ = _pairs(device_pages, pool, device_pages, pool, "read_pages")
+    return _read_pages(pool, _host.padded_ids(src))
+
+
+def write_host_pages(host_pool: KVPool, host_pages, data: KVPool) -> KVPool:
+    """Write ``data`` (host arrays shaped like the pool's leaves with
+    ``len(host_pages)`` pages on axis 2, e.g. a disk record's) into host
+    pages ``host_pages``; returns the host pool (a pinned one is donated; a
+    numpy one is written in place)."""
+    dst = _host.int_array(host_pages, "host pages").reshape(-1)
+    _pairs(dst, host_pool, dst, host_pool, "write_host_pages")
+    if not dst.size:
+        return host_pool
+    if is_pinned(host_pool):
+        targets = _host.padded_ids(dst)
+        padded = jax.tree_util.tree_map(
+            lambda a: np.concatenate([a, np.zeros(a.shape[:2] + (targets.size - dst.size,) + a.shape[3:], a.dtype)],
+                                     axis=2), data)
+        device = next(iter(host_pool.k_bits.devices()))
+        return _store_pinned_jit(host_pool, targets, jax.device_put(padded, device),
+                                 sharding=_placement(host_pool))
+    for host_leaf, leaf in zip(jax.tree_util.tree_leaves(host_pool), jax.tree_util.tree_leaves(data)):
+        host_leaf[:, :, dst] = leaf
     return host_pool
 
 

@@ -354,6 +354,38 @@ class PrefixCacheManager:
             self._record(BlockStored, node, rest)
         return InsertResult(tree_blocks, new_blocks, duplicates, replacements, node)
 
+    def insert_host(self, tokens, namespace: Hashable = None) -> tuple[list, Node | None]:
+        """Add the whole pages of ``tokens`` past the cached prefix to the host
+        tier (pages read back from a disk tier): returns ``(host pages, node)``,
+        the host page ids to fill with those pages' data (in order) and the
+        new node, or ``([], None)`` when the tree holds them all already or
+        the host tier cannot make room (nothing changed). Room is made by
+        dropping least recently used host leaves, never the path being
+        extended."""
+        if self.disable or not self.host_capacity:
+            return [], None
+        tree = self.tree
+        query = token_bytes(tokens)
+        unit = tree.unit_bytes
+        query = query[: len(query) - len(query) % unit]
+        path, matched = tree.walk(query, namespace, split=True)
+        units = (len(query) - matched) // unit
+        if not units or units > self.host_capacity:
+            return [], None
+        parent = path[-1] if path else tree.root(namespace, create=True)
+        if parent.parent is not None:
+            tree.lock(parent)  # its path cannot be dropped to make room below it
+        try:
+            host_pages = self._host_pages_for(units, {})
+        finally:
+            if parent.parent is not None:
+                tree.unlock(parent)
+        if host_pages is None:
+            return [], None
+        node = tree.add_child(parent, query[matched:], host_pages, tier=HOST)
+        self._record(BlockStored, node, host_pages, medium="host")
+        return host_pages, node
+
     def _check_insert_blocks(self, query: bytes, blocks: list, namespace: Hashable) -> None:
         """Validate ``insert``'s block ids before the tree changes at all."""
         if not blocks:

@@ -528,7 +528,24 @@ class Engine(Scheduler):
             cache_usage=tuple(self.cache.usage()), step_failures=count.step_failures,
             failed_requests=count.failed_requests, spec_draft_tokens=count.spec_drafted,
             spec_accepted_tokens=count.spec_accepted, spec_packed_draft_tokens=count.spec_packed_drafted,
-            forked_requests=count.forked)
+            forked_requests=count.forked, disk=self._disk_stats())
+
+    def _disk_stats(self) -> dict | None:
+        disk = getattr(self.cache, "disk", None)
+        if disk is None:
+            return None
+        stats = disk.store.stats()
+        return dict(records=stats.records, bytes=stats.bytes, written=stats.written, loaded=stats.loaded,
+                    write_bytes=stats.write_bytes, load_bytes=stats.load_bytes, dropped=stats.dropped,
+                    rejected=stats.rejected, hit_tokens=disk.loaded_tokens)
+
+    def close(self, timeout: float | None = 60.0) -> None:
+        """Finish the work that outlives a step: the prefix cache's disk
+        tier writes its queued records (a server calls this on shutdown).
+        The engine stays usable."""
+        disk = getattr(self.cache, "disk", None)
+        if disk is not None:
+            disk.store.flush(timeout)
 
     def _progress(self, pending, total, start, generated_before, before: Counters) -> EngineProgress:
         states = collections.Counter(r.state for r in pending)

@@ -912,6 +912,12 @@ class EngineLoop:
         for sink in list(self._live):  # stopping: whoever still waits gets an error
             self._post(_deliver, [(sink, ("error", APIError(503, "the server is shutting down",
                                                             code="shutting_down")))])
+        close = getattr(engine, "close", None)
+        if close is not None:  # the disk tier's queued records reach the disk before the process ends
+            try:
+                close()
+            except Exception:  # noqa: BLE001 - shutting down: log, never hang
+                logger.exception("engine close failed")
 
     @staticmethod
     def _release(engine, rid: int) -> None:

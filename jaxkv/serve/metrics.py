@@ -39,6 +39,9 @@ Two kinds of series:
   ``jaxkv_spec_draft_tokens_total`` / ``jaxkv_spec_accepted_tokens_total``
   (speculative decoding's drafts verified / kept), ``jaxkv_forked_requests_total``
   (``n`` / ``best_of`` siblings admitted on the first one's own pages),
+  with a disk tier (``--kv-disk-dir``) ``jaxkv_kv_disk_records`` /
+  ``jaxkv_kv_disk_bytes`` and the counters ``jaxkv_kv_disk_{written,loaded}_{records,bytes}_total``,
+  ``jaxkv_kv_disk_hit_tokens_total``, ``jaxkv_kv_disk_{dropped,rejected}_records_total``,
   and the engine's own TTFT / ITL samples (drained from each snapshot) in
   ``jaxkv_engine_time_to_first_token_seconds`` and
   ``jaxkv_engine_inter_token_latency_seconds``;
@@ -163,6 +166,24 @@ class _EngineCollector:
                                   value=hits)
         yield GaugeMetricFamily("jaxkv_prefix_cache_hit_rate", "Prefix cache hits / queries in tokens, since "
                                 "start.", value=hits / queries if queries else 0.0)
+        disk = get("disk")
+        if disk:
+            yield GaugeMetricFamily("jaxkv_kv_disk_records", "Records of the prefix cache's disk tier on disk.",
+                                    value=float(disk["records"]))
+            yield GaugeMetricFamily("jaxkv_kv_disk_bytes", "Bytes of the disk tier's records.",
+                                    value=float(disk["bytes"]))
+            for name, doc, key in (
+                    ("jaxkv_kv_disk_written_records", "Records the disk tier wrote since start.", "written"),
+                    ("jaxkv_kv_disk_written_bytes", "Bytes the disk tier wrote since start.", "write_bytes"),
+                    ("jaxkv_kv_disk_loaded_records", "Records the disk tier read back since start.", "loaded"),
+                    ("jaxkv_kv_disk_loaded_bytes", "Bytes the disk tier read back since start.", "load_bytes"),
+                    ("jaxkv_kv_disk_hit_tokens", "Prompt tokens read back from the disk tier since start.",
+                     "hit_tokens"),
+                    ("jaxkv_kv_disk_dropped_records", "Records the disk tier deleted for its byte budget.",
+                     "dropped"),
+                    ("jaxkv_kv_disk_rejected_records", "Disk records skipped as corrupt, truncated or failing "
+                     "their checksum.", "rejected")):
+                yield CounterMetricFamily(name, doc, value=float(disk[key]))
         yield CounterMetricFamily("jaxkv_preemptions", "Requests preempted (swap and recompute) since start.",
                                   value=float(get("preemptions", 0)))
         for name, doc, key in (("jaxkv_engine_aborted_requests", "Requests the engine aborted (clients that "

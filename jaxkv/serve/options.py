@@ -36,6 +36,7 @@ import argparse
 import dataclasses
 import json
 import numbers
+import os
 import re
 from collections.abc import Mapping
 
@@ -95,8 +96,8 @@ def _check(name: str, value, kind: str, choices: tuple, optional: bool):
     ``name``."""
     if value is None and optional:
         return None
-    if kind in ("count", "count0", "count2", "int"):
-        minimum = {"count": 1, "count0": 0, "count2": 2, "int": None}[kind]
+    if kind in ("count", "count0", "count2", "int", "bytes"):
+        minimum = {"count": 1, "count0": 0, "count2": 2, "int": None, "bytes": 1}[kind]
         if minimum is None:
             return _host.int_scalar(value, name)
         return _host.int_at_least(value, name, minimum)
@@ -126,6 +127,10 @@ def _check(name: str, value, kind: str, choices: tuple, optional: bool):
             raise InvalidArgument(f"{name}={_host.short_repr(value)} ({type(value).__name__}): expected None or a "
                                   "dict of block group name -> integer >= 2 (null block included), e.g. {'full': 64}")
         return dict(value)
+    if kind == "path":
+        if not isinstance(value, (str, os.PathLike)) or not os.fspath(value):
+            raise InvalidArgument(f"{name}={_host.short_repr(value)}: give a folder path")
+        return os.fspath(value)
     if kind == "dtype":  # checked against what a pool stores where the cache is built
         return value
     if kind == "speculative":
@@ -173,6 +178,14 @@ class CacheOptions(_Checked):
     host_prefix_memory: int | None = _option(
         None, "count0", "bytes of host memory for the prefix cache's host tier, any cache: evicted prefixes are "
         "copied there and a later hit loads them back", flag="--host-prefix-memory")
+    kv_disk_dir: str | None = _option(
+        None, "path", "a folder for the prefix cache's disk tier: every page the prefix cache takes is written "
+        "there too (write-through, on a background thread) and a later prompt, in this server or one started "
+        "after it, reads its pages back through the host tier (default none; paged pools; with no host tier "
+        "given, one of two max_model_len requests' pages is made)", flag="--kv-disk-dir")
+    kv_disk_bytes: int = _option(
+        16 * 2**30, "bytes", "the most bytes the disk tier's files take (e.g. 64GiB); past it the least recently used "
+        "records are deleted", flag="--kv-disk-bytes")
     page_size: int = _option(16, "count", "(paged pool) tokens per page")
     kv_dtype: object = _option(None, "dtype", "(paged pool) the pool's storage dtype: bfloat16, float16, float32, "
                                "float8_e4m3fn or float8_e5m2 (default: the model's)")
@@ -351,7 +364,7 @@ def _fraction(text: str) -> float:
 
 
 _ARG_TYPES = {"count": positive_int, "count2": positive_int, "count0": parse_bytes, "memory": parse_memory, "int": int,
-              "fraction": _fraction, "speculative": str}
+              "fraction": _fraction, "speculative": str, "path": str, "bytes": parse_bytes}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

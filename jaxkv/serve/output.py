@@ -56,7 +56,10 @@ class EngineStats:
     ``spec_draft_tokens`` / ``spec_accepted_tokens`` (speculative decoding:
     draft tokens verified / kept; ``spec_packed_draft_tokens`` of them
     verified in packed steps' verify lanes), ``forked_requests``
-    (siblings admitted on their parent's own pages: ``fork_of``).
+    (siblings admitted on their parent's own pages: ``fork_of``),
+    ``disk`` (the prefix cache's disk tier, None without one: its records
+    and bytes now, records written / loaded / dropped / rejected and their
+    bytes since start, ``hit_tokens`` read back into the host tier).
     ``cache_usage``:
     the cache's usage per group now (:class:`EngineSummary`). Since the
     previous :meth:`Engine.stats` call (drained by each call; at most the
@@ -97,6 +100,7 @@ class EngineStats:
     spec_accepted_tokens: int = 0
     spec_packed_draft_tokens: int = 0
     forked_requests: int = 0
+    disk: dict | None = None
 
     @property
     def prefix_query_tokens(self) -> int:

@@ -125,6 +125,9 @@ class PagedPrefixStats:
     ``loaded_tokens`` tokens actually copied back into device blocks for a
     hit, ``offloaded_tokens`` tokens copied to the host tier on eviction,
     ``load_calls`` / ``offload_calls`` the transfer calls that did it.
+    ``disk``: the disk tier's figures (:class:`~jaxkv.prefix.disk.DiskStats`;
+    None without one), ``disk_tokens`` the tokens it read back into the host
+    tier.
     """
 
     tree: PrefixCacheStats
@@ -135,6 +138,8 @@ class PagedPrefixStats:
     offloaded_tokens: int
     load_calls: int
     offload_calls: int
+    disk: object = None
+    disk_tokens: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -216,6 +221,7 @@ class PagedCache(CacheBase):
                                  if host_prefix_pages else None)
         self.prefix_cache = PrefixCacheManager(page_size, disable=not prefix_cache, host_pages=host_prefix_pages)
         self._loaded_tokens = self._load_calls = self._offload_calls = 0
+        self.disk = None  # the disk tier (attach_disk)
         self.unit = page_size
         self.hit_grain = page_size  # hits are whole pages
         self._insert_at: list[set] = [set() for _ in range(max_seqs)]  # per row: prefixes others wait for
@@ -332,10 +338,30 @@ class PagedCache(CacheBase):
         pages as for pages it would compute; :meth:`begin_prefill` loads
         them. The pin keeps them on the host until then (a pinned host node
         is never dropped)."""
+        if self.disk is not None:  # records past the tree's prefix become host-tier pages first
+            self.disk.extend(tokens, namespace, len(tokens) - 1)
         match = self.prefix_cache.match(tokens, namespace, max_tokens=len(tokens) - 1)
         self.prefix_cache.pin(match.node)
         blocks = list(match.blocks)
         return PrefixHit(len(blocks) * self.page_size + match.num_host_tokens, (blocks,), match.node)
+
+    def attach_disk(self, model, directory, budget_bytes: int) -> None:
+        """Give the prefix cache a disk tier in ``directory`` of at most
+        ``budget_bytes`` (:mod:`jaxkv.serve.disk_tier`); it reads back
+        through the host tier, which must exist."""
+        from jaxkv.prefix.disk import DiskStore
+        from jaxkv.serve.disk_tier import PagedDiskTier, identity_of
+
+        if self.prefix_host_pool is None:
+            raise InvalidArgument("a disk tier of the prefix cache reads back through its host tier: give "
+                                  "host_prefix_memory (or host_prefix_pages), with the prefix cache on and a pool "
+                                  "that is not windowed in every layer")
+        store = DiskStore(directory, budget_bytes=budget_bytes,
+                          identity=identity_of(model, self.pool, self.page_size, PagedDiskTier.kind))
+        self.disk = PagedDiskTier(self, store)
+        stats = store.stats()
+        logger.info("prefix cache disk tier: %s, %d records (%d bytes) of this model found, budget %d bytes",
+                    store.directory, stats.records, stats.bytes, budget_bytes)
 
     def unpin(self, hit: PrefixHit | None) -> None:
         if hit is not None:
@@ -399,7 +425,9 @@ class PagedCache(CacheBase):
         return PagedPrefixStats(
             tree=tree, host_pages=self.prefix_cache.host_capacity, host_free_pages=self.prefix_cache.host_free_pages,
             host_bytes=sizing.tree_bytes(pool) if pool is not None else 0, loaded_tokens=self._loaded_tokens,
-            offloaded_tokens=tree.offloaded_tokens, load_calls=self._load_calls, offload_calls=self._offload_calls)
+            offloaded_tokens=tree.offloaded_tokens, load_calls=self._load_calls, offload_calls=self._offload_calls,
+            disk=self.disk.store.stats() if self.disk is not None else None,
+            disk_tokens=self.disk.loaded_tokens if self.disk is not None else 0)
 
     def _load_host_hits(self, lanes: list[PrefillLane]) -> list[list]:
         """Each lane's prefix blocks, with the host-tier pages of its hit
@@ -506,8 +534,11 @@ class PagedCache(CacheBase):
             self._insert_at[lane.row] = {p for p in self._insert_at[lane.row] if p > end}
             pages = end // self.page_size
             if pages and (tables[lane.row, :pages] >= 0).all():
-                incref += self.prefix_cache.insert(lane.tokens[: pages * self.page_size],
-                                                   tables[lane.row, :pages].tolist(), lane.namespace).new_blocks
+                result = self.prefix_cache.insert(lane.tokens[: pages * self.page_size],
+                                                  tables[lane.row, :pages].tolist(), lane.namespace)
+                incref += result.new_blocks
+                if self.disk is not None:
+                    self.disk.written(lane.tokens, result.blocks, lane.namespace)
         release = self._trim(lane.namespace for lane, _ in waiting)
         if defer and not release:
             self._pending_incref += incref
@@ -641,6 +672,8 @@ class PagedCache(CacheBase):
             if full_pages and (tables[row, :full_pages] >= 0).all():
                 result = self.prefix_cache.insert(tokens, tables[row, :full_pages].tolist(), namespace)
                 incref += result.new_blocks
+                if self.disk is not None:
+                    self.disk.written(tokens, result.blocks, namespace)
         self.update(incref=incref, rows=[row for row, *_ in finished],
                     release=self._trim(namespace for _, _, namespace, _ in finished))
         for row, *_, hit in finished:

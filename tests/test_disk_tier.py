@@ -1,0 +1,259 @@
+"""The prefix cache's disk tier (``kv_disk_dir``, :mod:`jaxkv.prefix.disk`,
+:mod:`jaxkv.serve.disk_tier`).
+
+Expectations we did not write: an engine with no disk tier (a cold run)
+gives the tokens every restarted engine must give; the files themselves
+are checked byte by byte against what was stored. Prompts are drawn fresh
+(the seed is printed in every failure message): prefixes shared between
+prompts and namespaces, lengths across page boundaries.
+
+* **Restart**: a second engine on the same folder (a restarted server)
+  hits every whole page the first one cached, per namespace, and gives the
+  cold run's tokens; another namespace, or another model's weights in the
+  same folder, hits nothing.
+* **Damage**: a power cut in the middle of a write (a half-written
+  temporary file, the final one never renamed), a truncated record, a
+  flipped byte: the damaged record alone is lost (the hit ends before it),
+  with a warning; a foreign file is skipped and left alone.
+* **Budget**: the files never exceed it; the least recently used go first.
+
+Compile budget: the engines have test_paged_host_tier's shapes.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+
+import ml_dtypes
+import numpy as np
+import pytest
+from flax import nnx
+
+from jaxkv.errors import InvalidArgument
+from jaxkv.nn import LlamaConfig, LlamaForCausalLM
+from jaxkv.prefix.disk import DiskStore
+from jaxkv.serve import Engine
+
+CONFIG = dict(
+    model_type="llama", vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+    num_attention_heads=4, num_key_value_heads=2, head_dim=8, rms_norm_eps=1e-6, rope_theta=10000.0,
+    max_position_embeddings=256, tie_word_embeddings=False,
+)
+PAGE = 4
+ENGINE = dict(num_pages=10, page_size=PAGE, max_seqs=4, max_blocks_per_seq=8, decode_chunk=4,
+              host_memory_kind="numpy")
+
+
+@pytest.fixture(scope="module")
+def model():
+    return LlamaForCausalLM(LlamaConfig.from_hf(CONFIG), rngs=nnx.Rngs(0))
+
+
+def fresh_rng():
+    seed = secrets.randbelow(2**31)
+    return np.random.default_rng(seed), seed
+
+
+# ----------------------------------------------------------------------------- the store alone
+
+
+def record_arrays(rng):
+    return {"k": rng.standard_normal((2, 3, 4)).astype(np.float32),
+            "v": rng.standard_normal((2, 3, 4)).astype(ml_dtypes.bfloat16),
+            "scale": rng.integers(-128, 127, size=(5,)).astype(np.int8)}
+
+
+def test_store_round_trip_index_and_keys(tmp_path):
+    rng, seed = fresh_rng()
+    store = DiskStore(tmp_path, budget_bytes=1 << 20, identity="model-a")
+    tokens = rng.integers(0, 1000, size=12).tolist()
+    keys = store.chain(tokens, 4, namespace="t1")
+    assert len(keys) == 3 and len(set(keys)) == 3
+    assert keys == store.chain(tokens + [5, 6], 4, namespace="t1")  # a partial last piece adds no key
+    assert store.chain(tokens, 4, namespace="t2")[0] != keys[0]  # namespaces never share a record
+    other = list(tokens)
+    other[5] += 1
+    assert store.chain(other, 4, namespace="t1")[:2] == [keys[0], store.key(keys[0], other[4:8], "t1")]
+    assert store.chain(other, 4, namespace="t1")[1] != keys[1]  # a changed token changes its key and after
+    written = {}
+    for i, key in enumerate(keys):
+        written[key] = record_arrays(rng)
+        assert store.put(key, keys[i - 1] if i else None, tokens[4 * i:4 * i + 4], "t1", "page", written[key])
+    assert not store.put(keys[0], None, tokens[:4], "t1", "page", written[keys[0]])  # already queued or on disk
+    store.flush()
+    again = DiskStore(tmp_path, budget_bytes=1 << 20, identity="model-a")  # a restart: the folder indexed
+    for i, key in enumerate(keys):
+        assert again.has(key)
+        header, arrays = again.get(key, "page")
+        assert header["tokens"] == tokens[4 * i:4 * i + 4] and header["parent"] == (keys[i - 1] if i else None)
+        for name, want in written[key].items():
+            assert arrays[name].dtype == want.dtype, seed
+            np.testing.assert_array_equal(arrays[name], want, err_msg=f"seed {seed}")
+    assert again.get(keys[0], "snapshot") is None  # another kind of record is refused (and dropped)
+    assert again.stats().rejected == 1
+
+
+def test_store_skips_foreign_corrupt_and_half_written_files(tmp_path, caplog):
+    rng, seed = fresh_rng()
+    ours = DiskStore(tmp_path, budget_bytes=1 << 20, identity="model-a")
+    theirs = DiskStore(tmp_path, budget_bytes=1 << 20, identity="model-b")
+    keys = ours.chain(rng.integers(0, 50, size=16), 4)
+    for key in keys:
+        ours.put(key, None, [1, 2, 3, 4], None, "page", record_arrays(rng))
+    foreign = theirs.chain(rng.integers(0, 50, size=8), 4)
+    for key in foreign:
+        theirs.put(key, None, [1, 2, 3, 4], None, "page", record_arrays(rng))
+    ours.flush()
+    theirs.flush()
+    path = lambda key: os.path.join(tmp_path, key + ".kvrec")  # noqa: E731
+    data = open(path(keys[1]), "rb").read()
+    with open(path(keys[1]), "wb") as f:  # truncated: a file system that lost the tail
+        f.write(data[: len(data) // 2])
+    os.remove(path(keys[2]))  # a power cut mid-write: the temporary file only
+    with open(os.path.join(tmp_path, f".{keys[2]}.0badf00d.tmp"), "wb") as f:
+        f.write(data[: len(data) // 3])
+    flipped = bytearray(open(path(keys[3]), "rb").read())
+    flipped[-40] ^= 0x01  # bit rot in the payload: only the checksum can tell
+    open(path(keys[3]), "wb").write(bytes(flipped))
+    with caplog.at_level(logging.WARNING, logger="jaxkv.prefix.disk"):
+        again = DiskStore(tmp_path, budget_bytes=1 << 20, identity="model-a")
+        assert again.has(keys[0]) and not again.has(keys[1]) and not again.has(keys[2]) and again.has(keys[3])
+        assert again.get(keys[0], "page") is not None
+        assert again.get(keys[3], "page") is None  # caught when loaded, never used
+    text = caplog.text
+    assert "write never finished" in text and "truncated" in text and "checksum mismatch" in text, text
+    assert text.count("another model") == len(foreign), text
+    assert all(os.path.exists(path(key)) for key in foreign)  # foreign files are left alone
+    assert not os.path.exists(path(keys[1])) and not os.path.exists(path(keys[3]))  # ours, damaged: deleted
+    assert not [n for n in os.listdir(tmp_path) if n.endswith(".tmp")]
+    assert again.stats().rejected == 2 and again.stats().records == 1, seed
+
+
+def test_store_budget_deletes_least_recently_used(tmp_path):
+    rng, seed = fresh_rng()
+    probe = DiskStore(tmp_path / "probe", budget_bytes=1 << 20, identity="m")
+    probe.put("k", None, [1], None, "page", record_arrays(rng))
+    probe.flush()
+    size = probe.stats().bytes
+    store = DiskStore(tmp_path / "s", budget_bytes=3 * size + size // 2, identity="m")  # three records fit
+    keys = store.chain(rng.integers(0, 50, size=20), 4)
+    for key in keys[:3]:
+        store.put(key, None, [1, 2, 3, 4], None, "page", record_arrays(rng))
+    store.flush()
+    assert store.get(keys[0], "page") is not None  # used: the least recently used is keys[1] now
+    store.put(keys[3], None, [1, 2, 3, 4], None, "page", record_arrays(rng))
+    store.flush()
+    assert [store.has(k) for k in keys[:4]] == [True, False, True, True], seed
+    assert store.stats().bytes <= store.budget_bytes and store.stats().dropped == 1
+    assert sorted(os.listdir(tmp_path / "s")) == sorted(k + ".kvrec" for k in (keys[0], keys[2], keys[3]))
+    with pytest.raises(InvalidArgument, match="byte budget"):
+        DiskStore(tmp_path, budget_bytes=0, identity="m")
+
+
+# ----------------------------------------------------------------------------- the engine across restarts
+
+
+def workload(rng):
+    """Prompts sharing prefixes (a long common head, then branches), in two namespaces."""
+    head = rng.integers(1, CONFIG["vocab_size"], size=int(rng.integers(9, 14))).tolist()
+    prompts = [head + rng.integers(1, CONFIG["vocab_size"], size=int(rng.integers(1, 9))).tolist()
+               for _ in range(3)]
+    return [(p, "alice" if i % 2 == 0 else "bob") for i, p in enumerate(prompts)]
+
+
+def run_all(engine, requests, max_new=4):
+    """Each request alone (one after another); their tokens and first cached counts."""
+    out, cached = [], []
+    for prompt, namespace in requests:
+        rid = engine.add_request(prompt, max_new, namespace=namespace)
+        first = None
+        while engine.has_unfinished():
+            for o in engine.step():
+                if o.request_id == rid and o.new_token_ids and first is None:
+                    first = o.cached_tokens
+        out.append(engine.outputs[rid])
+        cached.append(first)
+    engine.check_bookkeeping()
+    return out, cached
+
+
+def test_a_restarted_engine_hits_the_disk_with_cold_tokens(model, tmp_path):
+    rng, seed = fresh_rng()
+    requests = workload(rng)
+    cold, _ = run_all(Engine(model, **ENGINE), requests)
+    first = Engine(model, kv_disk_dir=str(tmp_path), **ENGINE)
+    got, _ = run_all(first, requests)
+    assert got == cold, seed
+    first.close()
+    assert first.stats().disk["written"] == len(os.listdir(tmp_path)) > 0
+    restarted = Engine(model, kv_disk_dir=str(tmp_path), **ENGINE)
+    got, cached = run_all(restarted, requests)
+    assert got == cold, seed
+    for (prompt, _), hit in zip(requests, cached):  # every whole page of the prompt (bar the last token)
+        assert hit == (len(prompt) - 1) // PAGE * PAGE, (seed, len(prompt), hit)
+    assert restarted.stats().disk["hit_tokens"] > 0
+    prompt, namespace = requests[0]
+    elsewhere = Engine(model, kv_disk_dir=str(tmp_path), **ENGINE)
+    got, cached = run_all(elsewhere, [(prompt, "carol")])  # another tenant's namespace: nothing to hit
+    assert got == cold[:1] and cached == [0], seed
+
+
+def test_damage_loses_only_the_damaged_record(model, tmp_path, caplog):
+    """A power cut mid-write of page ``k`` (its temporary file half written,
+    never renamed): the restarted engine hits the ``k`` pages before it and
+    recomputes the rest, with the cold run's tokens; a flipped byte in
+    another prompt's record ends that hit there too."""
+    rng, seed = fresh_rng()
+    requests = workload(rng)
+    cold, _ = run_all(Engine(model, **ENGINE), requests)
+    first = Engine(model, kv_disk_dir=str(tmp_path), **ENGINE)
+    run_all(first, requests)
+    first.close()
+    store = first.cache.disk.store
+    prompt, namespace = requests[0]
+    keys = store.chain(prompt, PAGE, namespace)
+    cut = int(rng.integers(0, len(keys)))
+    path = os.path.join(tmp_path, keys[cut] + ".kvrec")
+    data = open(path, "rb").read()
+    os.remove(path)
+    open(os.path.join(tmp_path, f".{keys[cut]}.deadbeef.tmp"), "wb").write(data[: len(data) // 2])
+    prompt1, namespace1 = requests[1]
+    keys1 = store.chain(prompt1, PAGE, namespace1)
+    rot = int(rng.integers(0, (len(prompt1) - 1) // PAGE))
+    raw = bytearray(open(os.path.join(tmp_path, keys1[rot] + ".kvrec"), "rb").read())
+    raw[-33 - int(rng.integers(1, 64))] ^= 0x10
+    open(os.path.join(tmp_path, keys1[rot] + ".kvrec"), "wb").write(bytes(raw))
+    with caplog.at_level(logging.WARNING, logger="jaxkv.prefix.disk"):
+        restarted = Engine(model, kv_disk_dir=str(tmp_path), **ENGINE)
+        got, cached = run_all(restarted, requests[:2])
+    assert got == cold[:2], seed
+    assert cached[0] == min(cut, (len(prompt) - 1) // PAGE) * PAGE, (seed, cut, cached)
+    assert cached[1] == rot * PAGE, (seed, rot, cached)
+    assert "write never finished" in caplog.text and "checksum mismatch" in caplog.text
+
+
+def test_another_models_records_are_never_loaded(model, tmp_path):
+    rng, seed = fresh_rng()
+    requests = workload(rng)[:1]
+    first = Engine(model, kv_disk_dir=str(tmp_path), **ENGINE)
+    run_all(first, requests)
+    first.close()
+    other = LlamaForCausalLM(LlamaConfig.from_hf(CONFIG), rngs=nnx.Rngs(1))  # same shapes, other weights
+    cold, _ = run_all(Engine(other, **ENGINE), requests)
+    theirs = Engine(other, kv_disk_dir=str(tmp_path), **ENGINE)
+    got, cached = run_all(theirs, requests)
+    assert got == cold and cached == [0], seed
+    theirs.close()
+    assert len(os.listdir(tmp_path)) == first.stats().disk["written"] + theirs.stats().disk["written"]
+
+
+def test_disk_tier_options_are_checked(model, tmp_path):
+    with pytest.raises(InvalidArgument, match="prefix_cache is off"):
+        Engine(model, kv_disk_dir=str(tmp_path), prefix_cache=False, **ENGINE)
+    with pytest.raises(InvalidArgument, match="kv_disk_dir=3: give a folder path"):
+        Engine(model, kv_disk_dir=3, **ENGINE)
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(InvalidArgument, match="cannot be made"):
+        Engine(model, kv_disk_dir=str(tmp_path / "file" / "sub"), **ENGINE)
