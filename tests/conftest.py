@@ -95,6 +95,15 @@ RULES = (
     ("long", "other cases", ("test_hybrid_host.py::test_swapped_request_decodes_as_if_never_swapped"
                              "[deepseek_v4]",),
      "Qwen3-Next by default"),
+    ("long", "other cases", ("test_server_disk.py::*",),
+     "two server processes started one after the other (about a minute); the engine's restarts are tested by "
+     "default in test_disk_tier"),
+    ("long", "other cases", ("test_bench_smoke.py::test_prefix_restart_times_a_hit_from_the_disk_tier",),
+     "SmolLM2 engines built three times (about 40 s); the disk tier's hits are tested by default in "
+     "test_disk_tier"),
+    ("long", "other cases", ("test_disk_tier.py::test_every_family_hits_its_disk_after_a_restart[*]",),
+     "the tiny Llama's restarts, damage and budget run by default (the same disk code; each family here "
+     "compiles its engine three times, 20-40 s)"),
     ("long", "other cases", ("test_hybrid_prefix_tiers.py::test_a_prefix_dropped_to_host_comes_back_exact",),
      "DeepSeek-V4 (every group's blocks and its rings through the host tier), its only case"),
     ("long", "other cases", ("test_isolation.py::test_poisoned_and_reused_blocks_never_reach_a_live_sequence[*]",

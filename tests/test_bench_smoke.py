@@ -43,3 +43,14 @@ def test_ideal_prefix_hits_count_the_longest_earlier_prefix():
 
     served = [([1, 2, 3, 4], [5, 6]), ([1, 2, 3, 4, 5, 9], [7]), ([1, 2, 8], [1]), ([4], []), ([1, 2, 3, 4, 5, 9], [])]
     assert ideal_hits(served) == 0 + 5 + 2 + 0 + 5
+
+
+def test_prefix_restart_times_a_hit_from_the_disk_tier(capsys):
+    """``bench prefix --restart``: the disk tier's row hits the prompt after
+    a restart as far as the device tier does, and the cold row hits nothing."""
+    assert main(["prefix", "--restart", "--quick", "--json"]) == 0
+    payload = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    rows = {row["mode"]: row for row in payload["results"]}
+    assert rows["cold"]["hit_tokens"] == 0
+    assert rows["disk tier"]["hit_tokens"] == rows["device tier"]["hit_tokens"] >= rows["cold"]["prompt_tokens"] - 16
+    assert rows["disk tier"]["disk_read_bytes"] > 0

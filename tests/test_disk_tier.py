@@ -249,6 +249,20 @@ def test_another_models_records_are_never_loaded(model, tmp_path):
     assert len(os.listdir(tmp_path)) == first.stats().disk["written"] + theirs.stats().disk["written"]
 
 
+def test_the_servers_flags_give_the_disk_tier_options():
+    import argparse
+
+    from jaxkv.serve.options import add_arguments, from_cli
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    options = from_cli(parser.parse_args(["--kv-disk-dir", "/srv/kv", "--kv-disk-bytes", "2GiB"]))
+    assert (options.cache.kv_disk_dir, options.cache.kv_disk_bytes) == ("/srv/kv", 2 * 2**30)
+    assert from_cli(parser.parse_args([])).cache.kv_disk_dir is None
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--kv-disk-bytes", "0.5"])  # bytes, not a fraction
+
+
 def test_disk_tier_options_are_checked(model, tmp_path):
     with pytest.raises(InvalidArgument, match="prefix_cache is off"):
         Engine(model, kv_disk_dir=str(tmp_path), prefix_cache=False, **ENGINE)
@@ -257,3 +271,54 @@ def test_disk_tier_options_are_checked(model, tmp_path):
     (tmp_path / "file").write_text("x")
     with pytest.raises(InvalidArgument, match="cannot be made"):
         Engine(model, kv_disk_dir=str(tmp_path / "file" / "sub"), **ENGINE)
+
+
+# ----------------------------------------------------------------------------- every family (long)
+
+FAMILIES = {  # fixture -> the engine's cache options (hybrid caches: token-grain snapshot records)
+    "gemma3/small": dict(max_context_tokens=512),
+    "qwen3_next/small": dict(max_context_tokens=512),
+    "dsv4/small": dict(max_context_tokens=512),
+    "gpt_oss/small": dict(max_context_tokens=512),
+    "dsv3/small": dict(max_model_len=512),  # DeepSeek-V3's MLA pool: paged
+}
+
+
+@pytest.mark.parametrize("name", sorted(FAMILIES))
+def test_every_family_hits_its_disk_after_a_restart(name, tmp_path):
+    """Three turns of a conversation (each prompt begins with the one
+    before): after the first two, an engine started on their disk tier (a
+    restart) hits the third exactly as far as the engine that served them
+    and kept running does (its device and host tiers), at least the second
+    prompt's pages (its prompt-end record, for a hybrid cache), and both
+    give the cold run's tokens (a fresh engine without a disk tier, itself
+    checked against transformers in test_engine_families)."""
+    from jaxkv.nn import AutoModelForCausalLM
+
+    rng, seed = fresh_rng()
+    model = AutoModelForCausalLM.from_pretrained(os.path.join(os.path.dirname(__file__), "fixtures", name))
+    options = dict(max_seqs=2, decode_chunk=4, prefill_chunk=64, **FAMILIES[name])
+    vocab = model.config.vocab_size
+    first = rng.integers(1, vocab, int(rng.integers(100, 150))).tolist()
+    second = first + rng.integers(1, vocab, int(rng.integers(20, 60))).tolist()
+    third = second + rng.integers(1, vocab, int(rng.integers(3, 20))).tolist()
+
+    def serve(engine, prompts):
+        out = []
+        for prompt in prompts:
+            rid = engine.add_request(prompt, 5, namespace="t")
+            engine.run()
+            out.append((engine.outputs[rid], engine.cached_tokens(rid)))
+        return out
+
+    cold = [tokens for tokens, _ in serve(Engine(model, **options), [first, second, third])]
+    warm = Engine(model, kv_disk_dir=str(tmp_path), **options)
+    assert [tokens for tokens, _ in serve(warm, [first, second])] == cold[:2], seed
+    warm.close()
+    restarted = Engine(model, kv_disk_dir=str(tmp_path), **options)
+    ((tokens, disk_hit),) = serve(restarted, [third])
+    ((warm_tokens, device_hit),) = serve(warm, [third])
+    assert tokens == warm_tokens == cold[2], seed
+    unit = getattr(restarted.cache, "page_size", 1)
+    assert disk_hit == device_hit >= (len(second) - 1) // unit * unit, (seed, disk_hit, device_hit, len(second))
+    assert restarted.stats().disk["hit_tokens"] >= disk_hit

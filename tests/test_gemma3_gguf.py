@@ -98,7 +98,9 @@ def test_long_prompts_wrap_the_window_in_generate_and_the_engine(model, referenc
     prefilled in pieces of a 256-token budget beside each other) give
     transformers' tokens; then the 1,508-token prompt again hits the prefix
     cache (a snapshot past the window) for most of it and gives the same
-    tokens. The rings' memory is bounded at real size: only the three
+    tokens; then of two different prompts sharing an 800-token prefix, the
+    second hits the first's snapshots up to where they part (within one
+    snapshot interval) and both give transformers' tokens. The rings' memory is bounded at real size: only the three
     global layers take KV per token (the fifteen sliding ones hold a fixed
     ring per request, between one and two windows of slots)."""
     from jaxkv.nn.generate import generate
@@ -120,6 +122,23 @@ def test_long_prompts_wrap_the_window_in_generate_and_the_engine(model, referenc
         check_tokens(engine.outputs[rid], case)
     cached = next(o.cached_tokens for o in outputs if o.new_token_ids)
     assert cached >= len(longest["prompt_ids"]) // 2, cached
+    # Two different prompts sharing an 800-token prefix: the second hits the first's snapshot at most one
+    # snapshot interval before they part, and both give transformers' tokens. (The cache is emptied first: its
+    # four snapshot rows, full of the requests above, would keep few of the first prompt's interval records.)
+    first, second = reference["shared_prefix"]
+    common = len(os.path.commonprefix([first["prompt_ids"], second["prompt_ids"]]))
+    assert common >= 800, common
+    assert engine.reset_prefix_cache()
+    before = engine.add_request(first["prompt_ids"], NEW)
+    engine.run()
+    rid = engine.add_request(second["prompt_ids"], NEW)
+    hits = []
+    while engine.has_unfinished():
+        hits += [o.cached_tokens for o in engine.step() if o.request_id == rid and o.new_token_ids]
+    engine.check_bookkeeping()
+    check_tokens(engine.outputs[rid], second)
+    check_tokens(engine.outputs[before], first)
+    assert common - engine.cache.points.interval <= hits[0] <= common, (hits[0], common)
     config = model.config
     kv = 2 * config.num_key_value_heads * config.head_dim * 4  # K and V, float32, one layer, one token
     full = sum(t == "full_attention" for t in config.layer_types)

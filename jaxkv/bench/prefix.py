@@ -3,7 +3,9 @@ trace, device allocator calls included; then (not with ``--quick``) hit rate
 against the ideal per model family, workload and snapshot retention policy
 on the engine, the same on a device too small to keep everything without
 and with the prefix cache's host tier, and the host tier's transfer rates
-(:mod:`jaxkv.bench.prefix_families`).
+(:mod:`jaxkv.bench.prefix_families`). ``--restart``: time to first token
+of a repeated long prompt after a restart, cold against the disk tier
+(:mod:`jaxkv.bench.prefix_restart`).
 
 The trace (issue 4): ``numpy.random.default_rng(0)``; 10 system prompts of
 800 tokens (``integers(1, 32000, size=800)``, one after another); then 2,000
@@ -213,7 +215,21 @@ class _HostListScheduler(PrefixScheduler):
         assert len(self._free) == self.num_free
 
 
+def parse_extra(args, rest: list):
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m jaxkv.bench prefix")
+    parser.add_argument("--restart", action="store_true", help="time to first token of a repeated long prompt "
+                        "after a restart, cold vs the prefix cache's disk tier (jaxkv.bench.prefix_restart)")
+    args.restart = parser.parse_args(rest).restart
+    return args
+
+
 def main(args) -> int:
+    if getattr(args, "restart", False):
+        from jaxkv.bench.prefix_restart import main as restart_main
+
+        return restart_main(args)
     dispatch = inline_cpu_dispatch()
     num_requests = 300 if args.quick else 2000
     repeats = 1 if args.quick else 5

@@ -126,6 +126,7 @@ class DiskStore:
         self._lock = threading.Lock()
         self._index: OrderedDict[str, int] = OrderedDict()  # key -> file bytes, least recently used first
         self._bytes = 0  # sum of the index's bytes
+        self._prefixes: dict[str, tuple] = {}  # key -> (namespace, tokens) of whole-prefix ("snapshot") records
         self._pending: set[str] = set()  # queued, not yet on disk
         self._counts = dict(written=0, loaded=0, write_bytes=0, load_bytes=0, write_seconds=0.0, load_seconds=0.0,
                             dropped=0, rejected=0)
@@ -160,6 +161,20 @@ class DiskStore:
     def __contains__(self, key: str) -> bool:
         with self._lock:
             return key in self._index or key in self._pending
+
+    def longest_prefix(self, tokens, namespace, *, limit: int, longer_than: int) -> str | None:
+        """The key of the longest whole-prefix record (kind ``"snapshot"``)
+        on disk whose tokens begin ``tokens``, at most ``limit`` and more
+        than ``longer_than`` of them, in ``namespace``; None if there is
+        none. A scan of those records' index (the host tier's way)."""
+        wanted = json.dumps(namespace_key(namespace), default=str)
+        best, best_len = None, longer_than
+        with self._lock:
+            candidates = [(k, ns, prefix) for k, (ns, prefix) in self._prefixes.items() if k in self._index]
+        for key, ns, prefix in candidates:
+            if ns == wanted and best_len < len(prefix) <= limit and tuple(tokens[: len(prefix)]) == prefix:
+                best, best_len = key, len(prefix)
+        return best
 
     def has(self, key: str) -> bool:
         """Whether ``key``'s record is on disk (written, not only queued)."""
@@ -196,6 +211,8 @@ class DiskStore:
                 _remove(path)
                 continue
             found.append((os.path.getmtime(path), header["key"], size))
+            if header.get("kind") == "snapshot":
+                self._prefixes[header["key"]] = (header["namespace"], tuple(header["tokens"]))
         for _, key, size in sorted(found):
             self._index[key] = size
             self._bytes += size
@@ -203,15 +220,17 @@ class DiskStore:
     # ------------------------------------------------------------------ write
 
     def put(self, key: str, parent: str | None, tokens, namespace, kind: str,
-            arrays: Callable[[], Mapping[str, np.ndarray]] | Mapping[str, np.ndarray]) -> bool:
+            arrays: Callable[[], Mapping[str, np.ndarray]] | Mapping[str, np.ndarray], meta: dict | None = None
+            ) -> bool:
         """Queue a record (``arrays``: name -> array, or a function giving
-        them, called on the writer thread: it may fetch device arrays).
-        False when ``key`` is already on disk or queued (nothing queued)."""
+        them, called on the writer thread: it may fetch device arrays;
+        ``meta``: JSON-able facts kept in its header). False when ``key``
+        is already on disk or queued (nothing queued)."""
         with self._lock:
             if key in self._index or key in self._pending:
                 return False
             self._pending.add(key)
-        self._queue.put((key, parent, np.asarray(tokens, np.int64).tolist(), namespace, kind, arrays))
+        self._queue.put((key, parent, np.asarray(tokens, np.int64).tolist(), namespace, kind, arrays, meta or {}))
         return True
 
     def flush(self, timeout: float | None = None) -> None:
@@ -236,7 +255,7 @@ class DiskStore:
                 with self._lock:
                     self._pending.discard(key)
 
-    def _write(self, key, parent, tokens, namespace, kind, arrays) -> None:
+    def _write(self, key, parent, tokens, namespace, kind, arrays, meta) -> None:
         began = time.perf_counter()
         arrays = {name: np.ascontiguousarray(np.asarray(a)) for name, a in (arrays() if callable(arrays)
                                                                                  else arrays).items()}
@@ -247,7 +266,7 @@ class DiskStore:
             offset += a.nbytes
         header = json.dumps({"identity": self.identity, "key": key, "parent": parent, "kind": kind,
                              "namespace": json.dumps(namespace_key(namespace), default=str), "tokens": tokens,
-                             "arrays": specs, "payload_bytes": offset, "written": time.time()}).encode()
+                             "arrays": specs, "payload_bytes": offset, "meta": meta, "written": time.time()}).encode()
         size = _PREAMBLE.size + len(header) + offset + _DIGEST
         self._make_room(size)
         digest = hashlib.sha256()
@@ -270,6 +289,8 @@ class DiskStore:
             self._bytes += size - self._index.get(key, 0)
             self._index[key] = size
             self._index.move_to_end(key)
+            if kind == "snapshot":
+                self._prefixes[key] = (json.dumps(namespace_key(namespace), default=str), tuple(tokens))
             self._counts["written"] += 1
             self._counts["write_bytes"] += size
             self._counts["write_seconds"] += time.perf_counter() - began
@@ -281,6 +302,7 @@ class DiskStore:
                 if not self._index or self._bytes + size <= self.budget_bytes:
                     return
                 victim, freed = self._index.popitem(last=False)
+                self._prefixes.pop(victim, None)
                 self._bytes -= freed
                 self._counts["dropped"] += 1
             _remove(self._path(victim))
@@ -304,6 +326,7 @@ class DiskStore:
             logger.warning("kv disk: dropping %s: %s", path, error)
             with self._lock:
                 self._bytes -= self._index.pop(key, 0)
+                self._prefixes.pop(key, None)
                 self._counts["rejected"] += 1
             _remove(path)
             return None
@@ -323,7 +346,7 @@ class DiskStore:
         """Delete every record of this model (after the queue is written)."""
         self.flush()
         with self._lock:
-            keys, self._index, self._bytes = list(self._index), OrderedDict(), 0
+            keys, self._index, self._bytes, self._prefixes = list(self._index), OrderedDict(), 0, {}
         for key in keys:
             _remove(self._path(key))
 

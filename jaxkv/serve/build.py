@@ -61,10 +61,6 @@ def build_cache(model, options: CacheOptions, *, max_seqs: int, prefill_chunk: i
     if free_bytes is None and mesh is not None:
         free_bytes = sizing.mesh_free_bytes(mesh)
     if cache_kind(model) == "hybrid":
-        if o.kv_disk_dir is not None:
-            raise InvalidArgument(f"kv_disk_dir={o.kv_disk_dir!r}: the disk tier is built for paged pools only "
-                                  f"(the Llama family, DeepSeek-V3); {type(model).__name__}'s hybrid cache has "
-                                  "none yet")
         given = [name for name, value in (("num_pages", o.num_pages), ("max_blocks_per_seq", o.max_blocks_per_seq),
                                           ("kv_dtype", o.kv_dtype)) if value is not None]
         given += [name for name, value in (("num_host_pages", o.num_host_pages),
@@ -73,13 +69,16 @@ def build_cache(model, options: CacheOptions, *, max_seqs: int, prefill_chunk: i
             raise InvalidArgument(f"{', '.join(given)}: options of the paged pool; {type(model).__name__} "
                                   "keeps its cache in a KVCacheManager (give max_model_len, kv_cache_memory, "
                                   "host_kv_memory; or max_context_tokens, num_blocks, entry_format)")
-        return build_hybrid_cache(
+        cache = build_hybrid_cache(
             model, max_seqs=max_seqs, max_model_len=o.max_model_len, max_context_tokens=o.max_context_tokens,
             num_blocks=_block_counts(o.num_blocks), kv_cache_memory=o.kv_cache_memory, num_snapshots=o.num_snapshots,
             entry_format=o.entry_format, prefill_chunk=prefill_chunk, prefix_cache=o.prefix_cache,
             free_bytes=free_bytes, retention=o.snapshot_retention, snapshot_interval=o.snapshot_interval,
             host_kv_memory=o.host_kv_memory, host_prefix_memory=o.host_prefix_memory, mesh=mesh, lookahead=lookahead,
             draft_token_bytes=draft_token_bytes)
+        if o.kv_disk_dir is not None:
+            cache.attach_disk(model, o.kv_disk_dir, o.kv_disk_bytes, o.entry_format)
+        return cache
     if o.kv_disk_dir is not None and not o.prefix_cache:
         raise InvalidArgument(f"kv_disk_dir={o.kv_disk_dir!r}: the disk tier belongs to the prefix cache; "
                               "prefix_cache is off")

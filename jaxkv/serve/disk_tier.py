@@ -34,17 +34,25 @@ import functools
 import logging
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxkv._ops import pow2_at_least
 from jaxkv.pool import host as host_swap
 from jaxkv.prefix.disk import DiskStore, model_identity
+from jaxkv.serve.caches import fixed_ids
 
-__all__ = ["PagedDiskTier", "identity_of"]
+__all__ = ["HybridDiskTier", "PagedDiskTier", "hybrid_identity", "identity_of", "paged_identity"]
 
 logger = logging.getLogger("jaxkv.serve")
 
 _SAMPLE = 64  # values sampled from each parameter for the identity
+
+
+def pow2_ids(ids) -> np.ndarray:
+    """``ids`` padded with -1 to a power of two (the hybrid host tier's shapes)."""
+    return fixed_ids(list(ids), pow2_at_least(max(len(ids), 1)))
 
 
 def _config_dict(config) -> dict:
@@ -53,18 +61,22 @@ def _config_dict(config) -> dict:
     return {k: v for k, v in vars(config).items() if not k.startswith("_")}
 
 
-def identity_of(model, pool, page_size: int, kind: str) -> str:
-    """The identity digest of ``model``'s records of ``kind`` over ``pool``
-    (module docstring)."""
+def identity_of(model, kind: str, *layout) -> str:
+    """The identity digest of ``model``'s records of ``kind`` in a cache of
+    ``layout`` (JSON-able facts: shapes, dtypes, sizes; module docstring)."""
     params = nnx.state(model, nnx.Param)
     samples = []
     for path, leaf in sorted(jax.tree_util.tree_leaves_with_path(params), key=lambda pl: jax.tree_util.keystr(pl[0])):
         flat = leaf.reshape(-1)
         step = max(1, flat.size // _SAMPLE)
         samples += [jax.tree_util.keystr(path), np.asarray(jax.device_get(flat[::step][:_SAMPLE]))]
+    return model_identity(kind, type(model).__name__, _config_dict(model.config), *layout, *samples)
+
+
+def paged_identity(model, pool, page_size: int) -> str:
+    """A paged pool's: its leaves' dtypes and shapes but the page axis."""
     layout = [(str(leaf.dtype), leaf.shape[:2] + leaf.shape[3:]) for leaf in jax.tree.leaves(pool)]
-    return model_identity(kind, type(model).__name__, _config_dict(model.config), str(jax.tree.structure(pool)),
-                          layout, page_size, *samples)
+    return identity_of(model, PagedDiskTier.kind, str(jax.tree.structure(pool)), layout, page_size)
 
 
 class PagedDiskTier:
@@ -131,3 +143,92 @@ class PagedDiskTier:
         added = len(records) * page
         self.loaded_tokens += added
         return added
+
+
+def hybrid_identity(model, manager, unit: int, entry_format: str) -> str:
+    """A hybrid cache's: its groups, their block sizes, the entry format,
+    the prefix unit and the shapes of one block of each group and of one
+    state row (what a record holds)."""
+    from jaxkv.manager import hybrid_host
+
+    one = jax.eval_shape(lambda m: (hybrid_host.read_blocks(m, {g: jnp.ones((1,), jnp.int32) for g in m.groups}),
+                                    hybrid_host.read_state_rows(m, jnp.ones((1,), jnp.int32))), manager)
+    layout = [(str(leaf.dtype), leaf.shape) for leaf in jax.tree.leaves(one)]
+    groups = [(name, g.tokens_per_block) for name, g in manager.groups.items()]
+    return identity_of(model, HybridDiskTier.kind, str(jax.tree.structure(one)), layout, groups, unit, entry_format)
+
+
+class HybridDiskTier:
+    """The disk tier of one :class:`~jaxkv.serve.hybrid_cache.HybridCache`:
+    every snapshot record the cache keeps (its tokens, the data of every
+    group's blocks holding them and its state row: what its host tier keeps
+    of a record leaving the device) written whole under the key of its
+    namespace and tokens; a prompt that runs past the cache's hits and the
+    host tier's finds the longest record on disk that begins it, which goes
+    into the host tier and is loaded from there as a host hit."""
+
+    kind = "snapshot"
+
+    def __init__(self, cache, store: DiskStore):
+        self.cache = cache
+        self.store = store
+        self.loaded_tokens = 0
+        self._seen: set = set()  # ids of the cache's records already queued or on disk
+
+    def written(self) -> None:
+        """Queue the cache's records not yet on disk (each: one gather of its
+        blocks and state row, dispatched now, fetched on the writer thread)."""
+        from jaxkv.manager import hybrid_host
+
+        cache = self.cache
+        snapshots = cache.snapshots
+        for rid, record in list(snapshots.records.items()):
+            if rid in self._seen:
+                continue
+            self._seen.add(rid)
+            key = self.store.key(None, record.prefix, record.namespace)
+            if key in self.store:
+                continue
+            blocks = [[b for h in record.path for b in snapshots.pages[h][g]] + list(record.tail[g])
+                      for g in range(len(cache.groups))]
+            ids = {name: pow2_ids(b) for name, b in zip(cache.groups, blocks)}
+            data = (hybrid_host.read_blocks(cache.manager, ids),
+                    hybrid_host.read_state_rows(cache.manager, [cache.manager.num_slots + record.row]))
+            counts = [len(b) for b in blocks]
+            self.store.put(key, None, record.prefix, record.namespace, self.kind, meta={"snapshot": record.kind},
+                           arrays=lambda data=data, counts=counts: {
+                               "counts": np.asarray(counts, np.int64),
+                               **{str(n): np.asarray(a) for n, a in enumerate(jax.device_get(jax.tree.leaves(data)))}})
+        self._seen.intersection_update(snapshots.records)
+
+    def extend(self, tokens, namespace, longer_than: int) -> None:
+        """Put into the host tier the longest record on disk that begins
+        ``tokens`` (at most ``len - 1`` of them) and is longer than
+        ``longer_than`` (what the device and host tiers hit), if any."""
+        from jaxkv.manager import hybrid_host
+
+        cache = self.cache
+        host = cache.host_prefixes
+        while True:
+            key = self.store.longest_prefix(tokens, namespace, limit=len(tokens) - 1, longer_than=longer_than)
+            if key is None:
+                return
+            record = self.store.get(key, self.kind)
+            if record is None:
+                continue  # dropped (damaged): a shorter one may do
+            header, arrays = record
+            counts = [int(n) for n in arrays["counts"]]
+            want = jax.eval_shape(
+                lambda m: (hybrid_host.read_blocks(m, {g: jnp.asarray(pow2_ids([1] * n)) for g, n in
+                                                       zip(cache.groups, counts)}),
+                           hybrid_host.read_state_rows(m, jnp.ones((1,), jnp.int32))), cache.manager)
+            leaves = [arrays.get(str(n)) for n in range(len(jax.tree.leaves(want)))]
+            if any(a is None or a.shape != w.shape or a.dtype != w.dtype
+                   for a, w in zip(leaves, jax.tree.leaves(want))):
+                logger.warning("kv disk: record %s does not fit this cache's layout; not loaded", key)
+                return
+            data = jax.tree.unflatten(jax.tree.structure(want), leaves)
+            prefix = tuple(header["tokens"])
+            if host.put(namespace, prefix, header["meta"]["snapshot"], counts, data, hybrid_host.tree_nbytes(data)):
+                self.loaded_tokens += len(prefix)
+            return

@@ -192,6 +192,7 @@ class HybridCache(CacheBase):
         self.points = SnapshotPoints(max_seqs, max(self.unit, 256) if snapshot_interval is None else snapshot_interval,
                                      enabled=cached > 0)
         self._released: set = set()  # ids of the snapshot hits unpinned at admission (see unpin)
+        self.disk = None  # the disk tier (attach_disk)
         self.host_bytes = int(host_kv_memory or 0)  # host memory for swapped-out rows
         self.can_swap = self.host_bytes > 0
         self.images = RequestImages(self.host_bytes, self.state_bytes_per_request, self.group_block_bytes)
@@ -260,8 +261,35 @@ class HybridCache(CacheBase):
     def prefix_stats(self) -> dict:
         """Metrics of the prefix cache: the hit unit of whole pages
         (tokens), what :meth:`SnapshotCache.usage` reports, the tree's
-        counters."""
-        return dict(unit_tokens=self.unit, **self.snapshots.usage(), tree=self.prefix_cache.stats())
+        counters, and the disk tier's (:class:`~jaxkv.prefix.disk.DiskStats`,
+        None without one; ``disk_tokens`` it put into the host tier)."""
+        return dict(unit_tokens=self.unit, **self.snapshots.usage(), tree=self.prefix_cache.stats(),
+                    disk=self.disk.store.stats() if self.disk is not None else None,
+                    disk_tokens=self.disk.loaded_tokens if self.disk is not None else 0)
+
+    def attach_disk(self, model, directory, budget_bytes: int, entry_format: str) -> None:
+        """Give the prefix cache a disk tier in ``directory`` of at most
+        ``budget_bytes`` (:class:`~jaxkv.serve.disk_tier.HybridDiskTier`);
+        it reads back through the host tier (made, of two longest requests'
+        records, when ``host_prefix_memory`` gave none)."""
+        from jaxkv.prefix.disk import DiskStore
+        from jaxkv.serve.disk_tier import HybridDiskTier, hybrid_identity
+
+        if not self.num_cached_snapshots:
+            raise InvalidArgument("a disk tier of the prefix cache needs the prefix cache: this cache keeps no "
+                                  "snapshots (prefix_cache off, or num_snapshots 0)")
+        if self.host_prefixes is None:  # the way back from disk: two longest requests' records unless given
+            nbytes = int(2 * (self.max_context_tokens * self.bytes_per_token + self.state_bytes_per_request))
+            self.host_prefixes = SnapshotHostTier(hybrid_host.HostStore(nbytes, memory_kind="auto"))
+            self.host_prefixes.scrub = self.scrub
+            self.snapshots.spill = True
+            logger.info("prefix cache host tier for the disk tier: %d bytes", nbytes)
+        store = DiskStore(directory, budget_bytes=budget_bytes,
+                          identity=hybrid_identity(model, self.manager, self.unit, entry_format))
+        self.disk = HybridDiskTier(self, store)
+        stats = store.stats()
+        logger.info("prefix cache disk tier: %s, %d records (%d bytes) of this model found, budget %d bytes",
+                    store.directory, stats.records, stats.bytes, budget_bytes)
 
     def usage(self) -> list[dict]:
         """Per group: ``tokens`` and ``blocks`` held by running requests and
@@ -292,6 +320,10 @@ class HybridCache(CacheBase):
         ``blocks[g]``: group ``g``'s blocks of the hit; ``copied[g]``: 1
         when the last of them is partly filled (the request gets a copy)."""
         hit = self.snapshots.match(tokens, namespace)
+        if self.disk is not None:  # a longer record on disk goes into the host tier first
+            known = self.host_prefixes.candidate(tokens, namespace, hit.tokens)
+            self.disk.extend(tokens, namespace, len(self.host_prefixes.entry(known)[1]) if known is not None
+                             else hit.tokens)
         best = (self.host_prefixes.candidate(tokens, namespace, hit.tokens) if self.host_prefixes is not None
                 else None)
         if best is not None:  # loaded at admission (begin_prefill), into blocks the admission counted
@@ -422,6 +454,8 @@ class HybridCache(CacheBase):
         dropped = self.snapshots.dropped
         self._apply(self.snapshots.store(list(prefix), [tables[name] for name in self.groups], slot_of(lane.row),
                                          kind=kind, namespace=lane.namespace))
+        if self.disk is not None:
+            self.disk.written()
         if (self.snapshots.dropped == dropped and host.key in self.host_prefixes
                 and not self.host_prefixes.is_pinned(host.key)):
             self.host_prefixes.discard(host.key)  # on the device again (or it was there already)
@@ -467,7 +501,11 @@ class HybridCache(CacheBase):
             if self.snapshots.spill:  # a later store may spill this record: its row must hold its state by then
                 self._apply(ops)
                 ops = self.snapshots.empty_ops()
+                if self.disk is not None:  # its row holds its state now: read before a later store reuses it
+                    self.disk.written()
         self._apply(ops)
+        if self.disk is not None:
+            self.disk.written()
 
     # ---------------------------------------------------------------- steps
 

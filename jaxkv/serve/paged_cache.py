@@ -350,14 +350,14 @@ class PagedCache(CacheBase):
         ``budget_bytes`` (:mod:`jaxkv.serve.disk_tier`); it reads back
         through the host tier, which must exist."""
         from jaxkv.prefix.disk import DiskStore
-        from jaxkv.serve.disk_tier import PagedDiskTier, identity_of
+        from jaxkv.serve.disk_tier import PagedDiskTier, paged_identity
 
         if self.prefix_host_pool is None:
             raise InvalidArgument("a disk tier of the prefix cache reads back through its host tier: give "
                                   "host_prefix_memory (or host_prefix_pages), with the prefix cache on and a pool "
                                   "that is not windowed in every layer")
         store = DiskStore(directory, budget_bytes=budget_bytes,
-                          identity=identity_of(model, self.pool, self.page_size, PagedDiskTier.kind))
+                          identity=paged_identity(model, self.pool, self.page_size))
         self.disk = PagedDiskTier(self, store)
         stats = store.stats()
         logger.info("prefix cache disk tier: %s, %d records (%d bytes) of this model found, budget %d bytes",
