@@ -95,6 +95,9 @@ RULES = (
     ("long", "other cases", ("test_hybrid_host.py::test_swapped_request_decodes_as_if_never_swapped"
                              "[deepseek_v4]",),
      "Qwen3-Next by default"),
+    ("long", "other cases", ("test_server_processes.py::*",),
+     "two server processes in one jax.distributed run, then one killed (about 40 s); the lockstep engine loop's "
+     "code runs in every server test (it publishes nothing without --num-processes)"),
     ("long", "other cases", ("test_server_disk.py::*",),
      "two server processes started one after the other (about a minute); the engine's restarts are tested by "
      "default in test_disk_tier"),

@@ -24,6 +24,16 @@ Structured outputs' automata are kept in ``automata`` under the same root
 ``--no-compile-cache``): JSON mode's is built once per machine, not per
 start.
 
+**Across processes.** ``--num-processes N --process-id I --coordinator
+HOST:PORT`` (every process runs the same command with its own ``I``): a
+model on a mesh spanning the processes (``--tensor-parallel-size``
+counts the run's devices) behind one HTTP endpoint. Process 0 serves HTTP
+and streams the tokens; the others run the same engine in lockstep, every
+arrival, abort and step published to them through JAX's distributed
+key-value store (:mod:`jaxkv.serve.multihost`). When a process dies,
+process 0 answers 503 to every request and exits; a follower whose
+process 0 died exits too.
+
 **API keys and tenants.** ``--api-keys-file keys.json`` (a JSON object,
 API key -> tenant name) and / or ``--api-key KEY`` (one key, tenant
 ``default``; it shows in the process list, the file does not): every request
@@ -166,7 +176,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="parameter / activation dtype "
                    "(default: the checkpoint's)")
     p.add_argument("--tensor-parallel-size", "-tp", type=positive_int, default=1, help="split the model and its "
-                   "cache over this many of this host's devices (a 'tp' mesh; jaxkv.nn.sharding; default 1)")
+                   "cache over this many devices (a 'tp' mesh; jaxkv.nn.sharding; default 1): this host's, or "
+                   "with --num-processes the run's, in process order")
+    p.add_argument("--num-processes", type=positive_int, default=None, help="serve across this many "
+                   "jax.distributed processes, each starting this same command with its --process-id: process 0 "
+                   "runs HTTP, the others run the same engine in lockstep (jaxkv.serve.multihost; default 1)")
+    p.add_argument("--process-id", type=int, default=None, help="this process's index, 0 .. num_processes - 1")
+    p.add_argument("--coordinator", metavar="HOST:PORT", help="the jax.distributed coordinator, on process 0's "
+                   "host (default: what jax.distributed reads from the environment)")
     p.add_argument("--api-key", metavar="KEY", help="require 'Authorization: Bearer KEY' on every request but "
                    "/health and /metrics (tenant 'default'; visible in the process list: prefer --api-keys-file)")
     p.add_argument("--api-keys-file", metavar="PATH", help="a JSON object mapping API key -> tenant name: every "
@@ -235,9 +252,10 @@ def tensor_parallel_mesh(size: int):
 
     from jaxkv.errors import InvalidArgument
 
-    devices = jax.local_devices()
+    devices = jax.devices() if jax.process_count() > 1 else jax.local_devices()
     if size > len(devices):
-        raise InvalidArgument(f"--tensor-parallel-size {size}: this host has {len(devices)} "
+        where = "the run has" if jax.process_count() > 1 else "this host has"
+        raise InvalidArgument(f"--tensor-parallel-size {size}: {where} {len(devices)} "
                               f"{jax.default_backend()} device(s)")
     return jax.sharding.Mesh(np.array(devices[:size]).reshape(1, size), ("data", "tp"))
 
@@ -264,6 +282,16 @@ def main(argv: list[str] | None = None) -> int:
         logger.warning("--trust-request-chat-template: chat templates sent by clients are rendered (code the "
                        "server runs, up to --render-timeout %g s each); serve only clients you trust",
                        args.render_timeout)
+    lockstep = None
+    if (args.num_processes or 1) > 1 or args.coordinator:
+        from jaxkv.serve import multihost
+
+        if args.process_id is None or not 0 <= args.process_id < (args.num_processes or 0):
+            parser.error(f"--process-id {args.process_id}: give 0 .. --num-processes - 1 to each process")
+        multihost.initialize(args.coordinator, args.num_processes, args.process_id)
+        lockstep = multihost.Lockstep(args.num_processes, args.process_id)
+        logger.info("process %d of %d (coordinator %s)", args.process_id, args.num_processes,
+                    args.coordinator or "from the environment")
     model_path = _resolve_model(args.model)
     names = args.served_model_name or [_default_name(model_path)]
 
@@ -313,6 +341,17 @@ def main(argv: list[str] | None = None) -> int:
                     "warm" if entries else "cold")
         return engine, tokenizer
 
+    if lockstep is not None and lockstep.process_id != 0:  # a follower: no HTTP, the leader's engine calls
+        from jaxkv.serve.multihost import LostProcess
+
+        engine, _ = build()
+        logger.info("process %d follows process 0's engine", lockstep.process_id)
+        try:
+            return lockstep.follow(engine)
+        except (LostProcess, RuntimeError) as error:
+            logger.error("%s; exiting", error)
+            return 1
+
     def started(server):
         logger.info("listening on http://%s:%d (model %s as %s); /health answers 503 until ready", args.host,
                     args.port, model_path, ", ".join(names))
@@ -321,7 +360,7 @@ def main(argv: list[str] | None = None) -> int:
         run_server(build, host=args.host, port=args.port, served_model_names=names, startup_clock=_COMMAND_CLOCK,
                    log_level=args.log_level, on_started=started, api_keys=api_keys,
                    trust_request_chat_template=args.trust_request_chat_template,
-                   render_timeout=args.render_timeout, max_body_bytes=args.max_request_body)
+                   render_timeout=args.render_timeout, max_body_bytes=args.max_request_body, lockstep=lockstep)
     except KeyboardInterrupt:  # uvicorn re-raises Ctrl-C after its graceful shutdown
         pass
     return 0

@@ -601,7 +601,7 @@ class CacheBase(abc.ABC):
             data[lanes] = np.array([key_data[lane] for lane in lanes], np.uint32)
         return wrap_keys(data)
 
-    _key_shape = jax.random.key_data(jax.random.key(0)).shape
+    _key_shape = jax.eval_shape(lambda: jax.random.key_data(jax.random.key(0))).shape  # no backend at import
 
     def begin_prefill(self, lanes: list[PrefillLane]) -> None:
         """Admit ``lanes``: take their rows, start hits from their cached

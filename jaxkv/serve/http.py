@@ -194,6 +194,7 @@ import hmac
 import json
 import logging
 import math
+import os
 import queue
 import re
 import threading
@@ -819,8 +820,14 @@ class EngineLoop:
 
     def __init__(self, build: Callable[[], object], loop: asyncio.AbstractEventLoop, *,
                  on_ready: Callable[[object], None] | None = None,
-                 on_failed: Callable[[BaseException], None] | None = None, idle_wait: float = 0.5):
+                 on_failed: Callable[[BaseException], None] | None = None, idle_wait: float = 0.5,
+                 lockstep=None):
         self._build = build
+        # Serving across processes (jaxkv.serve.multihost): every iteration's commands and step are published
+        # for the followers before the step; ``_ops`` collects them, ``_ops_next`` what goes with the next one.
+        self._lockstep = lockstep
+        self._ops: list = []
+        self._ops_next: list = []
         self._loop = loop
         self._on_ready = on_ready
         self._on_failed = on_failed
@@ -845,6 +852,12 @@ class EngineLoop:
 
     def stats(self, future: asyncio.Future) -> None:
         self._commands.put(("stats", future))
+
+    def fail_all(self, error: BaseException) -> None:
+        """Answer ``error`` to every request in flight (any thread: a process
+        of a multi-process server died and the engine may never step again)."""
+        for sink in list(self._live):
+            self._post(_deliver, [(sink, ("error", error))])
 
     def stop(self, timeout: float = 30.0) -> None:
         self._commands.put(("stop",))
@@ -884,9 +897,13 @@ class EngineLoop:
                 except queue.Empty:
                     break
             deliveries: list = []
+            self._ops, self._ops_next = self._ops_next, []
             for command in commands:
                 self._handle(engine, command, deliveries)
-            if not self._stopping and engine.has_unfinished():
+            stepping = not self._stopping and engine.has_unfinished()
+            if self._lockstep is not None and (self._ops or stepping):
+                self._lockstep.publish(self._ops, stepping)
+            if stepping:
                 try:
                     outputs = engine.step()
                 except Exception as err:  # noqa: BLE001 - a bug in the engine: fail its requests, keep serving
@@ -894,6 +911,7 @@ class EngineLoop:
                     for sink, rid in list(self._live.items()):
                         deliveries.append((sink, ("error", err)))
                         self._forget(sink)
+                        self._ops_next.append(("abort", rid))  # the followers' engines abort them too
                         try:
                             engine.abort(rid)
                         except Exception:  # noqa: BLE001
@@ -912,6 +930,8 @@ class EngineLoop:
         for sink in list(self._live):  # stopping: whoever still waits gets an error
             self._post(_deliver, [(sink, ("error", APIError(503, "the server is shutting down",
                                                             code="shutting_down")))])
+        if self._lockstep is not None:
+            self._lockstep.publish(self._ops_next, False, stop=True)
         close = getattr(engine, "close", None)
         if close is not None:  # the disk tier's queued records reach the disk before the process ends
             try:
@@ -945,7 +965,9 @@ class EngineLoop:
                 rid = engine.add_request(prompt, **kwargs)
             except Exception as err:  # noqa: BLE001 - answered to its client; others go on
                 deliveries.append((sink, ("error", err)))
+                self._ops.append(("add", prompt, kwargs, None))
                 return
+            self._ops.append(("add", prompt, kwargs, rid))
             self._live[sink] = rid
             self._sinks[rid] = sink
             deliveries.append((sink, ("added", rid)))
@@ -954,6 +976,7 @@ class EngineLoop:
             rid = self._live.get(sink)
             if rid is not None:  # its last output ("abort") comes from a later step and is dropped
                 self._forget(sink)
+                self._ops.append(("abort", rid))
                 try:
                     engine.abort(rid)
                 except Exception:  # noqa: BLE001 - already finished: nothing to free
@@ -1149,6 +1172,7 @@ class ServerState:
     engine_loop: EngineLoop | None = None
     ready: bool = False
     failed: BaseException | None = None
+    lost: APIError | None = None  # serving across processes: one died (jaxkv.serve.multihost)
     created: int = dataclasses.field(default_factory=lambda: int(time.time()))
     eos_token_ids: tuple[int, ...] = ()
     vocab_size: int | None = None  # the model's logits (structured outputs' automata span them)
@@ -1173,7 +1197,8 @@ def _engine_max_model_len(engine) -> int | None:
 def create_app(build: Callable[[], tuple[object, object]], *, served_model_names: Sequence[str],
                metrics: ServerMetrics | None = None, startup_clock: float | None = None,
                api_keys: Mapping[str, str] | APIKeys | None = None, trust_request_chat_template: bool = False,
-               render_timeout: float = RENDER_TIMEOUT, max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
+               render_timeout: float = RENDER_TIMEOUT, max_body_bytes: int = MAX_BODY_BYTES, lockstep=None,
+               lost_grace: float = 3.0) -> FastAPI:
     """The FastAPI app. ``build()`` runs on the engine thread when the app
     starts and returns ``(engine, tokenizer)`` (load, build, warm up); the
     app answers 503 until it returns. ``startup_clock``: the
@@ -1186,7 +1211,11 @@ def create_app(build: Callable[[], tuple[object, object]], *, served_model_names
     ``InvalidArgument`` otherwise. ``trust_request_chat_template``: render
     a chat template the request gives (``chat_template``,
     ``chat_template_kwargs.chat_template``); off, only the model's own
-    templates render and a request's is refused with 400.
+    templates render and a request's is refused with 400. ``lockstep``:
+    a :class:`~jaxkv.serve.multihost.Lockstep` when this is process 0 of a
+    server across processes (the engine loop publishes every iteration for
+    the followers; a watchdog answers 503 and exits ``lost_grace`` seconds
+    after a process dies).
     ``render_timeout``: seconds one request's rendering and tokenizing may
     take (503 ``render_timeout`` after). ``max_body_bytes``: the largest
     request body (413 beyond)."""
@@ -1229,8 +1258,22 @@ def create_app(build: Callable[[], tuple[object, object]], *, served_model_names
         def on_failed(err):
             state.failed = err
 
-        state.engine_loop = EngineLoop(build_on_thread, loop, on_ready=on_ready, on_failed=on_failed)
+        state.engine_loop = EngineLoop(build_on_thread, loop, on_ready=on_ready, on_failed=on_failed,
+                                       lockstep=lockstep)
         state.engine_loop.start()
+        if lockstep is not None:
+            from jaxkv.serve.multihost import watch
+
+            def on_lost(message: str) -> None:  # the watchdog's thread
+                logger.error("serving across processes: %s; answering 503 and exiting in %g s", message,
+                             lost_grace)
+                state.lost = APIError(503, f"this server runs across {lockstep.num_processes} processes and "
+                                      f"{message}; it is shutting down", code="process_lost")
+                state.ready = metrics.ready = False
+                state.engine_loop.fail_all(state.lost)
+                threading.Timer(lost_grace, os._exit, args=(1,)).start()
+
+            watch(lockstep.num_processes, on_lost)
         try:
             yield
         finally:
@@ -1269,6 +1312,8 @@ def create_app(build: Callable[[], tuple[object, object]], *, served_model_names
         return APIError(500, f"internal error: {type(err).__name__}: {err}", code="internal_error").response()
 
     def check_ready() -> None:
+        if state.lost is not None:
+            raise state.lost
         if state.failed is not None:
             raise APIError(503, f"the engine failed to start: {type(state.failed).__name__}: {state.failed}",
                            code="startup_failed")
@@ -2060,10 +2105,11 @@ def run_server(build: Callable[[], tuple[object, object]], *, host: str, port: i
                served_model_names: Sequence[str], startup_clock: float | None = None,
                log_level: str = "info", on_started: Callable[[object], None] | None = None,
                api_keys: Mapping[str, str] | APIKeys | None = None, trust_request_chat_template: bool = False,
-               render_timeout: float = RENDER_TIMEOUT, max_body_bytes: int = MAX_BODY_BYTES) -> None:
+               render_timeout: float = RENDER_TIMEOUT, max_body_bytes: int = MAX_BODY_BYTES,
+               lockstep=None) -> None:
     """Serve until interrupted (uvicorn; SIGINT / SIGTERM stop it).
     ``api_keys``, ``trust_request_chat_template``, ``render_timeout``,
-    ``max_body_bytes``: as :func:`create_app`'s."""
+    ``max_body_bytes``, ``lockstep``: as :func:`create_app`'s."""
     import uvicorn
 
     keys = None if api_keys is None else api_keys if isinstance(api_keys, APIKeys) else APIKeys(api_keys)
@@ -2071,7 +2117,7 @@ def run_server(build: Callable[[], tuple[object, object]], *, host: str, port: i
     _count_compiles(metrics)
     app = create_app(build, served_model_names=served_model_names, metrics=metrics, startup_clock=startup_clock,
                      api_keys=keys, trust_request_chat_template=trust_request_chat_template,
-                     render_timeout=render_timeout, max_body_bytes=max_body_bytes)
+                     render_timeout=render_timeout, max_body_bytes=max_body_bytes, lockstep=lockstep)
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=False,
                             timeout_graceful_shutdown=5)
     server = uvicorn.Server(config)
