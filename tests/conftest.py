@@ -95,12 +95,19 @@ RULES = (
     ("long", "other cases", ("test_hybrid_host.py::test_swapped_request_decodes_as_if_never_swapped"
                              "[deepseek_v4]",),
      "Qwen3-Next by default"),
+    ("long", "other cases", ("test_disaggregated.py::test_every_family_decodes_what_another_engine_prefilled[*]",),
+     "the tiny Llama's hand-over runs by default (each family here builds three engines, 20-60 s)"),
+    ("long", "other cases", ("test_server_disaggregated.py::*",),
+     "a prefill and a decode server process (about 50 s); the hand-over itself runs by default in "
+     "test_disaggregated"),
     ("long", "other cases", ("test_server_processes.py::*",),
      "two server processes in one jax.distributed run, then one killed (about 40 s); the lockstep engine loop's "
      "code runs in every server test (it publishes nothing without --num-processes)"),
     ("long", "other cases", ("test_server_disk.py::*",),
      "two server processes started one after the other (about a minute); the engine's restarts are tested by "
      "default in test_disk_tier"),
+    ("long", "other cases", ("test_bench_smoke.py::test_serve_disaggregated_gives_one_servers_outputs",),
+     "three server processes one after the other (about two minutes); test_server_disaggregated runs the pair"),
     ("long", "other cases", ("test_bench_smoke.py::test_prefix_restart_times_a_hit_from_the_disk_tier",),
      "SmolLM2 engines built three times (about 40 s); the disk tier's hits are tested by default in "
      "test_disk_tier"),

@@ -54,3 +54,12 @@ def test_prefix_restart_times_a_hit_from_the_disk_tier(capsys):
     assert rows["cold"]["hit_tokens"] == 0
     assert rows["disk tier"]["hit_tokens"] == rows["device tier"]["hit_tokens"] >= rows["cold"]["prompt_tokens"] - 16
     assert rows["disk tier"]["disk_read_bytes"] > 0
+
+
+def test_serve_disaggregated_gives_one_servers_outputs(capsys):
+    """``bench serve --disaggregated``: the prefill + decode pair gives the
+    single server's outputs, and every prompt was handed over."""
+    assert main(["serve", "--disaggregated", "--quick", "--json"]) == 0
+    payload = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert payload["same_outputs"] and payload["transfer"]["failures"] == 0
+    assert payload["transfer"]["requests"] == 5 and payload["transfer"]["bytes"] > 0

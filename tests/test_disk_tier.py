@@ -35,15 +35,7 @@ from jaxkv.errors import InvalidArgument
 from jaxkv.nn import LlamaConfig, LlamaForCausalLM
 from jaxkv.prefix.disk import DiskStore
 from jaxkv.serve import Engine
-
-CONFIG = dict(
-    model_type="llama", vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-    num_attention_heads=4, num_key_value_heads=2, head_dim=8, rms_norm_eps=1e-6, rope_theta=10000.0,
-    max_position_embeddings=256, tie_word_embeddings=False,
-)
-PAGE = 4
-ENGINE = dict(num_pages=10, page_size=PAGE, max_seqs=4, max_blocks_per_seq=8, decode_chunk=4,
-              host_memory_kind="numpy")
+from tests.test_paged_host_tier import CONFIG, ENGINE, PAGE  # the same shapes: the engine's programs compile once
 
 
 @pytest.fixture(scope="module")

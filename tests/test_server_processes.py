@@ -14,6 +14,7 @@ grace.
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import os
 import secrets
 import subprocess
@@ -63,6 +64,24 @@ def reference(checkpoint, prompts, max_tokens):
     return [tokenizer.decode(engine.outputs[i]) for i in ids]
 
 
+def stream_all(url: str, prompts: list, max_tokens: int) -> list[str]:
+    """The texts of greedy completions of ``prompts``, streamed concurrently
+    by the ``openai`` client."""
+    client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+    async def stream(prompt):
+        text = ""
+        async for chunk in await client.completions.create(model=MODEL, prompt=prompt, max_tokens=max_tokens,
+                                                           temperature=0, stream=True):
+            text += chunk.choices[0].text
+        return text
+
+    async def all_streams():
+        return await asyncio.gather(*(stream(p) for p in prompts))
+
+    return asyncio.run(all_streams())
+
+
 def test_two_processes_serve_one_devices_tokens_and_fail_cleanly(tmp_path):
     seed = secrets.randbelow(2**31)
     rng = np.random.default_rng(seed)
@@ -84,24 +103,20 @@ def test_two_processes_serve_one_devices_tokens_and_fail_cleanly(tmp_path):
                 pass
             assert time.monotonic() < deadline, logs(tmp_path)
             time.sleep(0.2)
-        client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
-
-        async def stream(prompt):
-            text = ""
-            async for chunk in await client.completions.create(model=MODEL, prompt=prompt, max_tokens=max_tokens,
-                                                               temperature=0, stream=True):
-                text += chunk.choices[0].text
-            return text
-
-        async def all_streams():
-            return await asyncio.gather(*(stream(p) for p in prompts))
-
-        got = asyncio.run(all_streams())  # concurrent streams, one engine across both processes
+        got = stream_all(url, prompts, max_tokens)  # concurrent streams, one engine across both processes
         assert got == want, (seed, logs(tmp_path))
         again = httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": prompts[0],
                                                           "max_tokens": max_tokens, "temperature": 0}, timeout=60)
         assert again.json()["choices"][0]["text"] == want[0]
         assert again.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == (len(prompts[0]) - 1) // 16 * 16
+
+        if importlib.util.find_spec("llguidance") is not None:  # a grammar's matcher cannot travel: refused
+            refused = httpx.post(url + "/v1/completions", json={
+                "model": MODEL, "prompt": prompts[0], "max_tokens": 4,
+                "structured_outputs": {"grammar": 'start: "a"+'}}, timeout=60)
+            assert refused.status_code == 400 and "not served across processes" in refused.text, refused.text
+            assert httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": prompts[0], "max_tokens": 2,
+                                                             "temperature": 0}, timeout=60).status_code == 200
 
         procs[1][0].kill()  # a follower dies: process 0 answers 503, then exits
         killed = time.monotonic()

@@ -2,6 +2,8 @@
 
 ``serve --shapes SHAPE[,SHAPE]`` is ``real_scale --shapes ...``: the engine
 at a published checkpoint's shapes with random weights (the GPU bench).
+``serve --disaggregated`` is ``disaggregated``: a prefill and a decode
+server process against one server.
 
 With ``--json`` the last line of output is one JSON object with the same
 figures.
@@ -31,6 +33,7 @@ BENCHMARKS = {
     "engine_aot": "jaxkv.bench.engine_aot",
     "spec": "jaxkv.bench.spec",
     "structured": "jaxkv.bench.structured",
+    "disaggregated": "jaxkv.bench.disaggregated",
 }
 
 
@@ -45,6 +48,10 @@ def main(argv: list[str] | None = None) -> int:
                         "CPU devices and across two jax.distributed processes (jaxkv.bench.mesh)")
     parser.add_argument("--plot", help="where a benchmark that draws saves its PNG (memory: bench_memory.png)")
     args, rest = parser.parse_known_args(argv)
+    if args.name == "serve" and "--disaggregated" in rest:
+        # Prefill and decode servers against one (issue 45's ``serve --disaggregated``).
+        args.name = "disaggregated"
+        rest = [a for a in rest if a != "--disaggregated"]
     if args.name == "serve" and any(a == "--shapes" or a.startswith("--shapes=") for a in rest):
         # The engine at a real model's shapes (random weights, the GPU bench): the real_scale benchmark,
         # under the name issue 41 gives it (``serve --shapes llama-3.1-8b``).

@@ -44,6 +44,10 @@ whole-prompt scheduler. Figures are the median of the repeats
 (interleaved, so a noisy spell hits every configuration alike); every
 configuration must generate the same tokens (exit 1 otherwise).
 
+``--disaggregated``: a prefill and a decode server process against one
+server (:mod:`jaxkv.bench.disaggregated`; ``python -m jaxkv.bench`` routes
+the flag there).
+
 ``--http`` (:func:`http_main`): the same kind of workload through
 ``python -m jaxkv.serve`` against the engine in this process, in the same
 run. The model (the same tiny Llama) is saved to a temporary checkpoint

@@ -208,6 +208,15 @@ class PrefixCacheManager:
         self.quota: int | None = None  # device-tier pages one owner's namespaces may hold (None: no cap, plain LRU)
         self._freed_host: list = []  # host pages let go since take_freed_host_pages (scrub-on-free)
 
+    def add_host_tier(self, host_pages: int) -> None:
+        """Give a cache made without a host tier one of ``host_pages`` pages
+        (ids ``0 .. host_pages - 1``); ``InvalidArgument`` when it has one."""
+        host_pages = _host.int_at_least(host_pages, "host_pages", 1)
+        if self.host_capacity:
+            raise InvalidArgument(f"the prefix cache has a host tier of {self.host_capacity} pages already")
+        self.host_capacity = host_pages
+        self._host_free = list(range(host_pages - 1, -1, -1))
+
     def take_freed_host_pages(self) -> list:
         """Host-tier pages let go (dropped, or loaded back to the device)
         since the last call: a caller that scrubs zeroes them before their

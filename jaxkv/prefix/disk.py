@@ -62,7 +62,7 @@ import numpy as np
 from jaxkv.errors import InvalidArgument
 from jaxkv.prefix.radix import namespace_key, token_bytes
 
-__all__ = ["FORMAT_VERSION", "DiskStats", "DiskStore", "model_identity"]
+__all__ = ["FORMAT_VERSION", "DiskStats", "DiskStore", "dtype_named", "model_identity"]
 
 logger = logging.getLogger("jaxkv.prefix.disk")
 
@@ -389,13 +389,13 @@ def _parse(data: bytes, identity: str, key: str, kind: str) -> tuple[dict, dict[
     arrays = {}
     for spec in header["arrays"]:
         start = base + spec["offset"]
-        dtype = _dtype(spec["dtype"])
+        dtype = dtype_named(spec["dtype"])
         arrays[spec["name"]] = np.frombuffer(data, dtype, count=int(np.prod(spec["shape"], dtype=np.int64)),
                                              offset=start).reshape(spec["shape"])
     return header, arrays
 
 
-def _dtype(name: str) -> np.dtype:
+def dtype_named(name: str) -> np.dtype:
     """numpy's dtype of that name, or ml_dtypes' (bfloat16, float8_*)."""
     try:
         return np.dtype(name)

@@ -34,6 +34,12 @@ key-value store (:mod:`jaxkv.serve.multihost`). When a process dies,
 process 0 answers 503 to every request and exits; a follower whose
 process 0 died exits too.
 
+**Prefill and decode apart.** ``--role prefill`` on one server and ``--role
+decode --prefill-url URL`` on another: the decode server serves the API
+and takes each prompt's KV from the prefill server first, moved with
+``jax.experimental.transfer`` and adopted into its prefix cache
+(:mod:`jaxkv.serve.disaggregated`).
+
 **API keys and tenants.** ``--api-keys-file keys.json`` (a JSON object,
 API key -> tenant name) and / or ``--api-key KEY`` (one key, tenant
 ``default``; it shows in the process list, the file does not): every request
@@ -182,6 +188,14 @@ def build_parser() -> argparse.ArgumentParser:
                    "jax.distributed processes, each starting this same command with its --process-id: process 0 "
                    "runs HTTP, the others run the same engine in lockstep (jaxkv.serve.multihost; default 1)")
     p.add_argument("--process-id", type=int, default=None, help="this process's index, 0 .. num_processes - 1")
+    p.add_argument("--role", choices=["prefill", "decode"], help="prefill and decode on different servers "
+                   "(jaxkv.serve.disaggregated): 'prefill' computes prompts for a decode server and hands their KV "
+                   "over with jax.experimental.transfer; 'decode' serves the API, each prompt's KV taken from "
+                   "--prefill-url first (default: both here)")
+    p.add_argument("--prefill-url", metavar="URL", help="(--role decode) the prefill server, e.g. "
+                   "http://10.0.0.2:8100")
+    p.add_argument("--kv-transfer-host", default="127.0.0.1", metavar="HOST", help="(--role) the address this "
+                   "process's KV transfer server listens on and gives its peer (default 127.0.0.1: one machine)")
     p.add_argument("--coordinator", metavar="HOST:PORT", help="the jax.distributed coordinator, on process 0's "
                    "host (default: what jax.distributed reads from the environment)")
     p.add_argument("--api-key", metavar="KEY", help="require 'Authorization: Bearer KEY' on every request but "
@@ -282,6 +296,12 @@ def main(argv: list[str] | None = None) -> int:
         logger.warning("--trust-request-chat-template: chat templates sent by clients are rendered (code the "
                        "server runs, up to --render-timeout %g s each); serve only clients you trust",
                        args.render_timeout)
+    if args.role == "decode" and not args.prefill_url:
+        parser.error("--role decode needs --prefill-url (the prefill server)")
+    if args.prefill_url and args.role != "decode":
+        parser.error("--prefill-url is a decode server's (--role decode)")
+    if args.role and ((args.num_processes or 1) > 1 or args.coordinator):
+        parser.error("--role with --num-processes: a prefill or decode server across processes is not built")
     lockstep = None
     if (args.num_processes or 1) > 1 or args.coordinator:
         from jaxkv.serve import multihost
@@ -356,11 +376,19 @@ def main(argv: list[str] | None = None) -> int:
         logger.info("listening on http://%s:%d (model %s as %s); /health answers 503 until ready", args.host,
                     args.port, model_path, ", ".join(names))
 
+    transfer = None
+    if args.role:
+        from jaxkv.serve.disaggregated import KVTransfer
+
+        transfer = KVTransfer(args.kv_transfer_host)
+        logger.info("%s server; KV transfer server at %s%s", args.role, transfer.address,
+                    f"; prefill server {args.prefill_url}" if args.prefill_url else "")
     try:
         run_server(build, host=args.host, port=args.port, served_model_names=names, startup_clock=_COMMAND_CLOCK,
                    log_level=args.log_level, on_started=started, api_keys=api_keys,
                    trust_request_chat_template=args.trust_request_chat_template,
-                   render_timeout=args.render_timeout, max_body_bytes=args.max_request_body, lockstep=lockstep)
+                   render_timeout=args.render_timeout, max_body_bytes=args.max_request_body, lockstep=lockstep,
+                   role=args.role, prefill_url=args.prefill_url, transfer=transfer)
     except KeyboardInterrupt:  # uvicorn re-raises Ctrl-C after its graceful shutdown
         pass
     return 0

@@ -127,20 +127,16 @@ class PagedDiskTier:
             if record is None:
                 break
             records.append(record[1])
-        while records:
-            host_pages, _ = tree.insert_host(tokens[: (start + len(records)) * page], namespace)
-            if host_pages:
-                break
-            records = records[: min(tree.host_free_pages, len(records) - 1)]  # what the host tier can take
-        if not records:
-            return 0
-        cache._clear_freed_host()  # scrub-on-free zeroes pages the tier let go: before they are written
         leaves = jax.tree.leaves(cache.prefix_host_pool)
-        data = jax.tree.unflatten(jax.tree.structure(cache.prefix_host_pool),
-                                  [np.stack([r[str(n)] for r in records], axis=2).astype(leaf.dtype)
-                                   for n, leaf in enumerate(leaves)])
-        cache.prefix_host_pool = host_swap.write_host_pages(cache.prefix_host_pool, host_pages, data)
-        added = len(records) * page
+        added = 0
+        while records and not added:
+            # The pages before ``start`` are the tree's: only the records' rows are read.
+            data = jax.tree.unflatten(jax.tree.structure(cache.prefix_host_pool), [
+                np.concatenate([np.zeros(leaf.shape[:2] + (start,) + leaf.shape[3:], leaf.dtype),
+                                np.stack([r[str(n)] for r in records], axis=2).astype(leaf.dtype)], axis=2)
+                for n, leaf in enumerate(leaves)])
+            added = cache.import_prefix(tokens, namespace, (start + len(records)) * page, data)
+            records = records[: min(tree.host_free_pages, len(records) - 1)]  # what the host tier can take
         self.loaded_tokens += added
         return added
 
@@ -178,8 +174,6 @@ class HybridDiskTier:
     def written(self) -> None:
         """Queue the cache's records not yet on disk (each: one gather of its
         blocks and state row, dispatched now, fetched on the writer thread)."""
-        from jaxkv.manager import hybrid_host
-
         cache = self.cache
         snapshots = cache.snapshots
         for rid, record in list(snapshots.records.items()):
@@ -189,12 +183,7 @@ class HybridDiskTier:
             key = self.store.key(None, record.prefix, record.namespace)
             if key in self.store:
                 continue
-            blocks = [[b for h in record.path for b in snapshots.pages[h][g]] + list(record.tail[g])
-                      for g in range(len(cache.groups))]
-            ids = {name: pow2_ids(b) for name, b in zip(cache.groups, blocks)}
-            data = (hybrid_host.read_blocks(cache.manager, ids),
-                    hybrid_host.read_state_rows(cache.manager, [cache.manager.num_slots + record.row]))
-            counts = [len(b) for b in blocks]
+            counts, data = cache.record_data(record)
             self.store.put(key, None, record.prefix, record.namespace, self.kind, meta={"snapshot": record.kind},
                            arrays=lambda data=data, counts=counts: {
                                "counts": np.asarray(counts, np.int64),
@@ -208,7 +197,6 @@ class HybridDiskTier:
         from jaxkv.manager import hybrid_host
 
         cache = self.cache
-        host = cache.host_prefixes
         while True:
             key = self.store.longest_prefix(tokens, namespace, limit=len(tokens) - 1, longer_than=longer_than)
             if key is None:
@@ -228,7 +216,6 @@ class HybridDiskTier:
                 logger.warning("kv disk: record %s does not fit this cache's layout; not loaded", key)
                 return
             data = jax.tree.unflatten(jax.tree.structure(want), leaves)
-            prefix = tuple(header["tokens"])
-            if host.put(namespace, prefix, header["meta"]["snapshot"], counts, data, hybrid_host.tree_nbytes(data)):
-                self.loaded_tokens += len(prefix)
+            self.loaded_tokens += cache.import_prefix(header["tokens"], namespace, header["meta"]["snapshot"],
+                                                      counts, data)
             return

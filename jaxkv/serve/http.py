@@ -853,6 +853,11 @@ class EngineLoop:
     def stats(self, future: asyncio.Future) -> None:
         self._commands.put(("stats", future))
 
+    def call(self, future: asyncio.Future, fn: Callable[[object], object]) -> None:
+        """Run ``fn(engine)`` on the engine thread between iterations; its
+        result (or exception) settles ``future``."""
+        self._commands.put(("call", future, fn))
+
     def fail_all(self, error: BaseException) -> None:
         """Answer ``error`` to every request in flight (any thread: a process
         of a multi-process server died and the engine may never step again)."""
@@ -961,6 +966,11 @@ class EngineLoop:
             _, sink, prompt, kwargs = command
             if isinstance(kwargs.get("fork_of"), _Sink):  # its sibling's engine id (None: refused or gone)
                 kwargs = dict(kwargs, fork_of=self._live.get(kwargs["fork_of"]))
+            if self._lockstep is not None:  # the followers need the request as it is: refuse what cannot travel
+                error = self._lockstep.unsendable(kwargs)
+                if error is not None:
+                    deliveries.append((sink, ("error", error)))
+                    return
             try:
                 rid = engine.add_request(prompt, **kwargs)
             except Exception as err:  # noqa: BLE001 - answered to its client; others go on
@@ -986,6 +996,14 @@ class EngineLoop:
             try:
                 result = engine.stats()
             except Exception as err:  # noqa: BLE001
+                self._post(_settle, future, None, err)
+            else:
+                self._post(_settle, future, result, None)
+        elif kind == "call":
+            _, future, fn = command
+            try:
+                result = fn(engine)
+            except Exception as err:  # noqa: BLE001 - the caller's
                 self._post(_settle, future, None, err)
             else:
                 self._post(_settle, future, result, None)
@@ -1173,6 +1191,9 @@ class ServerState:
     ready: bool = False
     failed: BaseException | None = None
     lost: APIError | None = None  # serving across processes: one died (jaxkv.serve.multihost)
+    role: str | None = None  # "prefill" / "decode" (jaxkv.serve.disaggregated), None: both here
+    prefill_url: str | None = None  # a decode server's prefill server
+    transfer: object = None  # this process's KVTransfer (a role given)
     created: int = dataclasses.field(default_factory=lambda: int(time.time()))
     eos_token_ids: tuple[int, ...] = ()
     vocab_size: int | None = None  # the model's logits (structured outputs' automata span them)
@@ -1198,7 +1219,8 @@ def create_app(build: Callable[[], tuple[object, object]], *, served_model_names
                metrics: ServerMetrics | None = None, startup_clock: float | None = None,
                api_keys: Mapping[str, str] | APIKeys | None = None, trust_request_chat_template: bool = False,
                render_timeout: float = RENDER_TIMEOUT, max_body_bytes: int = MAX_BODY_BYTES, lockstep=None,
-               lost_grace: float = 3.0) -> FastAPI:
+               lost_grace: float = 3.0, role: str | None = None, prefill_url: str | None = None,
+               transfer=None) -> FastAPI:
     """The FastAPI app. ``build()`` runs on the engine thread when the app
     starts and returns ``(engine, tokenizer)`` (load, build, warm up); the
     app answers 503 until it returns. ``startup_clock``: the
@@ -1215,7 +1237,10 @@ def create_app(build: Callable[[], tuple[object, object]], *, served_model_names
     a :class:`~jaxkv.serve.multihost.Lockstep` when this is process 0 of a
     server across processes (the engine loop publishes every iteration for
     the followers; a watchdog answers 503 and exits ``lost_grace`` seconds
-    after a process dies).
+    after a process dies). ``role``: ``"prefill"`` (answers ``POST
+    /v1/jaxkv/prefill``) or ``"decode"`` (takes each prompt's KV from the
+    prefill server at ``prefill_url``), both through ``transfer`` (a
+    :class:`~jaxkv.serve.disaggregated.KVTransfer`).
     ``render_timeout``: seconds one request's rendering and tokenizing may
     take (503 ``render_timeout`` after). ``max_body_bytes``: the largest
     request body (413 beyond)."""
@@ -1229,7 +1254,8 @@ def create_app(build: Callable[[], tuple[object, object]], *, served_model_names
                               "(ServerMetrics(tenants=...))")
     state = ServerState(tokenizer=None, served_model_names=list(served_model_names), metrics=metrics,
                         renderer=_RenderPool(timeout=render_timeout),
-                        trust_request_chat_template=bool(trust_request_chat_template), max_body_bytes=max_body_bytes)
+                        trust_request_chat_template=bool(trust_request_chat_template), max_body_bytes=max_body_bytes,
+                        role=role, prefill_url=prefill_url, transfer=transfer)
 
     from contextlib import asynccontextmanager
 
@@ -1343,6 +1369,31 @@ def create_app(build: Callable[[], tuple[object, object]], *, served_model_names
             except Exception:  # noqa: BLE001 - serve the last snapshot
                 logger.warning("engine stats unavailable; /metrics serves the last snapshot", exc_info=True)
         return Response(metrics.render(), media_type=CONTENT_TYPE)
+
+    @app.post("/v1/jaxkv/prefill")
+    async def prefill(request: Request):
+        """A prefill server's hand-over (:mod:`jaxkv.serve.disaggregated`):
+        compute the prompt, offer its KV on the transfer server, say where."""
+        check_ready()
+        if state.role != "prefill":
+            raise APIError(404, "this server is not a prefill server (--role prefill)", code="not_found")
+        from jaxkv.serve.disaggregated import export_prefix, namespace_from_json
+
+        body = await _json_body(request, state)
+        prompt = body.get("prompt")
+        if not isinstance(prompt, list) or len(prompt) < 2 or not all(isinstance(t, int) for t in prompt):
+            raise _bad("'prompt' must be a list of at least two token ids", "prompt")
+        namespace = namespace_from_json(body.get("namespace"))
+        queue_: asyncio.Queue = asyncio.Queue()
+        state.engine_loop.add(_Sink(queue_, 0), prompt, dict(max_new_tokens=1, namespace=namespace))
+        while True:
+            _, item = await queue_.get()
+            if isinstance(item, tuple) and item[0] == "error":
+                raise APIError(400, f"the prefill engine refused the prompt: {item[1]}", code="prefill_failed")
+            if not isinstance(item, tuple) and item.finished:
+                break
+        meta = await _engine_call(state, lambda engine: export_prefix(engine, prompt, namespace, state.transfer))
+        return meta if meta is not None else {"none": True}
 
     # Each route checks the whole request before the engine sees any of it, and renders / tokenizes off the
     # event loop (state.renderer), so a request of any shape costs other requests nothing but its share of
@@ -1805,9 +1856,60 @@ async def _constraint(state: ServerState, params: _Params):
         raise _bad(str(err), spec[0]) from None
 
 
+async def _engine_call(state: ServerState, fn):
+    future = asyncio.get_running_loop().create_future()
+    state.engine_loop.call(future, fn)
+    return await future
+
+
+async def _take_prompts(state: ServerState, job: _Job) -> None:
+    """A decode server: each distinct prompt of ``job`` prefilled by the
+    prefill server, its KV pulled and adopted into the prefix cache
+    (:mod:`jaxkv.serve.disaggregated`); a prompt the prefill server cannot
+    hand over is computed here (logged, counted)."""
+    import httpx
+
+    from jaxkv.serve.disaggregated import import_prefix
+
+    metrics = state.metrics
+    seen = set()
+    async with httpx.AsyncClient(timeout=600) as client:
+        for prompt, kwargs in job.submissions:
+            namespace = kwargs.get("namespace")
+            key = (tuple(prompt), json.dumps(namespace))
+            if key in seen or len(prompt) < 2:
+                continue
+            seen.add(key)
+            began = time.perf_counter()
+            try:
+                response = await client.post(state.prefill_url.rstrip("/") + "/v1/jaxkv/prefill",
+                                             json={"prompt": list(prompt), "namespace": namespace})
+                response.raise_for_status()
+                meta = response.json()
+                if meta.get("none"):
+                    continue
+                pulled = time.perf_counter()
+                leaves = await asyncio.to_thread(state.transfer.pull, meta["address"], meta["uuid"], meta["leaves"])
+                pulled = time.perf_counter() - pulled
+                adopted = await _engine_call(state, lambda engine, m=meta, l=leaves, p=prompt, n=namespace:
+                                             import_prefix(engine, p, n, m, l))
+            except Exception as err:  # noqa: BLE001 - serve anyway: the prompt is computed here
+                logger.warning("prefill server %s could not hand over a %d-token prompt (%s: %s); computing it "
+                               "here", state.prefill_url, len(prompt), type(err).__name__, err)
+                metrics.kv_transfer_failures.inc()
+                continue
+            metrics.kv_transfers.inc()
+            metrics.kv_transfer_bytes.inc(meta["bytes"])
+            metrics.kv_transfer_tokens.inc(adopted)
+            metrics.kv_transfer_seconds.inc(time.perf_counter() - began)
+            metrics.kv_transfer_pull_seconds.inc(pulled)
+
+
 async def _serve(request: Request, state: ServerState, prompts: list[list[int]], params: _Params, *, chat: bool,
                  tenant: str | None = None, echo_texts: list | None = None):
     job = _Job(state, prompts, params, tenant, await _constraint(state, params))
+    if state.role == "decode":
+        await _take_prompts(state, job)
     if echo_texts is not None:  # each choice starts with its prompt's text
         candidates = max(params.n, params.best_of)
         for choice in job.choices:
@@ -2106,10 +2208,10 @@ def run_server(build: Callable[[], tuple[object, object]], *, host: str, port: i
                log_level: str = "info", on_started: Callable[[object], None] | None = None,
                api_keys: Mapping[str, str] | APIKeys | None = None, trust_request_chat_template: bool = False,
                render_timeout: float = RENDER_TIMEOUT, max_body_bytes: int = MAX_BODY_BYTES,
-               lockstep=None) -> None:
+               lockstep=None, role: str | None = None, prefill_url: str | None = None, transfer=None) -> None:
     """Serve until interrupted (uvicorn; SIGINT / SIGTERM stop it).
     ``api_keys``, ``trust_request_chat_template``, ``render_timeout``,
-    ``max_body_bytes``, ``lockstep``: as :func:`create_app`'s."""
+    ``max_body_bytes``, ``lockstep``, ``role``, ``prefill_url``, ``transfer``: as :func:`create_app`'s."""
     import uvicorn
 
     keys = None if api_keys is None else api_keys if isinstance(api_keys, APIKeys) else APIKeys(api_keys)
@@ -2117,7 +2219,8 @@ def run_server(build: Callable[[], tuple[object, object]], *, host: str, port: i
     _count_compiles(metrics)
     app = create_app(build, served_model_names=served_model_names, metrics=metrics, startup_clock=startup_clock,
                      api_keys=keys, trust_request_chat_template=trust_request_chat_template,
-                     render_timeout=render_timeout, max_body_bytes=max_body_bytes, lockstep=lockstep)
+                     render_timeout=render_timeout, max_body_bytes=max_body_bytes, lockstep=lockstep, role=role,
+                     prefill_url=prefill_url, transfer=transfer)
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=False,
                             timeout_graceful_shutdown=5)
     server = uvicorn.Server(config)

@@ -267,6 +267,61 @@ class HybridCache(CacheBase):
                     disk=self.disk.store.stats() if self.disk is not None else None,
                     disk_tokens=self.disk.loaded_tokens if self.disk is not None else 0)
 
+    # ---------------------------------------------------------------- moving prefixes between caches
+
+    def record_data(self, record):
+        """``(blocks per group, data)`` of snapshot ``record``: ``data`` its
+        blocks' contents in every group and its state row, gathered now (a
+        snapshot; the host tier's layout: ids padded to powers of two)."""
+        snapshots = self.snapshots
+        blocks = [[b for h in record.path for b in snapshots.pages[h][g]] + list(record.tail[g])
+                  for g in range(len(self.groups))]
+        ids = {name: _pow2_ids(b) for name, b in zip(self.groups, blocks)}
+        data = (hybrid_host.read_blocks(self.manager, ids),
+                hybrid_host.read_state_rows(self.manager, [self.manager.num_slots + record.row]))
+        return [len(b) for b in blocks], data
+
+    def export_prefix(self, tokens, namespace):
+        """The longest snapshot record of ``tokens`` the device holds (at
+        most ``len - 1`` tokens): ``(prefix tokens, kind, blocks per group,
+        data)`` (:meth:`record_data`), or None. For a prefill engine handing
+        a prompt to a decode engine (:mod:`jaxkv.serve.disaggregated`)."""
+        hit = self.snapshots.match(tokens, namespace)
+        if hit.record is None:
+            return None
+        try:
+            record = self.snapshots.records[hit.record]
+            counts, data = self.record_data(record)
+            return tuple(record.prefix), record.kind, counts, data
+        finally:
+            self.snapshots.release(hit)
+
+    def import_prefix(self, prefix, namespace, kind: str, counts, data) -> int:
+        """Keep a snapshot record of ``prefix`` (:meth:`export_prefix`'s
+        ``data``, or a disk record's) in the host tier, made if missing
+        (:meth:`ensure_host_tier`); a later prompt it begins hits it as any
+        host-tier record. Returns its tokens (0: the host tier could not
+        take it)."""
+        host = self.ensure_host_tier()
+        if host.put(namespace, tuple(prefix), kind, list(counts), data, hybrid_host.tree_nbytes(data)):
+            return len(prefix)
+        return 0
+
+    def ensure_host_tier(self) -> SnapshotHostTier:
+        """The prefix cache's host tier; made, of two longest requests'
+        records, when ``host_prefix_memory`` gave none (the way in for
+        records from a disk tier or another engine)."""
+        if not self.num_cached_snapshots:
+            raise InvalidArgument("this cache keeps no snapshots (prefix_cache off, or num_snapshots 0): no "
+                                  "prefix can be taken in")
+        if self.host_prefixes is None:
+            nbytes = int(2 * (self.max_context_tokens * self.bytes_per_token + self.state_bytes_per_request))
+            self.host_prefixes = SnapshotHostTier(hybrid_host.HostStore(nbytes, memory_kind="auto"))
+            self.host_prefixes.scrub = self.scrub
+            self.snapshots.spill = True
+            logger.info("prefix cache host tier: %d bytes (for prefixes taken in)", nbytes)
+        return self.host_prefixes
+
     def attach_disk(self, model, directory, budget_bytes: int, entry_format: str) -> None:
         """Give the prefix cache a disk tier in ``directory`` of at most
         ``budget_bytes`` (:class:`~jaxkv.serve.disk_tier.HybridDiskTier`);
@@ -275,15 +330,7 @@ class HybridCache(CacheBase):
         from jaxkv.prefix.disk import DiskStore
         from jaxkv.serve.disk_tier import HybridDiskTier, hybrid_identity
 
-        if not self.num_cached_snapshots:
-            raise InvalidArgument("a disk tier of the prefix cache needs the prefix cache: this cache keeps no "
-                                  "snapshots (prefix_cache off, or num_snapshots 0)")
-        if self.host_prefixes is None:  # the way back from disk: two longest requests' records unless given
-            nbytes = int(2 * (self.max_context_tokens * self.bytes_per_token + self.state_bytes_per_request))
-            self.host_prefixes = SnapshotHostTier(hybrid_host.HostStore(nbytes, memory_kind="auto"))
-            self.host_prefixes.scrub = self.scrub
-            self.snapshots.spill = True
-            logger.info("prefix cache host tier for the disk tier: %d bytes", nbytes)
+        self.ensure_host_tier()  # the way back from disk
         store = DiskStore(directory, budget_bytes=budget_bytes,
                           identity=hybrid_identity(model, self.manager, self.unit, entry_format))
         self.disk = HybridDiskTier(self, store)

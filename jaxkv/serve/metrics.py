@@ -243,6 +243,19 @@ class ServerMetrics:
         self.finished = Counter("jaxkv_request_success", "Engine requests finished, by finish reason.",
                                 [*per, "finish_reason"], registry=r)
         self.errors = Counter("jaxkv_http_errors", "Error responses, by HTTP status.", [*per, "status"], registry=r)
+        # A decode server's prompts taken from its prefill server (jaxkv.serve.disaggregated).
+        self.kv_transfers = Counter("jaxkv_kv_transfer_requests", "Prompts whose KV came from the prefill server.",
+                                    registry=r)
+        self.kv_transfer_bytes = Counter("jaxkv_kv_transfer_bytes", "Bytes of KV pulled from the prefill server.",
+                                         registry=r)
+        self.kv_transfer_seconds = Counter("jaxkv_kv_transfer_seconds", "Seconds spent taking prompts' KV from "
+                                           "the prefill server (its prefill, the pull, the adoption).", registry=r)
+        self.kv_transfer_pull_seconds = Counter("jaxkv_kv_transfer_pull_seconds", "Seconds of the pulls alone "
+                                                "(jax.experimental.transfer).", registry=r)
+        self.kv_transfer_tokens = Counter("jaxkv_kv_transfer_adopted_tokens", "Prompt tokens whose KV was "
+                                          "adopted into this server's prefix cache.", registry=r)
+        self.kv_transfer_failures = Counter("jaxkv_kv_transfer_failures", "Prompts the prefill server could not "
+                                            "hand over (computed here instead).", registry=r)
         for tenant in self.tenants or ():
             for metric in (self.ttft, self.itl, self.e2e, self.prompt_tokens, self.generation_tokens):
                 metric.labels(tenant=tenant)

@@ -108,6 +108,22 @@ class Lockstep:
                 pass
         self._next = n + 1
 
+    @staticmethod
+    def unsendable(kwargs: dict) -> Exception | None:
+        """Why a request's options cannot be sent to the followers (an
+        ``InvalidArgument`` to answer), or None: a context-free grammar's
+        llguidance matcher cannot be pickled, so such a request is refused
+        by a server across processes."""
+        from jaxkv.errors import InvalidArgument
+
+        try:
+            pickle.dumps(kwargs)
+        except Exception as error:  # noqa: BLE001 - any reason pickle gives
+            return InvalidArgument(f"this server runs across processes and this request's options cannot be sent "
+                                   f"to the others ({type(error).__name__}: {error}); context-free grammars are "
+                                   "not served across processes")
+        return None
+
     # ------------------------------------------------------------ followers
 
     def _read(self, n: int, poll: float) -> dict:

@@ -363,6 +363,59 @@ class PagedCache(CacheBase):
         logger.info("prefix cache disk tier: %s, %d records (%d bytes) of this model found, budget %d bytes",
                     store.directory, stats.records, stats.bytes, budget_bytes)
 
+    # ---------------------------------------------------------------- moving prefixes between caches
+
+    def export_prefix(self, tokens, namespace):
+        """The device pages the prefix cache holds of ``tokens`` (whole pages
+        of at most ``len - 1`` tokens, the device tier's part of a hit):
+        ``(num_tokens, data)``, ``data`` a snapshot of those pages (device
+        arrays shaped like the pool's leaves, pages on axis 2 padded to a
+        power of two; later writes do not change it), or None when nothing
+        is cached. For a prefill engine handing a prompt to a decode engine
+        (:mod:`jaxkv.serve.disaggregated`)."""
+        match = self.prefix_cache.match(tokens, namespace, max_tokens=len(tokens) - 1)
+        if not match.blocks:
+            return None
+        return len(match.blocks) * self.page_size, host_swap.read_pages(self.pool, match.blocks)
+
+    def import_prefix(self, tokens, namespace, num_tokens: int, data) -> int:
+        """Take the first ``num_tokens`` (whole pages) of ``tokens`` into the
+        prefix cache's host tier, page ``i``'s data at index ``i`` of axis
+        2 of ``data``'s host arrays (:meth:`export_prefix`'s, fetched; a
+        disk tier's records, stacked): the pages past what the tree holds
+        become host-tier pages, and a later hit loads them as any host hit.
+        Returns the tokens added (0: all cached already, or no host tier
+        room)."""
+        if self.prefix_cache.disable:
+            return 0
+        self.ensure_host_tier()
+        pages = num_tokens // self.page_size
+        host_pages, _ = self.prefix_cache.insert_host(tokens[: pages * self.page_size], namespace)
+        if not host_pages:
+            return 0
+        start = pages - len(host_pages)  # the tree held the pages before these
+        self._clear_freed_host()  # scrub-on-free zeroes pages the tier let go: before they are written
+        self.prefix_host_pool = host_swap.write_host_pages(
+            self.prefix_host_pool, host_pages,
+            jax.tree.map(lambda leaf: np.asarray(leaf)[:, :, start:pages], data))
+        return len(host_pages) * self.page_size
+
+    def ensure_host_tier(self) -> None:
+        """The prefix cache's host tier; made, of two longest requests'
+        pages, when ``host_prefix_pages`` gave none (the way in for pages
+        from a disk tier or another engine). ``InvalidArgument`` for a pool
+        whose every layer is windowed (no host tier: decode trims a hit's
+        blocks out of its rows)."""
+        if self.prefix_host_pool is not None:
+            return
+        if self.window is not None:
+            raise InvalidArgument(f"every layer of this pool is windowed ({self.window} tokens): its prefix "
+                                  "cache has no host tier, so no prefix can be taken in")
+        pages = 2 * self.max_blocks_per_seq
+        self.prefix_host_pool = host_swap.create_host_pool(self.pool, pages, memory_kind=self.host_memory_kind)
+        self.prefix_cache.add_host_tier(pages)
+        logger.info("prefix cache host tier: %d pages (for prefixes taken in)", pages)
+
     def unpin(self, hit: PrefixHit | None) -> None:
         if hit is not None:
             self.prefix_cache.release(hit.node)

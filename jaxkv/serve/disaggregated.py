@@ -1,0 +1,153 @@
+"""Prefill and decode on different processes: a prompt's KV computed by a
+*prefill* server, moved to a *decode* server with
+``jax.experimental.transfer`` (JAX's own transfer server, the one
+tpu-inference uses for its disaggregated serving: installed with jaxlib,
+device to device where the backend can, over TCP between hosts), and
+adopted there into the prefix cache.
+
+``python -m jaxkv.serve --role prefill`` answers ``POST
+/v1/jaxkv/prefill`` (``{"prompt": [ids], "namespace": ...}``): its engine
+computes the prompt (one token generated and dropped), the prefix cache
+keeps it, and :func:`export_prefix` gathers what a later hit of the prompt
+would use: a paged pool's whole pages, or a hybrid cache's snapshot record
+(every group's blocks: pages, compressed entries; and the state row:
+rings, Gated DeltaNet states). The arrays are offered on the transfer
+server (:meth:`KVTransfer.offer`) and the answer says where and what:
+``{"address", "uuid", "leaves": [[shape, dtype], ...], ...}``.
+
+``python -m jaxkv.serve --role decode --prefill-url URL`` serves the API.
+Before a request's prompt reaches its engine it asks the prefill server
+for the prompt, pulls the arrays (:meth:`KVTransfer.pull`) and hands them
+to its engine thread, which puts them into the prefix cache's host tier
+(:func:`import_prefix`: ``PagedCache.import_prefix``,
+``HybridCache.import_prefix``); the request then hits them as any host-tier
+hit (the pages loaded into fresh device blocks at admission) and computes
+only what the hit leaves: the last token for a hybrid cache (its record
+is at the prompt's last token but one), at most a page for a paged pool.
+The tokens are those of one engine (a prefix hit is exact: the tests hold
+every family to a cold run). A prompt the decode server holds already
+still goes to the prefill server (its answer is a no-op there): a
+decode-side check first is not built.
+
+Figures: the decode server's ``/metrics`` counts
+``jaxkv_kv_transfer_requests_total``, ``jaxkv_kv_transfer_bytes_total``,
+``jaxkv_kv_transfer_seconds_total`` (the prefill call and the pull) and
+``jaxkv_kv_transfer_adopted_tokens_total``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import secrets
+import threading
+
+import jax
+import numpy as np
+
+from jaxkv.errors import InvalidArgument
+from jaxkv.prefix.disk import dtype_named
+
+__all__ = ["KVTransfer", "export_prefix", "import_prefix", "namespace_from_json"]
+
+
+class KVTransfer:
+    """This process's ``jax.experimental.transfer`` server (one per
+    process), listening on ``host`` (an ephemeral port)."""
+
+    def __init__(self, host: str = "127.0.0.1"):
+        from jax.experimental import transfer
+
+        client = jax.local_devices()[0].client
+        self.server = transfer.start_transfer_server(client, f"{host}:0", [f"{host}:0"])
+        self._connections: dict = {}
+        self._lock = threading.Lock()
+        self._ids = itertools.count(secrets.randbelow(2**40))  # distinct across restarts of a peer
+
+    @property
+    def address(self) -> str:
+        return self.server.address()
+
+    def offer(self, leaves: list) -> int:
+        """Make ``leaves`` (device arrays) available to one :meth:`pull`;
+        returns its id. Empty arrays are not sent (a pull of one never
+        completes): :meth:`pull` makes them."""
+        uuid = next(self._ids)
+        self.server.await_pull(uuid, [leaf for leaf in leaves if leaf.size])
+        return uuid
+
+    def pull(self, address: str, uuid: int, specs: list) -> list:
+        """The arrays offered as ``uuid`` at ``address`` (``specs``: their
+        ``[shape, dtype]``), on this process's first device (empty ones
+        made here)."""
+        with self._lock:
+            connection = self._connections.get(address)
+            if connection is None:
+                connection = self._connections[address] = self.server.connect(address)
+        sharding = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+        like = [jax.ShapeDtypeStruct(tuple(shape), dtype_named(dtype), sharding=sharding) for shape, dtype in specs]
+        sent = iter(connection.pull(uuid, [spec for spec in like if np.prod(spec.shape, dtype=np.int64)]))
+        return [next(sent) if np.prod(spec.shape, dtype=np.int64) else np.zeros(spec.shape, spec.dtype)
+                for spec in like]
+
+
+def namespace_from_json(value):
+    """A namespace sent as JSON (lists) as the server makes it (tuples)."""
+    if isinstance(value, list):
+        return tuple(namespace_from_json(v) for v in value)
+    return value
+
+
+def export_prefix(engine, tokens, namespace, transfer: KVTransfer) -> dict | None:
+    """On the prefill engine's thread: offer what the prefix cache holds of
+    ``tokens`` (module docstring) and say what it is; None when it holds
+    nothing."""
+    cache = engine.cache
+    exported = cache.export_prefix(tokens, namespace)
+    if exported is None:
+        return None
+    if hasattr(cache, "snapshots"):  # a hybrid cache's record
+        prefix, kind, counts, data = exported
+        meta = {"cache": "hybrid", "prefix": [int(t) for t in prefix], "kind": kind, "counts": counts}
+    else:
+        num_tokens, data = exported
+        meta = {"cache": "paged", "num_tokens": int(num_tokens)}
+    leaves = jax.tree.leaves(data)
+    meta["leaves"] = [[list(leaf.shape), str(leaf.dtype)] for leaf in leaves]
+    meta["bytes"] = int(sum(leaf.size * leaf.dtype.itemsize for leaf in leaves))
+    meta["uuid"] = transfer.offer(leaves)
+    meta["address"] = transfer.address
+    return meta
+
+
+def import_prefix(engine, tokens, namespace, meta: dict, leaves: list) -> int:
+    """On the decode engine's thread: put the pulled ``leaves`` (what
+    ``meta`` says) into the prefix cache's host tier; returns the tokens
+    taken in."""
+    cache = engine.cache
+    host = [np.asarray(leaf) for leaf in jax.device_get(leaves)]
+    if meta["cache"] == "hybrid":
+        from jaxkv.manager import hybrid_host
+        from jaxkv.serve.disk_tier import pow2_ids
+
+        counts = [int(n) for n in meta["counts"]]
+        want = jax.eval_shape(
+            lambda m: (hybrid_host.read_blocks(m, {g: jax.numpy.asarray(pow2_ids([1] * n))
+                                                   for g, n in zip(cache.groups, counts)}),
+                       hybrid_host.read_state_rows(m, jax.numpy.ones((1,), jax.numpy.int32))), cache.manager)
+        check_leaves(want, host)
+        return cache.import_prefix(meta["prefix"], namespace, meta["kind"], counts,
+                                   jax.tree.unflatten(jax.tree.structure(want), host))
+    structure = jax.tree.structure(cache.pool)
+    for leaf, mine in zip(host, jax.tree.leaves(cache.pool)):
+        if leaf.dtype != mine.dtype or leaf.shape[:2] + leaf.shape[3:] != mine.shape[:2] + mine.shape[3:]:
+            raise InvalidArgument(f"the prefill server's pages are {leaf.shape} {leaf.dtype}; this pool's "
+                             f"{mine.shape} {mine.dtype} (another model or pool layout)")
+    return cache.import_prefix(tokens, namespace, int(meta["num_tokens"]), jax.tree.unflatten(structure, host))
+
+
+def check_leaves(want, got: list) -> None:
+    """``InvalidArgument`` unless ``got`` has ``want``'s shapes and dtypes."""
+    expected = jax.tree.leaves(want)
+    if len(expected) != len(got) or any(a.shape != w.shape or a.dtype != w.dtype for a, w in zip(got, expected)):
+        raise InvalidArgument(f"the prefill server's record does not fit this cache ({len(got)} arrays, "
+                         f"{len(expected)} expected; another model or cache layout)")
