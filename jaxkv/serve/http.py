@@ -907,7 +907,14 @@ class EngineLoop:
                 self._handle(engine, command, deliveries)
             stepping = not self._stopping and engine.has_unfinished()
             if self._lockstep is not None and (self._ops or stepping):
-                self._lockstep.publish(self._ops, stepping)
+                try:
+                    self._lockstep.publish(self._ops, stepping)
+                except Exception as err:  # noqa: BLE001 - the followers cannot follow: stop serving
+                    logger.exception("serving across processes: the iteration could not be published; stopping")
+                    self.fail_all(APIError(503, f"this server runs across processes and could not reach the "
+                                                f"others ({type(err).__name__}: {err})", code="process_lost"))
+                    self._stopping = True
+                    stepping = False
             if stepping:
                 try:
                     outputs = engine.step()
@@ -936,7 +943,10 @@ class EngineLoop:
             self._post(_deliver, [(sink, ("error", APIError(503, "the server is shutting down",
                                                             code="shutting_down")))])
         if self._lockstep is not None:
-            self._lockstep.publish(self._ops_next, False, stop=True)
+            try:
+                self._lockstep.publish(self._ops_next, False, stop=True)
+            except Exception:  # noqa: BLE001 - shutting down: the followers find the leader gone
+                logger.warning("serving across processes: the stop could not be published", exc_info=True)
         close = getattr(engine, "close", None)
         if close is not None:  # the disk tier's queued records reach the disk before the process ends
             try:

@@ -41,7 +41,7 @@ import threading
 import time
 from collections.abc import Callable
 
-__all__ = ["HEARTBEAT_SECONDS", "Lockstep", "LostProcess", "initialize", "watch"]
+__all__ = ["HEARTBEAT_SECONDS", "Lockstep", "LostProcess", "alive", "initialize", "watch"]
 
 logger = logging.getLogger("jaxkv.serve")
 
