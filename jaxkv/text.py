@@ -849,7 +849,7 @@ class IncrementalDetokenizer:
         when they end otherwise). Ids that decode to nothing (skipped
         special tokens, ids with no token) inside or after the run do not
         end it: the decoder joins the bytes around them."""
-        byte = self.tokenizer.byte_piece_ids
+        byte = getattr(self.tokenizer, "byte_piece_ids", ())  # (a tokenizer-like object may have none)
         if not byte:
             return len(self.ids)
         end = first = len(self.ids)
