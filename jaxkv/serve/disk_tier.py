@@ -7,8 +7,8 @@ the end of its prefill, a finished request's at retirement) is queued for
 the disk unless its record is there already: one jitted gather of the new
 pages per insert, fetched and written on the store's thread. So a server
 that stops, or dies, leaves on disk every page it had cached, bar the last
-writes in flight (LMCache's and SGLang HiCache's write-through policy; the
-eviction-time write the issue sketched would lose every page still on the
+writes in flight (LMCache's and SGLang HiCache's write-through policy;
+writing only what the host tier evicts would lose every page still on the
 device or the host at a crash, which is the case a disk tier exists for).
 
 **Read-back.** :meth:`PagedDiskTier.extend` runs before the tree's
