@@ -15,13 +15,10 @@ failures) and still gives the same tokens.
 
 from __future__ import annotations
 
-import secrets
-
-import numpy as np
 import pytest
 
-from tests.test_server import MODEL, ServerProcess, metrics, write_tiny_checkpoint
-from tests.test_server_processes import reference, stream_all
+from tests.test_server import MODEL, ServerProcess, metrics
+from tests.test_server_processes import drawn_case, stream_all
 
 httpx = pytest.importorskip("httpx")
 
@@ -30,12 +27,8 @@ OPTIONS = ["--served-model-name", MODEL, "--max-model-len", "256", "--max-num-se
 
 
 def test_a_decode_server_serves_what_its_prefill_server_computed(tmp_path):
-    seed = secrets.randbelow(2**31)
-    rng = np.random.default_rng(seed)
-    checkpoint = write_tiny_checkpoint(tmp_path / "ckpt")
-    prompts = [rng.integers(3, 250, int(rng.integers(20, 120))).tolist() for _ in range(4)]
     max_tokens = 10
-    want = reference(checkpoint, prompts, max_tokens)
+    seed, checkpoint, prompts, want = drawn_case(tmp_path, 4, 20, 120, max_tokens)
     cache = ["--compile-cache-dir", str(tmp_path / "jax-cache")]
     prefill = ServerProcess(["--model", str(checkpoint), *OPTIONS, *cache, "--role", "prefill"],
                             tmp_path / "prefill.log")

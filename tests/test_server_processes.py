@@ -82,13 +82,19 @@ def stream_all(url: str, prompts: list, max_tokens: int) -> list[str]:
     return asyncio.run(all_streams())
 
 
-def test_two_processes_serve_one_devices_tokens_and_fail_cleanly(tmp_path):
+def drawn_case(tmp_path, count: int, shortest: int, longest: int, max_tokens: int):
+    """``(seed, checkpoint, prompts, want)``: the tiny checkpoint, ``count``
+    token prompts drawn fresh, and their one-device greedy texts."""
     seed = secrets.randbelow(2**31)
     rng = np.random.default_rng(seed)
     checkpoint = write_tiny_checkpoint(tmp_path / "ckpt")
-    prompts = [rng.integers(3, 250, int(rng.integers(5, 90))).tolist() for _ in range(5)]
+    prompts = [rng.integers(3, 250, int(rng.integers(shortest, longest))).tolist() for _ in range(count)]
+    return seed, checkpoint, prompts, reference(checkpoint, prompts, max_tokens)
+
+
+def test_two_processes_serve_one_devices_tokens_and_fail_cleanly(tmp_path):
     max_tokens = 12
-    want = reference(checkpoint, prompts, max_tokens)
+    seed, checkpoint, prompts, want = drawn_case(tmp_path, 5, 5, 90, max_tokens)
     port = free_port()
     procs = start(checkpoint, tmp_path, port, free_port())
     url = f"http://127.0.0.1:{port}"

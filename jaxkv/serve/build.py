@@ -95,7 +95,7 @@ def build_cache(model, options: CacheOptions, *, max_seqs: int, prefill_chunk: i
         num_host_pages=o.num_host_pages, host_kv_memory=o.host_kv_memory, kv_dtype=o.kv_dtype,
         prefix_cache=o.prefix_cache, prefill_chunk=prefill_chunk, host_memory_kind=o.host_memory_kind,
         free_bytes=free_bytes, host_prefix_pages=o.host_prefix_pages, host_prefix_memory=o.host_prefix_memory,
-        mesh=mesh, lookahead=lookahead, draft_token_bytes=draft_token_bytes, disk=o.kv_disk_dir is not None)
+        mesh=mesh, lookahead=lookahead, draft_token_bytes=draft_token_bytes)
     if o.kv_disk_dir is not None:
         cache.attach_disk(model, o.kv_disk_dir, o.kv_disk_bytes)
     return cache
@@ -180,7 +180,7 @@ def build_paged_cache(model, *, max_seqs: int, page_size: int, max_model_len: in
           kv_dtype, prefix_cache: bool, prefill_chunk: int, host_memory_kind: str,
           free_bytes: int | None = None, host_prefix_pages: int | None = None,
           host_prefix_memory: int | None = None, mesh=None, lookahead: int = 0,
-          draft_token_bytes: float = 0.0, disk: bool = False) -> PagedCache:
+          draft_token_bytes: float = 0.0) -> PagedCache:
     """The one sizing rule (:mod:`jaxkv.serve.sizing`) for a paged pool.
 
     ``max_model_len`` (None: from ``max_blocks_per_seq * page_size`` when
@@ -192,9 +192,8 @@ def build_paged_cache(model, *, max_seqs: int, page_size: int, max_model_len: in
     ``host_kv_memory`` bytes of host memory (not both; default none).
     ``host_prefix_pages``: pages of the prefix cache's host tier, or
     ``host_prefix_memory`` bytes of them (not both; None or 0: none;
-    refused with ``prefix_cache`` off; with ``disk`` and neither given,
-    two longest requests' pages, the disk tier's way back). A
-    ``max_model_len`` given here that the pool cannot hold is refused; the default one is
+    refused with ``prefix_cache`` off). A ``max_model_len`` given here
+    that the pool cannot hold is refused; the default one is
     lowered to what the pool holds (logged). ``mesh``: bytes are one
     device's (the pool split by heads; :func:`build_cache`)."""
     window = paged_window(model)
@@ -278,10 +277,6 @@ def build_paged_cache(model, *, max_seqs: int, page_size: int, max_model_len: in
             f"max_model_len={max_model_len}: a request of {max_model_len} tokens holds {need(max_model_len)} "
             f"pages of {page_size} at its peak; the pool has {num_pages - 1} ({source}); give a smaller "
             "max_model_len or more memory")
-    if disk and host_prefix_pages is None and host_prefix_memory is None:
-        # The disk tier reads back through the host tier: one of two longest requests' pages unless given.
-        host_prefix_pages = 2 * ceil_div(max_model_len + lookahead, page_size)
-        logger.info("prefix cache host tier for the disk tier: %d pages", host_prefix_pages)
     cache = PagedCache(model, num_pages=num_pages, page_size=page_size, max_seqs=max_seqs,
                 max_blocks_per_seq=ceil_div(max_model_len + lookahead, page_size), num_host_pages=num_host_pages,
                 prefix_cache=prefix_cache, kv_dtype=kv_dtype, prefill_chunk=prefill_chunk,

@@ -87,7 +87,7 @@ from jaxkv.serve.sizing import CachePlan
 
 __all__ = ["FREE", "ON_DEVICE", "STATUS_NAMES", "SWAPPED", "CacheBase", "DecodeResult", "KVCache", "PackedResult",
            "PrefillLane", "PrefixHit", "apply_history_updates", "blocks_from_budget", "decode_chunk", "fixed_ids",
-           "logprob_entries", "pack_stream", "remembers_arguments", "row_of", "sample_first", "slot_of", "speculative_chunk",
+           "logprob_entries", "pack_stream", "pow2_ids", "remembers_arguments", "row_of", "sample_first", "slot_of", "speculative_chunk",
            "unwrap_keys", "wrap_keys"]
 
 
@@ -201,6 +201,11 @@ def fixed_ids(ids, size: int) -> np.ndarray:
     out = np.full((size,), -1, np.int32)
     out[: len(ids)] = ids
     return out
+
+
+def pow2_ids(ids) -> np.ndarray:
+    """``ids`` padded with -1 to a power of two (few compiled shapes)."""
+    return fixed_ids(list(ids), pow2_at_least(max(len(ids), 1)))
 
 
 def pack_stream(prefill: list[PackedLane], decode_seq_ids, decode_tokens, decode_positions, *, num_lanes: int,

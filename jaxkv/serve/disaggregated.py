@@ -126,28 +126,12 @@ def import_prefix(engine, tokens, namespace, meta: dict, leaves: list) -> int:
     cache = engine.cache
     host = [np.asarray(leaf) for leaf in jax.device_get(leaves)]
     if meta["cache"] == "hybrid":
-        from jaxkv.manager import hybrid_host
-        from jaxkv.serve.disk_tier import pow2_ids
-
-        counts = [int(n) for n in meta["counts"]]
-        want = jax.eval_shape(
-            lambda m: (hybrid_host.read_blocks(m, {g: jax.numpy.asarray(pow2_ids([1] * n))
-                                                   for g, n in zip(cache.groups, counts)}),
-                       hybrid_host.read_state_rows(m, jax.numpy.ones((1,), jax.numpy.int32))), cache.manager)
-        check_leaves(want, host)
-        return cache.import_prefix(meta["prefix"], namespace, meta["kind"], counts,
-                                   jax.tree.unflatten(jax.tree.structure(want), host))
+        return cache.import_prefix(meta["prefix"], namespace, meta["kind"], meta["counts"],
+                                   cache.record_as(meta["counts"], host))
     structure = jax.tree.structure(cache.pool)
     for leaf, mine in zip(host, jax.tree.leaves(cache.pool)):
         if leaf.dtype != mine.dtype or leaf.shape[:2] + leaf.shape[3:] != mine.shape[:2] + mine.shape[3:]:
             raise InvalidArgument(f"the prefill server's pages are {leaf.shape} {leaf.dtype}; this pool's "
-                             f"{mine.shape} {mine.dtype} (another model or pool layout)")
+                                  f"{mine.shape} {mine.dtype} (another model or pool layout)")
     return cache.import_prefix(tokens, namespace, int(meta["num_tokens"]), jax.tree.unflatten(structure, host))
 
-
-def check_leaves(want, got: list) -> None:
-    """``InvalidArgument`` unless ``got`` has ``want``'s shapes and dtypes."""
-    expected = jax.tree.leaves(want)
-    if len(expected) != len(got) or any(a.shape != w.shape or a.dtype != w.dtype for a, w in zip(got, expected)):
-        raise InvalidArgument(f"the prefill server's record does not fit this cache ({len(got)} arrays, "
-                         f"{len(expected)} expected; another model or cache layout)")

@@ -38,21 +38,15 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxkv._ops import pow2_at_least
 from jaxkv.pool import host as host_swap
+from jaxkv.errors import InvalidArgument
 from jaxkv.prefix.disk import DiskStore, model_identity
-from jaxkv.serve.caches import fixed_ids
 
 __all__ = ["HybridDiskTier", "PagedDiskTier", "hybrid_identity", "identity_of", "paged_identity"]
 
 logger = logging.getLogger("jaxkv.serve")
 
 _SAMPLE = 64  # values sampled from each parameter for the identity
-
-
-def pow2_ids(ids) -> np.ndarray:
-    """``ids`` padded with -1 to a power of two (the hybrid host tier's shapes)."""
-    return fixed_ids(list(ids), pow2_at_least(max(len(ids), 1)))
 
 
 def _config_dict(config) -> dict:
@@ -194,8 +188,6 @@ class HybridDiskTier:
         """Put into the host tier the longest record on disk that begins
         ``tokens`` (at most ``len - 1`` of them) and is longer than
         ``longer_than`` (what the device and host tiers hit), if any."""
-        from jaxkv.manager import hybrid_host
-
         cache = self.cache
         while True:
             key = self.store.longest_prefix(tokens, namespace, limit=len(tokens) - 1, longer_than=longer_than)
@@ -206,16 +198,11 @@ class HybridDiskTier:
                 continue  # dropped (damaged): a shorter one may do
             header, arrays = record
             counts = [int(n) for n in arrays["counts"]]
-            want = jax.eval_shape(
-                lambda m: (hybrid_host.read_blocks(m, {g: jnp.asarray(pow2_ids([1] * n)) for g, n in
-                                                       zip(cache.groups, counts)}),
-                           hybrid_host.read_state_rows(m, jnp.ones((1,), jnp.int32))), cache.manager)
-            leaves = [arrays.get(str(n)) for n in range(len(jax.tree.leaves(want)))]
-            if any(a is None or a.shape != w.shape or a.dtype != w.dtype
-                   for a, w in zip(leaves, jax.tree.leaves(want))):
-                logger.warning("kv disk: record %s does not fit this cache's layout; not loaded", key)
+            try:
+                data = cache.record_as(counts, [arrays.get(str(n)) for n in range(len(arrays) - 1)])
+            except InvalidArgument as error:
+                logger.warning("kv disk: record %s not loaded: %s", key, error)
                 return
-            data = jax.tree.unflatten(jax.tree.structure(want), leaves)
             self.loaded_tokens += cache.import_prefix(header["tokens"], namespace, header["meta"]["snapshot"],
                                                       counts, data)
             return

@@ -27,7 +27,7 @@ from jaxkv.prefix.snapshot_cache import BlockOps, SnapshotCache
 from jaxkv.prefix.snapshot_host import SnapshotHostTier
 from jaxkv.prefix.snapshot_points import SnapshotPoints
 from jaxkv.serve.caches import (CacheBase, DecodeResult, PackedResult, PrefillLane, PrefixHit, apply_history_updates,
-                                fixed_ids, pack_stream, remembers_arguments, row_of, sample_first, slot_of,
+                                fixed_ids, pack_stream, pow2_ids, remembers_arguments, row_of, sample_first, slot_of,
                                 unwrap_keys)
 from jaxkv.serve import sizing
 from jaxkv.serve.sizing import CachePlan
@@ -86,11 +86,6 @@ def _take_blocks(manager: KVCacheManager, counts: dict, *, width: int):
         allocator, ids[name], _ = group.allocator.acquire(jnp.where(ok, counts[name], 0), max_n=width)
         groups[name] = group.replace(allocator=allocator)
     return manager.replace(groups=groups), ids, ok
-
-
-def _pow2_ids(ids) -> np.ndarray:
-    """``ids`` padded with -1 to a power of two (few compiled shapes)."""
-    return fixed_ids(list(ids), pow2_at_least(max(len(ids), 1)))
 
 
 @dataclasses.dataclass(eq=False)
@@ -276,10 +271,25 @@ class HybridCache(CacheBase):
         snapshots = self.snapshots
         blocks = [[b for h in record.path for b in snapshots.pages[h][g]] + list(record.tail[g])
                   for g in range(len(self.groups))]
-        ids = {name: _pow2_ids(b) for name, b in zip(self.groups, blocks)}
+        ids = {name: pow2_ids(b) for name, b in zip(self.groups, blocks)}
         data = (hybrid_host.read_blocks(self.manager, ids),
                 hybrid_host.read_state_rows(self.manager, [self.manager.num_slots + record.row]))
         return [len(b) for b in blocks], data
+
+    def record_as(self, counts, leaves: list):
+        """A record's data (:meth:`record_data`'s structure) rebuilt from its
+        arrays ``leaves`` (host arrays, in leaf order) for ``counts`` blocks
+        per group; ``InvalidArgument`` when they do not have this cache's
+        shapes and dtypes (another model or cache layout)."""
+        want = jax.eval_shape(lambda m: (
+            hybrid_host.read_blocks(m, {g: jnp.asarray(pow2_ids([1] * int(n))) for g, n in zip(self.groups, counts)}),
+            hybrid_host.read_state_rows(m, jnp.ones((1,), jnp.int32))), self.manager)
+        expected = jax.tree.leaves(want)
+        if len(expected) != len(leaves) or any(a is None or a.shape != w.shape or a.dtype != w.dtype
+                                               for a, w in zip(leaves, expected)):
+            raise InvalidArgument(f"a snapshot record of {len(leaves)} arrays does not fit this cache ({len(expected)} "
+                                  "expected, or other shapes or dtypes: another model or cache layout)")
+        return jax.tree.unflatten(jax.tree.structure(want), list(leaves))
 
     def export_prefix(self, tokens, namespace):
         """The longest snapshot record of ``tokens`` the device holds (at
@@ -435,7 +445,7 @@ class HybridCache(CacheBase):
         if any(ops.release.values()):
             self._drop_references(ops.release, "releasing evicted prefix blocks", rows=rows)
         elif rows:
-            self.manager = reset_rows(self.manager, _pow2_ids(rows))
+            self.manager = reset_rows(self.manager, pow2_ids(rows))
         if ops.copies:
             dst, src = zip(*((self.manager.num_slots + row, source) for row, source in ops.copies.items()))
             self.manager = _copy_state(self.manager, fixed_ids(src, self._copy_width(len(src))),
@@ -447,7 +457,7 @@ class HybridCache(CacheBase):
         """Copy a record leaving the device (its blocks in every group and
         its snapshot row) to the host tier, which makes room by dropping its
         oldest records; one that cannot fit is not kept."""
-        blocks = {name: _pow2_ids(ids) for name, ids in zip(self.groups, spill.blocks)}
+        blocks = {name: pow2_ids(ids) for name, ids in zip(self.groups, spill.blocks)}
         data = (hybrid_host.read_blocks(self.manager, blocks),
                 hybrid_host.read_state_rows(self.manager, [self.manager.num_slots + spill.row]))
         self.host_prefixes.put(spill.namespace, spill.tokens, spill.kind, [len(ids) for ids in spill.blocks], data,
@@ -468,7 +478,7 @@ class HybridCache(CacheBase):
             raise BookkeepingError(f"loading a {len(prefix)}-token host prefix needs {counts} blocks of groups "
                                    f"{list(self.groups)}; {self.free_blocks().tolist()} free (admission counted them)")
         blocks, _ = self.host_prefixes.get(key)
-        targets = {name: _pow2_ids(ids[name][:n].tolist()) for name, n in zip(self.groups, counts)}  # as read
+        targets = {name: pow2_ids(ids[name][:n].tolist()) for name, n in zip(self.groups, counts)}  # as read
         self.manager = hybrid_host.write_blocks(self.manager, targets, jax.device_put(blocks))
         given = [ids[name][:n].tolist() for name, n in zip(self.groups, counts)]
         handles, ops = self.snapshots.adopt_pages(prefix, given, lane.namespace)
@@ -525,7 +535,7 @@ class HybridCache(CacheBase):
         """Drop one reference to each of ``blocks``; with scrub-on-free the
         call zeroes what it frees and resets the snapshot ``rows`` let go."""
         if self.scrub:
-            self._block_call(release_blocks_scrubbed, blocks, what, _pow2_ids(rows))
+            self._block_call(release_blocks_scrubbed, blocks, what, pow2_ids(rows))
         else:
             self._block_call(_release_blocks, blocks, what)
 

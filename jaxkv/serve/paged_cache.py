@@ -348,14 +348,11 @@ class PagedCache(CacheBase):
     def attach_disk(self, model, directory, budget_bytes: int) -> None:
         """Give the prefix cache a disk tier in ``directory`` of at most
         ``budget_bytes`` (:mod:`jaxkv.serve.disk_tier`); it reads back
-        through the host tier, which must exist."""
+        through the host tier (:meth:`ensure_host_tier`)."""
         from jaxkv.prefix.disk import DiskStore
         from jaxkv.serve.disk_tier import PagedDiskTier, paged_identity
 
-        if self.prefix_host_pool is None:
-            raise InvalidArgument("a disk tier of the prefix cache reads back through its host tier: give "
-                                  "host_prefix_memory (or host_prefix_pages), with the prefix cache on and a pool "
-                                  "that is not windowed in every layer")
+        self.ensure_host_tier()  # the way back from disk
         store = DiskStore(directory, budget_bytes=budget_bytes,
                           identity=paged_identity(model, self.pool, self.page_size))
         self.disk = PagedDiskTier(self, store)
