@@ -57,10 +57,15 @@ def test_a_decode_engine_serves_a_prompt_another_engine_prefilled(transfers):
     prefill, decode = Engine(model, **ENGINE), Engine(model, **ENGINE)
     per_page = decode.cache.bytes_per_block
     for prompt, tokens in zip(prompts, want):
+        assert decode.cache.cached_length(prompt, "t") == 0
         adopted, moved = hand_over(prefill, decode, prompt, "t", transfers)
         pages = (len(prompt) - 1) // PAGE
         assert adopted == pages * PAGE, (seed, adopted, len(prompt))
         assert moved >= pages * per_page
+        before = decode.cache.prefix_stats()
+        assert decode.cache.cached_length(prompt, "t") == pages * PAGE  # what the decode server asks first
+        assert decode.cache.cached_length(prompt, "u") == 0
+        assert decode.cache.prefix_stats() == before, seed  # and it changed nothing
         rid = decode.add_request(prompt, 5, namespace="t")
         decode.run()
         assert decode.outputs[rid] == tokens, seed
@@ -87,7 +92,13 @@ def test_every_family_decodes_what_another_engine_prefilled(name, transfers):
     adopted, _ = hand_over(Engine(model, **options), decode, prompt, None, transfers)
     unit = getattr(decode.cache, "page_size", 1)
     assert adopted == (len(prompt) - 1) // unit * unit, (seed, adopted)  # a hybrid record: the last token but one
+    assert decode.cache.cached_length(prompt, None) == adopted  # the host tier's, as the hit will be
     mine = decode.add_request(prompt, 6)
     decode.run()
     assert decode.outputs[mine] == cold.outputs[rid], seed
     assert decode.cached_tokens(mine) == adopted
+    # Again, from what the device holds now: the length asked first is the hit's.
+    held = decode.cache.cached_length(prompt, None)
+    again = decode.add_request(prompt, 6)
+    decode.run()
+    assert (decode.outputs[again], decode.cached_tokens(again)) == (cold.outputs[rid], held), seed

@@ -123,6 +123,7 @@ def test_insert_then_match_returns_inserted_ids_for_any_prefix(page_size):
         whole = min(length // page_size, num_pages)
         for query in (tokens[:length], tokens[:length] + [1000]):  # 1000 never appears in tokens
             assert cache.cached_length(query) == whole * page_size
+            assert cache.cached_blocks(query) == ids[:whole]  # before match splits the node: changes nothing
             match = cache.match(query)
             assert match.num_tokens == whole * page_size, (length, query)
             assert match.blocks == ids[:whole]
@@ -758,6 +759,7 @@ def test_host_tier_round_trip_is_exact(memory_kind):
     prefill(sched, other, rng)  # overwrites the freed blocks: what comes back must be the host's copy
     check(cache, sched)
     assert cache.cached_length(prompt) == 4 * ps  # host pages count as cached
+    assert cache.cached_blocks(prompt) == tree_blocks[:2]  # ... but only the device's are blocks
     sched.finish([other])  # without prefill_done: its pages go back to the allocator
     assert num_free(sched) == CAPACITY - 2
     check(cache, sched)

@@ -8,7 +8,8 @@ process gives the tokens the decode server must stream (the tiny
 byte-level Llama of test_server: the text is the tokens). Prompts are token
 ids drawn fresh. The decode server's ``/metrics`` shows every prompt taken
 from the prefill server (bytes, adopted tokens), and each request's usage
-its hit; the prefill server's shows the prompts it computed. With the
+its hit; the prefill server's shows the prompts it computed. A prompt the
+decode server holds already is not asked for. With the
 prefill server gone, the decode server computes prompts itself (counted as
 failures) and still gives the same tokens.
 """
@@ -45,9 +46,15 @@ def test_a_decode_server_serves_what_its_prefill_server_computed(tmp_path):
         assert one["choices"][0]["text"] == want[0]
         # In a namespace nothing here holds: every whole page of the prompt came from the prefill server.
         assert one["usage"]["prompt_tokens_details"]["cached_tokens"] == (len(prompts[0]) - 1) // 16 * 16, seed
+        # Held here already: not asked of the prefill server.
+        repeat = httpx.post(decode.url + "/v1/completions", json={"model": MODEL, "prompt": prompts[2],
+                                                                  "max_tokens": max_tokens, "temperature": 0},
+                            timeout=60).json()
+        assert repeat["choices"][0]["text"] == want[2]
         figures = metrics(decode)
         adopted = sum((len(p) - 1) // 16 * 16 for p in prompts) + (len(prompts[0]) - 1) // 16 * 16
         assert figures[("jaxkv_kv_transfer_requests_total", ())] == len(prompts) + 1
+        assert figures[("jaxkv_kv_transfer_held_total", ())] == 1
         assert figures[("jaxkv_kv_transfer_adopted_tokens_total", ())] == adopted
         assert figures[("jaxkv_kv_transfer_bytes_total", ())] > 0
         assert figures[("jaxkv_kv_transfer_failures_total", ())] == 0

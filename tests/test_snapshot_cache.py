@@ -181,7 +181,9 @@ class SnapshotCacheMachine(RuleBasedStateMachine):
 
     @rule(query=sequences, namespace=st.sampled_from([None, "b"]))
     def match(self, query, namespace):
+        held = self.cache.cached_length(query, namespace)  # asked first, changing nothing (the next hit's)
         hit = self.cache.match(query, namespace)
+        assert hit.tokens == held
         if hit.record is not None:
             _check_hit(self.cache, hit, query, self.blocks, self.rows)
             assert self.cache.records[hit.record].namespace == namespace

@@ -308,6 +308,19 @@ class PrefixCacheManager:
         _, matched = self.tree.walk(query, namespace, split=False)
         return self.tree.num_tokens(query[:matched])
 
+    def cached_blocks(self, tokens, namespace: Hashable = None) -> list:
+        """The device blocks of the longest cached prefix of ``tokens``
+        (``match(...).blocks``) but changes nothing (no split, no metrics,
+        no LRU update). A node matched in part gives its first pages only;
+        host-tier nodes sit below device ones, so the device blocks are the
+        first of the match."""
+        if self.disable:
+            return []
+        query = token_bytes(tokens)
+        path, matched = self.tree.walk(query, namespace, split=False)
+        blocks = [block for node in path if node.tier == DEVICE for block in node.value]
+        return blocks[: matched // self.tree.unit_bytes]
+
     # ------------------------------------------------------------------ insert
 
     def insert(self, tokens, blocks: Sequence[int], namespace: Hashable = None) -> InsertResult:

@@ -262,15 +262,7 @@ class SnapshotCache:
         limit = len(tokens) - 1
         found = self.tree.match(tokens, namespace, max_tokens=limit)
         handles = list(found.blocks)
-        best = None
-        for depth in range(len(handles), -1, -1):
-            if best is not None and best.tokens >= depth * self.unit + self.unit - 1:
-                break  # no record at this depth or above can be longer
-            for rid in self._candidates(self._key(depth, handles, namespace), tokens, depth * self.unit):
-                record = self.records[rid]
-                if record.tokens <= limit and (best is None or record.tokens > best.tokens) and \
-                        tuple(tokens[depth * self.unit:record.tokens]) == record.tail_tokens:
-                    best = record
+        best = self._longest_record(tokens, namespace, handles)
         # Token grain: past the whole pages, the longest run shared with a child page or a record's tail there.
         # Only a tail or child page that begins with the query's next token shares any (found by key, not a scan).
         start = len(handles) * self.unit
@@ -295,6 +287,31 @@ class SnapshotCache:
         blocks = tuple([b for h in handles[:depth] for b in self.pages[h][g]] + list(best.tail[g])
                        for g in range(len(self.groups)))
         return SnapshotHit(best.tokens, blocks, best.row, best.id, node, max(branch, best.tokens))
+
+    def cached_length(self, tokens: Sequence[int], namespace: Hashable = None) -> int:
+        """The tokens :meth:`match` would hit now, but changes nothing (no
+        pin, no split, no metrics, no LRU update)."""
+        tokens = list(tokens)
+        if not self.num_snapshots or len(tokens) < 2:
+            return 0
+        best = self._longest_record(tokens, namespace, self.tree.cached_blocks(tokens[:len(tokens) - 1], namespace))
+        return 0 if best is None else best.tokens
+
+    def _longest_record(self, tokens: list, namespace: Hashable, handles: list):
+        """The longest record that is a prefix of ``tokens`` (at most ``len
+        - 1``), its whole pages among ``handles`` (the tree's match of
+        ``tokens``), or None."""
+        limit = len(tokens) - 1
+        best = None
+        for depth in range(len(handles), -1, -1):
+            if best is not None and best.tokens >= depth * self.unit + self.unit - 1:
+                break  # no record at this depth or above can be longer
+            for rid in self._candidates(self._key(depth, handles, namespace), tokens, depth * self.unit):
+                record = self.records[rid]
+                if record.tokens <= limit and (best is None or record.tokens > best.tokens) and \
+                        tuple(tokens[depth * self.unit:record.tokens]) == record.tail_tokens:
+                    best = record
+        return best
 
     def _candidates(self, key: Hashable, tokens: list, start: int) -> list[int]:
         """The ids of the records at ``key`` whose tail may be

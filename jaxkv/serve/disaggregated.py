@@ -26,13 +26,14 @@ only what the hit leaves: the last token for a hybrid cache (its record
 is at the prompt's last token but one), at most a page for a paged pool.
 The tokens are those of one engine (a prefix hit is exact: the tests hold
 every family to a cold run). A prompt the decode server holds already
-still goes to the prefill server (its answer is a no-op there): a
-decode-side check first is not built.
+(its cache's ``cached_length`` leaves less than a unit to compute) is not
+asked for.
 
 Figures: the decode server's ``/metrics`` counts
 ``jaxkv_kv_transfer_requests_total``, ``jaxkv_kv_transfer_bytes_total``,
-``jaxkv_kv_transfer_seconds_total`` (the prefill call and the pull) and
-``jaxkv_kv_transfer_adopted_tokens_total``.
+``jaxkv_kv_transfer_seconds_total`` (the prefill call and the pull),
+``jaxkv_kv_transfer_adopted_tokens_total`` and
+``jaxkv_kv_transfer_held_total`` (prompts not asked for).
 """
 
 from __future__ import annotations

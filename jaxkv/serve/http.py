@@ -836,6 +836,10 @@ class EngineLoop:
         self._live: dict[_Sink, int] = {}  # sink -> engine request id (engine thread only)
         self._sinks: dict[int, _Sink] = {}  # engine request id -> sink (engine thread only)
         self._stopping = False
+        # Serving across processes: set (from the watchdog's thread) when a process died; the engine never
+        # steps again and every request gets this error.
+        self._lost: BaseException | None = None
+        self._lost_event = threading.Event()
         self.engine = None
         self.thread = threading.Thread(target=self._run, name="jaxkv-engine", daemon=True)
 
@@ -859,8 +863,11 @@ class EngineLoop:
         self._commands.put(("call", future, fn))
 
     def fail_all(self, error: BaseException) -> None:
-        """Answer ``error`` to every request in flight (any thread: a process
-        of a multi-process server died and the engine may never step again)."""
+        """Answer ``error`` to every request in flight and to every later
+        one, and stop stepping (any thread: a process of a multi-process
+        server died, and no collective step can complete again)."""
+        self._lost = error
+        self._lost_event.set()
         for sink in list(self._live):
             self._post(_deliver, [(sink, ("error", error))])
 
@@ -890,6 +897,8 @@ class EngineLoop:
         if self._on_ready is not None:
             self._post(self._on_ready, engine)
         while not self._stopping:
+            if self._lost is not None:  # the requests in flight were answered; the queued ones are below
+                break
             commands = []
             if not engine.has_unfinished():
                 try:
@@ -916,9 +925,12 @@ class EngineLoop:
                     self._stopping = True
                     stepping = False
             if stepping:
+                contained = getattr(engine, "last_failure", None)
                 try:
                     outputs = engine.step()
                 except Exception as err:  # noqa: BLE001 - a bug in the engine: fail its requests, keep serving
+                    if self._process_lost():
+                        break
                     logger.exception("engine step failed; failing the %d requests in flight", len(self._live))
                     for sink, rid in list(self._live.items()):
                         deliveries.append((sink, ("error", err)))
@@ -929,6 +941,8 @@ class EngineLoop:
                         except Exception:  # noqa: BLE001
                             pass
                     outputs = []
+                if getattr(engine, "last_failure", None) is not contained and self._process_lost():
+                    break  # the step's failure was contained, its outputs may be the failure's "error"s
                 for output in outputs:
                     sink = self._sinks.get(output.request_id)
                     if sink is not None:
@@ -939,6 +953,12 @@ class EngineLoop:
                         self._release(engine, output.request_id)
             if deliveries:
                 self._post(_deliver, deliveries)
+        if self._lost is not None:  # a process died: no stop to publish; every later command gets its error
+            for sink in list(self._live):  # again: one may have been added after the watchdog's answer
+                self._post(_deliver, [(sink, ("error", self._lost))])
+            self._close(engine)
+            self._fail_pending(self._lost, until_stop=True)
+            return
         for sink in list(self._live):  # stopping: whoever still waits gets an error
             self._post(_deliver, [(sink, ("error", APIError(503, "the server is shutting down",
                                                             code="shutting_down")))])
@@ -947,6 +967,21 @@ class EngineLoop:
                 self._lockstep.publish(self._ops_next, False, stop=True)
             except Exception:  # noqa: BLE001 - shutting down: the followers find the leader gone
                 logger.warning("serving across processes: the stop could not be published", exc_info=True)
+        self._close(engine)
+
+    def _process_lost(self) -> bool:
+        """After a failed step, serving across processes: whether a process
+        of the run died. A collective that met a dead process fails at
+        once, and the watchdog's verdict comes within the heartbeat timeout
+        (``Lockstep.verdict_seconds``, waited for here): then every request
+        gets the lost process's 503, not the step's error."""
+        if self._lockstep is None or not self._lost_event.wait(self._lockstep.verdict_seconds):
+            return False
+        logger.error("engine step failed as a process of the run died (%s)", self._lost)
+        return True
+
+    @staticmethod
+    def _close(engine) -> None:
         close = getattr(engine, "close", None)
         if close is not None:  # the disk tier's queued records reach the disk before the process ends
             try:
@@ -1020,17 +1055,25 @@ class EngineLoop:
         elif kind == "stop":
             self._stopping = True
 
-    def _fail_pending(self, err: BaseException) -> None:
-        """The engine never started: answer every queued command."""
+    def _fail_pending(self, err: BaseException, *, until_stop: bool = False) -> None:
+        """Answer ``err`` to every queued command: the engine never started
+        (the server refuses later requests itself); or, ``until_stop``, a
+        process of the run died, and every command until :meth:`stop` is
+        answered so (a route that got past the server's own check never
+        waits on an engine that will not step)."""
         while True:
             try:
-                command = self._commands.get_nowait()
+                command = self._commands.get(timeout=self._idle_wait) if until_stop else self._commands.get_nowait()
             except queue.Empty:
+                if until_stop and not self._stopping:
+                    continue
                 return
             if command[0] == "add":
                 self._post(_deliver, [(command[1], ("error", err))])
-            elif command[0] == "stats":
+            elif command[0] in ("stats", "call"):
                 self._post(_settle, command[1], None, err)
+            elif command[0] == "stop":
+                self._stopping = True
 
 
 def _deliver(deliveries: list) -> None:
@@ -1876,7 +1919,9 @@ async def _take_prompts(state: ServerState, job: _Job) -> None:
     """A decode server: each distinct prompt of ``job`` prefilled by the
     prefill server, its KV pulled and adopted into the prefix cache
     (:mod:`jaxkv.serve.disaggregated`); a prompt the prefill server cannot
-    hand over is computed here (logged, counted)."""
+    hand over is computed here (logged, counted). A prompt this server's
+    own prefix cache holds already, but for less than a unit (a page) of
+    its tokens, is not asked for (counted as held)."""
     import httpx
 
     from jaxkv.serve.disaggregated import import_prefix
@@ -1890,6 +1935,11 @@ async def _take_prompts(state: ServerState, job: _Job) -> None:
             if key in seen or len(prompt) < 2:
                 continue
             seen.add(key)
+            held = await _engine_call(state, lambda engine, p=list(prompt), n=namespace:
+                                      len(p) - 1 - engine.cache.cached_length(p, n) < engine.cache.unit)
+            if held:
+                metrics.kv_transfer_held.inc()
+                continue
             began = time.perf_counter()
             try:
                 response = await client.post(state.prefill_url.rstrip("/") + "/v1/jaxkv/prefill",

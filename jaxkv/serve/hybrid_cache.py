@@ -392,6 +392,21 @@ class HybridCache(CacheBase):
         return PrefixHit(hit.tokens, hit.blocks, hit if hit.record is not None else None, snapshot=hit.row,
                          matched=hit.branch, copied=self._copied(hit.tokens))
 
+    def cached_length(self, tokens: list, namespace) -> int:
+        """The tokens :meth:`match` would hit now from the device's records
+        and the host tier (at most ``len - 1``), changing nothing; with a
+        disk tier, a longer record on disk is read into the host tier first,
+        as :meth:`match` would read it."""
+        device = self.snapshots.cached_length(tokens, namespace)
+        if self.host_prefixes is None:
+            return device
+        if self.disk is not None:
+            known = self.host_prefixes.candidate(tokens, namespace, device)
+            self.disk.extend(tokens, namespace, len(self.host_prefixes.entry(known)[1]) if known is not None
+                             else device)
+        best = self.host_prefixes.candidate(tokens, namespace, device)
+        return device if best is None else len(self.host_prefixes.entry(best)[1])
+
     def _copied(self, tokens: int) -> tuple:
         """Per group, 1 when a hit of ``tokens`` ends inside a block (copied on attach)."""
         return tuple(int(bool((tokens // per_entry) % per_block)) for per_entry, per_block in self._per_block)

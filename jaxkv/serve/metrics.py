@@ -254,6 +254,8 @@ class ServerMetrics:
                                                 "(jax.experimental.transfer).", registry=r)
         self.kv_transfer_tokens = Counter("jaxkv_kv_transfer_adopted_tokens", "Prompt tokens whose KV was "
                                           "adopted into this server's prefix cache.", registry=r)
+        self.kv_transfer_held = Counter("jaxkv_kv_transfer_held", "Prompts not asked of the prefill server: this "
+                                        "server's prefix cache held them (all but less than a page).", registry=r)
         self.kv_transfer_failures = Counter("jaxkv_kv_transfer_failures", "Prompts the prefill server could not "
                                             "hand over (computed here instead).", registry=r)
         for tenant in self.tenants or ():

@@ -27,9 +27,12 @@ one process no longer aborts the others from inside the runtime; instead:
 
 Detection is bounded by the coordination service's heartbeat timeout
 (:data:`HEARTBEAT_SECONDS`, 5 s by default; a process that exits cleanly
-closes its connection and is seen sooner). Until then, the steps whose
-collectives meet the dead process fail, and the engine's fault
-containment fails the requests in flight with its own error (500).
+closes its connection and is seen sooner). A step whose collectives meet
+the dead process fails at once: the leader's engine thread then waits up
+to :attr:`Lockstep.verdict_seconds` for the watchdog's verdict before
+treating it as an engine fault, so the requests in flight get the 503 of
+a lost process, not the step's error (an engine fault that is not a lost
+process costs that wait once before its requests fail with 500).
 """
 
 from __future__ import annotations
@@ -46,9 +49,10 @@ __all__ = ["HEARTBEAT_SECONDS", "Lockstep", "LostProcess", "alive", "initialize"
 logger = logging.getLogger("jaxkv.serve")
 
 #: The coordination service's heartbeat timeout (``JAXKV_HEARTBEAT_SECONDS``): a process killed without
-#: closing its connection is seen dead this long after (its collectives fail at once: requests in flight
-#: meanwhile fail with the engine's own error, 500).
+#: closing its connection is seen dead this long after (its collectives fail at once: the leader waits for
+#: the verdict, :attr:`Lockstep.verdict_seconds`).
 HEARTBEAT_SECONDS = int(os.environ.get("JAXKV_HEARTBEAT_SECONDS", "5"))
+_WATCH_POLL = 0.5  # seconds between the watchdog's questions
 _PREFIX = "jaxkv/serve/op/"
 _WINDOW = 10_000  # records kept in the store: a follower never lags this far (each step is a collective)
 
@@ -91,6 +95,13 @@ class Lockstep:
         self.num_processes = num_processes
         self.process_id = process_id
         self._next = 0
+
+    @property
+    def verdict_seconds(self) -> float:
+        """How long after a failed step the watchdog has surely named a
+        dead process: twice the heartbeat timeout (the service's own
+        detection is not to the second) and two of its polls."""
+        return 2 * HEARTBEAT_SECONDS + 2 * _WATCH_POLL
 
     # ------------------------------------------------------------ leader
 
@@ -187,7 +198,7 @@ class Lockstep:
                             pass
 
 
-def watch(num_processes: int, on_lost: Callable[[str], None], *, poll: float = 0.5) -> threading.Thread:
+def watch(num_processes: int, on_lost: Callable[[str], None], *, poll: float = _WATCH_POLL) -> threading.Thread:
     """Start the leader's watchdog: ``on_lost(message)`` once, from its
     thread, when a process is no longer alive (module docstring)."""
 

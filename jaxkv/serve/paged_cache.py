@@ -345,6 +345,15 @@ class PagedCache(CacheBase):
         blocks = list(match.blocks)
         return PrefixHit(len(blocks) * self.page_size + match.num_host_tokens, (blocks,), match.node)
 
+    def cached_length(self, tokens: list, namespace) -> int:
+        """The tokens :meth:`match` would hit now from the device and host
+        tiers (page aligned, at most ``len - 1``), changing nothing; with a
+        disk tier, the prompt's records on disk are read into the host tier
+        first, as :meth:`match` would read them."""
+        if self.disk is not None:
+            self.disk.extend(tokens, namespace, len(tokens) - 1)
+        return self.prefix_cache.cached_length(tokens[: max(len(tokens) - 1, 0)], namespace)
+
     def attach_disk(self, model, directory, budget_bytes: int) -> None:
         """Give the prefix cache a disk tier in ``directory`` of at most
         ``budget_bytes`` (:mod:`jaxkv.serve.disk_tier`); it reads back
