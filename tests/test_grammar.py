@@ -125,6 +125,33 @@ def test_host_masks_walk_only_into_the_language(tokenizer):
         assert ended or nested_state(tokenizer.decode(generated), parts) == "prefix"
 
 
+def test_a_grammar_sent_as_text_masks_as_the_original(tokenizer):
+    """What a leader sends its followers (``HostGrammar.text()``, pickled)
+    bound to another copy of the tokenizer gives the original's masks along
+    a walk drawn among them."""
+    import pickle
+
+    from jaxkv.text import Tokenizer
+
+    vocab = tokenizer.vocab_size + 5
+    rng = np.random.default_rng()
+    grammar, _ = draw_nested(rng)
+    original = compile_grammar(tokenizer, vocab, grammar)
+    other = Tokenizer(type(tokenizer.backend).from_str(tokenizer.backend.to_str()),  # another process's copy
+                      eos_token_ids=tokenizer.eos_token_ids)
+    sent = pickle.loads(pickle.dumps(original.text())).bind(other)
+    assert isinstance(sent, HostGrammar) and sent.lltokenizer is not original.lltokenizer
+    mine, theirs, generated = original.state(), sent.state(), []
+    for _ in range(20):
+        bits = mine.mask(generated)
+        assert np.array_equal(bits, theirs.mask(generated)), (grammar, generated)
+        allowed = np.flatnonzero((bits[:, None] >> np.arange(32, dtype=np.uint32)) & 1)
+        allowed = allowed[~np.isin(allowed, tokenizer.eos_token_ids)]
+        if not allowed.size:
+            break
+        generated.append(int(rng.choice(allowed)))
+
+
 # ------------------------------------------------------------ the engine
 
 

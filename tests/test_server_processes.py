@@ -50,11 +50,15 @@ def logs(tmp_path) -> str:
     return "\n".join(f"--- process {i}\n" + (tmp_path / f"process{i}.log").read_text()[-4000:] for i in range(2))
 
 
-def reference(checkpoint, prompts, max_tokens):
+GRAMMAR = 'start: ("ab" | "c" | "d" | " ")+ "."'
+
+
+def reference(checkpoint, prompts, max_tokens, grammar: str | None = None):
     """The texts a server must give for the greedy tokens of an engine on
     this process's one device: each the continuation of its prompt (a prompt
     of drawn bytes can end inside a UTF-8 character, whose U+FFFD stays the
-    prompt's; test_text.continuation), not the decode of the new ids alone."""
+    prompt's; test_text.continuation), not the decode of the new ids alone;
+    ``grammar``: under that context-free grammar."""
     from jaxkv.nn import AutoModelForCausalLM
     from jaxkv.serve import Engine
     from jaxkv.text import Tokenizer
@@ -63,7 +67,12 @@ def reference(checkpoint, prompts, max_tokens):
     tokenizer = Tokenizer.from_pretrained(str(checkpoint))
     engine = Engine(model, max_seqs=4, max_model_len=256, decode_chunk=4, prefill_chunk=64)
     eos = tokenizer.eos_token_ids[0]
-    ids = [engine.add_request(p, max_tokens, eos_token_id=eos) for p in prompts]
+    options = {}
+    if grammar is not None:
+        from jaxkv.serve.structured import compile_constraint
+
+        options["constraint"] = compile_constraint(tokenizer, model.config.vocab_size, grammar=grammar)
+    ids = [engine.add_request(p, max_tokens, eos_token_id=eos, **options) for p in prompts]
     engine.run()
     return [continuation(tokenizer, prompt, engine.outputs[i]) for prompt, i in zip(prompts, ids)]
 
@@ -120,13 +129,13 @@ def test_two_processes_serve_one_devices_tokens_and_fail_cleanly(tmp_path):
         assert again.json()["choices"][0]["text"] == want[0]
         assert again.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == (len(prompts[0]) - 1) // 16 * 16
 
-        if importlib.util.find_spec("llguidance") is not None:  # a grammar's matcher cannot travel: refused
-            refused = httpx.post(url + "/v1/completions", json={
-                "model": MODEL, "prompt": prompts[0], "max_tokens": 4,
-                "structured_outputs": {"grammar": 'start: "a"+'}}, timeout=60)
-            assert refused.status_code == 400 and "not served across processes" in refused.text, refused.text
-            assert httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": prompts[0], "max_tokens": 2,
-                                                             "temperature": 0}, timeout=60).status_code == 200
+        if importlib.util.find_spec("llguidance") is not None:  # a grammar travels as its text: same tokens
+            constrained = httpx.post(url + "/v1/completions", json={
+                "model": MODEL, "prompt": prompts[0], "max_tokens": max_tokens, "temperature": 0,
+                "structured_outputs": {"grammar": GRAMMAR}}, timeout=60)
+            assert constrained.status_code == 200, constrained.text
+            assert constrained.json()["choices"][0]["text"] == reference(checkpoint, prompts[:1], max_tokens,
+                                                                        grammar=GRAMMAR)[0], seed
 
         procs[1][0].kill()  # a follower dies: process 0 answers 503, then exits
         killed = time.monotonic()

@@ -43,7 +43,7 @@ import numpy as np
 
 from jaxkv.errors import InvalidArgument
 
-__all__ = ["GrammarState", "HostGrammar", "compile_grammar"]
+__all__ = ["GrammarState", "GrammarText", "HostGrammar", "compile_grammar"]
 
 #: The longest grammar text accepted (characters).
 MAX_GRAMMAR_CHARS = 64 << 10
@@ -104,6 +104,26 @@ class HostGrammar:
 
     def state(self) -> "GrammarState":
         return GrammarState(self)
+
+    def text(self) -> "GrammarText":
+        """This grammar without its tokenizer: what one process of a
+        serving run sends the others (:mod:`jaxkv.serve.multihost`)."""
+        return GrammarText(self.definition, self.vocab_size, self.key)
+
+
+@dataclasses.dataclass(frozen=True)
+class GrammarText:
+    """A :class:`HostGrammar` less its llguidance tokenizer (which cannot
+    be pickled): validated grammar text, ``vocab_size`` and ``key``.
+    :meth:`bind` makes the grammar again over a tokenizer (the same
+    model's, in another process)."""
+
+    definition: str
+    vocab_size: int
+    key: str = ""
+
+    def bind(self, tokenizer) -> HostGrammar:
+        return HostGrammar(self.definition, _lltokenizer(tokenizer, self.vocab_size), self.vocab_size, self.key)
 
 
 class GrammarState:

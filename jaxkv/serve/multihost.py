@@ -111,6 +111,7 @@ class Lockstep:
         then one ``engine.step()`` if ``step``; ``stop`` ends the followers."""
         client = _client()
         n = self._next
+        ops = [(op[0], op[1], self.portable(op[2]), op[3]) if op[0] == "add" else op for op in ops]
         client.key_value_set_bytes(f"{_PREFIX}{n}", pickle.dumps({"ops": ops, "step": step, "stop": stop}))
         if n >= _WINDOW:
             try:
@@ -120,19 +121,38 @@ class Lockstep:
         self._next = n + 1
 
     @staticmethod
-    def unsendable(kwargs: dict) -> Exception | None:
+    def portable(kwargs: dict) -> dict:
+        """A request's options as they travel: a context-free grammar's
+        llguidance tokenizer cannot be pickled, so its
+        :class:`~jaxkv.serve.grammar.HostGrammar` goes as its text
+        (:meth:`~jaxkv.serve.grammar.HostGrammar.text`), bound again to the
+        follower's own tokenizer (:meth:`bound`)."""
+        from jaxkv.serve.grammar import HostGrammar
+
+        constraint = kwargs.get("constraint")
+        return dict(kwargs, constraint=constraint.text()) if isinstance(constraint, HostGrammar) else kwargs
+
+    @staticmethod
+    def bound(kwargs: dict, engine) -> dict:
+        """:meth:`portable`'s undone on a follower: a grammar's text made a
+        :class:`~jaxkv.serve.grammar.HostGrammar` over ``engine``'s tokenizer."""
+        from jaxkv.serve.grammar import GrammarText
+
+        constraint = kwargs.get("constraint")
+        if isinstance(constraint, GrammarText):
+            return dict(kwargs, constraint=constraint.bind(engine.tokenizer))
+        return kwargs
+
+    def unsendable(self, kwargs: dict) -> Exception | None:
         """Why a request's options cannot be sent to the followers (an
-        ``InvalidArgument`` to answer), or None: a context-free grammar's
-        llguidance matcher cannot be pickled, so such a request is refused
-        by a server across processes."""
+        ``InvalidArgument`` to answer), or None."""
         from jaxkv.errors import InvalidArgument
 
         try:
-            pickle.dumps(kwargs)
+            pickle.dumps(self.portable(kwargs))
         except Exception as error:  # noqa: BLE001 - any reason pickle gives
             return InvalidArgument(f"this server runs across processes and this request's options cannot be sent "
-                                   f"to the others ({type(error).__name__}: {error}); context-free grammars are "
-                                   "not served across processes")
+                                   f"to the others ({type(error).__name__}: {error})")
         return None
 
     # ------------------------------------------------------------ followers
@@ -172,7 +192,7 @@ class Lockstep:
                 if op[0] == "add":
                     _, prompt, kwargs, want = op
                     try:
-                        rid = engine.add_request(prompt, **kwargs)
+                        rid = engine.add_request(prompt, **self.bound(kwargs, engine))
                     except Exception:  # noqa: BLE001 - refused here as on the leader
                         rid = None
                     if rid != want:
