@@ -22,7 +22,7 @@ from flax import nnx
 from jaxkv.errors import InvalidArgument
 from jaxkv.nn import LlamaConfig, LlamaForCausalLM
 from jaxkv.serve import Engine
-from jaxkv.serve.disaggregated import KVTransfer, export_prefix, import_prefix
+from jaxkv.serve.disaggregated import KVTransfer, PrefillRouter, export_prefix, import_prefix
 from tests.test_disk_tier import CONFIG, ENGINE, FAMILIES, PAGE
 
 
@@ -102,3 +102,39 @@ def test_every_family_decodes_what_another_engine_prefilled(name, transfers):
     again = decode.add_request(prompt, 6)
     decode.run()
     assert (decode.outputs[again], decode.cached_tokens(again)) == (cold.outputs[rid], held), seed
+
+
+def test_the_prefill_router_keeps_a_prefix_on_one_server_until_it_is_busy():
+    """:class:`PrefillRouter`: every server once per order; prompts sharing
+    their first unit (and namespace) go to one server, the same from a new
+    router (a restart); drawn prompts spread over every server; a server
+    more than SLACK prompts busier than the least busy gives way; the rest
+    of the order is least busy first."""
+    seed = secrets.randbelow(2**31)
+    rng = np.random.default_rng(seed)
+    urls = [f"http://10.0.0.{i}:8100" for i in range(1, 4)]
+    router, unit = PrefillRouter([u + "/" for u in urls]), int(rng.integers(4, 32))
+    assert router.urls == tuple(urls)
+    prompts = [rng.integers(0, 1000, int(rng.integers(1, 3 * unit))).tolist() for _ in range(300)]
+    firsts = []
+    for prompt in prompts:
+        order = router.order(prompt, None, unit)
+        assert sorted(order) == urls, (seed, order)
+        tail = rng.integers(0, 1000, int(rng.integers(0, 50))).tolist()
+        assert router.order(prompt[:unit] + tail, None, unit)[0] == order[0] or len(prompt) < unit, seed
+        assert PrefillRouter(urls).affinity(prompt, None, unit) == order[0], seed
+        firsts.append(order[0])
+    assert all(firsts.count(u) > 50 for u in urls), (seed, [firsts.count(u) for u in urls])
+    assert {router.affinity(prompts[0], ("cache_salt", str(s)), unit) for s in range(30)} == set(urls), seed
+
+    prompt = prompts[0]
+    mine = router.affinity(prompt, None, unit)
+    others = [u for u in urls if u != mine]
+    router.in_flight.update({mine: PrefillRouter.SLACK, others[0]: 1, others[1]: 0})
+    assert router.order(prompt, None, unit) == [mine, others[1], others[0]]  # within the slack: affinity
+    router.in_flight[mine] += 1
+    assert router.order(prompt, None, unit) == [others[1], others[0], mine]  # past it: the least busy first
+
+    for bad in ([], ["http://a", "http://a/"], [""]):
+        with pytest.raises(InvalidArgument, match="distinct, non-empty"):
+            PrefillRouter(bad)

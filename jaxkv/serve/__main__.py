@@ -38,7 +38,9 @@ process 0 died exits too.
 decode --prefill-url URL`` on another: the decode server serves the API
 and takes each prompt's KV from the prefill server first, moved with
 ``jax.experimental.transfer`` and adopted into its prefix cache
-(:mod:`jaxkv.serve.disaggregated`).
+(:mod:`jaxkv.serve.disaggregated`). Several ``--prefill-url``: each
+prompt goes to one (prefix affinity, then load), the others taking over
+when it fails.
 
 **API keys and tenants.** ``--api-keys-file keys.json`` (a JSON object,
 API key -> tenant name) and / or ``--api-key KEY`` (one key, tenant
@@ -192,8 +194,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "(jaxkv.serve.disaggregated): 'prefill' computes prompts for a decode server and hands their KV "
                    "over with jax.experimental.transfer; 'decode' serves the API, each prompt's KV taken from "
                    "--prefill-url first (default: both here)")
-    p.add_argument("--prefill-url", metavar="URL", help="(--role decode) the prefill server, e.g. "
-                   "http://10.0.0.2:8100")
+    p.add_argument("--prefill-url", metavar="URL", action="append", help="(--role decode) the prefill server, "
+                   "e.g. http://10.0.0.2:8100; several (repeated, or comma-separated): each prompt goes to one, by "
+                   "prefix affinity and load, the others taking over when it fails")
     p.add_argument("--kv-transfer-host", default="127.0.0.1", metavar="HOST", help="(--role) the address this "
                    "process's KV transfer server listens on and gives its peer (default 127.0.0.1: one machine)")
     p.add_argument("--coordinator", metavar="HOST:PORT", help="the jax.distributed coordinator, on process 0's "
@@ -296,6 +299,8 @@ def main(argv: list[str] | None = None) -> int:
         logger.warning("--trust-request-chat-template: chat templates sent by clients are rendered (code the "
                        "server runs, up to --render-timeout %g s each); serve only clients you trust",
                        args.render_timeout)
+    if args.prefill_url:
+        args.prefill_url = [url.strip() for value in args.prefill_url for url in value.split(",") if url.strip()]
     if args.role == "decode" and not args.prefill_url:
         parser.error("--role decode needs --prefill-url (the prefill server)")
     if args.prefill_url and args.role != "decode":
@@ -382,7 +387,7 @@ def main(argv: list[str] | None = None) -> int:
 
         transfer = KVTransfer(args.kv_transfer_host)
         logger.info("%s server; KV transfer server at %s%s", args.role, transfer.address,
-                    f"; prefill server {args.prefill_url}" if args.prefill_url else "")
+                    f"; prefill server(s) {', '.join(args.prefill_url)}" if args.prefill_url else "")
     try:
         run_server(build, host=args.host, port=args.port, served_model_names=names, startup_clock=_COMMAND_CLOCK,
                    log_level=args.log_level, on_started=started, api_keys=api_keys,

@@ -15,9 +15,10 @@ rings, Gated DeltaNet states). The arrays are offered on the transfer
 server (:meth:`KVTransfer.offer`) and the answer says where and what:
 ``{"address", "uuid", "leaves": [[shape, dtype], ...], ...}``.
 
-``python -m jaxkv.serve --role decode --prefill-url URL`` serves the API.
-Before a request's prompt reaches its engine it asks the prefill server
-for the prompt, pulls the arrays (:meth:`KVTransfer.pull`) and hands them
+``python -m jaxkv.serve --role decode --prefill-url URL`` serves the API
+(several ``--prefill-url``: :class:`PrefillRouter` picks one per prompt,
+the others taking over when it fails). Before a request's prompt reaches
+its engine it asks the prefill server for the prompt, pulls the arrays (:meth:`KVTransfer.pull`) and hands them
 to its engine thread, which puts them into the prefix cache's host tier
 (:func:`import_prefix`: ``PagedCache.import_prefix``,
 ``HybridCache.import_prefix``); the request then hits them as any host-tier
@@ -38,9 +39,12 @@ Figures: the decode server's ``/metrics`` counts
 
 from __future__ import annotations
 
+import hashlib
 import itertools
+import json
 import secrets
 import threading
+from collections.abc import Sequence
 
 import jax
 import numpy as np
@@ -48,7 +52,7 @@ import numpy as np
 from jaxkv.errors import InvalidArgument
 from jaxkv.prefix.disk import dtype_named
 
-__all__ = ["KVTransfer", "export_prefix", "import_prefix", "namespace_from_json"]
+__all__ = ["KVTransfer", "PrefillRouter", "export_prefix", "import_prefix", "namespace_from_json"]
 
 
 class KVTransfer:
@@ -89,6 +93,46 @@ class KVTransfer:
         sent = iter(connection.pull(uuid, [spec for spec in like if np.prod(spec.shape, dtype=np.int64)]))
         return [next(sent) if np.prod(spec.shape, dtype=np.int64) else np.zeros(spec.shape, spec.dtype)
                 for spec in like]
+
+
+class PrefillRouter:
+    """A decode server's prefill servers, and the order to ask them for a
+    prompt (:meth:`order`): prefix affinity first, as SGLang's cache-aware
+    router does, so prompts that share their first unit of tokens (a
+    system prompt, a conversation) go to the server whose prefix cache
+    holds it, unless that server has more than :attr:`SLACK` prompts in
+    flight beyond the least busy one's (then the least busy); the others
+    follow, least busy first, for failover. ``in_flight`` is kept by the
+    caller (the event loop: no lock)."""
+
+    #: Prompts in flight a server may have beyond the least busy one's before affinity gives way.
+    SLACK = 4
+
+    def __init__(self, urls: Sequence[str]):
+        urls = [str(url).rstrip("/") for url in urls]
+        if not urls or len(set(urls)) != len(urls) or not all(urls):
+            raise InvalidArgument(f"the prefill servers must be distinct, non-empty URLs, got {urls}")
+        self.urls = tuple(urls)
+        self.in_flight = dict.fromkeys(self.urls, 0)
+
+    def affinity(self, prompt: Sequence[int], namespace, unit: int) -> str:
+        """The server for prompts beginning with ``prompt``'s first ``unit``
+        tokens in ``namespace`` (a stable hash: the same in every run)."""
+        head = json.dumps([namespace, [int(t) for t in prompt[:max(int(unit), 1)]]])
+        digest = hashlib.blake2b(head.encode(), digest_size=8).digest()
+        return self.urls[int.from_bytes(digest, "little") % len(self.urls)]
+
+    def order(self, prompt: Sequence[int], namespace, unit: int) -> list[str]:
+        """Every server once: the one to ask first, then the others in the
+        order to fall back to (class docstring)."""
+        def load(url):
+            return self.in_flight[url], self.urls.index(url)
+
+        first = self.affinity(prompt, namespace, unit)
+        least = min(self.urls, key=load)
+        if self.in_flight[first] > self.in_flight[least] + self.SLACK:
+            first = least
+        return [first, *sorted((url for url in self.urls if url != first), key=load)]
 
 
 def namespace_from_json(value):

@@ -1245,7 +1245,7 @@ class ServerState:
     failed: BaseException | None = None
     lost: APIError | None = None  # serving across processes: one died (jaxkv.serve.multihost)
     role: str | None = None  # "prefill" / "decode" (jaxkv.serve.disaggregated), None: both here
-    prefill_url: str | None = None  # a decode server's prefill server
+    prefill: object = None  # a decode server's prefill servers (jaxkv.serve.disaggregated.PrefillRouter)
     transfer: object = None  # this process's KVTransfer (a role given)
     created: int = dataclasses.field(default_factory=lambda: int(time.time()))
     eos_token_ids: tuple[int, ...] = ()
@@ -1272,7 +1272,7 @@ def create_app(build: Callable[[], tuple[object, object]], *, served_model_names
                metrics: ServerMetrics | None = None, startup_clock: float | None = None,
                api_keys: Mapping[str, str] | APIKeys | None = None, trust_request_chat_template: bool = False,
                render_timeout: float = RENDER_TIMEOUT, max_body_bytes: int = MAX_BODY_BYTES, lockstep=None,
-               lost_grace: float = 3.0, role: str | None = None, prefill_url: str | None = None,
+               lost_grace: float = 3.0, role: str | None = None, prefill_url: str | Sequence[str] | None = None,
                transfer=None) -> FastAPI:
     """The FastAPI app. ``build()`` runs on the engine thread when the app
     starts and returns ``(engine, tokenizer)`` (load, build, warm up); the
@@ -1292,8 +1292,9 @@ def create_app(build: Callable[[], tuple[object, object]], *, served_model_names
     the followers; a watchdog answers 503 and exits ``lost_grace`` seconds
     after a process dies). ``role``: ``"prefill"`` (answers ``POST
     /v1/jaxkv/prefill``) or ``"decode"`` (takes each prompt's KV from the
-    prefill server at ``prefill_url``), both through ``transfer`` (a
-    :class:`~jaxkv.serve.disaggregated.KVTransfer`).
+    prefill server at ``prefill_url``, or one of several:
+    :class:`~jaxkv.serve.disaggregated.PrefillRouter`), both through
+    ``transfer`` (a :class:`~jaxkv.serve.disaggregated.KVTransfer`).
     ``render_timeout``: seconds one request's rendering and tokenizing may
     take (503 ``render_timeout`` after). ``max_body_bytes``: the largest
     request body (413 beyond)."""
@@ -1305,10 +1306,15 @@ def create_app(build: Callable[[], tuple[object, object]], *, served_model_names
     elif (metrics.tenants is None) != (keys is None):
         raise InvalidArgument("create_app: the metrics need a tenant label exactly when API keys are given "
                               "(ServerMetrics(tenants=...))")
+    prefill = None
+    if prefill_url is not None:
+        from jaxkv.serve.disaggregated import PrefillRouter
+
+        prefill = PrefillRouter([prefill_url] if isinstance(prefill_url, str) else prefill_url)
     state = ServerState(tokenizer=None, served_model_names=list(served_model_names), metrics=metrics,
                         renderer=_RenderPool(timeout=render_timeout),
                         trust_request_chat_template=bool(trust_request_chat_template), max_body_bytes=max_body_bytes,
-                        role=role, prefill_url=prefill_url, transfer=transfer)
+                        role=role, prefill=prefill, transfer=transfer)
 
     from contextlib import asynccontextmanager
 
@@ -1916,10 +1922,12 @@ async def _engine_call(state: ServerState, fn):
 
 
 async def _take_prompts(state: ServerState, job: _Job) -> None:
-    """A decode server: each distinct prompt of ``job`` prefilled by the
+    """A decode server: each distinct prompt of ``job`` prefilled by a
     prefill server, its KV pulled and adopted into the prefix cache
     (:mod:`jaxkv.serve.disaggregated`); a prompt the prefill server cannot
-    hand over is computed here (logged, counted). A prompt this server's
+    hand over is asked of the next (:class:`~jaxkv.serve.disaggregated.
+    PrefillRouter`), and computed here when none can (logged, counted).
+    A prompt this server's
     own prefix cache holds already, but for less than a unit (a page) of
     its tokens, is not asked for (counted as held)."""
     import httpx
@@ -1935,34 +1943,45 @@ async def _take_prompts(state: ServerState, job: _Job) -> None:
             if key in seen or len(prompt) < 2:
                 continue
             seen.add(key)
-            held = await _engine_call(state, lambda engine, p=list(prompt), n=namespace:
-                                      len(p) - 1 - engine.cache.cached_length(p, n) < engine.cache.unit)
+            held, unit = await _engine_call(state, lambda engine, p=list(prompt), n=namespace: (
+                len(p) - 1 - engine.cache.cached_length(p, n) < engine.cache.unit, engine.cache.unit))
             if held:
                 metrics.kv_transfer_held.inc()
                 continue
-            began = time.perf_counter()
-            try:
-                response = await client.post(state.prefill_url.rstrip("/") + "/v1/jaxkv/prefill",
-                                             json={"prompt": list(prompt), "namespace": namespace})
-                response.raise_for_status()
-                meta = response.json()
-                if meta.get("none"):
+            for url in state.prefill.order(prompt, namespace, unit):
+                began = time.perf_counter()
+                state.prefill.in_flight[url] += 1
+                try:
+                    response = await client.post(url + "/v1/jaxkv/prefill",
+                                                 json={"prompt": list(prompt), "namespace": namespace})
+                    response.raise_for_status()
+                    meta = response.json()
+                    if meta.get("none"):
+                        break
+                    pulled = time.perf_counter()
+                    leaves = await asyncio.to_thread(state.transfer.pull, meta["address"], meta["uuid"],
+                                                     meta["leaves"])
+                    pulled = time.perf_counter() - pulled
+                    adopted = await _engine_call(state, lambda engine, m=meta, l=leaves, p=prompt, n=namespace:
+                                                 import_prefix(engine, p, n, m, l))
+                except Exception as err:  # noqa: BLE001 - the next server, else computed here
+                    logger.warning("prefill server %s could not hand over a %d-token prompt (%s: %s)", url,
+                                   len(prompt), type(err).__name__, err)
+                    metrics.kv_transfer_server.labels(server=url, outcome="failed").inc()
                     continue
-                pulled = time.perf_counter()
-                leaves = await asyncio.to_thread(state.transfer.pull, meta["address"], meta["uuid"], meta["leaves"])
-                pulled = time.perf_counter() - pulled
-                adopted = await _engine_call(state, lambda engine, m=meta, l=leaves, p=prompt, n=namespace:
-                                             import_prefix(engine, p, n, m, l))
-            except Exception as err:  # noqa: BLE001 - serve anyway: the prompt is computed here
-                logger.warning("prefill server %s could not hand over a %d-token prompt (%s: %s); computing it "
-                               "here", state.prefill_url, len(prompt), type(err).__name__, err)
+                finally:
+                    state.prefill.in_flight[url] -= 1
+                metrics.kv_transfer_server.labels(server=url, outcome="ok").inc()
+                metrics.kv_transfers.inc()
+                metrics.kv_transfer_bytes.inc(meta["bytes"])
+                metrics.kv_transfer_tokens.inc(adopted)
+                metrics.kv_transfer_seconds.inc(time.perf_counter() - began)
+                metrics.kv_transfer_pull_seconds.inc(pulled)
+                break
+            else:
+                logger.warning("no prefill server could hand over a %d-token prompt; computing it here",
+                               len(prompt))
                 metrics.kv_transfer_failures.inc()
-                continue
-            metrics.kv_transfers.inc()
-            metrics.kv_transfer_bytes.inc(meta["bytes"])
-            metrics.kv_transfer_tokens.inc(adopted)
-            metrics.kv_transfer_seconds.inc(time.perf_counter() - began)
-            metrics.kv_transfer_pull_seconds.inc(pulled)
 
 
 async def _serve(request: Request, state: ServerState, prompts: list[list[int]], params: _Params, *, chat: bool,
@@ -2268,7 +2287,8 @@ def run_server(build: Callable[[], tuple[object, object]], *, host: str, port: i
                log_level: str = "info", on_started: Callable[[object], None] | None = None,
                api_keys: Mapping[str, str] | APIKeys | None = None, trust_request_chat_template: bool = False,
                render_timeout: float = RENDER_TIMEOUT, max_body_bytes: int = MAX_BODY_BYTES,
-               lockstep=None, role: str | None = None, prefill_url: str | None = None, transfer=None) -> None:
+               lockstep=None, role: str | None = None, prefill_url: str | Sequence[str] | None = None,
+               transfer=None) -> None:
     """Serve until interrupted (uvicorn; SIGINT / SIGTERM stop it).
     ``api_keys``, ``trust_request_chat_template``, ``render_timeout``,
     ``max_body_bytes``, ``lockstep``, ``role``, ``prefill_url``, ``transfer``: as :func:`create_app`'s."""

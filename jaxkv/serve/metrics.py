@@ -256,8 +256,11 @@ class ServerMetrics:
                                           "adopted into this server's prefix cache.", registry=r)
         self.kv_transfer_held = Counter("jaxkv_kv_transfer_held", "Prompts not asked of the prefill server: this "
                                         "server's prefix cache held them (all but less than a page).", registry=r)
-        self.kv_transfer_failures = Counter("jaxkv_kv_transfer_failures", "Prompts the prefill server could not "
+        self.kv_transfer_failures = Counter("jaxkv_kv_transfer_failures", "Prompts no prefill server could "
                                             "hand over (computed here instead).", registry=r)
+        self.kv_transfer_server = Counter("jaxkv_kv_transfer_server_requests", "Prompts asked of each prefill "
+                                          "server, by outcome (ok, failed: the next server was asked).",
+                                          ["server", "outcome"], registry=r)
         for tenant in self.tenants or ():
             for metric in (self.ttft, self.itl, self.e2e, self.prompt_tokens, self.generation_tokens):
                 metric.labels(tenant=tenant)
