@@ -26,6 +26,7 @@ import logging
 import os
 import secrets
 
+import jax
 import ml_dtypes
 import numpy as np
 import pytest
@@ -314,3 +315,77 @@ def test_every_family_hits_its_disk_after_a_restart(name, tmp_path):
     unit = getattr(restarted.cache, "page_size", 1)
     assert disk_hit == device_hit >= (len(second) - 1) // unit * unit, (seed, disk_hit, device_hit, len(second))
     assert restarted.stats().disk["hit_tokens"] >= disk_hit
+
+
+def test_a_hybrid_prompts_interval_records_share_their_pages_on_disk(tmp_path):
+    """A long prompt on a hybrid cache leaves a snapshot record every few
+    tokens; on disk each whole page is written once, however many records
+    pass through it (the whole-record layout repeated every page before
+    each record: bytes quadratic in the prompt). Expected, from the cache's
+    own records (not from the disk code): one page file per distinct page
+    of the records, every page file holding a page's blocks and no more
+    bytes in all than the longest record's blocks; a restart hits the disk
+    with cold tokens; and a flipped byte in a page's file loses exactly the
+    records standing on that page (the longest record before it is hit,
+    with cold tokens)."""
+    from jaxkv.nn import AutoModelForCausalLM
+    from jaxkv.prefix.disk import _read_header
+
+    rng, seed = fresh_rng()
+    model = AutoModelForCausalLM.from_pretrained(os.path.join(os.path.dirname(__file__), "fixtures",
+                                                              "qwen3_next/small"))
+    options = dict(max_seqs=2, decode_chunk=4, prefill_chunk=32, snapshot_interval=32, max_context_tokens=512,
+                   num_snapshots=24)
+    prompt = rng.integers(1, model.config.vocab_size, int(rng.integers(300, 420))).tolist()
+    cold = Engine(model, **options)
+    rid = cold.add_request(prompt, 5)
+    cold.run()
+
+    warm = Engine(model, kv_disk_dir=str(tmp_path), **options)
+    mine = warm.add_request(prompt, 5)
+    warm.run()
+    assert warm.outputs[mine] == cold.outputs[rid], seed
+    cache = warm.cache
+    records = list(cache.snapshots.records.values())
+    assert len(records) >= 8, (seed, len(records))  # interval records along the prompt
+    unit = cache.snapshots.unit
+    pages = {(repr(r.namespace), tuple(r.prefix[:(i + 1) * unit])) for r in records for i in range(len(r.path))}
+    longest = max(records, key=lambda r: len(r.path))
+    block_bytes = sum(leaf.nbytes for leaf in jax.tree.leaves(cache.record_data(longest)[1][0]))
+    whole = sum(leaf.nbytes for r in records for leaf in jax.tree.leaves(cache.record_data(r)[1]))
+    warm.close()
+
+    names = [name for name in os.listdir(tmp_path) if name.endswith(".kvrec")]
+    headers = [_read_header(os.path.join(tmp_path, name))[0] for name in names]
+    page_files = [h for h in headers if h["kind"] == "snapshot-page"]
+    record_files = [h for h in headers if h["kind"] == "snapshot"]
+    assert len(page_files) == len(pages), (seed, len(page_files), len(pages))
+    assert len(record_files) >= len(records), seed  # (a retired request's records too)
+    assert sum(h["payload_bytes"] for h in page_files) <= block_bytes, seed
+    assert sum(h["payload_bytes"] for h in headers) < whole, seed
+
+    longer = prompt + rng.integers(1, model.config.vocab_size, 3).tolist()
+    rid = cold.add_request(longer, 5)
+    cold.run()
+    restarted = Engine(model, kv_disk_dir=str(tmp_path), **options)
+    again = restarted.add_request(longer, 5)
+    restarted.run()
+    assert restarted.outputs[again] == cold.outputs[rid], seed
+    assert restarted.cached_tokens(again) >= len(prompt) - 1, (seed, restarted.cached_tokens(again))
+
+    # A flipped byte in page k's file: the records standing on it are lost, the longest before it is hit.
+    k = int(rng.integers(1, len(longest.path)))
+    [damaged] = [name for name, h in zip(names, headers) if h["kind"] == "snapshot-page"
+                 and h["tokens"] == prompt[k * unit:(k + 1) * unit]]
+    path = os.path.join(tmp_path, damaged)
+    data = bytearray(open(path, "rb").read())
+    data[len(data) // 2] ^= 0x40
+    open(path, "wb").write(bytes(data))
+    expected = max(len(h["tokens"]) for h in record_files
+                   if h["meta"]["pages"] <= k and len(h["tokens"]) < len(longer) and
+                   h["tokens"] == longer[:len(h["tokens"])])
+    third = Engine(model, kv_disk_dir=str(tmp_path), **options)
+    last = third.add_request(longer, 5)
+    third.run()
+    assert third.outputs[last] == cold.outputs[rid], seed
+    assert third.cached_tokens(last) == expected, (seed, k, third.cached_tokens(last), expected)
