@@ -337,14 +337,15 @@ def test_a_hybrid_prompts_interval_records_share_their_pages_on_disk(tmp_path):
     options = dict(max_seqs=2, decode_chunk=4, prefill_chunk=32, snapshot_interval=32, max_context_tokens=512,
                    num_snapshots=24)
     prompt = rng.integers(1, model.config.vocab_size, int(rng.integers(300, 420))).tolist()
-    cold = Engine(model, **options)
-    rid = cold.add_request(prompt, 5)
-    cold.run()
 
+    def serve(engine, tokens):
+        rid = engine.add_request(tokens, 5)
+        engine.run()
+        return engine.outputs[rid], engine.cached_tokens(rid)
+
+    cold = Engine(model, **options)
     warm = Engine(model, kv_disk_dir=str(tmp_path), **options)
-    mine = warm.add_request(prompt, 5)
-    warm.run()
-    assert warm.outputs[mine] == cold.outputs[rid], seed
+    assert serve(warm, prompt)[0] == serve(cold, prompt)[0], seed
     cache = warm.cache
     records = list(cache.snapshots.records.values())
     assert len(records) >= 8, (seed, len(records))  # interval records along the prompt
@@ -365,13 +366,9 @@ def test_a_hybrid_prompts_interval_records_share_their_pages_on_disk(tmp_path):
     assert sum(h["payload_bytes"] for h in headers) < whole, seed
 
     longer = prompt + rng.integers(1, model.config.vocab_size, 3).tolist()
-    rid = cold.add_request(longer, 5)
-    cold.run()
-    restarted = Engine(model, kv_disk_dir=str(tmp_path), **options)
-    again = restarted.add_request(longer, 5)
-    restarted.run()
-    assert restarted.outputs[again] == cold.outputs[rid], seed
-    assert restarted.cached_tokens(again) >= len(prompt) - 1, (seed, restarted.cached_tokens(again))
+    want, _ = serve(cold, longer)
+    tokens, hit = serve(Engine(model, kv_disk_dir=str(tmp_path), **options), longer)  # a restart
+    assert tokens == want and hit >= len(prompt) - 1, (seed, hit)
 
     # A flipped byte in page k's file: the records standing on it are lost, the longest before it is hit.
     k = int(rng.integers(1, len(longest.path)))
@@ -384,8 +381,5 @@ def test_a_hybrid_prompts_interval_records_share_their_pages_on_disk(tmp_path):
     expected = max(len(h["tokens"]) for h in record_files
                    if h["meta"]["pages"] <= k and len(h["tokens"]) < len(longer) and
                    h["tokens"] == longer[:len(h["tokens"])])
-    third = Engine(model, kv_disk_dir=str(tmp_path), **options)
-    last = third.add_request(longer, 5)
-    third.run()
-    assert third.outputs[last] == cold.outputs[rid], seed
-    assert third.cached_tokens(last) == expected, (seed, k, third.cached_tokens(last), expected)
+    tokens, hit = serve(Engine(model, kv_disk_dir=str(tmp_path), **options), longer)
+    assert tokens == want and hit == expected, (seed, k, hit, expected)

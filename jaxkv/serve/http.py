@@ -1924,15 +1924,12 @@ async def _engine_call(state: ServerState, fn):
 async def _take_prompts(state: ServerState, job: _Job) -> None:
     """A decode server: each distinct prompt of ``job`` prefilled by a
     prefill server, its KV pulled and adopted into the prefix cache
-    (:mod:`jaxkv.serve.disaggregated`); a prompt the prefill server cannot
-    hand over is asked of the next (:class:`~jaxkv.serve.disaggregated.
-    PrefillRouter`), and computed here when none can (logged, counted).
-    A prompt this server's
-    own prefix cache holds already, but for less than a unit (a page) of
-    its tokens, is not asked for (counted as held)."""
+    (:mod:`jaxkv.serve.disaggregated`). The prefill servers are asked in
+    :class:`~jaxkv.serve.disaggregated.PrefillRouter`'s order, the next
+    when one fails; a prompt none can hand over is computed here (logged,
+    counted). A prompt this server's own prefix cache holds already, all
+    but less than a unit (a page) of it, is not asked for (counted)."""
     import httpx
-
-    from jaxkv.serve.disaggregated import import_prefix
 
     metrics = state.metrics
     seen = set()
@@ -1949,39 +1946,47 @@ async def _take_prompts(state: ServerState, job: _Job) -> None:
                 metrics.kv_transfer_held.inc()
                 continue
             for url in state.prefill.order(prompt, namespace, unit):
-                began = time.perf_counter()
-                state.prefill.in_flight[url] += 1
-                try:
-                    response = await client.post(url + "/v1/jaxkv/prefill",
-                                                 json={"prompt": list(prompt), "namespace": namespace})
-                    response.raise_for_status()
-                    meta = response.json()
-                    if meta.get("none"):
-                        break
-                    pulled = time.perf_counter()
-                    leaves = await asyncio.to_thread(state.transfer.pull, meta["address"], meta["uuid"],
-                                                     meta["leaves"])
-                    pulled = time.perf_counter() - pulled
-                    adopted = await _engine_call(state, lambda engine, m=meta, l=leaves, p=prompt, n=namespace:
-                                                 import_prefix(engine, p, n, m, l))
-                except Exception as err:  # noqa: BLE001 - the next server, else computed here
-                    logger.warning("prefill server %s could not hand over a %d-token prompt (%s: %s)", url,
-                                   len(prompt), type(err).__name__, err)
-                    metrics.kv_transfer_server.labels(server=url, outcome="failed").inc()
-                    continue
-                finally:
-                    state.prefill.in_flight[url] -= 1
-                metrics.kv_transfer_server.labels(server=url, outcome="ok").inc()
-                metrics.kv_transfers.inc()
-                metrics.kv_transfer_bytes.inc(meta["bytes"])
-                metrics.kv_transfer_tokens.inc(adopted)
-                metrics.kv_transfer_seconds.inc(time.perf_counter() - began)
-                metrics.kv_transfer_pull_seconds.inc(pulled)
-                break
+                if await _take_prompt_from(state, client, url, prompt, namespace):
+                    break
             else:
                 logger.warning("no prefill server could hand over a %d-token prompt; computing it here",
                                len(prompt))
                 metrics.kv_transfer_failures.inc()
+
+
+async def _take_prompt_from(state: ServerState, client, url: str, prompt: list, namespace) -> bool:
+    """Ask the prefill server at ``url`` for ``prompt`` and adopt what it
+    hands over (:func:`_take_prompts`); False, logged and counted, when it
+    cannot."""
+    from jaxkv.serve.disaggregated import import_prefix
+
+    metrics = state.metrics
+    began = time.perf_counter()
+    state.prefill.in_flight[url] += 1
+    try:
+        response = await client.post(url + "/v1/jaxkv/prefill", json={"prompt": list(prompt), "namespace": namespace})
+        response.raise_for_status()
+        meta = response.json()
+        if meta.get("none"):
+            return True  # it holds nothing to hand over: computed here, as a prompt too short for a page is
+        pulled = time.perf_counter()
+        leaves = await asyncio.to_thread(state.transfer.pull, meta["address"], meta["uuid"], meta["leaves"])
+        pulled = time.perf_counter() - pulled
+        adopted = await _engine_call(state, lambda engine: import_prefix(engine, prompt, namespace, meta, leaves))
+    except Exception as err:  # noqa: BLE001 - the next server is asked, else the prompt is computed here
+        logger.warning("prefill server %s could not hand over a %d-token prompt (%s: %s)", url, len(prompt),
+                       type(err).__name__, err)
+        metrics.kv_transfer_server.labels(server=url, outcome="failed").inc()
+        return False
+    finally:
+        state.prefill.in_flight[url] -= 1
+    metrics.kv_transfer_server.labels(server=url, outcome="ok").inc()
+    metrics.kv_transfers.inc()
+    metrics.kv_transfer_bytes.inc(meta["bytes"])
+    metrics.kv_transfer_tokens.inc(adopted)
+    metrics.kv_transfer_seconds.inc(time.perf_counter() - began)
+    metrics.kv_transfer_pull_seconds.inc(pulled)
+    return True
 
 
 async def _serve(request: Request, state: ServerState, prompts: list[list[int]], params: _Params, *, chat: bool,

@@ -377,12 +377,7 @@ class HybridCache(CacheBase):
         ``blocks[g]``: group ``g``'s blocks of the hit; ``copied[g]``: 1
         when the last of them is partly filled (the request gets a copy)."""
         hit = self.snapshots.match(tokens, namespace)
-        if self.disk is not None:  # a longer record on disk goes into the host tier first
-            known = self.host_prefixes.candidate(tokens, namespace, hit.tokens)
-            self.disk.extend(tokens, namespace, len(self.host_prefixes.entry(known)[1]) if known is not None
-                             else hit.tokens)
-        best = (self.host_prefixes.candidate(tokens, namespace, hit.tokens) if self.host_prefixes is not None
-                else None)
+        best = self._host_candidate(tokens, namespace, hit.tokens)
         if best is not None:  # loaded at admission (begin_prefill), into blocks the admission counted
             self.snapshots.release(hit)
             self.host_prefixes.pin(best)
@@ -398,14 +393,20 @@ class HybridCache(CacheBase):
         disk tier, a longer record on disk is read into the host tier first,
         as :meth:`match` would read it."""
         device = self.snapshots.cached_length(tokens, namespace)
+        best = self._host_candidate(tokens, namespace, device)
+        return device if best is None else len(self.host_prefixes.entry(best)[1])
+
+    def _host_candidate(self, tokens: list, namespace, device: int):
+        """The key of the host tier's longest record of ``tokens`` longer
+        than ``device`` tokens (the device's hit), or None; a longer record
+        on disk goes into the host tier first."""
         if self.host_prefixes is None:
-            return device
+            return None
         if self.disk is not None:
             known = self.host_prefixes.candidate(tokens, namespace, device)
             self.disk.extend(tokens, namespace, len(self.host_prefixes.entry(known)[1]) if known is not None
                              else device)
-        best = self.host_prefixes.candidate(tokens, namespace, device)
-        return device if best is None else len(self.host_prefixes.entry(best)[1])
+        return self.host_prefixes.candidate(tokens, namespace, device)
 
     def _copied(self, tokens: int) -> tuple:
         """Per group, 1 when a hit of ``tokens`` ends inside a block (copied on attach)."""
