@@ -828,6 +828,7 @@ class EngineLoop:
         self._lockstep = lockstep
         self._ops: list = []
         self._ops_next: list = []
+        self._digest: str | None = None  # of the last step's outputs, sent with the next record (Lockstep.digest)
         self._loop = loop
         self._on_ready = on_ready
         self._on_failed = on_failed
@@ -917,7 +918,7 @@ class EngineLoop:
             stepping = not self._stopping and engine.has_unfinished()
             if self._lockstep is not None and (self._ops or stepping):
                 try:
-                    self._lockstep.publish(self._ops, stepping)
+                    self._lockstep.publish(self._ops, stepping, after=self._digest)
                 except Exception as err:  # noqa: BLE001 - the followers cannot follow: stop serving
                     logger.exception("serving across processes: the iteration could not be published; stopping")
                     self.fail_all(APIError(503, f"this server runs across processes and could not reach the "
@@ -943,6 +944,8 @@ class EngineLoop:
                     outputs = []
                 if getattr(engine, "last_failure", None) is not contained and self._process_lost():
                     break  # the step's failure was contained, its outputs may be the failure's "error"s
+                if self._lockstep is not None:
+                    self._digest = self._lockstep.digest(outputs)
                 for output in outputs:
                     sink = self._sinks.get(output.request_id)
                     if sink is not None:
@@ -964,7 +967,7 @@ class EngineLoop:
                                                             code="shutting_down")))])
         if self._lockstep is not None:
             try:
-                self._lockstep.publish(self._ops_next, False, stop=True)
+                self._lockstep.publish(self._ops_next, False, stop=True, after=self._digest)
             except Exception:  # noqa: BLE001 - shutting down: the followers find the leader gone
                 logger.warning("serving across processes: the stop could not be published", exc_info=True)
         self._close(engine)

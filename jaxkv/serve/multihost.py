@@ -9,7 +9,8 @@ sees the same arrivals, aborts and steps in the same order. The leader's
 engine thread (:class:`~jaxkv.serve.http.EngineLoop`) publishes, before
 each iteration, the commands it applies and whether it steps
 (:meth:`Lockstep.publish`); each follower reads the records in order and
-does the same (:meth:`Lockstep.follow`). The channel is JAX's own
+does the same (:meth:`Lockstep.follow`), checking each request id and the
+digest of the leader's last step's outputs against its own. The channel is JAX's own
 distributed key-value store (the coordination service every
 ``jax.distributed`` run has): record ``n`` under
 ``jaxkv/serve/op/<n>``, a pickle of the commands (our own processes of one
@@ -37,6 +38,7 @@ process costs that wait once before its requests fail with 500).
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import pickle
@@ -105,20 +107,30 @@ class Lockstep:
 
     # ------------------------------------------------------------ leader
 
-    def publish(self, ops: list, step: bool, *, stop: bool = False) -> None:
+    def publish(self, ops: list, step: bool, *, stop: bool = False, after: str | None = None) -> None:
         """Record the next iteration: ``ops`` (``("add", prompt, kwargs,
         request id or None)``, ``("abort", request id)``) applied in order,
-        then one ``engine.step()`` if ``step``; ``stop`` ends the followers."""
+        then one ``engine.step()`` if ``step``; ``stop`` ends the followers.
+        ``after``: the :meth:`digest` of the leader's last step's outputs
+        (None before its first), which each follower checks against its own."""
         client = _client()
         n = self._next
         ops = [(op[0], op[1], self.portable(op[2]), op[3]) if op[0] == "add" else op for op in ops]
-        client.key_value_set_bytes(f"{_PREFIX}{n}", pickle.dumps({"ops": ops, "step": step, "stop": stop}))
+        client.key_value_set_bytes(f"{_PREFIX}{n}", pickle.dumps({"ops": ops, "step": step, "stop": stop,
+                                                                   "after": after}))
         if n >= _WINDOW:
             try:
                 client.key_value_delete(f"{_PREFIX}{n - _WINDOW}")
             except Exception:  # noqa: BLE001 - housekeeping only
                 pass
         self._next = n + 1
+
+    @staticmethod
+    def digest(outputs: list) -> str:
+        """A digest of one step's outputs (each request's id, new tokens and
+        finish): equal on every process while they stay in lockstep."""
+        facts = [(o.request_id, tuple(int(t) for t in o.new_token_ids), o.finish_reason) for o in outputs]
+        return hashlib.blake2b(repr(facts).encode(), digest_size=16).hexdigest()
 
     @staticmethod
     def portable(kwargs: dict) -> dict:
@@ -178,11 +190,15 @@ class Lockstep:
         """Run ``engine`` as the leader runs its own, record by record, until
         the leader's stop (returns 0). Raises :class:`LostProcess` when the
         leader dies, and ``RuntimeError`` when this engine leaves lockstep
-        (a request id that differs from the leader's)."""
-        n = 0
+        (a request id, or a step's outputs, that differ from the leader's)."""
+        n, last = 0, None
         while True:
             record = self._read(n, poll)
             n += 1
+            if record.get("after") is not None and record["after"] != last:
+                raise RuntimeError(f"process {self.process_id} left lockstep before record {n - 1}: its last "
+                                   f"step's outputs differ from the leader's (digest {last}, the leader's "
+                                   f"{record['after']})")
             if record["stop"]:
                 close = getattr(engine, "close", None)
                 if close is not None:
@@ -210,6 +226,7 @@ class Lockstep:
                     logger.exception("engine step failed on process %d (the leader aborts its requests)",
                                      self.process_id)
                     outputs = []
+                last = self.digest(outputs)
                 for output in outputs:
                     if output.finished:
                         try:

@@ -1,18 +1,24 @@
-"""The server's engine thread (:class:`jaxkv.serve.http.EngineLoop`) when
-a process of a multi-process run dies (:mod:`jaxkv.serve.multihost`).
+"""Serving across processes when something goes wrong
+(:mod:`jaxkv.serve.multihost`, the server's engine thread
+:class:`jaxkv.serve.http.EngineLoop`).
 
-A step whose collectives meet a dead process fails at once, but the
-watchdog names the dead process only within the heartbeat timeout. The
-engine thread must wait for that verdict: every request in flight, queued
-or sent later then gets the lost process's 503, never the failed step's
-own error (500); and a failed step with no process lost still fails its
-requests with the engine's error once the wait is over.
+**A process dies.** A step whose collectives meet a dead process fails at
+once, but the watchdog names the dead process only within the heartbeat
+timeout. The engine thread must wait for that verdict: every request in
+flight, queued or sent later then gets the lost process's 503, never the
+failed step's own error (500); and a failed step with no process lost
+still fails its requests with the engine's error once the wait is over.
 
-Here the engine and the run's record stream are stand-ins (the real two
+**A follower leaves lockstep.** Each record carries the digest of the
+leader's last step's outputs: a follower whose own differ stops with the
+reason at the next record, instead of serving on out of step.
+
+Here the engines and the run's record stream are stand-ins (the real two
 processes are test_server_processes, ``long``): the engine's step fails
 as a collective does, either contained (the engine re-queues, as
 :mod:`jaxkv.serve.faults` does) or raised, and a thread plays the
-watchdog after a drawn delay.
+watchdog after a drawn delay; the follower's engine draws its tokens from
+the leader's seed, or from another.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ import threading
 import numpy as np
 import pytest
 
+from jaxkv.serve import multihost
 from jaxkv.serve.http import APIError, EngineLoop, _Sink
 
 
@@ -36,8 +43,10 @@ class Lockstep:
         self.verdict_seconds = verdict_seconds
         self.published = 0
 
-    def publish(self, ops, step, *, stop=False):
+    def publish(self, ops, step, *, stop=False, after=None):
         self.published += 1
+
+    digest = staticmethod(multihost.Lockstep.digest)
 
     @staticmethod
     def unsendable(kwargs):
@@ -146,3 +155,67 @@ def test_a_failed_step_with_every_process_alive_fails_with_the_engine_error(cont
         assert engine.steps >= 2  # not stopped: the wait found every process alive
     else:
         assert answer[0] == "error" and "Gloo" in str(answer[1])
+
+
+# ------------------------------------------------------------ a follower that leaves lockstep
+
+
+class TokenEngine:
+    """A follower's engine: each step gives every live request one token
+    drawn from its own generator (the same seed: the same tokens as the
+    leader's), or from another seed (a process that diverged)."""
+
+    def __init__(self, seed: int):
+        self.rng = np.random.default_rng(seed)
+        self.live: list[int] = []
+        self.closed = False
+
+    def add_request(self, prompt, **kwargs):
+        self.live.append(len(self.live) + 1)
+        return self.live[-1]
+
+    def abort(self, rid):
+        pass
+
+    def forget(self, rid):
+        pass
+
+    def step(self):
+        from types import SimpleNamespace
+
+        return [SimpleNamespace(request_id=rid, new_token_ids=[int(self.rng.integers(1000))], finish_reason=None,
+                                finished=False) for rid in self.live]
+
+    def close(self):
+        self.closed = True
+
+
+def leader_records(seed: int, steps: int) -> list:
+    """The records a leader publishes: two arrivals, ``steps`` steps, the
+    stop; each carrying the digest of the leader's step before it."""
+    leader = TokenEngine(seed)
+    records, after = [], None
+    for n in range(steps + 1):
+        ops = [("add", [1, 2], {}, leader.add_request([1, 2])) for _ in range(2)] if n == 0 else []
+        records.append({"ops": ops, "step": n < steps, "stop": n == steps, "after": after})
+        if n < steps:
+            after = multihost.Lockstep.digest(leader.step())
+    return records
+
+
+@pytest.mark.parametrize("diverged", [False, True])
+def test_a_follower_whose_outputs_differ_from_the_leaders_stops(diverged, monkeypatch):
+    """The leader sends the digest of its last step's outputs with each
+    record (``Lockstep.digest``): a follower in step finishes at the stop;
+    one whose tokens differ (another seed) stops at the next record with
+    the reason, instead of serving on out of step."""
+    seed = secrets.randbelow(2**31)
+    records = leader_records(seed, steps=int(np.random.default_rng(seed).integers(2, 6)))
+    lockstep = multihost.Lockstep(2, 1)
+    monkeypatch.setattr(lockstep, "_read", lambda n, poll: records[n])
+    follower = TokenEngine(seed + 1 if diverged else seed)
+    if diverged:
+        with pytest.raises(RuntimeError, match="left lockstep before record 1: its last step.s outputs differ"):
+            lockstep.follow(follower)
+    else:
+        assert lockstep.follow(follower) == 0 and follower.closed
