@@ -109,7 +109,8 @@ def test_the_prefill_router_keeps_a_prefix_on_one_server_until_it_is_busy():
     their first unit (and namespace) go to one server, the same from a new
     router (a restart); drawn prompts spread over every server; a server
     more than SLACK prompts busier than the least busy gives way; the rest
-    of the order is least busy first."""
+    of the order is least busy first; a prompt whose longest known prefix
+    went to a server goes there (per namespace, the last MAX_PAGES pages)."""
     seed = secrets.randbelow(2**31)
     rng = np.random.default_rng(seed)
     urls = [f"http://10.0.0.{i}:8100" for i in range(1, 4)]
@@ -134,6 +135,27 @@ def test_the_prefill_router_keeps_a_prefix_on_one_server_until_it_is_busy():
     assert router.order(prompt, None, unit) == [mine, others[1], others[0]]  # within the slack: affinity
     router.in_flight[mine] += 1
     assert router.order(prompt, None, unit) == [others[1], others[0], mine]  # past it: the least busy first
+
+    router.in_flight.update(dict.fromkeys(urls, 0))
+    # Cache-aware: a conversation whose turn went elsewhere (its affinity server busy) goes back there.
+    system = rng.integers(0, 1000, 2 * unit).tolist()
+    mine = router.affinity(system, None, unit)
+    turn = system + rng.integers(0, 1000, int(rng.integers(unit, 3 * unit))).tolist()
+    router.in_flight[mine] = PrefillRouter.SLACK + 1
+    [elsewhere, *_] = router.order(turn, None, unit)
+    assert elsewhere != mine, seed
+    router.record(turn, None, unit, elsewhere)
+    router.in_flight[mine] = 0
+    next_turn = turn + rng.integers(0, 1000, int(rng.integers(1, 3 * unit))).tolist()
+    assert router.order(next_turn, None, unit)[0] == elsewhere, seed  # its longest prefix's server
+    other = system + rng.integers(0, 1000, 2 * unit).tolist()  # the system prompt, another conversation
+    assert router.holder(other, None, unit) == elsewhere  # (the system prompt's pages went there too)
+    assert router.holder(other, "elsewhere", unit) is None and router.order(other, "elsewhere", unit)[0] == \
+        router.affinity(other, "elsewhere", unit)
+    small = PrefillRouter(urls)
+    small.MAX_PAGES = 2  # (turn has 3 or more pages)
+    small.record(turn, None, unit, urls[0])  # more pages than it keeps: the first ones forgotten
+    assert small.holder(turn[:unit], None, unit) is None and small.holder(turn, None, unit) == urls[0], seed
 
     for bad in ([], ["http://a", "http://a/"], [""]):
         with pytest.raises(InvalidArgument, match="distinct, non-empty"):

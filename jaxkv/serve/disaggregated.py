@@ -44,6 +44,7 @@ import itertools
 import json
 import secrets
 import threading
+from collections import OrderedDict
 from collections.abc import Sequence
 
 import jax
@@ -97,16 +98,25 @@ class KVTransfer:
 
 class PrefillRouter:
     """A decode server's prefill servers, and the order to ask them for a
-    prompt (:meth:`order`): prefix affinity first, as SGLang's cache-aware
-    router does, so prompts that share their first unit of tokens (a
-    system prompt, a conversation) go to the server whose prefix cache
-    holds it, unless that server has more than :attr:`SLACK` prompts in
-    flight beyond the least busy one's (then the least busy); the others
-    follow, least busy first, for failover. ``in_flight`` is kept by the
-    caller (the event loop: no lock)."""
+    prompt (:meth:`order`), cache-aware as SGLang's router is:
+
+    * the server that was handed the longest prefix of the prompt (whole
+      pages, per namespace: :meth:`record` remembers, for each page of each
+      prompt handed over, which server computed it, the last
+      :attr:`MAX_PAGES` pages) is asked first, its prefix cache likely
+      holding it; with none known, the server a stable hash of the
+      prompt's first page picks (:meth:`affinity`), so prompts sharing a
+      system prompt meet there;
+    * unless that server has more than :attr:`SLACK` prompts in flight
+      beyond the least busy one's: then the least busy;
+    * the others follow, least busy first, for failover.
+
+    ``in_flight`` is kept by the caller (the event loop: no lock)."""
 
     #: Prompts in flight a server may have beyond the least busy one's before affinity gives way.
     SLACK = 4
+    #: Pages remembered (least recently used forgotten first).
+    MAX_PAGES = 1 << 16
 
     def __init__(self, urls: Sequence[str]):
         urls = [str(url).rstrip("/") for url in urls]
@@ -114,13 +124,43 @@ class PrefillRouter:
             raise InvalidArgument(f"the prefill servers must be distinct, non-empty URLs, got {urls}")
         self.urls = tuple(urls)
         self.in_flight = dict.fromkeys(self.urls, 0)
+        self._holder: OrderedDict[bytes, str] = OrderedDict()  # a page's chained key -> the server given it
+
+    @staticmethod
+    def _pages(prompt: Sequence[int], namespace, unit: int) -> list[bytes]:
+        """The chained keys of ``prompt``'s whole pages in ``namespace``."""
+        unit = max(int(unit), 1)
+        key = hashlib.blake2b(json.dumps(namespace, default=str).encode(), digest_size=16).digest()
+        keys = []
+        for start in range(0, len(prompt) - unit + 1, unit):
+            key = hashlib.blake2b(key + np.asarray(prompt[start:start + unit], np.int64).tobytes(),
+                                  digest_size=16).digest()
+            keys.append(key)
+        return keys
 
     def affinity(self, prompt: Sequence[int], namespace, unit: int) -> str:
         """The server for prompts beginning with ``prompt``'s first ``unit``
         tokens in ``namespace`` (a stable hash: the same in every run)."""
-        head = json.dumps([namespace, [int(t) for t in prompt[:max(int(unit), 1)]]])
+        head = json.dumps([namespace, [int(t) for t in prompt[:max(int(unit), 1)]]], default=str)
         digest = hashlib.blake2b(head.encode(), digest_size=8).digest()
         return self.urls[int.from_bytes(digest, "little") % len(self.urls)]
+
+    def holder(self, prompt: Sequence[int], namespace, unit: int) -> str | None:
+        """The server handed the longest prefix of ``prompt`` (whole pages),
+        or None."""
+        for key in reversed(self._pages(prompt, namespace, unit)):
+            url = self._holder.get(key)
+            if url is not None:
+                return url
+        return None
+
+    def record(self, prompt: Sequence[int], namespace, unit: int, url: str) -> None:
+        """``url`` computed ``prompt``: its pages are that server's now."""
+        for key in self._pages(prompt, namespace, unit):
+            self._holder[key] = url
+            self._holder.move_to_end(key)
+        while len(self._holder) > self.MAX_PAGES:
+            self._holder.popitem(last=False)
 
     def order(self, prompt: Sequence[int], namespace, unit: int) -> list[str]:
         """Every server once: the one to ask first, then the others in the
@@ -128,7 +168,7 @@ class PrefillRouter:
         def load(url):
             return self.in_flight[url], self.urls.index(url)
 
-        first = self.affinity(prompt, namespace, unit)
+        first = self.holder(prompt, namespace, unit) or self.affinity(prompt, namespace, unit)
         least = min(self.urls, key=load)
         if self.in_flight[first] > self.in_flight[least] + self.SLACK:
             first = least

@@ -1950,6 +1950,7 @@ async def _take_prompts(state: ServerState, job: _Job) -> None:
                 continue
             for url in state.prefill.order(prompt, namespace, unit):
                 if await _take_prompt_from(state, client, url, prompt, namespace):
+                    state.prefill.record(prompt, namespace, unit, url)
                     break
             else:
                 logger.warning("no prefill server could hand over a %d-token prompt; computing it here",
