@@ -23,9 +23,10 @@ round compiles the hit paths). Rows, per prompt length, timed alternately
 * ``disk tier, files out of the page cache``: the same, after asking the
   operating system to drop the folder's files from its page cache
   (``posix_fadvise(POSIX_FADV_DONTNEED)`` on each, after ``fsync``: no root
-  needed), so the read goes to the disk as after a reboot; the kernel may
-  keep pages it is still using (advice, not an order): where this row
-  equals the one above, the drop did not take;
+  needed), so the read goes to the disk as after a reboot (advice, not an
+  order: where this row equals the one above, either the kernel kept the
+  pages or the disk reads as fast as memory; on the development VM, the
+  latter: ``docs/prefix-caching.md``);
 * ``device tier``: the same prompt again on the engine that just served it
   (the hit never leaves the device: the floor).
 

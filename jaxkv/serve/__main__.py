@@ -39,8 +39,9 @@ decode --prefill-url URL`` on another: the decode server serves the API
 and takes each prompt's KV from the prefill server first, moved with
 ``jax.experimental.transfer`` and adopted into its prefix cache
 (:mod:`jaxkv.serve.disaggregated`). Several ``--prefill-url``: each
-prompt goes to one (prefix affinity, then load), the others taking over
-when it fails.
+prompt goes to the one that holds its longest prefix (else the one its
+first page picks) unless it is busy, the others taking over when it
+fails.
 
 **API keys and tenants.** ``--api-keys-file keys.json`` (a JSON object,
 API key -> tenant name) and / or ``--api-key KEY`` (one key, tenant
@@ -196,7 +197,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "--prefill-url first (default: both here)")
     p.add_argument("--prefill-url", metavar="URL", action="append", help="(--role decode) the prefill server, "
                    "e.g. http://10.0.0.2:8100; several (repeated, or comma-separated): each prompt goes to one, by "
-                   "prefix affinity and load, the others taking over when it fails")
+                   "cached prefix and load, the others taking over when it fails")
     p.add_argument("--kv-transfer-host", default="127.0.0.1", metavar="HOST", help="(--role) the address this "
                    "process's KV transfer server listens on and gives its peer (default 127.0.0.1: one machine)")
     p.add_argument("--coordinator", metavar="HOST:PORT", help="the jax.distributed coordinator, on process 0's "

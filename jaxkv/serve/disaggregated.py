@@ -18,11 +18,12 @@ server (:meth:`KVTransfer.offer`) and the answer says where and what:
 ``python -m jaxkv.serve --role decode --prefill-url URL`` serves the API
 (several ``--prefill-url``: :class:`PrefillRouter` picks one per prompt,
 the others taking over when it fails). Before a request's prompt reaches
-its engine it asks the prefill server for the prompt, pulls the arrays (:meth:`KVTransfer.pull`) and hands them
-to its engine thread, which puts them into the prefix cache's host tier
-(:func:`import_prefix`: ``PagedCache.import_prefix``,
-``HybridCache.import_prefix``); the request then hits them as any host-tier
-hit (the pages loaded into fresh device blocks at admission) and computes
+its engine it asks the prefill server for the prompt, pulls the arrays
+(:meth:`KVTransfer.pull`) and hands them to its engine thread, which puts
+them into the prefix cache's host tier (:func:`import_prefix`:
+``PagedCache.import_prefix``, ``HybridCache.import_prefix``); the request
+then hits them as any host-tier hit (the pages loaded into fresh device
+blocks at admission) and computes
 only what the hit leaves: the last token for a hybrid cache (its record
 is at the prompt's last token but one), at most a page for a paged pool.
 The tokens are those of one engine (a prefix hit is exact: the tests hold
