@@ -6,7 +6,9 @@ collectives over gloo; :mod:`jaxkv.serve.multihost`).
 Expectations we did not write: an engine on one device in this test's own
 process gives the tokens the two-process server must stream. Prompts are
 token ids drawn fresh (the tiny byte-level Llama of test_server: every id
-decodes to one byte, so the text is the tokens). Then process 1 is killed:
+decodes to one byte, so the text is the tokens), and a context-free
+grammar's request (its grammar sent to process 1 as text) gives the text
+of that device under the grammar. Then process 1 is killed:
 process 0 answers 503 to every request (none the failed step's 500) and
 exits, within the heartbeat timeout and its grace.
 """
