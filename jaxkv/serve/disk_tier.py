@@ -41,6 +41,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxkv._ops import pow2_at_least
 from jaxkv.pool import host as host_swap
 from jaxkv.errors import InvalidArgument
 from jaxkv.prefix.disk import DiskStore, model_identity
@@ -194,32 +195,6 @@ class HybridDiskTier:
         self.store = store
         self.loaded_tokens = 0
         self._seen: set = set()  # ids of the cache's records already queued or on disk
-        self._axes = None  # per block leaf: (group index, block axis) (_block_axes)
-
-    def _block_axes(self) -> list[tuple[int, int]]:
-        """For each leaf of ``read_blocks``' data, its group and the axis its
-        blocks are on (found by growing one group at a time)."""
-        if self._axes is None:
-            from jaxkv.manager import hybrid_host
-
-            cache = self.cache
-
-            def shapes(counts):
-                ids = {g: jnp.asarray(pow2_ids([1] * n)) for g, n in zip(cache.groups, counts)}
-                return [leaf.shape for leaf in jax.tree.leaves(
-                    jax.eval_shape(lambda m: hybrid_host.read_blocks(m, ids), cache.manager))]
-
-            base = shapes([1] * len(cache.groups))
-            axes = [None] * len(base)
-            for g in range(len(cache.groups)):
-                for n, (a, b) in enumerate(zip(base, shapes([2 if i == g else 1 for i in range(len(cache.groups))]))):
-                    if a != b:
-                        axes[n] = (g, next(k for k in range(len(a)) if a[k] != b[k]))
-            if None in axes:
-                raise InvalidArgument("a block leaf of this cache grows with no group's blocks: its records "
-                                      "cannot be cut into pages")
-            self._axes = axes
-        return self._axes
 
     def written(self) -> None:
         """Queue the cache's records not yet on disk and the pages they stand
@@ -269,12 +244,12 @@ class HybridDiskTier:
         """One page's blocks out of a gather of several pages' (on the writer thread)."""
         leaves = fetched()
         return {str(n): np.take(leaves[n], np.arange(start[g], start[g] + counts[g]), axis=axis)
-                for n, (g, axis) in enumerate(self._block_axes())}
+                for n, (g, axis) in enumerate(self.cache.record_block_axes())}
 
     def _record_arrays(self, fetched, tail) -> dict:
         """A record's tail blocks (the padding cut off) and state row (on the writer thread)."""
         leaves = fetched()
-        axes = self._block_axes()
+        axes = self.cache.record_block_axes()
         out = {str(n): np.take(leaves[n], np.arange(len(tail[g])), axis=axis) for n, (g, axis) in enumerate(axes)}
         out.update((str(n), leaves[n]) for n in range(len(axes), len(leaves)))
         return out
@@ -315,7 +290,7 @@ class HybridDiskTier:
         (:meth:`HybridCache.record_data`'s: every group's blocks, ids padded
         to a power of two, then the state row) from its pages' files and its
         own (tail blocks and state row)."""
-        axes = self._block_axes()
+        axes = self.cache.record_block_axes()
         groups = len(self.cache.groups)
         counts = [sum(int(page[0]["meta"]["counts"][g]) for page in pages) + int(tail[g]) for g in range(groups)]
         leaves = []
@@ -324,7 +299,7 @@ class HybridDiskTier:
             parts.append(arrays[str(n)])
             joined = np.concatenate(parts, axis=axis)
             pad = [(0, 0)] * joined.ndim
-            pad[axis] = (0, len(pow2_ids([0] * counts[g])) - joined.shape[axis])
+            pad[axis] = (0, pow2_at_least(max(counts[g], 1)) - joined.shape[axis])  # record_data's padding
             leaves.append(np.pad(joined, pad))
         state = len(arrays) - len(axes)
         leaves += [arrays[str(len(axes) + i)] for i in range(state)]

@@ -188,6 +188,7 @@ class HybridCache(CacheBase):
                                      enabled=cached > 0)
         self._released: set = set()  # ids of the snapshot hits unpinned at admission (see unpin)
         self.disk = None  # the disk tier (attach_disk)
+        self._block_axes = None  # record_block_axes, found once
         self.host_bytes = int(host_kv_memory or 0)  # host memory for swapped-out rows
         self.can_swap = self.host_bytes > 0
         self.images = RequestImages(self.host_bytes, self.state_bytes_per_request, self.group_block_bytes)
@@ -281,15 +282,41 @@ class HybridCache(CacheBase):
         arrays ``leaves`` (host arrays, in leaf order) for ``counts`` blocks
         per group; ``InvalidArgument`` when they do not have this cache's
         shapes and dtypes (another model or cache layout)."""
-        want = jax.eval_shape(lambda m: (
-            hybrid_host.read_blocks(m, {g: jnp.asarray(pow2_ids([1] * int(n))) for g, n in zip(self.groups, counts)}),
-            hybrid_host.read_state_rows(m, jnp.ones((1,), jnp.int32))), self.manager)
+        want = self._record_shape(counts)
         expected = jax.tree.leaves(want)
         if len(expected) != len(leaves) or any(a is None or a.shape != w.shape or a.dtype != w.dtype
                                                for a, w in zip(leaves, expected)):
             raise InvalidArgument(f"a snapshot record of {len(leaves)} arrays does not fit this cache ({len(expected)} "
                                   "expected, or other shapes or dtypes: another model or cache layout)")
         return jax.tree.unflatten(jax.tree.structure(want), list(leaves))
+
+    def record_block_axes(self) -> list[tuple[int, int]]:
+        """For each block leaf of a record's data (the leaves before the
+        state row's), its group's index and the axis its blocks lie on
+        (found by growing one group's count at a time)."""
+        if self._block_axes is None:
+            def shapes(counts):
+                return [leaf.shape for leaf in jax.tree.leaves(self._record_shape(counts)[0])]
+
+            base = shapes([1] * len(self.groups))
+            axes = [None] * len(base)
+            for g in range(len(self.groups)):
+                grown = shapes([2 if i == g else 1 for i in range(len(self.groups))])
+                for n, (a, b) in enumerate(zip(base, grown)):
+                    if a != b:
+                        axes[n] = (g, next(k for k in range(len(a)) if a[k] != b[k]))
+            if None in axes:
+                raise InvalidArgument("a block leaf of this cache grows with no group's blocks: its records "
+                                      "cannot be cut into pages")
+            self._block_axes = axes
+        return self._block_axes
+
+    def _record_shape(self, counts):
+        """The shapes and dtypes of :meth:`record_data`'s data for ``counts``
+        blocks per group."""
+        return jax.eval_shape(lambda m: (
+            hybrid_host.read_blocks(m, {g: jnp.asarray(pow2_ids([1] * int(n))) for g, n in zip(self.groups, counts)}),
+            hybrid_host.read_state_rows(m, jnp.ones((1,), jnp.int32))), self.manager)
 
     def export_prefix(self, tokens, namespace):
         """The longest snapshot record of ``tokens`` the device holds (at
