@@ -303,7 +303,8 @@ def build(spec: ModelSpec, *, stacked: bool = False, local: bool = False) -> Set
 
         blocks, _, _ = blocks_from_budget(measure, [PAGE_SIZE], [max_seqs * need(length)], None, free)
         manager, pool = jax.eval_shape(lambda: make([blocks[0] + 1]))
-        cache = (_placed(manager, replicated), placed_cache(pool))
+        # As the engine passes it: without its host allocator (BlockSpaceManager.in_step).
+        cache = (_placed(manager.replace(host=None), replicated), placed_cache(pool))
         groups, cached, has_gdn = {"pages": blocks[0]}, 0, False
     else:
         fmt = options.entry_format
@@ -350,7 +351,8 @@ def _inputs(setup: Setup):
         return jax.ShapeDtypeStruct((rows,) if shape is None else shape, jnp.dtype(dtype), sharding=rep)
 
     sampling = RowSampling(vec(jnp.float32), vec(jnp.int32), vec(jnp.float32))
-    keys = jax.eval_shape(lambda: jax.random.split(jax.random.key(0), rows))
+    # Key data, as the engine passes it (jaxkv.serve.caches.typed_keys).
+    keys = jax.eval_shape(lambda: jax.random.key_data(jax.random.split(jax.random.key(0), rows)))
     return vec, sampling, jax.ShapeDtypeStruct(keys.shape, keys.dtype, sharding=rep)
 
 

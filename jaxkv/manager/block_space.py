@@ -124,6 +124,12 @@ class BlockSpaceManager:
     #: One block table per row (:class:`~jaxkv.manager.rows.RowCache`).
     ROW_TABLES = True
 
+    def in_step(self) -> "BlockSpaceManager":
+        """:meth:`~jaxkv.manager.rows.RowCache.in_step`: passed without its
+        host allocator (``host`` None), a two-block placeholder in its place
+        (the steps never touch host blocks: they free only ON_DEVICE rows)."""
+        return self if self.host is not None else self.replace(host=BlockAllocator.create(2))
+
     @property
     def max_seqs(self) -> int:
         return self.block_tables.shape[0]

@@ -263,6 +263,10 @@ class KVCacheManager:
     #: A table per group, not per row (:class:`~jaxkv.manager.rows.RowCache`).
     ROW_TABLES = False
 
+    def in_step(self) -> "KVCacheManager":
+        """:meth:`~jaxkv.manager.rows.RowCache.in_step`: always passed whole."""
+        return self
+
     @property
     def blocks_in_use(self) -> Int[Array, ""]:
         """Blocks held by requests, summed over every group."""

@@ -64,3 +64,11 @@ class RowCache(Protocol):
     def block_totals(self) -> tuple[int, int]:
         """``(free, total)`` device blocks on the host, summed over groups
         (for an error message; reads the device)."""
+
+    def in_step(self) -> RowCache:
+        """Inside a jitted step: the manager the step works on. A manager
+        may be passed without what no step touches (a
+        ``BlockSpaceManager``'s host allocator, ``host`` None: the engine's
+        paged cache keeps it out of its steps, so engines that differ only
+        in their host tier share compiled programs); this puts a placeholder
+        there, made inside the program. Otherwise the manager itself."""

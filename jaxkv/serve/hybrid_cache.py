@@ -27,8 +27,8 @@ from jaxkv.prefix.snapshot_cache import BlockOps, SnapshotCache
 from jaxkv.prefix.snapshot_host import SnapshotHostTier
 from jaxkv.prefix.snapshot_points import SnapshotPoints
 from jaxkv.serve.caches import (CacheBase, DecodeResult, PackedResult, PrefillLane, PrefixHit, apply_history_updates,
-                                fixed_ids, pack_stream, pow2_ids, remembers_arguments, row_of, sample_first, slot_of,
-                                unwrap_keys)
+                                fetch, fixed_ids, keys_as_given, pack_stream, pow2_ids, remembers_arguments, row_of,
+                                sample_first, slot_of, typed_keys)
 from jaxkv.serve import sizing
 from jaxkv.serve.sizing import CachePlan
 
@@ -42,15 +42,16 @@ def _hybrid_prefill(graphdef, params, manager: KVCacheManager, slots, tokens, nu
     """Reserve and prefill one chunk of the slots' tokens, sample each lane's
     first token. Returns ``(manager, sampled, keys, ok, used, logprobs)``."""
     manager, last_logits, ok = hybrid_prefill_chunk(graphdef, params, manager, slots, tokens, num_new)
-    sampled, keys, logprobs = sample_first(last_logits, keys, sampling)
-    return manager, sampled, keys, ok, manager.blocks_in_use, logprobs
+    sampled, advanced, logprobs = sample_first(last_logits, typed_keys(keys), sampling)
+    return manager, sampled, keys_as_given(advanced, keys), ok, manager.blocks_in_use, logprobs
 
 
 
 @partial(jax.jit, static_argnames=("graphdef",), donate_argnums=(2,))
 def _hybrid_packed(graphdef, params, manager: KVCacheManager, batch: PackedBatch, sampling: RowSampling, keys):
     """:func:`jaxkv.nn.steps.hybrid_packed_step` jitted (manager donated)."""
-    return hybrid_packed_step(graphdef, params, manager, batch, sampling, keys)
+    manager, tokens, advanced, *rest = hybrid_packed_step(graphdef, params, manager, batch, sampling, typed_keys(keys))
+    return (manager, tokens, keys_as_given(advanced, keys), *rest)
 
 
 @partial(jax.jit, static_argnames=("graphdef", "config"), donate_argnums=(2, 6))
@@ -60,8 +61,9 @@ def _hybrid_packed_verify(graphdef, params, manager: KVCacheManager, batch: Pack
     and the rows' histories donated; ``history_updates`` written into the
     histories first, which come back last)."""
     history = apply_history_updates(history, history_updates)
-    return (*hybrid_packed_verify_step(graphdef, params, manager, batch, sampling, keys, history, history_len, verify,
-                                       config=config), history)
+    manager, tokens, counts, advanced, *rest = hybrid_packed_verify_step(
+        graphdef, params, manager, batch, sampling, typed_keys(keys), history, history_len, verify, config=config)
+    return (manager, tokens, counts, keys_as_given(advanced, keys), *rest, history)
 
 
 
@@ -569,7 +571,7 @@ class HybridCache(CacheBase):
         width = pow2_at_least(max(len(ids) for ids in blocks.values()))
         padded = {name: fixed_ids(ids, width) for name, ids in blocks.items()}
         self.manager, ok = fn(self.manager, padded, *extra)
-        ok, host = jax.device_get((ok, self._host_leaves(self.manager)))
+        ok, host = fetch((ok, self._host_leaves(self.manager)))
         self._mirror(host)
         if not bool(ok):
             raise BookkeepingError(f"{what} was refused: {blocks}")
@@ -614,7 +616,7 @@ class HybridCache(CacheBase):
         their rows' slot_of: the engine gives out the lowest free rows) and start
         the hits from their cached prefixes."""
         self.manager, slots, ok = _admit_hybrid(self.manager, len(lanes), self.max_seqs)
-        slots, ok = jax.device_get((slots, ok))
+        slots, ok = fetch((slots, ok))
         want = [slot_of(lane.row) for lane in lanes]
         if not ok or slots[: len(lanes)].tolist() != want:
             raise BookkeepingError(f"hybrid admission gave slots {slots[: len(lanes)].tolist()} (ok={bool(ok)}) "
@@ -634,7 +636,7 @@ class HybridCache(CacheBase):
         lengths = np.zeros((self.max_seqs,), np.int32)
         lengths[: len(lanes)] = [len(lane.tokens) for lane in lanes]
         self.manager, ok = _preallocate_hybrid(self.manager, fixed_ids(want, self.max_seqs), lengths)
-        ok, host = jax.device_get((ok, self._host_leaves(self.manager)))
+        ok, host = fetch((ok, self._host_leaves(self.manager)))
         self._mirror(host)
         if not bool(ok):
             need = sum(self.blocks_for(len(lane.tokens)) for lane in lanes)
@@ -677,7 +679,7 @@ class HybridCache(CacheBase):
         slots = np.where(num_new > 0, slots, -1).astype(np.int32)
         self.manager, sampled, new_keys, ok, used, logprobs = _hybrid_prefill(graphdef, params, self.manager, slots,
                                                                               tokens, num_new, sampling, keys)
-        sampled, ok, used, new_keys, logprobs = jax.device_get((sampled, ok, used, unwrap_keys(new_keys), logprobs))
+        sampled, ok, used, new_keys, logprobs = fetch((sampled, ok, used, new_keys, logprobs))
         if not ok:  # every prompt's blocks were taken at admission
             raise BookkeepingError(f"engine prefill refused rows {[lane.row for lane in lanes]} (pieces "
                                    f"{list(zip(starts[: len(lanes)].tolist(), num_new[: len(lanes)].tolist()))})")
@@ -749,8 +751,8 @@ class HybridCache(CacheBase):
             self.manager, tokens, counts, keys, prefill_ok, ok, used, drafted, accepted, history = (
                 _hybrid_packed_verify(graphdef, params, self.manager, batch, sampling, keys, history, history_len,
                                       lanes, updates, config=config))
-        tokens, keys, prefill_ok, ok, used, host, logprobs, scores, counts, drafted, accepted = jax.device_get(
-            (tokens, unwrap_keys(keys), prefill_ok, ok, used, self._host_leaves(self.manager), logprobs, scores,
+        tokens, keys, prefill_ok, ok, used, host, logprobs, scores, counts, drafted, accepted = fetch(
+            (tokens, keys, prefill_ok, ok, used, self._host_leaves(self.manager), logprobs, scores,
              counts, drafted, accepted))
         self._mirror(host)
         if not prefill_ok:  # every prompt's blocks were taken at admission
@@ -795,7 +797,7 @@ class HybridCache(CacheBase):
                      if len(tokens) > (hit.tokens if hit is not None else 0)])
         rows = [row for row, *_ in finished]
         self.manager, ok = self._release(fixed_ids([slot_of(r) for r in rows], self.max_seqs))
-        ok, host = jax.device_get((ok, self._host_leaves(self.manager)))
+        ok, host = fetch((ok, self._host_leaves(self.manager)))
         self._mirror(host)
         if not bool(ok):
             raise BookkeepingError(f"engine bookkeeping failed: releasing rows {rows} (slots "

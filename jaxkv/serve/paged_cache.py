@@ -23,7 +23,6 @@ pages the prefix cache evicts. Invariants:
 from __future__ import annotations
 
 import dataclasses
-import functools
 import logging
 import time
 from functools import partial
@@ -46,8 +45,8 @@ from jaxkv.pool.scrub import freed_blocks, scrub_kv_pool
 from jaxkv.prefix import PrefixCacheManager, PrefixCacheStats
 from jaxkv.prefix.radix import HOST
 from jaxkv.serve import sizing
-from jaxkv.serve.caches import (CacheBase, PackedResult, PrefillLane, PrefixHit, apply_history_updates, fixed_ids,
-                                pack_stream, remembers_arguments, sample_first, unwrap_keys)
+from jaxkv.serve.caches import (CacheBase, PackedResult, PrefillLane, PrefixHit, apply_history_updates, fetch,
+                                fixed_ids, keys_as_given, pack_stream, remembers_arguments, sample_first, typed_keys)
 from jaxkv.serve.sizing import CachePlan, GroupPlan
 
 __all__ = ["HostTierRate", "PagedCache", "PagedPrefixStats", "host_tier_rate", "jitted_packed",
@@ -61,9 +60,10 @@ def _paged_prefill(graphdef, params, manager: BlockSpaceManager, pool: KVPool, r
                    sampling: RowSampling, keys):
     """Prefill one chunk of admitted rows and sample from each lane's last
     chunk position. Returns ``(pool, sampled, keys, logprobs)``."""
-    pool, last_logits = prefill_chunk(graphdef, params, manager, pool, rows, tokens, starts, num_new)
-    sampled, keys, logprobs = sample_first(last_logits, keys, sampling)
-    return pool, sampled, keys, logprobs
+    pool, last_logits = prefill_chunk(graphdef, params, manager.in_step(), pool, rows, tokens, starts,
+                                      num_new)
+    sampled, advanced, logprobs = sample_first(last_logits, typed_keys(keys), sampling)
+    return pool, sampled, keys_as_given(advanced, keys), logprobs
 
 
 
@@ -71,7 +71,10 @@ def _paged_prefill(graphdef, params, manager: BlockSpaceManager, pool: KVPool, r
 def _paged_packed(graphdef, params, manager: BlockSpaceManager, pool: KVPool, batch: PackedBatch,
                   sampling: RowSampling, keys, *, window, scrub=False):
     """:func:`jaxkv.nn.steps.paged_packed_step` jitted (manager and pool donated)."""
-    return paged_packed_step(graphdef, params, manager, pool, batch, sampling, keys, window=window, scrub=scrub)
+    manager, pool, tokens, advanced, *rest = paged_packed_step(graphdef, params, manager.in_step(), pool,
+                                                               batch, sampling, typed_keys(keys), window=window,
+                                                               scrub=scrub)
+    return (manager, pool, tokens, keys_as_given(advanced, keys), *rest)
 
 
 @partial(jax.jit, static_argnames=("graphdef", "config", "window", "scrub", "draft_graphdef"),
@@ -84,15 +87,18 @@ def _paged_packed_verify(graphdef, params, manager: BlockSpaceManager, pool: KVP
     the histories first, which come back last; ``draft_graphdef`` /
     ``draft_params``: an early exit's drafts instead of n-gram's)."""
     history = apply_history_updates(history, history_updates)
-    return (*paged_packed_verify_step(graphdef, params, manager, pool, batch, sampling, keys, history, history_len,
-                                      verify, config=config, window=window, scrub=scrub,
-                                      draft_graphdef=draft_graphdef, draft_params=draft_params), history)
+    manager, pool, tokens, counts, advanced, *rest = paged_packed_verify_step(
+        graphdef, params, manager.in_step(), pool, batch, sampling, typed_keys(keys), history,
+        history_len, verify, config=config, window=window, scrub=scrub, draft_graphdef=draft_graphdef,
+        draft_params=draft_params)
+    return (manager, pool, tokens, counts, keys_as_given(advanced, keys), *rest, history)
 
 
 @partial(jax.jit, donate_argnums=(0, 1))
 def _retire_scrubbed(manager: BlockSpaceManager, pool: KVPool, incref, rows, release):
     """``BlockSpaceManager.retire`` and the pages it freed zeroed, in one
     call (scrub-on-free). Returns ``(manager, pool, ok)``."""
+    manager = manager.in_step()
     retired, ok = manager.retire(incref, rows, release)
     return retired, scrub_kv_pool(pool, freed_blocks(manager.device, retired.device)), ok
 
@@ -107,8 +113,9 @@ def _scrub_freed(pool: KVPool, before: BlockAllocator, after: BlockAllocator) ->
 
 # A forked sibling's copy of its parent's partly filled page (pairs of -1 skipped; the pool updated in place).
 _copy_pages = jax.jit(lambda pool, src, dst: pool.copy_pages(src, dst)[0], donate_argnums=(0,))
-_retire_paged = jax.jit(BlockSpaceManager.retire)
-_admit_paged = jax.jit(BlockSpaceManager.admit_with_prefix, donate_argnums=(0,))
+_retire_paged = jax.jit(lambda manager, *ids: manager.in_step().retire(*ids))
+_admit_paged = jax.jit(lambda manager, *args: manager.in_step().admit_with_prefix(*args),
+                       donate_argnums=(0,))
 # Fresh blocks for host-tier pages loaded back (one owner: the prefix cache's).
 _acquire_blocks = jax.jit(lambda device, n, max_n: device.acquire(n, max_n=max_n), static_argnums=(2,))
 
@@ -158,19 +165,13 @@ class HostTierRate:
 
 
 # The jitted steps never touch host blocks (they free only ON_DEVICE rows; swaps
-# go through the manager's swap_*_or_raise). They get the manager with this
-# placeholder host allocator, so engines that differ only in ``num_host_pages``
-# share compiled programs; the real host allocator is put back afterwards. A
-# fresh placeholder each call: the manager is donated. (Made by one jitted call:
-# the same arrays as an eager ``BlockAllocator.create(2)``, without a dispatch
-# per array op on the host path of every step.)
-@functools.cache
-def _placeholder_host():
-    return jax.jit(lambda: BlockAllocator.create(2))
-
-
+# go through the manager's swap_*_or_raise). They get the manager without its
+# host allocator and make a placeholder inside the program
+# (BlockSpaceManager.in_step), so engines that differ only in
+# ``num_host_pages`` share compiled programs and a step costs no dispatch for
+# it; the real host allocator is put back on the result.
 def _device_view(manager: BlockSpaceManager) -> BlockSpaceManager:
-    return manager.replace(host=_placeholder_host()())
+    return manager.replace(host=None)
 
 
 # ------------------------------------------------------------ shared prefill loop
@@ -625,7 +626,7 @@ class PagedCache(CacheBase):
         """The block tables on the host: read once per change of the
         manager (or with the packed call's results, :meth:`_wants_tables`)."""
         if self.__dict__.get("_host_tables") is None:
-            self._host_tables = np.asarray(jax.device_get(self.manager.block_tables))
+            self._host_tables = fetch(self.manager.block_tables)
         return self._host_tables
 
     # ---------------------------------------------------------------- steps
@@ -649,7 +650,7 @@ class PagedCache(CacheBase):
         host = self.manager.host
         manager, ok = _admit_paged(_device_view(self.manager), rows, prefix, lengths)
         self.manager = manager.replace(host=host)
-        ok, host = jax.device_get((ok, self._host_leaves(manager)))
+        ok, host = fetch((ok, self._host_leaves(manager)))
         self._mirror(host)
         if not bool(ok):  # the engine checked rows and blocks: this is a bug, not memory pressure
             raise BookkeepingError(
@@ -669,7 +670,7 @@ class PagedCache(CacheBase):
         self.pool, sampled, new_keys, logprobs = _paged_prefill(graphdef, params, _device_view(self.manager),
                                                                 self.pool, rows, starts, num_new, tokens, sampling,
                                                                 keys)
-        sampled, new_keys, logprobs = jax.device_get((sampled, unwrap_keys(new_keys), logprobs))
+        sampled, new_keys, logprobs = fetch((sampled, new_keys, logprobs))
         self._after_prefill(lanes, starts, num_new)
         return sampled, np.asarray(new_keys), self.blocks_in_use(), logprobs
 
@@ -701,8 +702,8 @@ class PagedCache(CacheBase):
                                              config=config, window=self.window, scrub=self.scrub,
                                              draft_graphdef=draft_graphdef)
         self.manager = manager.replace(host=host)
-        tokens, keys, ok, blocked, used, host, tables, counts, drafted, accepted, logprobs, scores = jax.device_get(
-            (tokens, unwrap_keys(keys), ok, blocked, used, self._host_leaves(manager),
+        tokens, keys, ok, blocked, used, host, tables, counts, drafted, accepted, logprobs, scores = fetch(
+            (tokens, keys, ok, blocked, used, self._host_leaves(manager),
              manager.block_tables if want_tables else None, counts, drafted, accepted, logprobs, scores))
         self._mirror(host)
         if want_tables:
@@ -753,7 +754,7 @@ class PagedCache(CacheBase):
         else:
             manager, ok = _retire_paged(_device_view(self.manager), *ids)
         self.manager = manager.replace(host=host)
-        ok, host = jax.device_get((ok, self._host_leaves(manager)))
+        ok, host = fetch((ok, self._host_leaves(manager)))
         self._mirror(host)
         if bool(ok) and tables is not None:
             self._host_tables = tables
