@@ -71,6 +71,9 @@ class Penalties:
     repetition: float = 1.0
     logit_bias: tuple = ()  # ((token id, bias), ...); a dict is accepted and stored sorted
     min_tokens: int = 0
+    #: Whether every field is at its default (nothing to apply). Computed once: the engine asks it of every
+    #: request on every step.
+    is_off: bool = dataclasses.field(init=False, repr=False, compare=False)
 
     def __post_init__(self):
         object.__setattr__(self, "presence", _number("presence", self.presence, -2.0, 2.0))
@@ -94,11 +97,8 @@ class Penalties:
         if isinstance(min_tokens, (bool, np.bool_)) or not isinstance(min_tokens, numbers.Integral) or min_tokens < 0:
             raise InvalidArgument(f"Penalties.min_tokens must be an integer >= 0, got {min_tokens!r}")
         object.__setattr__(self, "min_tokens", int(min_tokens))
-
-    @property
-    def is_off(self) -> bool:
-        return (self.presence == 0 and self.frequency == 0 and self.repetition == 1 and not self.logit_bias
-                and self.min_tokens == 0)
+        object.__setattr__(self, "is_off", self.presence == 0 and self.frequency == 0 and self.repetition == 1
+                           and not self.logit_bias and self.min_tokens == 0)
 
 
 OFF = Penalties()

@@ -2244,7 +2244,8 @@ def warm_up(engine, *, vocab_size: int | None = None) -> dict:
     ``engine.step`` (a prefill call, then a decode call). Packed scheduler:
     one such request per packed stream length (``engine.stream_lengths()``:
     a prompt that fills each bucket; distinct first tokens, so no prefix hit
-    shortens one). The engine's other shapes are fixed (decode ``[max_seqs]``,
+    shortens one). Then one more with a sibling (``fork_of``: the server's
+    ``n`` > 1), whose fork copies the other's partly filled page. The engine's other shapes are fixed (decode ``[max_seqs]``,
     padded id arrays, sampling parameters traced per row), so this compiles
     every program a paged model serves with: later prompt lengths, batch
     sizes, sampling settings, prefix hits and aborts compile nothing more
@@ -2262,11 +2263,15 @@ def warm_up(engine, *, vocab_size: int | None = None) -> dict:
     limit = getattr(engine, "max_model_len", None)
     lengths = engine.stream_lengths() if hasattr(engine, "stream_lengths") else []
     tokens = requests = errors = 0
-    for i, length in enumerate(lengths or [4]):
+    buckets = lengths or [4]
+    # Then a request and its sibling (n > 1): the fork's copy of the other's partly filled page (or state).
+    for i, length in enumerate([*buckets, 4]):
         if limit is not None:  # a tiny context
             length = max(min(length, limit - 2), 1)
         ids = [1 + (7 * k + 3 * i) % max(vocab - 1, 1) for k in range(length)]
-        rid = engine.add_request(ids, 2)
+        rids = [engine.add_request(ids, 2)]
+        if i == len(buckets):
+            rids.append(engine.add_request(ids, 2, fork_of=rids[0]))
         while engine.has_unfinished():
             for output in engine.step():
                 tokens += len(output.new_token_ids)
@@ -2275,8 +2280,9 @@ def warm_up(engine, *, vocab_size: int | None = None) -> dict:
                     logger.warning("warm-up request %d (%d prompt tokens) finished with an error: %s; serving "
                                    "anyway (what it did not compile compiles on first use)", i, length,
                                    getattr(output, "error", None) or "no message")
-        EngineLoop._release(engine, rid)
-        requests += 1
+        for rid in rids:
+            EngineLoop._release(engine, rid)
+        requests += len(rids)
     return {"seconds": time.perf_counter() - start, "requests": requests, "tokens": tokens, "errors": errors}
 
 

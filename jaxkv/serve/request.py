@@ -102,7 +102,7 @@ class RequestOutput:
         return out
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(slots=True)
 class Request:
     """The engine's record of one request (host only; the cache holds its
     device state on row ``row``)."""

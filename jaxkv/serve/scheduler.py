@@ -191,17 +191,22 @@ def row_sampling(max_seqs: int, rows: dict, reqs_by_lane: dict, logprobs_mode: s
         temperature[lanes] = [v[0] for v in values]
         top_k[lanes] = [v[1] for v in values]
         top_p[lanes] = [v[2] for v in values]
-    wanted = any(req.logprobs is not None for req in reqs_by_lane.values())
+    # One pass finds the requests that ask for more than temperature, top-k and top-p (most steps: none).
+    odd = [req for req in reqs_by_lane.values() if req.logprobs is not None or not req.penalties.is_off
+           or req.constraint is not None or req.grammar is not None]
+    wanted = any(req.logprobs is not None for req in odd)
     penalties = None
-    if any(not req.penalties.is_off for req in reqs_by_lane.values()):
+    if any(not req.penalties.is_off for req in odd):
         lanes = [None] * max_seqs
         for lane, req in reqs_by_lane.items():
             if not req.penalties.is_off:
                 lanes[lane] = (req.penalties, req.prompt, req.generated, sorted(req.stop_ids))
         penalties = RowPenalties.stack(lanes, history_width)
-    constrained = {lane: (req.constraint, req.automaton_state()) for lane, req in reqs_by_lane.items()
-                   if req.constraint is not None}
-    masked = {lane: req.grammar_bits for lane, req in reqs_by_lane.items() if req.grammar is not None}
+    constrained, masked = {}, {}
+    if any(req.constraint is not None or req.grammar is not None for req in odd):
+        constrained = {lane: (req.constraint, req.automaton_state()) for lane, req in reqs_by_lane.items()
+                       if req.constraint is not None}
+        masked = {lane: req.grammar_bits for lane, req in reqs_by_lane.items() if req.grammar is not None}
     if (constrained or masked) and constraints is None:  # no engine table: one of its own for this call
         constraints = ConstraintTable(_constraint_vocab(reqs_by_lane.values()))
     return RowSampling(temperature, top_k, top_p, logprobs=MAX_TOP_LOGPROBS if wanted else -1,
