@@ -337,14 +337,40 @@ class OutputProcessor:
     def take_all(self, items, now: float) -> list:
         """For each ``(req, tokens, device_done, key, logprobs)`` of
         ``items``, in order: ``req.key = key`` (its key data advanced by the
-        call), then :meth:`take` (one call per step, not per request).
-        Returns the requests it finished, in order."""
+        call), then :meth:`take` (one call per step, not per request; the
+        common case inline, with the same records). Returns the requests it
+        finished, in order."""
         finished = []
-        take_ids, take = self._take_ids, self.take
+        take_ids, take, pending = self._take_ids, self.take, self.pending
+        generated, gaps = 0, []  # the common case's counts and gaps, recorded once (in order) at the end
         for req, tokens, device_done, key, logprobs in items:
             req.key = key
-            if (take_ids if req.detok is None else take)(req, tokens, now, device_done, logprobs):
-                finished.append(req)
+            count = len(tokens)
+            # The common case, inline (every decoding request every step: 256 at 256 rows): no text, no
+            # log-probabilities, a token seen before, no stop among these tokens and room for them all. It does
+            # what _take_ids does for it.
+            if (req.detok is not None or req.logprobs is not None or req.first_token_at is None or device_done
+                    or not count or count >= req.max_new - len(req.generated)
+                    or (req.stop_ids and not req.stop_ids.isdisjoint(tokens))):
+                self.itl_samples.extend(gaps)  # the samples stay in the order the requests took their tokens
+                self.counters.generated += generated
+                generated, gaps = 0, []
+                if (take_ids if req.detok is None else take)(req, tokens, now, device_done, logprobs):
+                    finished.append(req)
+                continue
+            req.generated += tokens
+            own = [(now - req.last_token_at) / count] * count
+            req.gaps += own
+            gaps += own
+            generated += count
+            req.last_token_at = now
+            entry = pending.get(req.id)
+            if entry is None:
+                pending[req.id] = [list(tokens), "", False]
+            else:
+                entry[0] += tokens
+        self.itl_samples.extend(gaps)
+        self.counters.generated += generated
         return finished
 
     def _take_ids(self, req: Request, tokens: list, now: float, device_done: bool, logprobs=None) -> bool:
