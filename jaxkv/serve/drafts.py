@@ -49,6 +49,7 @@ from jaxkv.errors import KVCacheError
 from jaxkv.manager.block_space import BlockSpaceManager
 from jaxkv.nn import sharding
 from jaxkv.nn.packed import PackedLane, pack
+from jaxkv.serve.caches import hashed_graphdef
 
 logger = logging.getLogger("jaxkv.serve")
 
@@ -73,7 +74,8 @@ class SharedPoolDraft:
     packs_verify_lanes = True
 
     def __init__(self, draft, target):
-        self.graphdef, self.params = nnx.split(draft)
+        graphdef, self.params = nnx.split(draft)
+        self.graphdef = hashed_graphdef(graphdef)
         #: A draft step's cost in target decode steps: its layers over the target's.
         self.cost_fraction = draft.config.num_hidden_layers / draft.pool_layers
 
@@ -144,7 +146,8 @@ class DraftCache:
 
     def __init__(self, draft, target, *, max_seqs: int, num_pages: int, page_size: int, max_tokens: int,
                  catch_up_tokens: int, kv_dtype=None, mesh=None):
-        self.graphdef, self.params = nnx.split(draft)
+        graphdef, self.params = nnx.split(draft)
+        self.graphdef = hashed_graphdef(graphdef)
         self.cost_fraction = param_fraction(draft, target)
         self.max_seqs, self.page_size, self.num_pages = max_seqs, page_size, num_pages
         #: The longest a row grows (a request at max_model_len with a verify step's drafts past it).

@@ -76,6 +76,7 @@ from jaxkv.nn.packed import cache_kind
 from jaxkv.nn.sampling import GREEDY, SamplingParams
 from jaxkv.nn.speculative import draft_model_for, early_exit_draft
 from jaxkv.serve.build import build_cache, paged_token_bytes, resolve_options
+from jaxkv.serve.caches import hashed_graphdef
 from jaxkv.serve.drafts import build_draft
 from jaxkv.serve.options import EngineOptions
 from jaxkv.serve.output import (Counters, EngineProgress, EngineStats, EngineSummary, OutputProcessor,
@@ -201,7 +202,7 @@ class Engine(Scheduler):
         self.vocab_size = getattr(getattr(model, "config", None), "vocab_size", None)
         self.tokenizer = tokenizer
         graphdef, params = nnx.split(model)
-        super().__init__(self.cache, graphdef, params, OutputProcessor(Counters(), tokenizer, detokenizer),
+        super().__init__(self.cache, hashed_graphdef(graphdef), params, OutputProcessor(Counters(), tokenizer, detokenizer),
                          max_seqs=sched.max_seqs, decode_chunk=sched.decode_chunk, prefill_chunk=sched.prefill_chunk,
                          max_num_batched_tokens=sched.max_num_batched_tokens, scheduler=sched.scheduler,
                          speculative=sched.speculative, draft=draft, logprobs_mode=sched.logprobs_mode)
