@@ -202,7 +202,8 @@ class Engine(Scheduler):
         self.vocab_size = getattr(getattr(model, "config", None), "vocab_size", None)
         self.tokenizer = tokenizer
         graphdef, params = nnx.split(model)
-        super().__init__(self.cache, hashed_graphdef(graphdef), params, OutputProcessor(Counters(), tokenizer, detokenizer),
+        super().__init__(self.cache, hashed_graphdef(graphdef), params,
+                         OutputProcessor(Counters(), tokenizer, detokenizer),
                          max_seqs=sched.max_seqs, decode_chunk=sched.decode_chunk, prefill_chunk=sched.prefill_chunk,
                          max_num_batched_tokens=sched.max_num_batched_tokens, scheduler=sched.scheduler,
                          speculative=sched.speculative, draft=draft, logprobs_mode=sched.logprobs_mode)

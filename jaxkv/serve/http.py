@@ -2245,10 +2245,11 @@ def warm_up(engine, *, vocab_size: int | None = None) -> dict:
     one such request per packed stream length (``engine.stream_lengths()``:
     a prompt that fills each bucket; distinct first tokens, so no prefix hit
     shortens one). Then one more with a sibling (``fork_of``: the server's
-    ``n`` > 1), whose fork copies the other's partly filled page. The engine's other shapes are fixed (decode ``[max_seqs]``,
-    padded id arrays, sampling parameters traced per row), so this compiles
-    every program a paged model serves with: later prompt lengths, batch
-    sizes, sampling settings, prefix hits and aborts compile nothing more
+    ``n`` > 1), whose fork copies the other's partly filled page. The
+    engine's other shapes are fixed (decode ``[max_seqs]``, padded id
+    arrays, sampling parameters traced per row), so this compiles every
+    program a paged model serves with: later prompt lengths, batch sizes,
+    sampling settings, prefix hits, siblings and aborts compile nothing more
     (tests/test_server.py checks it through
     ``jaxkv_xla_compilations_total``). Exceptions: swap-in/out (host KV
     memory) compiles at the first swap, and a hybrid model's Gated DeltaNet

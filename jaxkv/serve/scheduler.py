@@ -733,8 +733,9 @@ class Scheduler(FaultContainment):
         what is left is cut; at least one prompt token runs). A request
         whose last piece ran gets its first token, a decoding one its next."""
         self._check_rows()
+        running = RequestState.RUNNING  # _decoding, inline: a pass over every row
         decoding = [(row, req) for row, req in ((row, self._requests[rid]) for row, rid in enumerate(self._rows)
-                                                if rid is not None) if self._decoding(req)]
+                                                if rid is not None) if req.state is running and not req.pieces]
         rows = self._screen([req for _, req in decoding] + self._prefilling)
         # A decoding request that screening finished leaves the batch (``_prefilling`` lost its own already);
         # the common case, none, skips the pass.
@@ -770,7 +771,7 @@ class Scheduler(FaultContainment):
         scored = _prompt_scoring(batch)
         result = self.cache.packed_step(
             self.graphdef, self.params, [(req.lane, piece) for req, piece in batch],
-            [(row, req.generated[-1], req.kv_len) for row, req in decoding],
+            [(row, req.generated[-1], len(req.prompt) + len(req.generated) - 1) for row, req in decoding],  # kv_len
             self._row_sampling(rows, dict(enumerate(lanes))),
             [req.key for req in lanes],
             length,
@@ -803,8 +804,10 @@ class Scheduler(FaultContainment):
             if self.output.take(req, tokens[lane][:1], now, logprobs=logprob_entries(result.logprobs, lane, 1)):
                 finished.append(req)
         if result.decode_ok:
-            finished += self.output.take_all([(req, tokens[lane], False, result.keys[lane],
-                                               logprob_entries(result.logprobs, lane, len(tokens[lane])))
+            keys, logprobs = result.keys, result.logprobs
+            finished += self.output.take_all([(req, tokens[lane], False, keys[lane],
+                                               None if logprobs is None else logprob_entries(logprobs, lane,
+                                                                                             len(tokens[lane])))
                                               for lane, (_, req) in enumerate(decoding, start=len(batch))], now)
         self._retire(finished, final=True)
         self.cache.end_step()  # what the step deferred and its retirement did not do
@@ -865,9 +868,10 @@ class Scheduler(FaultContainment):
         self._update_peak(result.peak)
         self._count_call(self.max_seqs * int(result.count.max(initial=0)), int(result.count.sum()))
         tokens, counts, done = result.tokens.tolist(), result.count.tolist(), result.finished.tolist()
-        keys = result.keys
+        keys, logprobs = result.keys, result.logprobs
         finished = self.output.take_all([(req, tokens[row][: counts[row]], done[row] and req.grammar is None,
-                                          keys[row], logprob_entries(result.logprobs, row, counts[row]))
+                                          keys[row], None if logprobs is None else logprob_entries(logprobs, row,
+                                                                                                   counts[row]))
                                          for row, req in running.items()], now)
         self._retire(finished, final=True)
         self._release_trimmed_hits(req for req in running.values() if req.state is RequestState.RUNNING)
