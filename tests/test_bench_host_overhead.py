@@ -2,8 +2,14 @@
 per iteration) runs at tiny sizes and reports its table (the figures are
 the benchmark's, not asserted here); and the host-path shortcuts it led to
 give exactly what the per-request code gave: the running requests' reserve
-over arrays (``reserve.growth_total``) and the packed stream built with
-array operations (``caches.pack_stream``)."""
+over arrays (``reserve.growth_total``), the packed stream built with
+array operations (``caches.pack_stream``), ``OutputProcessor.take_all``'s
+inline common case (against ``_take_ids`` request by request), step
+results read without ``device_get`` (``caches.fetch``), key data wrapped
+inside the step (``typed_keys`` / ``keys_as_given``: the same draws as
+typed keys), the paged manager passed without its host allocator
+(``in_step``), the graph definition hashed once (``hashed_graphdef``) and
+``Penalties.is_off`` computed once."""
 
 from __future__ import annotations
 
@@ -18,8 +24,10 @@ import pytest
 from jaxkv.bench.__main__ import main
 from jaxkv.errors import InvalidArgument
 from jaxkv.nn.packed import PackedLane, pack
-from jaxkv.nn.sampling import GREEDY
-from jaxkv.serve.caches import pack_stream
+from jaxkv.nn.penalties import Penalties
+from jaxkv.nn.sampling import GREEDY, RowSampling, SamplingParams
+from jaxkv.serve.caches import decode_chunk, fetch, hashed_graphdef, keys_as_given, pack_stream, typed_keys
+from jaxkv.serve.output import Counters, OutputProcessor
 from jaxkv.serve.hybrid_cache import HybridCache
 from jaxkv.serve.paged_cache import PagedCache
 from jaxkv.serve.request import Request, RequestState
@@ -110,3 +118,160 @@ def test_pack_stream_builds_the_batch_pack_builds():
     with pytest.raises(InvalidArgument, match="5 lanes for a batch of 4"):
         pack_stream([PackedLane(0, [1], 0)], [1] * 4, [3] * 4, [4] * 4, num_lanes=4, num_tokens=9, num_prefill_lanes=4,
                     max_prefill_len=4)
+
+
+def _drawn_requests(rng, n: int) -> list:
+    """Running requests in drawn states: outputs of any length up to their
+    limit, some without a first token yet, some with stop ids."""
+    reqs = []
+    for i in range(n):
+        req = Request(i, rng.integers(1, 9, int(rng.integers(1, 9))).tolist(), int(rng.integers(1, 12)), GREEDY, -1,
+                      0, None, np.zeros((2,), np.uint32))
+        req.generated = rng.integers(1, 30, int(rng.integers(0, req.max_new))).tolist()
+        req.stop_ids = frozenset(rng.integers(1, 30, int(rng.integers(0, 3))).tolist())
+        if rng.random() < 0.8:
+            req.first_token_at = req.last_token_at = float(rng.random())
+            req.gaps = [0.5] * len(req.generated)
+        req.state = RequestState.RUNNING
+        reqs.append(req)
+    return reqs
+
+
+def test_take_all_gives_what_take_ids_gives_request_by_request():
+    """``take_all``'s inline common case against the per-request path it
+    stands for (``req.key = key`` then ``_take_ids``), on drawn requests and
+    token runs (stops among them or not, room or not, the device done or
+    not, empty runs): the same tokens, reasons, records and outputs."""
+    import copy
+
+    rng = np.random.default_rng(2)
+    for _ in range(60):
+        reqs = _drawn_requests(rng, int(rng.integers(1, 12)))
+        twins = copy.deepcopy(reqs)
+        items = [(int(rng.integers(0, 6)), bool(rng.random() < 0.1), rng.integers(0, 2**31, 2).astype(np.uint32))
+                 for _ in reqs]
+        now = 2.0 + float(rng.random())
+        got, want = OutputProcessor(Counters()), OutputProcessor(Counters())
+        earlier = [req.id for req in reqs if rng.random() < 0.2]  # a step's outputs so far: some have an entry
+        for out in (got, want):
+            out.pending = {rid: [[7], "", False] for rid in earlier}
+        runs = [rng.integers(1, 30, n).tolist() for n, _, _ in items]
+        finished = got.take_all([(req, list(run), done, key, None)
+                                 for req, run, (_, done, key) in zip(reqs, runs, items)], now)
+        expected = []
+        for req, run, (_, done, key) in zip(twins, runs, items):
+            req.key = key
+            if want._take_ids(req, list(run), now, done, None):
+                expected.append(req.id)
+        assert [req.id for req in finished] == expected
+        assert got.pending == want.pending
+        assert got.counters.generated == want.counters.generated
+        assert list(got.itl_samples) == list(want.itl_samples) and list(got.ttft_samples) == list(want.ttft_samples)
+        for a, b in zip(reqs, twins):
+            assert (a.generated, a.gaps, a.last_token_at, a.first_token_at, a.finish_reason) == (
+                b.generated, b.gaps, b.last_token_at, b.first_token_at, b.finish_reason)
+            assert a.key is b.key or np.array_equal(a.key, b.key)
+
+
+def test_fetch_reads_what_device_get_reads():
+    tree = (jax.numpy.arange(6).reshape(2, 3), None, jax.numpy.float32(2.5), {"ok": jax.numpy.bool_(True)},
+            jax.random.key_data(jax.random.split(jax.random.key(3), 4)))
+    got, want = fetch(tree), jax.device_get(tree)
+    assert jax.tree.structure(got) == jax.tree.structure(want)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        assert isinstance(a, np.ndarray) and a.dtype == b.dtype and np.array_equal(a, b)
+
+
+def test_steps_given_key_data_draw_what_typed_keys_draw():
+    """A decode chunk given key data (what the caches pass) draws the same
+    tokens as one given typed keys and returns the advanced keys' data;
+    a paged manager passed without its host allocator runs the same."""
+    from flax import nnx
+
+    from jaxkv.manager.block_space import BlockSpaceManager
+    from jaxkv.nn import LlamaConfig, LlamaForCausalLM
+
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                         num_attention_heads=2, num_key_value_heads=1, head_dim=16),
+                             rngs=nnx.Rngs(0))
+    graphdef, params = nnx.split(model)
+    rows, steps = 3, 3
+    rng = np.random.default_rng(5)
+    typed = jax.random.split(jax.random.key(int(rng.integers(1 << 30))), rows)
+    sampling = RowSampling.broadcast(SamplingParams(temperature=1.0), rows)
+    outs = []
+    for keys, without_host in ((typed, False), (jax.random.key_data(typed), True)):
+        manager = BlockSpaceManager.create(num_device_blocks=16, num_host_blocks=4, block_size=4, max_seqs=rows,
+                                           max_blocks_per_seq=4)
+        manager, ok = manager.admit_with_prefix(np.arange(rows, dtype=np.int32), np.full((rows, 4), -1, np.int32),
+                                                np.full((rows,), 2, np.int32))
+        assert bool(ok)
+        if without_host:
+            assert manager.replace(host=None).in_step().host.num_blocks == 2  # the placeholder
+            manager = manager.replace(host=None)
+        else:
+            assert manager.in_step() is manager
+        pool = model.make_pool(16, 4, dtype=jax.numpy.float32)
+        state = decode_chunk(graphdef, params, manager, pool, rng.integers(0, 64, rows).astype(np.int32),
+                             np.ones((rows,), bool), np.zeros((rows,), np.int32), np.full((rows,), steps, np.int32),
+                             np.full((rows,), -1, np.int32), sampling, keys, num_steps=steps)
+        outs.append(state)
+        rng = np.random.default_rng(5)  # the same last tokens for the second run
+        rng.integers(1 << 30)
+    plain, data = outs
+    assert np.array_equal(np.asarray(plain.tokens), np.asarray(data.tokens))
+    assert data.keys.dtype == np.uint32
+    assert np.array_equal(np.asarray(jax.random.key_data(plain.keys)), np.asarray(data.keys))
+
+    @jax.jit
+    def round_trip(k):
+        return keys_as_given(typed_keys(k), k)
+
+    k = jax.random.key_data(typed)
+    assert np.array_equal(np.asarray(round_trip(k)), np.asarray(k))
+    assert jax.numpy.issubdtype(round_trip(typed).dtype, jax.dtypes.prng_key)
+
+
+def test_hashed_graphdef_is_equal_hashed_and_merged_as_the_original():
+    import pickle
+
+    from flax import nnx
+
+    from jaxkv.nn import LlamaConfig, LlamaForCausalLM
+
+    def split(layers):
+        config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
+                             num_attention_heads=2, num_key_value_heads=1, head_dim=16)
+        return nnx.split(LlamaForCausalLM(config, rngs=nnx.Rngs(0)))
+
+    (g, params), (g2, _), (g3, _) = split(2), split(2), split(3)
+    h, h2, h3 = hashed_graphdef(g), hashed_graphdef(g2), hashed_graphdef(g3)
+    assert hash(h) == hash(g) and h == h2 and hash(h) == hash(h2) and h != h3
+    assert hashed_graphdef(h) is h
+    assert pickle.loads(pickle.dumps(h)) == h
+    merged = nnx.merge(h, params)
+    assert merged.config.num_hidden_layers == 2
+
+    step = jax.jit(lambda x, graphdef: x + 1, static_argnames=("graphdef",))
+    step(1, graphdef=h)
+    step(1, graphdef=h2)  # an equal definition: the program compiled for h
+    assert step._cache_size() == 1
+
+
+def test_penalties_is_off_holds_for_drawn_penalties():
+    import dataclasses
+
+    rng = np.random.default_rng(4)
+    for _ in range(200):
+        fields = dict(presence=float(rng.choice([0.0, rng.uniform(-2, 2)])),
+                      frequency=float(rng.choice([0.0, rng.uniform(-2, 2)])),
+                      repetition=float(rng.choice([1.0, rng.uniform(0.1, 3)])),
+                      logit_bias={int(t): float(rng.uniform(-5, 5)) for t in rng.integers(0, 50, rng.integers(0, 2))},
+                      min_tokens=int(rng.choice([0, rng.integers(1, 5)])))
+        p = Penalties(**fields)
+        off = (p.presence == 0 and p.frequency == 0 and p.repetition == 1 and not p.logit_bias and p.min_tokens == 0)
+        assert p.is_off == off
+        q = dataclasses.replace(p, presence=0.0)
+        assert q.is_off == (q.frequency == 0 and q.repetition == 1 and not q.logit_bias and q.min_tokens == 0)
+        assert p == Penalties(**fields)
+    assert Penalties().is_off and not Penalties(min_tokens=1).is_off
