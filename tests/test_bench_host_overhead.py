@@ -275,3 +275,55 @@ def test_penalties_is_off_holds_for_drawn_penalties():
         assert q.is_off == (q.frequency == 0 and q.repetition == 1 and not q.logit_bias and q.min_tokens == 0)
         assert p == Penalties(**fields)
     assert Penalties().is_off and not Penalties(min_tokens=1).is_off
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3-next"])
+def test_decode_inputs_advanced_give_the_tokens_rebuilt_inputs_give(family):
+    """The decode chunk's inputs advanced from its results
+    (``DecodeInputs.advanced``) against the same engine rebuilding them from
+    the records every step: drawn prompts arriving over the first steps,
+    sampled with seeds or greedy, stop ids, different lengths (so requests
+    finish and the running set changes), one with penalties (its steps
+    rebuild): the same outputs, and the advanced inputs were used."""
+    from jaxkv.bench.serve import _host_models
+    from jaxkv.serve import Engine
+
+    build, options = _host_models([family])[next(iter(_host_models([family])))]
+    model = build()
+    rng = np.random.default_rng(6)
+    work = []
+    for i in range(7):
+        sampling = SamplingParams(temperature=float(rng.choice([0.0, 0.8])), top_k=int(rng.choice([0, 5])))
+        work.append(dict(prompt=rng.integers(3, 500, int(rng.integers(3, 20))).tolist(),
+                         max_new=5 if i == 3 else int(rng.integers(3, 48)), sampling=sampling,
+                         seed=int(rng.integers(1 << 20)),
+                         stop=[int(rng.integers(3, 500))], arrival=int(rng.integers(0, 4)),
+                         penalties=Penalties(presence=0.5) if i == 3 else None))
+
+    def run(rebuild: bool):
+        engine = Engine(model, **options(8, 64))
+        built = []
+        real = engine._build_decode_inputs
+
+        def counted(*args):
+            built.append(1)
+            return real(*args)
+
+        engine._build_decode_inputs = counted
+        for w in work:
+            engine.add_request(w["prompt"], w["max_new"], sampling=w["sampling"], seed=w["seed"],
+                               stop_token_ids=w["stop"], arrival_step=w["arrival"], penalties=w["penalties"])
+        outputs, decodes = [], 0
+        while engine.has_unfinished():
+            calls = engine.stats().model_calls
+            step = engine.step()
+            outputs.append([(o.request_id, o.new_token_ids, o.finish_reason) for o in step])
+            decodes += engine.stats().model_calls > calls
+            if rebuild:
+                engine._decode_inputs = None
+        return outputs, len(built), decodes
+
+    advanced, built, decodes = run(rebuild=False)
+    rebuilt, built_every, _ = run(rebuild=True)
+    assert advanced == rebuilt
+    assert built < built_every, (built, built_every, decodes)

@@ -652,9 +652,10 @@ class CacheBase(abc.ABC):
         """:meth:`growth` of each request."""
         return np.maximum(self.blocks_for_many(np.asarray(num_tokens) + np.asarray(steps)) - held, 0)
 
-    def _keys(self, key_data: list) -> np.ndarray:
-        """Key data ``[max_seqs, ...]`` from per-lane key data (idle lanes:
-        zeros): what every jitted step takes and gives back (:func:`typed_keys`)."""
+    def key_array(self, key_data: list) -> np.ndarray:
+        """Key data ``[max_seqs, ...]`` from per-lane key data (idle lanes,
+        None: zeros): what every jitted step takes and gives back
+        (:func:`typed_keys`)."""
         data = np.zeros((self.max_seqs, *self._key_shape), np.uint32)
         for lane, key in enumerate(key_data):
             if key is not None:
@@ -697,7 +698,7 @@ class CacheBase(abc.ABC):
             tokens[i, : end - start] = lane.tokens[start:end]
         lanes = [lane for lane, _ in batch]
         sampled, keys, used, logprobs = self._prefill_call(graphdef, params, lanes, starts, num_new, tokens,
-                                                           sampling, self._keys([lane.key for lane in lanes]))
+                                                           sampling, self.key_array([lane.key for lane in lanes]))
         return sampled[: len(batch)], keys[: len(batch)], used, logprobs
 
     def _cuts(self, lane: PrefillLane) -> list[int]:
@@ -732,7 +733,7 @@ class CacheBase(abc.ABC):
         if speculation is not None and not self.packs_verify_lanes:
             raise InvalidArgument(f"{type(self).__name__} packs no speculative verify lanes")
         result = self._packed_call(graphdef, params, lanes, (self._seq_ids(rows), tokens, positions), sampling,
-                                   self._keys(key_data), num_tokens, want_tables=self._wants_tables(prefill),
+                                   self.key_array(key_data), num_tokens, want_tables=self._wants_tables(prefill),
                                    prefill_width=min(num_tokens, prefill_width or num_tokens),
                                    **({} if speculation is None else {"speculation": speculation}),
                                    **({} if not scored else {"scored": scored}))
@@ -770,7 +771,8 @@ class CacheBase(abc.ABC):
     def decode(self, graphdef, params, last, active, num_generated, max_new, eos_id, sampling: RowSampling,
                key_data: list, num_steps: int, speculation=None) -> DecodeResult:
         """``num_steps`` decode steps of the rows ``active`` in one jitted
-        loop; finished rows stay allocated until :meth:`retire`.
+        loop; finished rows stay allocated until :meth:`retire`. ``key_data``:
+        per row, its key data (None: idle), or :meth:`key_array` of that.
         ``speculation``: ``(config, (history, updates), history_len,
         speculate, steps, draft)``: ``steps`` verify steps instead (:func:`speculative_chunk`;
         ``draft`` a :mod:`jaxkv.serve.drafts` draft (its plan made) or None;
@@ -782,16 +784,17 @@ class CacheBase(abc.ABC):
                                         or getattr(sampling, "constraints", None) is not None):
             raise InvalidArgument("log-probabilities, penalties and constraints are computed by plain decode chunks "
                                   "(the scheduler runs one while a request asks for them), not by speculative ones")
+        keys = key_data if isinstance(key_data, np.ndarray) else self.key_array(key_data)
         if speculation is None:
             state = decode_chunk(graphdef, params, manager, pool, last, active, num_generated, max_new, eos_id,
-                                 sampling, self._keys(key_data), num_steps=num_steps, scrub=self.scrub)
+                                 sampling, keys, num_steps=num_steps, scrub=self.scrub)
         else:
             config, (history, updates), history_len, speculate, steps, draft = speculation
             draft_args, draft_graphdef = (None,) * 5, None
             if draft is not None:
                 draft_args, draft_graphdef = draft.chunk_arguments()
             spec = speculative_chunk(graphdef, params, manager, pool, last, active, num_generated, max_new, eos_id,
-                                     sampling, self._keys(key_data), history, history_len, speculate,
+                                     sampling, keys, history, history_len, speculate,
                                      np.int32(steps), *draft_args, updates, num_steps=num_steps, config=config,
                                      scrub=self.scrub, draft_graphdef=draft_graphdef)
             state, drafted, accepted, steps = spec.decode, spec.drafted, spec.accepted, spec.steps
@@ -897,8 +900,9 @@ class KVCache(Protocol):
                     num_tokens: int, prefill_width: int | None = None, speculation=None,
                     scored=None) -> PackedResult: ...
     def prefill_lane_cap(self, num_prefill: int, budget: int) -> int: ...
+    def key_array(self, key_data: list) -> np.ndarray: ...
     def decode(self, graphdef, params, last, active, num_generated, max_new, eos_id, sampling: RowSampling,
-               key_data: list, num_steps: int, speculation=None) -> DecodeResult: ...
+               key_data: list | np.ndarray, num_steps: int, speculation=None) -> DecodeResult: ...
     def retire(self, finished: list) -> None: ...
     def end_step(self) -> None: ...
     def swap_out(self, row: int) -> bool: ...

@@ -92,6 +92,7 @@ Request life cycle (:class:`RequestState`)::
 from __future__ import annotations
 
 import collections
+import dataclasses
 import logging
 import time
 
@@ -109,7 +110,7 @@ from jaxkv.serve.reserve import admission_blocks, growth, growth_total, make_roo
 from jaxkv.serve.speculation import Speculation
 from jaxkv.serve.structured import ConstraintTable
 
-__all__ = ["MAX_REQUEST_FAULTS", "Scheduler", "WAIT_FOR_PREFIX_TOKENS", "cached_sampling_row", "check_rows",
+__all__ = ["MAX_REQUEST_FAULTS", "DecodeInputs", "Scheduler", "WAIT_FOR_PREFIX_TOKENS", "cached_sampling_row", "check_rows",
            "row_sampling", "sampling_row", "stream_buckets", "stream_length", "stream_lengths"]
 
 logger = logging.getLogger("jaxkv.serve")
@@ -341,6 +342,47 @@ def _plain_only(requests) -> bool:
                or req.grammar is not None for req in requests)
 
 
+@dataclasses.dataclass(frozen=True)
+class DecodeInputs:
+    """A decode chunk's per-row inputs (``[max_seqs]`` arrays, idle rows
+    zero with ``eos`` -1; ``keys`` the rows' key data) made for the
+    requests ``running`` (row -> request) on ``cache`` when the engine had
+    made ``calls`` model calls. ``plain``: none of them asks for
+    log-probabilities, penalties, a constraint or a grammar (whose inputs
+    change with every token in other ways).
+
+    Invariant the scheduler keeps: after a chunk over plain requests, every
+    request still running took exactly the tokens the chunk counted for its
+    row (a request whose tokens were cut finished), and its key is the
+    chunk's; so :meth:`advanced` gives what rebuilding from the records
+    would, while the same requests run and no other model call ran (the
+    records are read again otherwise). At 256 rows this saves three passes
+    over cold records per decode iteration."""
+
+    running: dict
+    last: np.ndarray
+    active: np.ndarray
+    num_generated: np.ndarray
+    max_new: np.ndarray
+    eos: np.ndarray
+    keys: np.ndarray
+    sampling: RowSampling
+    plain: bool
+    cache: object
+    calls: int
+
+    def advanced(self, result, calls: int) -> "DecodeInputs":
+        """The inputs after the chunk that gave ``result`` (a
+        :class:`~jaxkv.serve.caches.DecodeResult`), the engine's model calls
+        then ``calls``."""
+        count = np.asarray(result.count, np.int32)
+        last = self.last.copy()
+        ran = np.flatnonzero(count > 0)
+        last[ran] = np.asarray(result.tokens)[ran, count[ran] - 1]
+        return dataclasses.replace(self, last=last, num_generated=self.num_generated + count, keys=result.keys,
+                                   calls=calls)
+
+
 class Scheduler(FaultContainment):
     """The engine's core (module docstring): the requests' records, the row
     map and queues, and one scheduler iteration at a time over ``cache``.
@@ -388,6 +430,7 @@ class Scheduler(FaultContainment):
         self._count = output.counters
         self._hit_blocks = np.zeros(len(cache.groups), np.int64)
         self._peak = 0
+        self._decode_inputs: DecodeInputs | None = None  # the next decode chunk's, advanced from the last one's
         self.last_failure: BaseException | None = None  # (FaultContainment)
 
     #: ``req``'s sampling row (:func:`cached_sampling_row`: converted once per distinct parameters; an
@@ -834,6 +877,43 @@ class Scheduler(FaultContainment):
             running = {row: req for row, req in running.items() if req.id in rows}
         if not running:
             return
+        inputs = self._decode_inputs
+        if not (inputs is not None and inputs.cache is self.cache and inputs.calls == self._count.model_calls
+                and inputs.running == running):
+            inputs = self._build_decode_inputs(running, rows)
+        # A request that asks for log-probabilities, penalties or a constraint pauses speculation while it runs
+        # (verify steps compute none of them).
+        speculation = None if self.speculation is None or not inputs.plain else (
+            self.speculation.arguments(running, self.decode_chunk))
+        result = self.cache.decode(self.graphdef, self.params, inputs.last, inputs.active, inputs.num_generated,
+                                   inputs.max_new, inputs.eos, inputs.sampling, inputs.keys, self.decode_chunk,
+                                   speculation=speculation)
+        if speculation is not None:
+            self.speculation.took(result.history, result.count)
+            self.speculation.record(running, speculation[0], result.drafted, result.accepted, result.steps,
+                                    self._count)
+        now = time.perf_counter()
+        self._update_peak(result.peak)
+        self._count_call(self.max_seqs * int(result.count.max(initial=0)), int(result.count.sum()))
+        tokens, counts, done = result.tokens.tolist(), result.count.tolist(), result.finished.tolist()
+        keys, logprobs = result.keys, result.logprobs
+        finished = self.output.take_all([(req, tokens[row][: counts[row]], done[row] and req.grammar is None,
+                                          keys[row], None if logprobs is None else logprob_entries(logprobs, row,
+                                                                                                   counts[row]))
+                                         for row, req in running.items()], now)
+        self._retire(finished, final=True)
+        # The next chunk's inputs, advanced here, are valid while the same requests run and no other call ran.
+        self._decode_inputs = (inputs.advanced(result, self._count.model_calls)
+                               if inputs.plain and speculation is None else None)
+        self._release_trimmed_hits(req for req in running.values() if req.state is RequestState.RUNNING)
+        if not result.ok:
+            logger.debug("decode stalled for blocks: rows %s", np.flatnonzero(result.blocked).tolist())
+            self._relieve([req for row, req in running.items()
+                           if result.blocked[row] and req.state is RequestState.RUNNING])
+
+    def _build_decode_inputs(self, running: dict, rows: dict) -> "DecodeInputs":
+        """The decode chunk's per-row inputs from the records of ``running``
+        (row -> request; ``rows``: their screened sampling rows)."""
         batch = self.max_seqs
         index = np.fromiter(running, np.int64, len(running))
         # One pass over the records, then one assignment per array (not a pass per field).
@@ -852,33 +932,9 @@ class Scheduler(FaultContainment):
         active[index] = True
         for row, req in running.items():
             keys[row] = req.key
-        # A request that asks for log-probabilities, penalties or a constraint pauses speculation while it runs
-        # (verify steps compute none of them).
-        speculation = None if self.speculation is None or _plain_only(running.values()) else (
-            self.speculation.arguments(running, self.decode_chunk))
-        result = self.cache.decode(self.graphdef, self.params, last, active, num_generated, max_new, eos,
-                                   self._row_sampling(rows, running), keys,
-                                   self.decode_chunk,
-                                   speculation=speculation)
-        if speculation is not None:
-            self.speculation.took(result.history, result.count)
-            self.speculation.record(running, speculation[0], result.drafted, result.accepted, result.steps,
-                                    self._count)
-        now = time.perf_counter()
-        self._update_peak(result.peak)
-        self._count_call(self.max_seqs * int(result.count.max(initial=0)), int(result.count.sum()))
-        tokens, counts, done = result.tokens.tolist(), result.count.tolist(), result.finished.tolist()
-        keys, logprobs = result.keys, result.logprobs
-        finished = self.output.take_all([(req, tokens[row][: counts[row]], done[row] and req.grammar is None,
-                                          keys[row], None if logprobs is None else logprob_entries(logprobs, row,
-                                                                                                   counts[row]))
-                                         for row, req in running.items()], now)
-        self._retire(finished, final=True)
-        self._release_trimmed_hits(req for req in running.values() if req.state is RequestState.RUNNING)
-        if not result.ok:
-            logger.debug("decode stalled for blocks: rows %s", np.flatnonzero(result.blocked).tolist())
-            self._relieve([req for row, req in running.items()
-                           if result.blocked[row] and req.state is RequestState.RUNNING])
+        return DecodeInputs(running, last, active, num_generated, max_new, eos, self.cache.key_array(keys),
+                            self._row_sampling(rows, running), not _plain_only(running.values()), self.cache,
+                            self._count.model_calls)
 
     def _release_trimmed_hits(self, reqs) -> None:
         """Unpin the prefix hits that a window trimmed out of their rows'
