@@ -802,9 +802,8 @@ class CacheBase(abc.ABC):
             draft_lengths = None if draft is None else draft.lengths(spec)
         self._decode_done(state.manager, state.pool)
         out, count, finished, ok, blocked, peak, keys, host, drafted, accepted, steps, logprobs, draft_lengths = (
-            fetch((state.tokens, state.written, state.finished, state.ok, state.blocked, state.peak_used,
-                            state.keys, self._host_leaves(self.manager), drafted, accepted, steps,
-                            state.logprobs, draft_lengths)))
+            fetch((state.tokens, state.written, state.finished, state.ok, state.blocked, state.peak_used, state.keys,
+                   self._host_leaves(self.manager), drafted, accepted, steps, state.logprobs, draft_lengths)))
         if draft is not None:
             draft.finish(spec, draft_lengths, bool(ok), blocked)
         self._mirror(host)
