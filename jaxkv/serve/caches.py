@@ -211,7 +211,7 @@ def hashed_graphdef(graphdef: nnx.GraphDef) -> nnx.GraphDef:
 
 
 @functools.cache
-def _host_is_device() -> bool:
+def _backend_is_cpu() -> bool:
     return jax.default_backend() == "cpu"
 
 
@@ -223,7 +223,7 @@ def fetch(tree):
     development VM, for nothing to copy, a tenth of a 256-row iteration's
     host time); on an accelerator ``device_get`` starts every copy before
     waiting on one."""
-    if not _host_is_device():
+    if not _backend_is_cpu():
         return jax.device_get(tree)
     return jax.tree.map(np.asarray, tree)
 

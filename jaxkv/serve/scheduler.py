@@ -110,8 +110,8 @@ from jaxkv.serve.reserve import admission_blocks, growth, growth_total, make_roo
 from jaxkv.serve.speculation import Speculation
 from jaxkv.serve.structured import ConstraintTable
 
-__all__ = ["MAX_REQUEST_FAULTS", "DecodeInputs", "Scheduler", "WAIT_FOR_PREFIX_TOKENS", "cached_sampling_row", "check_rows",
-           "row_sampling", "sampling_row", "stream_buckets", "stream_length", "stream_lengths"]
+__all__ = ["MAX_REQUEST_FAULTS", "DecodeInputs", "Scheduler", "WAIT_FOR_PREFIX_TOKENS", "cached_sampling_row",
+           "check_rows", "row_sampling", "sampling_row", "stream_buckets", "stream_length", "stream_lengths"]
 
 logger = logging.getLogger("jaxkv.serve")
 
@@ -334,7 +334,7 @@ def _record_prompt_scores(batch: list, scored: list, scores) -> None:
             at += 1
 
 
-def _plain_only(requests) -> bool:
+def _asks_extra(requests) -> bool:
     """Whether any of ``requests`` asks for log-probabilities, penalties, a
     constraint or a grammar (which speculative verify steps do not
     compute)."""
@@ -776,9 +776,8 @@ class Scheduler(FaultContainment):
         what is left is cut; at least one prompt token runs). A request
         whose last piece ran gets its first token, a decoding one its next."""
         self._check_rows()
-        running = RequestState.RUNNING  # _decoding, inline: a pass over every row
         decoding = [(row, req) for row, req in ((row, self._requests[rid]) for row, rid in enumerate(self._rows)
-                                                if rid is not None) if req.state is running and not req.pieces]
+                                                if rid is not None) if self._decoding(req)]
         rows = self._screen([req for _, req in decoding] + self._prefilling)
         # A decoding request that screening finished leaves the batch (``_prefilling`` lost its own already);
         # the common case, none, skips the pass.
@@ -791,7 +790,7 @@ class Scheduler(FaultContainment):
         speculation = verify = None
         # Not while any request of the step, prefilling ones included, asks for what verify steps do not compute
         # (their plain lanes draw with no logprobs, penalties or constraint, and score no prompt).
-        if self.speculation is not None and self.cache.packs_verify_lanes and not _plain_only(
+        if self.speculation is not None and self.cache.packs_verify_lanes and not _asks_extra(
                 [req for _, req in decoding] + self._prefilling) and all(
                 req.prompt_logprobs is None for req in self._prefilling):
             speculation, verify = self.speculation.packed_arguments(decoding, budget)
@@ -814,7 +813,7 @@ class Scheduler(FaultContainment):
         scored = _prompt_scoring(batch)
         result = self.cache.packed_step(
             self.graphdef, self.params, [(req.lane, piece) for req, piece in batch],
-            [(row, req.generated[-1], len(req.prompt) + len(req.generated) - 1) for row, req in decoding],  # kv_len
+            [(row, req.generated[-1], req.kv_len) for row, req in decoding],
             self._row_sampling(rows, dict(enumerate(lanes))),
             [req.key for req in lanes],
             length,
@@ -933,7 +932,7 @@ class Scheduler(FaultContainment):
         for row, req in running.items():
             keys[row] = req.key
         return DecodeInputs(running, last, active, num_generated, max_new, eos, self.cache.key_array(keys),
-                            self._row_sampling(rows, running), not _plain_only(running.values()), self.cache,
+                            self._row_sampling(rows, running), not _asks_extra(running.values()), self.cache,
                             self._count.model_calls)
 
     def _release_trimmed_hits(self, reqs) -> None:
