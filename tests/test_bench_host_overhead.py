@@ -31,7 +31,7 @@ from jaxkv.serve.output import Counters, OutputProcessor
 from jaxkv.serve.hybrid_cache import HybridCache
 from jaxkv.serve.paged_cache import PagedCache
 from jaxkv.serve.request import Request, RequestState
-from jaxkv.serve.reserve import growth, growth_total
+from jaxkv.serve.reserve import growth, growth_bound, growth_total
 
 COLUMNS = ["family", "phase", "rows", "running", "host ms p50", "host ms p90", "host CPU ms p50", "device ms p50",
            "calls/iter", "host / at 4"]
@@ -72,8 +72,9 @@ def _hybrid(per_block):
     return cache
 
 
-@pytest.mark.parametrize("cache", [_paged(4, None), _paged(4, 9), _paged(16, 3), _hybrid([(1, 4), (4, 2), (16, 1)])],
-                         ids=["paged", "paged-window", "paged-small-window", "hybrid"])
+@pytest.mark.parametrize("cache", [_paged(4, None), _paged(1, None), _paged(4, 9), _paged(16, 3),
+                                   _hybrid([(1, 4), (4, 2), (16, 1), (3, 5)])],
+                         ids=["paged", "paged-page-1", "paged-window", "paged-small-window", "hybrid"])
 def test_growth_total_is_the_sum_of_each_request_growth(cache):
     rng = np.random.default_rng(0)
     key = np.zeros((2,), np.uint32)
@@ -90,6 +91,11 @@ def test_growth_total_is_the_sum_of_each_request_growth(cache):
         chunk = int(rng.integers(1, 9))
         want = sum((growth(cache, r, chunk) for r in reqs), np.zeros(len(cache.groups), np.int64))
         assert growth_total(cache, reqs, chunk).tolist() == want.tolist()
+        # The admission's first test: a bound from the count alone (none with a window on every layer).
+        bound = growth_bound(cache, len(reqs), chunk)
+        assert (bound is None) == (cache.window is not None)
+        if bound is not None:
+            assert np.all(want <= bound), (want, bound)
     assert growth_total(cache, [], 4).tolist() == [0] * len(cache.groups)
 
 
@@ -278,52 +284,118 @@ def test_penalties_is_off_holds_for_drawn_penalties():
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3-next"])
-def test_decode_inputs_advanced_give_the_tokens_rebuilt_inputs_give(family):
-    """The decode chunk's inputs advanced from its results
-    (``DecodeInputs.advanced``) against the same engine rebuilding them from
-    the records every step: drawn prompts arriving over the first steps,
-    sampled with seeds or greedy, stop ids, different lengths (so requests
-    finish and the running set changes), one with penalties (its steps
-    rebuild): the same outputs, and the advanced inputs were used."""
+def test_row_mirror_gives_the_tokens_the_records_give(family):
+    """The decoding requests' step inputs from the row mirror
+    (:class:`~jaxkv.serve.row_inputs.RowInputs`: advanced from each call's
+    results, a changed row read from its record) against the same engine
+    reading every record every step: drawn prompts arriving while others
+    decode (packed steps with decode lanes), sampled with seeds or greedy,
+    stop ids, different lengths (requests finish, rows are taken again),
+    one with penalties (its steps read the records): the same outputs; the
+    mirror served packed steps and decode chunks, and some step read only
+    the rows that changed."""
     from jaxkv.bench.serve import _host_models
     from jaxkv.serve import Engine
+    from jaxkv.serve.row_inputs import RowInputs
 
     build, options = _host_models([family])[next(iter(_host_models([family])))]
     model = build()
     rng = np.random.default_rng(6)
     work = []
-    for i in range(7):
+    for i in range(12):
         sampling = SamplingParams(temperature=float(rng.choice([0.0, 0.8])), top_k=int(rng.choice([0, 5])))
         work.append(dict(prompt=rng.integers(3, 500, int(rng.integers(3, 20))).tolist(),
-                         max_new=5 if i == 3 else int(rng.integers(3, 48)), sampling=sampling,
+                         max_new=5 if i == 3 else int(rng.integers(3, 40)), sampling=sampling,
                          seed=int(rng.integers(1 << 20)),
-                         stop=[int(rng.integers(3, 500))], arrival=int(rng.integers(0, 4)),
+                         stop=[int(rng.integers(3, 500))], arrival=int(rng.integers(0, 12)),
                          penalties=Penalties(presence=0.5) if i == 3 else None))
+    used = []  # per mirror call: (rows, rows read from records), or None: every record read
+    kinds = set()  # the steps the mirror served
 
-    def run(rebuild: bool):
-        engine = Engine(model, **options(8, 64))
-        built = []
-        real = engine._build_decode_inputs
+    class Counted(RowInputs):
+        def current(self, decoding, sampling_rows, calls):
+            decoding = list(decoding)
+            before = self.stamp.copy()
+            index = super().current(decoding, sampling_rows, calls)
+            used.append(None if index is None else (len(index), int((self.stamp[index] != before[index]).sum())))
+            return index
 
-        def counted(*args):
-            built.append(1)
-            return real(*args)
+        def packed_arrays(self, index, first_lane):
+            kinds.add("packed")
+            return super().packed_arrays(index, first_lane)
 
-        engine._build_decode_inputs = counted
+        def decode_arrays(self, index):
+            kinds.add("decode")
+            return super().decode_arrays(index)
+
+    class Never(RowInputs):
+        def current(self, decoding, sampling_rows, calls):
+            return None
+
+    def run(mirror):
+        engine = Engine(model, **options(6, 64))
+        engine._row_inputs, engine._row_inputs_cache = mirror(6, engine.cache.key_array([]).shape[1:],
+                                                              engine.logprobs_mode), engine.cache
         for w in work:
             engine.add_request(w["prompt"], w["max_new"], sampling=w["sampling"], seed=w["seed"],
                                stop_token_ids=w["stop"], arrival_step=w["arrival"], penalties=w["penalties"])
-        outputs, decodes = [], 0
+        outputs = []
         while engine.has_unfinished():
-            calls = engine.stats().model_calls
-            step = engine.step()
-            outputs.append([(o.request_id, o.new_token_ids, o.finish_reason) for o in step])
-            decodes += engine.stats().model_calls > calls
-            if rebuild:
-                engine._decode_inputs = None
-        return outputs, len(built), decodes
+            outputs.append([(o.request_id, o.new_token_ids, o.finish_reason) for o in engine.step()])
+        return outputs
 
-    advanced, built, decodes = run(rebuild=False)
-    rebuilt, built_every, _ = run(rebuild=True)
-    assert advanced == rebuilt
-    assert built < built_every, (built, built_every, decodes)
+    mirrored = run(Counted)
+    served = [u for u in used if u is not None]
+    assert run(Never) == mirrored
+    assert kinds == {"packed", "decode"}
+    assert served and any(0 < read < rows for rows, read in served), used  # only the changed rows were read
+    assert any(read == 0 for _, read in served), used  # and steps that read none
+
+
+@pytest.mark.parametrize("num_pages", [None, 24])
+def test_admission_with_the_reserve_bound_admits_as_with_the_reserve(num_pages, monkeypatch):
+    """Admission tests the running requests' reserve bound first
+    (``growth_bound``: no pass over their records) and computes the reserve
+    only where the bound does not fit: the same admissions, evictions and
+    preemptions, so the same outputs, as an engine computing the reserve
+    every time; drawn prompts sharing prefixes and arrivals, with plenty of
+    pages (the bound serves) and few (the reserve is computed and evicts)."""
+    from jaxkv.bench.serve import _host_models
+    from jaxkv.serve import Engine, scheduler
+
+    build, options = _host_models(["llama"])["llama (paged)"]
+    model = build()
+    rng = np.random.default_rng(int(num_pages or 1))
+    shared = rng.integers(3, 500, 40).tolist()
+    work = [dict(prompt=shared[: int(rng.integers(0, 40))] + rng.integers(3, 500, int(rng.integers(2, 24))).tolist(),
+                 max_new=int(rng.integers(2, 30)), arrival=int(rng.integers(0, 10))) for _ in range(14)]
+    reserves = []
+    real = scheduler.Scheduler._growth_reserve
+
+    def counted(self, *args, **kwargs):
+        reserves.append(1)
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(scheduler.Scheduler, "_growth_reserve", counted)
+
+    def run():
+        reserves.clear()
+        kwargs = options(6, 96)
+        if num_pages is not None:
+            kwargs["num_pages"] = num_pages
+        engine = Engine(model, **kwargs)
+        for w in work:
+            engine.add_request(w["prompt"], w["max_new"], arrival_step=w["arrival"])
+        outputs = []
+        while engine.has_unfinished():
+            outputs.append([(o.request_id, o.new_token_ids, o.finish_reason) for o in engine.step()])
+        stats = engine.stats()
+        return outputs, (stats.prefix_hit_tokens, stats.preemptions), len(reserves)
+
+    bounded, counts, computed = run()
+    monkeypatch.setattr(scheduler, "growth_bound", lambda *args: None)
+    assert run()[:2] == (bounded, counts)
+    if num_pages is None:
+        assert computed == 0  # the bound served every admission
+    else:
+        assert computed > 0  # the bound did not fit: the reserve was computed

@@ -652,10 +652,12 @@ class CacheBase(abc.ABC):
         """:meth:`growth` of each request."""
         return np.maximum(self.blocks_for_many(np.asarray(num_tokens) + np.asarray(steps)) - held, 0)
 
-    def key_array(self, key_data: list) -> np.ndarray:
+    def key_array(self, key_data: list | np.ndarray) -> np.ndarray:
         """Key data ``[max_seqs, ...]`` from per-lane key data (idle lanes,
-        None: zeros): what every jitted step takes and gives back
-        (:func:`typed_keys`)."""
+        None: zeros), or that array itself: what every jitted step takes and
+        gives back (:func:`typed_keys`)."""
+        if isinstance(key_data, np.ndarray):
+            return key_data
         data = np.zeros((self.max_seqs, *self._key_shape), np.uint32)
         for lane, key in enumerate(key_data):
             if key is not None:
@@ -708,16 +710,17 @@ class CacheBase(abc.ABC):
     packs_verify_lanes = False
 
     def packed_step(self, graphdef, params, prefill: list[tuple[PrefillLane, tuple[int, int]]],
-                    decode: list[tuple[int, int, int]], sampling: RowSampling, key_data: list,
-                    num_tokens: int, prefill_width: int | None = None, speculation=None,
-                    scored=None) -> PackedResult:
+                    decode: list[tuple[int, int, int]] | np.ndarray, sampling: RowSampling,
+                    key_data: list | np.ndarray, num_tokens: int, prefill_width: int | None = None,
+                    speculation=None, scored=None) -> PackedResult:
         """ONE jitted call for a scheduler iteration: the prefill pieces
         ``prefill`` (lane, ``(start, end)``; pieces of one lane in order,
         after :meth:`begin_prefill`; a piece that ends the lane's tokens
         samples its first token) and the decode tokens ``decode`` (``(row,
-        token, position)``: each row grows by one token, all or nothing),
-        packed end to end into a stream of ``num_tokens`` (a bucket). Lane
-        ``i`` of ``sampling`` / ``key_data`` is ``prefill[i]``, then the
+        token, position)`` per entry, or those rows as an ``[n, 3]`` array:
+        each row grows by one token, all or nothing), packed end to end into
+        a stream of ``num_tokens`` (a bucket). Lane ``i`` of ``sampling`` /
+        ``key_data`` (:meth:`key_array`'s) is ``prefill[i]``, then the
         decode rows in order. ``prefill_width``: the longest piece this step
         may carry (:meth:`prefill_lane_cap`; default ``num_tokens``).
         ``speculation`` (caches with :attr:`packs_verify_lanes`): ``(config,
@@ -784,7 +787,7 @@ class CacheBase(abc.ABC):
                                         or getattr(sampling, "constraints", None) is not None):
             raise InvalidArgument("log-probabilities, penalties and constraints are computed by plain decode chunks "
                                   "(the scheduler runs one while a request asks for them), not by speculative ones")
-        keys = key_data if isinstance(key_data, np.ndarray) else self.key_array(key_data)
+        keys = self.key_array(key_data)
         if speculation is None:
             state = decode_chunk(graphdef, params, manager, pool, last, active, num_generated, max_new, eos_id,
                                  sampling, keys, num_steps=num_steps, scrub=self.scrub)
@@ -895,11 +898,11 @@ class KVCache(Protocol):
     def fork_hit(self, row: int, num_tokens: int) -> PrefixHit | None: ...
     def pieces(self, lane: PrefillLane, width: int | None = None) -> list[tuple[int, int]]: ...
     def prefill_step(self, graphdef, params, batch, sampling: RowSampling): ...
-    def packed_step(self, graphdef, params, prefill, decode, sampling: RowSampling, key_data: list,
+    def packed_step(self, graphdef, params, prefill, decode, sampling: RowSampling, key_data: list | np.ndarray,
                     num_tokens: int, prefill_width: int | None = None, speculation=None,
                     scored=None) -> PackedResult: ...
     def prefill_lane_cap(self, num_prefill: int, budget: int) -> int: ...
-    def key_array(self, key_data: list) -> np.ndarray: ...
+    def key_array(self, key_data: list | np.ndarray) -> np.ndarray: ...
     def decode(self, graphdef, params, last, active, num_generated, max_new, eos_id, sampling: RowSampling,
                key_data: list | np.ndarray, num_steps: int, speculation=None) -> DecodeResult: ...
     def retire(self, finished: list) -> None: ...

@@ -17,7 +17,8 @@ import numpy as np
 from jaxkv.serve.caches import PrefixHit
 from jaxkv.serve.request import Request
 
-__all__ = ["admission_blocks", "growth", "growth_total", "make_room", "no_hit", "readmittable", "steps_ahead"]
+__all__ = ["admission_blocks", "growth", "growth_bound", "growth_total", "make_room", "no_hit", "readmittable",
+           "steps_ahead"]
 
 
 def steps_ahead(cache, req: Request, decode_chunk: int) -> int:
@@ -70,6 +71,19 @@ def growth_total(cache, reqs: list, decode_chunk: int) -> np.ndarray:
     num = np.where(prefilling, tokens, tokens - 1)
     held = np.where(prefilling[:, None], cache.blocks_for_many(num), cache.held_blocks_many(num))
     return cache.growth_many(num, steps, held, shared).sum(axis=0).astype(np.int64)
+
+
+def growth_bound(cache, count: int, decode_chunk: int) -> np.ndarray | None:
+    """A bound of :func:`growth_total` over any ``count`` running requests,
+    per group, from the block arithmetic alone (no pass over their
+    records): None with a window on every layer (a request then reserves
+    all it has left). Without one, a request reserves at most
+    ``decode_chunk`` steps, and ``n + s`` tokens take at most
+    ``blocks_for(s) + 1`` more blocks than ``n`` do (the ``+ 1``: a
+    boundary crossed, or an entry a compressed group completes)."""
+    if cache.window is not None:
+        return None
+    return count * (cache.blocks_for(decode_chunk) + 1)
 
 
 def admission_blocks(cache, req: Request, hit, decode_chunk: int) -> np.ndarray:

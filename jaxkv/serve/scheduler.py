@@ -92,7 +92,6 @@ Request life cycle (:class:`RequestState`)::
 from __future__ import annotations
 
 import collections
-import dataclasses
 import logging
 import time
 
@@ -106,11 +105,13 @@ from jaxkv.serve.caches import FREE, ON_DEVICE, STATUS_NAMES, SWAPPED, PrefillLa
 from jaxkv.serve.faults import MAX_REQUEST_FAULTS, FaultContainment, sampling_row
 from jaxkv.serve.output import OutputProcessor
 from jaxkv.serve.request import Request, RequestState
-from jaxkv.serve.reserve import admission_blocks, growth, growth_total, make_room, no_hit, readmittable
+from jaxkv.serve.reserve import (admission_blocks, growth, growth_bound, growth_total, make_room, no_hit,
+                                 readmittable)
+from jaxkv.serve.row_inputs import RowInputs, asks_extra
 from jaxkv.serve.speculation import Speculation
 from jaxkv.serve.structured import ConstraintTable
 
-__all__ = ["MAX_REQUEST_FAULTS", "DecodeInputs", "Scheduler", "WAIT_FOR_PREFIX_TOKENS", "cached_sampling_row",
+__all__ = ["MAX_REQUEST_FAULTS", "Scheduler", "WAIT_FOR_PREFIX_TOKENS", "cached_sampling_row",
            "check_rows", "row_sampling", "sampling_row", "stream_buckets", "stream_length", "stream_lengths"]
 
 logger = logging.getLogger("jaxkv.serve")
@@ -193,8 +194,7 @@ def row_sampling(max_seqs: int, rows: dict, reqs_by_lane: dict, logprobs_mode: s
         top_k[lanes] = [v[1] for v in values]
         top_p[lanes] = [v[2] for v in values]
     # One pass finds the requests that ask for more than temperature, top-k and top-p (most steps: none).
-    odd = [req for req in reqs_by_lane.values() if req.logprobs is not None or not req.penalties.is_off
-           or req.constraint is not None or req.grammar is not None]
+    odd = [req for req in reqs_by_lane.values() if asks_extra(req)]
     wanted = any(req.logprobs is not None for req in odd)
     penalties = None
     if any(not req.penalties.is_off for req in odd):
@@ -334,55 +334,6 @@ def _record_prompt_scores(batch: list, scored: list, scores) -> None:
             at += 1
 
 
-def _asks_extra(requests) -> bool:
-    """Whether any of ``requests`` asks for log-probabilities, penalties, a
-    constraint or a grammar (which speculative verify steps do not
-    compute)."""
-    return any(req.logprobs is not None or not req.penalties.is_off or req.constraint is not None
-               or req.grammar is not None for req in requests)
-
-
-@dataclasses.dataclass(frozen=True)
-class DecodeInputs:
-    """A decode chunk's per-row inputs (``[max_seqs]`` arrays, idle rows
-    zero with ``eos`` -1; ``keys`` the rows' key data) made for the
-    requests ``running`` (row -> request) on ``cache`` when the engine had
-    made ``calls`` model calls. ``plain``: none of them asks for
-    log-probabilities, penalties, a constraint or a grammar (whose inputs
-    change with every token in other ways).
-
-    Invariant the scheduler keeps: after a chunk over plain requests, every
-    request still running took exactly the tokens the chunk counted for its
-    row (a request whose tokens were cut finished), and its key is the
-    chunk's; so :meth:`advanced` gives what rebuilding from the records
-    would, while the same requests run and no other model call ran (the
-    records are read again otherwise). At 256 rows this saves three passes
-    over cold records per decode iteration."""
-
-    running: dict
-    last: np.ndarray
-    active: np.ndarray
-    num_generated: np.ndarray
-    max_new: np.ndarray
-    eos: np.ndarray
-    keys: np.ndarray
-    sampling: RowSampling
-    plain: bool
-    cache: object
-    calls: int
-
-    def advanced(self, result, calls: int) -> "DecodeInputs":
-        """The inputs after the chunk that gave ``result`` (a
-        :class:`~jaxkv.serve.caches.DecodeResult`), the engine's model calls
-        then ``calls``."""
-        count = np.asarray(result.count, np.int32)
-        last = self.last.copy()
-        ran = np.flatnonzero(count > 0)
-        last[ran] = np.asarray(result.tokens)[ran, count[ran] - 1]
-        return dataclasses.replace(self, last=last, num_generated=self.num_generated + count, keys=result.keys,
-                                   calls=calls)
-
-
 class Scheduler(FaultContainment):
     """The engine's core (module docstring): the requests' records, the row
     map and queues, and one scheduler iteration at a time over ``cache``.
@@ -430,7 +381,8 @@ class Scheduler(FaultContainment):
         self._count = output.counters
         self._hit_blocks = np.zeros(len(cache.groups), np.int64)
         self._peak = 0
-        self._decode_inputs: DecodeInputs | None = None  # the next decode chunk's, advanced from the last one's
+        self._row_inputs: RowInputs | None = None  # the decoding requests' step inputs per row (_mirror())
+        self._row_inputs_cache = None  # the cache it was made for
         self.last_failure: BaseException | None = None  # (FaultContainment)
 
     #: ``req``'s sampling row (:func:`cached_sampling_row`: converted once per distinct parameters; an
@@ -522,14 +474,16 @@ class Scheduler(FaultContainment):
         used = self.cache.blocks_in_use() if used is None else int(used)
         self._peak = max(self._peak, used)
 
-    def _growth_reserve(self) -> np.ndarray:
-        """Blocks kept free for the running sequences to grow into during
-        their next decode chunk (a windowed model's: until they finish) when
-        admitting or resuming, so that a request is not brought in only to
-        force an immediate preemption (swap in / swap out thrash)."""
+    def _growth_reserve(self, skip=frozenset()) -> np.ndarray:
+        """Blocks kept free for the running sequences (those on rows not in
+        ``skip``) to grow into during their next decode chunk (a windowed
+        model's: until they finish) when admitting or resuming, so that a
+        request is not brought in only to force an immediate preemption
+        (swap in / swap out thrash)."""
         # The row map, not every request ever added; array operations over
         # the running requests, not a call per request (growth_total).
-        running = [req for req in (self._requests[rid] for rid in self._rows if rid is not None)
+        running = [req for req in (self._requests[rid] for row, rid in enumerate(self._rows)
+                                   if rid is not None and row not in skip)
                    if req.state is RequestState.RUNNING]
         return growth_total(self.cache, running, self.reserve_chunk)
 
@@ -583,6 +537,7 @@ class Scheduler(FaultContainment):
         admitted = []  # PrefillLane per admitted request, in lane order
         reserved = np.zeros(len(self.cache.groups), np.int64)  # blocks the batch will take, growth included
         running = None  # the requests admitted before this batch: their reserve, taken before the first admission
+        exact = False  # whether ``running`` is their reserve, not a bound of it (growth_bound)
         deferred = []  # waiting requests that wait for a prefix being prefilled, in order
         while self._waiting and free_rows:
             req = self._requests[self._waiting[0]]
@@ -601,9 +556,16 @@ class Scheduler(FaultContainment):
             if fork is not None:  # the sibling's own pages: the tree's hit is not needed
                 self.cache.unpin(hit)
                 hit = fork
-            if running is None:
-                running = self._growth_reserve()
+            if running is None:  # a bound of it first, from the rows held: no pass over their records
+                running = growth_bound(self.cache, len(self._rows) - self._rows.count(None), self.reserve_chunk)
+                exact = running is None
+                if exact:
+                    running = self._growth_reserve()
             want = admission_blocks(self.cache, req, hit, self.reserve_chunk)
+            # Where the bound fits the free blocks, so does the reserve, and make_room evicts nothing either way:
+            # the reserve itself is needed only where the bound does not fit.
+            if not exact and not np.all(self.cache.free_blocks() >= reserved + want + running):
+                running, exact = self._growth_reserve(skip={lane.row for lane in admitted}), True
             if not make_room(self.cache, reserved + want + running):
                 self.cache.unpin(hit)
                 if not hit.tokens or self.cache.window is None:
@@ -790,8 +752,8 @@ class Scheduler(FaultContainment):
         speculation = verify = None
         # Not while any request of the step, prefilling ones included, asks for what verify steps do not compute
         # (their plain lanes draw with no logprobs, penalties or constraint, and score no prompt).
-        if self.speculation is not None and self.cache.packs_verify_lanes and not _asks_extra(
-                [req for _, req in decoding] + self._prefilling) and all(
+        if self.speculation is not None and self.cache.packs_verify_lanes and not any(
+                asks_extra(req) for req in [req for _, req in decoding] + self._prefilling) and all(
                 req.prompt_logprobs is None for req in self._prefilling):
             speculation, verify = self.speculation.packed_arguments(decoding, budget)
         extra = 0 if verify is None else int(verify.sum()) * self.speculation.config.num_speculative_tokens
@@ -807,15 +769,27 @@ class Scheduler(FaultContainment):
         # The cache may cap what one lane brings (Gated DeltaNet's [lanes, width] view): such a piece is cut too.
         cap = self.cache.prefill_lane_cap(len(batch), budget)
         batch = [(req, (start, min(end, start + cap))) for req, (start, end) in batch]
-        lanes = [req for req, _ in batch] + [req for _, req in decoding]
         total = sum(end - start for _, (start, end) in batch) + len(decoding) + extra
         length = stream_length(total, self.stream_lengths())
         scored = _prompt_scoring(batch)
+        # The decode lanes' inputs from the row mirror (the rows whose requests changed read from their records);
+        # with speculation, or a request asking for more than plain sampling, from every record.
+        index = None
+        if speculation is None and not any(asks_extra(req) for req, _ in batch):
+            index = self._mirror().current(decoding, rows, self._count.model_calls)
+        if index is None:
+            lanes = [req for req, _ in batch] + [req for _, req in decoding]
+            decode = [(row, req.generated[-1], req.kv_len) for row, req in decoding]
+            sampling, keys = self._row_sampling(rows, dict(enumerate(lanes))), [req.key for req in lanes]
+        else:
+            decode, keys = self._row_inputs.packed_arrays(index, len(batch))
+            heads = [rows[req.id] for req, _ in batch]
+            for lane, (req, _) in enumerate(batch):
+                keys[lane] = req.key
+            sampling = self._row_inputs.sampling(np.arange(len(batch), len(batch) + len(index)), index,
+                                                 *([h[i] for h in heads] for i in range(3)))
         result = self.cache.packed_step(
-            self.graphdef, self.params, [(req.lane, piece) for req, piece in batch],
-            [(row, req.generated[-1], req.kv_len) for row, req in decoding],
-            self._row_sampling(rows, dict(enumerate(lanes))),
-            [req.key for req in lanes],
+            self.graphdef, self.params, [(req.lane, piece) for req, piece in batch], decode, sampling, keys,
             length,
             prefill_width=cap, **({} if speculation is None else {"speculation": speculation}),
             **({"scored": scored} if scored else {}))
@@ -851,6 +825,10 @@ class Scheduler(FaultContainment):
                                                None if logprobs is None else logprob_entries(logprobs, lane,
                                                                                              len(tokens[lane])))
                                               for lane, (_, req) in enumerate(decoding, start=len(batch))], now)
+            if index is not None:  # each decode lane took one token (a request cut at a stop finished)
+                lanes = slice(len(batch), len(batch) + len(index))
+                self._row_inputs.advance(index, result.tokens[lanes], np.ones(len(index), np.int32),
+                                         result.keys[lanes], self._count.model_calls)
         self._retire(finished, final=True)
         self.cache.end_step()  # what the step deferred and its retirement did not do
         self._release_trimmed_hits(req for _, req in decoding if req.state is RequestState.RUNNING)
@@ -876,17 +854,14 @@ class Scheduler(FaultContainment):
             running = {row: req for row, req in running.items() if req.id in rows}
         if not running:
             return
-        inputs = self._decode_inputs
-        if not (inputs is not None and inputs.cache is self.cache and inputs.calls == self._count.model_calls
-                and inputs.running == running):
-            inputs = self._build_decode_inputs(running, rows)
-        # A request that asks for log-probabilities, penalties or a constraint pauses speculation while it runs
-        # (verify steps compute none of them).
-        speculation = None if self.speculation is None or not inputs.plain else (
+        # The rows' inputs from the row mirror (those whose requests changed read from their records); from every
+        # record while a request asks for log-probabilities, penalties or a constraint, which also pauses
+        # speculation (verify steps compute none of them).
+        index = self._mirror().current(running.items(), rows, self._count.model_calls)
+        inputs = self._decode_inputs(running, rows) if index is None else self._row_inputs.decode_arrays(index)
+        speculation = None if self.speculation is None or index is None else (
             self.speculation.arguments(running, self.decode_chunk))
-        result = self.cache.decode(self.graphdef, self.params, inputs.last, inputs.active, inputs.num_generated,
-                                   inputs.max_new, inputs.eos, inputs.sampling, inputs.keys, self.decode_chunk,
-                                   speculation=speculation)
+        result = self.cache.decode(self.graphdef, self.params, *inputs, self.decode_chunk, speculation=speculation)
         if speculation is not None:
             self.speculation.took(result.history, result.count)
             self.speculation.record(running, speculation[0], result.drafted, result.accepted, result.steps,
@@ -900,19 +875,22 @@ class Scheduler(FaultContainment):
                                           keys[row], None if logprobs is None else logprob_entries(logprobs, row,
                                                                                                    counts[row]))
                                          for row, req in running.items()], now)
+        if index is not None and speculation is None:  # each row took what it counted (one cut at a stop finished)
+            count = np.asarray(result.count)[index]
+            self._row_inputs.advance(index, np.asarray(result.tokens)[index, np.maximum(count - 1, 0)], count,
+                                     np.asarray(keys)[index], self._count.model_calls)
         self._retire(finished, final=True)
-        # The next chunk's inputs, advanced here, are valid while the same requests run and no other call ran.
-        self._decode_inputs = (inputs.advanced(result, self._count.model_calls)
-                               if inputs.plain and speculation is None else None)
         self._release_trimmed_hits(req for req in running.values() if req.state is RequestState.RUNNING)
         if not result.ok:
             logger.debug("decode stalled for blocks: rows %s", np.flatnonzero(result.blocked).tolist())
             self._relieve([req for row, req in running.items()
                            if result.blocked[row] and req.state is RequestState.RUNNING])
 
-    def _build_decode_inputs(self, running: dict, rows: dict) -> "DecodeInputs":
-        """The decode chunk's per-row inputs from the records of ``running``
-        (row -> request; ``rows``: their screened sampling rows)."""
+    def _decode_inputs(self, running: dict, rows: dict) -> tuple:
+        """The decode chunk's per-row inputs read from the records of
+        ``running`` (row -> request; ``rows``: their screened sampling
+        rows): :meth:`RowInputs.decode_arrays`'s, with each request's own
+        sampling (log-probabilities, penalties, constraints)."""
         batch = self.max_seqs
         index = np.fromiter(running, np.int64, len(running))
         # One pass over the records, then one assignment per array (not a pass per field).
@@ -931,9 +909,17 @@ class Scheduler(FaultContainment):
         active[index] = True
         for row, req in running.items():
             keys[row] = req.key
-        return DecodeInputs(running, last, active, num_generated, max_new, eos, self.cache.key_array(keys),
-                            self._row_sampling(rows, running), not _asks_extra(running.values()), self.cache,
-                            self._count.model_calls)
+        return (last, active, num_generated, max_new, eos, self._row_sampling(rows, running),
+                self.cache.key_array(keys))
+
+    def _mirror(self) -> RowInputs:
+        """The row mirror of the decoding requests' step inputs
+        (:class:`~jaxkv.serve.row_inputs.RowInputs`), a new one with each
+        new cache (a rebuilt one serves its rows anew)."""
+        if self._row_inputs is None or self._row_inputs_cache is not self.cache:
+            self._row_inputs = RowInputs(self.max_seqs, self.cache.key_array([]).shape[1:], self.logprobs_mode)
+            self._row_inputs_cache = self.cache
+        return self._row_inputs
 
     def _release_trimmed_hits(self, reqs) -> None:
         """Unpin the prefix hits that a window trimmed out of their rows'
