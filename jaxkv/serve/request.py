@@ -115,46 +115,48 @@ class Request:
     arrival: int
     namespace: Hashable
     key: np.ndarray  # PRNG key data of the request's own stream (advanced as it samples)
-    stop_ids: frozenset = frozenset()  # every stop token id (eos included): checked on the host
-    stop: tuple = ()  # stop strings
+    # The fields every step reads for every running request next: with __slots__ they share the object's
+    # first cache lines (a step's first pass over 256 records after a device call misses on each line).
+    state: RequestState = RequestState.WAITING
+    pieces: list = dataclasses.field(default_factory=list)  # (start, end) prompt pieces still to prefill
+    generated: list = dataclasses.field(default_factory=list)
     detok: object = None  # incremental detokenizer (with a tokenizer)
+    stop_ids: frozenset = frozenset()  # every stop token id (eos included): checked on the host
+    first_token_at: float | None = None
+    last_token_at: float | None = None
+    gaps: list = dataclasses.field(default_factory=list)  # seconds between consecutive tokens
+    logprobs: int | None = None  # top log-probabilities asked per token (None: none; 0: the token's own only)
+    penalties: Penalties = OFF  # penalties, logit bias and min_tokens (jaxkv.nn.penalties)
+    constraint: TokenAutomaton | None = None  # structured output (jaxkv.nn.constraints), None: unconstrained
+    grammar: GrammarState | None = None  # a context-free grammar, masked on the host (jaxkv.serve.grammar)
+    row: int = -1  # sequence row while RUNNING or SWAPPED, else -1
+    cached_tokens: int = 0  # prompt tokens its latest admission served from the prefix cache
+    spec_drafted: int = 0  # draft tokens its verify steps checked
+    spec_accepted: int = 0  # of which it kept
+    prompt_logprobs: int | None = None  # top log-probabilities asked per prompt token (None: its prompt unscored)
+    stop: tuple = ()  # stop strings
     text: str = ""  # the detokenized output so far (a stop string cut off)
     emitted: int = 0  # characters of ``text`` already given out in a RequestOutput
     finish_reason: str | None = None
     error: str | None = None  # why it finished with "error"
     faults: int = 0  # failed steps it was in flight for (MAX_REQUEST_FAULTS finishes it)
-    generated: list = dataclasses.field(default_factory=list)
-    state: RequestState = RequestState.WAITING
-    row: int = -1  # sequence row while RUNNING or SWAPPED, else -1
     hit: object = None  # its pinned prefix hit (PrefixHit) while running (None once a window trimmed it away)
     shared: object = None  # per group, the blocks of its admission's hit (shared with the prefix cache)
     lane: object = None  # its PrefillLane while its prompt is prefilled
-    pieces: list = dataclasses.field(default_factory=list)  # (start, end) prompt pieces still to prefill
     order: int = -1  # admission order (preemption picks the largest)
     arrived_at: float | None = None  # wall time when the scheduler first saw it arrived
-    cached_tokens: int = 0  # prompt tokens its latest admission served from the prefix cache
-    first_token_at: float | None = None
-    last_token_at: float | None = None
-    gaps: list = dataclasses.field(default_factory=list)  # seconds between consecutive tokens
     spec_on: bool = True  # with speculation: whether it still drafts (jaxkv.serve.speculation's rule)
-    spec_drafted: int = 0  # draft tokens its verify steps checked
-    spec_accepted: int = 0  # of which it kept
     spec_steps: int = 0  # verify steps with drafts it ran
     spec_probe_steps: int = 0  # of which on probation (one draft each: jaxkv.serve.speculation)
     spec_probe_kept: int = 0  # and the drafts they kept
     spec_full_steps: int = 0  # of which with k drafts, after probation
     spec_full_kept: int = 0  # and the drafts they kept
-    logprobs: int | None = None  # top log-probabilities asked per token (None: none; 0: the token's own only)
-    penalties: Penalties = OFF  # penalties, logit bias and min_tokens (jaxkv.nn.penalties)
     token_logprobs: list = dataclasses.field(default_factory=list)  # with logprobs: one entry per generated token
-    prompt_logprobs: int | None = None  # top log-probabilities asked per prompt token (None: its prompt unscored)
     prompt_scores: dict = dataclasses.field(default_factory=dict)  # prompt index -> (logprob, rank, top entries)
     prompt_scores_given: bool = False  # whether an output carried them
-    constraint: TokenAutomaton | None = None  # structured output (jaxkv.nn.constraints), None: unconstrained
     constraint_state: int = -1  # its automaton's state after the first constraint_read generated tokens
     constraint_read: int = 0
     fork_of: int | None = None  # the sibling whose prompt's KV this one forks (Engine.add_request's fork_of)
-    grammar: GrammarState | None = None  # a context-free grammar, masked on the host (jaxkv.serve.grammar)
     grammar_bits: np.ndarray | None = None  # its mask for the next token, computed when the request is screened
 
     def automaton_state(self) -> int:
