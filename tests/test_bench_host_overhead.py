@@ -313,10 +313,9 @@ def test_row_mirror_gives_the_tokens_the_records_give(family):
     kinds = set()  # the steps the mirror served
 
     class Counted(RowInputs):
-        def current(self, decoding, sampling_rows, calls):
-            decoding = list(decoding)
+        def current(self, rows, reqs, sampling_rows, calls):
             before = self.stamp.copy()
-            index = super().current(decoding, sampling_rows, calls)
+            index = super().current(rows, reqs, sampling_rows, calls)
             used.append(None if index is None else (len(index), int((self.stamp[index] != before[index]).sum())))
             return index
 
@@ -329,7 +328,7 @@ def test_row_mirror_gives_the_tokens_the_records_give(family):
             return super().decode_arrays(index)
 
     class Never(RowInputs):
-        def current(self, decoding, sampling_rows, calls):
+        def current(self, rows, reqs, sampling_rows, calls):
             return None
 
     def run(mirror):

@@ -13,6 +13,8 @@ did not advance it)."""
 
 from __future__ import annotations
 
+import operator
+
 import numpy as np
 
 from jaxkv.nn.sampling import RowSampling
@@ -58,23 +60,23 @@ class RowInputs:
         self.top_p = np.ones((max_seqs,), np.float32)
         self.keys = np.zeros((max_seqs, *key_shape), np.uint32)
 
-    def current(self, decoding, sampling_rows: dict, calls: int) -> np.ndarray | None:
-        """The rows of ``decoding`` (``(row, request)`` pairs, every request
-        decoding; ``sampling_rows``: request id -> its screened sampling
-        row) as an index array, in order, with their entries made current
-        (a stale one rewritten from the record); None, with nothing
-        written, when any of them :func:`asks_extra` (the caller reads the
-        records)."""
-        owner, stamp = self.owner, self.stamp.tolist()
-        stale, index = [], []
-        for row, req in decoding:
-            if owner[row] is not req or stamp[row] != calls:
-                if asks_extra(req):
-                    return None
-                stale.append((row, req))
-            index.append(row)
+    def current(self, rows: list, reqs: list, sampling_rows: dict, calls: int) -> np.ndarray | None:
+        """Rows ``rows`` (``reqs[i]`` decodes on ``rows[i]``;
+        ``sampling_rows``: request id -> its screened sampling row) as an
+        index array, with their entries made current (a stale one rewritten
+        from the record); None, with nothing written, when any of them
+        :func:`asks_extra` (the caller reads the records)."""
+        index = np.asarray(rows, np.int64)
+        owner = self.owner
+        # The common case, every entry current: two array-speed tests, no pass over the records.
+        if all(map(operator.is_, map(owner.__getitem__, rows), reqs)) and bool((self.stamp[index] == calls).all()):
+            return index
+        stamp = self.stamp.tolist()
+        stale = [(row, req) for row, req in zip(rows, reqs) if owner[row] is not req or stamp[row] != calls]
+        if any(asks_extra(req) for _, req in stale):
+            return None
         for row, req in stale:
-            self.owner[row] = req
+            owner[row] = req
             self.stamp[row] = calls
             self.last[row] = req.generated[-1]
             self.position[row] = req.kv_len
@@ -82,7 +84,7 @@ class RowInputs:
             self.max_new[row], self.eos[row] = req.max_new, req.eos_id
             self.temperature[row], self.top_k[row], self.top_p[row] = sampling_rows[req.id][:3]
             self.keys[row] = req.key
-        return np.asarray(index, np.int64)
+        return index
 
     def advance(self, index: np.ndarray, last: np.ndarray, counts: np.ndarray, keys: np.ndarray, calls: int) -> None:
         """Entries ``index`` after the call that made the engine's model

@@ -776,7 +776,8 @@ class Scheduler(FaultContainment):
         # with speculation, or a request asking for more than plain sampling, from every record.
         index = None
         if speculation is None and not any(asks_extra(req) for req, _ in batch):
-            index = self._mirror().current(decoding, rows, self._count.model_calls)
+            index = self._mirror().current([row for row, _ in decoding], [req for _, req in decoding], rows,
+                                           self._count.model_calls)
         if index is None:
             lanes = [req for req, _ in batch] + [req for _, req in decoding]
             decode = [(row, req.generated[-1], req.kv_len) for row, req in decoding]
@@ -857,7 +858,7 @@ class Scheduler(FaultContainment):
         # The rows' inputs from the row mirror (those whose requests changed read from their records); from every
         # record while a request asks for log-probabilities, penalties or a constraint, which also pauses
         # speculation (verify steps compute none of them).
-        index = self._mirror().current(running.items(), rows, self._count.model_calls)
+        index = self._mirror().current(list(running), list(running.values()), rows, self._count.model_calls)
         inputs = self._decode_inputs(running, rows) if index is None else self._row_inputs.decode_arrays(index)
         speculation = None if self.speculation is None or index is None else (
             self.speculation.arguments(running, self.decode_chunk))
