@@ -2,7 +2,9 @@
 per iteration) runs at tiny sizes and reports its table (the figures are
 the benchmark's, not asserted here); and the host-path shortcuts it led to
 give exactly what the per-request code gave: the running requests' reserve
-over arrays (``reserve.growth_total``), the packed stream built with
+over arrays (``reserve.growth_total``) and its bound at admission
+(``reserve.growth_bound``), the decoding requests' step inputs from the
+row mirror (``RowInputs``), the packed stream built with
 array operations (``caches.pack_stream``), ``OutputProcessor.take_all``'s
 inline common case (against ``_take_ids`` request by request), step
 results read without ``device_get`` (``caches.fetch``), key data wrapped

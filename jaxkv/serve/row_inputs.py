@@ -82,7 +82,7 @@ class RowInputs:
             self.position[row] = req.kv_len
             self.num_generated[row] = len(req.generated)
             self.max_new[row], self.eos[row] = req.max_new, req.eos_id
-            self.temperature[row], self.top_k[row], self.top_p[row] = sampling_rows[req.id][:3]
+            self.temperature[row], self.top_k[row], self.top_p[row] = sampling_rows[req.id]
             self.keys[row] = req.key
         return index
 
@@ -99,16 +99,16 @@ class RowInputs:
         self.keys[index] = keys
         self.stamp[index] = calls
 
-    def sampling(self, lanes: np.ndarray, index: np.ndarray, temperature=(), top_k=(), top_p=()) -> RowSampling:
+    def sampling(self, lanes: np.ndarray, index: np.ndarray, heads: list = ()) -> RowSampling:
         """Per-lane sampling: lane ``lanes[j]`` takes row ``index[j]``'s
-        entry; lane ``i < len(temperature)`` takes ``temperature[i]`` /
-        ``top_k[i]`` / ``top_p[i]`` (a prefill lane's); the rest greedy,
-        as :func:`~jaxkv.serve.scheduler.row_sampling` makes them."""
+        entry, lane ``i`` the sampling row ``heads[i]`` (``(temperature,
+        top_k, top_p)``: a prefill lane's), the rest greedy, as
+        :func:`~jaxkv.serve.scheduler.row_sampling` makes them."""
         out_t = np.zeros((self.max_seqs,), np.float32)
         out_k = np.zeros((self.max_seqs,), np.int32)
         out_p = np.ones((self.max_seqs,), np.float32)
-        head = len(temperature)
-        out_t[:head], out_k[:head], out_p[:head] = temperature, top_k, top_p
+        for lane, (temperature, top_k, top_p) in enumerate(heads):
+            out_t[lane], out_k[lane], out_p[lane] = temperature, top_k, top_p
         out_t[lanes], out_k[lanes], out_p[lanes] = self.temperature[index], self.top_k[index], self.top_p[index]
         return RowSampling(out_t, out_k, out_p, logprobs=-1, logprobs_mode=self.logprobs_mode)
 

@@ -784,11 +784,10 @@ class Scheduler(FaultContainment):
             sampling, keys = self._row_sampling(rows, dict(enumerate(lanes))), [req.key for req in lanes]
         else:
             decode, keys = self._row_inputs.packed_arrays(index, len(batch))
-            heads = [rows[req.id] for req, _ in batch]
-            for lane, (req, _) in enumerate(batch):
+            for lane, (req, _) in enumerate(batch):  # the prefill lanes come first
                 keys[lane] = req.key
             sampling = self._row_inputs.sampling(np.arange(len(batch), len(batch) + len(index)), index,
-                                                 *([h[i] for h in heads] for i in range(3)))
+                                                 [rows[req.id] for req, _ in batch])
         result = self.cache.packed_step(
             self.graphdef, self.params, [(req.lane, piece) for req, piece in batch], decode, sampling, keys,
             length,
