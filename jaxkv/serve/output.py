@@ -238,8 +238,9 @@ def latency_stats(values: list) -> tuple[float, float, float]:
 class OutputProcessor:
     """Turns the tokens device calls made into each request's tokens, text
     and :class:`RequestOutput` (module docstring). ``pending``: request id
-    -> ``[tokens, text, finished]`` of the step running now (drained by
-    :meth:`collect`); ``ttft_samples`` / ``itl_samples``: latency samples
+    -> ``[tokens, text, finished]`` of the step running now, or the
+    request's whole :class:`RequestOutput` where :meth:`take_all`'s common
+    case made it (drained by :meth:`collect`); ``ttft_samples`` / ``itl_samples``: latency samples
     since the last :meth:`Engine.stats <jaxkv.serve.Engine.stats>`."""
 
     def __init__(self, counters: Counters, tokenizer=None, detokenizer=None):
@@ -327,7 +328,7 @@ class OutputProcessor:
         else:
             text = ""
         if taken or text:  # a row a stalled decode gave nothing has nothing to say
-            entry = self.pending.setdefault(req.id, [[], "", False])
+            entry = self._open(req.id)
             entry[0] += taken
             entry[1] += text
         if reason is not None:
@@ -341,7 +342,7 @@ class OutputProcessor:
         common case inline, with the same records). Returns the requests it
         finished, in order."""
         finished = []
-        take_ids, take, pending = self._take_ids, self.take, self.pending
+        take_ids, take, pending, make = self._take_ids, self.take, self.pending, RequestOutput._make
         generated, gaps = 0, []  # the common case's counts and gaps, recorded once (in order) at the end
         for req, tokens, device_done, key, logprobs in items:
             req.key = key
@@ -364,11 +365,11 @@ class OutputProcessor:
             gaps += own
             generated += count
             req.last_token_at = now
-            entry = pending.get(req.id)
-            if entry is None:
-                pending[req.id] = [list(tokens), "", False]
+            if req.id not in pending and req.prompt_logprobs is None:  # its output now: collect passes it on
+                pending[req.id] = make(req.id, tuple(tokens), False, None, "", req.cached_tokens, None,
+                                       req.spec_drafted, req.spec_accepted)
             else:
-                entry[0] += tokens
+                self._open(req.id)[0] += tokens
         self.itl_samples.extend(gaps)
         self.counters.generated += generated
         return finished
@@ -405,25 +406,36 @@ class OutputProcessor:
         else:
             self.record_tokens(req, count, now)
         if taken:  # a row a stalled decode gave nothing has nothing to say
-            entry = self.pending.get(req.id)
-            if entry is None:
-                self.pending[req.id] = [list(taken), "", False]
-            else:
-                entry[0] += taken
+            self._open(req.id)[0] += taken
         if reason is not None:
             req.finish_reason = reason
         return reason is not None
 
     def mark_finished(self, req: Request) -> None:
         """Say in this step's output that ``req`` finished."""
-        self.pending.setdefault(req.id, [[], "", False])[2] = True
+        self._open(req.id)[2] = True
+
+    def _open(self, rid: int) -> list:
+        """This step's entry of request ``rid`` as ``[tokens, text,
+        finished]``: a new empty one, or the output :meth:`take_all` made
+        whole opened again (its request moves again in this step)."""
+        entry = self.pending.get(rid)
+        if entry is None:
+            entry = self.pending[rid] = [[], "", False]
+        elif entry.__class__ is RequestOutput:
+            entry = self.pending[rid] = [list(entry.new_token_ids), entry.new_text, entry.finished]
+        return entry
 
     def collect(self, requests: dict) -> list[RequestOutput]:
         """This step's :class:`RequestOutput` per request that moved, in the
         order they first did; the pending entries are drained."""
         out = []
         make = RequestOutput._make
-        for rid, (tokens, text, finished) in self.pending.items():
+        for rid, entry in self.pending.items():
+            if entry.__class__ is RequestOutput:  # made whole by take_all
+                out.append(entry)
+                continue
+            tokens, text, finished = entry
             req = requests[rid]
             logprobs = None
             if req.logprobs is not None:  # the pending tokens are the last generated
