@@ -240,8 +240,9 @@ class OutputProcessor:
     and :class:`RequestOutput` (module docstring). ``pending``: request id
     -> ``[tokens, text, finished]`` of the step running now, or the
     request's whole :class:`RequestOutput` where :meth:`take_all`'s common
-    case made it (drained by :meth:`collect`); ``ttft_samples`` / ``itl_samples``: latency samples
-    since the last :meth:`Engine.stats <jaxkv.serve.Engine.stats>`."""
+    case made it (drained by :meth:`collect`); ``ttft_samples`` /
+    ``itl_samples``: latency samples since the last
+    :meth:`Engine.stats <jaxkv.serve.Engine.stats>`."""
 
     def __init__(self, counters: Counters, tokenizer=None, detokenizer=None):
         self.counters = counters
