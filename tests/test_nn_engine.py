@@ -11,6 +11,8 @@ of fewer tokens is a prefix of it).
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 from flax import nnx
@@ -225,6 +227,45 @@ def test_corrupted_bookkeeping_raises_bookkeeping_error(model):
     # a device-side failure of the engine's own retire call is a bookkeeping bug too
     with pytest.raises(BookkeepingError, match="free 1 rows"):
         engine.cache.update(rows=[(real + 1) % ENGINE["max_seqs"]])  # a FREE row: free fails
+
+
+@pytest.mark.parametrize("trial", range(6))
+def test_decoding_rows_are_the_checked_rows_that_decode(trial):
+    """``decoding_rows`` (the check of the records against the row status,
+    and the decoding requests read in the same pass) against the rule
+    written out, on drawn row maps; a disagreement drawn into them is
+    ``check_rows``' BookkeepingError."""
+    from types import SimpleNamespace
+
+    from jaxkv.manager.block_space import FREE, ON_DEVICE, SWAPPED
+    from jaxkv.serve.scheduler import check_rows, decoding_rows
+
+    rng = np.random.default_rng()
+    rows, requests, swapped, status = [], {}, [], []
+    for row in range(int(rng.integers(1, 40))):
+        kind = rng.choice(["free", "decoding", "prefilling", "swapped"])
+        if kind == "free":
+            rows.append(None)
+            status.append(FREE)
+            continue
+        rid = int(rng.integers(1000)) * 100 + row
+        state = RequestState.SWAPPED if kind == "swapped" else RequestState.RUNNING
+        requests[rid] = SimpleNamespace(id=rid, row=row, state=state, pieces=[(0, 4)] if kind == "prefilling" else [])
+        rows.append(rid)
+        status.append(SWAPPED if kind == "swapped" else ON_DEVICE)
+        if kind == "swapped":
+            swapped.append(rid)
+    status = np.asarray(status)
+    want = [(row, requests[rid]) for row, rid in enumerate(rows) if rid is not None
+            and requests[rid].state is RequestState.RUNNING and not requests[rid].pieces]
+    assert decoding_rows(requests, rows, swapped, status) == want
+    bad = status.copy()
+    row = int(rng.integers(len(rows)))
+    bad[row] = {FREE: ON_DEVICE, ON_DEVICE: SWAPPED, SWAPPED: FREE}[int(bad[row])]
+    with pytest.raises(BookkeepingError) as raised:
+        decoding_rows(requests, rows, swapped, bad)
+    with pytest.raises(BookkeepingError, match=re.escape(str(raised.value))):
+        check_rows(requests, rows, swapped, bad)
 
 
 def test_logging_not_printing(model, capsys, caplog):

@@ -361,9 +361,14 @@ class OutputProcessor:
                     finished.append(req)
                 continue
             req.generated += tokens
-            own = [(now - req.last_token_at) / count] * count
-            req.gaps += own
-            gaps += own
+            if count == 1:  # a packed step's decode lane, or a decode chunk's last step: no lists made
+                gap = now - req.last_token_at
+                req.gaps.append(gap)
+                gaps.append(gap)
+            else:
+                own = [(now - req.last_token_at) / count] * count
+                req.gaps += own
+                gaps += own
             generated += count
             req.last_token_at = now
             if req.id not in pending and req.prompt_logprobs is None:  # its output now: collect passes it on

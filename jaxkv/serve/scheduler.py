@@ -112,7 +112,8 @@ from jaxkv.serve.speculation import Speculation
 from jaxkv.serve.structured import ConstraintTable
 
 __all__ = ["MAX_REQUEST_FAULTS", "Scheduler", "WAIT_FOR_PREFIX_TOKENS", "cached_sampling_row",
-           "check_rows", "row_sampling", "sampling_row", "stream_buckets", "stream_length", "stream_lengths"]
+           "check_rows", "decoding_rows", "row_sampling", "sampling_row", "stream_buckets", "stream_length",
+           "stream_lengths"]
 
 logger = logging.getLogger("jaxkv.serve")
 
@@ -251,12 +252,15 @@ def cached_sampling_row(req: Request) -> tuple:
 _WANT_STATUS = {RequestState.RUNNING: ON_DEVICE, RequestState.SWAPPED: SWAPPED}
 
 
-def _rows_agree(requests: dict, rows: list, swapped: list, status: np.ndarray) -> bool:
+def _rows_agree(requests: dict, rows: list, swapped: list, status: np.ndarray, decoding: list | None = None) -> bool:
     """Whether :func:`check_rows` finds nothing (one pass over the rows:
-    the common case, every iteration); False sends it to find what."""
+    the common case, every iteration); False sends it to find what. In the
+    same pass, ``decoding`` (if given) gets ``(row, request)`` of each
+    RUNNING request whose prompt is all prefilled, in row order."""
     status = np.asarray(status).tolist()
     if len(status) != len(rows):
         return False
+    running = RequestState.RUNNING
     for row, rid in enumerate(rows):
         if rid is None:
             if status[row] != FREE:
@@ -265,6 +269,8 @@ def _rows_agree(requests: dict, rows: list, swapped: list, status: np.ndarray) -
         req = requests.get(rid)
         if req is None or req.row != row or _WANT_STATUS.get(req.state) != status[row]:
             return False
+        if decoding is not None and req.state is running and not req.pieces:
+            decoding.append((row, req))
     return all(rid in requests and 0 <= requests[rid].row < len(rows) and rows[requests[rid].row] == rid
                for rid in swapped)
 
@@ -301,6 +307,19 @@ def check_rows(requests: dict, rows: list, swapped: list, status: np.ndarray) ->
         if rid is not None and requests[rid].row != row:
             raise BookkeepingError(f"row {row} is mapped to request {rid}, which is "
                                    f"{requests[rid].state.name} on row {requests[rid].row}")
+
+
+def decoding_rows(requests: dict, rows: list, swapped: list, status: np.ndarray) -> list:
+    """:func:`check_rows` (``BookkeepingError`` when the records disagree),
+    and the decoding requests it passed: ``(row, request)`` of each
+    RUNNING request whose prompt is all prefilled, in row order. One pass
+    over the row map in the common case (the check's own)."""
+    decoding = []
+    if _rows_agree(requests, rows, swapped, status, decoding):
+        return decoding
+    check_rows(requests, rows, swapped, status)  # raises with the numbers
+    return [(row, requests[rid]) for row, rid in enumerate(rows)
+            if rid is not None and requests[rid].state is RequestState.RUNNING and not requests[rid].pieces]
 
 
 def _prompt_scoring(batch: list) -> list:
@@ -507,6 +526,11 @@ class Scheduler(FaultContainment):
     def _check_rows(self) -> None:
         check_rows(self._requests, self._rows, self._swapped, self.cache.row_status())
 
+    def _decoding_rows(self) -> list:
+        """:meth:`_check_rows`, and the decoding requests by row
+        (:func:`decoding_rows`: read in the check's pass)."""
+        return decoding_rows(self._requests, self._rows, self._swapped, self.cache.row_status())
+
     def _resume_swapped(self) -> int:
         """Swap requests back in, oldest first, while they fit; how many."""
         resumed = 0
@@ -533,13 +557,13 @@ class Scheduler(FaultContainment):
         allow; returns how many."""
         if not self._waiting or self._requests[self._waiting[0]].arrival > self._step or None not in self._rows:
             return 0  # nobody arrived, or no row is free: nothing below would run
-        free_rows = [row for row in range(self.max_seqs) if self._rows[row] is None]
+        free_left = self._rows.count(None)  # rows free (each admission takes the lowest: self._rows.index)
         admitted = []  # PrefillLane per admitted request, in lane order
         reserved = np.zeros(len(self.cache.groups), np.int64)  # blocks the batch will take, growth included
         running = None  # the requests admitted before this batch: their reserve, taken before the first admission
         exact = False  # whether ``running`` is their reserve, not a bound of it (growth_bound)
         deferred = []  # waiting requests that wait for a prefix being prefilled, in order
-        while self._waiting and free_rows:
+        while self._waiting and free_left:
             req = self._requests[self._waiting[0]]
             if req.arrival > self._step:
                 break
@@ -583,7 +607,8 @@ class Scheduler(FaultContainment):
             reserved += want
             self._count.forked += fork is not None
             self._waiting.popleft()
-            req.row = free_rows.pop(0)
+            req.row = self._rows.index(None)
+            free_left -= 1
             req.hit, req.shared = hit, hit.block_counts()
             req.cached_tokens = hit.tokens
             req.state = RequestState.RUNNING
@@ -737,9 +762,7 @@ class Scheduler(FaultContainment):
         oldest admission first, while the budget lasts (a piece longer than
         what is left is cut; at least one prompt token runs). A request
         whose last piece ran gets its first token, a decoding one its next."""
-        self._check_rows()
-        decoding = [(row, req) for row, req in ((row, self._requests[rid]) for row, rid in enumerate(self._rows)
-                                                if rid is not None) if self._decoding(req)]
+        decoding = self._decoding_rows()
         rows = self._screen([req for _, req in decoding] + self._prefilling)
         # A decoding request that screening finished leaves the batch (``_prefilling`` lost its own already);
         # the common case, none, skips the pass.
@@ -843,12 +866,9 @@ class Scheduler(FaultContainment):
         return req.state is RequestState.RUNNING and not req.pieces
 
     def _decode(self) -> None:
-        requests, state = self._requests, RequestState.RUNNING
-        running = {row: req for row, req in ((row, requests[rid]) for row, rid in enumerate(self._rows)
-                                             if rid is not None) if req.state is state and not req.pieces}
+        running = dict(self._decoding_rows())
         if not running:
             return
-        self._check_rows()
         rows = self._screen(running.values())
         if len(rows) < len(running):
             running = {row: req for row, req in running.items() if req.id in rows}
