@@ -249,3 +249,78 @@ def test_hybrid_num_blocks_must_be_a_dict_of_integers(qwen3_next, bad):
     assert "expected" in message and "dict" in message, message
     with pytest.raises(InvalidArgument, match=r"num_blocks names groups \['nope'\].*\['full'\]"):
         Engine(model, max_context_tokens=64, num_blocks={"nope": 12})
+
+
+def test_a_hybrid_admission_without_a_hit_is_one_device_call(qwen3_next, monkeypatch):
+    """Hybrid admission of prompts with no cached prefix takes their slots
+    and every prompt's blocks in one device call (``_admit_grown``); a
+    batch with a hit still admits, attaches and grows in three. The tokens
+    are ``generate``'s either way (the second wave reuses the first's
+    prefixes). A batch whose rows are not the lowest free ones is a
+    ``BookkeepingError`` naming the slots, and no block is grown (not even
+    for the request holding the slot the batch named)."""
+    from jaxkv.errors import BookkeepingError
+    from jaxkv.serve import hybrid_cache
+    from jaxkv.serve.caches import PrefillLane
+    from jaxkv.serve.reserve import no_hit
+
+    calls = []
+    for name in ("_admit_grown", "_admit_hybrid", "_preallocate_hybrid"):
+        real = getattr(hybrid_cache, name)
+        monkeypatch.setattr(hybrid_cache, name, lambda *a, _real=real, _name=name, **k: (
+            calls.append(_name), _real(*a, **k))[1])
+    model, rng = qwen3_next, np.random.default_rng(5)
+    vocab = model.config.vocab_size
+    prompts = [rng.integers(1, vocab, int(n)).tolist() for n in rng.integers(9, 17, 3)]
+    engine = Engine(model, max_context_tokens=64, max_seqs=3, decode_chunk=4)
+    first = [engine.add_request(p, 6) for p in prompts]
+    engine.run()
+    assert calls.count("_admit_grown") >= 1 and "_admit_hybrid" not in calls, calls
+    calls.clear()
+    second = [engine.add_request(p + rng.integers(1, vocab, 3).tolist(), 6) for p in prompts]
+    assert engine.run().prefix_hit_tokens > 0
+    assert "_admit_hybrid" in calls and "_preallocate_hybrid" in calls, calls
+    for rid in first + second:
+        assert engine.outputs[rid] == generate(model, [engine._requests[rid].prompt], 6).tokens[0]
+    held = engine.add_request(prompts[0], 6)
+    engine.step()
+    assert engine._requests[held].row == 0  # slot 1
+    cache, free = engine.cache, engine.cache.free_blocks().copy()
+    longer = rng.integers(1, vocab, 48).tolist()  # more blocks than row 0 holds
+    lane = PrefillLane(0, no_hit(cache), longer, engine._requests[held].key, None)
+    with pytest.raises(BookkeepingError, match=r"hybrid admission gave slots \[2\] .* rows \[0\], which need "
+                                               r"slots \[1\]"):
+        cache.begin_prefill([lane])
+    assert (cache.free_blocks() == free).all()  # slot 1's request was not grown
+
+
+def test_the_hybrid_host_tables_are_never_stale(qwen3_next):
+    """A hybrid cache's host copy of the block tables (read with a packed
+    call's results where a snapshot follows, kept across snapshot stores,
+    which change no table) is what the device holds whenever a snapshot
+    store reads it, over traffic whose prompts share prefixes (stores at
+    prompt ends, branches and turn ends); some stores read the copy, and
+    the tokens are ``generate``'s."""
+    model, rng = qwen3_next, np.random.default_rng(11)
+    vocab = model.config.vocab_size
+    engine = Engine(model, max_context_tokens=64, max_seqs=3, decode_chunk=4)
+    cache = engine.cache
+    real, served = cache._block_tables, []
+
+    def checked():
+        kept = cache.__dict__.get("_host_tables") is not None
+        tables = real()
+        device = {name: np.asarray(g.tables) for name, g in cache.manager.groups.items()}
+        assert tables.keys() == device.keys() and all((tables[n] == device[n]).all() for n in device)
+        served.append(kept)
+        return tables
+
+    cache._block_tables = checked
+    base = rng.integers(1, vocab, 24).tolist()
+    rids = [engine.add_request(base[: int(rng.integers(6, 24))] + rng.integers(1, vocab, 4).tolist(),
+                               int(rng.integers(2, 8)), arrival_step=i) for i in range(8)]
+    engine.run()
+    assert any(served) and len(served) > served.count(True), served
+    for rid in rids:
+        req = engine._requests[rid]
+        assert engine.outputs[rid] == generate(model, [req.prompt], req.max_new).tokens[0]

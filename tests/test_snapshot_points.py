@@ -42,7 +42,11 @@ def test_points_follow_the_rule(trial):
             expected.append((end, "prompt_end" if end == prompt_len - 1 else "branch"))
         elif end < prompt_len and end - last >= interval:
             expected.append((end, "interval"))
+        cuts = points.cuts(0, matched, prompt_len)
+        asked = points.stores_at(0, end, matched, prompt_len)  # (what the packed call reads the tables for)
+        assert points.cuts(0, matched, prompt_len) == cuts  # stores_at changes nothing
         kind = points.piece_ran(0, end, matched, prompt_len)
+        assert asked == (kind is not None)
         assert points.length(0) == end
         if kind is not None:
             got.append((end, kind))
@@ -58,6 +62,7 @@ def test_points_follow_the_rule(trial):
 
 def test_disabled_chooses_nothing():
     points = SnapshotPoints(1, 16, enabled=False)
+    assert not points.stores_at(0, 5, 5, 10)
     assert not points.add_cut(0, 10)
     points.start(0, 0)
     assert points.cuts(0, 3, 100) == []

@@ -87,13 +87,18 @@ class SnapshotPoints:
         to take there (``"prompt_end"``, ``"branch"``, ``"interval"``), or
         None. The caller reports the snapshot it took with :meth:`stored`."""
         self._length[row] = end
-        if not self.enabled or end >= prompt_len:
+        if not self.stores_at(row, end, matched, prompt_len):
             return None
         if end in self.cuts(row, matched, prompt_len):
             kind = "prompt_end" if end == prompt_len - 1 else "branch"
-        elif end - self._last[row] >= self.interval:
+        else:  # (stores_at: an interval past its last snapshot)
             kind = "interval"
-        else:
-            return None
         self._waited[row].discard(end)
         return kind
+
+    def stores_at(self, row: int, end: int, matched: int, prompt_len: int) -> bool:
+        """Whether :meth:`piece_ran` of a piece ending at ``end`` would name a
+        kind (changes nothing)."""
+        if not self.enabled or end >= prompt_len:
+            return False
+        return end in self.cuts(row, matched, prompt_len) or end - self._last[row] >= self.interval

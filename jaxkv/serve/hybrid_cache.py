@@ -71,6 +71,19 @@ _preallocate_hybrid = jax.jit(KVCacheManager.preallocate, donate_argnums=(0,))
 _admit_hybrid = jax.jit(lambda manager, n, max_n: manager.admit(n, max_n=max_n), static_argnums=(2,),
                         donate_argnums=(0,))
 _release_hybrid = jax.jit(KVCacheManager.release, donate_argnums=(0,))
+
+
+@partial(jax.jit, static_argnames=("max_n",), donate_argnums=(0,))
+def _admit_grown(manager: KVCacheManager, n, want, lengths, *, max_n: int):
+    """``admit(n)``, then ``preallocate(want, lengths)`` only where the
+    admission took exactly the slots ``want`` names (``[max_n]``, -1
+    padded): one call for a batch with no cached prefix to attach.
+    Returns ``(manager, slots, admitted, grown)``; ``grown`` is False when
+    the slots differ (nothing grown) or a group is short."""
+    manager, slots, admitted = manager.admit(n, max_n=max_n)
+    same = admitted & jnp.all(slots == want)
+    manager, grown = manager.preallocate(jnp.where(same, want, -1), lengths)
+    return manager, slots, admitted, grown & same
 _attach_prefix = jax.jit(KVCacheManager.attach_prefix, donate_argnums=(0,))
 _copy_state = jax.jit(KVCacheManager.copy_state, donate_argnums=(0,))
 _incref_blocks = jax.jit(KVCacheManager.incref_blocks, donate_argnums=(0,))
@@ -478,10 +491,38 @@ class HybridCache(CacheBase):
         ``shortfall`` references back (or nothing is evictable)."""
         self._apply(self.snapshots.evict_blocks([int(n) for n in shortfall]))
 
+    def _block_tables(self) -> dict:
+        """Every group's block tables on the host (``name -> [slots,
+        blocks]``): read once per change of the tables (with the packed
+        call's results where :meth:`_wants_tables`; kept across
+        :meth:`_apply`, which changes references and state rows only)."""
+        if self.__dict__.get("_host_tables") is None:
+            self._host_tables = self._tables_as_host(fetch(self._device_tables(self.manager)))
+        return self._host_tables
+
+    @staticmethod
+    def _device_tables(manager) -> dict:
+        return {name: g.tables for name, g in manager.groups.items()}
+
+    @staticmethod
+    def _tables_as_host(tables: dict) -> dict:
+        return {name: np.asarray(t) for name, t in tables.items()}
+
+    def _wants_tables(self, prefill) -> bool:
+        return bool(self.num_cached_snapshots) and any(
+            end > start and self.points.stores_at(lane.row, end, lane.hit.matched, len(lane.tokens))
+            for lane, (start, end) in prefill)
+
     def _apply(self, ops: BlockOps) -> None:
         """The device work of a snapshot-cache operation: increfs, copies of
         the records leaving to the host tier, releases (one call each),
-        then state copies into snapshot rows."""
+        then state copies into snapshot rows. None of it changes a slot's
+        block table: the host's copy of the tables stays."""
+        tables = self.__dict__.get("_host_tables")
+        self._apply_ops(ops)
+        self._host_tables = tables
+
+    def _apply_ops(self, ops: BlockOps) -> None:
         if any(ops.incref.values()):
             self._block_call(_incref_blocks, ops.incref, "the prefix cache's reference to stored blocks")
         for spill in ops.spills:  # before their blocks are released and their rows reused
@@ -591,8 +632,7 @@ class HybridCache(CacheBase):
         read the rows the earlier stores wrote)."""
         if not items or not self.num_cached_snapshots:
             return
-        tables = {name: np.asarray(t) for name, t in
-                  jax.device_get({name: g.tables for name, g in self.manager.groups.items()}).items()}
+        tables = self._block_tables()
         ops = self.snapshots.empty_ops()
         for row, tokens, namespace, kind, hit in items:
             record = getattr(hit.node, "record", None) if hit is not None else None  # (a host hit has none)
@@ -614,13 +654,41 @@ class HybridCache(CacheBase):
     def _begin_prefill(self, lanes: list[PrefillLane]) -> None:
         """Take the lanes' request slots (the lowest free ones, which must be
         their rows' slot_of: the engine gives out the lowest free rows) and start
-        the hits from their cached prefixes."""
-        self.manager, slots, ok = _admit_hybrid(self.manager, len(lanes), self.max_seqs)
-        slots, ok = fetch((slots, ok))
+        the hits from their cached prefixes; then every prompt's blocks. With
+        no hit to start from, one device call does both."""
         want = [slot_of(lane.row) for lane in lanes]
-        if not ok or slots[: len(lanes)].tolist() != want:
-            raise BookkeepingError(f"hybrid admission gave slots {slots[: len(lanes)].tolist()} (ok={bool(ok)}) "
-                                   f"for rows {[lane.row for lane in lanes]}, which need slots {want}")
+        lengths = np.zeros((self.max_seqs,), np.int32)
+        lengths[: len(lanes)] = [len(lane.tokens) for lane in lanes]
+        if all(lane.hit.node is None and not lane.hit.tokens for lane in lanes):
+            self.manager, slots, admitted, ok = _admit_grown(self.manager, len(lanes), fixed_ids(want, self.max_seqs),
+                                                             lengths, max_n=self.max_seqs)
+            slots, admitted, ok, host = fetch((slots, admitted, ok, self._host_leaves(self.manager)))
+            self._check_admitted(lanes, want, slots, admitted)
+            for lane in lanes:
+                self.points.start(lane.row, 0)
+        else:
+            self._admit_with_hits(lanes, want)
+            self.manager, ok = _preallocate_hybrid(self.manager, fixed_ids(want, self.max_seqs), lengths)
+            ok, host = fetch((ok, self._host_leaves(self.manager)))
+        self._mirror(host)
+        if not bool(ok):
+            need = sum(self.blocks_for(len(lane.tokens)) for lane in lanes)
+            raise BookkeepingError(f"engine admission failed: rows {[lane.row for lane in lanes]} need "
+                                   f"{need.tolist()} blocks of groups {list(self.groups)}, "
+                                   f"{self.free_blocks().tolist()} free")
+
+    def _check_admitted(self, lanes: list[PrefillLane], want: list, slots: np.ndarray, admitted) -> None:
+        if not admitted or slots[: len(lanes)].tolist() != want:
+            raise BookkeepingError(f"hybrid admission gave slots {slots[: len(lanes)].tolist()} "
+                                   f"(ok={bool(admitted)}) for rows {[lane.row for lane in lanes]}, which need "
+                                   f"slots {want}")
+
+    def _admit_with_hits(self, lanes: list[PrefillLane], want: list) -> None:
+        """The lanes' slots, and their rows started from their hits
+        (attached; a host tier's loaded first)."""
+        self.manager, slots, admitted = _admit_hybrid(self.manager, len(lanes), self.max_seqs)
+        slots, admitted = fetch((slots, admitted))
+        self._check_admitted(lanes, want, slots, admitted)
         for lane in lanes:
             self.points.start(lane.row, lane.hit.tokens)
         loaded = [self._load_host_hit(lane) if isinstance(lane.hit.node, _HostHit) else lane for lane in lanes]
@@ -633,16 +701,6 @@ class HybridCache(CacheBase):
                 self.snapshots.release(node)
             if node is not None:
                 self._released.add(id(node))
-        lengths = np.zeros((self.max_seqs,), np.int32)
-        lengths[: len(lanes)] = [len(lane.tokens) for lane in lanes]
-        self.manager, ok = _preallocate_hybrid(self.manager, fixed_ids(want, self.max_seqs), lengths)
-        ok, host = fetch((ok, self._host_leaves(self.manager)))
-        self._mirror(host)
-        if not bool(ok):
-            need = sum(self.blocks_for(len(lane.tokens)) for lane in lanes)
-            raise BookkeepingError(f"engine admission failed: rows {[lane.row for lane in lanes]} need "
-                                   f"{need.tolist()} blocks of groups {list(self.groups)}, "
-                                   f"{self.free_blocks().tolist()} free")
 
     def _attach_hits(self, hits: list[PrefillLane]) -> None:
         """Start the rows of ``hits`` from their cached prefixes."""
@@ -751,10 +809,13 @@ class HybridCache(CacheBase):
             self.manager, tokens, counts, keys, prefill_ok, ok, used, drafted, accepted, history = (
                 _hybrid_packed_verify(graphdef, params, self.manager, batch, sampling, keys, history, history_len,
                                       lanes, updates, config=config))
-        tokens, keys, prefill_ok, ok, used, host, logprobs, scores, counts, drafted, accepted = fetch(
-            (tokens, keys, prefill_ok, ok, used, self._host_leaves(self.manager), logprobs, scores,
-             counts, drafted, accepted))
+        tokens, keys, prefill_ok, ok, used, host, tables, logprobs, scores, counts, drafted, accepted = fetch(
+            (tokens, keys, prefill_ok, ok, used, self._host_leaves(self.manager),
+             self._device_tables(self.manager) if want_tables else None, logprobs, scores, counts, drafted,
+             accepted))
         self._mirror(host)
+        if want_tables:
+            self._host_tables = self._tables_as_host(tables)
         if not prefill_ok:  # every prompt's blocks were taken at admission
             raise BookkeepingError(f"engine packed prefill refused slots {[lane.seq_id for lane in prefill]}"
                                    f" (pieces {[(lane.start, len(lane.tokens)) for lane in prefill]})")
