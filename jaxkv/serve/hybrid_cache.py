@@ -71,6 +71,10 @@ _preallocate_hybrid = jax.jit(KVCacheManager.preallocate, donate_argnums=(0,))
 _admit_hybrid = jax.jit(lambda manager, n, max_n: manager.admit(n, max_n=max_n), static_argnums=(2,),
                         donate_argnums=(0,))
 _release_hybrid = jax.jit(KVCacheManager.release, donate_argnums=(0,))
+_attach_prefix = jax.jit(KVCacheManager.attach_prefix, donate_argnums=(0,))
+_copy_state = jax.jit(KVCacheManager.copy_state, donate_argnums=(0,))
+_incref_blocks = jax.jit(KVCacheManager.incref_blocks, donate_argnums=(0,))
+_release_blocks = jax.jit(KVCacheManager.release_blocks, donate_argnums=(0,))
 
 
 @partial(jax.jit, static_argnames=("max_n",), donate_argnums=(0,))
@@ -84,10 +88,6 @@ def _admit_grown(manager: KVCacheManager, n, want, lengths, *, max_n: int):
     same = admitted & jnp.all(slots == want)
     manager, grown = manager.preallocate(jnp.where(same, want, -1), lengths)
     return manager, slots, admitted, grown & same
-_attach_prefix = jax.jit(KVCacheManager.attach_prefix, donate_argnums=(0,))
-_copy_state = jax.jit(KVCacheManager.copy_state, donate_argnums=(0,))
-_incref_blocks = jax.jit(KVCacheManager.incref_blocks, donate_argnums=(0,))
-_release_blocks = jax.jit(KVCacheManager.release_blocks, donate_argnums=(0,))
 
 
 @partial(jax.jit, static_argnames=("width",), donate_argnums=(0,))
@@ -678,6 +678,8 @@ class HybridCache(CacheBase):
                                    f"{self.free_blocks().tolist()} free")
 
     def _check_admitted(self, lanes: list[PrefillLane], want: list, slots: np.ndarray, admitted) -> None:
+        """``BookkeepingError`` unless the admission took exactly the slots
+        ``want`` (the lanes' rows')."""
         if not admitted or slots[: len(lanes)].tolist() != want:
             raise BookkeepingError(f"hybrid admission gave slots {slots[: len(lanes)].tolist()} "
                                    f"(ok={bool(admitted)}) for rows {[lane.row for lane in lanes]}, which need "
