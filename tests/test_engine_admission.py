@@ -287,8 +287,8 @@ def test_a_hybrid_admission_without_a_hit_is_one_device_call(qwen3_next, monkeyp
     second = [engine.add_request(p + rng.integers(1, vocab, 3).tolist(), 6) for p in prompts]
     assert engine.run().prefix_hit_tokens > 0
     assert "_admit_hybrid" in calls and "_preallocate_hybrid" in calls, calls
-    for rid in first + second:
-        assert engine.outputs[rid] == generate(model, [engine._requests[rid].prompt], 6).tokens[0]
+    want = generate(model, [engine._requests[rid].prompt for rid in first + second], 6).tokens
+    assert [engine.outputs[rid] for rid in first + second] == want
     held = engine.add_request(prompts[0], 6)
     engine.step()
     assert engine._requests[held].row == 0  # slot 1
@@ -328,6 +328,5 @@ def test_the_hybrid_host_tables_are_never_stale(qwen3_next):
                                int(rng.integers(2, 8)), arrival_step=i) for i in range(8)]
     engine.run()
     assert any(served) and len(served) > served.count(True), served
-    for rid in rids:
-        req = engine._requests[rid]
-        assert engine.outputs[rid] == generate(model, [req.prompt], req.max_new).tokens[0]
+    want = generate(model, [engine._requests[rid].prompt for rid in rids], 8).tokens  # greedy: a prefix each
+    assert [engine.outputs[rid] for rid in rids] == [w[: engine._requests[rid].max_new] for rid, w in zip(rids, want)]
