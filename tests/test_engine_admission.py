@@ -301,13 +301,22 @@ def test_a_hybrid_admission_without_a_hit_is_one_device_call(qwen3_next, monkeyp
     assert (cache.free_blocks() == free).all()  # slot 1's request was not grown
 
 
-def test_the_hybrid_host_tables_are_never_stale(qwen3_next):
+def test_the_hybrid_host_tables_are_never_stale(qwen3_next, monkeypatch):
     """A hybrid cache's host copy of the block tables (read with a packed
     call's results where a snapshot follows, kept across snapshot stores,
     which change no table) is what the device holds whenever a snapshot
     store reads it, over traffic whose prompts share prefixes (stores at
     prompt ends, branches and turn ends); some stores read the copy, and
-    the tokens are ``generate``'s."""
+    the tokens are ``generate``'s. A store's increfs and state copy run as
+    one call (``_incref_and_copy``), and where the increfs are refused the
+    copy is not made: ``BookkeepingError``, every state row as it was."""
+    import jax
+
+    from jaxkv.errors import BookkeepingError
+    from jaxkv.serve import hybrid_cache
+
+    merged, real_merged = [], hybrid_cache._incref_and_copy
+    monkeypatch.setattr(hybrid_cache, "_incref_and_copy", lambda *a: merged.append(1) or real_merged(*a))
     model, rng = qwen3_next, np.random.default_rng()
     vocab = model.config.vocab_size
     engine = Engine(model, max_context_tokens=64, max_seqs=3, decode_chunk=4)
@@ -330,3 +339,14 @@ def test_the_hybrid_host_tables_are_never_stale(qwen3_next):
     assert any(served) and len(served) > served.count(True), served
     want = generate(model, [engine._requests[rid].prompt for rid in rids], 8).tokens  # greedy: a prefix each
     assert [engine.outputs[rid] for rid in rids] == [w[: engine._requests[rid].max_new] for rid, w in zip(rids, want)]
+    assert merged
+    used = sorted({record.row for record in cache.snapshots.records.values()})
+    assert len(used) >= 2
+    ops = cache.snapshots.empty_ops()
+    ops.incref[next(iter(ops.incref))] = [10**6]  # no such block: refused
+    ops.copies = {used[-1]: cache.manager.num_slots + used[0]}  # one snapshot's state over another's
+    before = [np.asarray(x).copy() for x in jax.tree.leaves(cache.manager)]
+    with pytest.raises(BookkeepingError, match="reference to stored blocks"):
+        cache._apply(ops)
+    after = jax.tree.leaves(cache.manager)
+    assert all(np.array_equal(a, np.asarray(b)) for a, b in zip(before, after))

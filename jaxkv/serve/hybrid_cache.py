@@ -90,6 +90,16 @@ def _admit_grown(manager: KVCacheManager, n, want, lengths, *, max_n: int):
     return manager, slots, admitted, grown & same
 
 
+@partial(jax.jit, donate_argnums=(0,))
+def _incref_and_copy(manager: KVCacheManager, blocks: dict, src, dst):
+    """``incref_blocks(blocks)``, then ``copy_state(src, dst)`` only if the
+    increfs were taken: a snapshot store's device work in one call (when
+    nothing is spilled or released between them). Returns ``(manager,
+    ok)``."""
+    manager, ok = manager.incref_blocks(blocks)
+    return manager.copy_state(jnp.where(ok, src, -1), jnp.where(ok, dst, -1)), ok
+
+
 @partial(jax.jit, static_argnames=("width",), donate_argnums=(0,))
 def _take_blocks(manager: KVCacheManager, counts: dict, *, width: int):
     """``counts[g]`` fresh blocks of each group (one reference each, owned
@@ -516,26 +526,34 @@ class HybridCache(CacheBase):
     def _apply(self, ops: BlockOps) -> None:
         """The device work of a snapshot-cache operation: increfs, copies of
         the records leaving to the host tier, releases (one call each),
-        then state copies into snapshot rows. None of it changes a slot's
+        then state copies into snapshot rows (a store's increfs and copy in
+        one call where nothing else is asked). None of it changes a slot's
         block table: the host's copy of the tables stays."""
         tables = self.__dict__.get("_host_tables")
         self._apply_ops(ops)
         self._host_tables = tables
 
     def _apply_ops(self, ops: BlockOps) -> None:
+        copies = None
+        if ops.copies:
+            dst, src = zip(*((self.manager.num_slots + row, source) for row, source in ops.copies.items()))
+            width = self._copy_width(len(src))
+            copies = fixed_ids(src, width), fixed_ids(dst, width)
+        rows = [self.manager.num_slots + row for row in ops.cleared] if self.scrub else []
+        if (copies is not None and any(ops.incref.values()) and not ops.spills and not any(ops.release.values())
+                and not rows):  # a store's common case: its increfs and its copy, one call
+            self._block_call(_incref_and_copy, ops.incref, "the prefix cache's reference to stored blocks", *copies)
+            return
         if any(ops.incref.values()):
             self._block_call(_incref_blocks, ops.incref, "the prefix cache's reference to stored blocks")
         for spill in ops.spills:  # before their blocks are released and their rows reused
             self._to_host(spill)
-        rows = [self.manager.num_slots + row for row in ops.cleared] if self.scrub else []
         if any(ops.release.values()):
             self._drop_references(ops.release, "releasing evicted prefix blocks", rows=rows)
         elif rows:
             self.manager = reset_rows(self.manager, pow2_ids(rows))
-        if ops.copies:
-            dst, src = zip(*((self.manager.num_slots + row, source) for row, source in ops.copies.items()))
-            self.manager = _copy_state(self.manager, fixed_ids(src, self._copy_width(len(src))),
-                                       fixed_ids(dst, self._copy_width(len(src))))
+        if copies is not None:
+            self.manager = _copy_state(self.manager, *copies)
 
     # ---------------------------------------------------------------- host tier
 
