@@ -112,7 +112,7 @@ from jaxkv.serve.speculation import Speculation
 from jaxkv.serve.structured import ConstraintTable
 
 __all__ = ["MAX_REQUEST_FAULTS", "Scheduler", "WAIT_FOR_PREFIX_TOKENS", "cached_sampling_row",
-           "check_rows", "decoding_rows", "row_sampling", "sampling_row", "stream_buckets", "stream_length",
+           "check_rows", "decodes", "decoding_rows", "row_sampling", "sampling_row", "stream_buckets", "stream_length",
            "stream_lengths"]
 
 logger = logging.getLogger("jaxkv.serve")
@@ -318,8 +318,12 @@ def decoding_rows(requests: dict, rows: list, swapped: list, status: np.ndarray)
     if _rows_agree(requests, rows, swapped, status, decoding):
         return decoding
     check_rows(requests, rows, swapped, status)  # raises with the numbers
-    return [(row, requests[rid]) for row, rid in enumerate(rows)
-            if rid is not None and requests[rid].state is RequestState.RUNNING and not requests[rid].pieces]
+    return [(row, requests[rid]) for row, rid in enumerate(rows) if rid is not None and decodes(requests[rid])]
+
+
+def decodes(req: Request) -> bool:
+    """RUNNING with its whole prompt prefilled (``_rows_agree`` inlines it)."""
+    return req.state is RequestState.RUNNING and not req.pieces
 
 
 def _prompt_scoring(batch: list) -> list:
@@ -703,7 +707,7 @@ class Scheduler(FaultContainment):
             budget = None
             if self.max_num_batched_tokens is not None:
                 budget = self.max_num_batched_tokens - sum(
-                    1 for rid in self._rows if rid is not None and self._decoding(self._requests[rid]))
+                    1 for rid in self._rows if rid is not None and decodes(self._requests[rid]))
             batch, total = [], 0
             for req in self._prefilling:
                 start, end = req.pieces[0]
@@ -860,11 +864,6 @@ class Scheduler(FaultContainment):
             self._relieve([req for lane, (_, req) in enumerate(decoding, start=len(batch))
                            if result.blocked[lane] and req.state is RequestState.RUNNING])
 
-    @staticmethod
-    def _decoding(req: Request) -> bool:
-        """RUNNING with its whole prompt prefilled."""
-        return req.state is RequestState.RUNNING and not req.pieces
-
     def _decode(self) -> None:
         running = dict(self._decoding_rows())
         if not running:
@@ -977,7 +976,7 @@ class Scheduler(FaultContainment):
 
         while blocked and not make_room(self.cache, need()):
             running = [self._requests[rid] for rid in self._rows  # never one mid-prefill
-                       if rid is not None and self._decoding(self._requests[rid])]
+                       if rid is not None and decodes(self._requests[rid])]
             victims = [req for req in running if readmittable(self.cache, req, self.reserve_chunk)]
             if not victims:
                 stuck = blocked[0]
