@@ -50,13 +50,14 @@ def test_host_overhead_table_has_every_row_and_column():
     assert [c.strip() for c in header.strip("|").split("|")] == COLUMNS
     table = [[c.strip() for c in line.strip("|").split("|")] for line in lines
              if line.startswith("|") and not line.startswith(("| family", "|-"))]
-    assert [(r[0], r[1], r[2]) for r in table] == [("llama (paged)", phase, rows) for phase in ("decode", "packed")
-                                                   for rows in ("4", "8")]
+    assert [(r[0], r[1], r[2]) for r in table] == [("llama (paged)", phase, rows)
+                                                   for phase in ("decode", "packed", "burst") for rows in ("4", "8")]
     assert all(r[3] == r[2] for r in table)  # every row runs a request
     payload = json.loads(lines[-1])
     assert payload["benchmark"] == "serve" and payload["mode"] == "host_overhead" and payload["rows"] == [4, 8]
     for r in payload["results"]:
-        assert r["iterations"] == 2 and r["host_ms_p50"] > 0 and r["device_ms_p50"] > 0
+        assert r["iterations"] == (3 if r["phase"] == "burst" else 2)
+        assert r["host_ms_p50"] > 0 and r["device_ms_p50"] > 0
         assert set(r) >= {"family", "phase", "rows", "running", "host_ms_p90", "host_cpu_ms_p50",
                           "device_calls_per_iteration", "host_ratio_to_smallest"}
     assert "host <= 2 ms per iteration at 256 rows" in text

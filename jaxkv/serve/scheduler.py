@@ -104,6 +104,7 @@ from jaxkv.nn.sampling import MAX_TOP_LOGPROBS, RowSampling
 from jaxkv.serve.caches import FREE, ON_DEVICE, STATUS_NAMES, SWAPPED, PrefillLane, logprob_entries
 from jaxkv.serve.faults import MAX_REQUEST_FAULTS, FaultContainment, sampling_row
 from jaxkv.serve.output import OutputProcessor
+from jaxkv.serve.prefix_wait import WAIT_FOR_PREFIX_TOKENS, PrefixSharers
 from jaxkv.serve.request import Request, RequestState
 from jaxkv.serve.reserve import (admission_blocks, growth, growth_bound, growth_total, make_room, no_hit,
                                  readmittable)
@@ -116,19 +117,6 @@ __all__ = ["MAX_REQUEST_FAULTS", "Scheduler", "WAIT_FOR_PREFIX_TOKENS", "cached_
            "stream_lengths"]
 
 logger = logging.getLogger("jaxkv.serve")
-
-#: The fewest tokens a waiting request must gain to wait for a request being
-#: prefilled that shares them (:meth:`Scheduler._wait_for_prefix`).
-WAIT_FOR_PREFIX_TOKENS = 32
-
-
-
-def _common_prefix(a: list, b: list) -> int:
-    """Length of the common prefix of two token lists."""
-    n = min(len(a), len(b))
-    diff = np.flatnonzero(np.asarray(a[:n]) != np.asarray(b[:n]))
-    return int(diff[0]) if diff.size else n
-
 
 def _cut_pieces(pieces: list, position: int) -> list:
     """``pieces`` (``(start, end)`` in order) with the one holding
@@ -567,6 +555,7 @@ class Scheduler(FaultContainment):
         running = None  # the requests admitted before this batch: their reserve, taken before the first admission
         exact = False  # whether ``running`` is their reserve, not a bound of it (growth_bound)
         deferred = []  # waiting requests that wait for a prefix being prefilled, in order
+        sharers = PrefixSharers(self._prefilling)  # whom a waiting request may wait for
         while self._waiting and free_left:
             req = self._requests[self._waiting[0]]
             if req.arrival > self._step:
@@ -576,7 +565,7 @@ class Scheduler(FaultContainment):
             hit = no_hit(self.cache) if req.prompt_logprobs is not None else self.cache.match(tokens, req.namespace)
             wait, fork = self._fork(req, hit, admitted) if req.prompt_logprobs is None else (False, None)
             if not wait and fork is None and req.prompt_logprobs is None:
-                wait = self._wait_for_prefix(req, hit, admitted)
+                wait = self._wait_for_prefix(req, hit, sharers)
             if wait:
                 self.cache.unpin(hit)
                 deferred.append(self._waiting.popleft())
@@ -624,6 +613,7 @@ class Scheduler(FaultContainment):
             self._count.hit_tokens += hit.tokens
             self._hit_blocks += hit.block_counts()
             admitted.append(PrefillLane(req.row, hit, tokens, req.key, req.namespace))
+            sharers.admitted(req, hit.tokens)
         self._waiting.extendleft(reversed(deferred))  # in their places, ahead of those not looked at
         if admitted:
             self.cache.begin_prefill(admitted)  # rows, hits and every prompt's blocks, in one go
@@ -665,32 +655,23 @@ class Scheduler(FaultContainment):
         waits = parent.state is RequestState.WAITING or any(lane.row == parent.row for lane in admitted)
         return waits and point > hit.tokens, None
 
-    def _wait_for_prefix(self, req: Request, hit, admitted: list) -> bool:
+    def _wait_for_prefix(self, req: Request, hit, sharers: PrefixSharers) -> bool:
         """Whether ``req`` should wait (stay in the queue, others may pass)
-        for a request being prefilled that shares a longer prefix with it
-        than the cache holds now: at least :data:`WAIT_FOR_PREFIX_TOKENS`
-        more tokens (in the cache's hit grain) that the other request has
-        not prefilled yet. The cache is asked to keep that prefix when the
-        other request reaches it (:meth:`add_cut`, which may cut its
-        pieces there), so ``req`` hits it one step later instead of
-        computing it a second time beside it (SGLang's in-batch prefix
-        caching)."""
-        limit = len(req.tokens) - 1
-        grain = self.cache.hit_grain
-        others = [(self._requests[self._rows[lane.row]], lane.hit.tokens) for lane in admitted]
-        others += [(other, other.pieces[0][0]) for other in self._prefilling if other.pieces]
-        for other, done in others:
-            if other.namespace != req.namespace:
-                continue
-            shared = _common_prefix(req.tokens[:limit], other.tokens)
-            shared -= shared % grain
-            if shared - hit.tokens < WAIT_FOR_PREFIX_TOKENS or done >= shared:
-                continue
-            if self.cache.add_cut(other.row, shared) and other.pieces:
-                other.pieces = _cut_pieces(other.pieces, shared)
-            logger.debug("request %d waits for request %d to prefill %d shared tokens", req.id, other.id, shared)
-            return True
-        return False
+        for a request admitted in this batch or being prefilled that shares
+        a longer prefix with it than the cache holds now
+        (:mod:`jaxkv.serve.prefix_wait`'s rule, found by ``sharers``). The
+        cache is asked to keep that prefix when the other request reaches
+        it (:meth:`add_cut`, which may cut its pieces there), so ``req``
+        hits it one step later instead of computing it a second time
+        beside it (SGLang's in-batch prefix caching)."""
+        found = sharers.first(req, hit.tokens, self.cache.hit_grain)
+        if found is None:
+            return False
+        other, shared = found
+        if self.cache.add_cut(other.row, shared) and other.pieces:
+            other.pieces = _cut_pieces(other.pieces, shared)
+        logger.debug("request %d waits for request %d to prefill %d shared tokens", req.id, other.id, shared)
+        return True
 
     def _prefill(self) -> int:
         """Run prefill pieces of the admitted requests (oldest admission
