@@ -14,6 +14,7 @@ import functools
 import json
 import os
 
+import jax
 import numpy as np
 import pytest
 from flax import nnx
@@ -340,6 +341,53 @@ def test_a_request_added_late_queues_behind_those_that_arrived():
     while engine.has_unfinished():
         order += [out.request_id for out in engine.step() if out.finished]
     assert order == [running, waiting, late]
+
+
+@pytest.mark.parametrize("seed", [None, None])
+def test_the_queue_keeps_arrival_order_and_stamps_each_arrival_when_it_comes(seed):
+    """Requests added in a drawn order with drawn arrival steps, between
+    steps: after each add, the queue is the one before it with the new
+    request placed after every request arriving no later (the rule written
+    out, scanning from the front); after each step, exactly the queued
+    requests whose arrival step has come carry an arrival time, and it
+    never changes once set."""
+    engine = Engine(llama(), **{**ENGINE, "max_seqs": 1})
+    rng = np.random.default_rng(seed)
+    stamps = {}
+    for _ in range(12):
+        for _ in range(int(rng.integers(0, 4))):
+            expected = list(engine._waiting)
+            arrival = max(int(rng.integers(0, 10)), engine._step)
+            rid = engine.add_request(tokens(rng, 9), int(rng.integers(1, 4)), arrival_step=arrival)
+            later = [i for i, other in enumerate(expected) if engine._requests[other].arrival > arrival]
+            expected.insert(later[0] if later else len(expected), rid)
+            assert list(engine._waiting) == expected
+        if engine.has_unfinished():
+            engine.step()
+        for rid, req in engine._requests.items():
+            if req.arrived_at is not None:
+                assert stamps.setdefault(rid, req.arrived_at) == req.arrived_at  # set once
+        for rid in engine._waiting:
+            req = engine._requests[rid]
+            assert (req.arrived_at is not None) == (req.arrival < engine._step), (rid, req.arrival, engine._step)
+    while engine.has_unfinished():
+        engine.step()
+    assert all(req.arrived_at is not None for req in engine._requests.values())
+
+
+def test_each_request_samples_from_fold_in_of_the_engine_key():
+    """A request without a seed samples from ``fold_in(key(engine seed),
+    request id)`` (the options' documented stream), one with a seed from
+    ``key(seed)``: the key data each record holds equals JAX's eager
+    functions' on drawn seeds."""
+    rng = np.random.default_rng()
+    engine_seed = int(rng.integers(0, 2**31))
+    engine = Engine(llama(), **ENGINE, seed=engine_seed)
+    for _ in range(6):
+        seed = int(rng.integers(0, 2**40)) if rng.random() < 0.5 else None
+        rid = engine.add_request(tokens(rng, 9), 2, seed=seed)
+        key = jax.random.fold_in(jax.random.key(engine_seed), rid) if seed is None else jax.random.key(seed)
+        np.testing.assert_array_equal(engine._requests[rid].key, np.asarray(jax.random.key_data(key)))
 
 
 # ------------------------------------------------------------------ hybrid

@@ -357,17 +357,12 @@ class Engine(Scheduler):
         if prompt_logprobs is not None and self.scheduler != "packed":
             raise InvalidArgument("prompt_logprobs are scored in packed steps: use the packed scheduler "
                                   "(Engine(..., scheduler='packed'), the default)")
-        arrival = req.arrival
         if self.tokenizer is not None:
             req.detok = self.output.detokenizer_for(req.prompt)
         self._next_id += 1
         self._requests[rid] = req
         self._live.add(rid)
-        # After every request that arrives no later: admission stops at the
-        # first waiting request that has not arrived, so none that has may
-        # queue behind it.
-        later = (i for i, other in enumerate(self._waiting) if self._requests[other].arrival > arrival)
-        self._waiting.insert(next(later, len(self._waiting)), rid)
+        self._queue(req)
         self.outputs[rid] = []
         return rid
 

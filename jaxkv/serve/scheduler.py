@@ -92,6 +92,7 @@ Request life cycle (:class:`RequestState`)::
 from __future__ import annotations
 
 import collections
+import heapq
 import logging
 import time
 
@@ -383,7 +384,8 @@ class Scheduler(FaultContainment):
         self._requests: dict[int, Request] = {}
         self._live: set = set()  # ids of the requests not finished
         self._aborts: list = []  # ids to abort at the next iteration, in order
-        self._waiting: collections.deque = collections.deque()  # ids; recomputes go to the front
+        self._waiting: collections.deque = collections.deque()  # ids in arrival order; recomputes go to the front
+        self._arrivals: list = []  # heap of (arrival step, id): queued requests not yet seen arrived
         self._swapped: list = []  # ids, oldest preemption first
         self._prefilling: list = []  # requests admitted whose prompt is not all prefilled, oldest first
         self._rows: list = [None] * max_seqs  # row -> request id (running or swapped)
@@ -461,15 +463,32 @@ class Scheduler(FaultContainment):
             self._finish(req, "abort")
             self._aborts.pop(0)
 
+    def _queue(self, req: Request) -> None:
+        """Queue a new request: after every waiting request that arrives no
+        later (admission stops at the first waiting request that has not
+        arrived, so none that has may queue behind it). The queue is in
+        arrival order (the requests put back at its front arrived before
+        any new one), so the place is found from the back: at once for a
+        request arriving now, however long the queue."""
+        waiting, requests = self._waiting, self._requests
+        at = len(waiting)
+        while at and requests[waiting[at - 1]].arrival > req.arrival:
+            at -= 1
+        waiting.insert(at, req.id)
+        heapq.heappush(self._arrivals, (req.arrival, req.id))
+
     def _mark_arrivals(self) -> None:
         """Stamp the wall time at which waiting requests are first seen
-        arrived (the start of their time to first token)."""
+        arrived (the start of their time to first token): the queued
+        requests whose arrival step has come, from a heap, so a step's
+        work follows the requests arriving, not the queue's length."""
+        arrivals = self._arrivals
+        if not arrivals or arrivals[0][0] > self._step:
+            return
         now = time.perf_counter()
-        for rid in self._waiting:
-            req = self._requests[rid]
-            if req.arrival > self._step:
-                break  # queued in arrival order
-            if req.arrived_at is None:
+        while arrivals and arrivals[0][0] <= self._step:
+            req = self._requests.get(heapq.heappop(arrivals)[1])
+            if req is not None and req.state is RequestState.WAITING and req.arrived_at is None:
                 req.arrived_at = now
 
     def _finish(self, req: Request, reason: str) -> None:
