@@ -51,13 +51,16 @@ def test_host_overhead_table_has_every_row_and_column():
     table = [[c.strip() for c in line.strip("|").split("|")] for line in lines
              if line.startswith("|") and not line.startswith(("| family", "|-"))]
     assert [(r[0], r[1], r[2]) for r in table] == [("llama (paged)", phase, rows)
-                                                   for phase in ("decode", "packed", "burst") for rows in ("4", "8")]
+                                                   for phase in ("decode", "packed", "burst", "queued") for rows in ("4", "8")]
     assert all(r[3] == r[2] for r in table)  # every row runs a request
     payload = json.loads(lines[-1])
     assert payload["benchmark"] == "serve" and payload["mode"] == "host_overhead" and payload["rows"] == [4, 8]
     for r in payload["results"]:
         assert r["iterations"] == (3 if r["phase"] == "burst" else 2)
         assert r["host_ms_p50"] > 0 and r["device_ms_p50"] > 0
+        assert (r["phase"] == "queued") == ("add_request_us_p50" in r)
+        if r["phase"] == "queued":
+            assert r["queued"] == 200 and r["add_request_us_p50"] > 0
         assert set(r) >= {"family", "phase", "rows", "running", "host_ms_p90", "host_cpu_ms_p50",
                           "device_calls_per_iteration", "host_ratio_to_smallest"}
     assert "host <= 2 ms per iteration at 256 rows" in text

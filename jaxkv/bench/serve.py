@@ -92,7 +92,11 @@ finishes: the rows stay full, every iteration admits two and retires two);
 64-token prompt, arriving at once on a fresh engine whose token budget
 holds them all: the one step that admits them and prefills them, the
 median of three fresh engines after one that compiles (admission's cost
-against the batch: the in-batch prefix rule once compared every pair).
+against the batch: the in-batch prefix rule once compared every pair);
+**queued** (:func:`queued_run`), every row decoding while 10,000 more
+requests (``--quick``: 200) wait for one: its steps should cost what
+decode's do, and each ``add_request`` (timed as they are added, median
+reported apart) should not grow with the queue.
 Reported per family, phase and row count: host ms per iteration (median
 and p90 over ``--iterations``, default 30, ``--quick`` 4), device ms per
 iteration (median), jitted calls per iteration, and the host median over
@@ -694,6 +698,8 @@ HOST_WARMUP = 3  # untimed iterations after the programs compiled
 HOST_MAX_ITERATIONS = 1000  # the most timed iterations a phase may ask for
 BURST_PROMPT = 64  # tokens per prompt of the burst phase: longer than the in-batch prefix rule's head
 BURST_REPEATS = 3  # timed bursts per row count (each on a fresh engine)
+QUEUED = 10_000  # requests waiting in the queued phase (--quick: QUEUED_QUICK)
+QUEUED_QUICK = 200
 
 
 class DeviceTimer:
@@ -880,6 +886,35 @@ def burst_run(model, options, rows: int, rng, timer: DeviceTimer, repeats: int =
     return figures
 
 
+def queued_run(model, options, rows: int, iterations: int, queued: int, rng, timer: DeviceTimer) -> dict:
+    """The queued phase (module docstring): ``rows`` requests decoding
+    while ``queued`` more wait for a row (added after the rows filled, each
+    ``add_request`` timed). Figures as :func:`_time_steps`' over
+    ``iterations`` decode iterations, plus ``add_us``: the median
+    microseconds of one ``add_request``."""
+    import time
+
+    vocab = model.config.vocab_size
+    new = (HOST_WARMUP + iterations) * HOST_CHUNK + 8  # the rows never finish while timed
+    engine = Engine(model, **options(rows, HOST_PROMPT + new))
+    for _ in range(rows):
+        engine.add_request(rng.integers(3, vocab, HOST_PROMPT).tolist(), new)
+    while engine._prefilling or engine._waiting:
+        engine.step()
+    prompts = rng.integers(3, vocab, (queued, HOST_PROMPT)).tolist()
+    adds = []
+    for prompt in prompts:
+        start = time.perf_counter()
+        engine.add_request(prompt, 1)
+        adds.append(time.perf_counter() - start)
+    running = []
+    _time_steps(engine, timer, HOST_WARMUP, lambda: None)
+    figures = _time_steps(engine, timer, iterations, lambda: running.append(rows))
+    figures["running"] = running
+    figures["add_us"] = float(np.median(adds)) * 1e6
+    return figures
+
+
 def parse_extra(args, rest: list[str]):
     """``--host-overhead`` and its options (``python -m jaxkv.bench``'s hook)."""
     import argparse
@@ -923,9 +958,13 @@ def host_overhead_main(args) -> int:
                 results[family, n] = host_overhead_run(model, options, n, iterations, np.random.default_rng(n),
                                                        timer, profile)
                 results[family, n]["burst"] = burst_run(model, options, n, np.random.default_rng(n), timer)
+                results[family, n]["queued"] = queued_run(model, options, n, iterations,
+                                                          QUEUED_QUICK if args.quick else QUEUED,
+                                                          np.random.default_rng(n), timer)
+    queued = QUEUED_QUICK if args.quick else QUEUED
     rows, payload = [], []
     for family in families:
-        for phase in ("decode", "packed", "burst"):
+        for phase in ("decode", "packed", "burst", "queued"):
             base = None
             for n in rows_list:
                 run = results[family, n][phase]
@@ -943,7 +982,9 @@ def host_overhead_main(args) -> int:
                 payload.append({"family": family, "phase": phase, "rows": n, "running": running,
                                 "iterations": len(host), "host_ms_p50": p50, "host_ms_p90": p90,
                                 "host_cpu_ms_p50": cpu, "device_ms_p50": device,
-                                "device_calls_per_iteration": calls, "host_ratio_to_smallest": p50 / base})
+                                "device_calls_per_iteration": calls, "host_ratio_to_smallest": p50 / base,
+                                **({"queued": queued, "add_request_us_p50": run["add_us"]} if phase == "queued"
+                                   else {})})
     machine = machine_description()
     small, large = min(rows_list), max(rows_list)
     print_table(f"scheduler host time per iteration (Engine.step wall time - time inside the jitted calls), "
@@ -951,10 +992,15 @@ def host_overhead_main(args) -> int:
                 f"on {machine}", ["family", "phase", "rows", "running", "host ms p50", "host ms p90",
                                   "host CPU ms p50", "device ms p50", "calls/iter", f"host / at {small}"], rows)
     print(f"\nTargets (issue 41): host <= 2 ms per iteration at 256 rows; host at 256 rows <= 4x host at 16 "
-          f"(decode and packed; burst: the step in which every row's {BURST_PROMPT}-token prompt arrives at once, "
-          f"median of {BURST_REPEATS}, no target).")
+          f"(decode and packed). No target for burst (the step in which every row's {BURST_PROMPT}-token prompt "
+          f"arrives at once, median of {BURST_REPEATS}) or queued (decode while {queued} requests wait; it should "
+          f"cost what decode costs).")
     for r in payload:
-        if r["rows"] == large and large != small and r["phase"] != "burst":
+        if r["phase"] == "queued":
+            print(f"{r['family']} at {r['rows']} rows: add_request {r['add_request_us_p50']:.0f} us (median) with up "
+                  f"to {queued} requests queued")
+    for r in payload:
+        if r["rows"] == large and large != small and r["phase"] in ("decode", "packed"):
             print(f"{r['family']} {r['phase']}: host {r['host_ms_p50']:.2f} ms at {large} rows, "
                   f"{r['host_ratio_to_smallest']:.2f}x the {small}-row figure")
     for family, profile in profiles.items():
