@@ -664,7 +664,10 @@ def test_503_while_starting_then_second_start_is_faster(checkpoint, tmp_path):
             assert out.status_code == 200
         finally:
             srv.stop()
-        assert "start-up:" in srv.log_path.read_text()
+        log = srv.log_path.read_text()
+        assert "start-up:" in log
+        frozen = re.search(r"(\d+) objects frozen for the garbage collector", log)
+        assert frozen and int(frozen.group(1)) > 10_000, "the start-up heap was not frozen"
     assert any(cache.iterdir()), "the compilation cache is empty"
     assert compile_seconds[1] < compile_seconds[0], compile_seconds
 
