@@ -375,6 +375,33 @@ def test_the_queue_keeps_arrival_order_and_stamps_each_arrival_when_it_comes(see
     assert all(req.arrived_at is not None for req in engine._requests.values())
 
 
+@pytest.mark.parametrize("seed", [None, None])
+def test_aborting_many_waiting_requests_keeps_the_rest_of_the_queue_in_order(seed):
+    """A drawn subset of a queue of 300 is aborted at once, with a running
+    request: after one step the queue is the old one without them, in
+    order, each aborted one finished with "abort", nothing else finished,
+    and the rest runs to the end with every block back."""
+    engine = Engine(llama(), **{**ENGINE, "max_seqs": 2})
+    rng = np.random.default_rng(seed)
+    ids = [engine.add_request(tokens(rng, 9), 2) for _ in range(300)]
+    engine.step()
+    running = [rid for rid in ids if engine._requests[rid].state is RequestState.RUNNING]
+    queue = list(engine._waiting)
+    aborted = set(rng.choice(queue, int(rng.integers(1, 150)), replace=False).tolist()) | {running[0]}
+    for rid in rng.permutation(sorted(aborted)).tolist():
+        engine.abort(rid)
+    finished = {out.request_id: out.finish_reason for out in engine.step() if out.finished}
+    assert {rid: reason for rid, reason in finished.items() if reason == "abort"} == dict.fromkeys(aborted, "abort")
+    left = [rid for rid in queue if rid not in aborted]
+    assert list(engine._waiting) == left[len(left) - len(engine._waiting):]  # admissions take from the front
+    assert set(left) - set(engine._waiting) <= {rid for rid in ids if engine._requests.get(rid) is not None
+                                                and engine._requests[rid].state is not RequestState.WAITING}
+    while engine.has_unfinished():
+        engine.step()
+    assert sum(engine._requests[rid].finish_reason == "abort" for rid in ids) == len(aborted)
+    check_blocks(engine)
+
+
 def test_each_request_samples_from_fold_in_of_the_engine_key():
     """A request without a seed samples from ``fold_in(key(engine seed),
     request id)`` (the options' documented stream), one with a seed from

@@ -102,10 +102,12 @@ class RequestOutput:
         return out
 
 
-@dataclasses.dataclass(slots=True)
+@dataclasses.dataclass(slots=True, eq=False)
 class Request:
     """The engine's record of one request (host only; the cache holds its
-    device state on row ``row``)."""
+    device state on row ``row``). Records compare by identity: ``req in
+    list`` and ``list.remove(req)`` find the record itself without comparing
+    every field of every other record."""
 
     id: int
     prompt: list
