@@ -152,8 +152,8 @@ def test_requests_arriving_together_wait_for_their_shared_prefix(model):
     for _ in range(3):
         shared = rng.integers(1, CONFIG["vocab_size"], int(rng.integers(36, 49))).tolist()
         # Each prompt's own tokens start differently (1 and 2), so the group shares exactly ``shared``.
-        groups.append((len(shared), [shared + [first] + rng.integers(1, CONFIG["vocab_size"], int(rng.integers(0, 8))).tolist()
-                                     for first in (1, 2)]))
+        own = [[first] + rng.integers(1, CONFIG["vocab_size"], int(rng.integers(0, 8))).tolist() for first in (1, 2)]
+        groups.append((len(shared), [shared + tail for tail in own]))
     ids = [[engine.add_request(p, 5, namespace="shared") for p in prompts] for _, prompts in groups]
     engine.run()
     for (length, prompts), (first, second) in zip(groups, ids):

@@ -26,7 +26,8 @@ from jaxkv.nn.penalties import OFF, Penalties
 from jaxkv.nn.sampling import MAX_TOP_LOGPROBS, SamplingParams
 from jaxkv.serve.grammar import GrammarState, HostGrammar
 
-__all__ = ["Request", "RequestOutput", "RequestState", "check_token_ids", "find_stop", "new_request", "request_key_data"]
+__all__ = ["Request", "RequestOutput", "RequestState", "check_token_ids", "find_stop", "new_request",
+           "request_key_data"]
 
 
 class RequestState(enum.Enum):
