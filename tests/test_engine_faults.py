@@ -42,7 +42,7 @@ from hypothesis import strategies as st
 
 from jaxkv.nn import generate
 from jaxkv.nn.sampling import SamplingParams
-from jaxkv.serve import Engine
+from jaxkv.serve import Engine, RequestState
 from jaxkv.serve.engine import MAX_REQUEST_FAULTS
 from tests.test_fuzz_engine import check_no_leak, expected_output
 from tests.test_fuzz_engine_hybrid import _fixture, _reference, check_hybrid_no_leak
@@ -245,6 +245,36 @@ def test_llama_faults_touch_no_other_request(llama, llama_reference, seed, sched
 @given(seed=st.integers(0, 2**32 - 1), scheduler=st.sampled_from(["packed", "padded"]))
 def test_llama_faults_touch_no_other_request_wide(llama, llama_reference, seed, scheduler):
     llama_scenario(llama, llama_reference, seed, scheduler)
+
+
+def test_a_request_failing_alone_makes_room_for_the_one_waiting(llama, llama_reference):
+    """Found by the wide run (seed 1446, padded): a request whose sampling
+    row fails while it is the only one running, in an iteration that
+    admitted nothing (the request waiting does not fit beside it), gives
+    back its blocks and finishes with "error"; the engine must not say
+    that nothing can run (``KVCacheOOM``) but admit the waiting request
+    next, which gives its cold tokens."""
+    engine = Engine(llama, **LLAMA, scheduler="padded", max_num_batched_tokens=8)
+    rng = np.random.default_rng()
+    a, b = (tuple(rng.integers(1, CONFIG["vocab_size"], 20).tolist()) for _ in range(2))
+    first = engine.add_request(list(a), REF_NEW)  # admitted with 6 blocks: its prompt's 5 and a chunk's growth
+    second = engine.add_request(list(b), REF_NEW)  # the same: 12 of 9 blocks, it waits beside the first
+    real, screened = engine._sampling_row, []
+
+    def sampling_row(req):
+        if req.id == first:
+            screened.append(engine._step)
+            if len(screened) == 2:  # its second prompt piece, in an iteration that admits nothing
+                raise InjectedFault("a sampling row that cannot be used")
+        return real(req)
+
+    engine._sampling_row = sampling_row
+    engine.step()
+    assert engine._requests[second].state is RequestState.WAITING, "the second fitted beside the first"
+    engine.run()
+    assert len(screened) == 2 and engine.finish_reason(first) == "error"
+    assert engine.outputs[second] == llama_reference(b)
+    check_no_leak(engine)
 
 
 def test_a_failed_step_leaves_no_uncomputed_page_in_the_prefix_cache(llama, llama_reference):

@@ -415,6 +415,7 @@ class Scheduler(FaultContainment):
 
     def _iterate_once(self) -> None:
         self._count.iterations += 1
+        live = len(self._live)
         self._mark_arrivals()
         progressed = self._resume_swapped()
         if not self._swapped:
@@ -427,8 +428,10 @@ class Scheduler(FaultContainment):
         else:
             progressed += self._prefill()
         if not any(rid is not None and self._requests[rid].state is RequestState.RUNNING for rid in self._rows):
-            if progressed or not self._live:
-                return  # e.g. requests that finished at their first token
+            # Requests that finished at their first token, or a request that failed in this iteration (its
+            # blocks are back: the next iteration may admit what did not fit beside it) are progress too.
+            if progressed or not self._live or len(self._live) < live:
+                return
             future = [self._requests[i].arrival for i in self._waiting if self._requests[i].arrival > self._step]
             if future and len(future) == len(self._waiting) and not self._swapped:
                 self._step = min(future)  # idle until the next arrival
