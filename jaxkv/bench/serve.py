@@ -863,7 +863,6 @@ def burst_run(model, options, rows: int, rng, timer: DeviceTimer, repeats: int =
     after an untimed one that compiles. Figures as :func:`_time_steps`',
     one entry per burst."""
     import gc
-    import time
 
     vocab = model.config.vocab_size
     figures = {"host": [], "host_cpu": [], "device": [], "calls": [], "packed": [], "running": []}
@@ -871,17 +870,11 @@ def burst_run(model, options, rows: int, rng, timer: DeviceTimer, repeats: int =
         engine = Engine(model, **dict(options(rows, BURST_PROMPT + 8), max_num_batched_tokens=rows * BURST_PROMPT))
         for _ in range(rows):
             engine.add_request(rng.integers(3, vocab, BURST_PROMPT).tolist(), 2)
-        gc.collect()  # the engines before this one are garbage: their collection is not this step's cost
-        timer.reset()
-        start, cpu = time.perf_counter(), time.thread_time()
-        engine.step()
-        wall, cpu = time.perf_counter() - start, time.thread_time() - cpu
+        # Untimed before the step: the engines before this one are garbage, their collection is not its cost.
+        got = _time_steps(engine, timer, 1, gc.collect)
         if repeat:
-            figures["host"].append(wall - timer.seconds)
-            figures["host_cpu"].append(cpu - timer.cpu_seconds)
-            figures["device"].append(timer.seconds)
-            figures["calls"].append(len(timer.calls))
-            figures["packed"].append(any(name.endswith("_packed") for name in timer.calls))
+            for name, values in got.items():
+                figures[name] += values
             figures["running"].append(sum(rid is not None for rid in engine._rows))
     return figures
 
@@ -907,10 +900,9 @@ def queued_run(model, options, rows: int, iterations: int, queued: int, rng, tim
         start = time.perf_counter()
         engine.add_request(prompt, 1)
         adds.append(time.perf_counter() - start)
-    running = []
     _time_steps(engine, timer, HOST_WARMUP, lambda: None)
-    figures = _time_steps(engine, timer, iterations, lambda: running.append(rows))
-    figures["running"] = running
+    figures = _time_steps(engine, timer, iterations, lambda: None)
+    figures["running"] = [rows] * iterations
     figures["add_us"] = float(np.median(adds)) * 1e6
     return figures
 
@@ -945,6 +937,7 @@ def host_overhead_main(args) -> int:
     wanted = getattr(args, "families", None)
     families = _host_models(wanted.split(",") if wanted else None)
     profile_rows = max(rows_list) if getattr(args, "profile", False) else None
+    queued = QUEUED_QUICK if args.quick else QUEUED
     results = {}
     with DeviceTimer() as timer:
         for family, (build, options) in families.items():
@@ -958,10 +951,8 @@ def host_overhead_main(args) -> int:
                 results[family, n] = host_overhead_run(model, options, n, iterations, np.random.default_rng(n),
                                                        timer, profile)
                 results[family, n]["burst"] = burst_run(model, options, n, np.random.default_rng(n), timer)
-                results[family, n]["queued"] = queued_run(model, options, n, iterations,
-                                                          QUEUED_QUICK if args.quick else QUEUED,
+                results[family, n]["queued"] = queued_run(model, options, n, iterations, queued,
                                                           np.random.default_rng(n), timer)
-    queued = QUEUED_QUICK if args.quick else QUEUED
     rows, payload = [], []
     for family in families:
         for phase in ("decode", "packed", "burst", "queued"):
