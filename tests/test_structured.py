@@ -123,6 +123,11 @@ def test_integer_ranges_match_exactly_the_integers_inside():
         for v in range(-3200, 3200):
             assert bool(pattern.fullmatch(str(v))) == ((lo is None or v >= lo) and (hi is None or v <= hi)), (lo, hi, v)
         assert not pattern.fullmatch("-0") and not pattern.fullmatch("01")
+        # A side with no bound stops at MAX_NUMBER_DIGITS digits (16): past those, a model may repeat one forever.
+        if hi is None:
+            assert pattern.fullmatch("9" * 16) and not pattern.fullmatch("1" + "0" * 16)
+        if lo is None:
+            assert pattern.fullmatch("-" + "9" * 16) and not pattern.fullmatch("-1" + "0" * 16)
     with pytest.raises(InvalidArgument, match="empty"):
         integer_range_regex(5, 4)
 
@@ -147,6 +152,12 @@ def test_number_ranges_produce_only_numbers_inside():
                 assert (value > lo if lo_open else value >= lo) and (value < hi if hi_open else value <= hi), \
                     (lo, hi, lo_open, hi_open, text)
         assert inside > 0, (lo, hi)  # the subset is not empty where the range spans integers
+        # An integer m with m - 1 and m + 1 in the range: m.333... lies inside it with up to 16 digits, no more.
+        a = int(np.floor(lo)) + 1 if lo_open or lo != np.floor(lo) else int(lo)
+        b = int(np.ceil(hi)) - 1 if hi_open or hi != np.ceil(hi) else int(hi)
+        if b - a >= 2:
+            m = (a + b) // 2
+            assert pattern.fullmatch(f"{m}." + "3" * 16) and not pattern.fullmatch(f"{m}." + "3" * 17), (lo, hi, m)
     with pytest.raises(InvalidArgument, match="no integer"):
         number_range_regex(0.2, 0.8)
 
@@ -157,7 +168,10 @@ def test_number_ranges_produce_only_numbers_inside():
 def test_tables_reproduce_the_outlines_index(tokenizer, model):
     """Every state's allowed tokens and next states equal outlines-core's
     Index (our tables compress tokens into classes and add EOS ourselves),
-    on the host and through the device mask and advance."""
+    on the host and through the device mask and advance. Its index is of
+    the plain regex (ours has the end mark appended): an object's regex
+    ends a match only at its closing brace, where leftmost-first matching
+    drops nothing."""
     import jax.numpy as jnp
     import outlines_core
 
@@ -178,7 +192,7 @@ def test_tables_reproduce_the_outlines_index(tokenizer, model):
     while frontier:
         theirs_state = frontier.pop()
         state = ours[theirs_state]
-        theirs = {t: n for t, n in transitions.get(theirs_state, {}).items() if t not in eos}
+        theirs = {t: n for t, n in transitions.get(theirs_state, {}).items() if t not in eos and t < vocab}
         want = set(theirs) | (eos if index.is_final_state(theirs_state) else set())
         assert set(automaton.allowed(state).tolist()) == want, (schema, theirs_state)
         for token, nxt in theirs.items():
@@ -201,6 +215,93 @@ def test_tables_reproduce_the_outlines_index(tokenizer, model):
     after = np.asarray(advance(rows, rows.state, jnp.asarray(tokens, jnp.int32), jnp.ones(7, bool)))
     assert after[:6].tolist() == [automaton.step(int(s), t) + offsets[1] for s, t in zip(states, tokens[:6])]
     assert after[6] == 0
+
+
+def test_automata_accept_exactly_what_the_regex_matches_whole(tokenizer, model):
+    """outlines-core matches leftmost-first (``y|yes`` alone would never
+    write "yes"); jaxkv's automata accept exactly the outputs
+    ``re.fullmatch`` accepts: drawn choices and regexes whose alternatives
+    are prefixes of one another, against Python's ``re`` on every string
+    over their alphabet up to 5 characters, and whole-schema integer
+    ranges against arithmetic."""
+    import itertools
+
+    vocab = model.config.vocab_size
+    rng = np.random.default_rng()
+
+    def accepts(automaton, text: str) -> bool:
+        state = automaton.walk(automaton.initial, tokenizer.encode(text))
+        return state >= 0 and bool(automaton.final[state])
+
+    def word(letters: str, longest: int) -> str:
+        return "".join(rng.choice(list(letters), int(rng.integers(1, longest + 1))))
+
+    strings = ["".join(p) for n in range(1, 6) for p in itertools.product("abxy", repeat=n)]
+    for _ in range(3):
+        words = sorted({word("ab", 4) for _ in range(6)})
+        words += [words[0] + word("ab", 2)]  # surely one word a prefix of another
+        regex = "(?:" + "|".join(words) + ")(?:x|xy|" + word("xy", 2) + ")?"
+        for kind, spec in (("choice", words), ("regex", regex)):
+            automaton = compile_constraint(tokenizer, vocab, **{kind: spec})
+            pattern = regex if kind == "regex" else "|".join(words)
+            for text in strings:
+                assert accepts(automaton, text) == bool(re.fullmatch(pattern, text)), (kind, spec, text)
+    for _ in range(3):
+        lo = int(rng.integers(-300, 300))
+        hi = lo + int(rng.integers(0, 400))
+        automaton = compile_constraint(tokenizer, vocab, json_schema={"type": "integer", "minimum": lo, "maximum": hi})
+        for v in {lo - 1, lo, hi, hi + 1, *rng.integers(lo - 100, hi + 100, 60).tolist()}:
+            assert accepts(automaton, str(v)) == (lo <= v <= hi), (lo, hi, v)
+
+
+def _longest_output(automaton) -> int | None:
+    """The most tokens (before the stop) any output of ``automaton`` has;
+    None when a cycle lets an output grow without end (Kahn's order over
+    the states, the DEAD and STOP columns left out: STOP loops on a final
+    state)."""
+    edges = [sorted({int(n) for n in row[2:] if n >= 0}) for row in automaton.next_state]
+    indegree = np.zeros(automaton.num_states, int)
+    for targets in edges:
+        for n in targets:
+            indegree[n] += 1
+    order, ready = [], [s for s in range(automaton.num_states) if indegree[s] == 0]
+    while ready:
+        state = ready.pop()
+        order.append(state)
+        for n in edges[state]:
+            indegree[n] -= 1
+            if indegree[n] == 0:
+                ready.append(n)
+    if len(order) < automaton.num_states:
+        return None
+    depth = np.zeros(automaton.num_states, int)
+    for state in order:
+        for n in edges[state]:
+            depth[n] = max(depth[n], depth[state] + 1)
+    return int(depth.max())
+
+
+def test_every_number_a_schema_allows_is_bounded(tokenizer, model):
+    """A schema whose strings and arrays are bounded (drawn, and unbounded
+    integers and numbers) has an acyclic automaton: no output runs past
+    a finite length, so a model cannot repeat a digit until its token
+    limit (the real SmolLM2 did, once, under a drawn ``number``). An
+    unbounded string's automaton has a cycle: the check can fail."""
+    vocab = model.config.vocab_size
+    rng = np.random.default_rng()
+    unbounded = [{"type": "number"}, {"type": "integer"}, {"type": "integer", "minimum": int(rng.integers(-99, 99))},
+                 {"type": "number", "maximum": float(rng.uniform(-99, 99))}]
+    for schema in unbounded + [draw_schema(rng) for _ in range(6)]:
+        automaton = compile_constraint(tokenizer, vocab, json_schema={"type": "object", "properties": {"k": schema},
+                                                                      "required": ["k"]})
+        assert _longest_output(automaton) is not None, schema
+    assert _longest_output(compile_constraint(tokenizer, vocab, json_schema={"type": "string"})) is None
+    # Sixteen digits on each side of the point, no more.
+    automaton = compile_constraint(tokenizer, vocab, json_schema={"type": "number"})
+    digits = tokenizer.encode("9" * 16 + "." + "9" * 16)
+    assert automaton.walk(automaton.initial, digits) >= 0
+    assert automaton.walk(automaton.initial, tokenizer.encode("9" * 17)) < 0
+    assert automaton.walk(automaton.initial, tokenizer.encode("9." + "9" * 17)) < 0
 
 
 # ------------------------------------------------------------ the engine
@@ -294,7 +395,10 @@ def test_engine_outputs_follow_random_schemas_wide(tokenizer, model):
 def test_smollm2_follows_random_schemas_and_json_mode():
     """The real SmolLM2 (Q4_1 GGUF, 49,152 tokens, many of them multi-byte):
     chat requests under random schemas (greedy and sampled) and JSON mode
-    give documents ``jsonschema`` accepts."""
+    give documents ``jsonschema`` accepts. A schema's requests may write as
+    many tokens as its longest output (its automaton is acyclic), so each
+    must stop; JSON mode's objects are unbounded, and 200 tokens have
+    always sufficed."""
     from jaxkv.nn import AutoModelForCausalLM
     from jaxkv.nn.gguf import SMOLLM2_INSTALL, find_smollm2
     from jaxkv.nn.sampling import SamplingParams
@@ -312,11 +416,13 @@ def test_smollm2_follows_random_schemas_and_json_mode():
                               "required": ["colour", "count"]}) for _ in range(3)]
     specs.append(("json_object", True))
     prompt = tokenizer.apply_chat_template([{"role": "user", "content": "Describe a colour as JSON."}], tokenize=True)
-    engine = Engine(model, tokenizer=tokenizer, max_seqs=4, max_model_len=512, decode_chunk=8)
-    requests = [dict(prompt_tokens=prompt, max_new_tokens=200, eos_token_id=tokenizer.eos_token_ids[0], seed=k,
-                     sampling=SamplingParams(temperature=0.7) if k % 2 else SamplingParams(),
-                     constraint=compile_constraint(tokenizer, vocab, **{kind: spec}))
-                for k, (kind, spec) in enumerate(specs)]
+    engine = Engine(model, tokenizer=tokenizer, max_seqs=4, max_model_len=1024, decode_chunk=8)
+    automata = [compile_constraint(tokenizer, vocab, **{kind: spec}) for kind, spec in specs]
+    limits = [_longest_output(a) for a in automata[:-1]] + [199]
+    assert None not in limits and max(limits) < 1024 - len(prompt), limits
+    requests = [dict(prompt_tokens=prompt, max_new_tokens=limit + 1, eos_token_id=tokenizer.eos_token_ids[0], seed=k,
+                     sampling=SamplingParams(temperature=0.7) if k % 2 else SamplingParams(), constraint=automaton)
+                for k, (automaton, limit) in enumerate(zip(automata, limits))]
     for (tokens, reason), (kind, spec) in zip(_run(engine, requests), specs):
         _check_output(tokenizer, tokens, reason, kind, spec)
 

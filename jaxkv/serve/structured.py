@@ -20,9 +20,11 @@ server does).
 What is accepted (:func:`constraint_regex`):
 
 * ``json_schema``: a JSON schema (outlines-core's regex for it), with
-  integer and number bounds (``minimum`` / ``maximum`` / ``exclusive*``,
-  which outlines-core ignores) enforced by regexes of jaxkv's own
-  (:func:`integer_range_regex`, :func:`number_range_regex`). Keywords no
+  integers and numbers written by regexes of jaxkv's own
+  (:func:`integer_range_regex`, :func:`number_range_regex`): they enforce
+  the bounds (``minimum`` / ``maximum`` / ``exclusive*``, which
+  outlines-core ignores) and limit the digits to
+  :data:`MAX_NUMBER_DIGITS` (no exponent). Keywords no
   DFA here enforces (``multipleOf``, ``uniqueItems``, ``not``,
   ``minProperties``...) are refused with the keyword named, rather than
   producing output the schema rejects;
@@ -56,11 +58,17 @@ from jaxkv.errors import InvalidArgument
 from jaxkv.nn.constraints import RowConstraints, TokenAutomaton, stack_automata
 from jaxkv.serve.grammar import HostGrammar, compile_grammar
 
-__all__ = ["ConstraintTable", "MAX_AUTOMATON_BYTES", "compile_constraint", "compile_regex", "constraint_regex",
-           "integer_range_regex", "number_range_regex", "schema_regex", "set_automaton_cache_dir", "token_bytes"]
+__all__ = ["ConstraintTable", "MAX_AUTOMATON_BYTES", "MAX_NUMBER_DIGITS", "compile_constraint", "compile_regex",
+           "constraint_regex", "integer_range_regex", "number_range_regex", "schema_regex", "set_automaton_cache_dir", "token_bytes"]
 
 #: The largest automaton accepted (its device tables' bytes).
 MAX_AUTOMATON_BYTES = 256 << 20
+#: The most digits a schema's number has in its fraction, and in its integer
+#: part where no bound limits it (past a float64's 15-17 significant digits,
+#: digits carry nothing a JSON parser keeps). Without a limit a model may
+#: repeat a digit until ``max_new_tokens`` (seen with the real SmolLM2 under
+#: greedy decoding); llama.cpp's JSON-schema grammars limit both to 16 too.
+MAX_NUMBER_DIGITS = 16
 #: Validation keywords no regex here enforces: a schema using one is refused.
 UNENFORCED_KEYWORDS = ("multipleOf", "uniqueItems", "not", "if", "then", "else", "minProperties", "maxProperties",
                        "patternProperties", "propertyNames", "contains", "minContains", "maxContains",
@@ -100,8 +108,9 @@ def _same_length(lo: str, hi: str) -> str:
 
 
 def _natural_range(lo: int, hi: int | None) -> str:
-    """A regex for the integers ``lo..hi`` (``0 <= lo``; ``hi`` None: no
-    bound) written without leading zeros."""
+    """A regex for the integers ``lo..hi`` (``0 <= lo``; ``hi`` None: those
+    of at most ``max(MAX_NUMBER_DIGITS, digits of lo + 1)`` digits) written
+    without leading zeros."""
     parts = []
     digits = len(str(lo))
     top = digits if hi is None else len(str(hi))
@@ -111,14 +120,14 @@ def _natural_range(lo: int, hi: int | None) -> str:
         if low <= high:
             parts.append(_same_length(str(low), str(high)))
     if hi is None:
-        parts.append(f"[1-9][0-9]{{{digits},}}")
+        parts.append(f"[1-9][0-9]{{{digits},{max(MAX_NUMBER_DIGITS, digits + 1) - 1}}}")
     return "|".join(f"(?:{p})" for p in parts)
 
 
 def integer_range_regex(lo: int | None, hi: int | None) -> str:
     """A regex matching exactly the JSON integers in ``[lo, hi]`` (None: no
-    bound on that side; ``-0`` is not produced). ``InvalidArgument`` when
-    the range is empty."""
+    bound on that side but :data:`MAX_NUMBER_DIGITS` digits; ``-0`` is not
+    produced). ``InvalidArgument`` when the range is empty."""
     if lo is not None and hi is not None and lo > hi:
         raise InvalidArgument(f"the integer range [{lo}, {hi}] is empty")
     parts = []
@@ -135,13 +144,14 @@ def number_range_regex(lo: float | None, hi: float | None, lo_open: bool = False
     rounded inwards to integers ``a..b``, any fraction when ``I`` is
     strictly inside, none but zeros at an end (so values in ``(a - 1, a)``
     and past ``b`` are never produced: a subset of the range, refused when
-    it holds no integer)."""
+    it holds no integer). At most :data:`MAX_NUMBER_DIGITS` digits after
+    the point (and before it, on a side with no bound)."""
     a = None if lo is None else math.ceil(lo) + (1 if lo_open and math.ceil(lo) == lo else 0)
     b = None if hi is None else math.floor(hi) - (1 if hi_open and math.floor(hi) == hi else 0)
     if a is not None and b is not None and a > b:
         raise InvalidArgument(f"number bounds [{lo}, {hi}] hold no integer; jaxkv enforces number bounds on the "
                               "integer part and cannot serve this range")
-    fraction, zeros = r"(?:\.[0-9]+)?", r"(?:\.0+)?"
+    fraction, zeros = rf"(?:\.[0-9]{{1,{MAX_NUMBER_DIGITS}}})?", rf"(?:\.0{{1,{MAX_NUMBER_DIGITS}}})?"
     parts = []
     if b is None or b >= 0:  # I.f with I >= max(a, 0)
         low = max(a, 0) if a is not None else 0
@@ -191,9 +201,9 @@ def _bound(node: dict, name: str, exclusive: str):
 
 
 def _rewrite(node, ranges: list, path: str):
-    """``node`` with every bounded integer / number replaced by a marker
-    constant (its regex appended to ``ranges``); refuses unenforced
-    keywords."""
+    """``node`` with every integer / number (but an ``enum`` or ``const``
+    one) replaced by a marker constant (its regex appended to ``ranges``);
+    refuses unenforced keywords."""
     if isinstance(node, list):
         return [_rewrite(item, ranges, f"{path}/{i}") for i, item in enumerate(node)]
     if not isinstance(node, dict):
@@ -203,7 +213,8 @@ def _rewrite(node, ranges: list, path: str):
             raise InvalidArgument(f"JSON schema keyword {keyword!r} (at {path or '/'}) is not enforced by jaxkv's "
                                   "structured outputs; remove it or use a regex")
     kind = node.get("type")
-    if kind in ("integer", "number") and any(k in node for k in _BOUNDS):
+    # Every integer and number, bounded or not: outlines-core's own number regex has no limit on its digits.
+    if kind in ("integer", "number") and not any(k in node for k in ("enum", "const")):
         (lo, lo_open), (hi, hi_open) = _bound(node, "minimum", "exclusiveMinimum"), \
             _bound(node, "maximum", "exclusiveMaximum")
         if kind == "integer":
@@ -302,12 +313,14 @@ _AUTOMATA_BYTES = 1 << 30  # the cache's bound
 def _outlines_vocabulary(spelled: dict, stop_ids: list):
     """An outlines-core ``Vocabulary`` of ``spelled`` (token id -> bytes):
     tokens grouped by spelling, the stop ids and empty spellings left out
-    (a stop is the automaton's own STOP class)."""
+    (a stop is the automaton's own STOP class), and the end mark's token
+    (:data:`_END_ID`, never emitted) added."""
     stops = set(stop_ids)
     spellings: dict = {}
     for i, text in spelled.items():
         if i not in stops and text:
             spellings.setdefault(text, []).append(i)
+    spellings.setdefault(_END_MARK.encode(), []).append(_END_ID)
     return _require_outlines().Vocabulary(stop_ids[0], spellings)
 
 
@@ -338,7 +351,7 @@ def _vocabulary(tokenizer, vocab_size: int):
 
 #: The folder automata are kept in across processes (None: none; :func:`set_automaton_cache_dir`).
 _DISK: dict = {"dir": None}
-_DISK_FORMAT = 1
+_DISK_FORMAT = 2  # 2: outputs the regex matches whole (_END_MARK)
 _DISK_FIELDS = ("next_state", "class_of", "allowed_bits", "final")
 
 
@@ -402,21 +415,66 @@ def _store_automaton(path: str, automaton: TokenAutomaton) -> None:
         logger.warning("automaton cache: cannot write %s (%s)", path, err)
 
 
+#: Appended to every regex before outlines-core builds its index, and spelled
+#: by a token of jaxkv's own (:data:`_END_ID`) that is never emitted.
+#: outlines-core's DFA matches leftmost-first: in ``y|yes``, once ``y`` ends
+#: a match the branch ``yes`` is dropped, so "yes" could never be written
+#: (nor 55 under ``[5-9]|[1-9][0-9]``). With the end marked, no branch ends
+#: a match before the whole output is written, and the automaton accepts
+#: exactly the outputs ``re.fullmatch`` accepts. A noncharacter: text never
+#: holds it, so a regex that matches it (``.`` does) is never the worse.
+_END_MARK = "\ufdd0"
+_END_ID = 1 << 30  # past every vocabulary
+
+
+def _fullmatch_transitions(index) -> tuple[dict, list]:
+    """``(transitions, finals)`` of the outputs ``s`` for which ``s`` and
+    the end mark are in ``index``'s language (a regex with
+    :data:`_END_MARK` appended): a state is final where the mark's token
+    ends the output; the mark's token is dropped, and so are the states no
+    final one is reachable from (a mark spelled by byte tokens)."""
+    transitions = index.get_transitions()
+    index_finals = set(index.get_final_states())
+    finals = [s for s, edges in transitions.items() if edges.get(_END_ID) in index_finals]
+    sources: dict = {}
+    for state, edges in transitions.items():
+        for target in set(edges.values()):
+            sources.setdefault(target, []).append(state)
+    live, frontier = set(finals), list(finals)
+    while frontier:
+        for state in sources.get(frontier.pop(), ()):
+            if state not in live:
+                live.add(state)
+                frontier.append(state)
+    kept = {}
+    for state, edges in transitions.items():
+        if state in live:
+            if _END_ID in edges or not live.issuperset(edges.values()):
+                edges = {t: n for t, n in edges.items() if t != _END_ID and n in live}
+            kept[state] = edges
+    return kept, finals
+
+
 def compile_regex(regex: str, vocabulary, stop_ids, vocab_size: int, *, key: str = "") -> TokenAutomaton:
-    """The automaton of ``regex`` over ``vocabulary`` (an outlines-core
-    ``Vocabulary``, or a dict ``{token id: bytes}`` of the tokens that may
-    be emitted), ended by any of ``stop_ids``; not cached."""
+    """The automaton of the outputs ``regex`` matches whole (as
+    ``re.fullmatch``) over ``vocabulary`` (an outlines-core ``Vocabulary``
+    made by :func:`_outlines_vocabulary`, or a dict ``{token id: bytes}``
+    of the tokens that may be emitted), ended by any of ``stop_ids``; not
+    cached."""
     outlines = _require_outlines()
     stop_ids = list(stop_ids)
     if isinstance(vocabulary, dict):
         vocabulary = _outlines_vocabulary(vocabulary, stop_ids)
     try:
-        index = outlines.Index(regex, vocabulary)
+        index = outlines.Index(f"(?:{regex}){_END_MARK}", vocabulary)
     except (ValueError, TypeError) as err:
         raise InvalidArgument(f"constraint {key or regex[:80]!r} cannot be compiled: "
                               f"{str(err).splitlines()[0][:300]}") from None
-    automaton = TokenAutomaton.from_transitions(index.get_transitions(), index.get_initial_state(),
-                                                index.get_final_states(), vocab_size, stop_ids, key=key)
+    transitions, finals = _fullmatch_transitions(index)
+    if index.get_initial_state() not in transitions:
+        raise InvalidArgument(f"constraint {key or regex[:80]!r} matches no output the vocabulary can write")
+    automaton = TokenAutomaton.from_transitions(transitions, index.get_initial_state(), finals, vocab_size,
+                                                stop_ids, key=key)
     if automaton.nbytes > MAX_AUTOMATON_BYTES:
         raise InvalidArgument(f"constraint {key[:80]!r} needs {automaton.nbytes / 2**20:.0f} MiB of tables "
                               f"({automaton.num_states} states); at most {MAX_AUTOMATON_BYTES >> 20} MiB")
