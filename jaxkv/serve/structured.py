@@ -59,7 +59,8 @@ from jaxkv.nn.constraints import RowConstraints, TokenAutomaton, stack_automata
 from jaxkv.serve.grammar import HostGrammar, compile_grammar
 
 __all__ = ["ConstraintTable", "MAX_AUTOMATON_BYTES", "MAX_NUMBER_DIGITS", "compile_constraint", "compile_regex",
-           "constraint_regex", "integer_range_regex", "number_range_regex", "schema_regex", "set_automaton_cache_dir", "token_bytes"]
+           "constraint_regex", "integer_range_regex", "number_range_regex", "schema_regex", "set_automaton_cache_dir",
+           "token_bytes"]
 
 #: The largest automaton accepted (its device tables' bytes).
 MAX_AUTOMATON_BYTES = 256 << 20
