@@ -311,6 +311,19 @@ _AUTOMATA: OrderedDict = OrderedDict()  # (id(tokenizer), vocab_size, regex) -> 
 _AUTOMATA_BYTES = 1 << 30  # the cache's bound
 
 
+#: Appended to every regex before outlines-core builds its index, and spelled
+#: by a token of jaxkv's own (:data:`_END_ID`) that is never emitted.
+#: outlines-core's DFA matches leftmost-first: in ``y|yes``, once ``y`` ends
+#: a match the branch ``yes`` is dropped, so "yes" could never be written
+#: (nor 55 under ``[5-9]|[1-9][0-9]``). With the end marked, no branch ends
+#: a match before the whole output is written, and the automaton accepts
+#: exactly the outputs ``re.fullmatch`` accepts. The mark is a Unicode
+#: noncharacter, which text does not hold: where a regex matches it too
+#: (``.`` does), only outputs that hold it could be judged otherwise.
+_END_MARK = "\ufdd0"
+_END_ID = 1 << 30  # past every vocabulary
+
+
 def _outlines_vocabulary(spelled: dict, stop_ids: list):
     """An outlines-core ``Vocabulary`` of ``spelled`` (token id -> bytes):
     tokens grouped by spelling, the stop ids and empty spellings left out
@@ -414,18 +427,6 @@ def _store_automaton(path: str, automaton: TokenAutomaton) -> None:
         os.replace(f.name, path)  # atomic: a reader sees the old file or the whole new one
     except OSError as err:  # a full or read-only disk costs the next start a build, nothing else
         logger.warning("automaton cache: cannot write %s (%s)", path, err)
-
-
-#: Appended to every regex before outlines-core builds its index, and spelled
-#: by a token of jaxkv's own (:data:`_END_ID`) that is never emitted.
-#: outlines-core's DFA matches leftmost-first: in ``y|yes``, once ``y`` ends
-#: a match the branch ``yes`` is dropped, so "yes" could never be written
-#: (nor 55 under ``[5-9]|[1-9][0-9]``). With the end marked, no branch ends
-#: a match before the whole output is written, and the automaton accepts
-#: exactly the outputs ``re.fullmatch`` accepts. A noncharacter: text never
-#: holds it, so a regex that matches it (``.`` does) is never the worse.
-_END_MARK = "\ufdd0"
-_END_ID = 1 << 30  # past every vocabulary
 
 
 def _fullmatch_transitions(index) -> tuple[dict, list]:
