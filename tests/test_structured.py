@@ -284,8 +284,8 @@ def _longest_output(automaton) -> int | None:
 def test_every_number_a_schema_allows_is_bounded(tokenizer, model):
     """A schema whose strings and arrays are bounded (drawn, and unbounded
     integers and numbers) has an acyclic automaton: no output runs past
-    a finite length, so a model cannot repeat a digit until its token
-    limit (the real SmolLM2 did, once, under a drawn ``number``). An
+    a finite length, so a model cannot write digits until its token limit
+    (the real SmolLM2 once reached it inside a drawn ``number``, in CI). An
     unbounded string's automaton has a cycle: the check can fail."""
     vocab = model.config.vocab_size
     rng = np.random.default_rng()

@@ -67,8 +67,8 @@ MAX_AUTOMATON_BYTES = 256 << 20
 #: The most digits a schema's number has in its fraction, and in its integer
 #: part where no bound limits it (past a float64's 15-17 significant digits,
 #: digits carry nothing a JSON parser keeps). Without a limit a model may
-#: repeat a digit until ``max_new_tokens`` (seen with the real SmolLM2 under
-#: greedy decoding); llama.cpp's JSON-schema grammars limit both to 16 too.
+#: write digits until ``max_new_tokens`` (the real SmolLM2 did once, in CI,
+#: under a drawn schema); llama.cpp's JSON-schema grammars limit both to 16 too.
 MAX_NUMBER_DIGITS = 16
 #: Validation keywords no regex here enforces: a schema using one is refused.
 UNENFORCED_KEYWORDS = ("multipleOf", "uniqueItems", "not", "if", "then", "else", "minProperties", "maxProperties",
