@@ -3,17 +3,19 @@
 # GPU"): the `gpu` tests and aot_check side by side (both mostly compile),
 # then `bench real_scale` (Llama-3.1-8B shapes, random bf16 weights, --quick,
 # decode at batch 1 and 64 and the engine at its derived GPU defaults: under
-# 6.5 minutes) alone on the card; optional steps below.
+# 6.5 minutes) alone on the card, then `bench scan_copy` (whether XLA copies
+# a stacked layer's weight before its matmul, under the compiler options
+# that might avoid it: under a minute); optional steps below.
 # Every step has its own time limit and log under $OUT; the last lines are a
 # summary. Usage: bash tools/device_check.sh [steps...] (default below).
 set -u
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
 OUT=${OUT:-/tmp/device_check}; mkdir -p "$OUT"
 PY=${PY:-python3}
-# Default: what fits one call of under 8 minutes (tests and aot_check side by side, then real_scale). The
+# Default: what fits one call of under 9 minutes (tests and aot_check side by side, real_scale, scan_copy). The
 # kernel and tiny-decode tables were measured twice on an H200 on 2026-11-28; name `kernels decode` for them,
 # `engine_local` for the engine's programs compiled by the machine's own XLA (LAYERS=stacked|per-layer).
-steps=${*:-"tests aot real_scale"}
+steps=${*:-"tests aot real_scale scan_copy"}
 summary=()
 
 run_step() {  # name limit_s command...
@@ -52,6 +54,9 @@ if [[ $steps == *real_scale* ]]; then
   # The engine as a GPU user gets it: packed scheduler, rows / token budget / chunks / KV budget derived.
   run_step real_scale ${REAL_SCALE_S:-390} $PY -m jaxkv.bench real_scale --shapes llama-3.1-8b --quick \
     --no-contiguous --scheduler packed --max-num-seqs auto --requests 256 --deadline $(( ${REAL_SCALE_S:-390} - 60 )) --json
+fi
+if [[ $steps == *scan_copy* ]]; then  # last: a deadline hit above loses this, not real_scale
+  run_step scan_copy 75 $PY -m jaxkv.bench scan_copy --json
 fi
 echo "=== summary"; printf '%s\n' "${summary[@]}"
 if [[ -f $OUT/aot.summary ]]; then head -n 1 "$OUT/aot.summary"; fi

@@ -34,6 +34,7 @@ BENCHMARKS = {
     "spec": "jaxkv.bench.spec",
     "structured": "jaxkv.bench.structured",
     "disaggregated": "jaxkv.bench.disaggregated",
+    "scan_copy": "jaxkv.bench.scan_copy",
 }
 
 
