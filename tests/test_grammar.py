@@ -106,7 +106,7 @@ def test_host_masks_walk_only_into_the_language(tokenizer):
         grammar, parts = draw_nested(rng)
         state = compile_grammar(tokenizer, vocab, grammar).state()
         generated, ended = [], False
-        for _ in range(30):
+        for step in range(31):  # up to 30 tokens, each text checked (the 30th's too: it may complete the text)
             bits = state.mask(generated)
             allowed = np.flatnonzero((bits[:, None] >> np.arange(32, dtype=np.uint32)) & 1)
             assert allowed.max() < tokenizer.vocab_size, allowed.max()
@@ -119,7 +119,7 @@ def test_host_masks_walk_only_into_the_language(tokenizer):
                 if rng.random() < 0.5:
                     break
             token = int(rng.choice(allowed[allowed != eos])) if (allowed != eos).any() else eos
-            if token == eos:
+            if token == eos or step == 30:
                 break
             generated.append(token)
         assert ended or nested_state(tokenizer.decode(generated), parts) == "prefix"

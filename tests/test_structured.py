@@ -338,6 +338,15 @@ def _check_output(tokenizer, tokens, reason, kind, spec) -> str:
     return text
 
 
+def _valid(tokenizer, tokens, reason, kind, spec) -> bool:
+    """Whether an output passes :func:`_check_output`."""
+    try:
+        _check_output(tokenizer, tokens, reason, kind, spec)
+    except (AssertionError, ValueError, jsonschema.ValidationError):
+        return False
+    return True
+
+
 def engine_follows_constraints(tokenizer, model, scheduler: str, num_schemas: int) -> None:
     """Random schemas, a regex and a choice on a random model (sampled at
     temperature 1, two seeds each), beside unconstrained requests: every
@@ -378,9 +387,11 @@ def engine_follows_constraints(tokenizer, model, scheduler: str, num_schemas: in
             _check_output(tokenizer, tokens, reason, kind, spec)
     assert sum(reason == "stop" for _, reason in outputs) >= 3 * len(outputs) // 4, [r for _, r in outputs]
     assert mixed[3:6] == _run(Engine(model, tokenizer=tokenizer, **options), plain)
-    # Left alone the model emits garbage: the mask did it.
+    # Left alone the model emits garbage: the mask did it. (Not "some request does not stop": a random model at
+    # temperature 1 stops within 160 tokens about a third of the time, so all four did in about 1 run of 100.)
     free = _run(Engine(model, tokenizer=tokenizer, **options), [dict(r, constraint=None) for r in constrained[:4]])
-    assert not all(reason == "stop" for _, reason in free)
+    assert not all(_valid(tokenizer, tokens, reason, kind, spec)
+                   for (tokens, reason), (kind, spec) in zip(free, labels)), free
 
 
 def test_engine_outputs_follow_random_schemas(tokenizer, model):
