@@ -147,6 +147,8 @@ def run(shape: str, layers: int, batch: int, repeats: int, seed: int = 0, aot: s
         rows.append(row)
     if aot is not None:
         return rows
+    if "per layer" not in calls:
+        raise RuntimeError(f"the baseline (a parameter per layer) did not compile: {rows[0]['error']}")
     best = best_seconds_interleaved({name: (lambda c=c, a=a: c(*a)) for name, (c, a) in calls.items()},
                                     repeats)
     baseline = np.asarray(jax.device_get(calls["per layer"][0](*calls["per layer"][1])), np.float32)
@@ -183,9 +185,14 @@ def main(args) -> int:
     aot = getattr(args, "aot", None)
     gpu = aot is not None or jax.default_backend() in ("gpu", "cuda", "rocm")
     shape = getattr(args, "shape", None) or ("llama-3.1-8b" if gpu and not args.quick else "tiny")
-    layers = getattr(args, "layers", None) or (2 if args.quick else 8 if gpu else 4)
-    batch = getattr(args, "batch", None) or 1
-    repeats = getattr(args, "repeats", None) or (2 if args.quick else 20)
+
+    def given(name, default):
+        value = getattr(args, name, None)
+        return default if value is None else value
+
+    layers = given("layers", 2 if args.quick else 8 if gpu else 4)
+    batch = given("batch", 1)
+    repeats = given("repeats", 2 if args.quick else 20)
     if layers < 1 or batch < 1 or repeats < 1:
         raise SystemExit("--layers, --batch and --repeats: at least 1")
     rows = run(shape, layers, batch, repeats, aot=aot)
