@@ -75,7 +75,6 @@ UNENFORCED_KEYWORDS = ("multipleOf", "uniqueItems", "not", "if", "then", "else",
                        "patternProperties", "propertyNames", "contains", "minContains", "maxContains",
                        "dependentRequired", "dependentSchemas", "dependencies", "unevaluatedProperties",
                        "unevaluatedItems")
-_BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
 _DATA_KEYS = ("enum", "const", "default", "examples")  # values, not schemas: never rewritten
 
 
