@@ -22,11 +22,13 @@ import numpy as np
 
 
 from jaxkv._ops import INT32_MAX as _INT32_MAX, pow2_at_least  # noqa: F401 - pow2_at_least re-exported
+from jaxkv.errors import BookkeepingError, InvalidArgument, KVCacheOOM
 
 __all__ = [
     "as_int32_ids",
     "count_or_raise",
     "given_ids",
+    "holds_bool",
     "int_array",
     "int_scalar",
     "padded_ids",
@@ -71,13 +73,11 @@ def int_array(values, name: str, *, ndim: int | None = None) -> np.ndarray:
     numeric strings, ``None``, NaN, and integers int64 cannot hold.
     ``ndim`` (when given) is the number of dimensions the argument must have.
     """
-    from jaxkv.errors import InvalidArgument
-
     try:
         arr = np.asarray(values)
     except (ValueError, TypeError, OverflowError) as exc:  # ragged lists, huge ints
         raise InvalidArgument(f"{name} must be integers; got {short_repr(values)} ({exc})") from None
-    if isinstance(values, (list, tuple)) and arr.dtype.kind in "iu" and _holds_bool(values):
+    if isinstance(values, (list, tuple)) and arr.dtype.kind in "iu" and holds_bool(values):
         raise InvalidArgument(f"{name} must be integers, not bools: {short_repr(values)}")
     if arr.dtype == object:  # Python ints past int64, None, mixed objects
         if all(_is_int(v) for v in arr.reshape(-1)):
@@ -98,15 +98,13 @@ def int_array(values, name: str, *, ndim: int | None = None) -> np.ndarray:
 def int_scalar(value, name: str) -> int:
     """``value`` as a Python int, refusing what :func:`int_array` refuses and
     anything that is not a single value."""
-    from jaxkv.errors import InvalidArgument
-
     arr = int_array(value, name)
     if arr.ndim != 0:
         raise InvalidArgument(f"{name} must be one integer, got shape {arr.shape}")
     return int(arr)
 
 
-def _holds_bool(values) -> bool:
+def holds_bool(values) -> bool:
     """Whether a (nested) list mixes bools into integers (numpy casts
     ``[True, 1]`` to ``[1, 1]`` without a word). One pass over the element
     types, so a long token list costs microseconds."""
@@ -115,7 +113,7 @@ def _holds_bool(values) -> bool:
         return False
     if types & {bool, np.bool_}:
         return True
-    return any(_holds_bool(v) for v in values if isinstance(v, (list, tuple)))
+    return any(holds_bool(v) for v in values if isinstance(v, (list, tuple)))
 
 
 def _is_int(value) -> bool:
@@ -139,8 +137,6 @@ def count_or_raise(n, capacity: int, available, unit: str) -> int:
     before any device call: negative counts, and counts above the capacity
     (which would otherwise compile a program sized for ``n`` just to fail).
     ``available`` is a callable, read only on that failure path."""
-    from jaxkv.errors import InvalidArgument, KVCacheOOM
-
     n = int_scalar(n, f"number of {unit}")
     if n < 0:
         raise InvalidArgument(f"cannot allocate a negative number of {unit} ({n})")
@@ -152,8 +148,6 @@ def count_or_raise(n, capacity: int, available, unit: str) -> int:
 def refuse_repeats(ids: np.ndarray, name: str) -> None:
     """``InvalidArgument`` when an id other than -1 appears twice in ``ids``
     (targets of one write: which value would win is unspecified)."""
-    from jaxkv.errors import InvalidArgument
-
     unique, counts = np.unique(ids[ids != -1], return_counts=True)
     if (counts > 1).any():
         raise InvalidArgument(f"{name} names {preview(unique[counts > 1])} more than once in one write "
@@ -177,8 +171,6 @@ def preview(values, limit: int = 8) -> str:
 def unexplained(op: str, ids) -> Exception:
     """The ``BookkeepingError`` of a host path whose device op failed while
     the host explainer found nothing wrong (the two disagree: a jaxkv bug)."""
-    from jaxkv.errors import BookkeepingError
-
     return BookkeepingError(f"{op}: the device op refused {preview(given_ids(ids))} "
                             "but the host check finds nothing wrong")
 
@@ -186,8 +178,6 @@ def unexplained(op: str, ids) -> Exception:
 def int_at_least(value, name: str, minimum: int) -> int:
     """``value`` as an int, or ``InvalidArgument`` naming ``name`` when it is
     not an integer (see :func:`int_scalar`) or is below ``minimum``."""
-    from jaxkv.errors import InvalidArgument
-
     value = int_scalar(value, name)
     if value < minimum:
         raise InvalidArgument(f"{name}={value}: must be >= {minimum}")

@@ -197,6 +197,42 @@ def test_take_all_gives_what_take_ids_gives_request_by_request():
             assert a.key is b.key or np.array_equal(a.key, b.key)
 
 
+def test_token_bytes_list_path_gives_the_checked_paths_bytes_and_errors():
+    """``token_bytes``' list path (``array``, no numpy) against the checked
+    numpy path it stands for (``int_array`` then int32 bytes, refusing ids
+    outside int32), on drawn lists and tuples: ints across the whole int32
+    range and just past it, numpy integer scalars, and a bool, float, None,
+    string or list slipped in. The same bytes, or InvalidArgument from both."""
+    from jaxkv import _host
+    from jaxkv.prefix.radix import token_bytes
+
+    def checked(tokens):
+        ids = _host.int_array(tokens, "tokens", ndim=1)
+        if ids.size and (ids.min() < -(2**31) or ids.max() > 2**31 - 1):
+            raise InvalidArgument("outside int32")
+        return ids.astype(np.int32).tobytes()
+
+    rng = np.random.default_rng()
+    odd = [True, False, np.bool_(True), 1.0, np.float32(2), None, "7", [1, 2], 2**31, -(2**31) - 1, 2**63]
+    edges = [2**31 - 1, -(2**31), 0, 1, np.int64(5), np.int32(-3), np.uint16(9)]
+    refused = 0
+    for _ in range(400):
+        tokens = rng.integers(-(2**31), 2**31, int(rng.integers(0, 40))).tolist()
+        tokens[: int(rng.integers(0, 3))] = [edges[i] for i in rng.integers(0, len(edges), 2)]
+        if tokens and rng.random() < 0.4:
+            tokens[int(rng.integers(0, len(tokens)))] = odd[int(rng.integers(0, len(odd)))]
+        tokens = tuple(tokens) if rng.random() < 0.3 else tokens
+        try:
+            want = checked(tokens)
+        except InvalidArgument:
+            refused += 1
+            with pytest.raises(InvalidArgument):
+                token_bytes(tokens)
+            continue
+        assert token_bytes(tokens) == want
+    assert 40 < refused < 400  # both branches were drawn
+
+
 def test_fetch_reads_what_device_get_reads():
     tree = (jax.numpy.arange(6).reshape(2, 3), None, jax.numpy.float32(2.5), {"ok": jax.numpy.bool_(True)},
             jax.random.key_data(jax.random.split(jax.random.key(3), 4)))

@@ -421,6 +421,8 @@ class PrefixCacheManager:
             raise InvalidArgument(f"insert with block ids {_host.preview(repeated)} for more than one page")
         if self.disable:
             return
+        if self._owned.isdisjoint(blocks):  # the common case: no page the tree holds already (no walk)
+            return
         cached = self._cached_pages(query, namespace)
         for page, block in enumerate(blocks):
             if block in self._owned and (page >= len(cached) or cached[page] != block):

@@ -58,6 +58,7 @@ Tokens are stored as int32 bytes: ``TOKEN_BYTES`` bytes per token;
 
 from __future__ import annotations
 
+import array
 import heapq
 from collections.abc import Callable, Hashable, Iterator
 from typing import Any
@@ -74,6 +75,8 @@ DEVICE = 0
 HOST = 1
 #: Bytes per token in a tree key (tokens are int32).
 TOKEN_BYTES = 4
+#: The ``array`` type code of a native int32 (``token_bytes``' list path; numpy's int32 bytes are native too).
+_INT32_CODE = next(code for code in "ilh" if array.array(code).itemsize == TOKEN_BYTES)
 
 
 def token_bytes(tokens) -> bytes:
@@ -89,7 +92,14 @@ def token_bytes(tokens) -> bytes:
             raise InvalidArgument(f"token bytes of length {len(tokens)}: not a whole number of int32 ids")
         return tokens
     if isinstance(tokens, np.ndarray) and tokens.dtype == np.int32 and tokens.ndim == 1:
-        return tokens.tobytes()  # the common case, no copy through int64
+        return tokens.tobytes()  # no copy through int64
+    if isinstance(tokens, (list, tuple)):  # the engine's case: a list of Python ints, packed without numpy
+        try:
+            packed = array.array(_INT32_CODE, tokens)  # refuses floats, None, strings, lists, ids outside int32
+        except (TypeError, OverflowError):
+            packed = None  # the checked path below says what is wrong
+        if packed is not None and not _host.holds_bool(tokens):
+            return packed.tobytes()
     ids = _host.int_array(tokens, "tokens", ndim=1)
     if ids.size and (ids.min() < -INT32_MAX - 1 or ids.max() > INT32_MAX):
         raise InvalidArgument(f"token ids must fit in int32, got range [{ids.min()}, {ids.max()}]")
