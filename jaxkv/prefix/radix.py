@@ -76,7 +76,7 @@ HOST = 1
 #: Bytes per token in a tree key (tokens are int32).
 TOKEN_BYTES = 4
 #: The ``array`` type code of a native int32 (``token_bytes``' list path; numpy's int32 bytes are native too).
-_INT32_CODE = next(code for code in "ilh" if array.array(code).itemsize == TOKEN_BYTES)
+_INT32_CODE = next(code for code in "il" if array.array(code).itemsize == TOKEN_BYTES)
 
 
 def token_bytes(tokens) -> bytes:
