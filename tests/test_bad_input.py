@@ -122,7 +122,9 @@ def test_3_insert_refuses_blocks_the_tree_owns_repeats_and_non_integers():
     cache.insert([1, 2], [5])
     before = _tree_state(cache)
     for blocks, message in (([5], "already owns"), ([7, 7], "more than one page"), ([7.5], "blocks must be integers"),
-                            ([True], "blocks must be integers"), (["7"], "blocks must be integers"), ([0], "null block")):
+                            ([True], "blocks must be integers"), (["7"], "blocks must be integers"), ([0], "null block"),
+                            ([2**31], r"block ids are in \[1, 2\*\*31\)"), ([2**70], r"block ids are in \[1, 2\*\*31\)"),
+                            ((7.0,), "blocks must be integers"), ([[7]], "dimension")):
         with pytest.raises(InvalidArgument, match=message):
             cache.insert([8, 8, 9, 9][: 2 * len(blocks)], blocks)
         assert _tree_state(cache) == before

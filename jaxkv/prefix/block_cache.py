@@ -337,13 +337,14 @@ class PrefixCacheManager:
         query = token_bytes(tokens)
         unit = self.tree.unit_bytes
         num_pages = len(query) // unit
-        blocks = _host.int_array(blocks, "blocks", ndim=1)
-        if blocks.size < num_pages:
+        if not (isinstance(blocks, list) and set(map(type, blocks)) <= {int}):  # (the engine's: a list of ints)
+            blocks = _host.int_array(blocks, "blocks", ndim=1).tolist()
+        if len(blocks) < num_pages:
             raise InvalidArgument(
                 f"insert of {num_pages} whole pages ({self.tree.num_tokens(query)} tokens, page_size={self.page_size}) "
-                f"with only {blocks.size} block ids"
+                f"with only {len(blocks)} block ids"
             )
-        blocks = blocks[:num_pages].tolist()
+        blocks = blocks[:num_pages]  # (ids outside [1, 2**31): _check_insert_blocks)
         query = query[: num_pages * unit]
         self._check_insert_blocks(query, blocks, namespace)
         if self.disable or not num_pages:
