@@ -28,10 +28,10 @@ __all__ = [
     "as_int32_ids",
     "count_or_raise",
     "given_ids",
-    "holds_bool",
     "int_array",
     "int_scalar",
     "padded_ids",
+    "plain_ints",
     "pow2_at_least",
     "preview",
     "refuse_repeats",
@@ -77,7 +77,7 @@ def int_array(values, name: str, *, ndim: int | None = None) -> np.ndarray:
         arr = np.asarray(values)
     except (ValueError, TypeError, OverflowError) as exc:  # ragged lists, huge ints
         raise InvalidArgument(f"{name} must be integers; got {short_repr(values)} ({exc})") from None
-    if isinstance(values, (list, tuple)) and arr.dtype.kind in "iu" and holds_bool(values):
+    if isinstance(values, (list, tuple)) and arr.dtype.kind in "iu" and _holds_bool(values):
         raise InvalidArgument(f"{name} must be integers, not bools: {short_repr(values)}")
     if arr.dtype == object:  # Python ints past int64, None, mixed objects
         if all(_is_int(v) for v in arr.reshape(-1)):
@@ -104,7 +104,14 @@ def int_scalar(value, name: str) -> int:
     return int(arr)
 
 
-def holds_bool(values) -> bool:
+def plain_ints(values) -> bool:
+    """Whether ``values`` is a list or tuple of Python ints only (no bool,
+    numpy scalar or other object): the host paths' common case, which they
+    check without a numpy conversion (one pass over the element types)."""
+    return isinstance(values, (list, tuple)) and set(map(type, values)) <= {int}
+
+
+def _holds_bool(values) -> bool:
     """Whether a (nested) list mixes bools into integers (numpy casts
     ``[True, 1]`` to ``[1, 1]`` without a word). One pass over the element
     types, so a long token list costs microseconds."""
@@ -113,7 +120,7 @@ def holds_bool(values) -> bool:
         return False
     if types & {bool, np.bool_}:
         return True
-    return any(holds_bool(v) for v in values if isinstance(v, (list, tuple)))
+    return any(_holds_bool(v) for v in values if isinstance(v, (list, tuple)))
 
 
 def _is_int(value) -> bool:

@@ -93,13 +93,11 @@ def token_bytes(tokens) -> bytes:
         return tokens
     if isinstance(tokens, np.ndarray) and tokens.dtype == np.int32 and tokens.ndim == 1:
         return tokens.tobytes()  # no copy through int64
-    if isinstance(tokens, (list, tuple)):  # the engine's case: a list of Python ints, packed without numpy
+    if _host.plain_ints(tokens):  # the engine's case, packed without numpy
         try:
-            packed = array.array(_INT32_CODE, tokens)  # refuses floats, None, strings, lists, ids outside int32
-        except (TypeError, OverflowError):
-            packed = None  # the checked path below says what is wrong
-        if packed is not None and not _host.holds_bool(tokens):
-            return packed.tobytes()
+            return array.array(_INT32_CODE, tokens).tobytes()
+        except OverflowError:
+            pass  # an id outside int32: the checked path below says which
     ids = _host.int_array(tokens, "tokens", ndim=1)
     if ids.size and (ids.min() < -INT32_MAX - 1 or ids.max() > INT32_MAX):
         raise InvalidArgument(f"token ids must fit in int32, got range [{ids.min()}, {ids.max()}]")
