@@ -171,8 +171,8 @@ def test_take_all_gives_what_take_ids_gives_request_by_request():
         for out in (got, want):
             out.pending = {rid: [[7], "", False] for rid in earlier}
         runs = [rng.integers(1, 30, n).tolist() for n, _, _ in items]
-        finished = got.take_all([(req, list(run), done, key, None)
-                                 for req, run, (_, done, key) in zip(reqs, runs, items)], now)
+        finished = got.take_all(reqs, [list(run) for run in runs], [key for _, _, key in items], now,
+                                [done for _, done, _ in items])
         expected = []
         for req, run, (_, done, key) in zip(twins, runs, items):
             req.key = key

@@ -281,13 +281,14 @@ def pack_stream(prefill: list[PackedLane], decode_seq_ids, decode_tokens, decode
     decode_positions = np.asarray(decode_positions, np.int64).reshape(-1)
     decode_seq_ids = np.asarray(decode_seq_ids, np.int64).reshape(-1)
     num_decode = decode_tokens.size
-    widths = (np.ones((num_decode,), np.int64) if decode_widths is None
-              else np.asarray(decode_widths, np.int64).reshape(-1))
+    widths = None if decode_widths is None else np.asarray(decode_widths, np.int64).reshape(-1)
+    if widths is None and max_prefill_len < 1:  # no lane of the prefill class takes a token: the checks below say so
+        widths = np.ones((num_decode,), np.int64)
     if not 0 <= num_prefill <= num_prefill_lanes:
         raise InvalidArgument(f"num_prefill={num_prefill} must be in [0, num_prefill_lanes={num_prefill_lanes}]")
     if num_prefill + num_decode > num_lanes:
         raise InvalidArgument(f"{num_prefill + num_decode} lanes for a batch of {num_lanes}")
-    total = sum(len(lane.tokens) for lane in prefill) + int(widths.sum())
+    total = sum(len(lane.tokens) for lane in prefill) + (num_decode if widths is None else int(widths.sum()))
     if total > num_tokens:
         raise InvalidArgument(f"the lanes bring {total} tokens, more than the batch's {num_tokens}")
     arrays = host_arrays(num_lanes, num_tokens)
@@ -295,21 +296,27 @@ def pack_stream(prefill: list[PackedLane], decode_seq_ids, decode_tokens, decode
     at = write_lanes(prefill, arrays, num_prefill_lanes=num_prefill_lanes, max_prefill_len=max_prefill_len)
     if num_decode:
         lanes = np.arange(num_prefill, num_prefill + num_decode)
-        # A decode-class lane brings one token, or a verify lane's k + 1 (the step views that class at its
-        # widest: jaxkv.nn.speculative.hybrid_packed_verify_step).
-        bounds = np.where(lanes < num_prefill_lanes, max_prefill_len, widths.max())
-        if (widths > bounds).any():  # a lane over its class's bound
-            j = int(np.flatnonzero(widths > bounds)[0])
-            raise InvalidArgument(f"lane {lanes[j]} brings {widths[j]} tokens; lanes of its class take at most "
-                                  f"{bounds[j]} ({num_prefill_lanes} prefill lanes of {max_prefill_len})")
-        ends = np.cumsum(widths)
-        entry = np.repeat(np.arange(num_decode), widths)  # the decode entry of each token
-        offset = np.arange(int(ends[-1])) - (ends - widths)[entry]
-        span = slice(at, at + int(ends[-1]))
-        token_ids[span] = np.where(offset == 0, decode_tokens[entry], 0)
-        positions[span] = decode_positions[entry] + offset
-        token_lanes[span] = lanes[entry]
-        kv_lens[lanes] = decode_positions + widths
+        if widths is None:  # one token per lane, the common case: written as they are, no per-token expansion
+            span = slice(at, at + num_decode)
+            token_ids[span], positions[span], token_lanes[span] = decode_tokens, decode_positions, lanes
+            ends = np.arange(1, num_decode + 1)
+            kv_lens[lanes] = decode_positions + 1
+        else:
+            # A decode-class lane brings one token, or a verify lane's k + 1 (the step views that class at its
+            # widest: jaxkv.nn.speculative.hybrid_packed_verify_step).
+            bounds = np.where(lanes < num_prefill_lanes, max_prefill_len, widths.max())
+            if (widths > bounds).any():  # a lane over its class's bound
+                j = int(np.flatnonzero(widths > bounds)[0])
+                raise InvalidArgument(f"lane {lanes[j]} brings {widths[j]} tokens; lanes of its class take at most "
+                                      f"{bounds[j]} ({num_prefill_lanes} prefill lanes of {max_prefill_len})")
+            ends = np.cumsum(widths)
+            entry = np.repeat(np.arange(num_decode), widths)  # the decode entry of each token
+            offset = np.arange(int(ends[-1])) - (ends - widths)[entry]
+            span = slice(at, at + int(ends[-1]))
+            token_ids[span] = np.where(offset == 0, decode_tokens[entry], 0)
+            positions[span] = decode_positions[entry] + offset
+            token_lanes[span] = lanes[entry]
+            kv_lens[lanes] = decode_positions + widths
         seq_ids[lanes] = decode_seq_ids
         sample[lanes] = True
         cu[lanes + 1] = at + ends

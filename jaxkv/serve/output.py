@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import itertools
 import logging
 
 import numpy as np
@@ -336,31 +337,35 @@ class OutputProcessor:
             req.finish_reason = reason
         return reason is not None
 
-    def take_all(self, items, now: float) -> list:
-        """For each ``(req, tokens, device_done, key, logprobs)`` of
-        ``items``, in order: ``req.key = key`` (its key data advanced by the
-        call), then :meth:`take` (one call per step, not per request; the
-        common case inline, with the same records). Returns the requests it
-        finished, in order."""
+    def take_all(self, reqs: list, tokens: list, keys, now: float, done=None, logprobs=None) -> list:
+        """For each request ``reqs[i]``, in order: ``req.key = keys[i]`` (its
+        key data advanced by the call), then :meth:`take` of its tokens
+        ``tokens[i]`` (``done[i]``: the device stopped its row, all False
+        when None; ``logprobs[i]``: the tokens' entries, none when None).
+        One call per step, not per request, given columns, not a tuple per
+        request; the common case inline, with the same records. Returns
+        the requests it finished, in order."""
         finished = []
         take_ids, take, pending, make = self._take_ids, self.take, self.pending, RequestOutput._make
         generated, gaps = 0, []  # the common case's counts and gaps, recorded once (in order) at the end
-        for req, tokens, device_done, key, logprobs in items:
+        done = itertools.repeat(False) if done is None else done
+        for i, (req, run, key, device_done) in enumerate(zip(reqs, tokens, keys, done)):
             req.key = key
-            count = len(tokens)
+            count = len(run)
             # The common case, inline (every decoding request every step: 256 at 256 rows): no text, no
             # log-probabilities, a token seen before, no stop among these tokens and room for them all. It does
             # what _take_ids does for it.
             if (req.detok is not None or req.logprobs is not None or req.first_token_at is None or device_done
                     or not count or count >= req.max_new - len(req.generated)
-                    or (req.stop_ids and not req.stop_ids.isdisjoint(tokens))):
+                    or (req.stop_ids and not req.stop_ids.isdisjoint(run))):
                 self.itl_samples.extend(gaps)  # the samples stay in the order the requests took their tokens
                 self.counters.generated += generated
                 generated, gaps = 0, []
-                if (take_ids if req.detok is None else take)(req, tokens, now, device_done, logprobs):
+                if (take_ids if req.detok is None else take)(req, run, now, device_done,
+                                                             None if logprobs is None else logprobs[i]):
                     finished.append(req)
                 continue
-            req.generated += tokens
+            req.generated += run
             if count == 1:  # a packed step's decode lane, or a decode chunk's last step: no lists made
                 gap = now - req.last_token_at
                 req.gaps.append(gap)
@@ -372,10 +377,10 @@ class OutputProcessor:
             generated += count
             req.last_token_at = now
             if req.id not in pending and req.prompt_logprobs is None:  # its output now: collect passes it on
-                pending[req.id] = make(req.id, tuple(tokens), False, None, "", req.cached_tokens, None,
+                pending[req.id] = make(req.id, tuple(run), False, None, "", req.cached_tokens, None,
                                        req.spec_drafted, req.spec_accepted)
             else:
-                self._open(req.id)[0] += tokens
+                self._open(req.id)[0] += run
         self.itl_samples.extend(gaps)
         self.counters.generated += generated
         return finished

@@ -854,13 +854,12 @@ class Scheduler(FaultContainment):
             if self.output.take(req, tokens[lane][:1], now, logprobs=logprob_entries(result.logprobs, lane, 1)):
                 finished.append(req)
         if result.decode_ok:
-            keys, logprobs = result.keys, result.logprobs
-            finished += self.output.take_all([(req, tokens[lane], False, keys[lane],
-                                               None if logprobs is None else logprob_entries(logprobs, lane,
-                                                                                             len(tokens[lane])))
-                                              for lane, (_, req) in enumerate(decoding, start=len(batch))], now)
+            lanes = slice(len(batch), len(batch) + len(decoding))  # the decode lanes follow the prefill lanes
+            logprobs = None if result.logprobs is None else [
+                logprob_entries(result.logprobs, lane, len(tokens[lane])) for lane in range(lanes.start, lanes.stop)]
+            finished += self.output.take_all([req for _, req in decoding], tokens[lanes], result.keys[lanes], now,
+                                             logprobs=logprobs)
             if index is not None:  # each decode lane took one token (a request cut at a stop finished)
-                lanes = slice(len(batch), len(batch) + len(index))
                 self._row_inputs.advance(index, result.tokens[lanes], np.ones(len(index), np.int32),
                                          result.keys[lanes], self._count.model_calls)
         self._retire(finished, final=True)
@@ -897,10 +896,10 @@ class Scheduler(FaultContainment):
         self._count_call(self.max_seqs * int(result.count.max(initial=0)), int(result.count.sum()))
         tokens, counts, done = result.tokens.tolist(), result.count.tolist(), result.finished.tolist()
         keys, logprobs = result.keys, result.logprobs
-        finished = self.output.take_all([(req, tokens[row][: counts[row]], done[row] and req.grammar is None,
-                                          keys[row], None if logprobs is None else logprob_entries(logprobs, row,
-                                                                                                   counts[row]))
-                                         for row, req in running.items()], now)
+        finished = self.output.take_all(
+            list(running.values()), [tokens[row][: counts[row]] for row in running], [keys[row] for row in running],
+            now, [done[row] and req.grammar is None for row, req in running.items()],
+            None if logprobs is None else [logprob_entries(logprobs, row, counts[row]) for row in running])
         if index is not None and speculation is None:  # each row took what it counted (one cut at a stop finished)
             count = np.asarray(result.count)[index]
             self._row_inputs.advance(index, np.asarray(result.tokens)[index, np.maximum(count - 1, 0)], count,
