@@ -468,8 +468,11 @@ def test_hybrid_engine_streams_and_aborts_give_back_every_block_and_slot():
 
 def test_request_output_fast_path_is_the_dataclass():
     """``RequestOutput._make`` (the engine's per-step outputs) builds what
-    the constructor builds: equal, same hash and repr, still frozen."""
+    the constructor builds: equal, same hash and repr, still frozen, and
+    through pickle and copies the same again."""
+    import copy
     import dataclasses
+    import pickle
 
     args = (7, (1, 2, 3), True, "stop", "abc", 4, None, 9, 5, ((-0.5, ((1, -0.5),)),),
             (None, (-1.25, 3, ((8, -0.5),))))
@@ -478,3 +481,7 @@ def test_request_output_fast_path_is_the_dataclass():
     assert dataclasses.astuple(made) == args
     with pytest.raises(dataclasses.FrozenInstanceError):
         made.finished = False
+    assert type(made) is RequestOutput and not hasattr(made, "__dict__")
+    for again in (pickle.loads(pickle.dumps(made)), copy.copy(made), copy.deepcopy(made)):
+        assert type(again) is RequestOutput and again == built
+    assert dataclasses.replace(made, finished=False) == RequestOutput(*args[:2], False, *args[3:])

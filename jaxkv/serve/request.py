@@ -39,7 +39,7 @@ class RequestState(enum.Enum):
     FINISHED = "finished"  # done; its tokens are in Engine.outputs
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, slots=True)
 class RequestOutput:
     """What one request produced in one :meth:`Engine.step`.
 
@@ -93,14 +93,23 @@ class RequestOutput:
         """The same object as the constructor's, for the engine's per-step
         outputs (one per request that moved: 256 a step at 256 rows). A
         frozen dataclass's ``__init__`` sets each field through
-        ``object.__setattr__``; this fills the instance dict at once (the
-        fields, equality, hash and repr are the dataclass's)."""
-        out = object.__new__(cls)
-        out.__dict__.update(request_id=request_id, new_token_ids=new_token_ids, finished=finished,
-                            finish_reason=finish_reason, new_text=new_text, cached_tokens=cached_tokens, error=error,
-                            draft_tokens=draft_tokens, accepted_draft_tokens=accepted_draft_tokens,
-                            new_logprobs=new_logprobs, prompt_logprobs=prompt_logprobs)
+        ``object.__setattr__``, a call each; this builds the object as its
+        mutable twin :class:`_OutputBuilder` (the same fields in the same
+        slots: a plain ``__init__``), then makes it a ``RequestOutput``
+        (``__class__`` assignment, which Python allows between classes of
+        the same layout). Fields, equality, hash, repr and frozenness are
+        the dataclass's. At 256 rows this is a tenth of a packed
+        iteration's host time less than an instance dict filled at once."""
+        out = _OutputBuilder(request_id, new_token_ids, finished, finish_reason, new_text, cached_tokens, error,
+                             draft_tokens, accepted_draft_tokens, new_logprobs, prompt_logprobs)
+        out.__class__ = cls
         return out
+
+
+# RequestOutput's mutable twin (RequestOutput._make): made from its fields, so the two never differ in layout.
+_OutputBuilder = dataclasses.make_dataclass(
+    "_OutputBuilder", [(f.name, f.type, dataclasses.field(default=f.default)) for f in dataclasses.fields(RequestOutput)],
+    slots=True)
 
 
 @dataclasses.dataclass(slots=True, eq=False)
