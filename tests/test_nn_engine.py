@@ -266,6 +266,13 @@ def test_decoding_rows_are_the_checked_rows_that_decode(trial):
         decoding_rows(requests, rows, swapped, bad)
     with pytest.raises(BookkeepingError, match=re.escape(str(raised.value))):
         check_rows(requests, rows, swapped, bad)
+    held = [rid for rid in rows if rid is not None]
+    if held:  # a request holding a row in a state that holds none (or the other holding state) disagrees too
+        req = requests[held[int(rng.integers(len(held)))]]
+        req.state = rng.choice([RequestState.WAITING, RequestState.FINISHED,
+                                RequestState.SWAPPED if req.state is RequestState.RUNNING else RequestState.RUNNING])
+        with pytest.raises(BookkeepingError):
+            decoding_rows(requests, rows, swapped, status)
 
 
 def test_logging_not_printing(model, capsys, caplog):

@@ -423,6 +423,8 @@ class Engine(Scheduler):
                     list(self.cache.groups), self.max_seqs)
 
         def report():
+            if on_progress is None and not logger.isEnabledFor(logging.DEBUG):
+                return  # nobody reads it: its counts are a pass over every request of the run, each iteration
             progress = self._progress(pending, total, start, generated_before, before)
             logger.debug("iteration %d: %d/%d finished, running %d, waiting %d, swapped %d, %d tokens, "
                          "%d preemptions", progress.iteration, progress.finished, total, progress.running,

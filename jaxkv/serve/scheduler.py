@@ -238,9 +238,6 @@ def cached_sampling_row(req: Request) -> tuple:
     return row
 
 
-_WANT_STATUS = {RequestState.RUNNING: ON_DEVICE, RequestState.SWAPPED: SWAPPED}
-
-
 def _rows_agree(requests: dict, rows: list, swapped: list, status: np.ndarray, decoding: list | None = None) -> bool:
     """Whether :func:`check_rows` finds nothing (one pass over the rows:
     the common case, every iteration); False sends it to find what. In the
@@ -249,17 +246,24 @@ def _rows_agree(requests: dict, rows: list, swapped: list, status: np.ndarray, d
     status = np.asarray(status).tolist()
     if len(status) != len(rows):
         return False
-    running = RequestState.RUNNING
+    # The states by identity: an Enum's hash is a Python call (hash of its name), once per row otherwise.
+    running, swapped_state = RequestState.RUNNING, RequestState.SWAPPED
     for row, rid in enumerate(rows):
         if rid is None:
             if status[row] != FREE:
                 return False
             continue
         req = requests.get(rid)
-        if req is None or req.row != row or _WANT_STATUS.get(req.state) != status[row]:
+        if req is None or req.row != row:
             return False
-        if decoding is not None and req.state is running and not req.pieces:
-            decoding.append((row, req))
+        state = req.state
+        if state is running:
+            if status[row] != ON_DEVICE:
+                return False
+            if decoding is not None and not req.pieces:
+                decoding.append((row, req))
+        elif state is not swapped_state or status[row] != SWAPPED:
+            return False
     return all(rid in requests and 0 <= requests[rid].row < len(rows) and rows[requests[rid].row] == rid
                for rid in swapped)
 
