@@ -234,12 +234,40 @@ def test_token_bytes_list_path_gives_the_checked_paths_bytes_and_errors():
 
 
 def test_fetch_reads_what_device_get_reads():
-    tree = (jax.numpy.arange(6).reshape(2, 3), None, jax.numpy.float32(2.5), {"ok": jax.numpy.bool_(True)},
-            jax.random.key_data(jax.random.split(jax.random.key(3), 4)))
-    got, want = fetch(tree), jax.device_get(tree)
-    assert jax.tree.structure(got) == jax.tree.structure(want)
-    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
-        assert isinstance(a, np.ndarray) and a.dtype == b.dtype and np.array_equal(a, b)
+    """``fetch`` (tuples and lists walked by hand on the CPU backend)
+    against ``device_get``: a fixed tree, then drawn nestings of tuples,
+    lists, dicts, named tuples, None, device and numpy arrays and scalars."""
+    import collections
+
+    pair = collections.namedtuple("pair", "a b")
+    rng = np.random.default_rng()
+
+    def leaf():
+        kind = int(rng.integers(5))
+        values = rng.integers(-9, 9, tuple(rng.integers(0, 4, int(rng.integers(0, 3)))))
+        return [None, jax.numpy.asarray(values, jax.numpy.int32), values.astype(np.float32),
+                jax.numpy.bool_(bool(rng.random() < 0.5)), int(rng.integers(9))][kind]
+
+    def drawn(depth):
+        if depth == 0 or rng.random() < 0.3:
+            return leaf()
+        children = [drawn(depth - 1) for _ in range(int(rng.integers(0, 4)))]
+        kind = int(rng.integers(4))
+        if kind == 0:
+            return tuple(children)
+        if kind == 1:
+            return children
+        if kind == 2:
+            return {f"k{i}": child for i, child in enumerate(children)}
+        return pair(drawn(depth - 1), drawn(depth - 1))
+
+    trees = [(jax.numpy.arange(6).reshape(2, 3), None, jax.numpy.float32(2.5), {"ok": jax.numpy.bool_(True)},
+              jax.random.key_data(jax.random.split(jax.random.key(3), 4)))] + [drawn(4) for _ in range(60)]
+    for tree in trees:
+        got, want = fetch(tree), jax.device_get(tree)
+        assert jax.tree.structure(got) == jax.tree.structure(want)
+        for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+            assert isinstance(a, np.ndarray) and a.dtype == np.asarray(b).dtype and np.array_equal(a, b)
 
 
 def test_steps_given_key_data_draw_what_typed_keys_draw():

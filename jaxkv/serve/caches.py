@@ -225,7 +225,21 @@ def fetch(tree):
     waiting on one."""
     if not _backend_is_cpu():
         return jax.device_get(tree)
-    return jax.tree.map(np.asarray, tree)
+    return _read_in_place(tree)
+
+
+def _read_in_place(node):
+    """``jax.tree.map(np.asarray, node)`` for the CPU backend, with the
+    trees the caches fetch (tuples and lists of arrays and None) walked
+    here: ``jax.tree`` flattening and rebuilding cost about 13 us a call,
+    more than reading the arrays. Any other node goes to ``jax.tree.map``."""
+    if node is None:
+        return None
+    if node.__class__ is tuple or node.__class__ is list:
+        return node.__class__([_read_in_place(child) for child in node])
+    if isinstance(node, (jax.Array, np.ndarray)):
+        return np.asarray(node)
+    return jax.tree.map(np.asarray, node)
 
 
 def _typed(keys) -> bool:
