@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 
 from jaxkv.bench.__main__ import main
-from jaxkv.errors import InvalidArgument
+from jaxkv.errors import BookkeepingError, InvalidArgument
 from jaxkv.nn.packed import PackedLane, pack
 from jaxkv.nn.penalties import Penalties
 from jaxkv.nn.sampling import GREEDY, RowSampling, SamplingParams
@@ -171,6 +171,18 @@ def test_take_all_gives_what_take_ids_gives_request_by_request():
         for out in (got, want):
             out.pending = {rid: [[7], "", False] for rid in earlier}
         runs = [rng.integers(1, 30, n).tolist() for n, _, _ in items]
+        # A column shorter or longer than the requests is refused before any request changes.
+        cut = int(rng.integers(len(reqs) + 2))
+        if cut != len(reqs):
+            def state():
+                records = [(list(r.generated), list(r.gaps), r.last_token_at, r.key.tolist()) for r in reqs]
+                return records, copy.deepcopy(got.pending)
+
+            before = state()
+            with pytest.raises(BookkeepingError, match="columns of"):
+                got.take_all(reqs, [list(run) for run in runs][:cut] + [[1]] * (cut - len(reqs)),
+                             [key for _, _, key in items], now)
+            assert state() == before
         finished = got.take_all(reqs, [list(run) for run in runs], [key for _, _, key in items], now,
                                 [done for _, done, _ in items])
         expected = []

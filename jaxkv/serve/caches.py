@@ -231,8 +231,8 @@ def fetch(tree):
 def _read_in_place(node):
     """``jax.tree.map(np.asarray, node)`` for the CPU backend, with the
     trees the caches fetch (tuples and lists of arrays and None) walked
-    here: ``jax.tree`` flattening and rebuilding cost about 13 us a call,
-    more than reading the arrays. Any other node goes to ``jax.tree.map``."""
+    here: in the step, ``jax.tree`` flattening and rebuilding cost about
+    13 us a call, more than reading the arrays. Any other node goes to ``jax.tree.map``."""
     if node is None:
         return None
     if node.__class__ is tuple or node.__class__ is list:

@@ -344,7 +344,12 @@ class OutputProcessor:
         when None; ``logprobs[i]``: the tokens' entries, none when None).
         One call per step, not per request, given columns, not a tuple per
         request; the common case inline, with the same records. Returns
-        the requests it finished, in order."""
+        the requests it finished, in order; ``BookkeepingError``, changing
+        nothing, when a column's length is not the requests' count."""
+        columns = [len(tokens), len(keys)] + [len(c) for c in (done, logprobs) if c is not None]
+        if any(n != len(reqs) for n in columns):  # zip below would drop requests silently
+            raise BookkeepingError(f"take_all: {len(reqs)} requests, columns of {columns} entries (tokens, keys, "
+                                   "then done and log-probabilities where given)")
         finished = []
         take_ids, take, pending, make = self._take_ids, self.take, self.pending, RequestOutput._make
         generated, gaps = 0, []  # the common case's counts and gaps, recorded once (in order) at the end

@@ -108,8 +108,8 @@ class RequestOutput:
 
 # RequestOutput's mutable twin (RequestOutput._make): made from its fields, so the two never differ in layout.
 _OutputBuilder = dataclasses.make_dataclass(
-    "_OutputBuilder", [(f.name, f.type, dataclasses.field(default=f.default)) for f in dataclasses.fields(RequestOutput)],
-    slots=True)
+    "_OutputBuilder",
+    [(f.name, f.type, dataclasses.field(default=f.default)) for f in dataclasses.fields(RequestOutput)], slots=True)
 
 
 @dataclasses.dataclass(slots=True, eq=False)
