@@ -338,13 +338,14 @@ class PrefixCacheManager:
         unit = self.tree.unit_bytes
         num_pages = len(query) // unit
         # Plain ints (the engine's) need no numpy round trip; ids outside [1, 2**31): _check_insert_blocks.
-        blocks = list(blocks) if _host.plain_ints(blocks) else _host.int_array(blocks, "blocks", ndim=1).tolist()
+        if not _host.plain_ints(blocks):
+            blocks = _host.int_array(blocks, "blocks", ndim=1).tolist()
         if len(blocks) < num_pages:
             raise InvalidArgument(
                 f"insert of {num_pages} whole pages ({self.tree.num_tokens(query)} tokens, page_size={self.page_size}) "
                 f"with only {len(blocks)} block ids"
             )
-        blocks = blocks[:num_pages]
+        blocks = list(blocks[:num_pages])  # the tree's own list: never the caller's object
         query = query[: num_pages * unit]
         self._check_insert_blocks(query, blocks, namespace)
         if self.disable or not num_pages:
