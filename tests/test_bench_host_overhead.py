@@ -143,7 +143,6 @@ def _drawn_requests(rng, n: int) -> list:
         req.stop_ids = frozenset(rng.integers(1, 30, int(rng.integers(0, 3))).tolist())
         if rng.random() < 0.8:
             req.first_token_at = req.last_token_at = float(rng.random())
-            req.gaps = [0.5] * len(req.generated)
         req.cached_tokens = int(rng.integers(0, 9))
         req.spec_drafted = int(rng.integers(0, 9))
         req.spec_accepted = int(rng.integers(0, req.spec_drafted + 1))
@@ -175,8 +174,8 @@ def test_take_all_gives_what_take_ids_gives_request_by_request():
         cut = int(rng.integers(len(reqs) + 2))
         if cut != len(reqs):
             def state():
-                records = [(list(r.generated), list(r.gaps), r.last_token_at, r.key.tolist()) for r in reqs]
-                return records, copy.deepcopy(got.pending)
+                records = [(list(r.generated), r.last_token_at, r.key.tolist()) for r in reqs]
+                return records, copy.deepcopy(got.pending), list(got.itl_samples)
 
             before = state()
             with pytest.raises(BookkeepingError, match="columns of"):
@@ -204,8 +203,8 @@ def test_take_all_gives_what_take_ids_gives_request_by_request():
         assert got.counters.generated == want.counters.generated
         assert list(got.itl_samples) == list(want.itl_samples) and list(got.ttft_samples) == list(want.ttft_samples)
         for a, b in zip(reqs, twins):
-            assert (a.generated, a.gaps, a.last_token_at, a.first_token_at, a.finish_reason) == (
-                b.generated, b.gaps, b.last_token_at, b.first_token_at, b.finish_reason)
+            assert (a.generated, a.last_token_at, a.first_token_at, a.finish_reason) == (
+                b.generated, b.last_token_at, b.first_token_at, b.finish_reason)
             assert a.key is b.key or np.array_equal(a.key, b.key)
 
 

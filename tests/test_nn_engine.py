@@ -22,6 +22,7 @@ import jaxkv.serve
 from jaxkv.errors import BookkeepingError, InvalidArgument
 from jaxkv.nn import LlamaConfig, LlamaForCausalLM, generate
 from jaxkv.serve import Engine, EngineProgress, EngineSummary, RequestState
+from jaxkv.serve.output import latency_stats
 
 CONFIG = dict(
     model_type="llama", vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
@@ -89,6 +90,11 @@ def test_arrivals_over_time(model, reference):
     assert summary.iterations >= 8  # the last request arrives at step 8
     for mean, p50, p99 in (summary.ttft, summary.itl):  # latencies: measured, ordered, in the printout
         assert 0 < p50 <= p99 and 0 < mean <= p99
+    # The run's ITL is every gap since it began: on a fresh engine, the samples stats() drains (a gap per token
+    # after each request's first), collected while it ran and only then.
+    stats = engine.stats()
+    assert len(stats.itl) == summary.generated_tokens - summary.requests
+    assert summary.itl == latency_stats(list(stats.itl)) and engine.output.run_itl is None
     assert "TTFT mean/p50/p99" in str(summary) and "ITL" in str(summary)
     check_blocks(engine)
 

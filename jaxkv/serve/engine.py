@@ -432,10 +432,14 @@ class Engine(Scheduler):
             if on_progress is not None:
                 on_progress(progress)
 
-        while self._live:
-            self.step()
+        self.output.run_itl = itl = []  # the run's inter-token gaps, recorded as they come
+        try:
+            while self._live:
+                self.step()
+                report()
             report()
-        report()
+        finally:
+            self.output.run_itl = None
         wall = time.perf_counter() - start
         generated = sum(len(r.generated) for r in pending) - generated_before
         count = self._count
@@ -451,7 +455,7 @@ class Engine(Scheduler):
             iterations=count.iterations - before.iterations,
             ttft=latency_stats([r.first_token_at - r.arrived_at for r in pending if r.arrived_at is not None
                                  and r.first_token_at is not None and r.first_token_at >= start]),
-            itl=latency_stats([gap for r in pending for gap in r.gaps]))
+            itl=latency_stats(itl))
         logger.info("engine run done: %s", summary)
         return summary
 

@@ -243,7 +243,9 @@ class OutputProcessor:
     request's whole :class:`RequestOutput` where :meth:`take_all`'s common
     case made it (drained by :meth:`collect`); ``ttft_samples`` /
     ``itl_samples``: latency samples since the last
-    :meth:`Engine.stats <jaxkv.serve.Engine.stats>`."""
+    :meth:`Engine.stats <jaxkv.serve.Engine.stats>`; ``run_itl``: while
+    :meth:`Engine.run <jaxkv.serve.Engine.run>` runs, a list of every
+    inter-token gap recorded since it began (its summary's), else None."""
 
     def __init__(self, counters: Counters, tokenizer=None, detokenizer=None):
         self.counters = counters
@@ -252,6 +254,7 @@ class OutputProcessor:
         self.pending: dict = {}
         self.ttft_samples: collections.deque = collections.deque(maxlen=65536)
         self.itl_samples: collections.deque = collections.deque(maxlen=65536)
+        self.run_itl: list | None = None
 
     def detokenizer_for(self, prompt: list):
         factory = self._detokenizer
@@ -270,10 +273,18 @@ class OutputProcessor:
                 self.ttft_samples.append(now - req.arrived_at)
             count -= 1
         if count:
-            gaps = [(now - req.last_token_at) / count] * count
-            req.gaps += gaps
-            self.itl_samples.extend(gaps)
+            self._record_gaps([(now - req.last_token_at) / count] * count)
             req.last_token_at = now
+
+    def _record_gaps(self, gaps: list) -> None:
+        """Inter-token gaps (seconds), in the order their tokens came: for
+        :meth:`Engine.stats <jaxkv.serve.Engine.stats>` and, during
+        :meth:`Engine.run <jaxkv.serve.Engine.run>`, its summary. Kept per
+        engine, not per request: a record of each request's own would be a
+        list appended for every running request every step."""
+        self.itl_samples.extend(gaps)
+        if self.run_itl is not None:
+            self.run_itl += gaps
 
     def take(self, req: Request, tokens: list, now: float, device_done: bool = False, logprobs=None) -> bool:
         """Give ``req`` the ``tokens`` a call made for it, in order, up to
@@ -363,7 +374,7 @@ class OutputProcessor:
             if (req.detok is not None or req.logprobs is not None or req.first_token_at is None or device_done
                     or not count or count >= req.max_new - len(req.generated)
                     or (req.stop_ids and not req.stop_ids.isdisjoint(run))):
-                self.itl_samples.extend(gaps)  # the samples stay in the order the requests took their tokens
+                self._record_gaps(gaps)  # the samples stay in the order the requests took their tokens
                 self.counters.generated += generated
                 generated, gaps = 0, []
                 if (take_ids if req.detok is None else take)(req, run, now, device_done,
@@ -371,14 +382,10 @@ class OutputProcessor:
                     finished.append(req)
                 continue
             req.generated += run
-            if count == 1:  # a packed step's decode lane, or a decode chunk's last step: no lists made
-                gap = now - req.last_token_at
-                req.gaps.append(gap)
-                gaps.append(gap)
+            if count == 1:  # a packed step's decode lane, or a decode chunk's last step: no list made
+                gaps.append(now - req.last_token_at)
             else:
-                own = [(now - req.last_token_at) / count] * count
-                req.gaps += own
-                gaps += own
+                gaps += [(now - req.last_token_at) / count] * count
             generated += count
             req.last_token_at = now
             if req.id not in pending and req.prompt_logprobs is None:  # its output now: collect passes it on
@@ -386,7 +393,7 @@ class OutputProcessor:
                                        req.spec_drafted, req.spec_accepted)
             else:
                 self._open(req.id)[0] += run
-        self.itl_samples.extend(gaps)
+        self._record_gaps(gaps)
         self.counters.generated += generated
         return finished
 
@@ -415,9 +422,7 @@ class OutputProcessor:
             _keep_logprobs(req, logprobs, count)
         if count and req.first_token_at is not None:  # record_tokens' common case, inline
             self.counters.generated += count
-            gaps = [(now - req.last_token_at) / count] * count
-            req.gaps += gaps
-            self.itl_samples.extend(gaps)
+            self._record_gaps([(now - req.last_token_at) / count] * count)
             req.last_token_at = now
         else:
             self.record_tokens(req, count, now)

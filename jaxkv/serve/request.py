@@ -136,7 +136,6 @@ class Request:
     stop_ids: frozenset = frozenset()  # every stop token id (eos included): checked on the host
     first_token_at: float | None = None
     last_token_at: float | None = None
-    gaps: list = dataclasses.field(default_factory=list)  # seconds between consecutive tokens
     logprobs: int | None = None  # top log-probabilities asked per token (None: none; 0: the token's own only)
     penalties: Penalties = OFF  # penalties, logit bias and min_tokens (jaxkv.nn.penalties)
     constraint: TokenAutomaton | None = None  # structured output (jaxkv.nn.constraints), None: unconstrained
