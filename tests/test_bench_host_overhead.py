@@ -155,15 +155,24 @@ def test_take_all_gives_what_take_ids_gives_request_by_request():
     """``take_all``'s inline common case against the per-request path it
     stands for (``req.key = key`` then ``_take_ids``), on drawn requests and
     token runs (stops among them or not, room or not, the device done or
-    not, empty runs): the same tokens, reasons, records and outputs."""
+    not, empty runs): the same tokens, reasons, records and outputs. In
+    some draws the step is steady (every request's previous token at one
+    time, every run the same length): ``spread_gaps``' one-list path."""
     import copy
 
     rng = np.random.default_rng(2)
-    for _ in range(60):
+    for _ in range(80):
         reqs = _drawn_requests(rng, int(rng.integers(1, 12)))
+        steady = rng.random() < 0.4
+        if steady:
+            previous = float(rng.random())
+            for req in reqs:
+                if req.first_token_at is not None:
+                    req.last_token_at = previous
         twins = copy.deepcopy(reqs)
-        items = [(int(rng.integers(0, 6)), bool(rng.random() < 0.1), rng.integers(0, 2**31, 2).astype(np.uint32))
-                 for _ in reqs]
+        chunk = int(rng.integers(1, 6))
+        items = [(chunk if steady else int(rng.integers(0, 6)), bool(rng.random() < 0.1),
+                  rng.integers(0, 2**31, 2).astype(np.uint32)) for _ in reqs]
         now = 2.0 + float(rng.random())
         got, want = OutputProcessor(Counters()), OutputProcessor(Counters())
         earlier = [req.id for req in reqs if rng.random() < 0.2]  # a step's outputs so far: some have an entry
