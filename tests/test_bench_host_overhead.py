@@ -29,7 +29,7 @@ from jaxkv.nn.packed import PackedLane, pack
 from jaxkv.nn.penalties import Penalties
 from jaxkv.nn.sampling import GREEDY, RowSampling, SamplingParams
 from jaxkv.serve.caches import decode_chunk, fetch, hashed_graphdef, keys_as_given, pack_stream, typed_keys
-from jaxkv.serve.output import Counters, OutputProcessor
+from jaxkv.serve.output import Counters, OutputProcessor, spread_gaps
 from jaxkv.serve.hybrid_cache import HybridCache
 from jaxkv.serve.paged_cache import PagedCache
 from jaxkv.serve.request import Request, RequestState
@@ -215,6 +215,26 @@ def test_take_all_gives_what_take_ids_gives_request_by_request():
             assert (a.generated, a.last_token_at, a.first_token_at, a.finish_reason) == (
                 b.generated, b.last_token_at, b.first_token_at, b.finish_reason)
             assert a.key is b.key or np.array_equal(a.key, b.key)
+
+
+def test_spread_gaps_gives_each_requests_gap_once_per_token():
+    """``spread_gaps`` against the rule written out per token (request i's
+    gap since its previous token, divided evenly over the tokens it took),
+    on drawn steps: steady ones (one previous time, one count: the one-list
+    path), ones with equal times but other counts, and mixed ones."""
+    rng = np.random.default_rng(7)
+    assert spread_gaps(1.0, [], []) == []
+    for _ in range(300):
+        n, now = int(rng.integers(1, 20)), 5.0 + float(rng.random())
+        kind = int(rng.integers(3))
+        previous = float(rng.random())
+        lasts = [previous] * n if kind < 2 else [float(rng.random()) for _ in range(n)]
+        counts = [int(rng.integers(1, 6))] * n if kind == 0 else rng.integers(1, 6, n).tolist()
+        want = []
+        for last, count in zip(lasts, counts):
+            for _ in range(count):
+                want.append((now - last) / count)
+        assert spread_gaps(now, lasts, counts) == want
 
 
 def test_token_bytes_list_path_gives_the_checked_paths_bytes_and_errors():

@@ -237,8 +237,9 @@ def latency_stats(values: list) -> tuple[float, float, float]:
 
 
 def spread_gaps(now: float, lasts: list, counts: list) -> list:
-    """The inter-token gaps of requests that took ``counts[i]`` tokens at
-    ``now``, their previous token at ``lasts[i]``: per token, in order,
+    """The inter-token gaps of requests that took ``counts[i]`` tokens
+    (at least one) at ``now``, their previous token at ``lasts[i]``: per
+    token, in order (the one rule of every gap record),
     ``(now - lasts[i]) / counts[i]`` (a request's gap spread evenly over
     the tokens one call gave it). In a steady decode step every request's
     previous token came at the same time (the previous step's, one float
@@ -290,7 +291,7 @@ class OutputProcessor:
                 self.ttft_samples.append(now - req.arrived_at)
             count -= 1
         if count:
-            self._record_gaps([(now - req.last_token_at) / count] * count)
+            self._record_gaps(spread_gaps(now, [req.last_token_at], [count]))
             req.last_token_at = now
 
     def _record_gaps(self, gaps: list) -> None:
@@ -439,7 +440,7 @@ class OutputProcessor:
             _keep_logprobs(req, logprobs, count)
         if count and req.first_token_at is not None:  # record_tokens' common case, inline
             self.counters.generated += count
-            self._record_gaps([(now - req.last_token_at) / count] * count)
+            self._record_gaps(spread_gaps(now, [req.last_token_at], [count]))
             req.last_token_at = now
         else:
             self.record_tokens(req, count, now)
