@@ -414,8 +414,9 @@ def test_row_mirror_gives_the_tokens_the_records_give(family):
     decode (packed steps with decode lanes), sampled with seeds or greedy,
     stop ids, different lengths (requests finish, rows are taken again),
     one with penalties (its steps read the records): the same outputs; the
-    mirror served packed steps and decode chunks, and some step read only
-    the rows that changed."""
+    mirror served packed steps and decode chunks, some step read only the
+    rows that changed, and decode chunks screened fewer requests (only
+    those whose entries were stale)."""
     from jaxkv.bench.serve import _host_models
     from jaxkv.serve import Engine
     from jaxkv.serve.row_inputs import RowInputs
@@ -435,11 +436,11 @@ def test_row_mirror_gives_the_tokens_the_records_give(family):
     kinds = set()  # the steps the mirror served
 
     class Counted(RowInputs):
-        def current(self, rows, reqs, sampling_rows, calls):
+        def write(self, index, stale, sampling_rows, calls):
             before = self.stamp.copy()
-            index = super().current(rows, reqs, sampling_rows, calls)
-            used.append(None if index is None else (len(index), int((self.stamp[index] != before[index]).sum())))
-            return index
+            wrote = super().write(index, stale, sampling_rows, calls)
+            used.append((len(index), int((self.stamp[index] != before[index]).sum())) if wrote else None)
+            return wrote
 
         def packed_arrays(self, index, first_lane):
             kinds.add("packed")
@@ -450,24 +451,33 @@ def test_row_mirror_gives_the_tokens_the_records_give(family):
             return super().decode_arrays(index)
 
     class Never(RowInputs):
-        def current(self, rows, reqs, sampling_rows, calls):
-            return None
+        def write(self, index, stale, sampling_rows, calls):
+            return False
 
     def run(mirror):
         engine = Engine(model, **options(6, 64))
         engine._row_inputs, engine._row_inputs_cache = mirror(6, engine.cache.key_array([]).shape[1:],
                                                               engine.logprobs_mode), engine.cache
+        real, screened = engine._sampling_row, []
+
+        def sampling_row(req):  # counted: a request whose entry is current is not screened again
+            screened.append(req.id)
+            return real(req)
+
+        engine._sampling_row = sampling_row
         for w in work:
             engine.add_request(w["prompt"], w["max_new"], sampling=w["sampling"], seed=w["seed"],
                                stop_token_ids=w["stop"], arrival_step=w["arrival"], penalties=w["penalties"])
         outputs = []
         while engine.has_unfinished():
             outputs.append([(o.request_id, o.new_token_ids, o.finish_reason) for o in engine.step()])
-        return outputs
+        return outputs, len(screened)
 
-    mirrored = run(Counted)
+    mirrored, screened = run(Counted)
     served = [u for u in used if u is not None]
-    assert run(Never) == mirrored
+    records, screened_records = run(Never)
+    assert records == mirrored
+    assert screened < screened_records, (screened, screened_records)
     assert kinds == {"packed", "decode"}
     assert served and any(0 < read < rows for rows, read in served), used  # only the changed rows were read
     assert any(read == 0 for _, read in served), used  # and steps that read none

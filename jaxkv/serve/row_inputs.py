@@ -62,19 +62,37 @@ class RowInputs:
 
     def current(self, rows: list, reqs: list, sampling_rows: dict, calls: int) -> np.ndarray | None:
         """Rows ``rows`` (``reqs[i]`` decodes on ``rows[i]``;
-        ``sampling_rows``: request id -> its screened sampling row) as an
-        index array, with their entries made current (a stale one rewritten
-        from the record); None, with nothing written, when any of them
-        :func:`asks_extra` (the caller reads the records)."""
+        ``sampling_rows``: request id -> its screened sampling row, needed
+        for the stale ones) as an index array, with their entries made
+        current (:meth:`stale`, then :meth:`write`); None, with nothing
+        written, when any stale one :func:`asks_extra` (the caller reads
+        the records)."""
         index = np.asarray(rows, np.int64)
+        stale = self.stale(rows, reqs, calls)
+        return index if self.write(index, [(rows[i], reqs[i]) for i in stale], sampling_rows, calls) else None
+
+    def stale(self, rows: list, reqs: list, calls: int) -> list:
+        """The positions ``i`` whose entry is not current for ``reqs[i]``
+        on row ``rows[i]`` after ``calls`` model calls, in order: ``[]`` in
+        the common case, found by two array-speed tests (no pass over the
+        records). Only those requests need screening: a current entry's
+        request was screened when its entry was written, and a plain
+        request's sampling parameters never change."""
         owner = self.owner
-        # The common case, every entry current: two array-speed tests, no pass over the records.
-        if all(map(operator.is_, map(owner.__getitem__, rows), reqs)) and bool((self.stamp[index] == calls).all()):
-            return index
+        if all(map(operator.is_, map(owner.__getitem__, rows), reqs)) and bool(
+                (self.stamp[np.asarray(rows, np.int64)] == calls).all()):
+            return []
         stamp = self.stamp.tolist()
-        stale = [(row, req) for row, req in zip(rows, reqs) if owner[row] is not req or stamp[row] != calls]
+        return [i for i, (row, req) in enumerate(zip(rows, reqs)) if owner[row] is not req or stamp[row] != calls]
+
+    def write(self, index: np.ndarray, stale: list, sampling_rows: dict, calls: int) -> bool:
+        """Make the entries ``stale`` (``(row, request)`` pairs, rows of
+        ``index``, the rows a step decodes) current from the records
+        (``sampling_rows``: request id -> its screened sampling row);
+        False, with nothing written, when any of them :func:`asks_extra`."""
         if any(asks_extra(req) for _, req in stale):
-            return None
+            return False
+        owner = self.owner
         for row, req in stale:
             owner[row] = req
             self.stamp[row] = calls
@@ -84,7 +102,7 @@ class RowInputs:
             self.max_new[row], self.eos[row] = req.max_new, req.eos_id
             self.temperature[row], self.top_k[row], self.top_p[row] = sampling_rows[req.id]
             self.keys[row] = req.key
-        return index
+        return True
 
     def advance(self, index: np.ndarray, last: np.ndarray, counts: np.ndarray, keys: np.ndarray, calls: int) -> None:
         """Entries ``index`` after the call that made the engine's model

@@ -878,16 +878,24 @@ class Scheduler(FaultContainment):
         running = dict(self._decoding_rows())
         if not running:
             return
-        rows = self._screen(running.values())
-        if len(rows) < len(running):
-            running = {row: req for row, req in running.items() if req.id in rows}
-        if not running:
-            return
         # The rows' inputs from the row mirror (those whose requests changed read from their records); from every
         # record while a request asks for log-probabilities, penalties or a constraint, which also pauses
-        # speculation (verify steps compute none of them).
-        index = self._mirror().current(list(running), list(running.values()), rows, self._count.model_calls)
-        inputs = self._decode_inputs(running, rows) if index is None else self._row_inputs.decode_arrays(index)
+        # speculation (verify steps compute none of them). Only the requests whose entries are stale are screened
+        # (RowInputs.stale: a current entry's request was screened when it was written; at 256 rows this is a
+        # call per request less); the others too when the records are read, or when a screening failed.
+        mirror, calls, reqs = self._mirror(), self._count.model_calls, list(running.values())
+        stale = [reqs[i] for i in mirror.stale(list(running), reqs, calls)]
+        rows = self._screen(stale)
+        index = np.fromiter(running, np.int64, len(running))
+        if len(rows) < len(stale) or not mirror.write(index, [(req.row, req) for req in stale], rows, calls):
+            index = None
+            screened = {req.id for req in stale}
+            rows.update(self._screen([req for req in reqs if req.id not in screened]))
+            if len(rows) < len(running):  # those that failed screening are finished: they leave the step
+                running = {row: req for row, req in running.items() if req.id in rows}
+            if not running:
+                return
+        inputs = self._decode_inputs(running, rows) if index is None else mirror.decode_arrays(index)
         speculation = None if self.speculation is None or index is None else (
             self.speculation.arguments(running, self.decode_chunk))
         result = self.cache.decode(self.graphdef, self.params, *inputs, self.decode_chunk, speculation=speculation)
