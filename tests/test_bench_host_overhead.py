@@ -436,9 +436,14 @@ def test_row_mirror_gives_the_tokens_the_records_give(family):
     kinds = set()  # the steps the mirror served
 
     class Counted(RowInputs):
-        def write(self, index, stale, sampling_rows, calls):
+        def stale(self, rows, reqs, calls):
+            self.rows = rows
+            return super().stale(rows, reqs, calls)
+
+        def write(self, stale, sampling_rows, calls):
             before = self.stamp.copy()
-            wrote = super().write(index, stale, sampling_rows, calls)
+            wrote = super().write(stale, sampling_rows, calls)
+            index = np.asarray(self.rows, np.int64)
             used.append((len(index), int((self.stamp[index] != before[index]).sum())) if wrote else None)
             return wrote
 
@@ -451,7 +456,7 @@ def test_row_mirror_gives_the_tokens_the_records_give(family):
             return super().decode_arrays(index)
 
     class Never(RowInputs):
-        def write(self, index, stale, sampling_rows, calls):
+        def write(self, stale, sampling_rows, calls):
             return False
 
     def run(mirror):

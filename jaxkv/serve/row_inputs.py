@@ -69,7 +69,7 @@ class RowInputs:
         the records)."""
         index = np.asarray(rows, np.int64)
         stale = self.stale(rows, reqs, calls)
-        return index if self.write(index, [(rows[i], reqs[i]) for i in stale], sampling_rows, calls) else None
+        return index if self.write([(rows[i], reqs[i]) for i in stale], sampling_rows, calls) else None
 
     def stale(self, rows: list, reqs: list, calls: int) -> list:
         """The positions ``i`` whose entry is not current for ``reqs[i]``
@@ -85,11 +85,12 @@ class RowInputs:
         stamp = self.stamp.tolist()
         return [i for i, (row, req) in enumerate(zip(rows, reqs)) if owner[row] is not req or stamp[row] != calls]
 
-    def write(self, index: np.ndarray, stale: list, sampling_rows: dict, calls: int) -> bool:
-        """Make the entries ``stale`` (``(row, request)`` pairs, rows of
-        ``index``, the rows a step decodes) current from the records
-        (``sampling_rows``: request id -> its screened sampling row);
-        False, with nothing written, when any of them :func:`asks_extra`."""
+    def write(self, stale: list, sampling_rows: dict, calls: int) -> bool:
+        """Make the entries ``stale`` (``(row, request)`` pairs: the stale
+        ones of a step's rows, :meth:`stale`) current from the records
+        after ``calls`` model calls (``sampling_rows``: request id -> its
+        screened sampling row); False, with nothing written, when any of
+        them :func:`asks_extra`."""
         if any(asks_extra(req) for _, req in stale):
             return False
         owner = self.owner

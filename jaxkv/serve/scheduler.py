@@ -887,7 +887,7 @@ class Scheduler(FaultContainment):
         stale = [reqs[i] for i in mirror.stale(list(running), reqs, calls)]
         rows = self._screen(stale)
         index = np.fromiter(running, np.int64, len(running))
-        if len(rows) < len(stale) or not mirror.write(index, [(req.row, req) for req in stale], rows, calls):
+        if len(rows) < len(stale) or not mirror.write([(req.row, req) for req in stale], rows, calls):
             index = None
             screened = {req.id for req in stale}
             rows.update(self._screen([req for req in reqs if req.id not in screened]))
