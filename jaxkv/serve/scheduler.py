@@ -893,6 +893,7 @@ class Scheduler(FaultContainment):
             rows.update(self._screen([req for req in reqs if req.id not in screened]))
             if len(rows) < len(running):  # those that failed screening are finished: they leave the step
                 running = {row: req for row, req in running.items() if req.id in rows}
+                reqs = list(running.values())
             if not running:
                 return
         inputs = self._decode_inputs(running, rows) if index is None else mirror.decode_arrays(index)
@@ -917,7 +918,7 @@ class Scheduler(FaultContainment):
         done = result.finished[at]
         done = [d and req.grammar is None for d, req in zip(done.tolist(), running.values())] if done.any() else None
         finished = self.output.take_all(
-            list(running.values()), tokens, list(keys), now, done,
+            reqs, tokens, list(keys), now, done,
             None if logprobs is None else [logprob_entries(logprobs, row, count)
                                            for row, count in zip(running, took.tolist())])
         if index is not None and speculation is None:  # each row took what it counted (one cut at a stop finished)
