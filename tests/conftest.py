@@ -6,6 +6,7 @@ machine; ``long`` explores far more (``JAXKV_HYPOTHESIS=long pytest -m slow``).
 
 import os
 import re
+import time
 
 # Compile time dominates this suite (thousands of small XLA programs on a
 # 2-core CPU), and the programs are too small for slower code to matter:
@@ -369,6 +370,12 @@ RULES = (
 # (a failure reproduces), and every commit draws anew, so each test runs in about half of CI's runs; a
 # line at the end of pytest's output says which draw ran. Without the variable (or f >= 1) every ``long``
 # test runs.
+#
+# A share bounds the count, not the time: CI's VMs vary 3x in speed by the hour, and on 2026-12-02 CI's
+# half (162 tests) ran past its 90 minutes (88% done after an hour). So JAXKV_LONG_BUDGET_S=s (``.ci/run``
+# sets one) bounds the time: a ``long`` test that would start more than s seconds after its worker's
+# session began skips, saying so; the summary line counts them. Under a share, the drawn tests run module
+# by module in an order drawn from the same hash, so the modules a budget cuts differ from commit to commit.
 
 
 def _long_share() -> float:
@@ -387,18 +394,53 @@ def _long_draw_name() -> str:
         return "no-git"
 
 
-def _drawn_into_the_share(nodeid: str, draw: str, share: float) -> bool:
+def _draw_point(draw: str, name: str) -> float:
+    """A point in [0, 1) drawn from a hash of the draw's name and ``name``."""
     import hashlib
 
-    digest = hashlib.sha256(f"{draw}:{nodeid}".encode()).digest()
-    return int.from_bytes(digest[:8], "big") / 2.0**64 < share
+    digest = hashlib.sha256(f"{draw}:{name}".encode()).digest()
+    return int.from_bytes(digest[:8], "big") / 2.0**64
+
+
+def _drawn_into_the_share(nodeid: str, draw: str, share: float) -> bool:
+    return _draw_point(draw, nodeid) < share
+
+
+def _long_budget() -> float | None:
+    text = os.environ.get("JAXKV_LONG_BUDGET_S")
+    return float(text) if text else None
+
+
+_SESSION_START = [time.monotonic()]
+BUDGET_SPENT = "the long pass's time budget"
+
+
+def pytest_sessionstart(session):
+    _SESSION_START[0] = time.monotonic()
+
+
+def pytest_runtest_setup(item):
+    """Skips a ``long`` test once JAXKV_LONG_BUDGET_S is spent (see above)."""
+    budget = _long_budget()
+    if budget is None or "long" not in item.keywords:
+        return
+    spent = time.monotonic() - _SESSION_START[0]
+    if spent > budget:
+        pytest.skip(f"{BUDGET_SPENT} (JAXKV_LONG_BUDGET_S={budget:g}) was spent: {spent:.0f} s since this "
+                    f"worker's session began; another commit's draw runs it, or run it alone")
 
 
 def pytest_terminal_summary(terminalreporter):
-    """Says which share of the ``long`` tests ran (also under ``-q``)."""
+    """Says which share of the ``long`` tests ran, and how many a time
+    budget skipped (also under ``-q``)."""
     if _long_share() < 1:
         terminalreporter.write_line(f"long tests drawn: a share of {_long_share():g}, draw {_long_draw_name()} "
                                     "(JAXKV_LONG_SHARE, JAXKV_LONG_DRAW; tests/conftest.py)")
+    if _long_budget() is not None:
+        cut = [r for r in terminalreporter.stats.get("skipped", [])
+               if BUDGET_SPENT in str(getattr(r, "longrepr", ""))]
+        terminalreporter.write_line(f"long tests skipped by the time budget of {_long_budget():g} s "
+                                    f"(JAXKV_LONG_BUDGET_S): {len(cut)}")
 
 
 class _Row:
@@ -462,6 +504,12 @@ def pytest_collection_modifyitems(config, items):
             config.hook.pytest_deselected(items=left)
             out = set(map(id, left))
             items[:] = [item for item in items if id(item) not in out]
+        # Modules in a drawn order, each module's tests kept together and in order (its fixtures are built
+        # once per worker), so that a time budget cuts different modules under different draws.
+        first = {}
+        for i, item in enumerate(items):
+            first.setdefault(item.path.name, i)
+        items.sort(key=lambda item: (_draw_point(draw, item.path.name), first[item.path.name]))
 
     wants_gpu = any("gpu" in item.keywords for item in items)
     has_gpu = wants_gpu and jax.default_backend() == "gpu"
