@@ -15,6 +15,7 @@ typed keys), the paged manager passed without its host allocator
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import io
 import json
@@ -415,8 +416,9 @@ def test_row_mirror_gives_the_tokens_the_records_give(family):
     stop ids, different lengths (requests finish, rows are taken again),
     one with penalties (its steps read the records): the same outputs; the
     mirror served packed steps and decode chunks, some step read only the
-    rows that changed, and decode chunks screened fewer requests (only
-    those whose entries were stale)."""
+    rows that changed, and decode chunks and packed steps screened fewer
+    requests (only those whose entries were stale, and a packed step's
+    prefilling ones)."""
     from jaxkv.bench.serve import _host_models
     from jaxkv.serve import Engine
     from jaxkv.serve.row_inputs import RowInputs
@@ -463,26 +465,37 @@ def test_row_mirror_gives_the_tokens_the_records_give(family):
         engine = Engine(model, **options(6, 64))
         engine._row_inputs, engine._row_inputs_cache = mirror(6, engine.cache.key_array([]).shape[1:],
                                                               engine.logprobs_mode), engine.cache
-        real, screened = engine._sampling_row, []
+        real, screened, step = engine._sampling_row, [], ["decode"]
+        packed = engine._packed
 
         def sampling_row(req):  # counted: a request whose entry is current is not screened again
-            screened.append(req.id)
+            screened.append((step[0], req.id))
             return real(req)
 
-        engine._sampling_row = sampling_row
+        def counted_packed():
+            step[0] = "packed"
+            try:
+                packed()
+            finally:
+                step[0] = "decode"
+
+        engine._sampling_row, engine._packed = sampling_row, counted_packed
         for w in work:
             engine.add_request(w["prompt"], w["max_new"], sampling=w["sampling"], seed=w["seed"],
                                stop_token_ids=w["stop"], arrival_step=w["arrival"], penalties=w["penalties"])
         outputs = []
         while engine.has_unfinished():
             outputs.append([(o.request_id, o.new_token_ids, o.finish_reason) for o in engine.step()])
-        return outputs, len(screened)
+        return outputs, collections.Counter(kind for kind, _ in screened)
 
     mirrored, screened = run(Counted)
     served = [u for u in used if u is not None]
     records, screened_records = run(Never)
     assert records == mirrored
-    assert screened < screened_records, (screened, screened_records)
+    # Both decode chunks and packed steps screened fewer requests (a packed step's prefilling ones are always
+    # screened, so some are).
+    assert screened["decode"] < screened_records["decode"], (screened, screened_records)
+    assert 0 < screened["packed"] < screened_records["packed"], (screened, screened_records)
     assert kinds == {"packed", "decode"}
     assert served and any(0 < read < rows for rows, read in served), used  # only the changed rows were read
     assert any(read == 0 for _, read in served), used  # and steps that read none

@@ -147,8 +147,9 @@ class FaultContainment:
         and, for a request with a grammar, its next token's mask
         (``grammar_bits``, :mod:`jaxkv.serve.grammar`); a request whose
         parameters cannot be put there, or whose grammar fails, is finished
-        with ``"error"`` (:meth:`_error`) and left out. A decode chunk
-        screens only the requests whose row-mirror entries are stale
+        with ``"error"`` (:meth:`_error`) and left out. A decode chunk, and
+        a packed step's decode lanes, screen only the requests whose
+        row-mirror entries are stale
         (:meth:`~jaxkv.serve.row_inputs.RowInputs.stale`): a current entry
         was written from a screened request, whose parameters do not change."""
         rows = {}

@@ -778,11 +778,20 @@ class Scheduler(FaultContainment):
         what is left is cut; at least one prompt token runs). A request
         whose last piece ran gets its first token, a decoding one its next."""
         decoding = self._decoding_rows()
-        rows = self._screen([req for _, req in decoding] + self._prefilling)
+        # The decode lanes' inputs come from the row mirror unless the step may verify drafts or a request asks
+        # for more than plain sampling (then from every record). From the mirror, only the decoding requests
+        # whose entries are stale are screened, as in _decode (prefilling ones always are: their rows are read).
+        mirror, calls, reqs = self._mirror(), self._count.model_calls, [req for _, req in decoding]
+        stale = [reqs[i] for i in mirror.stale([row for row, _ in decoding], reqs, calls)]
+        mirrored = ((self.speculation is None or not self.cache.packs_verify_lanes)
+                    and not any(map(asks_extra, stale)) and not any(map(asks_extra, self._prefilling)))
+        screened = stale if mirrored else reqs
+        rows = self._screen(screened + self._prefilling)
         # A decoding request that screening finished leaves the batch (``_prefilling`` lost its own already);
         # the common case, none, skips the pass.
-        if len(rows) < len(decoding) + len(self._prefilling):
-            decoding = [(row, req) for row, req in decoding if req.id in rows]
+        if len(rows) < len(screened) + len(self._prefilling):
+            failed = {req.id for req in screened if req.id not in rows}
+            decoding = [(row, req) for row, req in decoding if req.id not in failed]
         if not self._prefilling:  # every prompt left failed its screening: the next iteration decodes
             return
         budget = self.max_num_batched_tokens or self.prefill_chunk
@@ -807,15 +816,18 @@ class Scheduler(FaultContainment):
         # The cache may cap what one lane brings (Gated DeltaNet's [lanes, width] view): such a piece is cut too.
         cap = self.cache.prefill_lane_cap(len(batch), budget)
         batch = [(req, (start, min(end, start + cap))) for req, (start, end) in batch]
-        total = sum(end - start for _, (start, end) in batch) + len(decoding) + extra
-        length = stream_length(total, self.stream_lengths())
-        scored = _prompt_scoring(batch)
         # The decode lanes' inputs from the row mirror (the rows whose requests changed read from their records);
         # with speculation, or a request asking for more than plain sampling, from every record.
         index = None
-        if speculation is None and not any(asks_extra(req) for req, _ in batch):
-            index = self._mirror().current([row for row, _ in decoding], [req for _, req in decoding], rows,
-                                           self._count.model_calls)
+        if speculation is None and not any(asks_extra(req) for req, _ in batch):  # (always so when mirrored)
+            index = mirror.current([row for row, _ in decoding], [req for _, req in decoding], rows, calls)
+        if index is None and mirrored:  # the mirror declined: every record is read, so every request screened
+            done = {req.id for req in screened}
+            rows.update(self._screen([req for _, req in decoding if req.id not in done]))
+            decoding = [(row, req) for row, req in decoding if req.id in rows]
+        total = sum(end - start for _, (start, end) in batch) + len(decoding) + extra
+        length = stream_length(total, self.stream_lengths())
+        scored = _prompt_scoring(batch)
         if index is None:
             lanes = [req for req, _ in batch] + [req for _, req in decoding]
             decode = [(row, req.generated[-1], req.kv_len) for row, req in decoding]
