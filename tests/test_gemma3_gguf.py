@@ -92,25 +92,42 @@ def test_generate_gives_transformers_tokens_on_short_prompts(model, reference):
         check_tokens([int(t) for t in np.asarray(out.tokens[row])[:NEW]], case)
 
 
-def test_long_prompts_wrap_the_window_in_generate_and_the_engine(model, reference):
-    """Prompts of 623 and 1,508 tokens (the rings wrap up to three times):
-    ``generate`` (the longest) and the engine (packed steps, the prompts
-    prefilled in pieces of a 256-token budget beside each other) give
-    transformers' tokens; then the 1,508-token prompt again hits the prefix
-    cache (a snapshot past the window) for most of it and gives the same
-    tokens; then of two different prompts sharing an 800-token prefix, the
-    second hits the first's snapshots up to where they part (within one
-    snapshot interval) and both give transformers' tokens. The rings' memory is bounded at real size: only the three
-    global layers take KV per token (the fifteen sliding ones hold a fixed
-    ring per request, between one and two windows of slots)."""
-    from jaxkv.nn.generate import generate
-    from jaxkv.serve import Engine
-
+def _long_cases(reference) -> list:
     cases = [c for c in reference["completions"] if len(c["prompt_ids"]) in (623, 1508)]
     assert len(cases) == 2, [len(c["prompt_ids"]) for c in reference["completions"]]
-    longest = cases[-1]
+    return cases
+
+
+def _engine(model):
+    """The engine of the long-prompt tests: prompts prefilled in pieces of
+    a 256-token budget beside each other (packed steps)."""
+    from jaxkv.serve import Engine
+
+    return Engine(model, max_seqs=2, max_model_len=2048, decode_chunk=4, max_num_batched_tokens=256)
+
+
+# The long prompts' checks are three tests, not one (each was a third of a 14-minute test): CI's long pass
+# stops starting tests at a time budget, so no single test may run long past it (tests/conftest.py).
+
+
+def test_generate_wraps_the_window_three_times(model, reference):
+    """The 1,508-token prompt (the rings wrap three times): ``generate``
+    gives transformers' tokens."""
+    from jaxkv.nn.generate import generate
+
+    longest = _long_cases(reference)[-1]
     check_tokens([int(t) for t in np.asarray(generate(model, [longest["prompt_ids"]], NEW).tokens[0])[:NEW]], longest)
-    engine = Engine(model, max_seqs=2, max_model_len=2048, decode_chunk=4, max_num_batched_tokens=256)
+
+
+def test_long_prompts_wrap_the_window_in_the_engine_and_hit_past_it(model, reference):
+    """Prompts of 623 and 1,508 tokens (the rings wrap up to three times):
+    the engine (packed steps, the prompts prefilled in pieces of a 256-token
+    budget beside each other) gives transformers' tokens; then the 1,508-token
+    prompt again hits the prefix cache (a snapshot past the window) for most
+    of it and gives the same tokens."""
+    cases = _long_cases(reference)
+    longest = cases[-1]
+    engine = _engine(model)
     ids = [engine.add_request(c["prompt_ids"], NEW) for c in cases]
     engine.run()
     again = engine.add_request(longest["prompt_ids"], NEW)
@@ -122,13 +139,19 @@ def test_long_prompts_wrap_the_window_in_generate_and_the_engine(model, referenc
         check_tokens(engine.outputs[rid], case)
     cached = next(o.cached_tokens for o in outputs if o.new_token_ids)
     assert cached >= len(longest["prompt_ids"]) // 2, cached
-    # Two different prompts sharing an 800-token prefix: the second hits the first's snapshot at most one
-    # snapshot interval before they part, and both give transformers' tokens. (The cache is emptied first: its
-    # four snapshot rows, full of the requests above, would keep few of the first prompt's interval records.)
+
+
+def test_prompts_sharing_a_long_prefix_hit_up_to_where_they_part(model, reference):
+    """Of two different prompts sharing an 800-token prefix, the second hits
+    the first's snapshots up to where they part (within one snapshot
+    interval) and both give transformers' tokens. The rings' memory is
+    bounded at real size: only the three global layers take KV per token
+    (the fifteen sliding ones hold a fixed ring per request, between one and
+    two windows of slots)."""
     first, second = reference["shared_prefix"]
     common = len(os.path.commonprefix([first["prompt_ids"], second["prompt_ids"]]))
     assert common >= 800, common
-    assert engine.reset_prefix_cache()
+    engine = _engine(model)
     before = engine.add_request(first["prompt_ids"], NEW)
     engine.run()
     rid = engine.add_request(second["prompt_ids"], NEW)
