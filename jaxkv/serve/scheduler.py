@@ -822,9 +822,7 @@ class Scheduler(FaultContainment):
         if speculation is None and not any(asks_extra(req) for req, _ in batch):  # (always so when mirrored)
             index = mirror.current([row for row, _ in decoding], [req for _, req in decoding], rows, calls)
         if index is None and mirrored:  # the mirror declined: every record is read, so every request screened
-            done = {req.id for req in screened}
-            rows.update(self._screen([req for _, req in decoding if req.id not in done]))
-            decoding = [(row, req) for row, req in decoding if req.id in rows]
+            decoding = self._screen_the_rest(decoding, rows, screened)
         total = sum(end - start for _, (start, end) in batch) + len(decoding) + extra
         length = stream_length(total, self.stream_lengths())
         scored = _prompt_scoring(batch)
@@ -901,11 +899,8 @@ class Scheduler(FaultContainment):
         index = np.fromiter(running, np.int64, len(running))
         if len(rows) < len(stale) or not mirror.write([(req.row, req) for req in stale], rows, calls):
             index = None
-            screened = {req.id for req in stale}
-            rows.update(self._screen([req for req in reqs if req.id not in screened]))
-            if len(rows) < len(running):  # those that failed screening are finished: they leave the step
-                running = {row: req for row, req in running.items() if req.id in rows}
-                reqs = list(running.values())
+            running = dict(self._screen_the_rest(list(running.items()), rows, stale))
+            reqs = list(running.values())
             if not running:
                 return
         inputs = self._decode_inputs(running, rows) if index is None else mirror.decode_arrays(index)
@@ -942,6 +937,15 @@ class Scheduler(FaultContainment):
             logger.debug("decode stalled for blocks: rows %s", np.flatnonzero(result.blocked).tolist())
             self._relieve([req for row, req in running.items()
                            if result.blocked[row] and req.state is RequestState.RUNNING])
+
+    def _screen_the_rest(self, pairs: list, rows: dict, screened: list) -> list:
+        """Screen the requests of ``pairs`` (``(row, request)``) that are
+        not in ``screened``, their sampling rows added to ``rows``; returns
+        the pairs whose requests passed (one that failed is finished: it
+        leaves the step)."""
+        done = {req.id for req in screened}
+        rows.update(self._screen([req for _, req in pairs if req.id not in done]))
+        return [(row, req) for row, req in pairs if req.id in rows]
 
     def _decode_inputs(self, running: dict, rows: dict) -> tuple:
         """The decode chunk's per-row inputs read from the records of
