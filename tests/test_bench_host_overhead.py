@@ -311,6 +311,35 @@ def test_fetch_reads_what_device_get_reads():
             assert isinstance(a, np.ndarray) and a.dtype == np.asarray(b).dtype and np.array_equal(a, b)
 
 
+def test_with_host_gives_what_replace_gives():
+    """The paged cache's fast host swap (``_with_host``) against
+    ``manager.replace(host=...)``, on managers of drawn sizes and drawn
+    allocations: equal pytrees (structure, static fields, every leaf), the
+    original unchanged, and every field of the dataclass carried over (a
+    field added later without ``__dict__`` semantics would fail here)."""
+    import dataclasses
+
+    from jaxkv.manager.block_space import BlockSpaceManager
+    from jaxkv.serve.paged_cache import _with_host
+
+    rng = np.random.default_rng()
+    for _ in range(6):
+        seqs, blocks = int(rng.integers(1, 6)), int(rng.integers(3, 40))
+        manager = BlockSpaceManager.create(num_device_blocks=blocks, num_host_blocks=int(rng.integers(0, 9)),
+                                           block_size=int(rng.integers(1, 9)), max_seqs=seqs,
+                                           max_blocks_per_seq=int(rng.integers(1, 5)))
+        manager = manager.replace(seq_lens=jax.numpy.asarray(rng.integers(0, 30, seqs), jax.numpy.int32))
+        other = BlockSpaceManager.create(num_device_blocks=4, num_host_blocks=int(rng.integers(2, 9)), block_size=2,
+                                         max_seqs=1, max_blocks_per_seq=1).host
+        before = jax.tree.leaves(manager)
+        for host in (None, other, manager.host):
+            got, want = _with_host(manager, host), manager.replace(host=host)
+            assert type(got) is type(want) and jax.tree.structure(got) == jax.tree.structure(want)
+            assert all(getattr(got, f.name) is getattr(want, f.name) for f in dataclasses.fields(want))
+            assert got.host is host and set(vars(got)) == {f.name for f in dataclasses.fields(want)}
+        assert all(a is b for a, b in zip(jax.tree.leaves(manager), before))
+
+
 def test_steps_given_key_data_draw_what_typed_keys_draw():
     """A decode chunk given key data (what the caches pass) draws the same
     tokens as one given typed keys and returns the advanced keys' data;

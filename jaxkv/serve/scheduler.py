@@ -781,8 +781,11 @@ class Scheduler(FaultContainment):
         # The decode lanes' inputs come from the row mirror unless the step may verify drafts or a request asks
         # for more than plain sampling (then from every record). From the mirror, only the decoding requests
         # whose entries are stale are screened, as in _decode (prefilling ones always are: their rows are read).
-        mirror, calls, reqs = self._mirror(), self._count.model_calls, [req for _, req in decoding]
-        stale = [reqs[i] for i in mirror.stale([row for row, _ in decoding], reqs, calls)]
+        # The decoding rows and requests as columns, made once (at 256 rows each list is a pass); remade only when
+        # the decoding pairs change below.
+        mirror, calls = self._mirror(), self._count.model_calls
+        decode_rows, reqs = [row for row, _ in decoding], [req for _, req in decoding]
+        stale = [reqs[i] for i in mirror.stale(decode_rows, reqs, calls)]
         mirrored = ((self.speculation is None or not self.cache.packs_verify_lanes)
                     and not any(map(asks_extra, stale)) and not any(map(asks_extra, self._prefilling)))
         screened = stale if mirrored else reqs
@@ -792,6 +795,7 @@ class Scheduler(FaultContainment):
         if len(rows) < len(screened) + len(self._prefilling):
             failed = {req.id for req in screened if req.id not in rows}
             decoding = [(row, req) for row, req in decoding if req.id not in failed]
+            decode_rows, reqs = [row for row, _ in decoding], [req for _, req in decoding]
         if not self._prefilling:  # every prompt left failed its screening: the next iteration decodes
             return
         budget = self.max_num_batched_tokens or self.prefill_chunk
@@ -800,7 +804,7 @@ class Scheduler(FaultContainment):
         # Not while any request of the step, prefilling ones included, asks for what verify steps do not compute
         # (their plain lanes draw with no logprobs, penalties or constraint, and score no prompt).
         if self.speculation is not None and self.cache.packs_verify_lanes and not any(
-                asks_extra(req) for req in [req for _, req in decoding] + self._prefilling) and all(
+                asks_extra(req) for req in reqs + self._prefilling) and all(
                 req.prompt_logprobs is None for req in self._prefilling):
             speculation, verify = self.speculation.packed_arguments(decoding, budget)
         extra = 0 if verify is None else int(verify.sum()) * self.speculation.config.num_speculative_tokens
@@ -820,14 +824,15 @@ class Scheduler(FaultContainment):
         # with speculation, or a request asking for more than plain sampling, from every record.
         index = None
         if speculation is None and not any(asks_extra(req) for req, _ in batch):  # (always so when mirrored)
-            index = mirror.current([row for row, _ in decoding], [req for _, req in decoding], rows, calls)
+            index = mirror.current(decode_rows, reqs, rows, calls)
         if index is None and mirrored:  # the mirror declined: every record is read, so every request screened
             decoding = self._screen_the_rest(decoding, rows, screened)
+            reqs = [req for _, req in decoding]
         total = sum(end - start for _, (start, end) in batch) + len(decoding) + extra
         length = stream_length(total, self.stream_lengths())
         scored = _prompt_scoring(batch)
         if index is None:
-            lanes = [req for req, _ in batch] + [req for _, req in decoding]
+            lanes = [req for req, _ in batch] + reqs
             decode = [(row, req.generated[-1], req.kv_len) for row, req in decoding]
             sampling, keys = self._row_sampling(rows, dict(enumerate(lanes))), [req.key for req in lanes]
         else:
@@ -871,14 +876,14 @@ class Scheduler(FaultContainment):
             lanes = slice(len(batch), len(batch) + len(decoding))  # the decode lanes follow the prefill lanes
             logprobs = None if result.logprobs is None else [
                 logprob_entries(result.logprobs, lane, len(tokens[lane])) for lane in range(lanes.start, lanes.stop)]
-            finished += self.output.take_all([req for _, req in decoding], tokens[lanes], result.keys[lanes], now,
+            finished += self.output.take_all(reqs, tokens[lanes], result.keys[lanes], now,
                                              logprobs=logprobs)
             if index is not None:  # each decode lane took one token (a request cut at a stop finished)
                 self._row_inputs.advance(index, result.tokens[lanes], np.ones(len(index), np.int32),
                                          result.keys[lanes], self._count.model_calls)
         self._retire(finished, final=True)
         self.cache.end_step()  # what the step deferred and its retirement did not do
-        self._release_trimmed_hits(req for _, req in decoding if req.state is RequestState.RUNNING)
+        self._release_trimmed_hits(req for req in reqs if req.state is RequestState.RUNNING)
         if not result.decode_ok:
             logger.debug("packed step: decode lanes stalled for blocks")
             self._relieve([req for lane, (_, req) in enumerate(decoding, start=len(batch))
