@@ -178,7 +178,8 @@ def test_take_all_gives_what_take_ids_gives_request_by_request():
         got, want = OutputProcessor(Counters()), OutputProcessor(Counters())
         earlier = [req.id for req in reqs if rng.random() < 0.2]  # a step's outputs so far: some have an entry
         for out in (got, want):
-            out.pending = {rid: [[7], "", False] for rid in earlier}
+            for rid in earlier:
+                out._open(rid)[0].append(7)
         runs = [rng.integers(1, 30, n).tolist() for n, _, _ in items]
         # A column shorter or longer than the requests is refused before any request changes.
         cut = int(rng.integers(len(reqs) + 2))

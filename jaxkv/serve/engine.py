@@ -477,7 +477,7 @@ class Engine(Scheduler):
         :attr:`last_failure`) and the outputs made before it are returned.
         Raises only ``KVCacheOOM`` when nothing can run (:meth:`run`), and
         whatever rebuilding the cache raises (then the engine is unusable)."""
-        self.output.pending = {}
+        self.output.begin_step()
         self._run_iteration()
         return self.output.collect(self._requests)
 

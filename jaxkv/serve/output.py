@@ -259,7 +259,9 @@ class OutputProcessor:
     and :class:`RequestOutput` (module docstring). ``pending``: request id
     -> ``[tokens, text, finished]`` of the step running now, or the
     request's whole :class:`RequestOutput` where :meth:`take_all`'s common
-    case made it (drained by :meth:`collect`); ``ttft_samples`` /
+    case made it (drained by :meth:`collect`; written only by :meth:`_open`,
+    which counts its lists, and :meth:`take_all`: a step with no list
+    entry is collected without a pass); ``ttft_samples`` /
     ``itl_samples``: latency samples since the last
     :meth:`Engine.stats <jaxkv.serve.Engine.stats>`; ``run_itl``: while
     :meth:`Engine.run <jaxkv.serve.Engine.run>` runs, a list of every
@@ -270,6 +272,7 @@ class OutputProcessor:
         self.tokenizer = tokenizer
         self._detokenizer = detokenizer
         self.pending: dict = {}
+        self._open_entries = 0  # how many of ``pending`` are [tokens, text, finished] lists (_open), not outputs
         self.ttft_samples: collections.deque = collections.deque(maxlen=65536)
         self.itl_samples: collections.deque = collections.deque(maxlen=65536)
         self.run_itl: list | None = None
@@ -461,13 +464,23 @@ class OutputProcessor:
         entry = self.pending.get(rid)
         if entry is None:
             entry = self.pending[rid] = [[], "", False]
+            self._open_entries += 1
         elif entry.__class__ is RequestOutput:
             entry = self.pending[rid] = [list(entry.new_token_ids), entry.new_text, entry.finished]
+            self._open_entries += 1
         return entry
+
+    def begin_step(self) -> None:
+        """Drop what :meth:`collect` did not drain: a step's outputs begin empty."""
+        self.pending, self._open_entries = {}, 0
 
     def collect(self, requests: dict) -> list[RequestOutput]:
         """This step's :class:`RequestOutput` per request that moved, in the
         order they first did; the pending entries are drained."""
+        if not self._open_entries:  # every entry is an output take_all made whole (a steady step: no pass)
+            out = list(self.pending.values())
+            self.begin_step()
+            return out
         out = []
         make = RequestOutput._make
         for rid, entry in self.pending.items():
@@ -486,7 +499,7 @@ class OutputProcessor:
             out.append(make(rid, tuple(tokens), finished, req.finish_reason if finished else None, text,
                             req.cached_tokens, req.error if finished else None, req.spec_drafted,
                             req.spec_accepted, logprobs, prompt))
-        self.pending = {}
+        self.begin_step()
         return out
 
 
