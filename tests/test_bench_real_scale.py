@@ -6,6 +6,8 @@ allocation) with their published parameter counts."""
 import json
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from jaxkv.bench import real_scale
@@ -49,6 +51,8 @@ def test_tiny_run_reports_every_section(tiny_run):
         assert row["paged_tok_s"] > 0 and row["contiguous_tok_s"] > 0 and row["paged_over_contiguous"] > 0
         assert row["first_chunk_tokens_agree"] == 1.0  # the same K/V, float32 softmax: the same greedy tokens
         assert row["rows_split_at_near_tie"] == 0 and row["split_defect"] is None
+        # The timed contiguous program (K/V read in bf16) against the reference's tokens: no real difference.
+        assert row["contiguous_attention"] == "cache_dtype" and row["timed_split_defect"] is None
     (serving,) = result["serving"]
     assert serving["max_num_seqs"] == 4 and serving["requests"] == REQUESTS
     assert serving["finished"] == REQUESTS and not serving["stopped_at_deadline"]
@@ -59,6 +63,36 @@ def test_tiny_run_reports_every_section(tiny_run):
     for table in ("decode (tiny, bf16)", "paged vs contiguous decode (tiny)", "serving (tiny)", "wall time per phase"):
         assert table in out
     assert {p["phase"] for p in payload["phases"]} >= {"tiny: build", "decode: prefill", "tiny: serve 4 rows"}
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_cache_dtype_attention_is_the_reference_attention(dtype):
+    """The contiguous baseline's timed attention (K/V read in the cache's
+    dtype, float32 accumulation) against the reference core
+    (``dense_decode_attention``: K/V converted to float32) on the same
+    values: drawn shapes, grouped heads, lengths from 1 to the cache, with
+    and without a sliding window, finite garbage past each length. Float32
+    caches agree to float32 rounding; bfloat16 ones to the rounding of the
+    probabilities to bfloat16 before the weighted sum."""
+    from jaxkv.bench.decode import cache_dtype_attention
+    from kernels_pallas.reference import dense_decode_attention
+
+    rng = np.random.default_rng()
+    cache = jnp.dtype(dtype)
+    for _ in range(12):
+        b, s, kvh, g, d = (int(rng.integers(1, 5)), int(rng.integers(1, 40)), int(rng.integers(1, 4)),
+                           int(rng.integers(1, 4)), int(rng.choice([8, 16, 32])))
+        q = jnp.asarray(rng.normal(size=(b, kvh * g, d)), cache)
+        k = jnp.asarray(rng.normal(size=(b, s, kvh, d)) * 2, cache)
+        v = jnp.asarray(rng.normal(size=(b, s, kvh, d)), cache)
+        lengths = jnp.asarray(rng.integers(1, s + 1, b), jnp.int32)
+        window = None if rng.random() < 0.5 else int(rng.integers(1, s + 1))
+        scale = float(d) ** -0.5
+        got = cache_dtype_attention(q, k, v, lengths, sm_scale=scale, sliding_window=window)
+        want = dense_decode_attention(q, k, v, lengths, sm_scale=scale, sliding_window=window)
+        assert got.shape == want.shape and got.dtype == q.dtype
+        tol = 2e-5 if dtype == "float32" else 3e-2
+        np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), atol=tol, rtol=tol)
 
 
 def test_packed_serving_at_the_engines_own_defaults_compiles_nothing_timed():

@@ -14,7 +14,8 @@ OUT=${OUT:-/tmp/device_check}; mkdir -p "$OUT"
 PY=${PY:-python3}
 # Default: what fits one call of under 9 minutes (tests and aot_check side by side, real_scale, scan_copy). The
 # kernel and tiny-decode tables were measured twice on an H200 on 2026-11-28; name `kernels decode` for them,
-# `engine_local` for the engine's programs compiled by the machine's own XLA (LAYERS=stacked|per-layer).
+# `engine_local` for the engine's programs compiled by the machine's own XLA (LAYERS=stacked|per-layer),
+# `contiguous` for paged vs contiguous decode at Llama-3.1-8B's shapes (batch 1 and 64: under 5 minutes).
 steps=${*:-"tests aot real_scale scan_copy"}
 summary=()
 
@@ -54,6 +55,10 @@ if [[ $steps == *real_scale* ]]; then
   # The engine as a GPU user gets it: packed scheduler, rows / token budget / chunks / KV budget derived.
   run_step real_scale ${REAL_SCALE_S:-390} $PY -m jaxkv.bench real_scale --shapes llama-3.1-8b --quick \
     --no-contiguous --scheduler packed --max-num-seqs auto --requests 256 --deadline $(( ${REAL_SCALE_S:-390} - 60 )) --json
+fi
+if [[ $steps == *contiguous* ]]; then  # optional: paged vs contiguous decode at 8B (real_scale above skips it to fit)
+  run_step contiguous 300 $PY -m jaxkv.bench real_scale --shapes llama-3.1-8b --quick --sections bandwidth,decode \
+    --batches 1,64 --contiguous-batches 1,64 --deadline 240 --json
 fi
 if [[ $steps == *scan_copy* ]]; then  # last: a deadline hit above loses this, not real_scale
   run_step scan_copy 75 $PY -m jaxkv.bench scan_copy --json

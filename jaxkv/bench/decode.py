@@ -56,7 +56,7 @@ from jaxkv.nn.sampling import GREEDY
 from jaxkv.nn.steps import decode_loop, decode_step
 from jaxkv.nn.llama import LlamaForCausalLM
 
-__all__ = ["CONFIG", "QUICK_CONFIG", "contiguous_decode", "contiguous_prefill", "main", "measure", "per_step_loop"]
+__all__ = ["CONFIG", "CONTIGUOUS_ATTENTION", "QUICK_CONFIG", "cache_dtype_attention", "contiguous_decode", "contiguous_prefill", "main", "measure", "per_step_loop"]
 
 CONFIG = LlamaConfig(
     vocab_size=1024, hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=8,
@@ -118,13 +118,51 @@ def _greedy(logits):
     return jnp.argmax(logits, axis=-1).astype(jnp.int32), margin
 
 
-@partial(jax.jit, static_argnames=("graphdef", "steps", "with_margins"), donate_argnums=(2,))
-def contiguous_decode(graphdef, params, caches, first, lengths, *, steps: int, with_margins: bool = False):
+#: ``contiguous_decode``'s attention: ``"reference"``, :func:`jaxkv.dense_decode_attention` (K/V
+#: converted to float32, products at the highest precision: the exact core the kernels are checked
+#: against); ``"cache_dtype"``, :func:`cache_dtype_attention` (K/V read in the cache's own dtype,
+#: float32 accumulation: what a contiguous-cache server writes, the fair speed baseline at real sizes).
+CONTIGUOUS_ATTENTION = ("reference", "cache_dtype")
+
+
+def cache_dtype_attention(q, k, v, lengths, *, sm_scale: float, sliding_window=None):
+    """Decode attention over contiguous ``k``/``v`` ``[B, S, KVH, D]`` read
+    in their own dtype (bfloat16 at real sizes: no float32 copy of the
+    cache), as a flash-decoding kernel computes it: the scores are ``q . k``
+    accumulated in float32, times ``sm_scale``; positions at or past a row's
+    ``lengths`` (or before its window) are masked in the scores; the softmax
+    is float32, and the weighted sum of ``v`` takes the probabilities in
+    ``v``'s dtype with float32 accumulation. ``q [B, H, D]`` (query head
+    ``i`` reads KV head ``i // (H / KVH)``); returns ``[B, H, Dv]`` in
+    ``q.dtype``. Every row must hold at least one position (decode does),
+    and masked positions finite values (a zero weight times NaN is NaN: the
+    reference zeroes them first; the caches timed here are gathered from a
+    pool, whose unwritten pages are zeros)."""
+    b, s, kvh, dk = k.shape
+    h = q.shape[1]
+    qg = q.astype(k.dtype).reshape(b, kvh, h // kvh, dk)
+    scores = jnp.einsum("bkgd,bskd->bkgs", qg, k, preferred_element_type=jnp.float32) * sm_scale
+    pos = jnp.arange(s, dtype=jnp.int32)[None, :]
+    length = lengths.astype(jnp.int32)[:, None]
+    valid = pos < length
+    if sliding_window is not None:
+        valid &= pos >= length - sliding_window
+    probs = jax.nn.softmax(jnp.where(valid[:, None, None, :], scores, -jnp.inf), axis=-1)
+    out = jnp.einsum("bkgs,bskd->bkgd", probs.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    return out.reshape(b, h, v.shape[-1]).astype(q.dtype)
+
+
+@partial(jax.jit, static_argnames=("graphdef", "steps", "with_margins", "attention"), donate_argnums=(2,))
+def contiguous_decode(graphdef, params, caches, first, lengths, *, steps: int, with_margins: bool = False,
+                      attention: str = "reference"):
     """``steps`` greedy decode steps in one ``lax.scan`` over the contiguous
     caches (donated: written in place). ``first [B]`` is the token to feed,
     ``lengths [B]`` the tokens each row holds. Returns ``(caches, tokens
     [B, steps])``, and with ``with_margins`` (an untimed checking run) also
-    each token's winning margin ``[B, steps]`` (see ``_greedy``)."""
+    each token's winning margin ``[B, steps]`` (see ``_greedy``).
+    ``attention``: one of :data:`CONTIGUOUS_ATTENTION`."""
+    if attention not in CONTIGUOUS_ATTENTION:
+        raise ValueError(f"attention={attention!r}: one of {CONTIGUOUS_ATTENTION}")
     model = nnx.merge(graphdef, params)
     rows = jnp.arange(first.shape[0])
 
@@ -138,8 +176,12 @@ def contiguous_decode(graphdef, params, caches, first, lengths, *, steps: int, w
             q, k, v = attn.qkv(layer.input_layernorm(x), positions[:, None])
             k_cache = k_cache.at[rows, positions].set(k[:, 0].astype(k_cache.dtype))
             v_cache = v_cache.at[rows, positions].set(v[:, 0].astype(v_cache.dtype))
-            out = dense_decode_attention(q[:, 0], k_cache, v_cache, positions + 1, sm_scale=attn.sm_scale,
-                                         sliding_window=attn.sliding_window)
+            if attention == "reference":
+                out = dense_decode_attention(q[:, 0], k_cache, v_cache, positions + 1, sm_scale=attn.sm_scale,
+                                             sliding_window=attn.sliding_window)
+            else:
+                out = cache_dtype_attention(q[:, 0], k_cache, v_cache, positions + 1, sm_scale=attn.sm_scale,
+                                            sliding_window=attn.sliding_window)
             x = x + attn.out(out[:, None])
             x = x + layer.mlp(layer.post_attention_layernorm(x))
             written.append((k_cache, v_cache))
