@@ -70,8 +70,9 @@ def test_cache_dtype_attention_is_the_reference_attention(dtype):
     """The contiguous baseline's timed attention (K/V read in the cache's
     dtype, float32 accumulation) against the reference core
     (``dense_decode_attention``: K/V converted to float32) on the same
-    values: drawn shapes, grouped heads, lengths from 1 to the cache, with
-    and without a sliding window, finite garbage past each length. Float32
+    values: drawn shapes, grouped heads, both cache layouts, lengths from 1
+    to the cache, with and without a sliding window, finite garbage past
+    each length. Float32
     caches agree to float32 rounding; bfloat16 ones to the rounding of the
     probabilities to bfloat16 before the weighted sum."""
     from jaxkv.bench.decode import cache_dtype_attention
@@ -88,7 +89,9 @@ def test_cache_dtype_attention_is_the_reference_attention(dtype):
         lengths = jnp.asarray(rng.integers(1, s + 1, b), jnp.int32)
         window = None if rng.random() < 0.5 else int(rng.integers(1, s + 1))
         scale = float(d) ** -0.5
-        got = cache_dtype_attention(q, k, v, lengths, sm_scale=scale, sliding_window=window)
+        heads_first = bool(rng.random() < 0.5)  # the [B, KVH, S, D] layout bench real_scale times
+        kk, vv = (k.swapaxes(1, 2), v.swapaxes(1, 2)) if heads_first else (k, v)
+        got = cache_dtype_attention(q, kk, vv, lengths, sm_scale=scale, sliding_window=window, heads_first=heads_first)
         want = dense_decode_attention(q, k, v, lengths, sm_scale=scale, sliding_window=window)
         assert got.shape == want.shape and got.dtype == q.dtype
         tol = 2e-5 if dtype == "float32" else 3e-2

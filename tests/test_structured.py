@@ -217,6 +217,39 @@ def test_tables_reproduce_the_outlines_index(tokenizer, model):
     assert after[6] == 0
 
 
+def test_tables_are_the_same_arrays_whatever_order_the_states_come_in(tokenizer, model):
+    """One automaton gives the same arrays however its transitions are
+    ordered (outlines-core hands its states in another order on each build;
+    numbered in that order, a rebuilt automaton differed from the one kept
+    on disk: a chance failure of the disk test below). Drawn automata whose
+    states, edges and finals are shuffled, then two builds of a drawn
+    schema through outlines-core."""
+    from jaxkv.nn.constraints import TokenAutomaton
+    from jaxkv.serve.structured import _vocabulary, compile_regex
+
+    rng = np.random.default_rng()
+    fields = ("next_state", "class_of", "allowed_bits", "final")
+    for _ in range(40):
+        n, vocab = int(rng.integers(1, 14)), int(rng.integers(8, 60))
+        names = rng.permutation(1000)[:n].tolist()  # any names: outlines' are arbitrary ints
+        transitions = {name: {int(t): names[int(rng.integers(n))] for t in rng.integers(2, vocab, rng.integers(0, 7))}
+                       for name in names}
+        finals = [name for name in names if rng.random() < 0.3]
+        built = TokenAutomaton.from_transitions(transitions, names[0], finals, vocab, [1])
+        order = rng.permutation(n)
+        shuffled = {names[i]: dict(sorted(transitions[names[i]].items(), key=lambda _: rng.random())) for i in order}
+        again = TokenAutomaton.from_transitions(shuffled, names[0], finals[::-1], vocab, [1])
+        assert again.initial == built.initial
+        for field in fields:
+            assert np.array_equal(getattr(again, field), getattr(built, field)), field
+    vocab = model.config.vocab_size
+    _, regex = constraint_regex(json_schema=draw_schema(rng))
+    vocabulary, stops, _ = _vocabulary(tokenizer, vocab)
+    first, second = (compile_regex(regex, vocabulary, stops, vocab) for _ in range(2))
+    for field in fields:
+        assert np.array_equal(getattr(first, field), getattr(second, field)), field
+
+
 def test_automata_accept_exactly_what_the_regex_matches_whole(tokenizer, model):
     """outlines-core matches leftmost-first (``y|yes`` alone would never
     write "yes"); jaxkv's automata accept exactly the outputs

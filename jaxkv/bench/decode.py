@@ -125,9 +125,9 @@ def _greedy(logits):
 CONTIGUOUS_ATTENTION = ("reference", "cache_dtype")
 
 
-def cache_dtype_attention(q, k, v, lengths, *, sm_scale: float, sliding_window=None):
-    """Decode attention over contiguous ``k``/``v`` ``[B, S, KVH, D]`` read
-    in their own dtype (bfloat16 at real sizes: no float32 copy of the
+def cache_dtype_attention(q, k, v, lengths, *, sm_scale: float, sliding_window=None, heads_first: bool = False):
+    """Decode attention over contiguous ``k``/``v`` ``[B, S, KVH, D]``
+    (``heads_first``: ``[B, KVH, S, D]``) read in their own dtype (bfloat16 at real sizes: no float32 copy of the
     cache), as a flash-decoding kernel computes it: the scores are ``q . k``
     accumulated in float32, times ``sm_scale``; positions at or past a row's
     ``lengths`` (or before its window) are masked in the scores; the softmax
@@ -138,25 +138,35 @@ def cache_dtype_attention(q, k, v, lengths, *, sm_scale: float, sliding_window=N
     and masked positions finite values (a zero weight times NaN is NaN: the
     reference zeroes them first; the caches timed here are gathered from a
     pool, whose unwritten pages are zeros)."""
-    b, s, kvh, dk = k.shape
+    if heads_first:
+        b, kvh, s, dk = k.shape
+    else:
+        b, s, kvh, dk = k.shape
+    kv = "bksd" if heads_first else "bskd"
     h = q.shape[1]
     qg = q.astype(k.dtype).reshape(b, kvh, h // kvh, dk)
-    scores = jnp.einsum("bkgd,bskd->bkgs", qg, k, preferred_element_type=jnp.float32) * sm_scale
+    scores = jnp.einsum(f"bkgd,{kv}->bkgs", qg, k, preferred_element_type=jnp.float32) * sm_scale
     pos = jnp.arange(s, dtype=jnp.int32)[None, :]
     length = lengths.astype(jnp.int32)[:, None]
     valid = pos < length
     if sliding_window is not None:
         valid &= pos >= length - sliding_window
     probs = jax.nn.softmax(jnp.where(valid[:, None, None, :], scores, -jnp.inf), axis=-1)
-    out = jnp.einsum("bkgs,bskd->bkgd", probs.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    out = jnp.einsum(f"bkgs,{kv}->bkgd", probs.astype(v.dtype), v, preferred_element_type=jnp.float32)
     return out.reshape(b, h, v.shape[-1]).astype(q.dtype)
 
 
-@partial(jax.jit, static_argnames=("graphdef", "steps", "with_margins", "attention"), donate_argnums=(2,))
+@partial(jax.jit, static_argnames=("graphdef", "steps", "with_margins", "attention", "heads_first"),
+         donate_argnums=(2,))
 def contiguous_decode(graphdef, params, caches, first, lengths, *, steps: int, with_margins: bool = False,
-                      attention: str = "reference"):
+                      attention: str = "reference", heads_first: bool = False):
     """``steps`` greedy decode steps in one ``lax.scan`` over the contiguous
-    caches (donated: written in place). ``first [B]`` is the token to feed,
+    caches (donated: written in place), ``(k, v)`` per layer, each ``[B,
+    max_len, KVH, D]`` or with ``heads_first`` ``[B, KVH, max_len, D]``
+    (the layout XLA:GPU gives the attention's products: in the other one a
+    deviceless H100 compile at Llama-3.1-8B's shapes, batch 64, copies the
+    whole 18 GB of caches into that layout and back on every call; with
+    it, 0.03 GB of temporaries). ``first [B]`` is the token to feed,
     ``lengths [B]`` the tokens each row holds. Returns ``(caches, tokens
     [B, steps])``, and with ``with_margins`` (an untimed checking run) also
     each token's winning margin ``[B, steps]`` (see ``_greedy``).
@@ -174,14 +184,19 @@ def contiguous_decode(graphdef, params, caches, first, lengths, *, steps: int, w
         for layer, (k_cache, v_cache) in zip(model.layers, caches):
             attn = layer.self_attn
             q, k, v = attn.qkv(layer.input_layernorm(x), positions[:, None])
-            k_cache = k_cache.at[rows, positions].set(k[:, 0].astype(k_cache.dtype))
-            v_cache = v_cache.at[rows, positions].set(v[:, 0].astype(v_cache.dtype))
-            if attention == "reference":
-                out = dense_decode_attention(q[:, 0], k_cache, v_cache, positions + 1, sm_scale=attn.sm_scale,
+            if heads_first:
+                k_cache = k_cache.at[rows, :, positions].set(k[:, 0].astype(k_cache.dtype))
+                v_cache = v_cache.at[rows, :, positions].set(v[:, 0].astype(v_cache.dtype))
+            else:
+                k_cache = k_cache.at[rows, positions].set(k[:, 0].astype(k_cache.dtype))
+                v_cache = v_cache.at[rows, positions].set(v[:, 0].astype(v_cache.dtype))
+            if attention == "reference":  # (the reference core takes [B, S, KVH, D])
+                k_seq, v_seq = (k_cache.swapaxes(1, 2), v_cache.swapaxes(1, 2)) if heads_first else (k_cache, v_cache)
+                out = dense_decode_attention(q[:, 0], k_seq, v_seq, positions + 1, sm_scale=attn.sm_scale,
                                              sliding_window=attn.sliding_window)
             else:
                 out = cache_dtype_attention(q[:, 0], k_cache, v_cache, positions + 1, sm_scale=attn.sm_scale,
-                                            sliding_window=attn.sliding_window)
+                                            sliding_window=attn.sliding_window, heads_first=heads_first)
             x = x + attn.out(out[:, None])
             x = x + layer.mlp(layer.post_attention_layernorm(x))
             written.append((k_cache, v_cache))

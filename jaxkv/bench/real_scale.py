@@ -410,7 +410,8 @@ def _to_contiguous(pool, manager, rows, *, max_len: int):
     """The first ``max_len`` positions of the K/V of sequence ``rows``,
     gathered from the paged ``pool`` through the manager's block tables
     (unused entries read the null page) into ``((k, v), ...)`` per layer,
-    ``[B, max_len, KVH, D]``."""
+    ``[B, KVH, max_len, D]`` (:func:`~jaxkv.bench.decode.contiguous_decode`'s
+    ``heads_first`` layout)."""
     from kernels_pallas.bits import from_bits
 
     tables, _ = manager.batch_tables(rows)
@@ -422,8 +423,8 @@ def _to_contiguous(pool, manager, rows, *, max_len: int):
         for bits in (pool.k_bits[layer], pool.v_bits[layer]):  # [KVH, P, page, D]
             g = from_bits(bits, pool.dtype)[:, tables]  # [KVH, B, W, page, D]
             heads, _, _, page, dim = g.shape
-            g = jnp.transpose(g, (1, 2, 3, 0, 4)).reshape(batch, width * page, heads, dim)
-            pair.append(g[:, :max_len])
+            g = jnp.transpose(g, (1, 0, 2, 3, 4)).reshape(batch, heads, width * page, dim)
+            pair.append(g[:, :, :max_len])
         out.append(tuple(pair))
     return tuple(out)
 
@@ -565,7 +566,8 @@ def decode_section(model, o, clock: _Clock, bandwidth: dict | None, out: dict) -
             # The untimed first call also returns each token's winning margin: a split from the paged
             # path is then told apart as a near-tie flip (bf16 rounding) or a real difference.
             caches, cont_tokens, margins = jax.block_until_ready(
-                contiguous_decode(graphdef, params, caches, cont["first"], cont["lens"], steps=S, with_margins=True))
+                contiguous_decode(graphdef, params, caches, cont["first"], cont["lens"], steps=S, with_margins=True,
+                                  heads_first=True))
             cont["first_call"] = time.perf_counter() - t0
             cont["tokens"], cont["margins"] = np.asarray(cont_tokens), np.asarray(margins)
             # The timed program reads the cache in its own dtype (the fair speed baseline); its untimed first call
@@ -573,7 +575,7 @@ def decode_section(model, o, clock: _Clock, bandwidth: dict | None, out: dict) -
             # from the same start: a split only at a near-tie of the reference).
             caches, fast_tokens = jax.block_until_ready(
                 contiguous_decode(graphdef, params, caches, cont["first"], cont["lens"], steps=S,
-                                  attention=CONTIGUOUS_TIMED))
+                                  attention=CONTIGUOUS_TIMED, heads_first=True))
             try:
                 cont["timed_check"] = {"near_tie_rows": len(check_same_greedy(
                     np.asarray(fast_tokens), cont["tokens"], cont["margins"],
@@ -608,7 +610,7 @@ def decode_section(model, o, clock: _Clock, bandwidth: dict | None, out: dict) -
                 t0 = time.perf_counter()
                 caches, _ = jax.block_until_ready(
                     contiguous_decode(graphdef, params, caches, cont["first"], cont["lens"], steps=S,
-                                      attention=CONTIGUOUS_TIMED))
+                                      attention=CONTIGUOUS_TIMED, heads_first=True))
                 cont["best"] = min(cont["best"], time.perf_counter() - t0)
         step_s = best / S
         kv_bytes = float(np.sum(kv_timed + (R * S) / 2.0 + 0.5)) * bpt  # each row's mean length over the timed steps

@@ -123,17 +123,16 @@ class TokenAutomaton:
         Classes are found by hashing each token's transition set (a sum of
         random 64-bit values per edge) and then checked exactly: every edge
         must be the table's, and the table must hold no edge more.
+
+        The same transitions give the same arrays whatever the order of
+        ``transitions`` (:func:`_canonical_states`; outlines-core hands its
+        states in a different order on every build).
         """
         stop_ids = sorted({int(t) for t in stop_ids if 0 <= int(t) < vocab_size})
         if not stop_ids:
             raise InvalidArgument("a token automaton needs at least one end-of-sequence id in the vocabulary")
-        names = list(dict.fromkeys([initial, *transitions, *finals]))
+        names = _canonical_states(transitions, initial, finals)
         index = {name: i for i, name in enumerate(names)}
-        for targets in transitions.values():
-            for target in targets.values():
-                if target not in index:
-                    index[target] = len(names)
-                    names.append(target)
         num_states = len(names)
         stops = np.zeros(vocab_size, bool)
         stops[stop_ids] = True
@@ -179,6 +178,31 @@ class TokenAutomaton:
         allowed_bits = _pack_bits(next_state[:, class_of] >= 0)
         return cls(next_state=next_state, class_of=class_of, allowed_bits=allowed_bits, final=final,
                    initial=index[initial], key=key)
+
+
+def _canonical_states(transitions: dict, initial, finals) -> list:
+    """The state names of an automaton in a canonical order: breadth first
+    from ``initial``, each state's edges taken by ascending token id, then
+    the states not reached from it (sorted where their names compare, else
+    as they come). Numbering states by this order makes the tables of one
+    automaton the same arrays on every build, whatever order its
+    ``transitions`` come in."""
+    names, seen = [initial], {initial}
+    for state in names:  # grows while walked: breadth first
+        targets = transitions.get(state, {})
+        for token in sorted(targets):
+            target = targets[token]
+            if target not in seen:
+                seen.add(target)
+                names.append(target)
+    rest = [name for name in dict.fromkeys([*transitions, *finals,
+                                             *(t for targets in transitions.values() for t in targets.values())])
+            if name not in seen]
+    try:
+        rest.sort()
+    except TypeError:  # names that do not compare keep their order
+        pass
+    return names + rest
 
 
 @struct.dataclass
