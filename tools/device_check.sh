@@ -15,7 +15,8 @@ PY=${PY:-python3}
 # Default: what fits one call of under 9 minutes (tests and aot_check side by side, real_scale, scan_copy). The
 # kernel and tiny-decode tables were measured twice on an H200 on 2026-11-28; name `kernels decode` for them,
 # `engine_local` for the engine's programs compiled by the machine's own XLA (LAYERS=stacked|per-layer),
-# `contiguous` for paged vs contiguous decode at Llama-3.1-8B's shapes (batch 1 and 64: under 5 minutes).
+# `contiguous` for paged vs contiguous decode at Llama-3.1-8B's shapes (batch 1 and 64: under 5 minutes),
+# `graphs` for that decode with the loop body captured as CUDA graphs (XLA command buffers: under 5 minutes).
 steps=${*:-"tests aot real_scale scan_copy"}
 summary=()
 
@@ -59,6 +60,13 @@ fi
 if [[ $steps == *contiguous* ]]; then  # optional: paged vs contiguous decode at 8B (real_scale above skips it to fit)
   run_step contiguous 300 $PY -m jaxkv.bench real_scale --shapes llama-3.1-8b --quick --sections bandwidth,decode \
     --batches 1,64 --contiguous-batches 1,64 --deadline 240 --json
+fi
+if [[ $steps == *graphs* ]]; then  # optional: the decode chunk's loop body as CUDA graphs (XLA command buffers)
+  # About 18 kernels a layer in each decode step (docs/gpu.md); at batch 1 their launches are the step's gap to
+  # the roofline. The same decode section as real_scale's, with WHILE and CONDITIONAL added to what XLA captures.
+  run_step graphs 300 env XLA_FLAGS="${XLA_FLAGS:+$XLA_FLAGS }--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL" \
+    $PY -m jaxkv.bench real_scale --shapes llama-3.1-8b --quick --sections bandwidth,decode --no-contiguous \
+    --batches 1,64 --deadline 240 --json
 fi
 if [[ $steps == *scan_copy* ]]; then  # last: a deadline hit above loses this, not real_scale
   run_step scan_copy 75 $PY -m jaxkv.bench scan_copy --json
