@@ -56,7 +56,8 @@ from jaxkv.nn.sampling import GREEDY
 from jaxkv.nn.steps import decode_loop, decode_step
 from jaxkv.nn.llama import LlamaForCausalLM
 
-__all__ = ["CONFIG", "CONTIGUOUS_ATTENTION", "QUICK_CONFIG", "cache_dtype_attention", "contiguous_decode", "contiguous_prefill", "main", "measure", "per_step_loop"]
+__all__ = ["CONFIG", "CONTIGUOUS_ATTENTION", "QUICK_CONFIG", "cache_dtype_attention", "contiguous_decode",
+           "contiguous_prefill", "main", "measure", "per_step_loop"]
 
 CONFIG = LlamaConfig(
     vocab_size=1024, hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=8,
@@ -127,14 +128,14 @@ CONTIGUOUS_ATTENTION = ("reference", "cache_dtype")
 
 def cache_dtype_attention(q, k, v, lengths, *, sm_scale: float, sliding_window=None, heads_first: bool = False):
     """Decode attention over contiguous ``k``/``v`` ``[B, S, KVH, D]``
-    (``heads_first``: ``[B, KVH, S, D]``) read in their own dtype (bfloat16 at real sizes: no float32 copy of the
-    cache), as a flash-decoding kernel computes it: the scores are ``q . k``
-    accumulated in float32, times ``sm_scale``; positions at or past a row's
-    ``lengths`` (or before its window) are masked in the scores; the softmax
-    is float32, and the weighted sum of ``v`` takes the probabilities in
-    ``v``'s dtype with float32 accumulation. ``q [B, H, D]`` (query head
-    ``i`` reads KV head ``i // (H / KVH)``); returns ``[B, H, Dv]`` in
-    ``q.dtype``. Every row must hold at least one position (decode does),
+    (``heads_first``: ``[B, KVH, S, D]``) read in their own dtype
+    (bfloat16 at real sizes), as a flash-decoding kernel computes it: the
+    scores are ``q . k`` accumulated in float32, times ``sm_scale``;
+    positions at or past a row's ``lengths`` (or before its window) are
+    masked in the scores; the softmax is float32, and the weighted sum of
+    ``v`` takes the probabilities in ``v``'s dtype with float32
+    accumulation. ``q [B, H, D]`` (query head ``i`` reads KV head ``i //
+    (H / KVH)``); returns ``[B, H, Dv]`` in ``q.dtype``. Every row must hold at least one position (decode does),
     and masked positions finite values (a zero weight times NaN is NaN: the
     reference zeroes them first; the caches timed here are gathered from a
     pool, whose unwritten pages are zeros)."""

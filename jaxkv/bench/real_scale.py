@@ -46,7 +46,7 @@ practical) and prints one markdown table per section:
    the second.
 3. **paged vs contiguous** at ``--contiguous-batches`` (default 1 and 64):
    :func:`jaxkv.bench.decode.contiguous_decode` (the model's own submodules
-   over a ``[B, max_len, KVH, D]`` cache per layer, ``lax.scan`` over the
+   over a ``[B, KVH, max_len, D]`` cache per layer, ``lax.scan`` over the
    steps) on caches gathered from the paged pool (the same K/V; no second
    prefill), timed interleaved with the paged chunks. ``max_len`` is the
    contexts plus the chunk, rounded up to a page. The timed contiguous
@@ -169,7 +169,7 @@ DATASHEET_BANDWIDTH = (
 PAGE_SIZE = 16
 #: The contiguous baseline's timed attention (:data:`jaxkv.bench.decode.CONTIGUOUS_ATTENTION`): K/V read in the
 #: cache's dtype with float32 accumulation. The reference (float32 K/V at the highest precision) is the
-#: checked one; timed, it measured its own float32 conversion: 3x the paged step at batch 64 on the H200.
+#: checked one; timed, it ran 3x slower than the paged step at batch 64 on the H200 (docs/gpu.md).
 CONTIGUOUS_TIMED = "cache_dtype"
 #: Token slots of one padded-scheduler prefill call (``max_seqs * prefill_chunk``) unless ``--prefill-chunk``.
 PADDED_TOKENS = 8192
