@@ -311,6 +311,7 @@ RULES = (
     ("long", "program", ("test_bench_isolation.py::test_salted_tenants_are_at_chance_and_a_shared_salt_leaks",
                          "test_bench_real_scale.py::test_tiny_run_reports_every_section",
                          "test_bench_real_scale.py::test_tiny_decode_tokens_are_generate_greedy_tokens",
+                         "test_bench_real_scale.py::test_a_split_decode_is_reported_in_the_json",
                          "test_bench_real_scale.py::test_packed_serving_at_the_engines_own_defaults_compiles_"
                          "nothing_timed",
                          "test_bench_host_overhead.py::test_host_overhead_table_has_every_row_and_column",

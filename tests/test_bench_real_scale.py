@@ -98,6 +98,35 @@ def test_cache_dtype_attention_is_the_reference_attention(dtype):
         np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), atol=tol, rtol=tol)
 
 
+def test_a_split_decode_is_reported_in_the_json(monkeypatch):
+    """A split between the paged and contiguous tokens (here forced: every
+    check raises) is an error of the run: exit status 1, the JSON line
+    still printed, each error with where it happened and why, and the rows
+    marked. (The decode section recorded them as bare strings, which the
+    run's own summary could not read: it crashed before its JSON line.)"""
+    import contextlib
+    import io
+
+    from jaxkv.bench import decode
+
+    def split(*args, **kwargs):
+        raise AssertionError("forced split")
+
+    monkeypatch.setattr(decode, "check_same_greedy", split)
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        rc = main(["real_scale", "--shapes", "tiny", "--json", "--sections", "decode", "--batches", "1",
+                   "--contiguous-batches", "1", "--context", "32", "--steps", "4", "--repeats", "1"])
+    out = buf.getvalue()
+    assert rc == 1, out
+    payload = json.loads(out.strip().splitlines()[-1])
+    wheres = [e["where"] for e in payload["errors"]]
+    assert wheres == ["decode batch 1: contiguous (cache_dtype)", "decode batch 1: paged vs contiguous"], wheres
+    assert all(e["error"] == "forced split" for e in payload["errors"])
+    (row,) = payload["results"][0]["paged_vs_contiguous"]
+    assert row["split_defect"] == "forced split" and row["timed_split_defect"] == "forced split"
+
+
 def test_packed_serving_at_the_engines_own_defaults_compiles_nothing_timed():
     """``--scheduler packed --max-num-seqs auto``: the engine derives its
     rows, token budget and chunks (on this CPU: the small defaults), the
