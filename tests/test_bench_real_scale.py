@@ -72,9 +72,8 @@ def test_cache_dtype_attention_is_the_reference_attention(dtype):
     (``dense_decode_attention``: K/V converted to float32) on the same
     values: drawn shapes, grouped heads, both cache layouts, lengths from 1
     to the cache, with and without a sliding window, finite garbage past
-    each length. Float32
-    caches agree to float32 rounding; bfloat16 ones to the rounding of the
-    probabilities to bfloat16 before the weighted sum."""
+    each length. Float32 caches agree to float32 rounding; bfloat16 ones to
+    the rounding of the probabilities to bfloat16 before the weighted sum."""
     from jaxkv.bench.decode import cache_dtype_attention
     from kernels_pallas.reference import dense_decode_attention
 
