@@ -11,7 +11,7 @@ from jaxkv.bench.__main__ import main
 # ``serve`` (two schedulers on two families, ~55 s), ``decode``, ``hybrid`` and ``memory`` run in the long
 # pass (tests/conftest.py).
 @pytest.mark.parametrize("name", ["alloc", "pool", "prefix", "decode", "hybrid", "serve", "memory", "kernels",
-                                  "scaling", "compile_depth", "spec", "structured"])
+                                  "scaling", "compile_depth", "spec", "structured", "sampler"])
 def test_benchmark_runs_and_prints_json(name, capsys, tmp_path):
     if name == "structured":  # SmolLM2's tokenizer
         from jaxkv.nn.gguf import SMOLLM2_INSTALL, find_smollm2

@@ -17,12 +17,13 @@
 from __future__ import annotations
 
 import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from jaxkv import InvalidArgument
-from jaxkv.nn.sampling import TOP_K_MAX, RowSampling, SamplingParams, sample
+from jaxkv.nn.sampling import TOP_K_MAX, RowSampling, SamplingParams, filtered_logits, sample
 
 F32 = np.finfo(np.float32)
 SMALLEST_NORMAL = float(F32.smallest_normal)  # 1.1754943508222875e-38: the smallest accepted top_p
@@ -156,3 +157,75 @@ def test_ordinary_values_keep_their_rule():
         assert seen <= allowed, (t, k, p, seen - allowed)
         if len(allowed) >= 3 and t >= 1.0:
             assert len(seen) > 1, (t, k, p, allowed)
+
+
+def _always_filtered(logits, params: RowSampling):
+    """:func:`filtered_logits` with its top-k / top-p step always taken (the
+    rule before the step was skipped where it changes nothing)."""
+    from jaxkv.nn.sampling import _top_k_top_p
+
+    scaled, temperature = filtered_logits(logits, RowSampling(params.temperature, params.top_k, params.top_p))
+    top_k, top_p = jnp.asarray(params.top_k, jnp.int32), jnp.asarray(params.top_p, jnp.float32)
+    return _top_k_top_p(scaled, top_k, top_p), temperature
+
+
+def test_skipped_filters_and_draws_change_no_token():
+    """The sampler skips the top-k / top-p step (its sort of the whole
+    vocabulary) when no row asks for either, and the draw when no row
+    samples. Over fresh random batches where no row filters (greedy rows,
+    temperature-only rows, top_k at or past the vocabulary, logits with
+    -inf from a mask): ``filtered_logits`` is, bit for bit, what the step
+    always taken gives, and each row's token, drawn with its own key, is
+    the one it draws beside another row that does filter (so the step and
+    the draw ran) and the argmax for a greedy row."""
+    rng = np.random.default_rng()
+    vocab = 61
+    jitted = jax.jit(lambda logits, keys, params: (sample(logits, keys, params), filtered_logits(logits, params)))
+    for trial in range(6):
+        rows = int(rng.integers(2, 9))
+        logits = (rng.standard_normal((rows, vocab)) * rng.choice([0.5, 3.0])).astype(np.float32)
+        logits[rng.random((rows, vocab)) < 0.2] = -np.inf  # a structured-output mask
+        logits[np.arange(rows), rng.integers(0, vocab, rows)] = 1.0  # every row keeps a finite token
+        temperature = np.where(rng.random(rows) < 0.5, 0.0, rng.uniform(0.3, 2.0, rows)).astype(np.float32)
+        if trial == 0:
+            temperature[:] = 0.0  # every row greedy: no draw at all
+        top_k = rng.choice([0, vocab, vocab + 5], rows).astype(np.int32)
+        params = RowSampling(temperature, top_k, np.ones(rows, np.float32))
+        keys = jax.random.split(jax.random.key(int(rng.integers(2**31))), rows + 1)
+        tokens, (scaled, _) = jitted(jnp.asarray(logits), keys[:rows], params)
+        expected, _ = _always_filtered(jnp.asarray(logits), params)
+        np.testing.assert_array_equal(np.asarray(scaled), np.asarray(expected))
+        greedy = temperature == 0
+        np.testing.assert_array_equal(np.asarray(tokens)[greedy], np.argmax(logits, axis=-1)[greedy])
+        # The same rows beside one that filters (top_k 3, sampled): the filter step and the draw both run.
+        beside = RowSampling(np.append(temperature, np.float32(1.0)), np.append(top_k, np.int32(3)),
+                             np.ones(rows + 1, np.float32))
+        logits_beside = np.concatenate([logits, rng.standard_normal((1, vocab)).astype(np.float32)])
+        tokens_beside, (scaled_beside, _) = jitted(jnp.asarray(logits_beside), keys, beside)
+        np.testing.assert_array_equal(np.asarray(tokens_beside)[:rows], np.asarray(tokens))
+        np.testing.assert_array_equal(np.asarray(scaled_beside)[:rows], np.asarray(scaled))
+        assert np.isneginf(np.asarray(scaled_beside)[rows]).sum() == vocab - 3
+
+
+def test_the_vocabulary_sort_runs_only_under_its_condition():
+    """The sampler's one sort of the whole vocabulary (top-k / top-p) sits
+    inside a ``cond`` on whether any row asks for a filter, and its draw
+    inside one on whether any row samples: an engine step with greedy rows
+    runs neither (on a GPU, a [256, 128256] sort per decode step). A static
+    greedy ``SamplingParams`` compiles to a bare argmax, with no cond."""
+
+    def primitives(jaxpr, inside=False, found=None):
+        found = [] if found is None else found
+        for eqn in jaxpr.eqns:
+            found.append((eqn.primitive.name, inside))
+            for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+                primitives(sub, inside or eqn.primitive.name == "cond", found)
+        return found
+
+    logits, keys = jnp.zeros((4, 50)), jax.random.split(jax.random.key(0), 4)
+    params = RowSampling(np.zeros(4, np.float32), np.zeros(4, np.int32), np.ones(4, np.float32))
+    found = primitives(jax.make_jaxpr(sample)(logits, keys, params).jaxpr)
+    assert ("sort", True) in found and ("sort", False) not in found
+    assert ("random_bits", True) in found and ("random_bits", False) not in found
+    static = primitives(jax.make_jaxpr(lambda x: sample(x, keys, SamplingParams()))(logits).jaxpr)
+    assert not any(name in ("cond", "sort", "random_bits") for name, _ in static)

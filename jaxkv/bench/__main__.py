@@ -35,6 +35,7 @@ BENCHMARKS = {
     "structured": "jaxkv.bench.structured",
     "disaggregated": "jaxkv.bench.disaggregated",
     "scan_copy": "jaxkv.bench.scan_copy",
+    "sampler": "jaxkv.bench.sampler",
 }
 
 

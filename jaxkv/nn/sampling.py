@@ -239,11 +239,17 @@ def _draw(logits, keys, scaled, temperature) -> Int[Array, " B"]:
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     if not jnp.issubdtype(keys.dtype, jax.dtypes.prng_key):
         raise InvalidArgument(f"sample needs typed PRNG keys (jax.random.key), got dtype {keys.dtype}")
-    if keys.ndim == 0:
-        drawn = jax.random.categorical(keys, scaled, axis=-1)
-    else:
-        drawn = jax.vmap(lambda key, row: jax.random.categorical(key, row))(keys, scaled)
-    return jnp.where(temperature > 0, drawn.astype(jnp.int32), greedy)
+
+    def drawn():
+        if keys.ndim == 0:
+            tokens = jax.random.categorical(keys, scaled, axis=-1)
+        else:
+            tokens = jax.vmap(lambda key, row: jax.random.categorical(key, row))(keys, scaled)
+        return jnp.where(temperature > 0, tokens.astype(jnp.int32), greedy)
+
+    # No row samples (every row greedy, the engine's idle rows too): the draw, a Gumbel noise over the whole
+    # vocabulary per row, would be discarded; skip it. The keys are not advanced here either way.
+    return jax.lax.cond(jnp.any(temperature > 0), drawn, lambda: greedy)
 
 
 def filtered_logits(logits: Float[Array, "B V"], params: SamplingParams | RowSampling
@@ -254,12 +260,13 @@ def filtered_logits(logits: Float[Array, "B V"], params: SamplingParams | RowSam
     non-greedy row samples from; speculative decoding's rejection rule
     compares these), and the per-row temperature (0: a greedy row, whose
     ``scaled`` are the logits divided by 1)."""
-    if isinstance(params, SamplingParams):
-        params = RowSampling.broadcast(params, logits.shape[0])
+    vocab = logits.shape[-1]
+    static = params if isinstance(params, SamplingParams) else None
+    if static is not None:
+        params = RowSampling.broadcast(static, logits.shape[0])
     temperature = jnp.asarray(params.temperature, jnp.float32)
     top_k = jnp.asarray(params.top_k, jnp.int32)
     top_p = jnp.asarray(params.top_p, jnp.float32)
-    vocab = logits.shape[-1]
     # Shifted so that each row's max is exactly 0 before dividing: a tiny
     # temperature then sends the other logits to -inf, never all of them
     # (all -inf would draw token 0); a row whose max is not finite is left
@@ -269,6 +276,24 @@ def filtered_logits(logits: Float[Array, "B V"], params: SamplingParams | RowSam
     peak = jnp.max(shifted, axis=-1, keepdims=True)
     shifted = shifted - jnp.where(jnp.isfinite(peak), peak, 0.0)
     scaled = shifted / jnp.where(temperature > 0, temperature, 1.0)[:, None]
+    # Both filters are the identity when no row asks for either (top_k 0 or >= V and top_p 1 in every row: the
+    # engine's greedy and idle rows, plain temperature sampling): then skip them and their sort of the whole
+    # vocabulary in every row, the most costly step of a sampler (a [256, 128256] sort per decode step at
+    # Llama-3's vocabulary), whose result would change nothing.
+    # (``~(top_p >= 1)``: a NaN top_p filters, as it does in _top_k_top_p.)
+    if static is not None:  # known here: no program for a branch never taken
+        filters = 0 < static.top_k < vocab or static.top_p < 1
+        return (_top_k_top_p(scaled, top_k, top_p) if filters else scaled), temperature
+    filters = jnp.any(((top_k > 0) & (top_k < vocab)) | ~(top_p >= 1))
+    scaled = jax.lax.cond(filters, _top_k_top_p, lambda scaled, top_k, top_p: scaled, scaled, top_k, top_p)
+    return scaled, temperature
+
+
+def _top_k_top_p(scaled: Float[Array, "B V"], top_k: Int[Array, " B"], top_p: Float[Array, " B"]
+                 ) -> Float[Array, "B V"]:
+    """``scaled`` with each row's tokens outside its top-k, then outside its
+    nucleus, at ``-inf`` (:func:`filtered_logits`)."""
+    vocab = scaled.shape[-1]
     ordered = jnp.sort(scaled, axis=-1)[:, ::-1]  # most likely first
     k = jnp.where(top_k > 0, jnp.minimum(top_k, vocab), vocab)
     kth = jnp.take_along_axis(ordered, (k - 1)[:, None], axis=-1)
@@ -283,7 +308,7 @@ def filtered_logits(logits: Float[Array, "B V"], params: SamplingParams | RowSam
     # after a likely one), which ``before < 1`` would drop.
     nucleus = (before < top_p[:, None]) | (top_p >= 1)[:, None] | (jnp.arange(vocab) == 0)[None, :]
     cutoff = jnp.min(jnp.where(nucleus, ordered, jnp.inf), axis=-1, keepdims=True)
-    return jnp.where(scaled < cutoff, -jnp.inf, scaled), temperature
+    return jnp.where(scaled < cutoff, -jnp.inf, scaled)
 
 
 @struct.dataclass
