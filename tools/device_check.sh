@@ -16,7 +16,8 @@ PY=${PY:-python3}
 # kernel and tiny-decode tables were measured twice on an H200 on 2026-11-28; name `kernels decode` for them,
 # `engine_local` for the engine's programs compiled by the machine's own XLA (LAYERS=stacked|per-layer),
 # `contiguous` for paged vs contiguous decode at Llama-3.1-8B's shapes (batch 1 and 64: under 5 minutes),
-# `graphs` for that decode with the loop body captured as CUDA graphs (XLA command buffers: under 5 minutes).
+# `graphs` for that decode with the loop body captured as CUDA graphs (XLA command buffers: under 5 minutes),
+# `merge` for it with gate and up merged into one GEMM by XLA's dot merger (under 5 minutes).
 steps=${*:-"tests aot real_scale scan_copy"}
 summary=()
 
@@ -62,9 +63,16 @@ if [[ $steps == *contiguous* ]]; then  # optional: paged vs contiguous decode at
     --batches 1,64 --contiguous-batches 1,64 --deadline 240 --json
 fi
 if [[ $steps == *graphs* ]]; then  # optional: the decode chunk's loop body as CUDA graphs (XLA command buffers)
-  # About 18 kernels a layer in each decode step (docs/gpu.md); at batch 1 their launches are the step's gap to
-  # the roofline. The same decode section as real_scale's, with WHILE and CONDITIONAL added to what XLA captures.
+  # 16 kernels a layer in each decode step (docs/gpu.md); at batch 1 their launches are the likely part of the
+  # step's gap to the roofline. The same decode section as real_scale's, with WHILE and CONDITIONAL added to what XLA captures.
   run_step graphs 300 env XLA_FLAGS="${XLA_FLAGS:+$XLA_FLAGS }--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL" \
+    $PY -m jaxkv.bench real_scale --shapes llama-3.1-8b --quick --sections bandwidth,decode --no-contiguous \
+    --batches 1,64 --deadline 240 --json
+fi
+if [[ $steps == *merge* ]]; then  # optional: gate and up as one GEMM (XLA's dot merger, past its 32 MB default)
+  # XLA already joins q, k and v (each weight under 32 MB); at Llama-3.1-8B's 117 MB gate and up weights it
+  # does not. Raised, a deviceless compile shows 542 kernels a step instead of 574, no copy (docs/gpu.md).
+  run_step merge 300 env XLA_FLAGS="${XLA_FLAGS:+$XLA_FLAGS }--xla_gpu_dot_merger_threshold_mb=256" \
     $PY -m jaxkv.bench real_scale --shapes llama-3.1-8b --quick --sections bandwidth,decode --no-contiguous \
     --batches 1,64 --deadline 240 --json
 fi
