@@ -229,3 +229,33 @@ def test_the_vocabulary_sort_runs_only_under_its_condition():
     assert ("random_bits", True) in found and ("random_bits", False) not in found
     static = primitives(jax.make_jaxpr(lambda x: sample(x, keys, SamplingParams()))(logits).jaxpr)
     assert not any(name in ("cond", "sort", "random_bits") for name, _ in static)
+
+
+def test_sorted_descending_is_jnp_sort_reversed(monkeypatch):
+    """``sorted_descending`` (int32 keys from the floats' bits) orders fresh
+    random rows as ``jnp.sort(x)[:, ::-1]`` does, with ties, infinities,
+    -0.0, subnormals and NaN among them; and the top-k / top-p step gives, bit for bit,
+    what it gives with ``jnp.sort``."""
+    from jaxkv.nn import sampling
+
+    rng = np.random.default_rng()
+    specials = np.array([0.0, -0.0, np.inf, -np.inf, np.nan, 1.5, -1.5, 1e-45, -1e-45], np.float32)
+    for _ in range(4):
+        rows, vocab = int(rng.integers(1, 6)), int(rng.integers(2, 300))
+        x = (rng.standard_normal((rows, vocab)) * rng.choice([1e-3, 1.0, 1e30])).astype(np.float32)
+        mask = rng.random((rows, vocab)) < 0.25
+        x[mask] = rng.choice(specials, mask.sum())
+        got = np.asarray(jax.jit(sampling.sorted_descending)(jnp.asarray(x)))
+        expected = np.asarray(jnp.sort(jnp.asarray(x), axis=-1))[:, ::-1]
+        # XLA flushes subnormals to zero: jnp.sort's comparator ties them with 0.0, sorted_descending returns 0.0.
+        expected = np.where(np.abs(expected) < F32.smallest_normal, np.float32(0.0), expected)
+        np.testing.assert_array_equal(got, expected)
+        finite = np.where(np.isnan(x), -np.inf, x)  # the sampler's logits: no NaN
+        top_k = rng.integers(0, vocab + 2, rows).astype(np.int32)
+        top_p = rng.choice([0.1, 0.5, 0.9, 1.0], rows).astype(np.float32)
+        step = jax.jit(sampling._top_k_top_p)
+        new = np.asarray(step(jnp.asarray(finite), top_k, top_p))
+        monkeypatch.setattr(sampling, "sorted_descending", lambda v: jnp.sort(v, axis=-1)[:, ::-1])
+        old = np.asarray(jax.jit(sampling._top_k_top_p)(jnp.asarray(finite), top_k, top_p))
+        monkeypatch.undo()
+        np.testing.assert_array_equal(new.view(np.int32), old.view(np.int32))
