@@ -466,6 +466,9 @@ class Result:
     cache_buffers: list = dataclasses.field(default_factory=list)  # big buffers made from the cache, where from
     cache_made_bytes: int = 0  # their bytes, summed (buffers XLA may reuse count each time)
     largest: list = dataclasses.field(default_factory=list)  # the largest buffers made anew, where from
+    #: Instructions XLA's rematerialization pass recomputed (``*.remat*`` in the compiled HLO): the engine's
+    #: programs turn the pass off (:data:`jaxkv.nn.steps.PROGRAM_OPTIONS`), where it ran GEMMs twice.
+    rematerialized: int = 0
     error: str = ""
 
     @property
@@ -488,7 +491,8 @@ class Result:
 
     def row(self) -> list:
         return [self.model, self.mesh, self.program, self.seconds, self.argument_bytes / GB, self.output_bytes / GB,
-                self.temp_bytes / GB, self.alias_bytes / GB, self.cache_bytes / GB, self.peak_bytes / GB, self.verdict]
+                self.temp_bytes / GB, self.alias_bytes / GB, self.cache_bytes / GB, self.peak_bytes / GB,
+                self.rematerialized, self.verdict]
 
 
 _SIZES = {"f64": 8, "s64": 8, "u64": 8, "f32": 4, "s32": 4, "u32": 4, "bf16": 2, "f16": 2, "s16": 2, "u16": 2,
@@ -498,6 +502,8 @@ _ARRAY = re.compile(r"(\w+)\[([\d,]*)\]")
 _CALLS = re.compile(r"(?:true_computation|false_computation|body|condition|calls|to_apply)=%([\w.\-]+)"
                     r"|branch_computations=\{([^}]*)\}")
 _TABLE_ROW = re.compile(r"^(\d+) (.*)$")
+#: An instruction the rematerialization pass made: a recomputation, named after its original with ``.remat``.
+_REMATERIALIZED = re.compile(r"^\s*(?:ROOT )?%\S+\.remat\d* = ", re.M)
 #: Instructions that make no buffer of their own (views, control flow, the second half of an async pair) or
 #: update their operand in place.
 _NO_NEW_BUFFER = frozenset({"parameter", "get-tuple-element", "tuple", "bitcast", "while", "conditional", "call",
@@ -639,9 +645,11 @@ def compile_program(setup: Setup, label: str, fn, args: tuple, kwargs: dict) -> 
     result.output_bytes = int(stats.output_size_in_bytes)
     result.temp_bytes = int(stats.temp_size_in_bytes)
     result.alias_bytes = int(stats.alias_size_in_bytes)
+    hlo = compiled.as_text()
+    result.rematerialized = len(_REMATERIALIZED.findall(hlo))
     if result.defect:  # what the temporaries are: the cache's arrays made anew, else the largest buffers
         largest = max(_device_bytes(leaf) for leaf in jax.tree.leaves(setup.cache))
-        buffers = big_buffers(compiled.as_text(), min(largest // 10, result.temp_bytes // 20))
+        buffers = big_buffers(hlo, min(largest // 10, result.temp_bytes // 20))
         made = [b for b in buffers if setup.cache_dims.intersection(b.dims)]
         result.cache_buffers, result.cache_made_bytes = [b.describe() for b in made], sum(b.bytes for b in made)
         result.largest = [b.describe() for b in buffers[:5]]
@@ -687,7 +695,7 @@ def run(names=None, *, quick: bool = False, prefill: bool = False, buckets=None,
 # --------------------------------------------------------------------------
 
 COLUMNS = ["model", "mesh", "program", "compile s", "argument GB", "output GB", "temp GB", "alias GB", "cache GB",
-           "peak GB", "verdict"]
+           "peak GB", "remat", "verdict"]
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -30,15 +30,15 @@ from jaxkv.nn.packed import cache_kind
 from jaxkv.nn.sampling import GREEDY, SamplingParams, sample
 from jaxkv.nn.speculative import (SpecState, SpeculativeConfig, draft_model_for, hybrid_cache_options,
                                    speculative_loop, speculative_step)
-from jaxkv.nn.steps import (DecodeState, decode_loop, decode_step, hybrid_prefill_chunk, paged_peak_blocks,
-                            paged_window, prefill_chunk, start_decoding)
+from jaxkv.nn.steps import (PROGRAM_OPTIONS, DecodeState, decode_loop, decode_step, hybrid_prefill_chunk,
+                            paged_peak_blocks, paged_window, prefill_chunk, start_decoding)
 from jaxkv.pool.kv_pool import KVPool
 
 __all__ = ["DecodeState", "GenerateOutput", "SamplingParams", "decode_loop", "decode_step", "generate", "prefill",
            "sample", "start_hybrid", "start_paged"]
 
 
-@partial(jax.jit, static_argnames=("graphdef", "max_new"), donate_argnums=(2, 3))
+@partial(jax.jit, static_argnames=("graphdef", "max_new"), donate_argnums=(2, 3), compiler_options=PROGRAM_OPTIONS)
 def prefill(graphdef, params, manager: BlockSpaceManager, pool: KVPool, prompts, lengths, key, eos_id,
             sampling: SamplingParams = GREEDY, *, max_new: int) -> DecodeState:
     """Admit each prompt (sequence ``b`` is row ``b``; all or nothing: ``ok``
@@ -69,7 +69,8 @@ class GenerateOutput:
     verify_steps: list | None = None
 
 
-_hybrid_chunk = jax.jit(hybrid_prefill_chunk, static_argnames=("graphdef",), donate_argnums=(2,))
+_hybrid_chunk = jax.jit(hybrid_prefill_chunk, static_argnames=("graphdef",), donate_argnums=(2,),
+                        compiler_options=PROGRAM_OPTIONS)
 _admit = jax.jit(lambda manager, n: manager.admit(n, max_n=n), static_argnums=(1,))
 
 

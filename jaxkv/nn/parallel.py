@@ -59,8 +59,8 @@ from jaxkv.manager.block_space import BlockSpaceManager
 from jaxkv.manager.rows import slot_of
 from jaxkv.nn.packed import cache_kind
 from jaxkv.nn.sampling import GREEDY, SamplingParams
-from jaxkv.nn.steps import (DecodeState, decode_logits, decode_loop, decode_step, hybrid_prefill_chunk,
-                            prefill_chunk, start_decoding)
+from jaxkv.nn.steps import (PROGRAM_OPTIONS, DecodeState, decode_logits, decode_loop, decode_step,
+                            hybrid_prefill_chunk, prefill_chunk, start_decoding)
 from jaxkv.pool.kv_pool import KVPool
 
 __all__ = [
@@ -174,7 +174,7 @@ def _out_of_blocks(manager, needed: int, what: str) -> KVCacheOOM:
 ParallelState = DecodeState
 
 
-@partial(jax.jit, static_argnames=("graphdef", "max_new"), donate_argnums=(2, 3))
+@partial(jax.jit, static_argnames=("graphdef", "max_new"), donate_argnums=(2, 3), compiler_options=PROGRAM_OPTIONS)
 def prefill_fork(graphdef, params, manager: BlockSpaceManager, pool: KVPool, prompt, length, keys, eos_id,
                  sampling: SamplingParams = GREEDY, *, max_new: int) -> DecodeState:
     """Prefill ``prompt [1, W]`` (``length`` real tokens) once in row 0, fork
@@ -269,7 +269,8 @@ class BeamState:
     hyp_scores: Float[Array, " beams"]
 
 
-@partial(jax.jit, static_argnames=("graphdef", "num_beams", "max_new"), donate_argnums=(2, 3))
+@partial(jax.jit, static_argnames=("graphdef", "num_beams", "max_new"), donate_argnums=(2, 3),
+         compiler_options=PROGRAM_OPTIONS)
 def beam_prefill(graphdef, params, manager: BlockSpaceManager, pool: KVPool, prompt, length, eos_id,
                  length_penalty, *, num_beams: int, max_new: int) -> BeamState:
     """Prefill the prompt once in row 0; row 0 holds the only live beam."""
@@ -343,7 +344,7 @@ def _beam_body(graphdef, params, state: BeamState) -> BeamState:
         active=jnp.ones((b,), bool), step=state.step + 1, ok=state.ok & freed & forked & appended)
 
 
-@partial(jax.jit, static_argnames=("graphdef",), donate_argnums=(2,))
+@partial(jax.jit, static_argnames=("graphdef",), donate_argnums=(2,), compiler_options=PROGRAM_OPTIONS)
 def beam_loop(graphdef, params, state: BeamState):
     """Steps ``0 .. max_new-2`` in one ``lax.while_loop`` (select, re-map
     rows with free + fork, append_slots, decode), then the last selection;

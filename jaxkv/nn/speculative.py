@@ -66,8 +66,8 @@ from jaxkv.errors import InvalidArgument
 from jaxkv.nn.packed import PackedBatch, cache_kind
 from jaxkv.nn.sampling import RowSampling, SamplingParams, filtered_logits, sample, split_keys
 from jaxkv.manager.rows import slot_of
-from jaxkv.nn.steps import (DecodeState, decode_logits, drop_decode_lanes, finish_rows, grow_decode_lanes, model_step,
-                            paged_window, place_tokens, trim_out_of_window)
+from jaxkv.nn.steps import (PROGRAM_OPTIONS, DecodeState, decode_logits, drop_decode_lanes, finish_rows,
+                            grow_decode_lanes, model_step, paged_window, place_tokens, trim_out_of_window)
 from jaxkv.pool.scrub import freed_blocks, scrub_kv_pool
 
 __all__ = ["SpecState", "SpeculativeConfig", "accept_drafts", "draft_catch_up", "draft_model_for", "early_exit_draft",
@@ -819,7 +819,8 @@ def hybrid_cache_options(model, num_drafts: int, rows: int, **make_cache_args) -
     return options, 0 if probe.rolls_back_by_length(num_drafts) else rows
 
 
-@partial(jax.jit, static_argnames=("graphdef", "config", "draft_graphdef"), donate_argnums=(2,))
+@partial(jax.jit, static_argnames=("graphdef", "config", "draft_graphdef"), donate_argnums=(2,),
+         compiler_options=PROGRAM_OPTIONS)
 def speculative_loop(graphdef, params, state: SpecState, sampling: SamplingParams | RowSampling,
                      config: SpeculativeConfig, draft_graphdef=None, draft_params=None) -> SpecState:
     """:func:`speculative_body` in one ``lax.while_loop`` until every row
@@ -830,7 +831,8 @@ def speculative_loop(graphdef, params, state: SpecState, sampling: SamplingParam
                               state)
 
 
-@partial(jax.jit, static_argnames=("graphdef", "config", "draft_graphdef"), donate_argnums=(2,))
+@partial(jax.jit, static_argnames=("graphdef", "config", "draft_graphdef"), donate_argnums=(2,),
+         compiler_options=PROGRAM_OPTIONS)
 def speculative_step(graphdef, params, state: SpecState, sampling: SamplingParams | RowSampling,
                      config: SpeculativeConfig, draft_graphdef=None, draft_params=None) -> SpecState:
     """One :func:`speculative_body` as one jitted call (the state is donated)."""

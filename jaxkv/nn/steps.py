@@ -69,6 +69,7 @@ from jaxkv.pool.kv_pool import KVPool
 from jaxkv.pool.scrub import freed_blocks, scrub_kv_pool
 
 __all__ = [
+    "PROGRAM_OPTIONS",
     "DecodeState",
     "decode_body",
     "decode_logits",
@@ -91,6 +92,19 @@ __all__ = [
     "start_decoding",
     "trim_out_of_window",
 ]
+
+#: XLA options of every jitted program that runs a model over a KV cache (the engine's steps, ``generate``'s,
+#: beam search's and speculation's loops): ``jax.jit(..., compiler_options=PROGRAM_OPTIONS)``.
+#:
+#: XLA:GPU's rematerialization pass is off in them. At a real KV budget it finds them past the device's memory
+#: however little they hold besides the pool (compiled for an H100 at Llama-3.1-8B's shapes, a 51 GB pool:
+#: "only reduced to 119 GiB" against a limit of 48 GiB, for programs whose peak is 68 GB: the donated pool
+#: reckoned as argument and as result, it seems), and recomputes whatever it can, to no end: the 512-token
+#: packed step ran 31 of its 32 q/k/v GEMMs twice (550 kernels; 453 without the pass), the decode step had
+#: 555 kernels a step (543 without), with the same temporaries either way (0.54 GB). These programs'
+#: temporaries are small by design and checked by ``bench engine_aot``, so the pass has nothing to save; a
+#: recomputation gives the same values, so no token changes.
+PROGRAM_OPTIONS = {"xla_disable_hlo_passes": "rematerialization"}
 
 
 def model_step(graphdef, params, tokens: Int[Array, "B T"], positions: Int[Array, "B T"], pool: KVPool,
@@ -435,14 +449,15 @@ def run_decode(graphdef, params, state: DecodeState, sampling: SamplingParams | 
                                                              free_finished=free_finished, scrub=scrub), state)
 
 
-@partial(jax.jit, static_argnames=("graphdef", "free_finished"), donate_argnums=(2,))
+@partial(jax.jit, static_argnames=("graphdef", "free_finished"), donate_argnums=(2,), compiler_options=PROGRAM_OPTIONS)
 def decode_step(graphdef, params, state: DecodeState, sampling: SamplingParams | RowSampling = SamplingParams(), *,
                 free_finished: bool = True) -> DecodeState:
     """:func:`decode_body` as one jitted call (the state is donated)."""
     return decode_body(graphdef, params, state, sampling, free_finished=free_finished)
 
 
-@partial(jax.jit, static_argnames=("graphdef", "num_steps", "free_finished"), donate_argnums=(2,))
+@partial(jax.jit, static_argnames=("graphdef", "num_steps", "free_finished"), donate_argnums=(2,),
+         compiler_options=PROGRAM_OPTIONS)
 def decode_loop(graphdef, params, state: DecodeState, sampling: SamplingParams | RowSampling = SamplingParams(), *,
                 num_steps: int | None = None, free_finished: bool = True) -> DecodeState:
     """:func:`run_decode` as one jitted call (the state is donated)."""

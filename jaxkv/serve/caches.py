@@ -81,7 +81,7 @@ from jaxkv.nn.packed import PackedBatch, PackedLane, host_arrays, write_lanes
 from jaxkv.nn.penalties import seen_tokens
 from jaxkv.nn.sampling import RowSampling, TokenLogprobs, row_rules, sample_with_logprobs, split_keys
 from jaxkv.nn.speculative import SpecState, draft_catch_up, speculative_body
-from jaxkv.nn.steps import DecodeState, run_decode
+from jaxkv.nn.steps import PROGRAM_OPTIONS, DecodeState, run_decode
 from jaxkv.serve import sizing
 from jaxkv.serve.sizing import CachePlan
 
@@ -374,7 +374,8 @@ def logprob_entries(logprobs: TokenLogprobs | None, index, count: int) -> list |
 
 
 
-@partial(jax.jit, static_argnames=("graphdef", "num_steps", "scrub"), donate_argnums=(2, 3))
+@partial(jax.jit, static_argnames=("graphdef", "num_steps", "scrub"), donate_argnums=(2, 3),
+         compiler_options=PROGRAM_OPTIONS)
 def decode_chunk(graphdef, params, manager, pool, last, active, num_generated, max_new, eos_id,
                  sampling: RowSampling, keys, *, num_steps: int, scrub: bool = False) -> DecodeState:
     """The engine's decode chunk (a paged cache's; the benchmarks time it).
@@ -406,7 +407,7 @@ def apply_history_updates(history, updates):
 
 
 @partial(jax.jit, static_argnames=("graphdef", "num_steps", "config", "scrub", "draft_graphdef"),
-         donate_argnums=(2, 3, 11, 16, 17))
+         donate_argnums=(2, 3, 11, 16, 17), compiler_options=PROGRAM_OPTIONS)
 def speculative_chunk(graphdef, params, manager, pool, last, active, num_generated, max_new, eos_id,
                       sampling: RowSampling, keys, history, history_len, speculate, steps, draft_params=None,
                       draft_manager=None, draft_pool=None, draft_reset=None, catch_up=None, history_updates=None, *,

@@ -22,7 +22,7 @@ from jaxkv.manager.hybrid_swap import RequestImages, release_blocks_scrubbed, re
 from jaxkv.nn.packed import PackedBatch
 from jaxkv.nn.sampling import RowSampling
 from jaxkv.nn.speculative import hybrid_cache_options, hybrid_packed_verify_step
-from jaxkv.nn.steps import hybrid_packed_step, hybrid_prefill_chunk
+from jaxkv.nn.steps import PROGRAM_OPTIONS, hybrid_packed_step, hybrid_prefill_chunk
 from jaxkv.prefix.snapshot_cache import BlockOps, SnapshotCache
 from jaxkv.prefix.snapshot_host import SnapshotHostTier
 from jaxkv.prefix.snapshot_points import SnapshotPoints
@@ -37,7 +37,7 @@ __all__ = ["HybridCache", "jitted_packed", "jitted_packed_verify", "jitted_prefi
 logger = logging.getLogger("jaxkv.serve")
 
 
-@partial(jax.jit, static_argnames=("graphdef",), donate_argnums=(2,))
+@partial(jax.jit, static_argnames=("graphdef",), donate_argnums=(2,), compiler_options=PROGRAM_OPTIONS)
 def _hybrid_prefill(graphdef, params, manager: KVCacheManager, slots, tokens, num_new, sampling: RowSampling, keys):
     """Reserve and prefill one chunk of the slots' tokens, sample each lane's
     first token. Returns ``(manager, sampled, keys, ok, used, logprobs)``."""
@@ -47,14 +47,14 @@ def _hybrid_prefill(graphdef, params, manager: KVCacheManager, slots, tokens, nu
 
 
 
-@partial(jax.jit, static_argnames=("graphdef",), donate_argnums=(2,))
+@partial(jax.jit, static_argnames=("graphdef",), donate_argnums=(2,), compiler_options=PROGRAM_OPTIONS)
 def _hybrid_packed(graphdef, params, manager: KVCacheManager, batch: PackedBatch, sampling: RowSampling, keys):
     """:func:`jaxkv.nn.steps.hybrid_packed_step` jitted (manager donated)."""
     manager, tokens, advanced, *rest = hybrid_packed_step(graphdef, params, manager, batch, sampling, typed_keys(keys))
     return (manager, tokens, keys_as_given(advanced, keys), *rest)
 
 
-@partial(jax.jit, static_argnames=("graphdef", "config"), donate_argnums=(2, 6))
+@partial(jax.jit, static_argnames=("graphdef", "config"), donate_argnums=(2, 6), compiler_options=PROGRAM_OPTIONS)
 def _hybrid_packed_verify(graphdef, params, manager: KVCacheManager, batch: PackedBatch, sampling: RowSampling, keys,
                           history, history_len, verify, history_updates=None, *, config):
     """:func:`jaxkv.nn.speculative.hybrid_packed_verify_step` jitted (manager

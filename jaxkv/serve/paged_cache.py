@@ -38,7 +38,8 @@ from jaxkv.manager.block_space import BlockSpaceManager
 from jaxkv.nn.packed import PackedBatch
 from jaxkv.nn.sampling import RowSampling
 from jaxkv.nn.speculative import paged_packed_verify_step
-from jaxkv.nn.steps import paged_decode_peak, paged_packed_step, paged_row_blocks, paged_window, prefill_chunk
+from jaxkv.nn.steps import (PROGRAM_OPTIONS, paged_decode_peak, paged_packed_step, paged_row_blocks, paged_window,
+                            prefill_chunk)
 from jaxkv.pool import host as host_swap
 from jaxkv.pool.kv_pool import KVPool
 from jaxkv.pool.scrub import freed_blocks, scrub_kv_pool
@@ -55,7 +56,7 @@ __all__ = ["HostTierRate", "PagedCache", "PagedPrefixStats", "host_tier_rate", "
 logger = logging.getLogger("jaxkv.serve")
 
 
-@partial(jax.jit, static_argnames=("graphdef",), donate_argnums=(3,))
+@partial(jax.jit, static_argnames=("graphdef",), donate_argnums=(3,), compiler_options=PROGRAM_OPTIONS)
 def _paged_prefill(graphdef, params, manager: BlockSpaceManager, pool: KVPool, rows, starts, num_new, tokens,
                    sampling: RowSampling, keys):
     """Prefill one chunk of admitted rows and sample from each lane's last
@@ -67,7 +68,8 @@ def _paged_prefill(graphdef, params, manager: BlockSpaceManager, pool: KVPool, r
 
 
 
-@partial(jax.jit, static_argnames=("graphdef", "window", "scrub"), donate_argnums=(2, 3))
+@partial(jax.jit, static_argnames=("graphdef", "window", "scrub"), donate_argnums=(2, 3),
+         compiler_options=PROGRAM_OPTIONS)
 def _paged_packed(graphdef, params, manager: BlockSpaceManager, pool: KVPool, batch: PackedBatch,
                   sampling: RowSampling, keys, *, window, scrub=False):
     """:func:`jaxkv.nn.steps.paged_packed_step` jitted (manager and pool donated)."""
@@ -78,7 +80,7 @@ def _paged_packed(graphdef, params, manager: BlockSpaceManager, pool: KVPool, ba
 
 
 @partial(jax.jit, static_argnames=("graphdef", "config", "window", "scrub", "draft_graphdef"),
-         donate_argnums=(2, 3, 7))
+         donate_argnums=(2, 3, 7), compiler_options=PROGRAM_OPTIONS)
 def _paged_packed_verify(graphdef, params, manager: BlockSpaceManager, pool: KVPool, batch: PackedBatch,
                          sampling: RowSampling, keys, history, history_len, verify, history_updates=None,
                          draft_params=None, *, config, window, scrub=False, draft_graphdef=None):
