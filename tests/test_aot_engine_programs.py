@@ -66,6 +66,11 @@ def test_aot_llama_programs_update_the_pool_in_place():
     for r in results:
         assert r.temp_bytes < 0.5 * r.cache_bytes, (r.program, r.temp_bytes / GB, r.cache_buffers or r.largest)
         assert r.verdict == "ok" and r.peak_bytes < 80 * GB, (r.program, r.verdict, r.peak_bytes / GB)
+    # The sizing rule measured the same programs (jaxkv.serve.build.room_for_programs): the largest temporaries of
+    # the packed step at the token budget and of the decode chunk, each compiled again here.
+    assert setup.program_bytes == max(r.temp_bytes for r in results if r.program in ("packed[8192]",
+                                                                                    "decode chunk x16"))
+    assert setup.budget_rule == "0.8 of the free memory"  # 16 GB of weights leave the default room enough
 
 
 def test_aot_hybrid_decode_chunk_updates_its_cache_in_place():

@@ -32,7 +32,11 @@ Sizing, as the engine sizes itself on the GPU (nothing measured): the
 weights one device holds (the shards of ``shard_model``'s specs),
 ``free = 80 GB - weights`` (:data:`jaxkv.bench.deployment.H100_BYTES`), the
 engine's default KV budget (:func:`jaxkv.serve.sizing.default_budget`: 0.8
-of it), ``max_seqs`` / ``max_num_batched_tokens`` / ``decode_chunk`` derived
+of it, unless the cache, the largest temporaries of the packed step at the
+token budget and of the decode chunk, and
+:data:`~jaxkv.serve.program_memory.PROGRAM_MARGIN` pass ``free``: then
+what those leave, :func:`jaxkv.serve.build.room_for_programs`, the
+engine's rule on an accelerator), ``max_seqs`` / ``max_num_batched_tokens`` / ``decode_chunk`` derived
 as the engine derives them on a GPU (256 / 8192 / 16 where they fit),
 ``max_model_len`` the GPU default, pages of 16, and the blocks (and a hybrid
 cache's snapshot rows) from the budget by :func:`jaxkv.serve.caches.
@@ -147,6 +151,8 @@ class Setup:
     mesh_name: str
     weights_bytes: int  # one device's
     budget_bytes: int
+    program_bytes: int  # the largest temporaries of the measured programs, kept free beside the cache
+    budget_rule: str  # how the budget was found, in words
     max_seqs: int
     max_num_batched_tokens: int
     decode_chunk: int
@@ -242,6 +248,8 @@ def build(spec: ModelSpec, *, stacked: bool = False, local: bool = False) -> Set
     from jaxkv.nn.packed import cache_kind
     from jaxkv.nn.steps import paged_peak_blocks, paged_window
     from jaxkv.serve import sizing
+    from jaxkv.serve import program_memory
+    from jaxkv.serve.build import room_for_programs
     from jaxkv.serve.caches import blocks_from_budget
     from jaxkv.serve.options import CacheOptions
 
@@ -301,17 +309,25 @@ def build(spec: ModelSpec, *, stacked: bool = False, local: bool = False) -> Set
             manager, pool = jax.eval_shape(lambda: make(counts))
             return _device_bytes(_placed(manager, replicated)) + _device_bytes(placed_cache(pool))
 
-        blocks, _, _ = blocks_from_budget(measure, [PAGE_SIZE], [max_seqs * need(length)], None, free)
-        manager, pool = jax.eval_shape(lambda: make([blocks[0] + 1]))
-        # As the engine passes it: without its host allocator (BlockSpaceManager.in_step).
-        cache = (_placed(manager.replace(host=None), replicated), placed_cache(pool))
-        groups, cached, has_gdn = {"pages": blocks[0]}, 0, False
+        def solve(memory):
+            return blocks_from_budget(measure, [PAGE_SIZE], [max_seqs * need(length)], memory, free)
+
+        def shapes(blocks):
+            manager, pool = jax.eval_shape(lambda: make([blocks[0] + 1]))
+            # As the engine passes it: without its host allocator (BlockSpaceManager.in_step).
+            return _placed(manager.replace(host=None), replicated), placed_cache(pool)
+
+        def cache_bytes(blocks):
+            return measure([blocks[0] + 1])
+
+        has_gdn = False
     else:
         fmt = options.entry_format
         probe = jax.eval_shape(lambda: model.make_cache(1, length, entry_format=fmt))
         names = list(probe.groups)
         tokens_per_block = [g.tokens_per_block for g in probe.groups.values()]
         per_entry = [(g.tokens_per_entry, g.entries_per_block) for g in probe.groups.values()]
+        has_gdn = probe.gdn is not None
 
         def make(counts, snapshots):
             return model.make_cache(max_seqs, length, entry_format=fmt, num_blocks=dict(zip(names, counts)),
@@ -320,16 +336,43 @@ def build(spec: ModelSpec, *, stacked: bool = False, local: bool = False) -> Set
         def measure(counts, snapshots):
             return _device_bytes(placed_cache(jax.eval_shape(lambda: make(counts, snapshots))))
 
-        budget = sizing.default_budget(free)[0]
         row = measure([2] * len(names), 2) - measure([2] * len(names), 1)  # build_hybrid_cache's snapshot rows
-        cached = max(int(min(2 * max_seqs, budget // 4 // row) if row > 0 else 2 * max_seqs), 0)
+
+        def snapshots(memory):  # a quarter of the budget at most
+            budget = memory if memory is not None else sizing.default_budget(free)[0]
+            return max(int(min(2 * max_seqs, budget // 4 // row) if row > 0 else 2 * max_seqs), 0)
+
         cap = [max_seqs * ceil_div(length // tpe, epb) for tpe, epb in per_entry]
-        blocks, _, _ = blocks_from_budget(lambda counts: measure(counts, cached), tokens_per_block, cap, None, free)
-        manager = jax.eval_shape(lambda: make([b + 1 for b in blocks], cached))
-        cache = (placed_cache(manager),)
-        groups, has_gdn = dict(zip(names, blocks)), manager.gdn is not None
+
+        def solve(memory):  # the snapshot rows follow the budget solved for
+            solved["snapshots"] = snapshots(memory)
+            return blocks_from_budget(lambda counts: measure(counts, solved["snapshots"]), tokens_per_block, cap,
+                                      memory, free)
+
+        def shapes(blocks):
+            return (placed_cache(jax.eval_shape(lambda: make([b + 1 for b in blocks], solved["snapshots"]))),)
+
+        def cache_bytes(blocks):
+            return measure([b + 1 for b in blocks], solved["snapshots"])
+
+    # The engine's rule (jaxkv.serve.build.room_for_programs): the default budget, unless the cache, the largest
+    # programs' temporaries over it and the margin pass the free memory; then what they leave.
+    def temporaries(cache):
+        return program_memory.measure(program_memory.engine_programs(
+            graphdef, params, cache, kind=kind, max_seqs=max_seqs, decode_chunk=chunk, stream_length=batched,
+            prefill_chunk=prefill_width, has_gdn=has_gdn, sharding=replicated), compile_for_h100)
+
+    solved = {"snapshots": 0}
+    blocks, budget, source, reserved = room_for_programs(temporaries, free, solve, cache_bytes, shapes)
+    jax.clear_caches()  # the table's compile seconds are each program's own compile, not a cache hit
+    cache, cached = shapes(blocks), solved["snapshots"]
+    groups = {"pages": blocks[0]} if kind == "paged" else dict(zip(names, blocks))
+    rule = ("0.8 of the free memory" if budget is None or "less the programs' temporaries" not in source
+            else f"the free memory less the programs' {reserved / GB:.2f} GB and the margin")
+    budget = sizing.default_budget(free)[0] if budget is None else budget
     return Setup(spec=spec, kind=kind, graphdef=graphdef, params=params, cache=cache, replicated=replicated,
-                 mesh_name=mesh_name, weights_bytes=weights, budget_bytes=sizing.default_budget(free)[0],
+                 mesh_name=mesh_name, weights_bytes=weights, budget_bytes=budget, program_bytes=reserved,
+                 budget_rule=rule,
                  max_seqs=max_seqs, max_num_batched_tokens=batched, decode_chunk=chunk, max_model_len=length,
                  prefill_width=prefill_width, blocks=groups, snapshots=cached, cache_bytes=_device_bytes(cache),
                  has_gdn=has_gdn, sizing_note=note, cache_dims=_cache_dims(kind, cache, params))
@@ -623,18 +666,23 @@ def big_buffers(hlo: str, min_bytes: int) -> list[Buffer]:
     return sorted(found, key=lambda b: -b.bytes)
 
 
-def compile_program(setup: Setup, label: str, fn, args: tuple, kwargs: dict) -> Result:
+def compile_for_h100(fn, args: tuple, kwargs: dict):
     """Trace, lower and compile one program for H100 (:mod:`kernels_pallas`
-    shaped for it: :func:`kernels_pallas.building_for`) and read its
-    memory analysis; a failure is reported in the result."""
+    shaped for it: :func:`kernels_pallas.building_for`)."""
     from kernels_pallas import H100, building_for
 
+    with building_for(H100):
+        lowered = fn.trace(*args, **kwargs).lower(lowering_platforms=("cuda",))
+    return lowered.compile()
+
+
+def compile_program(setup: Setup, label: str, fn, args: tuple, kwargs: dict) -> Result:
+    """One program compiled for H100 (:func:`compile_for_h100`) and its
+    memory analysis; a failure is reported in the result."""
     started = time.perf_counter()
     result = Result(setup.spec.name, setup.mesh_name, label, 0.0, 0, 0, 0, 0, setup.cache_bytes)
     try:
-        with building_for(H100):
-            lowered = fn.trace(*args, **kwargs).lower(lowering_platforms=("cuda",))
-        compiled = lowered.compile()
+        compiled = compile_for_h100(fn, args, kwargs)
     except Exception as e:  # noqa: BLE001  the error is the report
         result.error = f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
         result.seconds = time.perf_counter() - started
@@ -725,7 +773,8 @@ def parse_extra(args, rest: list[str]):
 def _describe(setup: Setup) -> str:
     groups = ", ".join(f"{name} {n}" for name, n in setup.blocks.items())
     return (f"{setup.spec.name} on {setup.mesh_name}: weights {setup.weights_bytes / GB:.1f} GB/device, KV budget "
-            f"{setup.budget_bytes / GB:.1f} GB (0.8 of the {80 - setup.weights_bytes / GB:.1f} GB left), cache "
+            f"{setup.budget_bytes / GB:.1f} GB ({setup.budget_rule}, {80 - setup.weights_bytes / GB:.1f} GB left), "
+            f"programs' temporaries {setup.program_bytes / GB:.2f} GB, cache "
             f"{setup.cache_bytes / GB:.1f} GB/device ({setup.kind}: blocks {groups}"
             + (f", {setup.snapshots} snapshot rows" if setup.kind == "hybrid" else "")
             + f"); max_seqs {setup.max_seqs}, max_num_batched_tokens {setup.max_num_batched_tokens}, decode_chunk "

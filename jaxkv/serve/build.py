@@ -21,7 +21,7 @@ import logging
 import jax
 
 from jaxkv import _host
-from jaxkv._ops import ceil_div
+from jaxkv._ops import ceil_div, pow2_at_least
 from jaxkv.errors import InvalidArgument
 from jaxkv.manager.block_space import BlockSpaceManager
 from jaxkv.nn import sharding
@@ -34,14 +34,15 @@ from jaxkv.serve.hybrid_cache import HybridCache
 from jaxkv.serve.options import CacheOptions, EngineOptions, is_derived
 from jaxkv.serve.paged_cache import PagedCache
 
-__all__ = ["build_cache", "build_hybrid_cache", "build_paged_cache", "derive_scheduler_defaults", "resolve_options"]
+__all__ = ["build_cache", "build_hybrid_cache", "build_paged_cache", "derive_scheduler_defaults", "measures_programs",
+           "program_reserve", "resolve_options", "room_for_programs"]
 
 logger = logging.getLogger("jaxkv.serve")
 
 
 def build_cache(model, options: CacheOptions, *, max_seqs: int, prefill_chunk: int,
                 free_bytes: int | None = None, mesh=None, lookahead: int = 0,
-                draft_token_bytes: float = 0.0) -> KVCache:
+                draft_token_bytes: float = 0.0, temporaries=None) -> KVCache:
     """The cache for ``model`` by its ``cache_kind`` (:mod:`jaxkv.nn.packed`):
     a :class:`~jaxkv.serve.hybrid_cache.HybridCache` or a
     :class:`~jaxkv.serve.paged_cache.PagedCache`, sized by the one rule of
@@ -55,8 +56,11 @@ def build_cache(model, options: CacheOptions, *, max_seqs: int, prefill_chunk: i
     reserve counts them. ``draft_token_bytes``: the bytes one token costs
     a separate draft model's cache, which holds the tokens the target's
     holds (:class:`~jaxkv.serve.drafts.DraftCache`): a budget sizes both
-    together. An option of the other kind of cache is refused
-    (``InvalidArgument`` naming it and the options that apply)."""
+    together. ``temporaries``: with the default budget, what the engine's
+    programs need beside the cache (:func:`program_reserve`): the cache
+    leaves room for it (:func:`room_for_programs`). An option of the
+    other kind of cache is refused (``InvalidArgument`` naming it and the
+    options that apply)."""
     o = options
     if free_bytes is None and mesh is not None:
         free_bytes = sizing.mesh_free_bytes(mesh)
@@ -75,7 +79,7 @@ def build_cache(model, options: CacheOptions, *, max_seqs: int, prefill_chunk: i
             entry_format=o.entry_format, prefill_chunk=prefill_chunk, prefix_cache=o.prefix_cache,
             free_bytes=free_bytes, retention=o.snapshot_retention, snapshot_interval=o.snapshot_interval,
             host_kv_memory=o.host_kv_memory, host_prefix_memory=o.host_prefix_memory, mesh=mesh, lookahead=lookahead,
-            draft_token_bytes=draft_token_bytes)
+            draft_token_bytes=draft_token_bytes, temporaries=temporaries)
         if o.kv_disk_dir is not None:
             cache.attach_disk(model, o.kv_disk_dir, o.kv_disk_bytes, o.entry_format)
         return cache
@@ -95,7 +99,7 @@ def build_cache(model, options: CacheOptions, *, max_seqs: int, prefill_chunk: i
         num_host_pages=o.num_host_pages, host_kv_memory=o.host_kv_memory, kv_dtype=o.kv_dtype,
         prefix_cache=o.prefix_cache, prefill_chunk=prefill_chunk, host_memory_kind=o.host_memory_kind,
         free_bytes=free_bytes, host_prefix_pages=o.host_prefix_pages, host_prefix_memory=o.host_prefix_memory,
-        mesh=mesh, lookahead=lookahead, draft_token_bytes=draft_token_bytes)
+        mesh=mesh, lookahead=lookahead, draft_token_bytes=draft_token_bytes, temporaries=temporaries)
     if o.kv_disk_dir is not None:
         cache.attach_disk(model, o.kv_disk_dir, o.kv_disk_bytes)
     return cache
@@ -175,12 +179,50 @@ def _sized_with_draft(sized, draft_token_bytes: float, tokens_per_block: int, dr
     return blocks, budget, source
 
 
+def _with_shardings(tree, shardings):
+    """``tree``'s shapes (``jax.ShapeDtypeStruct``) carrying ``shardings``
+    (one sharding, or a tree of them shaped like ``tree``)."""
+    if isinstance(shardings, jax.sharding.Sharding):
+        return jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=shardings), tree)
+    return jax.tree.map(lambda s, where: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=where), tree, shardings)
+
+
+def room_for_programs(temporaries, free_bytes: int | None, solve, cache_bytes, shapes):
+    """The default budget's blocks (``solve(None)``), unless they, the
+    engine's programs' temporaries over them (``temporaries(shapes(blocks))``,
+    a :class:`~jaxkv.serve.program_memory.ProgramMemory`) and
+    :data:`~jaxkv.serve.program_memory.PROGRAM_MARGIN` pass the free memory:
+    then the blocks of what is left (``solve(bytes)``). The fraction the
+    default leaves free is a guess; this is XLA's figure for the programs
+    that will run (:mod:`jaxkv.serve.program_memory`). Returns ``(blocks,
+    budget, source)``; ``InvalidArgument`` with the numbers when the
+    temporaries leave no room."""
+    from jaxkv.serve.program_memory import PROGRAM_MARGIN
+
+    blocks, budget, source = solve(None)
+    memory = temporaries(shapes(blocks))
+    free, where = sizing.free_memory(free_bytes)
+    room = free - memory.largest - PROGRAM_MARGIN
+    logger.info("KV cache: %s; %d bytes free (%s)", memory.words(), free, where)
+    if cache_bytes(blocks) <= room:
+        return blocks, budget, f"{source}; leaves room for {memory.words()}", memory.largest
+    if room < 1:
+        raise InvalidArgument(
+            f"{free} free device bytes ({where}) do not hold {memory.words()} and a margin of {PROGRAM_MARGIN} "
+            "bytes: no room is left for the KV cache. Give a smaller max_num_batched_tokens or max_seqs, more "
+            "devices, or kv_cache_memory= (bytes) to size the cache by hand")
+    blocks, budget, _ = solve(room)
+    return blocks, budget, (f"default: {free} free bytes ({where}) less {memory.words()} and a margin of "
+                            f"{PROGRAM_MARGIN} bytes: {room} bytes (0.8 of the free memory would not leave them)"
+                            ), memory.largest
+
+
 def build_paged_cache(model, *, max_seqs: int, page_size: int, max_model_len: int | None, num_pages: int | None,
           max_blocks_per_seq: int | None, kv_cache_memory, num_host_pages: int | None, host_kv_memory,
           kv_dtype, prefix_cache: bool, prefill_chunk: int, host_memory_kind: str,
           free_bytes: int | None = None, host_prefix_pages: int | None = None,
           host_prefix_memory: int | None = None, mesh=None, lookahead: int = 0,
-          draft_token_bytes: float = 0.0) -> PagedCache:
+          draft_token_bytes: float = 0.0, temporaries=None) -> PagedCache:
     """The one sizing rule (:mod:`jaxkv.serve.sizing`) for a paged pool.
 
     ``max_model_len`` (None: from ``max_blocks_per_seq * page_size`` when
@@ -249,14 +291,36 @@ def build_paged_cache(model, *, max_seqs: int, page_size: int, max_model_len: in
             return manager, model.make_pool(counts[0], page_size, dtype=kv_dtype)
         return _paged_bytes(jax.eval_shape(make), mesh)
 
-    budget, source = None, f"num_pages={num_pages} (expert option)"
+    budget, source, reserved = None, f"num_pages={num_pages} (expert option)", 0
     if num_pages is None:
-        def sized(draft_bytes):
-            return blocks_from_budget(lambda counts: measure(counts, max_model_len) + draft_bytes(counts),
-                                      [page_size], [max_seqs * need(max_model_len)], kv_cache_memory, free_bytes)
+        draft_cap = max_seqs * (max_model_len + lookahead + 1)
 
-        blocks, budget, source = _sized_with_draft(sized, draft_token_bytes, page_size,
-                                                   max_seqs * (max_model_len + lookahead + 1))
+        def solve(memory):
+            def sized(draft_bytes):
+                return blocks_from_budget(lambda counts: measure(counts, max_model_len) + draft_bytes(counts),
+                                          [page_size], [max_seqs * need(max_model_len)], memory, free_bytes)
+            return _sized_with_draft(sized, draft_token_bytes, page_size, draft_cap)
+
+        def shapes(blocks):  # the cache's arrays as the programs take them (the manager without its host allocator)
+            manager, pool = jax.eval_shape(lambda: (BlockSpaceManager.create(
+                num_device_blocks=blocks[0] + 1, num_host_blocks=2, block_size=page_size, max_seqs=max_seqs,
+                max_blocks_per_seq=ceil_div(max_model_len + lookahead, page_size), watermark=0.0),
+                model.make_pool(blocks[0] + 1, page_size, dtype=kv_dtype)))
+            manager = manager.replace(host=None)
+            if mesh is None:
+                return manager, pool
+            return (_with_shardings(manager, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())),
+                    _with_shardings(pool, sharding.pool_sharding(pool, mesh)))
+
+        def cache_bytes(blocks):
+            return measure([blocks[0] + 1], max_model_len) + int(draft_token_bytes * min(blocks[0] * page_size,
+                                                                                          draft_cap))
+
+        if kv_cache_memory is None and temporaries is not None:
+            blocks, budget, source, reserved = room_for_programs(temporaries, free_bytes, solve, cache_bytes,
+                                                                  shapes)
+        else:
+            blocks, budget, source = solve(kv_cache_memory)
         held = blocks[0] * page_size
         if need(max_model_len) > blocks[0] and not len_given and held >= 2:
             logger.info("KV cache: the default max_model_len %d does not fit %d pages of %d; lowered to %d",
@@ -290,6 +354,7 @@ def build_paged_cache(model, *, max_seqs: int, page_size: int, max_model_len: in
         ratio = ((sizing.tree_bytes(pools[1]) - sizing.tree_bytes(pools[0]))
                  / max(_pool_bytes(pools[1], mesh) - _pool_bytes(pools[0], mesh), 1))
         cache.plan = _per_device_plan(cache.plan, mesh, measure([num_pages], max_model_len), [ratio])
+    cache.plan = dataclasses.replace(cache.plan, program_bytes=reserved)
     return cache
 
 
@@ -298,7 +363,7 @@ def build_hybrid_cache(model, *, max_seqs: int, max_model_len: int | None, max_c
           prefill_chunk: int, prefix_cache: bool, free_bytes: int | None = None, retention: str = "value",
           snapshot_interval: int | None = None, host_kv_memory: int | None = None,
           host_prefix_memory: int | None = None, mesh=None, lookahead: int = 0,
-          draft_token_bytes: float = 0.0) -> HybridCache:
+          draft_token_bytes: float = 0.0, temporaries=None) -> HybridCache:
     """The one sizing rule (:mod:`jaxkv.serve.sizing`) for a hybrid cache.
 
     ``max_model_len`` and ``max_context_tokens`` name the same limit
@@ -355,23 +420,44 @@ def build_hybrid_cache(model, *, max_seqs: int, max_model_len: int | None, max_c
             max_seqs, n + lookahead, entry_format=entry_format, num_blocks=dict(zip(names, counts)),
             num_snapshots=cached + checkpoints, **options)), on)
 
-    budget_hint = (sizing.resolve_budget(kv_cache_memory, free_bytes=free_bytes)[0] if kv_cache_memory is not None
-                   else sizing.default_budget(free_bytes)[0])
-    if not prefix_cache:
-        cached = 0
-    elif num_snapshots is not None:
-        cached = num_snapshots
-    else:  # a quarter of the budget at most
+    def snapshots(memory) -> int:  # cached snapshots for a budget: a quarter of it at most
+        if not prefix_cache:
+            return 0
+        if num_snapshots is not None:
+            return num_snapshots
         row = measure([2] * len(names), 2, length) - measure([2] * len(names), 1, length)
-        cached = min(2 * max_seqs, budget_hint // 4 // row) if row > 0 else 2 * max_seqs
-        cached = max(int(cached), 0)
-    def sized(draft_bytes):
-        return blocks_from_budget(lambda counts: measure(counts, cached, length) + draft_bytes(counts),
-                                  tokens_per_block, [max_seqs * b for b in blocks_for(length + lookahead)],
-                                  kv_cache_memory, free_bytes)
+        hint = (sizing.resolve_budget(memory, free_bytes=free_bytes)[0] if memory is not None
+                else sizing.default_budget(free_bytes)[0])
+        return max(int(min(2 * max_seqs, hint // 4 // row) if row > 0 else 2 * max_seqs), 0)
 
-    blocks, budget, source = _sized_with_draft(sized, draft_token_bytes, tokens_per_block[0],
-                                               max_seqs * (length + lookahead + 1))
+    draft_cap = max_seqs * (length + lookahead + 1)
+    cached = snapshots(kv_cache_memory)
+
+    def solve(memory):
+        nonlocal cached
+        cached = snapshots(memory)
+
+        def sized(draft_bytes):
+            return blocks_from_budget(lambda counts: measure(counts, cached, length) + draft_bytes(counts),
+                                      tokens_per_block, [max_seqs * b for b in blocks_for(length + lookahead)],
+                                      memory, free_bytes)
+        return _sized_with_draft(sized, draft_token_bytes, tokens_per_block[0], draft_cap)
+
+    def shapes(blocks):  # the cache's arrays as the programs take them
+        manager = jax.eval_shape(lambda: model.make_cache(
+            max_seqs, length + lookahead, entry_format=entry_format,
+            num_blocks=dict(zip(names, (b + 1 for b in blocks))), num_snapshots=cached + checkpoints, **options))
+        return (manager if mesh is None else _with_shardings(manager, sharding.cache_sharding(manager, mesh)),)
+
+    def cache_bytes(blocks):
+        return (measure([b + 1 for b in blocks], cached, length)
+                + int(draft_token_bytes * min(blocks[0] * tokens_per_block[0], draft_cap)))
+
+    reserved = 0
+    if kv_cache_memory is None and temporaries is not None:
+        blocks, budget, source, reserved = room_for_programs(temporaries, free_bytes, solve, cache_bytes, shapes)
+    else:
+        blocks, budget, source = solve(kv_cache_memory)
     held = min(b * t for b, t in zip(blocks, tokens_per_block))  # tokens every group holds
     # A request at max_model_len holds a verify step's rejected drafts past it for a moment.
     fits = all(need <= have for need, have in zip(blocks_for(length + lookahead), blocks))
@@ -396,7 +482,64 @@ def build_hybrid_cache(model, *, max_seqs: int, max_model_len: int | None, max_c
         _, whole = sizing.affine_bytes(lambda counts: measure(counts, cached, length, None), len(names))
         cache.plan = _per_device_plan(cache.plan, mesh, measure([b + 1 for b in blocks], cached, length),
                                       [w / max(d, 1) for w, d in zip(whole, per_block)])
+    cache.plan = dataclasses.replace(cache.plan, program_bytes=reserved)
     return cache
+
+
+# ------------------------------------------------------- program temporaries
+
+
+def program_reserve(model, options: EngineOptions, *, mesh=None):
+    """What :func:`build_cache`'s ``temporaries`` gets for ``model`` run
+    with ``options`` (resolved: :func:`resolve_options`): None when the
+    cache is sized by hand (``kv_cache_memory``, ``num_pages``,
+    ``num_blocks``) or on a CPU (:func:`measures_programs`); with
+    ``program_memory`` given, those bytes; else a function of the cache's
+    shapes that compiles the engine's largest programs over them (the
+    packed step at the token budget, or the padded prefill call, and the
+    decode chunk: :func:`jaxkv.serve.program_memory.engine_programs`) and
+    reads their temporaries. ``model`` as the engine will run it (placed on
+    ``mesh`` already)."""
+    from flax import nnx
+
+    from jaxkv.serve import program_memory
+    from jaxkv.serve.caches import hashed_graphdef
+
+    c, sched = options.cache, options.scheduler
+    if c.kv_cache_memory is not None or c.num_pages is not None or c.num_blocks is not None:
+        return None
+    if c.program_memory is not None:
+        given = program_memory.ProgramMemory((("program_memory", int(c.program_memory)),), 0.0)
+        return lambda shapes: given
+    if not measures_programs(mesh):
+        return None
+    graphdef, params = nnx.split(model)
+    graphdef = hashed_graphdef(graphdef)  # as the engine passes it: the same compiled programs
+    # Unplaced on one device, as the engine's arrays are (jit then serves its first call from this compile).
+    params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=None if mesh is None
+                                                         else x.sharding), params)
+    kind = cache_kind(model)
+    window = paged_window(model) if kind == "paged" else None
+    stream = (sched.max_num_batched_tokens or sched.prefill_chunk) if sched.scheduler == "packed" else None
+    replicated = None if mesh is None else jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+
+    def temporaries(cache_shapes: tuple) -> program_memory.ProgramMemory:
+        has_gdn = kind == "hybrid" and cache_shapes[0].gdn is not None
+        return program_memory.measure(program_memory.engine_programs(
+            graphdef, params, cache_shapes, kind=kind, max_seqs=sched.max_seqs, decode_chunk=sched.decode_chunk,
+            stream_length=stream, prefill_chunk=pow2_at_least(sched.prefill_chunk), has_gdn=has_gdn, window=window,
+            scrub=options.tenants.scrub_on_free, sharding=replicated))
+
+    return temporaries
+
+
+def measures_programs(mesh=None) -> bool:
+    """Whether the engine measures its programs' temporaries before sizing
+    its cache (:func:`program_reserve`): on an accelerator. A CPU keeps no
+    memory statistics (:data:`~jaxkv.serve.sizing.CPU_FREE_BYTES` stands
+    for its free memory: no device's limit to fit), and its compiles are
+    the slow part of a CPU engine's start."""
+    return _platform(mesh) != "cpu"
 
 
 # ------------------------------------------------------- scheduler defaults

@@ -75,7 +75,7 @@ from jaxkv.nn import sharding
 from jaxkv.nn.packed import cache_kind
 from jaxkv.nn.sampling import GREEDY, SamplingParams
 from jaxkv.nn.speculative import draft_model_for, early_exit_draft
-from jaxkv.serve.build import build_cache, paged_token_bytes, resolve_options
+from jaxkv.serve.build import build_cache, paged_token_bytes, program_reserve, resolve_options
 from jaxkv.serve.caches import hashed_graphdef
 from jaxkv.serve.drafts import build_draft
 from jaxkv.serve.options import EngineOptions
@@ -166,6 +166,8 @@ class Engine(Scheduler):
         if not isinstance(options, EngineOptions):
             raise InvalidArgument(f"options must be an EngineOptions, got {_host.short_repr(options)}")
         options = options.replace(**kwargs) if kwargs else options
+        if mesh is not None:  # the model, unless placed already: free memory is read after its weights are placed
+            sharding.prepare(model, mesh)
         #: The options the engine runs with (checked, :mod:`jaxkv.serve.options`; the scheduler options
         #: left out derived for the device and logged, :func:`~jaxkv.serve.build.resolve_options`).
         self.options = options = resolve_options(model, options, mesh=mesh, free_bytes=free_bytes)
@@ -178,16 +180,15 @@ class Engine(Scheduler):
                              paged_token_bytes(draft_model, cache_options.page_size, draft_kv_dtype)[0])
         self.cache = build_cache(model, cache_options, max_seqs=sched.max_seqs, prefill_chunk=sched.prefill_chunk,
                                  free_bytes=free_bytes, mesh=mesh, lookahead=lookahead,
-                                 draft_token_bytes=draft_token_bytes)
+                                 draft_token_bytes=draft_token_bytes,
+                                 temporaries=program_reserve(model, options, mesh=mesh))
         scrub_on_free, prefix_quota = tenants.scrub_on_free, tenants.prefix_quota
         enable_kv_events = tenants.enable_kv_events
         # What a rebuilt cache gets again (see _recover).
         self._isolation = dict(scrub_on_free=scrub_on_free, prefix_quota=prefix_quota)
         self._kv_events, self._mesh = enable_kv_events, mesh
-        if mesh is not None:  # the model, unless placed already
-            sharding.prepare(model, mesh)
-            if draft_model is not None:
-                sharding.prepare(draft_model, mesh)
+        if mesh is not None and draft_model is not None:  # the draft, unless placed already
+            sharding.prepare(draft_model, mesh)
         # After the placement: the draft keeps its parameters as they are now.
         draft = build_draft(draft_model, model, shares_pool, self.cache, max_seqs=sched.max_seqs,
                             page_size=cache_options.page_size, lookahead=lookahead, kv_dtype=draft_kv_dtype,

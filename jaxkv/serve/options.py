@@ -170,6 +170,10 @@ class CacheOptions(_Checked):
         None, "memory", "the cache's device bytes (int), or a fraction in (0, 1] of the device's free memory "
         "(1 GiB stands for it on the CPU); default 0.8 of it, capped at every sequence row at max_model_len",
         flag="--kv-cache-memory")
+    program_memory: int | None = _option(
+        None, "count0", "device bytes kept for the engine's programs' temporaries beside the cache when "
+        "kv_cache_memory is the default (default: on an accelerator, measured from the compiled programs "
+        "before the cache is allocated, jaxkv.serve.program_memory; on a CPU none)", flag="--program-memory")
     host_kv_memory: int | None = _option(
         None, "count0", "bytes of host memory for swapped-out requests (default none: preemption by "
         "recomputation): host pages of a paged pool; a hybrid cache's request images", flag="--swap-space")

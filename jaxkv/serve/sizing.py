@@ -21,7 +21,12 @@ The engine (:class:`jaxkv.serve.Engine`) sizes its cache from two numbers:
   more than every sequence row at ``max_model_len`` needs (``max_seqs *
   blocks_for(max_model_len)`` blocks per group: the old default of both
   caches), so a small model does not take the whole device unasked. An
-  explicit ``kv_cache_memory`` is used whole.
+  explicit ``kv_cache_memory`` is used whole. On an accelerator the default
+  also leaves room for the engine's programs: their temporaries, read from
+  XLA's compiled memory analysis before the cache is allocated, and a
+  margin (:mod:`jaxkv.serve.program_memory`,
+  :func:`jaxkv.serve.build.room_for_programs`; ``program_memory`` gives the
+  bytes instead).
 
 From the budget (:func:`solve`): the bytes the cache costs are an exact
 affine function of its block counts, measured from the shapes and dtypes of
@@ -126,7 +131,7 @@ from jaxkv.serve.options import SchedulerOptions
 __all__ = ["CPU_DEFAULT_MAX_MODEL_LEN", "CPU_FREE_BYTES", "DEFAULT_MAX_MODEL_LEN", "DEFAULT_MEMORY_FRACTION",
            "GPU_DECODE_CHUNK", "GPU_MAX_NUM_BATCHED_TOKENS", "GPU_MAX_SEQS", "TYPICAL_CONTEXT", "CachePlan",
            "GroupPlan", "SchedulerDefaults", "default_max_model_len", "device_bytes", "device_free_bytes",
-           "mesh_free_bytes", "resolve_budget", "scheduler_defaults", "solve", "tree_bytes"]
+           "free_memory", "mesh_free_bytes", "resolve_budget", "scheduler_defaults", "solve", "tree_bytes"]
 
 #: ``max_model_len`` when none is given: ``min(config.max_position_embeddings, DEFAULT_MAX_MODEL_LEN)``.
 DEFAULT_MAX_MODEL_LEN = 4096
@@ -238,11 +243,14 @@ def resolve_budget(kv_cache_memory, *, free_bytes: int | None = None) -> tuple[i
     if not 0.0 < value <= 1.0:
         raise InvalidArgument(f"kv_cache_memory={value}: a fraction of the device's free memory must be in (0, 1] "
                               "(give an int for bytes)")
-    free, where = _free(free_bytes)
+    free, where = free_memory(free_bytes)
     return int(value * free), f"kv_cache_memory={value} of {free} free bytes ({where})"
 
 
-def _free(free_bytes: int | None) -> tuple[int, str]:
+def free_memory(free_bytes: int | None = None) -> tuple[int, str]:
+    """The free device bytes the sizing rule reads and where they came
+    from: ``free_bytes`` when given, else :func:`device_free_bytes`, else
+    (no memory statistics: the CPU) :data:`CPU_FREE_BYTES`."""
     if free_bytes is not None:
         return int(free_bytes), "given"
     free = device_free_bytes()
@@ -254,7 +262,7 @@ def _free(free_bytes: int | None) -> tuple[int, str]:
 def default_budget(free_bytes: int | None = None) -> tuple[int, str]:
     """The default budget (before the every-row cap): ``DEFAULT_MEMORY_FRACTION``
     of the free memory."""
-    free, where = _free(free_bytes)
+    free, where = free_memory(free_bytes)
     return int(DEFAULT_MEMORY_FRACTION * free), f"default {DEFAULT_MEMORY_FRACTION} of {free} free bytes ({where})"
 
 
@@ -408,7 +416,11 @@ class CachePlan:
     or the default cap of every row at ``max_model_len``); ``source``: where
     the sizes came from, in words; ``checkpoint_rows``: speculation's
     checkpoint state rows of a hybrid cache (one per sequence row, each of
-    ``snapshot_bytes``; 0 without speculation), counted in ``device_bytes``.
+    ``snapshot_bytes``; 0 without speculation), counted in ``device_bytes``;
+    ``program_bytes``: device bytes the sizing kept free beside the cache for
+    the engine's programs (their largest temporaries, measured or given as
+    ``program_memory``; 0: none counted, the default fraction's headroom
+    only), margin not included (:mod:`jaxkv.serve.program_memory`).
     """
 
     cache: str
@@ -424,6 +436,7 @@ class CachePlan:
     budget_bytes: int | None
     source: str
     checkpoint_rows: int = 0
+    program_bytes: int = 0
 
     def group(self, name: str) -> GroupPlan:
         return next(g for g in self.groups if g.name == name)
