@@ -25,6 +25,7 @@ from flax import nnx
 from jaxkv.errors import InvalidArgument
 from jaxkv.nn import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, generate
 from jaxkv.serve import Engine, build
+from jaxkv.serve.options import Derived
 from jaxkv.serve.program_memory import PROGRAM_MARGIN
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures")
@@ -155,3 +156,62 @@ def test_a_cache_sized_by_hand_measures_nothing(measured, caplog):
     assert compiled_programs(caplog) == []
     assert engine.cache_plan.budget_bytes == 3 * MiB
     assert "temporaries" not in engine.cache_plan.source and engine.cache_plan.program_bytes == 0
+
+
+def test_a_derived_token_budget_is_lowered_when_its_programs_leave_the_cache_too_little(measured, caplog):
+    """The packed step over the derived token budget (256 on the CPU) needs
+    more than the free memory leaves beside half the default cache: the
+    engine runs with the largest packed stream length whose programs leave
+    that half, measured; a prompt longer than it is prefilled over several
+    steps and gets ``generate``'s tokens. A budget given is kept (the cache
+    shrinks instead)."""
+    m = model("llama")
+    probe = Engine(m, free_bytes=PROGRAM_MARGIN + 256 * MiB)
+    assert probe.stream_lengths()[-1] == 256
+    temps, want = probe.cache_plan.program_bytes, probe.cache.device_bytes()
+    free = PROGRAM_MARGIN + temps + want // 4
+    with caplog.at_level(logging.INFO, logger="jaxkv.serve"):
+        engine = Engine(m, free_bytes=free)
+    tokens = engine.options.scheduler.max_num_batched_tokens
+    assert tokens in (16, 32, 48, 64, 96, 128, 192) and engine.stream_lengths()[-1] == tokens
+    assert engine.options.scheduler.prefill_chunk == tokens
+    assert engine.cache_plan.program_bytes <= free - PROGRAM_MARGIN - want // 2
+    assert f"the token budget lowered from 256 to {tokens}" in engine.cache_plan.source
+    assert any(f"max_num_batched_tokens={tokens}" in r.getMessage() for r in caplog.records)
+    prompt = np.random.default_rng().integers(1, LLAMA["vocab_size"], tokens + 40).tolist()
+    rid = engine.add_request(prompt, 5)
+    engine.run()
+    assert engine.outputs[rid] == generate(m, [prompt], 5).tokens[0]
+    given = Engine(m, free_bytes=free, max_num_batched_tokens=256)
+    assert given.options.scheduler.max_num_batched_tokens == 256
+    assert given.cache.device_bytes() < want and "lowered" not in given.cache_plan.source
+
+
+def test_derived_rows_follow_the_budget_the_programs_leave(measured, monkeypatch, caplog):
+    """As on a GPU (the platform the defaults are derived for): ``max_seqs``
+    derived from 0.8 of the free memory, then the programs' temporaries cut
+    the budget: the engine derives the rows again from what they leave (the
+    same rule, :func:`jaxkv.serve.build.derive_scheduler_defaults`), and
+    sizes its cache for them; the tokens are ``generate``'s."""
+    m = model("llama")
+    monkeypatch.setattr(build, "_platform", lambda mesh=None: "gpu")
+    options = dict(max_num_batched_tokens=256, max_model_len=128)
+    free = PROGRAM_MARGIN + 64 * MiB
+    wide = Engine(m, free_bytes=free, **options)
+    assert wide.options.scheduler.max_seqs == 256  # the rows the 0.8 budget gives, at most 256
+    temps, want = wide.cache_plan.program_bytes, wide.cache.device_bytes()
+    del wide
+    free = PROGRAM_MARGIN + temps + want // 8
+    with caplog.at_level(logging.INFO, logger="jaxkv.serve"):
+        engine = Engine(m, free_bytes=free, **options)
+    rows = engine.options.scheduler.max_seqs
+    room = free - temps - PROGRAM_MARGIN
+    again = build.derive_scheduler_defaults(m, engine.options.replace(kv_cache_memory=room, max_seqs=Derived(8)),
+                                            free_bytes=free)
+    assert 8 <= rows < 256 and rows == again.values()["max_seqs"]
+    assert engine.cache_plan.max_seqs == rows and engine.cache.device_bytes() <= room
+    assert any(f"max_seqs={rows}" in r.getMessage() for r in caplog.records)
+    prompt = np.random.default_rng().integers(1, LLAMA["vocab_size"], 70).tolist()
+    rid = engine.add_request(prompt, 5)
+    engine.run()
+    assert engine.outputs[rid] == generate(m, [prompt], 5).tokens[0]

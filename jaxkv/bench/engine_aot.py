@@ -209,16 +209,18 @@ def _device_bytes(tree) -> int:
     return int(total)
 
 
-def _scheduler_sizes(model, mesh, free: int) -> tuple[int, int, int, str]:
+def _scheduler_sizes(model, mesh, free: int, budget: int | None = None) -> tuple[int, int, int, str]:
     """``(max_seqs, max_num_batched_tokens, decode_chunk, note)`` as the
-    engine derives them on a GPU (:func:`jaxkv.serve.build.derive_scheduler_defaults`);
-    the GPU's fixed defaults where that derivation is not there."""
+    engine derives them on a GPU (:func:`jaxkv.serve.build.derive_scheduler_defaults`;
+    ``budget``: from that KV budget, else the default's); the GPU's fixed
+    defaults where that derivation is not there."""
     try:
         from jaxkv.serve.build import derive_scheduler_defaults
         from jaxkv.serve.options import EngineOptions
     except ImportError:
         return GPU_MAX_SEQS, GPU_MAX_NUM_BATCHED_TOKENS, GPU_DECODE_CHUNK, "the GPU defaults (no derivation)"
-    d = derive_scheduler_defaults(model, EngineOptions(), mesh=mesh, free_bytes=free, platform="gpu")
+    d = derive_scheduler_defaults(model, EngineOptions(kv_cache_memory=budget), mesh=mesh, free_bytes=free,
+                                  platform="gpu")
     values = d.values()
     return (int(values["max_seqs"]), int(values["max_num_batched_tokens"]), int(values["decode_chunk"]),
             "derived as on a GPU")
@@ -239,9 +241,11 @@ def _cache_dims(kind: str, cache, params) -> frozenset:
     return frozenset(d for d in dims if d not in taken)
 
 
-def build(spec: ModelSpec, *, stacked: bool = False, local: bool = False) -> Setup:
+def build(spec: ModelSpec, *, stacked: bool = False, local: bool = False, _again=None) -> Setup:
     """The model ``spec`` as shapes on its devices, sized as the engine on
-    ``spec.tp`` 80 GB H100s (module docstring)."""
+    ``spec.tp`` 80 GB H100s (module docstring). ``_again``: ``(rows, token
+    budget, the programs' measure, note)``, the engine's second sizing when
+    the programs cut the budget its rows were derived from."""
     from jaxkv.bench.deployment import H100_BYTES, model_and_cache
     from jaxkv.manager.block_space import BlockSpaceManager
     from jaxkv.nn import sharding
@@ -282,6 +286,8 @@ def build(spec: ModelSpec, *, stacked: bool = False, local: bool = False) -> Set
     weights = _device_bytes(params)
     free = max(int(H100_BYTES) - weights, 1)
     max_seqs, batched, chunk, note = _scheduler_sizes(model, mesh, free)
+    if _again is not None:
+        max_seqs, batched, measured, note = _again
     length = sizing.default_max_model_len(model, "gpu")
     options = CacheOptions()
     prefill_width = min(pow2_at_least(256), pow2_at_least(length))  # the engine's prefill_chunk default: 256
@@ -356,14 +362,27 @@ def build(spec: ModelSpec, *, stacked: bool = False, local: bool = False) -> Set
             return measure([b + 1 for b in blocks], solved["snapshots"])
 
     # The engine's rule (jaxkv.serve.build.room_for_programs): the default budget, unless the cache, the largest
-    # programs' temporaries over it and the margin pass the free memory; then what they leave.
-    def temporaries(cache):
+    # programs' temporaries over it and the margin pass the free memory; then what they leave (the derived token
+    # budget lowered first when they would leave the cache less than half).
+    def measure_at(cache, tokens):
         return program_memory.measure(program_memory.engine_programs(
-            graphdef, params, cache, kind=kind, max_seqs=max_seqs, decode_chunk=chunk, stream_length=batched,
+            graphdef, params, cache, kind=kind, max_seqs=max_seqs, decode_chunk=chunk, stream_length=tokens,
             prefill_chunk=prefill_width, has_gdn=has_gdn, sharding=replicated), compile_for_h100)
 
     solved = {"snapshots": 0}
-    blocks, budget, source, reserved = room_for_programs(temporaries, free, solve, cache_bytes, shapes)
+    if _again is None:
+        reserve = program_memory.MeasuredPrograms(measure_at, batched, lowerable=True, floor=max_seqs)
+    else:  # as measured at more rows: the engine's second sizing compiles nothing
+        reserve = lambda shapes: measured  # noqa: E731
+    blocks, budget, source, reserved = room_for_programs(reserve, free, solve, cache_bytes, shapes)
+    if _again is None and reserve.token_budget < batched:
+        note += f"; max_num_batched_tokens lowered from {batched} to {reserve.token_budget}, as the engine does"
+        batched = reserve.token_budget
+    if _again is None and reserve.limited_to is not None:  # the engine's jaxkv.serve.engine._rows_for_room
+        rows = _scheduler_sizes(model, mesh, free, reserve.limited_to)[0]
+        if rows < max_seqs:
+            note += f"; max_seqs {max_seqs} derived again from the budget the programs leave: {rows}"
+            return build(spec, stacked=stacked, local=local, _again=(rows, batched, reserve.measured, note))
     jax.clear_caches()  # the table's compile seconds are each program's own compile, not a cache hit
     cache, cached = shapes(blocks), solved["snapshots"]
     groups = {"pages": blocks[0]} if kind == "paged" else dict(zip(names, blocks))
@@ -385,34 +404,19 @@ def build(spec: ModelSpec, *, stacked: bool = False, local: bool = False) -> Set
 
 def _inputs(setup: Setup):
     """The per-row inputs every program takes: a maker of ``[max_seqs]``
-    vectors, the rows' sampling and PRNG keys."""
-    from jaxkv.nn.sampling import RowSampling
+    vectors, the rows' sampling and PRNG keys
+    (:func:`jaxkv.serve.program_memory.row_inputs`)."""
+    from jaxkv.serve.program_memory import row_inputs
 
-    rows, rep = setup.max_seqs, setup.replicated
-
-    def vec(dtype, shape=None):
-        return jax.ShapeDtypeStruct((rows,) if shape is None else shape, jnp.dtype(dtype), sharding=rep)
-
-    sampling = RowSampling(vec(jnp.float32), vec(jnp.int32), vec(jnp.float32))
-    # Key data, as the engine passes it (jaxkv.serve.caches.typed_keys).
-    keys = jax.eval_shape(lambda: jax.random.key_data(jax.random.split(jax.random.key(0), rows)))
-    return vec, sampling, jax.ShapeDtypeStruct(keys.shape, keys.dtype, sharding=rep)
+    return row_inputs(setup.max_seqs, setup.replicated)
 
 
 def _packed_batch(setup: Setup, tokens: int):
     """The :class:`~jaxkv.nn.packed.PackedBatch` of a stream of ``tokens``
-    as ``_packed_call`` packs it (shapes; its prefill-lane class: every lane
-    for a paged pool, the largest power of two the stream can fill for a
-    hybrid cache with Gated DeltaNet layers, every lane otherwise)."""
-    from jaxkv.nn.packed import pack
+    as ``_packed_call`` packs it (:func:`jaxkv.serve.program_memory.packed_batch`)."""
+    from jaxkv.serve.program_memory import packed_batch
 
-    rows, width = setup.max_seqs, tokens
-    if setup.has_gdn:  # HybridCache._prefill_rows and prefill_lane_cap: a [P, width] view of at most the budget
-        rows = min(pow2_at_least(min(tokens, setup.max_seqs)), setup.max_seqs)
-        width = min(tokens, max(setup.max_num_batched_tokens // rows, 1))
-    batch = pack([], num_lanes=setup.max_seqs, num_tokens=tokens, num_prefill_lanes=rows, max_prefill_len=width,
-                 num_prefill=0)
-    return _placed(batch, setup.replicated)
+    return packed_batch(setup.max_seqs, tokens, setup.max_num_batched_tokens, setup.has_gdn, setup.replicated)
 
 
 def programs(setup: Setup, which=None, *, prefill: bool = False) -> list[tuple[str, Callable, tuple, dict]]:

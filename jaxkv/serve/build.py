@@ -194,27 +194,49 @@ def room_for_programs(temporaries, free_bytes: int | None, solve, cache_bytes, s
     :data:`~jaxkv.serve.program_memory.PROGRAM_MARGIN` pass the free memory:
     then the blocks of what is left (``solve(bytes)``). The fraction the
     default leaves free is a guess; this is XLA's figure for the programs
-    that will run (:mod:`jaxkv.serve.program_memory`). Returns ``(blocks,
-    budget, source)``; ``InvalidArgument`` with the numbers when the
-    temporaries leave no room."""
-    from jaxkv.serve.program_memory import PROGRAM_MARGIN
+    that will run (:mod:`jaxkv.serve.program_memory`).
+
+    When what is left is under half the cache the default gives and the
+    token budget was derived (``temporaries`` a
+    :class:`~jaxkv.serve.program_memory.MeasuredPrograms` that is
+    ``lowerable``), the token budget is lowered first until the temporaries
+    leave that half (:meth:`~jaxkv.serve.program_memory.MeasuredPrograms.lower`;
+    the engine runs with it): a packed step over 8,192 tokens of
+    DeepSeek-V4-Flash on eight H100s needs 29 GB of temporaries where 6.8 GB
+    are free. Returns ``(blocks, budget, source, bytes kept for the
+    programs)``; ``InvalidArgument`` with the numbers when the temporaries
+    leave no room."""
+    from jaxkv.serve.program_memory import PROGRAM_MARGIN, MeasuredPrograms
 
     blocks, budget, source = solve(None)
     memory = temporaries(shapes(blocks))
     free, where = sizing.free_memory(free_bytes)
     room = free - memory.largest - PROGRAM_MARGIN
     logger.info("KV cache: %s; %d bytes free (%s)", memory.words(), free, where)
+    half = cache_bytes(blocks) // 2  # of the cache the default gives
+    lowered = ""
+    if room < half and getattr(temporaries, "lowerable", False):
+        before = temporaries.token_budget
+        better = temporaries.lower(shapes(blocks), memory, free - PROGRAM_MARGIN - half)
+        if better is not None:
+            lowered = (f"; the token budget lowered from {before} to {temporaries.token_budget}: "
+                       f"{memory.words()} left {max(room, 0)} bytes")
+            memory, room = better, free - better.largest - PROGRAM_MARGIN
+            logger.info("KV cache: token budget lowered from %d to %d: %s", before, temporaries.token_budget,
+                        memory.words())
     if cache_bytes(blocks) <= room:
-        return blocks, budget, f"{source}; leaves room for {memory.words()}", memory.largest
+        return blocks, budget, f"{source}; leaves room for {memory.words()}{lowered}", memory.largest
     if room < 1:
         raise InvalidArgument(
             f"{free} free device bytes ({where}) do not hold {memory.words()} and a margin of {PROGRAM_MARGIN} "
             "bytes: no room is left for the KV cache. Give a smaller max_num_batched_tokens or max_seqs, more "
             "devices, or kv_cache_memory= (bytes) to size the cache by hand")
     blocks, budget, _ = solve(room)
+    if isinstance(temporaries, MeasuredPrograms):  # what the engine re-derives its rows from
+        temporaries.measured, temporaries.limited_to = memory, room
     return blocks, budget, (f"default: {free} free bytes ({where}) less {memory.words()} and a margin of "
                             f"{PROGRAM_MARGIN} bytes: {room} bytes (0.8 of the free memory would not leave them)"
-                            ), memory.largest
+                            f"{lowered}"), memory.largest
 
 
 def build_paged_cache(model, *, max_seqs: int, page_size: int, max_model_len: int | None, num_pages: int | None,
@@ -489,17 +511,20 @@ def build_hybrid_cache(model, *, max_seqs: int, max_model_len: int | None, max_c
 # ------------------------------------------------------- program temporaries
 
 
-def program_reserve(model, options: EngineOptions, *, mesh=None):
+def program_reserve(model, options: EngineOptions, *, mesh=None, lowerable: bool = False):
     """What :func:`build_cache`'s ``temporaries`` gets for ``model`` run
     with ``options`` (resolved: :func:`resolve_options`): None when the
     cache is sized by hand (``kv_cache_memory``, ``num_pages``,
     ``num_blocks``) or on a CPU (:func:`measures_programs`); with
-    ``program_memory`` given, those bytes; else a function of the cache's
-    shapes that compiles the engine's largest programs over them (the
-    packed step at the token budget, or the padded prefill call, and the
-    decode chunk: :func:`jaxkv.serve.program_memory.engine_programs`) and
-    reads their temporaries. ``model`` as the engine will run it (placed on
-    ``mesh`` already)."""
+    ``program_memory`` given, those bytes; else a
+    :class:`~jaxkv.serve.program_memory.MeasuredPrograms` that compiles the
+    engine's largest programs over the cache's shapes (the packed step at
+    the token budget, or the padded prefill call, and the decode chunk:
+    :func:`jaxkv.serve.program_memory.engine_programs`) and reads their
+    temporaries; ``lowerable``: the token budget was derived and may be
+    lowered (:func:`room_for_programs`; the engine then runs with the
+    reserve's ``token_budget``). ``model`` as the engine will run it
+    (placed on ``mesh`` already)."""
     from flax import nnx
 
     from jaxkv.serve import program_memory
@@ -523,14 +548,14 @@ def program_reserve(model, options: EngineOptions, *, mesh=None):
     stream = (sched.max_num_batched_tokens or sched.prefill_chunk) if sched.scheduler == "packed" else None
     replicated = None if mesh is None else jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
 
-    def temporaries(cache_shapes: tuple) -> program_memory.ProgramMemory:
+    def measure_at(cache_shapes: tuple, tokens: int | None) -> program_memory.ProgramMemory:
         has_gdn = kind == "hybrid" and cache_shapes[0].gdn is not None
         return program_memory.measure(program_memory.engine_programs(
             graphdef, params, cache_shapes, kind=kind, max_seqs=sched.max_seqs, decode_chunk=sched.decode_chunk,
-            stream_length=stream, prefill_chunk=pow2_at_least(sched.prefill_chunk), has_gdn=has_gdn, window=window,
+            stream_length=tokens, prefill_chunk=pow2_at_least(sched.prefill_chunk), has_gdn=has_gdn, window=window,
             scrub=options.tenants.scrub_on_free, sharding=replicated))
 
-    return temporaries
+    return program_memory.MeasuredPrograms(measure_at, stream, lowerable=lowerable, floor=sched.max_seqs)
 
 
 def measures_programs(mesh=None) -> bool:

@@ -70,15 +70,17 @@ import numpy as np
 from flax import nnx
 
 from jaxkv import _host
+from jaxkv._ops import pow2_at_least
 from jaxkv.errors import InvalidArgument
 from jaxkv.nn import sharding
 from jaxkv.nn.packed import cache_kind
 from jaxkv.nn.sampling import GREEDY, SamplingParams
 from jaxkv.nn.speculative import draft_model_for, early_exit_draft
-from jaxkv.serve.build import build_cache, paged_token_bytes, program_reserve, resolve_options
+from jaxkv.serve.build import (build_cache, derive_scheduler_defaults, paged_token_bytes, program_reserve,
+                               resolve_options)
 from jaxkv.serve.caches import hashed_graphdef
 from jaxkv.serve.drafts import build_draft
-from jaxkv.serve.options import EngineOptions
+from jaxkv.serve.options import Derived, EngineOptions, is_derived
 from jaxkv.serve.output import (Counters, EngineProgress, EngineStats, EngineSummary, OutputProcessor,
                                 latency_stats)
 from jaxkv.serve.request import RequestOutput, RequestState, new_request
@@ -89,6 +91,45 @@ __all__ = ["MAX_REQUEST_FAULTS", "WAIT_FOR_PREFIX_TOKENS", "Engine", "EngineProg
            "EngineSummary", "RequestOutput", "RequestState"]
 
 logger = logging.getLogger("jaxkv.serve")
+
+
+def _with_token_budget(options: EngineOptions, tokens: int | None, derived: set, cache) -> EngineOptions:
+    """``options`` with the token budget the sizing lowered to ``tokens``
+    (:func:`jaxkv.serve.build.room_for_programs`: a derived budget whose
+    packed step's temporaries left the cache too little), and a derived
+    ``prefill_chunk`` that followed it (the packed scheduler's default) with
+    it; ``options`` as they are otherwise."""
+    sched = options.scheduler
+    current = sched.max_num_batched_tokens or sched.prefill_chunk
+    if tokens is None or tokens >= current:
+        return options
+    changes = {"max_num_batched_tokens": tokens}
+    if "prefill_chunk" in derived and sched.prefill_chunk > tokens:
+        changes["prefill_chunk"] = tokens
+        cache.prefill_width = min(cache.prefill_width, pow2_at_least(tokens))
+    logger.info("scheduler: %s (the derived token budget %d lowered: its packed step's temporaries left the KV "
+                "cache too little)", ", ".join(f"{k}={v}" for k, v in changes.items()), current)
+    return options.replace(**changes)
+
+
+def _rows_for_room(model, options: EngineOptions, reserve, derived: set, mesh, free_bytes: int | None) -> int | None:
+    """Fewer sequence rows when the derived ``max_seqs`` was derived from a
+    budget the programs' temporaries then cut (``reserve.limited_to``,
+    :func:`jaxkv.serve.build.room_for_programs`): the rows the same rule
+    derives from the budget they left; None when it derives no fewer (or
+    ``max_seqs`` was given). Each row costs its per-request state whatever
+    the budget (large for DeepSeek-V4 and Qwen3-Next), so rows derived for
+    the larger budget would leave the blocks little."""
+    room = getattr(reserve, "limited_to", None)
+    if room is None or "max_seqs" not in derived:
+        return None
+    again = options.replace(kv_cache_memory=int(room), max_seqs=Derived(options.scheduler.max_seqs))
+    rows = derive_scheduler_defaults(model, again, mesh=mesh, free_bytes=free_bytes).values()["max_seqs"]
+    if rows >= options.scheduler.max_seqs:
+        return None
+    logger.info("scheduler: max_seqs=%d (the derived %d rows: the %d bytes the programs leave the cache hold fewer)",
+                rows, options.scheduler.max_seqs, room)
+    return rows
 
 
 class Engine(Scheduler):
@@ -168,6 +209,8 @@ class Engine(Scheduler):
         options = options.replace(**kwargs) if kwargs else options
         if mesh is not None:  # the model, unless placed already: free memory is read after its weights are placed
             sharding.prepare(model, mesh)
+        derived = {name for name in ("max_seqs", "max_num_batched_tokens", "prefill_chunk")
+                   if is_derived(getattr(options.scheduler, name))}
         #: The options the engine runs with (checked, :mod:`jaxkv.serve.options`; the scheduler options
         #: left out derived for the device and logged, :func:`~jaxkv.serve.build.resolve_options`).
         self.options = options = resolve_options(model, options, mesh=mesh, free_bytes=free_bytes)
@@ -178,10 +221,21 @@ class Engine(Scheduler):
         draft_kv_dtype = cache_options.kv_dtype if cache_kind(model) == "paged" else None
         draft_token_bytes = (0.0 if draft_model is None or shares_pool else
                              paged_token_bytes(draft_model, cache_options.page_size, draft_kv_dtype)[0])
+        reserve = program_reserve(model, options, mesh=mesh, lowerable="max_num_batched_tokens" in derived)
         self.cache = build_cache(model, cache_options, max_seqs=sched.max_seqs, prefill_chunk=sched.prefill_chunk,
                                  free_bytes=free_bytes, mesh=mesh, lookahead=lookahead,
-                                 draft_token_bytes=draft_token_bytes,
-                                 temporaries=program_reserve(model, options, mesh=mesh))
+                                 draft_token_bytes=draft_token_bytes, temporaries=reserve)
+        self.options = options = _with_token_budget(options, getattr(reserve, "token_budget", None), derived,
+                                                    self.cache)
+        rows = _rows_for_room(model, options, reserve, derived, mesh, free_bytes)
+        if rows is not None:  # sized again for fewer rows, beside the programs as measured (more rows: an upper bound)
+            self.options = options = options.replace(max_seqs=rows)
+            measured = reserve.measured
+            self.cache = None  # its arrays go before the new ones are made
+            self.cache = build_cache(model, cache_options, max_seqs=rows, prefill_chunk=options.scheduler.prefill_chunk,
+                                     free_bytes=free_bytes, mesh=mesh, lookahead=lookahead,
+                                     draft_token_bytes=draft_token_bytes, temporaries=lambda shapes: measured)
+        sched = options.scheduler
         scrub_on_free, prefix_quota = tenants.scrub_on_free, tenants.prefix_quota
         enable_kv_events = tenants.enable_kv_events
         # What a rebuilt cache gets again (see _recover).

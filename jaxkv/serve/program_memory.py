@@ -43,7 +43,8 @@ import jax.numpy as jnp
 
 from jaxkv._ops import pow2_at_least
 
-__all__ = ["PROGRAM_MARGIN", "ProgramMemory", "engine_programs", "measure", "packed_batch", "row_inputs"]
+__all__ = ["PROGRAM_MARGIN", "MeasuredPrograms", "ProgramMemory", "engine_programs", "measure", "packed_batch",
+           "row_inputs"]
 
 #: Bytes kept free beside the cache and the programs' temporaries: what the
 #: runtime allocates outside a program's buffers (GEMM workspaces, the
@@ -162,3 +163,55 @@ def measure(programs: list[tuple[str, Callable, tuple, dict]], compile_program=N
         analysis = compiled.memory_analysis()
         temps.append((label, int(getattr(analysis, "temp_size_in_bytes", 0) or 0)))
     return ProgramMemory(tuple(temps), time.perf_counter() - start)
+
+
+class MeasuredPrograms:
+    """The engine's programs measured over a cache's shapes (what
+    :func:`jaxkv.serve.build.room_for_programs` calls): ``self(shapes)``
+    measures them with the packed step over ``token_budget`` tokens
+    (``measure_at(shapes, tokens)`` -> :class:`ProgramMemory`, the packed
+    step first). ``lowerable`` (the token budget was derived, not given):
+    :meth:`lower` may pick a smaller one, at least ``floor`` (one token per
+    sequence row: a packed step carries every decoding row's)."""
+
+    def __init__(self, measure_at, token_budget: int | None, *, lowerable: bool = False, floor: int = 1):
+        self._measure_at = measure_at
+        self.token_budget = token_budget
+        self.lowerable = lowerable and token_budget is not None
+        self.floor = floor
+        #: Set by :func:`~jaxkv.serve.build.room_for_programs` when the programs limited the cache: their
+        #: measure and the bytes they left it.
+        self.measured: ProgramMemory | None = None
+        self.limited_to: int | None = None
+
+    def __call__(self, shapes) -> ProgramMemory:
+        return self._measure_at(shapes, self.token_budget)
+
+    def lower(self, shapes, measured: ProgramMemory, allowed: int) -> ProgramMemory | None:
+        """The largest token budget below ``token_budget`` (a packed stream
+        length, :func:`jaxkv.serve.scheduler.stream_buckets`, at least
+        ``floor``) whose programs' largest temporaries are at most
+        ``allowed`` bytes, measured; ``token_budget`` set to it and its
+        measure returned. None (nothing changed) when not lowerable or none
+        fits. The first length tried is where the packed step's temporaries,
+        drawn as a line through the decode chunk's (its step at no prompt
+        token) and ``measured``'s, reach ``allowed``; then each smaller
+        length until one fits."""
+        from jaxkv.serve.scheduler import stream_buckets
+
+        if not self.lowerable:
+            return None
+        packed, decode = measured.temp_bytes[0][1], measured.temp_bytes[-1][1]
+        if decode > allowed:
+            return None  # the decode chunk alone does not fit: no token budget helps
+        per_token = max(packed - decode, 0) / self.token_budget
+        guess = (allowed - decode) / per_token if per_token else self.token_budget
+        lengths = [n for n in stream_buckets(self.token_budget) if self.floor <= n < self.token_budget]
+        if self.floor < self.token_budget and self.floor not in lengths:
+            lengths = sorted(set(lengths) | {self.floor})
+        for tokens in sorted((n for n in lengths if n <= max(guess, self.floor)), reverse=True):
+            memory = self._measure_at(shapes, tokens)
+            if memory.largest <= allowed:
+                self.token_budget = tokens
+                return memory
+        return None
