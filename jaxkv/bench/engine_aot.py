@@ -219,7 +219,7 @@ def _scheduler_sizes(model, mesh, free: int, budget: int | None = None) -> tuple
         from jaxkv.serve.options import EngineOptions
     except ImportError:
         return GPU_MAX_SEQS, GPU_MAX_NUM_BATCHED_TOKENS, GPU_DECODE_CHUNK, "the GPU defaults (no derivation)"
-    d = derive_scheduler_defaults(model, EngineOptions(kv_cache_memory=budget), mesh=mesh, free_bytes=free,
+    d = derive_scheduler_defaults(model, EngineOptions().replace(kv_cache_memory=budget), mesh=mesh, free_bytes=free,
                                   platform="gpu")
     values = d.values()
     return (int(values["max_seqs"]), int(values["max_num_batched_tokens"]), int(values["decode_chunk"]),
