@@ -60,6 +60,16 @@ def place_kv(placement, *rows) -> tuple:
     return tuple(placement.place_kv(x) for x in rows)
 
 
+def place_whole(placement, *rows) -> tuple:
+    """New rows a latent cache keeps whole on every device (DeepSeek-V4's
+    window rows and compressor inputs) placed whole before they are
+    written (:meth:`jaxkv.nn.layers.HeadPlacement.place_whole`); as they
+    are with no placement (one device). Returns a tuple, one entry per row."""
+    if placement is None or placement.parts == 1:
+        return rows
+    return tuple(placement.place_whole(x) for x in rows)
+
+
 def ceil_div(a, b):
     """``ceil(a / b)`` for positive ``b``; works on Python ints and int arrays."""
     return -(-a // b)

@@ -3,7 +3,8 @@ sizes (``python -m jaxkv.bench engine_aot``'s quick subset): Llama-3.1-8B's
 smallest and largest packed step, its decode chunk, its speculative decode
 chunk and a packed step with speculative verify lanes on one H100 (a 51 GB
 paged pool beside 16 GB of weights), gpt-oss-20b's decode chunk (its hybrid
-cache beside 42 GB of weights). ``aot`` tests (the ``test_aot_`` names put
+cache beside 42 GB of weights), and a tiny DeepSeek-V4's on eight H100s
+(its replicated latent pools kept whole). ``aot`` tests (the ``test_aot_`` names put
 them in that pass): they need the CUDA plugin (``pip install
 'jax[cuda12]>=0.10,<0.11'``) and skip without it; ``.ci/run`` installs it.
 
@@ -128,3 +129,27 @@ def test_a_copy_is_traced_to_the_operation_it_sits_in():
     assert sorted(found) == sorted([("copy", "copy.2", "region_1.3", "in a conditional jit(f)/cond"),
                                     ("all-gather-start", "g", "ENTRY", "jit(f)/kernel"),
                                     ("copy", "copy.4", "ENTRY", "")])
+
+
+def test_aot_deepseek_v4_on_tp8_keeps_its_latent_pools_whole(monkeypatch):
+    """A tiny DeepSeek-V4 (``tests/fixtures/dsv4/small``) on eight H100s
+    (tp=8): its decode chunk and packed step make no buffer from the cache's
+    arrays (a dimension only the cache has). Its latent pools (window rings,
+    entries, indexer keys) are replicated; the rows written to them, and the
+    indexer's queries, are placed whole or by heads first
+    (``HeadPlacement.place_whole``, ``place_kv``). Without that XLA split the
+    pools' updates along the features of the sharded projections and
+    gathered and transposed the pools back, every step: 15 such buffers in
+    the decode chunk, 18 in the packed step (on one device: none)."""
+    import json
+    import os
+
+    from jaxkv.bench import deployment, engine_aot
+
+    with open(os.path.join(os.path.dirname(__file__), "fixtures", "dsv4", "small", "config.json")) as f:
+        monkeypatch.setitem(deployment.HF_CONFIGS, "DSV4-small", json.load(f))
+    setup = engine_aot.build(engine_aot.ModelSpec("DSV4-small", "DSV4-small", 8))
+    for label, fn, args, kwargs in engine_aot.programs(setup, ("decode", "packed:16")):
+        hlo = engine_aot.compile_for_h100(fn, args, kwargs).as_text()
+        made = [b.describe() for b in engine_aot.big_buffers(hlo, 1 << 20) if setup.cache_dims.intersection(b.dims)]
+        assert made == [], (label, made[:4])

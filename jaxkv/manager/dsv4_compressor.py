@@ -114,14 +114,25 @@ def compress_step(ring_kv: Float[Array, "slots rows width"], ring_score: Float[A
         pool = store_entries(pool, jnp.where(store, page * epb + e % epb, pool_blocks * epb), entry, layer=layer)
         return pool, entry[:, :1].astype(kv.dtype)
 
-    # Only a step in which some token completes an entry pools its rows (a
-    # decode step of an HCA layer completes one in 128): the others skip
-    # reading the ring. ``read`` depends on every ring row read (see below).
-    # An index switch, not a predicated cond: XLA:GPU copies the operand of a
-    # predicated conditional that a branch updates in place (the whole entry
-    # pool, every step; a switch's it updates in place).
-    pool, read = jax.lax.switch(jnp.any(completes).astype(jnp.int32),
-                                [lambda pool: (pool, jnp.zeros((num_tokens, 1), kv.dtype)), pool_and_store], pool)
+    # Only a step in which some token completes an entry needs to pool its
+    # rows (a decode step of an HCA layer completes one in 128): skipping
+    # saves reading the ring's rows, [T, rows, d] twice. But a branch that
+    # updates the pool in place costs a copy of the whole (stacked) pool
+    # where XLA:GPU copies a conditional's operand: a predicated cond's
+    # always, and, in a program partitioned over a mesh, an index switch's
+    # too (DeepSeek-V4-Flash on tp=8: 0.59 GB per CSA layer and step,
+    # compiled for H100; docs/gpu.md). So the switch is taken only where the
+    # rows it skips outweigh the pool (HCA's: 256 rows against one entry a
+    # block); elsewhere every step pools and stores (the stores of entries
+    # no token completes are dropped: the same pool). ``read`` depends on
+    # every ring row read (see below).
+    ring_bytes = 2 * num_tokens * rows * d * 4
+    if ring_bytes > sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree.leaves(pool)):
+        pool, read = jax.lax.switch(jnp.any(completes).astype(jnp.int32),
+                                    [lambda pool: (pool, jnp.zeros((num_tokens, 1), kv.dtype)), pool_and_store],
+                                    pool)
+    else:
+        pool, read = pool_and_store(pool)
 
     # The ring keeps each request's newest `rows` positions of this step.
     keep = active & (positions > newest - rows)

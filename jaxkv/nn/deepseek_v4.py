@@ -76,6 +76,7 @@ import numpy as np
 from flax import nnx
 from jaxtyping import Array, Float, Int
 
+from jaxkv._ops import place_kv, place_whole
 from jaxkv.errors import InvalidArgument
 from jaxkv.manager.dsv4_compressor import pool_entries
 from jaxkv.manager.hybrid import KVCacheManager
@@ -252,6 +253,9 @@ class DeepseekV4Attention(nnx.Module):
         self.sinks = param((c.num_attention_heads,), rngs, param_dtype, fill=0.0)
         self.compressor = None if self.kind == "sliding_attention" else Compressor(
             c, self.kind, rngs=rngs, param_dtype=param_dtype, precision=precision)
+        #: Set on a mesh by :func:`jaxkv.nn.sharding.place_heads`: the rows written to the (replicated) latent
+        #: cache are placed whole first (:func:`jaxkv._ops.place_whole`).
+        self.heads_placement = None
 
     @property
     def rope_kind(self) -> str:
@@ -284,6 +288,9 @@ class DeepseekV4Attention(nnx.Module):
         c, ix = self.config, self.compressor.indexer
         q = ix.q_b_proj(q_residual).reshape(x.shape[0], c.index_n_heads, c.index_head_dim)
         q = _rope(c, "compress", q, positions).astype(_F32)
+        # On a mesh: each device its own heads (or all of them), never a slice of each head's features, which
+        # would split the contraction with the replicated keys and the keys' pool with it (gathered back whole).
+        (q,) = place_kv(self.heads_placement, q)
         spec = "ned" if keys.ndim == 3 else "ed"  # per token, or shared by every token
         scores = jax.nn.relu(jnp.einsum(f"nhd,{spec}->nhe", q, keys.astype(_F32))) * c.index_head_dim ** -0.5
         weights = ix.scorer["weights_proj"](x).astype(_F32) * c.index_n_heads ** -0.5
@@ -313,18 +320,21 @@ class DeepseekV4Attention(nnx.Module):
         the cache. Returns ``(y [N, hidden], handle)``."""
         positions = handle.positions
         q, kv, q_residual = self._project(x, positions)
+        (kv,) = place_whole(self.heads_placement, kv)
         window, window_ok = handle.gather_swa(kv)  # earlier steps from the ring, this step's rows from kv
         handle = handle.write_swa(kv, after=window)  # after the read: the ring is updated in place
         keys, masks = [window], [window_ok]
         if self.compressor is not None:
             comp = self.compressor
-            handle = handle.compress(*self._compressor_rows(comp, x, positions), finish=self._finish(comp.kv_norm))
+            handle = handle.compress(*place_whole(self.heads_placement, *self._compressor_rows(comp, x, positions)),
+                                     finish=self._finish(comp.kv_norm))
             max_entries = handle.block_table.shape[1] * handle.schema.entries_per_block
             if comp.indexer is None:
                 entries, entries_ok = handle.gather_all_compressed(max_entries)
             else:
                 ix = comp.indexer
-                handle = handle.compress_index(*self._compressor_rows(ix, x, positions),
+                handle = handle.compress_index(*place_whole(self.heads_placement,
+                                                            *self._compressor_rows(ix, x, positions)),
                                                finish=self._finish(ix.kv_norm))
                 index_keys, index_ok = handle.index_keys(max_entries)
                 scores = self._index_scores(x, q_residual, positions, index_keys)

@@ -285,6 +285,16 @@ class HeadPlacement:
         spec = P(None, self.axis) if x.shape[1] % self.parts == 0 else P()
         return jax.lax.with_sharding_constraint(x, jax.sharding.NamedSharding(self.mesh, spec))
 
+    def place_whole(self, x):
+        """New rows ``x`` of a cache every device holds whole (a latent
+        cache: DeepSeek-V4's window rings and entry pools) placed whole
+        before they are written or pooled. Without it they follow the
+        projection's split (features over ``axis``), XLA splits the
+        replicated pool's update the same way and gathers the whole pool
+        back: every layer, every step (DeepSeek-V4-Flash on tp=8, compiled
+        for H100; docs/gpu.md)."""
+        return jax.lax.with_sharding_constraint(x, jax.sharding.NamedSharding(self.mesh, P()))
+
     def run(self, attend, q, pages, small=(), *, sinks=None):
         """``attend(q, k_pages, v_pages, k_scales, v_scales, sinks, *small)``
         (one kernel call over the stacked pool, ``pages = (k_pages, v_pages,
