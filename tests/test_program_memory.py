@@ -215,3 +215,28 @@ def test_derived_rows_follow_the_budget_the_programs_leave(measured, monkeypatch
     rid = engine.add_request(prompt, 5)
     engine.run()
     assert engine.outputs[rid] == generate(m, [prompt], 5).tokens[0]
+
+
+def test_rows_whose_own_state_passes_the_room_are_derived_again(measured, monkeypatch):
+    """As on a GPU, a hybrid cache (Qwen3-Next: every row carries its Gated
+    DeltaNet state): the programs leave less than the derived rows' own
+    state, so the first sizing cannot place one block. The engine derives
+    the rows again from what the programs leave and sizes the cache for
+    them, instead of refusing; the tokens are transformers'."""
+    m = model("qwen3_next/small")
+    monkeypatch.setattr(build, "_platform", lambda mesh=None: "gpu")
+    options = dict(max_num_batched_tokens=256, max_model_len=128, prefix_cache=False)
+    wide = Engine(m, free_bytes=PROGRAM_MARGIN + 256 * MiB, **options)
+    rows, temps = wide.options.scheduler.max_seqs, wide.cache_plan.program_bytes
+    state = rows * wide.cache_plan.snapshot_bytes  # the rows' own state, whatever the blocks
+    del wide
+    free = PROGRAM_MARGIN + temps + state // 2
+    with pytest.raises(InvalidArgument, match="do not hold the cache's fixed"):
+        Engine(m, free_bytes=free, max_seqs=rows, **options)  # rows given: kept, so refused with the numbers
+    engine = Engine(m, free_bytes=free, **options)
+    assert engine.options.scheduler.max_seqs < rows
+    assert engine.cache.device_bytes() <= free - temps - PROGRAM_MARGIN
+    prompt, want = reference("qwen3_next/small", None, 3)
+    rid = engine.add_request(prompt, len(want))
+    engine.run()
+    assert engine.outputs[rid] == want

@@ -90,6 +90,7 @@ from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 from jaxkv._ops import ceil_div, pow2_at_least  # noqa: E402
+from jaxkv.errors import InvalidArgument  # noqa: E402
 from jaxkv.bench._timing import print_json, print_table  # noqa: E402
 
 __all__ = ["MODELS", "QUICK", "Buffer", "Result", "Setup", "big_buffers", "build", "compile_program",
@@ -374,7 +375,12 @@ def build(spec: ModelSpec, *, stacked: bool = False, local: bool = False, _again
         reserve = program_memory.MeasuredPrograms(measure_at, batched, lowerable=True, floor=max_seqs)
     else:  # as measured at more rows: the engine's second sizing compiles nothing
         reserve = lambda shapes: measured  # noqa: E731
-    blocks, budget, source, reserved = room_for_programs(reserve, free, solve, cache_bytes, shapes)
+    try:
+        blocks, budget, source, reserved = room_for_programs(reserve, free, solve, cache_bytes, shapes)
+    except InvalidArgument:  # the rows' own state past what the programs leave: the engine derives fewer rows
+        if _again is not None or reserve.limited_to is None:
+            raise
+        blocks = None
     if _again is None and reserve.token_budget < batched:
         note += f"; max_num_batched_tokens lowered from {batched} to {reserve.token_budget}, as the engine does"
         batched = reserve.token_budget
@@ -383,6 +389,8 @@ def build(spec: ModelSpec, *, stacked: bool = False, local: bool = False, _again
         if rows < max_seqs:
             note += f"; max_seqs {max_seqs} derived again from the budget the programs leave: {rows}"
             return build(spec, stacked=stacked, local=local, _again=(rows, batched, reserve.measured, note))
+    if blocks is None:
+        raise InvalidArgument(f"{spec.name}: the programs' temporaries leave no room for the cache's rows")
     jax.clear_caches()  # the table's compile seconds are each program's own compile, not a cache hit
     cache, cached = shapes(blocks), solved["snapshots"]
     groups = {"pages": blocks[0]} if kind == "paged" else dict(zip(names, blocks))

@@ -231,9 +231,9 @@ def room_for_programs(temporaries, free_bytes: int | None, solve, cache_bytes, s
             f"{free} free device bytes ({where}) do not hold {memory.words()} and a margin of {PROGRAM_MARGIN} "
             "bytes: no room is left for the KV cache. Give a smaller max_num_batched_tokens or max_seqs, more "
             "devices, or kv_cache_memory= (bytes) to size the cache by hand")
-    blocks, budget, _ = solve(room)
-    if isinstance(temporaries, MeasuredPrograms):  # what the engine re-derives its rows from
+    if isinstance(temporaries, MeasuredPrograms):  # what the engine re-derives its rows from (also if this raises)
         temporaries.measured, temporaries.limited_to = memory, room
+    blocks, budget, _ = solve(room)
     return blocks, budget, (f"default: {free} free bytes ({where}) less {memory.words()} and a margin of "
                             f"{PROGRAM_MARGIN} bytes: {room} bytes (0.8 of the free memory would not leave them)"
                             f"{lowered}"), memory.largest

@@ -106,7 +106,8 @@ def _with_token_budget(options: EngineOptions, tokens: int | None, derived: set,
     changes = {"max_num_batched_tokens": tokens}
     if "prefill_chunk" in derived and sched.prefill_chunk > tokens:
         changes["prefill_chunk"] = tokens
-        cache.prefill_width = min(cache.prefill_width, pow2_at_least(tokens))
+        if cache is not None:  # (None: to be built again for fewer rows, with this prefill_chunk)
+            cache.prefill_width = min(cache.prefill_width, pow2_at_least(tokens))
     logger.info("scheduler: %s (the derived token budget %d lowered: its packed step's temporaries left the KV "
                 "cache too little)", ", ".join(f"{k}={v}" for k, v in changes.items()), current)
     return options.replace(**changes)
@@ -222,12 +223,20 @@ class Engine(Scheduler):
         draft_token_bytes = (0.0 if draft_model is None or shares_pool else
                              paged_token_bytes(draft_model, cache_options.page_size, draft_kv_dtype)[0])
         reserve = program_reserve(model, options, mesh=mesh, lowerable="max_num_batched_tokens" in derived)
-        self.cache = build_cache(model, cache_options, max_seqs=sched.max_seqs, prefill_chunk=sched.prefill_chunk,
-                                 free_bytes=free_bytes, mesh=mesh, lookahead=lookahead,
-                                 draft_token_bytes=draft_token_bytes, temporaries=reserve)
+        short = None
+        try:
+            self.cache = build_cache(model, cache_options, max_seqs=sched.max_seqs, prefill_chunk=sched.prefill_chunk,
+                                     free_bytes=free_bytes, mesh=mesh, lookahead=lookahead,
+                                     draft_token_bytes=draft_token_bytes, temporaries=reserve)
+        except InvalidArgument as err:  # the rows' own state past what the programs leave: fewer rows may fit
+            if getattr(reserve, "limited_to", None) is None or "max_seqs" not in derived:
+                raise
+            self.cache, short = None, err
         self.options = options = _with_token_budget(options, getattr(reserve, "token_budget", None), derived,
                                                     self.cache)
         rows = _rows_for_room(model, options, reserve, derived, mesh, free_bytes)
+        if rows is None and short is not None:
+            raise short
         if rows is not None:  # sized again for fewer rows, beside the programs as measured (more rows: an upper bound)
             self.options = options = options.replace(max_seqs=rows)
             measured = reserve.measured
