@@ -194,11 +194,11 @@ def _devices(tp: int, local: bool = False) -> list:
 
 
 def _placed(tree, shardings):
-    """``tree``'s leaves as ShapeDtypeStructs with ``shardings`` (one for
-    every leaf, or a pytree of them)."""
-    if isinstance(shardings, jax.sharding.Sharding):
-        return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=shardings), tree)
-    return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings)
+    """``tree``'s leaves as ShapeDtypeStructs with ``shardings``
+    (:func:`jaxkv.serve.program_memory.as_shapes`)."""
+    from jaxkv.serve.program_memory import as_shapes
+
+    return as_shapes(tree, shardings)
 
 
 def _device_bytes(tree) -> int:

@@ -33,6 +33,9 @@ from jaxkv.serve.caches import KVCache, blocks_from_budget
 from jaxkv.serve.hybrid_cache import HybridCache
 from jaxkv.serve.options import CacheOptions, EngineOptions, is_derived
 from jaxkv.serve.paged_cache import PagedCache
+from jaxkv.serve.program_memory import (PROGRAM_MARGIN, MeasuredPrograms, ProgramMemory, as_shapes,
+                                        engine_programs)
+from jaxkv.serve.program_memory import measure as measure_programs
 
 __all__ = ["build_cache", "build_hybrid_cache", "build_paged_cache", "derive_scheduler_defaults", "measures_programs",
            "program_reserve", "resolve_options", "room_for_programs"]
@@ -179,14 +182,6 @@ def _sized_with_draft(sized, draft_token_bytes: float, tokens_per_block: int, dr
     return blocks, budget, source
 
 
-def _with_shardings(tree, shardings):
-    """``tree``'s shapes (``jax.ShapeDtypeStruct``) carrying ``shardings``
-    (one sharding, or a tree of them shaped like ``tree``)."""
-    if isinstance(shardings, jax.sharding.Sharding):
-        return jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=shardings), tree)
-    return jax.tree.map(lambda s, where: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=where), tree, shardings)
-
-
 def room_for_programs(temporaries, free_bytes: int | None, solve, cache_bytes, shapes):
     """The default budget's blocks (``solve(None)``), unless they, the
     engine's programs' temporaries over them (``temporaries(shapes(blocks))``,
@@ -206,8 +201,6 @@ def room_for_programs(temporaries, free_bytes: int | None, solve, cache_bytes, s
     are free. Returns ``(blocks, budget, source, bytes kept for the
     programs)``; ``InvalidArgument`` with the numbers when the temporaries
     leave no room."""
-    from jaxkv.serve.program_memory import PROGRAM_MARGIN, MeasuredPrograms
-
     blocks, budget, source = solve(None)
     memory = temporaries(shapes(blocks))
     free, where = sizing.free_memory(free_bytes)
@@ -331,8 +324,8 @@ def build_paged_cache(model, *, max_seqs: int, page_size: int, max_model_len: in
             manager = manager.replace(host=None)
             if mesh is None:
                 return manager, pool
-            return (_with_shardings(manager, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())),
-                    _with_shardings(pool, sharding.pool_sharding(pool, mesh)))
+            return (as_shapes(manager, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())),
+                    as_shapes(pool, sharding.pool_sharding(pool, mesh)))
 
         def cache_bytes(blocks):
             return measure([blocks[0] + 1], max_model_len) + int(draft_token_bytes * min(blocks[0] * page_size,
@@ -469,7 +462,7 @@ def build_hybrid_cache(model, *, max_seqs: int, max_model_len: int | None, max_c
         manager = jax.eval_shape(lambda: model.make_cache(
             max_seqs, length + lookahead, entry_format=entry_format,
             num_blocks=dict(zip(names, (b + 1 for b in blocks))), num_snapshots=cached + checkpoints, **options))
-        return (manager if mesh is None else _with_shardings(manager, sharding.cache_sharding(manager, mesh)),)
+        return (manager if mesh is None else as_shapes(manager, sharding.cache_sharding(manager, mesh)),)
 
     def cache_bytes(blocks):
         return (measure([b + 1 for b in blocks], cached, length)
@@ -527,14 +520,13 @@ def program_reserve(model, options: EngineOptions, *, mesh=None, lowerable: bool
     (placed on ``mesh`` already)."""
     from flax import nnx
 
-    from jaxkv.serve import program_memory
     from jaxkv.serve.caches import hashed_graphdef
 
     c, sched = options.cache, options.scheduler
     if c.kv_cache_memory is not None or c.num_pages is not None or c.num_blocks is not None:
         return None
     if c.program_memory is not None:
-        given = program_memory.ProgramMemory((("program_memory", int(c.program_memory)),), 0.0)
+        given = ProgramMemory((("program_memory", int(c.program_memory)),), 0.0)
         return lambda shapes: given
     if not measures_programs(mesh):
         return None
@@ -548,14 +540,14 @@ def program_reserve(model, options: EngineOptions, *, mesh=None, lowerable: bool
     stream = (sched.max_num_batched_tokens or sched.prefill_chunk) if sched.scheduler == "packed" else None
     replicated = None if mesh is None else jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
 
-    def measure_at(cache_shapes: tuple, tokens: int | None) -> program_memory.ProgramMemory:
+    def measure_at(cache_shapes: tuple, tokens: int | None) -> ProgramMemory:
         has_gdn = kind == "hybrid" and cache_shapes[0].gdn is not None
-        return program_memory.measure(program_memory.engine_programs(
+        return measure_programs(engine_programs(
             graphdef, params, cache_shapes, kind=kind, max_seqs=sched.max_seqs, decode_chunk=sched.decode_chunk,
             stream_length=tokens, prefill_chunk=pow2_at_least(sched.prefill_chunk), has_gdn=has_gdn, window=window,
             scrub=options.tenants.scrub_on_free, sharding=replicated))
 
-    return program_memory.MeasuredPrograms(measure_at, stream, lowerable=lowerable, floor=sched.max_seqs)
+    return MeasuredPrograms(measure_at, stream, lowerable=lowerable, floor=sched.max_seqs)
 
 
 def measures_programs(mesh=None) -> bool:

@@ -43,8 +43,8 @@ import jax.numpy as jnp
 
 from jaxkv._ops import pow2_at_least
 
-__all__ = ["PROGRAM_MARGIN", "MeasuredPrograms", "ProgramMemory", "engine_programs", "measure", "packed_batch",
-           "row_inputs"]
+__all__ = ["PROGRAM_MARGIN", "MeasuredPrograms", "ProgramMemory", "as_shapes", "engine_programs", "measure",
+           "packed_batch", "row_inputs"]
 
 #: Bytes kept free beside the cache and the programs' temporaries: what the
 #: runtime allocates outside a program's buffers (GEMM workspaces, the
@@ -67,6 +67,14 @@ class ProgramMemory:
     def words(self) -> str:
         parts = ", ".join(f"{label} {n / 2**20:.0f} MiB" for label, n in self.temp_bytes)
         return f"the programs' temporaries ({parts}; compiled in {self.seconds:.1f} s)"
+
+
+def as_shapes(tree, shardings):
+    """``tree``'s leaves as ``jax.ShapeDtypeStruct``s carrying ``shardings``
+    (one sharding for every leaf, or a pytree of them shaped like ``tree``)."""
+    if shardings is None or isinstance(shardings, jax.sharding.Sharding):
+        return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=shardings), tree)
+    return jax.tree.map(lambda x, where: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=where), tree, shardings)
 
 
 def row_inputs(max_seqs: int, sharding=None):
@@ -99,9 +107,7 @@ def packed_batch(max_seqs: int, tokens: int, budget: int, has_gdn: bool, shardin
         width = min(tokens, max(budget // rows, 1))
     batch = jax.eval_shape(lambda: pack([], num_lanes=max_seqs, num_tokens=tokens, num_prefill_lanes=rows,
                                         max_prefill_len=width, num_prefill=0))
-    if sharding is None:
-        return batch
-    return jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding), batch)
+    return batch if sharding is None else as_shapes(batch, sharding)
 
 
 def engine_programs(graphdef, params, cache: tuple, *, kind: str, max_seqs: int, decode_chunk: int,
