@@ -531,6 +531,95 @@ def test_row_mirror_gives_the_tokens_the_records_give(family):
     assert any(read == 0 for _, read in served), used  # and steps that read none
 
 
+def test_a_packed_iteration_admits_in_its_step_call(monkeypatch):
+    """The paged cache puts an admission off to the packed step's call
+    (``PagedCache._defer_admission``): drawn prompts arriving while others
+    decode, seeded sampling and greedy, some sharing a prefix (hits), give
+    the same outputs as the same engine admitting in a call of its own;
+    with the fold no admission call is made, the packed calls are the
+    same in number, and the host mirror (free blocks, row status) agrees
+    with the device after every step."""
+    from jaxkv.bench.serve import _host_models
+    from jaxkv.serve import Engine, paged_cache
+    from jaxkv.serve.paged_cache import PagedCache
+
+    build, options = _host_models(["llama"])["llama (paged)"]
+    model = build()
+    rng = np.random.default_rng()
+    shared = rng.integers(3, 500, 20).tolist()
+    work = []
+    for i in range(14):
+        head = shared if i % 3 == 0 else []
+        work.append(dict(prompt=head + rng.integers(3, 500, int(rng.integers(2, 30))).tolist(),
+                         max_new=int(rng.integers(1, 30)), seed=int(rng.integers(1 << 20)),
+                         sampling=SamplingParams(temperature=float(rng.choice([0.0, 0.9])), top_k=8),
+                         arrival=int(rng.integers(0, 16))))
+    calls = collections.Counter()
+    for name in ("_admit_paged", "_paged_packed"):
+        real = getattr(paged_cache, name)
+
+        def counted(*args, _real=real, _name=name, **kwargs):
+            calls[_name] += 1
+            return _real(*args, **kwargs)
+
+        monkeypatch.setattr(paged_cache, name, counted)
+
+    def run():
+        calls.clear()
+        engine = Engine(model, **options(6, 96))
+        for w in work:
+            engine.add_request(w["prompt"], w["max_new"], sampling=w["sampling"], seed=w["seed"],
+                               arrival_step=w["arrival"])
+        outputs = []
+        while engine.has_unfinished():
+            outputs.append([(o.request_id, o.new_token_ids, o.finish_reason) for o in engine.step()])
+            engine.check_bookkeeping()  # the mirror against the device, the records against the mirror
+        assert engine.stats().step_failures == 0, engine.last_failure  # (a contained failure hides nothing here)
+        return outputs, dict(calls), engine.stats().prefix_hit_tokens
+
+    folded, folded_calls, hits = run()
+    monkeypatch.setattr(PagedCache, "_defer_admission", lambda self, rows, prefix, lengths:
+                        self._admit(rows, prefix, lengths))
+    alone, alone_calls, _ = run()
+    assert folded == alone
+    assert hits > 0, "no prompt hit the shared prefix"
+    assert alone_calls["_admit_paged"] > 0 and "_admit_paged" not in folded_calls, (folded_calls, alone_calls)
+    assert folded_calls["_paged_packed"] == alone_calls["_paged_packed"] > 0
+
+
+def test_a_deferred_admission_predicts_the_mirror_it_makes():
+    """Between a deferred admission and the call that makes it, the host
+    mirror holds what it will make: at every packed iteration (drawn
+    prompts, some hitting a cached prefix), the free blocks and row status
+    read then equal those read from the device once the admission ran in
+    a call of its own."""
+    from jaxkv.bench.serve import _host_models
+    from jaxkv.serve import Engine
+
+    build, options = _host_models(["llama"])["llama (paged)"]
+    engine = Engine(build(), **options(6, 96))
+    rng = np.random.default_rng()
+    shared = rng.integers(3, 500, 33).tolist()
+    for i in range(10):
+        engine.add_request((shared if i % 2 else []) + rng.integers(3, 500, int(rng.integers(2, 30))).tolist(),
+                           int(rng.integers(1, 20)), arrival_step=int(rng.integers(0, 10)))
+    cache, packed, seen = engine.cache, engine._packed, []
+
+    def checked():
+        if cache._admission is not None:
+            predicted = cache.free_blocks(), cache.row_status()
+            seen.append(int((cache._admission[0] >= 0).sum()))  # the rows it admits
+            cache.manager  # the admission made in its own call; the mirror read from the device
+            np.testing.assert_array_equal(predicted[0], cache.free_blocks())
+            np.testing.assert_array_equal(predicted[1], cache.row_status())
+        packed()
+
+    engine._packed = checked
+    engine.run()
+    assert engine.stats().step_failures == 0, engine.last_failure
+    assert sum(seen) >= 10, seen  # every request was admitted through a deferred admission
+
+
 @pytest.mark.parametrize("num_pages", [None, 24])
 def test_admission_with_the_reserve_bound_admits_as_with_the_reserve(num_pages, monkeypatch):
     """Admission tests the running requests' reserve bound first

@@ -315,6 +315,47 @@ def test_a_failed_step_leaves_no_uncomputed_page_in_the_prefix_cache(llama, llam
     check_no_leak(engine)
 
 
+def test_an_admission_the_packed_call_refuses_gives_out_no_token(llama, llama_reference):
+    """The paged cache folds an admission into the next packed step's call
+    (``PagedCache._defer_admission``). When the device refuses it (here the
+    host's plan is corrupted to give the new row no token: a bookkeeping
+    bug only the device catches), the step raises
+    ``BookkeepingError`` with the numbers, gives out no token (not even
+    the decoding request's), and the containment rebuilds the cache: both
+    requests finish with their cold tokens."""
+    from jaxkv.errors import BookkeepingError
+
+    engine = Engine(llama, **LLAMA)
+    poison_paged(engine)
+    rng = np.random.default_rng(7)
+    a, b = (tuple(rng.integers(1, CONFIG["vocab_size"], 9).tolist()) for _ in range(2))
+    first = engine.add_request(list(a), REF_NEW)
+    for _ in range(2):  # a prefilled and decoding
+        engine.step()
+    cache, deferred = engine.cache, []
+    real = cache._defer_admission
+
+    def corrupted(rows, prefix, lengths):
+        deferred.append(int(lengths[0]))
+        lengths = lengths.copy()
+        lengths[0] = 0  # admit_with_prefix refuses a length < 1
+        return real(rows, prefix, lengths)
+
+    cache._defer_admission = corrupted
+    before = list(engine._requests[first].generated)
+    second = engine.add_request(list(b), 2)
+    out = engine.step()  # the packed call refuses the admission: contained
+    assert deferred, "the admission was not put off to the packed call"
+    assert engine.stats().step_failures == 1 and isinstance(engine.last_failure, BookkeepingError)
+    assert "engine admission failed" in str(engine.last_failure)
+    assert out == [] and engine._requests[first].generated == before
+    poison_paged(engine)  # the rebuilt pool: unwritten pages NaN again
+    engine.run()
+    assert engine.outputs[first] == llama_reference(a)
+    assert engine.outputs[second] == llama_reference(b)[:2]
+    check_no_leak(engine)
+
+
 def test_a_request_whose_parameters_fail_finishes_alone(llama, llama_reference):
     """A request whose sampling parameters the device cannot take (a top_k
     past int32, slipped past SamplingParams' own check) finishes with

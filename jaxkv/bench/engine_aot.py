@@ -455,8 +455,9 @@ def programs(setup: Setup, which=None, *, prefill: bool = False) -> list[tuple[s
             n = buckets[0] if arg == "first" else buckets[-1] if arg == "last" else int(arg)
             batch = _packed_batch(setup, n)
             label = f"packed[{n}]" + (f" P={batch.num_prefill_lanes}" if setup.has_gdn else "")
-            if setup.kind == "paged":
-                out.append((label, _paged_packed, (g, p, *setup.cache, batch, sampling, keys),
+            if setup.kind == "paged":  # its admission arguments (rows, prefix blocks, lengths) before the batch
+                admission = (vec(jnp.int32), vec(jnp.int32, setup.cache[0].block_tables.shape), vec(jnp.int32))
+                out.append((label, _paged_packed, (g, p, *setup.cache, admission, batch, sampling, keys),
                             dict(window=None, scrub=False)))
             else:
                 out.append((label, _hybrid_packed, (g, p, *setup.cache, batch, sampling, keys), {}))

@@ -487,10 +487,24 @@ class CacheBase(abc.ABC):
     # ``free_blocks`` / ``row_status`` read the device only when the last
     # change did not (e.g. a swap). So the scheduler's questions between two
     # device calls cost no device read.
+    #
+    # A cache may put a change off to fold it into its next step's call
+    # (``_deferred``: PagedCache's admission, taken by its packed step). The
+    # host mirror then holds what the change will make, exactly; reading
+    # ``manager`` runs the change first, so no reader sees the state before it.
+
+    _deferred = None  # the deferred change's own call (no argument), or None
 
     @property
     def manager(self):
+        if self._deferred is not None:
+            self._run_deferred()
         return self._manager
+
+    def _run_deferred(self) -> None:
+        """Make the deferred change now, in its own call."""
+        run, self._deferred = self._deferred, None
+        run()
 
     @manager.setter
     def manager(self, value) -> None:
@@ -532,6 +546,8 @@ class CacheBase(abc.ABC):
         the free counts or the row status disagrees with the device (a
         debug check: :meth:`~jaxkv.serve.Engine.check_bookkeeping` calls
         it)."""
+        if self._deferred is not None:  # the mirror holds what it will make: compare after it
+            self._run_deferred()
         mirror = self.__dict__.get("_host")
         if mirror is None:
             return

@@ -28,13 +28,14 @@ import time
 from functools import partial
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from jaxkv import _host
 from jaxkv._ops import ceil_div, pow2_at_least
 from jaxkv.alloc.block import BlockAllocator
 from jaxkv.errors import BookkeepingError, CacheLocked, InvalidArgument, KVCacheOOM
-from jaxkv.manager.block_space import BlockSpaceManager
+from jaxkv.manager.block_space import ON_DEVICE, BlockSpaceManager
 from jaxkv.nn.packed import PackedBatch
 from jaxkv.nn.sampling import RowSampling
 from jaxkv.nn.speculative import paged_packed_verify_step
@@ -70,13 +71,22 @@ def _paged_prefill(graphdef, params, manager: BlockSpaceManager, pool: KVPool, r
 
 @partial(jax.jit, static_argnames=("graphdef", "window", "scrub"), donate_argnums=(2, 3),
          compiler_options=PROGRAM_OPTIONS)
-def _paged_packed(graphdef, params, manager: BlockSpaceManager, pool: KVPool, batch: PackedBatch,
+def _paged_packed(graphdef, params, manager: BlockSpaceManager, pool: KVPool, admission, batch: PackedBatch,
                   sampling: RowSampling, keys, *, window, scrub=False):
-    """:func:`jaxkv.nn.steps.paged_packed_step` jitted (manager and pool donated)."""
-    manager, pool, tokens, advanced, *rest = paged_packed_step(graphdef, params, manager.in_step(), pool,
-                                                               batch, sampling, typed_keys(keys), window=window,
-                                                               scrub=scrub)
-    return (manager, pool, tokens, keys_as_given(advanced, keys), *rest)
+    """The engine's admission of new rows, then
+    :func:`jaxkv.nn.steps.paged_packed_step`, in ONE call (manager and pool
+    donated). ``admission``: ``BlockSpaceManager.admit_with_prefix``'s
+    ``(rows, prefix blocks, lengths)`` (every row -1: nothing to admit).
+    Returns the step's results, then whether the admission took place.
+    When it did not (a bookkeeping bug: the engine checked the rows and
+    blocks first), no token of the step is real (every position -1, so
+    nothing is written) and the engine raises ``BookkeepingError``, which
+    its fault containment answers by dropping the cache."""
+    manager, admitted = manager.in_step().admit_with_prefix(*admission)
+    batch = batch.replace(positions=jnp.where(admitted, batch.positions, -1))
+    manager, pool, tokens, advanced, *rest = paged_packed_step(graphdef, params, manager, pool, batch, sampling,
+                                                               typed_keys(keys), window=window, scrub=scrub)
+    return (manager, pool, tokens, keys_as_given(advanced, keys), *rest, admitted)
 
 
 @partial(jax.jit, static_argnames=("graphdef", "config", "window", "scrub", "draft_graphdef"),
@@ -205,6 +215,7 @@ class PagedCache(CacheBase):
     blocks as shared from admission on."""
 
     can_swap = True
+    _admission = None  # the admission put off to the next packed step's call (_defer_admission)
 
     @remembers_arguments
     def __init__(self, model, *, num_pages: int, page_size: int, max_seqs: int, max_blocks_per_seq: int,
@@ -649,8 +660,12 @@ class PagedCache(CacheBase):
     def _begin_prefill(self, lanes: list[PrefillLane]) -> None:
         """``admit_with_prefix``: each row's cached blocks (one more owner
         each; host-tier pages of its hit loaded first) then fresh blocks for
-        the rest of its prompt."""
+        the rest of its prompt. Put off to the next packed step's call
+        (:meth:`_defer_admission`) unless a fork's partly filled page must
+        be copied (that needs the new tables at once)."""
         self.end_step()  # (nothing deferred outside a packed step; kept exact anyway)
+        if self._deferred is not None:  # an admission no step took (its prompts failed their screening)
+            self._run_deferred()
         batch = self.max_seqs
         rows = fixed_ids([lane.row for lane in lanes], batch)
         prefix = np.full((batch, self.max_blocks_per_seq), -1, np.int32)
@@ -662,23 +677,70 @@ class PagedCache(CacheBase):
                 blocks = blocks[:-1]
             prefix[i, : len(blocks)] = blocks
             lengths[i] = len(lane.tokens)
-        host = self.manager.host
-        manager, ok = _admit_paged(_device_view(self.manager), rows, prefix, lengths)
+        if not copies:
+            self._defer_admission(rows, prefix, lengths)
+            return
+        self._admit(rows, prefix, lengths)
+        tables = self._block_tables()
+        src, dst = np.full((batch,), -1, np.int32), np.full((batch,), -1, np.int32)
+        for i, (row, page, parent_block) in enumerate(copies):
+            src[i], dst[i] = parent_block, tables[row, page]
+        self.pool = _copy_pages(self.pool, src, dst)
+
+    def _defer_admission(self, rows: np.ndarray, prefix: np.ndarray, lengths: np.ndarray) -> None:
+        """Put the admission off to the next packed step's call (one device
+        call per packed iteration instead of two; any other reader of
+        ``manager`` makes it first, in its own call). The host mirror takes
+        what it will make: the rows ON_DEVICE, and each row's fresh blocks
+        (its pages less its cached ones) out of the free count, as
+        ``admit_with_prefix`` does when it succeeds; the tables are read
+        from the device again."""
+        free, status = self._host_view()
+        given = rows >= 0
+        status = status.copy()
+        status[rows[given]] = ON_DEVICE
+        fresh = int(np.sum(ceil_div(lengths[given].astype(np.int64), self.page_size)
+                           - np.sum(prefix[given] >= 0, axis=1)))
+        self._host, self._host_tables = (free - fresh, status), None
+        self._admission = (rows, prefix, lengths)
+        self._deferred = self._admit_deferred
+
+    def _admit_deferred(self) -> None:
+        rows, prefix, lengths = self._admission
+        self._admission = None
+        self._admit(rows, prefix, lengths)
+
+    def _admit(self, rows: np.ndarray, prefix: np.ndarray, lengths: np.ndarray) -> None:
+        """``admit_with_prefix`` in its own call."""
+        host = self._manager.host
+        manager, ok = _admit_paged(_device_view(self._manager), rows, prefix, lengths)
         self.manager = _with_host(manager, host)
         ok, host = fetch((ok, self._host_leaves(manager)))
         self._mirror(host)
-        if not bool(ok):  # the engine checked rows and blocks: this is a bug, not memory pressure
+        self._check_admitted(bool(ok), rows, prefix, lengths)
+
+    def _check_admitted(self, ok: bool, rows: np.ndarray, prefix: np.ndarray, lengths: np.ndarray) -> None:
+        if not ok:  # the engine checked rows and blocks: this is a bug, not memory pressure
             raise BookkeepingError(
-                f"engine admission failed: rows {[lane.row for lane in lanes]} with "
+                f"engine admission failed: rows {rows[rows >= 0].tolist()} with "
                 f"{int(sum(ceil_div(int(n), self.page_size) for n in lengths))} blocks "
                 f"({int((prefix >= 0).sum())} cached), {int(self.free_blocks()[0])} of {int(self.capacity[0])} "
                 "blocks free")
-        if copies:
-            tables = self._block_tables()
-            src, dst = np.full((batch,), -1, np.int32), np.full((batch,), -1, np.int32)
-            for i, (row, page, parent_block) in enumerate(copies):
-                src[i], dst[i] = parent_block, tables[row, page]
-            self.pool = _copy_pages(self.pool, src, dst)
+
+    def _admission_arguments(self) -> tuple:
+        """The admission the packed step's call makes: the deferred one
+        (:meth:`_defer_admission`), taken, or none (every row -1, made
+        once)."""
+        if self._admission is not None:
+            admission, self._admission, self._deferred = self._admission, None, None
+            return admission
+        none = self.__dict__.get("_no_admission")
+        if none is None:
+            batch = self.max_seqs
+            none = self._no_admission = (np.full((batch,), -1, np.int32),
+                                         np.full((batch, self.max_blocks_per_seq), -1, np.int32),
+                                         np.zeros((batch,), np.int32))
+        return none
 
     def _prefill_call(self, graphdef, params, lanes, starts, num_new, tokens, sampling, keys):
         rows = np.where(num_new > 0, fixed_ids([lane.row for lane in lanes], self.max_seqs), -1).astype(np.int32)
@@ -694,16 +756,18 @@ class PagedCache(CacheBase):
 
     def _packed_call(self, graphdef, params, prefill, decode, sampling, keys, num_tokens, *, want_tables=False,
                      prefill_width=None, speculation=None, scored=None):
-        host = self.manager.host
-        counts = drafted = accepted = logprobs = scores = history = None
+        counts = drafted = accepted = logprobs = scores = history = admitted = None
         if speculation is None:
             batch = pack_stream(prefill, *decode, num_lanes=self.max_seqs, num_tokens=num_tokens,
                                 num_prefill_lanes=self.max_seqs, max_prefill_len=num_tokens,
                                 scored=scored)  # one program per bucket
-            manager, self.pool, tokens, keys, ok, blocked, used, logprobs, scores = _paged_packed(
-                graphdef, params, _device_view(self.manager), self.pool, batch, sampling, keys, window=self.window,
-                scrub=self.scrub)
+            admission = self._admission_arguments()  # the deferred admission, made by this call
+            host = self._manager.host
+            manager, self.pool, tokens, keys, ok, blocked, used, logprobs, scores, admitted = _paged_packed(
+                graphdef, params, _device_view(self._manager), self.pool, admission, batch, sampling, keys,
+                window=self.window, scrub=self.scrub)
         else:
+            host = self.manager.host  # (a deferred admission made first, in its own call)
             config, (history, updates), history_len, verify, draft = speculation
             draft_graphdef, draft_params = (None, None) if draft is None else draft
             widths = np.where(verify, config.num_speculative_tokens + 1, 1)
@@ -717,10 +781,12 @@ class PagedCache(CacheBase):
                                              config=config, window=self.window, scrub=self.scrub,
                                              draft_graphdef=draft_graphdef)
         self.manager = _with_host(manager, host)
-        tokens, keys, ok, blocked, used, host, tables, counts, drafted, accepted, logprobs, scores = fetch(
+        tokens, keys, ok, blocked, used, host, tables, counts, drafted, accepted, logprobs, scores, admitted = fetch(
             (tokens, keys, ok, blocked, used, self._host_leaves(manager),
-             manager.block_tables if want_tables else None, counts, drafted, accepted, logprobs, scores))
+             manager.block_tables if want_tables else None, counts, drafted, accepted, logprobs, scores, admitted))
         self._mirror(host)
+        if admitted is not None:
+            self._check_admitted(bool(admitted), *admission)
         if want_tables:
             self._host_tables = np.asarray(tables)
         return PackedResult(tokens, np.asarray(keys), bool(ok), blocked, int(used), counts, drafted, accepted,

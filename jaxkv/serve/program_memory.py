@@ -129,9 +129,11 @@ def engine_programs(graphdef, params, cache: tuple, *, kind: str, max_seqs: int,
     out = []
     if stream_length is not None:
         batch = packed_batch(max_seqs, stream_length, stream_length, has_gdn, sharding)
-        if kind == "paged":
+        if kind == "paged":  # its admission arguments (rows, prefix blocks, lengths) before the batch
+            admission = (vec(jnp.int32), vec(jnp.int32, cache[0].block_tables.shape), vec(jnp.int32))
             out.append((f"packed[{stream_length}]", paged_cache.jitted_packed,
-                        (graphdef, params, *cache, batch, sampling, keys), dict(window=window, scrub=scrub)))
+                        (graphdef, params, *cache, admission, batch, sampling, keys),
+                        dict(window=window, scrub=scrub)))
         else:
             out.append((f"packed[{stream_length}]", hybrid_cache.jitted_packed,
                         (graphdef, params, *cache, batch, sampling, keys), {}))

@@ -60,15 +60,18 @@ class RowInputs:
         self.top_p = np.ones((max_seqs,), np.float32)
         self.keys = np.zeros((max_seqs, *key_shape), np.uint32)
 
-    def current(self, rows: list, reqs: list, sampling_rows: dict, calls: int) -> np.ndarray | None:
+    def current(self, rows: list, reqs: list, sampling_rows: dict, calls: int,
+                stale: list | None = None) -> np.ndarray | None:
         """Rows ``rows`` (``reqs[i]`` decodes on ``rows[i]``;
         ``sampling_rows``: request id -> its screened sampling row, needed
         for the stale ones) as an index array, with their entries made
         current (:meth:`stale`, then :meth:`write`); None, with nothing
         written, when any stale one :func:`asks_extra` (the caller reads
-        the records)."""
+        the records). ``stale``: :meth:`stale` of these same arguments, when
+        the caller has it already."""
         index = np.asarray(rows, np.int64)
-        stale = self.stale(rows, reqs, calls)
+        if stale is None:
+            stale = self.stale(rows, reqs, calls)
         return index if self.write([(rows[i], reqs[i]) for i in stale], sampling_rows, calls) else None
 
     def stale(self, rows: list, reqs: list, calls: int) -> list:

@@ -114,7 +114,7 @@ from jaxkv.serve.speculation import Speculation
 from jaxkv.serve.structured import ConstraintTable
 
 __all__ = ["MAX_REQUEST_FAULTS", "Scheduler", "WAIT_FOR_PREFIX_TOKENS", "cached_sampling_row",
-           "check_rows", "decodes", "decoding_rows", "row_sampling", "sampling_row", "stream_buckets", "stream_length",
+           "check_rows", "decodes", "decoding_columns", "decoding_rows", "row_sampling", "sampling_row", "stream_buckets", "stream_length",
            "stream_lengths"]
 
 logger = logging.getLogger("jaxkv.serve")
@@ -238,31 +238,36 @@ def cached_sampling_row(req: Request) -> tuple:
     return row
 
 
-def _rows_agree(requests: dict, rows: list, swapped: list, status: np.ndarray, decoding: list | None = None) -> bool:
+def _rows_agree(requests: dict, rows: list, swapped: list, status: np.ndarray, decode_rows: list | None = None,
+                decode_reqs: list | None = None) -> bool:
     """Whether :func:`check_rows` finds nothing (one pass over the rows:
     the common case, every iteration); False sends it to find what. In the
-    same pass, ``decoding`` (if given) gets ``(row, request)`` of each
-    RUNNING request whose prompt is all prefilled, in row order."""
+    same pass, ``decode_rows`` and ``decode_reqs`` (if given) get the row
+    and the record of each RUNNING request whose prompt is all prefilled,
+    in row order: the columns a step takes, with no second pass to make
+    them."""
     status = np.asarray(status).tolist()
     if len(status) != len(rows):
         return False
     # The states by identity: an Enum's hash is a Python call (hash of its name), once per row otherwise.
-    running, swapped_state = RequestState.RUNNING, RequestState.SWAPPED
-    for row, rid in enumerate(rows):
+    running, swapped_state, get = RequestState.RUNNING, RequestState.SWAPPED, requests.get
+    collect = decode_rows is not None
+    for row, (rid, held) in enumerate(zip(rows, status)):
         if rid is None:
-            if status[row] != FREE:
+            if held != FREE:
                 return False
             continue
-        req = requests.get(rid)
+        req = get(rid)
         if req is None or req.row != row:
             return False
         state = req.state
         if state is running:
-            if status[row] != ON_DEVICE:
+            if held != ON_DEVICE:
                 return False
-            if decoding is not None and not req.pieces:
-                decoding.append((row, req))
-        elif state is not swapped_state or status[row] != SWAPPED:
+            if collect and not req.pieces:
+                decode_rows.append(row)
+                decode_reqs.append(req)
+        elif state is not swapped_state or held != SWAPPED:
             return False
     return all(rid in requests and 0 <= requests[rid].row < len(rows) and rows[requests[rid].row] == rid
                for rid in swapped)
@@ -307,11 +312,17 @@ def decoding_rows(requests: dict, rows: list, swapped: list, status: np.ndarray)
     and the decoding requests it passed: ``(row, request)`` of each
     RUNNING request whose prompt is all prefilled, in row order. One pass
     over the row map in the common case (the check's own)."""
-    decoding = []
-    if _rows_agree(requests, rows, swapped, status, decoding):
-        return decoding
+    return list(zip(*decoding_columns(requests, rows, swapped, status)))
+
+
+def decoding_columns(requests: dict, rows: list, swapped: list, status: np.ndarray) -> tuple[list, list]:
+    """:func:`decoding_rows` as two columns, ``(rows, requests)``."""
+    decode_rows, decode_reqs = [], []
+    if _rows_agree(requests, rows, swapped, status, decode_rows, decode_reqs):
+        return decode_rows, decode_reqs
     check_rows(requests, rows, swapped, status)  # raises with the numbers
-    return [(row, requests[rid]) for row, rid in enumerate(rows) if rid is not None and decodes(requests[rid])]
+    pairs = [(row, requests[rid]) for row, rid in enumerate(rows) if rid is not None and decodes(requests[rid])]
+    return [row for row, _ in pairs], [req for _, req in pairs]
 
 
 def decodes(req: Request) -> bool:
@@ -548,10 +559,10 @@ class Scheduler(FaultContainment):
     def _check_rows(self) -> None:
         check_rows(self._requests, self._rows, self._swapped, self.cache.row_status())
 
-    def _decoding_rows(self) -> list:
-        """:meth:`_check_rows`, and the decoding requests by row
-        (:func:`decoding_rows`: read in the check's pass)."""
-        return decoding_rows(self._requests, self._rows, self._swapped, self.cache.row_status())
+    def _decoding_columns(self) -> tuple[list, list]:
+        """:meth:`_check_rows`, and the decoding requests' rows and records
+        in row order (:func:`decoding_columns`: read in the check's pass)."""
+        return decoding_columns(self._requests, self._rows, self._swapped, self.cache.row_status())
 
     def _resume_swapped(self) -> int:
         """Swap requests back in, oldest first, while they fit; how many."""
@@ -777,15 +788,15 @@ class Scheduler(FaultContainment):
         oldest admission first, while the budget lasts (a piece longer than
         what is left is cut; at least one prompt token runs). A request
         whose last piece ran gets its first token, a decoding one its next."""
-        decoding = self._decoding_rows()
+        # The decoding rows and requests as columns, made in the row check's pass (at 256 rows each list is a
+        # pass); remade only when the decoding requests change below.
+        decode_rows, reqs = self._decoding_columns()
         # The decode lanes' inputs come from the row mirror unless the step may verify drafts or a request asks
         # for more than plain sampling (then from every record). From the mirror, only the decoding requests
         # whose entries are stale are screened, as in _decode (prefilling ones always are: their rows are read).
-        # The decoding rows and requests as columns, made once (at 256 rows each list is a pass); remade only when
-        # the decoding pairs change below.
         mirror, calls = self._mirror(), self._count.model_calls
-        decode_rows, reqs = [row for row, _ in decoding], [req for _, req in decoding]
-        stale = [reqs[i] for i in mirror.stale(decode_rows, reqs, calls)]
+        stale_at = mirror.stale(decode_rows, reqs, calls)  # reused below while the columns stay as they are
+        stale = [reqs[i] for i in stale_at]
         mirrored = ((self.speculation is None or not self.cache.packs_verify_lanes)
                     and not any(map(asks_extra, stale)) and not any(map(asks_extra, self._prefilling)))
         screened = stale if mirrored else reqs
@@ -794,8 +805,9 @@ class Scheduler(FaultContainment):
         # the common case, none, skips the pass.
         if len(rows) < len(screened) + len(self._prefilling):
             failed = {req.id for req in screened if req.id not in rows}
-            decoding = [(row, req) for row, req in decoding if req.id not in failed]
-            decode_rows, reqs = [row for row, _ in decoding], [req for _, req in decoding]
+            kept = [(row, req) for row, req in zip(decode_rows, reqs) if req.id not in failed]
+            decode_rows, reqs = [row for row, _ in kept], [req for _, req in kept]
+            stale_at = None
         if not self._prefilling:  # every prompt left failed its screening: the next iteration decodes
             return
         budget = self.max_num_batched_tokens or self.prefill_chunk
@@ -806,9 +818,9 @@ class Scheduler(FaultContainment):
         if self.speculation is not None and self.cache.packs_verify_lanes and not any(
                 asks_extra(req) for req in reqs + self._prefilling) and all(
                 req.prompt_logprobs is None for req in self._prefilling):
-            speculation, verify = self.speculation.packed_arguments(decoding, budget)
+            speculation, verify = self.speculation.packed_arguments(list(zip(decode_rows, reqs)), budget)
         extra = 0 if verify is None else int(verify.sum()) * self.speculation.config.num_speculative_tokens
-        left = max(budget - len(decoding) - extra, 1)
+        left = max(budget - len(reqs) - extra, 1)
         batch = []  # (request, (start, end)): a plan; its pieces are consumed once the call returned
         for req in self._prefilling:
             if left <= 0:
@@ -824,16 +836,16 @@ class Scheduler(FaultContainment):
         # with speculation, or a request asking for more than plain sampling, from every record.
         index = None
         if speculation is None and not any(asks_extra(req) for req, _ in batch):  # (always so when mirrored)
-            index = mirror.current(decode_rows, reqs, rows, calls)
+            index = mirror.current(decode_rows, reqs, rows, calls, stale_at)
         if index is None and mirrored:  # the mirror declined: every record is read, so every request screened
-            decoding = self._screen_the_rest(decoding, rows, screened)
-            reqs = [req for _, req in decoding]
-        total = sum(end - start for _, (start, end) in batch) + len(decoding) + extra
+            kept = self._screen_the_rest(list(zip(decode_rows, reqs)), rows, screened)
+            decode_rows, reqs = [row for row, _ in kept], [req for _, req in kept]
+        total = sum(end - start for _, (start, end) in batch) + len(reqs) + extra
         length = stream_length(total, self.stream_lengths())
         scored = _prompt_scoring(batch)
         if index is None:
             lanes = [req for req, _ in batch] + reqs
-            decode = [(row, req.generated[-1], req.kv_len) for row, req in decoding]
+            decode = [(row, req.generated[-1], req.kv_len) for row, req in zip(decode_rows, reqs)]
             sampling, keys = self._row_sampling(rows, dict(enumerate(lanes))), [req.key for req in lanes]
         else:
             decode, keys = self._row_inputs.packed_arrays(index, len(batch))
@@ -857,14 +869,14 @@ class Scheduler(FaultContainment):
                 req.pieces.pop(0)
         now = time.perf_counter()
         self._update_peak(result.peak)
-        self._count_call(length, total if result.decode_ok else total - len(decoding) - extra)
+        self._count_call(length, total if result.decode_ok else total - len(reqs) - extra)
         finished = []
         if result.counts is None:
             tokens = [[t] for t in result.tokens.tolist()]
         else:  # verify lanes gave their kept drafts too (the output cuts them at a stop)
             tokens = [row[:n] for row, n in zip(result.tokens.tolist(), result.counts.tolist())]
             if result.decode_ok:
-                self.speculation.record_packed(decoding, len(batch), result, self._count)
+                self.speculation.record_packed(list(zip(decode_rows, reqs)), len(batch), result, self._count)
         for lane, (req, _) in enumerate(batch):
             if req.pieces:
                 continue
@@ -873,7 +885,7 @@ class Scheduler(FaultContainment):
             if self.output.take(req, tokens[lane][:1], now, logprobs=logprob_entries(result.logprobs, lane, 1)):
                 finished.append(req)
         if result.decode_ok:
-            lanes = slice(len(batch), len(batch) + len(decoding))  # the decode lanes follow the prefill lanes
+            lanes = slice(len(batch), len(batch) + len(reqs))  # the decode lanes follow the prefill lanes
             logprobs = None if result.logprobs is None else [
                 logprob_entries(result.logprobs, lane, len(tokens[lane])) for lane in range(lanes.start, lanes.stop)]
             finished += self.output.take_all(reqs, tokens[lanes], result.keys[lanes], now,
@@ -886,11 +898,11 @@ class Scheduler(FaultContainment):
         self._release_trimmed_hits(req for req in reqs if req.state is RequestState.RUNNING)
         if not result.decode_ok:
             logger.debug("packed step: decode lanes stalled for blocks")
-            self._relieve([req for lane, (_, req) in enumerate(decoding, start=len(batch))
+            self._relieve([req for lane, req in enumerate(reqs, start=len(batch))
                            if result.blocked[lane] and req.state is RequestState.RUNNING])
 
     def _decode(self) -> None:
-        running = dict(self._decoding_rows())
+        running = dict(zip(*self._decoding_columns()))
         if not running:
             return
         # The rows' inputs from the row mirror (those whose requests changed read from their records); from every
