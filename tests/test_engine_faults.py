@@ -277,19 +277,26 @@ def test_a_request_failing_alone_makes_room_for_the_one_waiting(llama, llama_ref
     check_no_leak(engine)
 
 
+def one_decoding(llama, rng):
+    """A poisoned Llama engine with one request (``first``, prompt ``a``)
+    prefilled and decoding, and a second prompt ``b`` drawn beside it:
+    ``(engine, a, b, first)``."""
+    engine = Engine(llama, **LLAMA)
+    poison_paged(engine)
+    a, b = (tuple(rng.integers(1, CONFIG["vocab_size"], 9).tolist()) for _ in range(2))
+    first = engine.add_request(list(a), REF_NEW)
+    for _ in range(2):  # a prefilled and decoding
+        engine.step()
+    return engine, a, b, first
+
+
 def test_a_failed_step_leaves_no_uncomputed_page_in_the_prefix_cache(llama, llama_reference):
     """The issue's case: a step fails once its prompt pieces were planned
     (here: the packed call raises before it runs). Nothing of that prompt
     was computed, so nothing of it may be cached: a later request with the
     same prompt gets its cold tokens (the pool's unwritten pages are NaN),
     and a request decoding beside the failure goes on to its cold tokens."""
-    engine = Engine(llama, **LLAMA)
-    poison_paged(engine)
-    rng = np.random.default_rng(5)
-    a, b = (tuple(rng.integers(1, CONFIG["vocab_size"], 9).tolist()) for _ in range(2))
-    first = engine.add_request(list(a), REF_NEW)
-    for _ in range(2):  # a prefilled and decoding
-        engine.step()
+    engine, a, b, first = one_decoding(llama, np.random.default_rng(5))
     real = engine.cache.packed_step
     calls = []
 
@@ -325,13 +332,7 @@ def test_an_admission_the_packed_call_refuses_gives_out_no_token(llama, llama_re
     requests finish with their cold tokens."""
     from jaxkv.errors import BookkeepingError
 
-    engine = Engine(llama, **LLAMA)
-    poison_paged(engine)
-    rng = np.random.default_rng(7)
-    a, b = (tuple(rng.integers(1, CONFIG["vocab_size"], 9).tolist()) for _ in range(2))
-    first = engine.add_request(list(a), REF_NEW)
-    for _ in range(2):  # a prefilled and decoding
-        engine.step()
+    engine, a, b, first = one_decoding(llama, np.random.default_rng())
     cache, deferred = engine.cache, []
     real = cache._defer_admission
 

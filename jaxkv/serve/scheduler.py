@@ -114,8 +114,8 @@ from jaxkv.serve.speculation import Speculation
 from jaxkv.serve.structured import ConstraintTable
 
 __all__ = ["MAX_REQUEST_FAULTS", "Scheduler", "WAIT_FOR_PREFIX_TOKENS", "cached_sampling_row",
-           "check_rows", "decodes", "decoding_columns", "decoding_rows", "row_sampling", "sampling_row", "stream_buckets", "stream_length",
-           "stream_lengths"]
+           "check_rows", "decodes", "decoding_columns", "decoding_rows", "row_sampling", "sampling_row",
+           "stream_buckets", "stream_length", "stream_lengths"]
 
 logger = logging.getLogger("jaxkv.serve")
 
