@@ -149,12 +149,16 @@ class Experts(nnx.Module):
         token = order // k
         sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)  # ids >= num_experts: not counted
 
+        # The weights as ragged_dot takes them ([E, in, out]), made once per call, outside the row chunks' loop:
+        # XLA:GPU materializes this transpose once a call carries 8 tokens or more, and inside the loop it did
+        # so once per chunk (docs/gpu.md: storing them [E, in, out] would save the one that is left).
+        gate_up_in_out = jnp.swapaxes(gate_up_proj, 1, 2).astype(x.dtype)
+        down_in_out = jnp.swapaxes(down_proj, 1, 2).astype(x.dtype)
+
         def mlp(rows, sizes):
-            gate_up = jax.lax.ragged_dot(rows, jnp.swapaxes(gate_up_proj, 1, 2).astype(x.dtype), sizes,
-                                         precision=self.precision)
+            gate_up = jax.lax.ragged_dot(rows, gate_up_in_out, sizes, precision=self.precision)
             gate, up = jnp.split(gate_up, 2, axis=-1)
-            return jax.lax.ragged_dot(_swiglu(gate, up, self.limit), jnp.swapaxes(down_proj, 1, 2).astype(x.dtype),
-                                      sizes, precision=self.precision)
+            return jax.lax.ragged_dot(_swiglu(gate, up, self.limit), down_in_out, sizes, precision=self.precision)
 
         if local is None:
             out = mlp(x[token], sizes)
