@@ -606,9 +606,9 @@ def test_a_deferred_admission_predicts_the_mirror_it_makes():
     cache, packed, seen = engine.cache, engine._packed, []
 
     def checked():
-        if cache._admission is not None:
+        if cache._deferred is not None:
             predicted = cache.free_blocks(), cache.row_status()
-            seen.append(int((cache._admission[0] >= 0).sum()))  # the rows it admits
+            seen.append(int((cache._deferred[0] >= 0).sum()))  # the rows it admits
             cache.manager  # the admission made in its own call; the mirror read from the device
             np.testing.assert_array_equal(predicted[0], cache.free_blocks())
             np.testing.assert_array_equal(predicted[1], cache.row_status())

@@ -92,6 +92,7 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 from jaxkv._ops import ceil_div, pow2_at_least  # noqa: E402
 from jaxkv.errors import InvalidArgument  # noqa: E402
 from jaxkv.bench._timing import print_json, print_table  # noqa: E402
+from jaxkv.serve.program_memory import admission, as_shapes  # noqa: E402
 
 __all__ = ["MODELS", "QUICK", "Buffer", "Result", "Setup", "big_buffers", "build", "compile_program",
            "cuda_available", "main", "programs", "run"]
@@ -193,14 +194,6 @@ def _devices(tp: int, local: bool = False) -> list:
     return list(topology.devices)
 
 
-def _placed(tree, shardings):
-    """``tree``'s leaves as ShapeDtypeStructs with ``shardings``
-    (:func:`jaxkv.serve.program_memory.as_shapes`)."""
-    from jaxkv.serve.program_memory import as_shapes
-
-    return as_shapes(tree, shardings)
-
-
 def _device_bytes(tree) -> int:
     """Bytes one device holds of ``tree`` (ShapeDtypeStructs with shardings)."""
     total = 0
@@ -283,7 +276,7 @@ def build(spec: ModelSpec, *, stacked: bool = False, local: bool = False, _again
             lambda path, leaf: sharding.param_spec(names(path), tuple(leaf.shape), mesh, tp_axis="tp",
                                                    expert_axis="expert"), state)
         params_sharding = jax.tree.map(lambda s: NamedSharding(mesh, s), specs, is_leaf=lambda x: isinstance(x, P))
-    params = _placed(state, params_sharding)
+    params = as_shapes(state, params_sharding)
     weights = _device_bytes(params)
     free = max(int(H100_BYTES) - weights, 1)
     max_seqs, batched, chunk, note = _scheduler_sizes(model, mesh, free)
@@ -295,8 +288,8 @@ def build(spec: ModelSpec, *, stacked: bool = False, local: bool = False, _again
 
     def placed_cache(tree):
         if mesh is None:
-            return _placed(tree, replicated)
-        return _placed(tree, sharding.cache_sharding(tree, mesh))
+            return as_shapes(tree, replicated)
+        return as_shapes(tree, sharding.cache_sharding(tree, mesh))
 
     kind = cache_kind(model)
     if kind == "paged":
@@ -314,7 +307,7 @@ def build(spec: ModelSpec, *, stacked: bool = False, local: bool = False, _again
 
         def measure(counts):
             manager, pool = jax.eval_shape(lambda: make(counts))
-            return _device_bytes(_placed(manager, replicated)) + _device_bytes(placed_cache(pool))
+            return _device_bytes(as_shapes(manager, replicated)) + _device_bytes(placed_cache(pool))
 
         def solve(memory):
             return blocks_from_budget(measure, [PAGE_SIZE], [max_seqs * need(length)], memory, free)
@@ -322,7 +315,7 @@ def build(spec: ModelSpec, *, stacked: bool = False, local: bool = False, _again
         def shapes(blocks):
             manager, pool = jax.eval_shape(lambda: make([blocks[0] + 1]))
             # As the engine passes it: without its host allocator (BlockSpaceManager.in_step).
-            return _placed(manager.replace(host=None), replicated), placed_cache(pool)
+            return as_shapes(manager.replace(host=None), replicated), placed_cache(pool)
 
         def cache_bytes(blocks):
             return measure([blocks[0] + 1])
@@ -455,9 +448,9 @@ def programs(setup: Setup, which=None, *, prefill: bool = False) -> list[tuple[s
             n = buckets[0] if arg == "first" else buckets[-1] if arg == "last" else int(arg)
             batch = _packed_batch(setup, n)
             label = f"packed[{n}]" + (f" P={batch.num_prefill_lanes}" if setup.has_gdn else "")
-            if setup.kind == "paged":  # its admission arguments (rows, prefix blocks, lengths) before the batch
-                admission = (vec(jnp.int32), vec(jnp.int32, setup.cache[0].block_tables.shape), vec(jnp.int32))
-                out.append((label, _paged_packed, (g, p, *setup.cache, admission, batch, sampling, keys),
+            if setup.kind == "paged":
+                out.append((label, _paged_packed, (g, p, *setup.cache, admission(vec, setup.cache[0]), batch,
+                                                   sampling, keys),
                             dict(window=None, scrub=False)))
             else:
                 out.append((label, _hybrid_packed, (g, p, *setup.cache, batch, sampling, keys), {}))

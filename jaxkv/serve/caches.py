@@ -489,11 +489,12 @@ class CacheBase(abc.ABC):
     # device calls cost no device read.
     #
     # A cache may put a change off to fold it into its next step's call
-    # (``_deferred``: PagedCache's admission, taken by its packed step). The
-    # host mirror then holds what the change will make, exactly; reading
-    # ``manager`` runs the change first, so no reader sees the state before it.
+    # (``_deferred``, its arguments: PagedCache's admission, taken by its
+    # packed step). The host mirror then holds what the change will make,
+    # exactly; reading ``manager`` makes the change first
+    # (``_run_deferred``), so no reader sees the state before it.
 
-    _deferred = None  # the deferred change's own call (no argument), or None
+    _deferred = None  # the deferred change's arguments, or None
 
     @property
     def manager(self):
@@ -502,9 +503,9 @@ class CacheBase(abc.ABC):
         return self._manager
 
     def _run_deferred(self) -> None:
-        """Make the deferred change now, in its own call."""
-        run, self._deferred = self._deferred, None
-        run()
+        """Make the deferred change now, in a call of its own (a cache that
+        defers a change says how)."""
+        raise BookkeepingError(f"{type(self).__name__} deferred a change it cannot make: {self._deferred!r}")
 
     @manager.setter
     def manager(self, value) -> None:

@@ -215,7 +215,6 @@ class PagedCache(CacheBase):
     blocks as shared from admission on."""
 
     can_swap = True
-    _admission = None  # the admission put off to the next packed step's call (_defer_admission)
 
     @remembers_arguments
     def __init__(self, model, *, num_pages: int, page_size: int, max_seqs: int, max_blocks_per_seq: int,
@@ -702,13 +701,11 @@ class PagedCache(CacheBase):
         fresh = int(np.sum(ceil_div(lengths[given].astype(np.int64), self.page_size)
                            - np.sum(prefix[given] >= 0, axis=1)))
         self._host, self._host_tables = (free - fresh, status), None
-        self._admission = (rows, prefix, lengths)
-        self._deferred = self._admit_deferred
+        self._deferred = (rows, prefix, lengths)
 
-    def _admit_deferred(self) -> None:
-        rows, prefix, lengths = self._admission
-        self._admission = None
-        self._admit(rows, prefix, lengths)
+    def _run_deferred(self) -> None:
+        admission, self._deferred = self._deferred, None
+        self._admit(*admission)
 
     def _admit(self, rows: np.ndarray, prefix: np.ndarray, lengths: np.ndarray) -> None:
         """``admit_with_prefix`` in its own call."""
@@ -731,8 +728,8 @@ class PagedCache(CacheBase):
         """The admission the packed step's call makes: the deferred one
         (:meth:`_defer_admission`), taken, or none (every row -1, made
         once)."""
-        if self._admission is not None:
-            admission, self._admission, self._deferred = self._admission, None, None
+        if self._deferred is not None:
+            admission, self._deferred = self._deferred, None
             return admission
         none = self.__dict__.get("_no_admission")
         if none is None:

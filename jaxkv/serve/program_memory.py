@@ -43,8 +43,8 @@ import jax.numpy as jnp
 
 from jaxkv._ops import pow2_at_least
 
-__all__ = ["PROGRAM_MARGIN", "MeasuredPrograms", "ProgramMemory", "as_shapes", "engine_programs", "measure",
-           "packed_batch", "row_inputs"]
+__all__ = ["PROGRAM_MARGIN", "MeasuredPrograms", "ProgramMemory", "admission", "as_shapes", "engine_programs",
+           "measure", "packed_batch", "row_inputs"]
 
 #: Bytes kept free beside the cache and the programs' temporaries: what the
 #: runtime allocates outside a program's buffers (GEMM workspaces, the
@@ -92,6 +92,13 @@ def row_inputs(max_seqs: int, sharding=None):
     return vec, sampling, jax.ShapeDtypeStruct(keys.shape, keys.dtype, sharding=sharding)
 
 
+def admission(vec, manager) -> tuple:
+    """A paged packed step's admission arguments as shapes (``vec``:
+    :func:`row_inputs`' maker; ``manager``: the paged cache's): ``(rows,
+    prefix blocks, lengths)``, as the paged cache's packed step takes them."""
+    return vec(jnp.int32), vec(jnp.int32, manager.block_tables.shape), vec(jnp.int32)
+
+
 def packed_batch(max_seqs: int, tokens: int, budget: int, has_gdn: bool, sharding=None):
     """The :class:`~jaxkv.nn.packed.PackedBatch` of a stream of ``tokens``
     as the caches' ``_packed_call`` packs it, as shapes: ``max_seqs``
@@ -129,10 +136,9 @@ def engine_programs(graphdef, params, cache: tuple, *, kind: str, max_seqs: int,
     out = []
     if stream_length is not None:
         batch = packed_batch(max_seqs, stream_length, stream_length, has_gdn, sharding)
-        if kind == "paged":  # its admission arguments (rows, prefix blocks, lengths) before the batch
-            admission = (vec(jnp.int32), vec(jnp.int32, cache[0].block_tables.shape), vec(jnp.int32))
+        if kind == "paged":
             out.append((f"packed[{stream_length}]", paged_cache.jitted_packed,
-                        (graphdef, params, *cache, admission, batch, sampling, keys),
+                        (graphdef, params, *cache, admission(vec, cache[0]), batch, sampling, keys),
                         dict(window=window, scrub=scrub)))
         else:
             out.append((f"packed[{stream_length}]", hybrid_cache.jitted_packed,
